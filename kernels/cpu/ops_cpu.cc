@@ -1,0 +1,18 @@
+// Registration site of the CPU backend.
+#include "kernels/cpu/cpu_ops.h"
+
+namespace fp8rt::kernels {
+
+const OpTable& CpuOps() {
+  static constexpr OpTable kTable = {
+      .backend = Backend::kCpu,
+      .name = "cpu",
+      .quantize = &cpu_internal::QuantizeCpu,
+      .dequantize = &cpu_internal::DequantizeCpu,
+      .gemm_fp8 = &cpu_internal::GemmFp8Cpu,
+      .gemm_bf16 = &cpu_internal::GemmBf16Cpu,
+  };
+  return kTable;
+}
+
+}  // namespace fp8rt::kernels

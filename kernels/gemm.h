@@ -1,0 +1,73 @@
+// GEMM arguments: D = (A * sa) x (B * sb)^T with FP32 accumulation.
+//
+// A is M x K and B is N x K, both row-major (the "TN" layout FP8 tensor cores use), D is M x N
+// row-major. FP8 is the operand format, never the accumulator: products of FP8 values are exact
+// in FP32 and the sum is accumulated in FP32.
+//   kTensor scaling: one scale_inv for A and one for B; D = sa * sb * (A x B^T).
+//   kBlock scaling (DeepSeek-V3): A has one scale_inv per 1x128 tile (grid M x ceil(K/128)), B one
+//     per 128x128 block (grid ceil(N/128) x ceil(K/128)); each 128-wide slice of K is multiplied
+//     out in FP32, scaled by sa(m, kb) * sb(n/128, kb) and added into the FP32 result.
+// The `bf16` precision mode GEMM takes FP32 (or BF16) operands, rounds FP32 ones to BF16 (nearest
+// even) and multiplies them with FP32 accumulation, as a BF16 tensor core does.
+//
+// Work buffers come from the caller (GemmWorkspaceBytes); the kernels never allocate.
+#ifndef FP8RT_KERNELS_GEMM_H_
+#define FP8RT_KERNELS_GEMM_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "kernels/formats.h"
+#include "kernels/quantize.h"
+
+namespace fp8rt::kernels {
+
+enum class GemmScaling : uint8_t { kTensor, kBlock };
+enum class OutputType : uint8_t { kF32, kBF16 };
+
+struct Fp8GemmArgs {
+  int64_t m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  const uint8_t* a = nullptr;  // M x K FP8 codes
+  Fp8Format a_format = Fp8Format::kE4M3;
+  const uint8_t* b = nullptr;  // N x K FP8 codes
+  Fp8Format b_format = Fp8Format::kE4M3;
+  GemmScaling scaling = GemmScaling::kTensor;
+  const float* a_scale_inv = nullptr;  // 1 value, or M x ceil(K/128) for kBlock
+  const float* b_scale_inv = nullptr;  // 1 value, or ceil(N/128) x ceil(K/128) for kBlock
+  OutputType out_type = OutputType::kF32;
+  void* d = nullptr;        // M x N, float or BF16 bits
+  bool accumulate = false;  // D += result instead of D = result (FP32 output only)
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+struct Bf16GemmArgs {
+  int64_t m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  InputType a_type = InputType::kF32;
+  const void* a = nullptr;  // M x K
+  InputType b_type = InputType::kF32;
+  const void* b = nullptr;  // N x K
+  OutputType out_type = OutputType::kF32;
+  void* d = nullptr;        // M x N
+  bool accumulate = false;  // FP32 output only
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// Bytes of workspace the CPU backend needs for these shapes (decoded BF16 operands, and the
+// per-K-slice FP32 partial products of block scaling).
+size_t GemmWorkspaceBytes(const Fp8GemmArgs& args);
+size_t GemmWorkspaceBytes(const Bf16GemmArgs& args);
+
+// Shape, pointer and workspace checks shared by the backends. Errors name the field.
+absl::Status ValidateGemmArgs(const Fp8GemmArgs& args, size_t required_workspace);
+absl::Status ValidateGemmArgs(const Bf16GemmArgs& args, size_t required_workspace);
+
+}  // namespace fp8rt::kernels
+
+#endif  // FP8RT_KERNELS_GEMM_H_

@@ -1,0 +1,209 @@
+#include "launcher/bench/bench_kernels.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/ops.h"
+#include "launcher/bench/bench_util.h"
+#include "oneapi/dnnl/dnnl.hpp"
+
+namespace fp8rt::bench {
+namespace {
+
+// Fills x with N(0, 1) values, in parallel (one generator per thread, fixed seeds).
+void FillNormal(std::vector<float>& x, uint32_t seed) {
+  const int64_t n = static_cast<int64_t>(x.size());
+#pragma omp parallel
+  {
+    std::mt19937 gen(seed + 7919u * static_cast<uint32_t>(omp_get_thread_num()));
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = dist(gen);
+  }
+}
+
+// memcpy split over the OpenMP team, like the quantize kernel.
+void ParallelCopy(const float* src, float* dst, int64_t n) {
+#pragma omp parallel
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t b = n * t / nt, e = n * (t + 1) / nt;
+    std::memcpy(dst + b, src + b, static_cast<size_t>(e - b) * sizeof(float));
+  }
+}
+
+nlohmann::ordered_json TimingJson(const Timing& t) {
+  nlohmann::ordered_json j;
+  j["best_s"] = t.best_seconds;
+  j["median_s"] = t.median_seconds;
+  j["iterations"] = t.iterations;
+  return j;
+}
+
+}  // namespace
+
+absl::StatusOr<nlohmann::ordered_json> QuantizeBench(const QuantizeBenchOptions& options) {
+  if (options.mib < 1) return absl::InvalidArgumentError("--mib must be >= 1");
+  const int64_t n = static_cast<int64_t>(options.mib) * (1 << 20) / 4;
+  std::vector<float> x(static_cast<size_t>(n));
+  std::vector<float> copy(static_cast<size_t>(n));
+  std::vector<uint8_t> codes(static_cast<size_t>(n));
+  FillNormal(x, 1234);
+  ParallelCopy(x.data(), copy.data(), n);  // touch every page before timing
+  std::memset(codes.data(), 0, codes.size());
+
+  float scale_inv = 0.0f;
+  kernels::QuantStats stats;
+  kernels::QuantizeArgs q;
+  q.format = kernels::Fp8Format::kE4M3;
+  q.granularity = kernels::Granularity::kTensor;
+  q.input = x.data();
+  q.rows = 1;
+  q.cols = n;
+  q.has_scale = true;
+  q.scale = 448.0f / 5.0f;  // a delayed scale from a previous amax of 5
+  q.codes = codes.data();
+  q.scale_inv = &scale_inv;
+  q.stats = &stats;
+  const kernels::OpTable& ops = kernels::CpuOps();
+  absl::Status status = ops.quantize(q, {});
+  if (!status.ok()) return status;
+
+  std::vector<Case> cases = {
+      {"memcpy", [&] { ParallelCopy(x.data(), copy.data(), n); }},
+      {"quantize_e4m3_tensor", [&] { (void)ops.quantize(q, {}); }},
+  };
+  auto t = RunInterleaved(cases, options.rounds, options.min_time_s);
+  const double bytes_copy = 2.0 * 4.0 * static_cast<double>(n);  // read + write
+  const double bytes_quant = 5.0 * static_cast<double>(n);        // read FP32, write FP8
+  const double bw_copy = bytes_copy / t["memcpy"].best_seconds;
+  const double bw_quant = bytes_quant / t["quantize_e4m3_tensor"].best_seconds;
+
+  nlohmann::ordered_json j;
+  j["benchmark"] = "quantize";
+  j["ratio"] = bw_quant / bw_copy;
+  j["ratio_definition"] =
+      "quantize effective bandwidth (5 bytes/element) over memcpy bandwidth (8 bytes/element: "
+      "read + write), best of interleaved rounds";
+  j["elements"] = n;
+  j["input_mib"] = options.mib;
+  j["threads"] = omp_get_max_threads();
+  j["quantize_gb_per_s"] = bw_quant / 1e9;
+  j["memcpy_gb_per_s"] = bw_copy / 1e9;
+  j["quantize_gelem_per_s"] = static_cast<double>(n) / t["quantize_e4m3_tensor"].best_seconds / 1e9;
+  j["quantize"] = TimingJson(t["quantize_e4m3_tensor"]);
+  j["memcpy"] = TimingJson(t["memcpy"]);
+  j["check"] = {{"amax", stats.amax}, {"saturated", stats.saturated}, {"count", stats.count}};
+  return j;
+}
+
+absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options) {
+  if (options.size < 16) return absl::InvalidArgumentError("--size must be >= 16");
+  const int64_t s = options.size;
+  std::vector<float> a(static_cast<size_t>(s * s)), b(static_cast<size_t>(s * s)),
+      d(static_cast<size_t>(s * s)), d_ref(static_cast<size_t>(s * s));
+  FillNormal(a, 1);
+  FillNormal(b, 2);
+  const kernels::OpTable& ops = kernels::CpuOps();
+
+  // FP8 operands: current scaling of each tensor (not timed; the GEMM consumes FP8).
+  std::vector<uint8_t> a8(a.size()), b8(b.size());
+  float a_si = 0.0f, b_si = 0.0f;
+  for (auto [src, dst, si] : {std::tuple{&a, &a8, &a_si}, std::tuple{&b, &b8, &b_si}}) {
+    kernels::QuantizeArgs q;
+    q.input = src->data();
+    q.rows = s;
+    q.cols = s;
+    q.codes = dst->data();
+    q.scale_inv = si;
+    if (absl::Status st = ops.quantize(q, {}); !st.ok()) return st;
+  }
+  kernels::Fp8GemmArgs g;
+  g.m = g.n = g.k = s;
+  g.a = a8.data();
+  g.b = b8.data();
+  g.a_scale_inv = &a_si;
+  g.b_scale_inv = &b_si;
+  g.d = d.data();
+  std::vector<uint8_t> ws(kernels::GemmWorkspaceBytes(g));
+  g.workspace = ws.data();
+  g.workspace_bytes = ws.size();
+  if (absl::Status st = ops.gemm_fp8(g, {}); !st.ok()) return st;
+
+  kernels::Bf16GemmArgs g16;
+  g16.m = g16.n = g16.k = s;
+  g16.a = a.data();
+  g16.b = b.data();
+  g16.d = d.data();
+  std::vector<uint8_t> ws16(kernels::GemmWorkspaceBytes(g16));
+  g16.workspace = ws16.data();
+  g16.workspace_bytes = ws16.size();
+
+  // oneDNN f32 matmul, B^T via strides (the same TN layout).
+  dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  dnnl::stream stream(engine);
+  using dt = dnnl::memory::data_type;
+  dnnl::memory::desc a_md({s, s}, dt::f32, {s, 1}), b_md({s, s}, dt::f32, {1, s}),
+      d_md({s, s}, dt::f32, {s, 1});
+  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, d_md), engine);
+  dnnl::matmul f32_matmul(pd);
+  dnnl::memory a_mem(a_md, engine, a.data()), b_mem(b_md, engine, b.data()),
+      d_mem(d_md, engine, d_ref.data());
+
+  std::vector<Case> cases = {
+      {"sgemm_openblas",
+       [&] {
+         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s, s, s, 1.0f, a.data(), s,
+                     b.data(), s, 0.0f, d_ref.data(), s);
+       }},
+      {"f32_onednn",
+       [&] {
+         f32_matmul.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem},
+                                     {DNNL_ARG_DST, d_mem}});
+         stream.wait();
+       }},
+      {"fp8_e4m3_tensor", [&] { (void)ops.gemm_fp8(g, {}); }},
+      {"bf16", [&] { (void)ops.gemm_bf16(g16, {}); }},
+  };
+  auto t = RunInterleaved(cases, options.rounds, options.min_time_s);
+  const double flop = 2.0 * static_cast<double>(s) * static_cast<double>(s) * static_cast<double>(s);
+  const double fp32_best = std::min(t["sgemm_openblas"].best_seconds, t["f32_onednn"].best_seconds);
+
+  // Sanity: the FP8 result must be close to the FP32 one (FP8 inputs: ~2^-4 relative per value).
+  (void)ops.gemm_fp8(g, {});
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s, s, s, 1.0f, a.data(), s, b.data(), s,
+              0.0f, d_ref.data(), s);
+  double err2 = 0.0, ref2 = 0.0;
+  for (size_t i = 0; i < d.size(); ++i) {
+    err2 += (static_cast<double>(d[i]) - d_ref[i]) * (static_cast<double>(d[i]) - d_ref[i]);
+    ref2 += static_cast<double>(d_ref[i]) * d_ref[i];
+  }
+
+  nlohmann::ordered_json j;
+  j["benchmark"] = "gemm";
+  j["ratio"] = fp32_best / t["fp8_e4m3_tensor"].best_seconds;
+  j["ratio_definition"] =
+      "FP8 GEMM throughput (E4M3, tensor scales, FP32 out, decode included) over the faster "
+      "FP32 GEMM (OpenBLAS sgemm or oneDNN f32), best of interleaved rounds";
+  j["m"] = s;
+  j["n"] = s;
+  j["k"] = s;
+  j["threads"] = omp_get_max_threads();
+  j["tflops"] = {{"fp8", flop / t["fp8_e4m3_tensor"].best_seconds / 1e12},
+                 {"bf16", flop / t["bf16"].best_seconds / 1e12},
+                 {"f32_onednn", flop / t["f32_onednn"].best_seconds / 1e12},
+                 {"sgemm_openblas", flop / t["sgemm_openblas"].best_seconds / 1e12}};
+  j["bf16_over_fp32"] = fp32_best / t["bf16"].best_seconds;
+  j["fp8_vs_fp32_rel_rms_diff"] = std::sqrt(err2 / ref2);
+  for (const char* name : {"fp8_e4m3_tensor", "bf16", "f32_onednn", "sgemm_openblas"}) {
+    j["timings"][name] = TimingJson(t[name]);
+  }
+  return j;
+}
+
+}  // namespace fp8rt::bench

@@ -1,0 +1,31 @@
+// Kernel benchmarks of `fp8rt bench`: each returns a JSON object whose top-level `ratio` is the
+// headline figure, measured against a baseline timed in the same run.
+#ifndef FP8RT_LAUNCHER_BENCH_BENCH_KERNELS_H_
+#define FP8RT_LAUNCHER_BENCH_BENCH_KERNELS_H_
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+
+namespace fp8rt::bench {
+
+struct QuantizeBenchOptions {
+  int mib = 256;       // FP32 input size in MiB
+  int rounds = 3;      // interleaved rounds of (memcpy, quantize)
+  double min_time_s = 0.5;
+};
+// FP32 -> E4M3, tensor granularity with a given scale, amax and statistics in the same pass
+// (the delayed-scaling kernel), over a memcpy of the input, both on all cores.
+absl::StatusOr<nlohmann::ordered_json> QuantizeBench(const QuantizeBenchOptions& options);
+
+struct GemmBenchOptions {
+  int size = 2048;     // M = N = K
+  int rounds = 3;
+  double min_time_s = 0.5;
+};
+// FP8 GEMM (E4M3 x E4M3, tensor scales, FP32 out) over FP32 GEMM of the same shape; the FP32
+// baseline is the faster of OpenBLAS sgemm and oneDNN's f32 matmul.
+absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options);
+
+}  // namespace fp8rt::bench
+
+#endif  // FP8RT_LAUNCHER_BENCH_BENCH_KERNELS_H_

@@ -1,0 +1,71 @@
+// fp8rt: the user-facing command line.
+//
+// Commands implemented by other executables are found next to this one as fp8rt-<command>
+// (like git), so that this binary links no kernels or CUDA libraries:
+//   fp8rt quantize ...   -> fp8rt-quantize ...   (what FP8 does to a tensor)
+//   fp8rt bench ...      -> fp8rt-bench ...      (benchmarks, ratios against a baseline)
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: fp8rt <command> [options]\n"
+    "\n"
+    "commands:\n"
+    "  quantize IN.npy [--format e4m3|e5m2] [--granularity tensor|row|1x128|128x128|mx32]\n"
+    "                  [--scale S] [--margin M] [--out DEQ.npy] [--codes CODES.npy] [--json]\n"
+    "                  what FP8 does to a tensor: error, underflow, saturation\n"
+    "  bench quantize|gemm [--json]\n"
+    "                  benchmarks reporting a ratio against a baseline measured in the same run\n"
+    "  help            this text\n"
+    "\n"
+    "`fp8rt <command> --help` shows the options of one command.\n";
+
+// Directory holding this executable (for its sibling fp8rt-<command> programs).
+std::filesystem::path SelfDir() {
+  std::error_code ec;
+  std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::filesystem::path() : self.parent_path();
+}
+
+int ExecSibling(const std::string& command, int argc, char** argv) {
+  const std::string program = "fp8rt-" + command;
+  std::vector<char*> args;
+  args.push_back(const_cast<char*>(program.c_str()));
+  for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+  args.push_back(nullptr);
+  const std::filesystem::path sibling = SelfDir() / program;
+  if (!sibling.empty() && access(sibling.c_str(), X_OK) == 0) {
+    execv(sibling.c_str(), args.data());
+  } else {
+    execvp(program.c_str(), args.data());  // installed elsewhere on PATH
+  }
+  std::fprintf(stderr, "fp8rt: cannot run %s (looked next to fp8rt in %s, then on PATH): %s\n",
+               program.c_str(), SelfDir().c_str(), std::strerror(errno));
+  return 127;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fputs(kUsage, stderr);
+    return 2;
+  }
+  const std::string command = argv[1];
+  if (command == "help" || command == "--help" || command == "-h") {
+    std::fputs(kUsage, stdout);
+    return 0;
+  }
+  if (command == "quantize" || command == "bench") return ExecSibling(command, argc, argv);
+  std::fprintf(stderr, "fp8rt: unknown command '%s'\n\n%s", command.c_str(), kUsage);
+  return 2;
+}
