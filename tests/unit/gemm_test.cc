@@ -9,7 +9,8 @@
 //   Fp8GemmTest          TEST_P over format mix x shape x tensor/block scaling x F32/BF16 output:
 //                        exact results on data whose every partial sum is exact in FP32, random
 //                        data within the bound; accumulate (FP32 output).
-//   Bf16GemmTest         TEST_P over input types x shape x output type, and rounding of ties.
+//   Bf16GemmTest         TEST_P over input types x shape x output type; accumulate; rounding
+//                        of FP32 inputs on and near ties.
 //   GemmValidationTest   bad arguments give InvalidArgument naming the field.
 //   GemmLargeTest        a 2048^3 FP8 GEMM checked on a random sample of outputs.
 #include "kernels/gemm.h"
@@ -101,8 +102,8 @@ struct Reference {
 };
 
 // out[m][n] = sum_k a[m][k] * b[n][k] (+ c[m][n]) in double, a and b already decoded and scaled.
-Reference RefGemm(const std::vector<double>& a, const std::vector<double>& b, int64_t m,
-                  int64_t n, int64_t k, const std::vector<float>* c) {
+Reference RefGemm(const std::vector<double>& a, const std::vector<double>& b, int64_t m, int64_t n,
+                  int64_t k, const std::vector<float>* c) {
   Reference ref{std::vector<double>(m * n), std::vector<double>(m * n)};
   for (int64_t i = 0; i < m; ++i) {
     const double* a_row = &a[i * k];
@@ -268,10 +269,10 @@ struct Fp8Problem {
   Fp8Format a_format = Fp8Format::kE4M3;
   Fp8Format b_format = Fp8Format::kE4M3;
   GemmScaling scaling = GemmScaling::kTensor;
-  std::vector<uint8_t> a;            // M x K codes
-  std::vector<uint8_t> b;            // N x K codes
-  std::vector<float> a_scale_inv;    // 1, or M x ceil(K/128)
-  std::vector<float> b_scale_inv;    // 1, or ceil(N/128) x ceil(K/128)
+  std::vector<uint8_t> a;          // M x K codes
+  std::vector<uint8_t> b;          // N x K codes
+  std::vector<float> a_scale_inv;  // 1, or M x ceil(K/128)
+  std::vector<float> b_scale_inv;  // 1, or ceil(N/128) x ceil(K/128)
 };
 
 int64_t AScaleCount(const Shape& s, GemmScaling scaling) {
@@ -328,8 +329,7 @@ Fp8GemmArgs MakeArgs(const Fp8Problem& p, OutputType out, bool accumulate) {
 // Runs CpuOps().gemm_fp8 with exactly GemmWorkspaceBytes of workspace and D preset to `d_init`
 // (NaN when empty); returns D as floats. Fails the test if a guard byte after D or after the
 // workspace was written.
-absl::StatusOr<std::vector<float>> RunFp8Gemm(const Fp8Problem& p, OutputType out,
-                                              bool accumulate,
+absl::StatusOr<std::vector<float>> RunFp8Gemm(const Fp8Problem& p, OutputType out, bool accumulate,
                                               const std::vector<float>& d_init = {}) {
   Fp8GemmArgs args = MakeArgs(p, out, accumulate);
   GuardedBuffer workspace(GemmWorkspaceBytes(args));
@@ -365,8 +365,8 @@ std::vector<uint8_t> SmallValueCodes(Fp8Format format) {
 // multiple of 2^-6 with magnitude <= 16 * 16, so any partial sum over K <= 384 terms, with or
 // without an existing D of integers in [-8, 8] (accumulate), is a multiple of 2^-6 below 2^17:
 // 23 significant bits, exact in FP32 (and in the double reference).
-Fp8Problem ExactProblem(const Shape& s, Fp8Format a_format, Fp8Format b_format,
-                        GemmScaling scaling, std::mt19937_64& rng) {
+Fp8Problem ExactProblem(const Shape& s, Fp8Format a_format, Fp8Format b_format, GemmScaling scaling,
+                        std::mt19937_64& rng) {
   Fp8Problem p;
   p.shape = s;
   p.a_format = a_format;
@@ -423,9 +423,7 @@ Fp8Problem RandomProblem(const Shape& s, Fp8Format a_format, Fp8Format b_format,
 }
 
 const char* FormatName(Fp8Format f) { return f == Fp8Format::kE4M3 ? "e4m3" : "e5m2"; }
-const char* ScalingName(GemmScaling s) {
-  return s == GemmScaling::kTensor ? "tensor" : "block";
-}
+const char* ScalingName(GemmScaling s) { return s == GemmScaling::kTensor ? "tensor" : "block"; }
 const char* OutName(OutputType o) { return o == OutputType::kF32 ? "f32" : "bf16"; }
 
 // ---------------------------------------------------------------------------------------------
@@ -466,8 +464,8 @@ struct Fp8Case {
   GemmScaling scaling;
   OutputType out;
   std::string Name() const {
-    return absl::StrCat(FormatName(a_format), "_", FormatName(b_format), "_", ShapeName(shape),
-                        "_", ScalingName(scaling), "_", OutName(out));
+    return absl::StrCat(FormatName(a_format), "_", FormatName(b_format), "_", ShapeName(shape), "_",
+                        ScalingName(scaling), "_", OutName(out));
   }
   uint64_t Seed() const {
     return static_cast<uint64_t>(shape.m * 1000003 + shape.n * 1009 + shape.k) * 16 +
@@ -558,8 +556,8 @@ struct Bf16Problem {
   Shape shape;
   InputType a_type = InputType::kF32;
   InputType b_type = InputType::kF32;
-  std::vector<float> a_f32, b_f32;        // used when the type is kF32
-  std::vector<uint16_t> a_bf16, b_bf16;   // used when the type is kBF16
+  std::vector<float> a_f32, b_f32;       // used when the type is kF32
+  std::vector<uint16_t> a_bf16, b_bf16;  // used when the type is kBF16
 };
 
 // Operand values as the GEMM must see them: FP32 inputs rounded to BF16 by the reference RNE.
@@ -575,8 +573,8 @@ std::vector<double> Bf16Operand(InputType type, const std::vector<float>& f32,
 }
 
 Reference RefBf16Gemm(const Bf16Problem& p, const std::vector<float>* c = nullptr) {
-  return RefGemm(Bf16Operand(p.a_type, p.a_f32, p.a_bf16),
-                 Bf16Operand(p.b_type, p.b_f32, p.b_bf16), p.shape.m, p.shape.n, p.shape.k, c);
+  return RefGemm(Bf16Operand(p.a_type, p.a_f32, p.a_bf16), Bf16Operand(p.b_type, p.b_f32, p.b_bf16),
+                 p.shape.m, p.shape.n, p.shape.k, c);
 }
 
 absl::StatusOr<std::vector<float>> RunBf16Gemm(const Bf16Problem& p, OutputType out,
@@ -619,12 +617,13 @@ struct Bf16Case {
 };
 void PrintTo(const Bf16Case& c, std::ostream* os) { *os << c.Name(); }
 
-std::vector<Bf16Case> Bf16Cases() {
+std::vector<Bf16Case> Bf16Cases(bool with_bf16_output) {
   std::vector<Bf16Case> cases;
   for (InputType a : {InputType::kF32, InputType::kBF16}) {
     for (InputType b : {InputType::kF32, InputType::kBF16}) {
       for (const Shape& s : kShapes) {
-        for (OutputType o : {OutputType::kF32, OutputType::kBF16}) cases.push_back({a, b, s, o});
+        cases.push_back({a, b, s, OutputType::kF32});
+        if (with_bf16_output) cases.push_back({a, b, s, OutputType::kBF16});
       }
     }
   }
@@ -669,9 +668,14 @@ TEST_P(Bf16GemmTest, RandomWithinAccumulationBound) {
   ExpectWithinBound(*d, RefBf16Gemm(p), c.shape.n, c.shape.k, c.out);
 }
 
-TEST_P(Bf16GemmTest, AccumulateAddsToExistingD) {
+INSTANTIATE_TEST_SUITE_P(AllCases, Bf16GemmTest, ::testing::ValuesIn(Bf16Cases(true)),
+                         [](const auto& info) { return info.param.Name(); });
+
+// accumulate = true: D += result (FP32 output only).
+class Bf16GemmAccumulateTest : public ::testing::TestWithParam<Bf16Case> {};
+
+TEST_P(Bf16GemmAccumulateTest, AddsToExistingD) {
   const Bf16Case& c = GetParam();
-  if (c.out != OutputType::kF32) GTEST_SKIP() << "accumulate is defined for FP32 output only";
   std::mt19937_64 rng(static_cast<uint64_t>(c.shape.m * 7919 + c.shape.n * 31 + c.shape.k + 5));
   const Bf16Problem p = RandomBf16Problem(c, rng);
   std::normal_distribution<float> normal(0.0f, 10.0f);
@@ -682,21 +686,21 @@ TEST_P(Bf16GemmTest, AccumulateAddsToExistingD) {
   ExpectWithinBound(*d, RefBf16Gemm(p, &d_init), c.shape.n, c.shape.k, OutputType::kF32);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllCases, Bf16GemmTest, ::testing::ValuesIn(Bf16Cases()),
+INSTANTIATE_TEST_SUITE_P(AllCases, Bf16GemmAccumulateTest, ::testing::ValuesIn(Bf16Cases(false)),
                          [](const auto& info) { return info.param.Name(); });
 
 // FP32 inputs that sit on, just above and just below BF16 rounding ties, multiplied by an
 // identity so that D shows each rounded operand exactly; expected values written from RNE.
 TEST(Bf16GemmRoundingTest, FloatInputsRoundToNearestEven) {
   const std::vector<std::pair<float, float>> cases = {
-      {1.0f + 0x1p-8f, 1.0f},                          // tie, last bit even: down
-      {1.0f + 0x1p-7f + 0x1p-8f, 1.0f + 0x1p-6f},      // tie, last bit odd: up
-      {1.0f + 0x1p-8f + 0x1p-20f, 1.0f + 0x1p-7f},     // above the tie: up
-      {1.0f + 0x1p-8f - 0x1p-20f, 1.0f},               // below the tie: down
+      {1.0f + 0x1p-8f, 1.0f},                            // tie, last bit even: down
+      {1.0f + 0x1p-7f + 0x1p-8f, 1.0f + 0x1p-6f},        // tie, last bit odd: up
+      {1.0f + 0x1p-8f + 0x1p-20f, 1.0f + 0x1p-7f},       // above the tie: up
+      {1.0f + 0x1p-8f - 0x1p-20f, 1.0f},                 // below the tie: down
       {-(1.0f + 0x1p-7f + 0x1p-8f), -(1.0f + 0x1p-6f)},  // negative tie: away from zero to even
-      {255.5f, 256.0f},                                // tie between 255 (odd) and 256
-      {3.0f, 3.0f},                                    // exact
-      {0x1p-100f * (1.0f + 0x1p-8f), 0x1p-100f},       // small normal, tie
+      {255.5f, 256.0f},                                  // tie between 255 (odd) and 256
+      {3.0f, 3.0f},                                      // exact
+      {0x1p-100f * (1.0f + 0x1p-8f), 0x1p-100f},         // small normal, tie
   };
   const int64_t k = static_cast<int64_t>(cases.size());
   std::vector<float> values;
@@ -751,9 +755,11 @@ bool MentionsField(std::string_view message, std::string_view field) {
 void ExpectInvalid(const absl::Status& status, std::initializer_list<std::string_view> fields) {
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   bool named = false;
-  for (std::string_view f : fields) named = named || MentionsField(std::string(status.message()), f);
+  for (std::string_view f : fields)
+    named = named || MentionsField(std::string(status.message()), f);
   std::string wanted;
-  for (std::string_view f : fields) absl::StrAppend(&wanted, wanted.empty() ? "" : " or ", std::string(f));
+  for (std::string_view f : fields)
+    absl::StrAppend(&wanted, wanted.empty() ? "" : " or ", std::string(f));
   EXPECT_TRUE(named) << "message does not name " << wanted << ": " << status.message();
 }
 

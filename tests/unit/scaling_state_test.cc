@@ -11,8 +11,6 @@
 //   StrategyTest            current and block scaling always compute the scale from the tensor
 //   ScalingConfigTest       ValidateScalingConfig and the enum names
 //   ScalingStateProtoTest   the wire form, bit-identical round trips, FromProto's rejections
-#include "runtime/train/scaling.h"
-
 #include <algorithm>
 #include <bit>
 #include <cfloat>
@@ -31,6 +29,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/formats.h"
+#include "runtime/train/scaling.h"
 
 namespace fp8rt::train {
 namespace {
@@ -264,7 +263,7 @@ TEST_P(DelayedScalingTest, MaxOverWindowOfHistoryLen) {
     ASSERT_EQ(state.Update(1000.0f), AmaxUpdate::kRecorded);
     ExpectScale(state, ExpectedScale(1000.0f, format, 0));
     // Smaller amaxes, not in order, so that the window max is not simply the latest.
-    const float smaller[] = {3.0f, 9.0f, 2.0f, 5.0f, 1.5f, 7.0f, 2.5f, 4.0f,
+    const float smaller[] = {3.0f, 9.0f, 2.0f, 5.0f, 1.5f, 7.0f, 2.5f,  4.0f,
                              6.0f, 1.0f, 8.0f, 3.5f, 2.0f, 5.5f, 1.25f, 6.5f};
     std::deque<float> window = {1000.0f};
     for (int i = 0; i < h; ++i) {
@@ -513,7 +512,8 @@ class ScalingStateProtoRejectTest : public ::testing::Test {
   }
 
   // Applies `corrupt` to a copy of the valid proto and expects FromProto to reject it.
-  void ExpectRejected(const std::string& what, const std::function<void(v1::ScalingState*)>& corrupt,
+  void ExpectRejected(const std::string& what,
+                      const std::function<void(v1::ScalingState*)>& corrupt,
                       std::initializer_list<std::string_view> fields) {
     SCOPED_TRACE(what);
     v1::ScalingState proto = valid_;
@@ -525,7 +525,8 @@ class ScalingStateProtoRejectTest : public ::testing::Test {
                 status.code() == absl::StatusCode::kInvalidArgument)
         << status;
     bool named = false;
-    for (std::string_view f : fields) named = named || MentionsField(std::string(status.message()), f);
+    for (std::string_view f : fields)
+      named = named || MentionsField(std::string(status.message()), f);
     EXPECT_TRUE(named) << "message does not name the field: " << status.message();
   }
 
@@ -533,68 +534,59 @@ class ScalingStateProtoRejectTest : public ::testing::Test {
 };
 
 TEST_F(ScalingStateProtoRejectTest, HistoryLongerThanHistoryLen) {
-  ExpectRejected(
-      "5 amaxes with history_len 4",
-      [](v1::ScalingState* p) {
-        for (float v : {1.0f, 2.0f, 3.0f}) p->add_amax_history(v);
-      },
-      {"amax_history", "history_len"});
+  ExpectRejected("5 amaxes with history_len 4",
+                 [](v1::ScalingState* p) {
+                   for (float v : {1.0f, 2.0f, 3.0f}) p->add_amax_history(v);
+                 },
+                 {"amax_history", "history_len"});
 }
 
 TEST_F(ScalingStateProtoRejectTest, BadHistoryValues) {
   for (float bad : {-1.0f, 0.0f, -0.0f, kNaN, kInf}) {
-    ExpectRejected(
-        absl::StrCat("history value ", bad),
-        [bad](v1::ScalingState* p) { p->set_amax_history(0, bad); }, {"amax_history"});
+    ExpectRejected(absl::StrCat("history value ", bad),
+                   [bad](v1::ScalingState* p) { p->set_amax_history(0, bad); }, {"amax_history"});
   }
 }
 
 TEST_F(ScalingStateProtoRejectTest, BadScales) {
   for (float bad : {0.0f, -2.0f, kNaN, kInf}) {
-    ExpectRejected(
-        absl::StrCat("scale ", bad), [bad](v1::ScalingState* p) { p->set_scale(bad); },
-        {"scale"});
-    ExpectRejected(
-        absl::StrCat("scale_inv ", bad), [bad](v1::ScalingState* p) { p->set_scale_inv(bad); },
-        {"scale_inv"});
+    ExpectRejected(absl::StrCat("scale ", bad), [bad](v1::ScalingState* p) { p->set_scale(bad); },
+                   {"scale"});
+    ExpectRejected(absl::StrCat("scale_inv ", bad),
+                   [bad](v1::ScalingState* p) { p->set_scale_inv(bad); }, {"scale_inv"});
   }
 }
 
 TEST_F(ScalingStateProtoRejectTest, UnspecifiedOrUnknownEnums) {
-  ExpectRejected(
-      "format unspecified",
-      [](v1::ScalingState* p) { p->set_format(v1::FP8_FORMAT_UNSPECIFIED); }, {"format"});
-  ExpectRejected(
-      "format 9", [](v1::ScalingState* p) { p->set_format(static_cast<v1::Fp8Format>(9)); },
-      {"format"});
-  ExpectRejected(
-      "strategy unspecified",
-      [](v1::ScalingState* p) { p->set_strategy(v1::SCALING_STRATEGY_UNSPECIFIED); },
-      {"strategy"});
+  ExpectRejected("format unspecified",
+                 [](v1::ScalingState* p) { p->set_format(v1::FP8_FORMAT_UNSPECIFIED); },
+                 {"format"});
+  ExpectRejected("format 9",
+                 [](v1::ScalingState* p) { p->set_format(static_cast<v1::Fp8Format>(9)); },
+                 {"format"});
+  ExpectRejected("strategy unspecified",
+                 [](v1::ScalingState* p) { p->set_strategy(v1::SCALING_STRATEGY_UNSPECIFIED); },
+                 {"strategy"});
   // A delayed site needs to know how its history is reduced.
-  ExpectRejected(
-      "amax_algo unspecified",
-      [](v1::ScalingState* p) { p->set_amax_algo(v1::AMAX_ALGO_UNSPECIFIED); }, {"amax_algo"});
+  ExpectRejected("amax_algo unspecified",
+                 [](v1::ScalingState* p) { p->set_amax_algo(v1::AMAX_ALGO_UNSPECIFIED); },
+                 {"amax_algo"});
 }
 
 TEST_F(ScalingStateProtoRejectTest, ConfigOutOfRange) {
-  ExpectRejected(
-      "history_len 0", [](v1::ScalingState* p) { p->set_history_len(0); }, {"history_len"});
-  ExpectRejected(
-      "margin 33", [](v1::ScalingState* p) { p->set_margin(33); }, {"margin"});
-  ExpectRejected(
-      "margin -1", [](v1::ScalingState* p) { p->set_margin(-1); }, {"margin"});
+  ExpectRejected("history_len 0", [](v1::ScalingState* p) { p->set_history_len(0); },
+                 {"history_len"});
+  ExpectRejected("margin 33", [](v1::ScalingState* p) { p->set_margin(33); }, {"margin"});
+  ExpectRejected("margin -1", [](v1::ScalingState* p) { p->set_margin(-1); }, {"margin"});
 }
 
 TEST_F(ScalingStateProtoRejectTest, NegativeCounters) {
-  ExpectRejected(
-      "updates -1", [](v1::ScalingState* p) { p->set_updates(-1); }, {"updates"});
-  ExpectRejected(
-      "zero_amax_count -1", [](v1::ScalingState* p) { p->set_zero_amax_count(-1); },
-      {"zero_amax_count"});
-  ExpectRejected(
-      "nonfinite_amax_count -1", [](v1::ScalingState* p) { p->set_nonfinite_amax_count(-1); },
-      {"nonfinite_amax_count"});
+  ExpectRejected("updates -1", [](v1::ScalingState* p) { p->set_updates(-1); }, {"updates"});
+  ExpectRejected("zero_amax_count -1", [](v1::ScalingState* p) { p->set_zero_amax_count(-1); },
+                 {"zero_amax_count"});
+  ExpectRejected("nonfinite_amax_count -1",
+                 [](v1::ScalingState* p) { p->set_nonfinite_amax_count(-1); },
+                 {"nonfinite_amax_count"});
 }
 
 }  // namespace
