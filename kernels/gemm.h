@@ -10,7 +10,8 @@
 // The `bf16` precision mode GEMM takes FP32 (or BF16) operands, rounds FP32 ones to BF16 (nearest
 // even) and multiplies them with FP32 accumulation, as a BF16 tensor core does.
 //
-// Work buffers come from the caller (GemmWorkspaceBytes); the kernels never allocate.
+// Work buffers come from the caller (GemmWorkspaceBytes bytes, 64-byte aligned); the kernels
+// never allocate.
 #ifndef FP8RT_KERNELS_GEMM_H_
 #define FP8RT_KERNELS_GEMM_H_
 
@@ -40,7 +41,7 @@ struct Fp8GemmArgs {
   OutputType out_type = OutputType::kF32;
   void* d = nullptr;        // M x N, float or BF16 bits
   bool accumulate = false;  // D += result instead of D = result (FP32 output only)
-  void* workspace = nullptr;
+  void* workspace = nullptr;  // GemmWorkspaceBytes(*this) bytes, 64-byte aligned
   size_t workspace_bytes = 0;
 };
 
@@ -55,7 +56,7 @@ struct Bf16GemmArgs {
   OutputType out_type = OutputType::kF32;
   void* d = nullptr;        // M x N
   bool accumulate = false;  // FP32 output only
-  void* workspace = nullptr;
+  void* workspace = nullptr;  // GemmWorkspaceBytes(*this) bytes, 64-byte aligned
   size_t workspace_bytes = 0;
 };
 

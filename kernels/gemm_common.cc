@@ -25,6 +25,9 @@ absl::Status ValidateCommon(int64_t m, int64_t n, int64_t k, const void* a, cons
                                                    ", this GEMM needs ", required));
   }
   if (required > 0 && workspace == nullptr) return absl::InvalidArgumentError("workspace is null");
+  if (reinterpret_cast<uintptr_t>(workspace) % kAlign != 0) {
+    return absl::InvalidArgumentError("workspace must be 64-byte aligned");
+  }
   return absl::OkStatus();
 }
 

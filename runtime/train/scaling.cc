@@ -187,8 +187,10 @@ absl::StatusOr<ScalingState> ScalingState::FromProto(const v1::ScalingState& pro
   if (!FinitePositive(proto.scale_inv())) {
     return BadField("scale_inv", absl::StrCat("must be finite and > 0, got ", proto.scale_inv()));
   }
-  if (proto.updates() < 0 || proto.zero_amax_count() < 0 || proto.nonfinite_amax_count() < 0) {
-    return BadField("updates", "counters must be >= 0");
+  for (auto [field, value] : {std::pair{"updates", proto.updates()},
+                               std::pair{"zero_amax_count", proto.zero_amax_count()},
+                               std::pair{"nonfinite_amax_count", proto.nonfinite_amax_count()}}) {
+    if (value < 0) return BadField(field, absl::StrCat("must be >= 0, got ", value));
   }
   ScalingState state(config);
   state.history_.assign(proto.amax_history().begin(), proto.amax_history().end());

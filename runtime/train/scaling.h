@@ -43,7 +43,7 @@ absl::StatusOr<AmaxAlgo> ParseAmaxAlgo(std::string_view name);
 struct ScalingConfig {
   kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
   ScalingStrategy strategy = ScalingStrategy::kDelayed;
-  int history_len = 16;               // delayed: amaxes remembered, >= 1
+  int history_len = 16;               // delayed: amaxes remembered, 1..4096
   AmaxAlgo algo = AmaxAlgo::kMax;     // delayed: how the history is reduced
   int margin = 0;                     // scale = fp8_max / amax / 2^margin, 0..32
   bool power_of_two = false;          // round scales down to powers of two

@@ -198,6 +198,11 @@ void ExpectExact(const std::vector<float>& d, const Reference& ref, int64_t n, O
 // ---------------------------------------------------------------------------------------------
 // Caller-provided buffers.
 
+// The first 64-byte aligned address in a buffer over-allocated by 64 bytes.
+inline void* AlignTo64(uint8_t* p) {
+  return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+}
+
 // `bytes` bytes aligned to 64, followed by guard bytes that a kernel must not touch.
 class GuardedBuffer {
  public:
@@ -777,7 +782,7 @@ class GemmValidationTest : public ::testing::Test {
     args_.d = d_.data();
     required_ = GemmWorkspaceBytes(args_);
     workspace_.resize(required_ + 64);
-    args_.workspace = workspace_.data();
+    args_.workspace = AlignTo64(workspace_.data());  // the documented 64-byte alignment
     args_.workspace_bytes = required_;
 
     bf16_args_.m = 3;
@@ -788,7 +793,7 @@ class GemmValidationTest : public ::testing::Test {
     bf16_args_.d = d_.data();
     bf16_required_ = GemmWorkspaceBytes(bf16_args_);
     bf16_workspace_.resize(bf16_required_ + 64);
-    bf16_args_.workspace = bf16_workspace_.data();
+    bf16_args_.workspace = AlignTo64(bf16_workspace_.data());
     bf16_args_.workspace_bytes = bf16_required_;
   }
 
@@ -808,6 +813,13 @@ class GemmValidationTest : public ::testing::Test {
   size_t bf16_required_ = 0;
   std::vector<uint8_t> bf16_workspace_;
 };
+
+TEST_F(GemmValidationTest, MisalignedWorkspaceIsRejected) {
+  args_.workspace = static_cast<uint8_t*>(args_.workspace) + 4;
+  const absl::Status s = Fp8(args_);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("workspace"), std::string::npos) << s;
+}
 
 TEST_F(GemmValidationTest, ValidArgumentsRun) {
   ASSERT_TRUE(Fp8(args_).ok()) << Fp8(args_);
