@@ -12,7 +12,8 @@
 // EncodeFp8 is the one scalar definition of FP32 -> FP8 in fp8rt: round to nearest even,
 // saturate finite overflow and infinities to the largest finite value (sign kept), NaN -> 0x7F.
 // It agrees bit for bit with NVIDIA's __nv_cvt_float_to_fp8(x, __NV_SATFINITE, fmt) from
-// cuda_fp8.h for all 2^32 inputs (tests/unit/fp8_conversion_test.cc). The vectorised CPU kernels
+// cuda_fp8.h for all 2^32 inputs (tests/unit/fp8_exhaustive_test.cc; midpoints and random
+// patterns in tests/unit/fp8_conversion_test.cc). The vectorised CPU kernels
 // and the CUDA kernels are tested against it. All functions here are pure and thread-safe.
 #ifndef FP8RT_KERNELS_FORMATS_H_
 #define FP8RT_KERNELS_FORMATS_H_
