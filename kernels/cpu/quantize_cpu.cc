@@ -13,6 +13,7 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/quantize_cpu.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 // Highway must come after foreach_target.
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 
 #ifndef FP8RT_KERNELS_CPU_QUANTIZE_SPAN_STATS_
@@ -109,6 +110,11 @@ HWY_INLINE hn::Vec<DI> EncodeLanes(hn::Vec<DI> y_bits, hn::Vec<DI> a) {
   return hn::IfThenElse(a > hn::Set(di, 0x7F800000), hn::Set(di, kFp8NaN), code);
 }
 
+// One pass over a span: FP8 codes, amax and all counts. Most vectors hold only values that
+// land in FP8's normal range (neither underflowing, subnormal, saturating nor non-finite); those
+// take a short path that encodes with the normal-range rounding alone. A vector with any other
+// lane takes the full encoder and counts its special lanes; the result is the same either way.
+// Large spans are written with streaming stores (no read-for-ownership of the output).
 template <Fp8Format F, class In>
 HWY_INLINE void QuantizeSpanT(const In* HWY_RESTRICT x, size_t n, float scale,
                               uint8_t* HWY_RESTRICT out, SpanStats* stats) {
@@ -121,44 +127,59 @@ HWY_INLINE void QuantizeSpanT(const In* HWY_RESTRICT x, size_t n, float scale,
   const auto abs_mask = hn::Set(di, 0x7FFFFFFF);
   const auto inf_bits = hn::Set(di, 0x7F800000);
   const auto max_bits = hn::Set(di, static_cast<int32_t>(std::bit_cast<uint32_t>(B::kMax)));
+  const auto min_normal = hn::Set(di, static_cast<int32_t>(B::kMinNormalBits));
+  const auto round_half = hn::Set(di, (1 << (B::kShift - 1)) - 1);
+  const auto one = hn::Set(di, 1);
+  const auto rebias = hn::Set(di, static_cast<int32_t>(B::kRebias));
+  const auto sign_bit = hn::Set(di, 0x80);
   const auto mag_mask = hn::Set(di, 0x7F);
   const auto sub_limit = hn::Set(di, 1 << B::kMantissaBits);
   const auto zero = hn::Zero(di);
   auto amax = hn::Zero(di);
-  size_t i = 0;
-  // Lane counters are flushed to 64-bit totals every kFlush vectors so they cannot overflow.
-  constexpr size_t kFlush = size_t{1} << 24;
-  while (i + lanes <= n) {
-    auto underflow = hn::Zero(di);
-    auto subnormal = hn::Zero(di);
-    auto saturated = hn::Zero(di);
-    auto nonfinite = hn::Zero(di);
-    const size_t stop = n - i > kFlush * lanes ? i + kFlush * lanes : n;
-    for (; i + lanes <= stop; i += lanes) {
-      const auto vx = LoadF(df, x + i);
-      const auto ain = hn::And(hn::BitCast(di, vx), abs_mask);
-      const auto y_bits = hn::BitCast(di, hn::Mul(vx, vscale));
-      const auto a = hn::And(y_bits, abs_mask);
-      const auto code = EncodeLanes<F>(y_bits, a);
-      hn::StoreU(hn::DemoteTo(d8, code), d8, out + i);
 
-      amax = hn::Max(amax, ain);
+  size_t i = 0;
+  // Streaming stores need aligned destinations: encode a short scalar prologue first.
+  constexpr size_t kStreamMin = size_t{1} << 20;
+  const bool stream = n >= kStreamMin && hn::Lanes(d8) >= 16;
+  if (stream) {
+    const size_t misalign = reinterpret_cast<uintptr_t>(out) % 16;
+    const size_t prologue = misalign == 0 ? 0 : 16 - misalign;
+    for (; i < prologue && i < n; ++i) out[i] = QuantizeOne<F>(LoadAsFloat(x, i), scale, *stats);
+  }
+  for (; i + lanes <= n; i += lanes) {
+    const auto vx = LoadF(df, x + i);
+    const auto ain = hn::And(hn::BitCast(di, vx), abs_mask);
+    amax = hn::Max(amax, ain);
+    const auto y_bits = hn::BitCast(di, hn::Mul(vx, vscale));
+    const auto a = hn::And(y_bits, abs_mask);
+    hn::Vec<DI> code;
+    const auto special = hn::Or(min_normal > a, a > max_bits);
+    if (HWY_LIKELY(hn::AllFalse(di, special))) {
+      // Normal range: round the FP32 mantissa to the FP8 width (nearest even), rebias, sign.
+      const auto odd = hn::And(hn::ShiftRight<B::kShift>(a), one);
+      const auto rounded = hn::Add(hn::Add(a, round_half), odd);
+      code = hn::Or(hn::Sub(hn::ShiftRight<B::kShift>(rounded), rebias),
+                    hn::And(hn::ShiftRight<24>(y_bits), sign_bit));
+    } else {
+      code = EncodeLanes<F>(y_bits, a);
       const auto finite = inf_bits > ain;
       const auto mag = hn::And(code, mag_mask);
-      const auto mag_zero = hn::Eq(mag, zero);
-      // A true mask lane is all ones (-1): subtracting it counts.
-      nonfinite = hn::Sub(nonfinite, hn::VecFromMask(di, hn::Not(finite)));
-      underflow = hn::Sub(underflow,
-                          hn::VecFromMask(di, hn::And(hn::And(finite, ain > zero), mag_zero)));
-      subnormal = hn::Sub(subnormal,
-                          hn::VecFromMask(di, hn::AndNot(mag_zero, sub_limit > mag)));
-      saturated = hn::Sub(saturated, hn::VecFromMask(di, hn::And(finite, a > max_bits)));
+      const auto mag_zero = mag == zero;
+      stats->nonfinite += static_cast<int64_t>(hn::CountTrue(di, hn::Not(finite)));
+      stats->underflow += static_cast<int64_t>(
+          hn::CountTrue(di, hn::And(hn::And(finite, ain > zero), mag_zero)));
+      stats->subnormal +=
+          static_cast<int64_t>(hn::CountTrue(di, hn::AndNot(mag_zero, sub_limit > mag)));
+      stats->saturated +=
+          static_cast<int64_t>(hn::CountTrue(di, hn::And(finite, a > max_bits)));
     }
-    stats->underflow += hn::GetLane(hn::SumOfLanes(di, underflow));
-    stats->subnormal += hn::GetLane(hn::SumOfLanes(di, subnormal));
-    stats->saturated += hn::GetLane(hn::SumOfLanes(di, saturated));
-    stats->nonfinite += hn::GetLane(hn::SumOfLanes(di, nonfinite));
+    if (stream) {
+      hn::Stream(hn::DemoteTo(d8, code), d8, out + i);
+    } else {
+      hn::StoreU(hn::DemoteTo(d8, code), d8, out + i);
+    }
   }
+  if (stream) hwy::FlushStream();
   const uint32_t vmax = static_cast<uint32_t>(hn::GetLane(hn::MaxOfLanes(di, amax)));
   if (vmax > stats->amax_bits) stats->amax_bits = vmax;
   for (; i < n; ++i) out[i] = QuantizeOne<F>(LoadAsFloat(x, i), scale, *stats);

@@ -261,8 +261,8 @@ double HalfBitsToDouble(uint16_t h) {
 
 TEST_P(Fp8DecodeTest, AgreesWithNvidiaHalfConversion) {
 #if !defined(FP8RT_HAVE_CUDA_FP8_H)
-  GTEST_SKIP() << "cuda_fp8.h not found for this target: the NVIDIA cross-check of DecodeFp8 "
-                  "runs in fp8_conversion_test instead";
+  GTEST_SKIP() << "cuda_fp8.h not found: NVIDIA's reference conversion is unavailable "
+                  "(install the CUDA toolkit headers under /usr/local/cuda/include)";
 #else
   const Fp8Format format = GetParam();
   const __nv_fp8_interpretation_t interp = format == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;

@@ -263,8 +263,8 @@ TEST_P(Fp8ConversionTest, RandomValuesInRange) {
 
 TEST_P(Fp8ConversionTest, DecodeAgreesWithNvidiaHalfConversion) {
   FP8RT_REQUIRE_CUDA_FP8_H();
-  const Fp8Format format = GetParam();
 #if defined(FP8RT_HAVE_CUDA_FP8_H)
+  const Fp8Format format = GetParam();
   const __nv_fp8_interpretation_t interp = format == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2;
   for (int c = 0; c < 256; ++c) {
     const uint8_t code = static_cast<uint8_t>(c);
