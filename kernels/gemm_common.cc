@@ -1,4 +1,4 @@
-// Backend-independent GEMM helpers: workspace sizes and argument validation.
+// Backend-independent GEMM argument validation.
 #include "absl/strings/str_cat.h"
 #include "kernels/gemm.h"
 
@@ -6,7 +6,6 @@ namespace fp8rt::kernels {
 namespace {
 
 constexpr size_t kAlign = 64;
-size_t Padded(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 absl::Status ValidateCommon(int64_t m, int64_t n, int64_t k, const void* a, const void* b,
                             const void* d, OutputType out_type, bool accumulate,
@@ -32,26 +31,6 @@ absl::Status ValidateCommon(int64_t m, int64_t n, int64_t k, const void* a, cons
 }
 
 }  // namespace
-
-// Layout shared with kernels/cpu/gemm_cpu.cc: [A as BF16][B as BF16][block partial][accumulator].
-size_t GemmWorkspaceBytes(const Fp8GemmArgs& args) {
-  const size_t m = static_cast<size_t>(args.m), n = static_cast<size_t>(args.n),
-               k = static_cast<size_t>(args.k);
-  size_t bytes = Padded(m * k * 2) + Padded(n * k * 2);
-  if (args.scaling == GemmScaling::kBlock) {
-    const size_t tile_rows = m < 256 ? m : 256;
-    bytes += Padded(tile_rows * n * 4);
-    if (args.out_type == OutputType::kBF16) bytes += Padded(m * n * 4);
-  }
-  return bytes;
-}
-
-size_t GemmWorkspaceBytes(const Bf16GemmArgs& args) {
-  const size_t m = static_cast<size_t>(args.m), n = static_cast<size_t>(args.n),
-               k = static_cast<size_t>(args.k);
-  return (args.a_type == InputType::kF32 ? Padded(m * k * 2) : 0) +
-         (args.b_type == InputType::kF32 ? Padded(n * k * 2) : 0);
-}
 
 absl::Status ValidateGemmArgs(const Fp8GemmArgs& args, size_t required_workspace) {
   if (args.a_scale_inv == nullptr) return absl::InvalidArgumentError("a_scale_inv is null");

@@ -11,6 +11,22 @@ absl::Status DequantizeCpu(const DequantizeArgs& args, Stream stream);
 absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream stream);
 absl::Status GemmBf16Cpu(const Bf16GemmArgs& args, Stream stream);
 
+// Workspace helpers shared with GemmWorkspaceBytes: 64-byte rounding, and the bytes reserved for
+// B packed into oneDNN's weights layout.
+size_t Padded(size_t bytes);
+size_t PackedBBytes(int64_t n, int64_t k);
+
+// FP8 codes -> BF16 bits, exact, on the OpenMP team (kernels/cpu/convert_cpu.cc).
+void DecodeFp8ToBf16(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t* out);
+// B (n x k FP8 codes, row-major) packed as BF16 into oneDNN's AMX weights layout (blocks of
+// 32 k x 64 n, k pairs adjacent), whose padded dims are kp x np and outer block strides are given.
+void PackFp8AmxLayout(const uint8_t* b, int64_t n, int64_t k, Fp8Format format, int64_t kp,
+                      int64_t np, int64_t k_block_stride, int64_t n_block_stride, uint16_t* dst);
+
+// Tests only: pack B through the generic blocked-layout path even where the AMX layout has a
+// direct loop, so that both paths are checked on this machine.
+void ForceGenericPackingForTesting(bool force);
+
 }  // namespace fp8rt::kernels::cpu_internal
 
 #endif  // FP8RT_KERNELS_CPU_CPU_OPS_H_

@@ -1,8 +1,9 @@
 // CPU GEMMs on oneDNN's BF16 matmul (AMX-BF16 / AVX512-BF16 where the CPU has them).
 //
 // FP8 values are exact in BF16, so an FP8 GEMM decodes its operands to BF16 (a 256-entry table)
-// and runs a BF16 x BF16 -> FP32 matmul: products exact, FP32 accumulation. Tensor scales are
-// applied by oneDNN as one output scale sa*sb on the FP32 accumulator. Block scales are applied
+// and runs a BF16 x BF16 -> FP32 matmul: products exact, FP32 accumulation. B is packed straight
+// into oneDNN's preferred weights layout while it is decoded (no separate reorder). Tensor scales
+// are applied by oneDNN as one multiplication by sa*sb of the FP32 accumulator. Block scales are applied
 // per 128-wide slice of K: the slice's partial product is computed in FP32, multiplied by
 // sa(m, kb) * sb(n/128, kb) and added to an FP32 accumulator (the promotion DeepGEMM does).
 // oneDNN reports errors by exception; they are turned into Status here and never escape.
@@ -17,80 +18,102 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "runtime/core/status.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace fp8rt::kernels::cpu_internal {
-namespace {
 
 constexpr size_t kAlign = 64;
 size_t Padded(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+// Bytes reserved for B packed into oneDNN's weights layout: K and N rounded up to 64 covers the
+// blockings brgemm uses (the AMX one pads K to 32 and N to 64).
+size_t PackedBBytes(int64_t n, int64_t k) {
+  return Padded(static_cast<size_t>((k + 63) / 64 * 64) * static_cast<size_t>((n + 63) / 64 * 64) *
+                2);
+}
+
+namespace {
+
+bool g_force_generic_packing = false;  // tests only: see ForceGenericPackingForTesting
 
 dnnl::engine& CpuEngine() {
   static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
   return *engine;
 }
 
-// One matmul call: D(m x n, ldd) = alpha * A(m x k, lda) x B(n x k, ldb)^T [+ D].
-struct MatmulCall {
-  const uint16_t* a;
-  int64_t lda;
-  const uint16_t* b;
-  int64_t ldb;
-  int64_t m, n, k;
-  float alpha;
-  bool accumulate;
-  void* d;
-  OutputType out_type;
-};
+// How the B operand reaches oneDNN: packed into the weights layout oneDNN prefers (the fast
+// AMX path), or as plain n x k rows (the 128-wide K slices of block scaling).
+enum class BLayout : uint8_t { kPacked, kPlain };
 
-// Primitives are created once per shape and layout and reused: creating a primitive descriptor
-// costs far more than a small matmul. The output scale is a run-time argument, so a new scale
-// every step does not make a new primitive.
+// A cached matmul primitive: D(m x n) = alpha * A(m x k, row stride lda) x B^T [+ D], with alpha
+// a run-time scalar (a binary-multiply post-op keeps oneDNN on its brgemm/AMX kernels, which a
+// run-time output scale would not).
 struct MatmulKey {
   int64_t m, n, k, lda, ldb;
+  BLayout b_layout;
   bool accumulate;
   OutputType out_type;
   auto operator<=>(const MatmulKey&) const = default;
 };
 
+struct Matmul {
+  dnnl::matmul primitive;
+  dnnl::memory::desc a_md, b_md, d_md;
+};
+
+dnnl::memory::desc ScalarDesc() {
+  return dnnl::memory::desc({1, 1}, dnnl::memory::data_type::f32, {1, 1});
+}
+
+absl::StatusOr<std::shared_ptr<const Matmul>> CreateMatmul(const MatmulKey& key) {
+  using dt = dnnl::memory::data_type;
+  dnnl::memory::desc a_md({key.m, key.k}, dt::bf16, {key.lda, 1});
+  // B is stored n x k: as the k x n weights of oneDNN it has strides {1, ldb}.
+  dnnl::memory::desc b_md =
+      key.b_layout == BLayout::kPacked
+          ? dnnl::memory::desc({key.k, key.n}, dt::bf16, dnnl::memory::format_tag::any)
+          : dnnl::memory::desc({key.k, key.n}, dt::bf16, {1, key.ldb});
+  dnnl::memory::desc d_md({key.m, key.n}, key.out_type == OutputType::kF32 ? dt::f32 : dt::bf16,
+                          {key.n, 1});
+  dnnl::post_ops ops;
+  ops.append_binary(dnnl::algorithm::binary_mul, ScalarDesc());
+  if (key.accumulate) ops.append_sum(1.0f);
+  dnnl::primitive_attr attr;
+  attr.set_post_ops(ops);
+  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, d_md), attr, CpuEngine());
+  auto mm = std::make_shared<Matmul>();
+  mm->primitive = dnnl::matmul(pd);
+  mm->a_md = a_md;
+  mm->b_md = pd.weights_desc();
+  mm->d_md = d_md;
+  return std::shared_ptr<const Matmul>(mm);
+}
+
+// Primitives are created once per shape and layout: creating one costs far more than a small
+// matmul. Bounded; a model has few shapes.
 class MatmulCache {
  public:
-  absl::StatusOr<std::shared_ptr<dnnl::matmul>> Get(const MatmulKey& key) {
+  absl::StatusOr<std::shared_ptr<const Matmul>> Get(const MatmulKey& key) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = cache_.find(key);
     if (it != cache_.end()) return it->second;
-    dnnl::primitive_attr attr;
-    attr.set_output_scales(0, {DNNL_RUNTIME_F32_VAL});
-    if (key.accumulate) {
-      dnnl::post_ops ops;
-      ops.append_sum(1.0f);
-      attr.set_post_ops(ops);
+    absl::StatusOr<std::shared_ptr<const Matmul>> created;
+    try {
+      created = CreateMatmul(key);
+    } catch (const dnnl::error& e) {
+      return absl::InternalError(absl::StrCat("oneDNN matmul ", key.m, "x", key.n, "x", key.k,
+                                              ": ", e.what(), " (status ", e.status, ")"));
     }
-    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ADesc(key), BDesc(key), DDesc(key)), attr,
-                                    CpuEngine());
-    auto prim = std::make_shared<dnnl::matmul>(pd);
-    if (cache_.size() > 4096) cache_.clear();  // bounded: shapes of one model are few
-    cache_[key] = prim;
-    return prim;
-  }
-
-  static dnnl::memory::desc ADesc(const MatmulKey& k) {
-    return dnnl::memory::desc({k.m, k.k}, dnnl::memory::data_type::bf16, {k.lda, 1});
-  }
-  // B is stored n x k row-major, which is B^T (k x n) with strides {1, ldb}.
-  static dnnl::memory::desc BDesc(const MatmulKey& k) {
-    return dnnl::memory::desc({k.k, k.n}, dnnl::memory::data_type::bf16, {1, k.ldb});
-  }
-  static dnnl::memory::desc DDesc(const MatmulKey& k) {
-    return dnnl::memory::desc({k.m, k.n},
-                              k.out_type == OutputType::kF32 ? dnnl::memory::data_type::f32
-                                                             : dnnl::memory::data_type::bf16,
-                              {k.n, 1});
+    if (!created.ok()) return created.status();
+    if (cache_.size() > 4096) cache_.clear();
+    cache_[key] = *created;
+    return *created;
   }
 
  private:
   std::mutex mu_;
-  std::map<MatmulKey, std::shared_ptr<dnnl::matmul>> cache_;  // Guarded by mu_
+  std::map<MatmulKey, std::shared_ptr<const Matmul>> cache_;  // Guarded by mu_
 };
 
 MatmulCache& Cache() {
@@ -98,37 +121,93 @@ MatmulCache& Cache() {
   return *cache;
 }
 
-absl::Status RunMatmul(const MatmulCall& c) {
-  const MatmulKey key{c.m, c.n, c.k, c.lda, c.ldb, c.accumulate, c.out_type};
+absl::Status Execute(const Matmul& mm, const uint16_t* a, const uint16_t* b, void* d,
+                     float alpha) {
   try {
-    absl::StatusOr<std::shared_ptr<dnnl::matmul>> prim = Cache().Get(key);
-    if (!prim.ok()) return prim.status();
     dnnl::engine& engine = CpuEngine();
-    dnnl::memory a_mem(MatmulCache::ADesc(key), engine, const_cast<uint16_t*>(c.a));
-    dnnl::memory b_mem(MatmulCache::BDesc(key), engine, const_cast<uint16_t*>(c.b));
-    dnnl::memory d_mem(MatmulCache::DDesc(key), engine, c.d);
-    float alpha = c.alpha;
-    dnnl::memory scale_mem({{1}, dnnl::memory::data_type::f32, {1}}, engine, &alpha);
+    dnnl::memory a_mem(mm.a_md, engine, const_cast<uint16_t*>(a));
+    dnnl::memory b_mem(mm.b_md, engine, const_cast<uint16_t*>(b));
+    dnnl::memory d_mem(mm.d_md, engine, d);
+    dnnl::memory alpha_mem(ScalarDesc(), engine, &alpha);
     dnnl::stream stream(engine);
-    (*prim)->execute(stream, {{DNNL_ARG_SRC, a_mem},
-                              {DNNL_ARG_WEIGHTS, b_mem},
-                              {DNNL_ARG_DST, d_mem},
-                              {DNNL_ARG_ATTR_OUTPUT_SCALES, scale_mem}});
+    mm.primitive.execute(stream, {{DNNL_ARG_SRC, a_mem},
+                                  {DNNL_ARG_WEIGHTS, b_mem},
+                                  {DNNL_ARG_DST, d_mem},
+                                  {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, alpha_mem}});
     stream.wait();
   } catch (const dnnl::error& e) {
-    return absl::InternalError(absl::StrCat("oneDNN matmul ", c.m, "x", c.n, "x", c.k,
-                                            " failed: ", e.what(), " (status ", e.status, ")"));
+    return absl::InternalError(absl::StrCat("oneDNN matmul failed: ", e.what(), " (status ",
+                                            e.status, ")"));
   }
   return absl::OkStatus();
 }
 
-// Decodes n FP8 codes to BF16 bits (exact).
-void DecodeToBf16(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t* out) {
-  std::array<uint16_t, 256> lut;
-  for (int c = 0; c < 256; ++c) lut[c] = FloatToBf16(DecodeFp8(static_cast<uint8_t>(c), format));
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) out[i] = lut[codes[i]];
+// Offset of element (k, n) of the k x n weights in a blocked oneDNN layout, from its blocking
+// descriptor: outer block indices times their strides, plus the position inside the nested
+// inner blocks (listed outermost first).
+int64_t BlockedOffset(const dnnl_blocking_desc_t& blk, int64_t k, int64_t n) {
+  int64_t x[2] = {k, n};
+  int64_t block[2] = {1, 1};
+  for (int i = 0; i < blk.inner_nblks; ++i) block[blk.inner_idxs[i]] *= blk.inner_blks[i];
+  int64_t offset = (x[0] / block[0]) * blk.strides[0] + (x[1] / block[1]) * blk.strides[1];
+  int64_t rem[2] = {x[0] % block[0], x[1] % block[1]};
+  int64_t inner_stride = 1;
+  for (int i = blk.inner_nblks - 1; i >= 0; --i) {
+    const int d = static_cast<int>(blk.inner_idxs[i]);
+    offset += (rem[d] % blk.inner_blks[i]) * inner_stride;
+    rem[d] /= blk.inner_blks[i];
+    inner_stride *= blk.inner_blks[i];
+  }
+  return offset;
 }
+
+// True for oneDNN's AMX BF16 weights layout (blocks 16@k, 64@n, 2@k: pairs of k adjacent, 64 n
+// per row of a block), which has direct packing loops; false sends packing through
+// BlockedOffset (and always does under ForceGenericPackingForTesting).
+bool IsAmxLayout(const dnnl::memory::desc& md) {
+  const dnnl_blocking_desc_t& blk = md.data.format_desc.blocking;
+  return !g_force_generic_packing && blk.inner_nblks == 3 && blk.inner_blks[0] == 16 &&
+         blk.inner_idxs[0] == 0 && blk.inner_blks[1] == 64 && blk.inner_idxs[1] == 1 &&
+         blk.inner_blks[2] == 2 && blk.inner_idxs[2] == 0;
+}
+
+// Writes B (n x k; element (r, c) given by load(r, c) as BF16 bits) in the layout `md`, padding
+// with zeros. The AMX layout (blocks 16@k, 64@n, 2@k: pairs of k adjacent, 64 n per row) has a
+// direct loop; any other blocking goes through BlockedOffset.
+template <class Load>
+absl::Status PackB(const dnnl::memory::desc& md, int64_t n, int64_t k, Load load, uint16_t* dst,
+                   size_t capacity) {
+  if (md.get_size() > capacity) {
+    return absl::InternalError(absl::StrCat("oneDNN's weights layout needs ", md.get_size(),
+                                            " bytes, the workspace reserves ", capacity));
+  }
+  const dnnl_blocking_desc_t& blk = md.data.format_desc.blocking;
+  const int64_t kp = md.data.padded_dims[0], np = md.data.padded_dims[1];
+  if (IsAmxLayout(md)) {
+    const int64_t nblocks = np / 64, kblocks = kp / 32;
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t nb = 0; nb < nblocks; ++nb) {
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        uint16_t* out = dst + kb * blk.strides[0] + nb * blk.strides[1];
+        for (int64_t ni = 0; ni < 64; ++ni) {
+          const int64_t r = nb * 64 + ni;
+          for (int64_t kk = 0; kk < 32; ++kk) {
+            const int64_t c = kb * 32 + kk;
+            out[(kk / 2) * 128 + ni * 2 + (kk % 2)] = (r < n && c < k) ? load(r, c) : uint16_t{0};
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+  std::memset(dst, 0, md.get_size());
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < k; ++c) dst[BlockedOffset(blk, c, r)] = load(r, c);
+  }
+  return absl::OkStatus();
+}
+
 
 // Rounds n floats to BF16, nearest even.
 void RoundToBf16(const float* in, int64_t n, uint16_t* out) {
@@ -148,9 +227,10 @@ absl::Status BlockScaledGemm(const Fp8GemmArgs& args, const uint16_t* a, const u
     for (int64_t kb = 0; kb < kblocks; ++kb) {
       const int64_t k0 = kb * 128;
       const int64_t klen = std::min<int64_t>(128, k - k0);
-      MatmulCall call{a + m0 * k + k0, k, b + k0, k, rows, n, klen, 1.0f, false, partial,
-                      OutputType::kF32};
-      if (absl::Status s = RunMatmul(call); !s.ok()) return s;
+      FP8RT_ASSIGN_OR_RETURN(
+          std::shared_ptr<const Matmul> mm,
+          Cache().Get({rows, n, klen, k, k, BLayout::kPlain, false, OutputType::kF32}));
+      FP8RT_RETURN_IF_ERROR(Execute(*mm, a + m0 * k + k0, b + k0, partial, 1.0f));
       const bool first = kb == 0 && !accumulate;
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
@@ -172,55 +252,127 @@ absl::Status BlockScaledGemm(const Fp8GemmArgs& args, const uint16_t* a, const u
   return absl::OkStatus();
 }
 
+// Carves the workspace in the order GemmWorkspaceBytes (kernels/gemm_common.cc) sizes it.
+class Carver {
+ public:
+  explicit Carver(void* base) : next_(static_cast<uint8_t*>(base)) {}
+  template <class T>
+  T* Take(size_t bytes) {
+    T* p = reinterpret_cast<T*>(next_);
+    next_ += Padded(bytes);
+    return p;
+  }
+
+ private:
+  uint8_t* next_;
+};
+
 }  // namespace
+
+void ForceGenericPackingForTesting(bool force) { g_force_generic_packing = force; }
 
 absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream) {
   const size_t required = GemmWorkspaceBytes(args);
-  if (absl::Status s = ValidateGemmArgs(args, required); !s.ok()) return s;
+  FP8RT_RETURN_IF_ERROR(ValidateGemmArgs(args, required));
   const int64_t m = args.m, n = args.n, k = args.k;
-  auto* ws = static_cast<uint8_t*>(args.workspace);
-  auto* a16 = reinterpret_cast<uint16_t*>(ws);
-  ws += Padded(static_cast<size_t>(m * k) * 2);
-  auto* b16 = reinterpret_cast<uint16_t*>(ws);
-  ws += Padded(static_cast<size_t>(n * k) * 2);
-  DecodeToBf16(args.a, m * k, args.a_format, a16);
-  DecodeToBf16(args.b, n * k, args.b_format, b16);
+  Carver ws(args.workspace);
+  auto* a16 = ws.Take<uint16_t>(static_cast<size_t>(m * k) * 2);
+  DecodeFp8ToBf16(args.a, m * k, args.a_format, a16);
 
   if (args.scaling == GemmScaling::kTensor) {
-    const float alpha = args.a_scale_inv[0] * args.b_scale_inv[0];
-    return RunMatmul({a16, k, b16, k, m, n, k, alpha, args.accumulate, args.d, args.out_type});
+    const size_t packed_bytes = PackedBBytes(n, k);
+    auto* b_packed = ws.Take<uint16_t>(packed_bytes);
+    FP8RT_ASSIGN_OR_RETURN(
+        std::shared_ptr<const Matmul> mm,
+        Cache().Get({m, n, k, k, k, BLayout::kPacked, args.accumulate, args.out_type}));
+    if (mm->b_md.get_size() > packed_bytes) {
+      return absl::InternalError("oneDNN's weights layout is larger than the workspace reserves");
+    }
+    if (IsAmxLayout(mm->b_md)) {
+      const dnnl_blocking_desc_t& blk = mm->b_md.data.format_desc.blocking;
+      PackFp8AmxLayout(args.b, n, k, args.b_format, mm->b_md.data.padded_dims[0],
+                       mm->b_md.data.padded_dims[1], blk.strides[0], blk.strides[1], b_packed);
+    } else {
+      std::array<uint16_t, 256> lut;
+      for (int c = 0; c < 256; ++c) {
+        lut[c] = FloatToBf16(DecodeFp8(static_cast<uint8_t>(c), args.b_format));
+      }
+      const uint8_t* b = args.b;
+      FP8RT_RETURN_IF_ERROR(PackB(
+          mm->b_md, n, k, [&](int64_t r, int64_t c) { return lut[b[r * k + c]]; }, b_packed,
+          packed_bytes));
+    }
+    return Execute(*mm, a16, b_packed, args.d, args.a_scale_inv[0] * args.b_scale_inv[0]);
   }
-  auto* partial = reinterpret_cast<float*>(ws);
-  ws += Padded(static_cast<size_t>(std::min<int64_t>(m, 256) * n) * 4);
+  auto* b16 = ws.Take<uint16_t>(static_cast<size_t>(n * k) * 2);
+  DecodeFp8ToBf16(args.b, n * k, args.b_format, b16);
+  auto* partial = ws.Take<float>(static_cast<size_t>(std::min<int64_t>(m, 256) * n) * 4);
   if (args.out_type == OutputType::kF32) {
     return BlockScaledGemm(args, a16, b16, partial, static_cast<float*>(args.d), args.accumulate);
   }
-  auto* acc = reinterpret_cast<float*>(ws);
-  if (absl::Status s = BlockScaledGemm(args, a16, b16, partial, acc, false); !s.ok()) return s;
-  auto* d16 = static_cast<uint16_t*>(args.d);
-  RoundToBf16(acc, m * n, d16);
+  auto* acc = ws.Take<float>(static_cast<size_t>(m * n) * 4);
+  FP8RT_RETURN_IF_ERROR(BlockScaledGemm(args, a16, b16, partial, acc, false));
+  RoundToBf16(acc, m * n, static_cast<uint16_t*>(args.d));
   return absl::OkStatus();
 }
 
 absl::Status GemmBf16Cpu(const Bf16GemmArgs& args, Stream) {
   const size_t required = GemmWorkspaceBytes(args);
-  if (absl::Status s = ValidateGemmArgs(args, required); !s.ok()) return s;
+  FP8RT_RETURN_IF_ERROR(ValidateGemmArgs(args, required));
   const int64_t m = args.m, n = args.n, k = args.k;
-  auto* ws = static_cast<uint8_t*>(args.workspace);
+  Carver ws(args.workspace);
   const uint16_t* a16 = static_cast<const uint16_t*>(args.a);
-  const uint16_t* b16 = static_cast<const uint16_t*>(args.b);
   if (args.a_type == InputType::kF32) {
-    auto* dst = reinterpret_cast<uint16_t*>(ws);
+    auto* dst = ws.Take<uint16_t>(static_cast<size_t>(m * k) * 2);
     RoundToBf16(static_cast<const float*>(args.a), m * k, dst);
     a16 = dst;
-    ws += Padded(static_cast<size_t>(m * k) * 2);
   }
+  const size_t packed_bytes = PackedBBytes(n, k);
+  auto* b_packed = ws.Take<uint16_t>(packed_bytes);
+  FP8RT_ASSIGN_OR_RETURN(
+      std::shared_ptr<const Matmul> mm,
+      Cache().Get({m, n, k, k, k, BLayout::kPacked, args.accumulate, args.out_type}));
   if (args.b_type == InputType::kF32) {
-    auto* dst = reinterpret_cast<uint16_t*>(ws);
-    RoundToBf16(static_cast<const float*>(args.b), n * k, dst);
-    b16 = dst;
+    const float* b = static_cast<const float*>(args.b);
+    FP8RT_RETURN_IF_ERROR(PackB(
+        mm->b_md, n, k, [&](int64_t r, int64_t c) { return FloatToBf16(b[r * k + c]); }, b_packed,
+        packed_bytes));
+  } else {
+    const uint16_t* b = static_cast<const uint16_t*>(args.b);
+    FP8RT_RETURN_IF_ERROR(PackB(
+        mm->b_md, n, k, [&](int64_t r, int64_t c) { return b[r * k + c]; }, b_packed,
+        packed_bytes));
   }
-  return RunMatmul({a16, k, b16, k, m, n, k, 1.0f, args.accumulate, args.d, args.out_type});
+  return Execute(*mm, a16, b_packed, args.d, 1.0f);
 }
 
 }  // namespace fp8rt::kernels::cpu_internal
+
+namespace fp8rt::kernels {
+
+// The CPU backend's workspace, each part 64-byte aligned (carved in this order below):
+//   tensor scaling: [A as BF16][B packed for oneDNN (K and N padded to 64)]
+//   block scaling:  [A as BF16][B as BF16][partial product of one 256-row tile][FP32 accumulator
+//                   for BF16 output]
+//   bf16 GEMM:      [A as BF16 when given FP32][B packed]
+size_t GemmWorkspaceBytes(const Fp8GemmArgs& args) {
+  const size_t m = static_cast<size_t>(args.m), n = static_cast<size_t>(args.n),
+               k = static_cast<size_t>(args.k);
+  size_t bytes = cpu_internal::Padded(m * k * 2);
+  if (args.scaling == GemmScaling::kTensor) {
+    return bytes + cpu_internal::PackedBBytes(args.n, args.k);
+  }
+  bytes += cpu_internal::Padded(n * k * 2);
+  const size_t tile_rows = m < 256 ? m : 256;
+  bytes += cpu_internal::Padded(tile_rows * n * 4);
+  if (args.out_type == OutputType::kBF16) bytes += cpu_internal::Padded(m * n * 4);
+  return bytes;
+}
+
+size_t GemmWorkspaceBytes(const Bf16GemmArgs& args) {
+  const size_t a_bytes = static_cast<size_t>(args.m) * static_cast<size_t>(args.k) * 2;
+  return (args.a_type == InputType::kF32 ? cpu_internal::Padded(a_bytes) : 0) +
+         cpu_internal::PackedBBytes(args.n, args.k);
+}
+
+}  // namespace fp8rt::kernels

@@ -11,19 +11,19 @@
 #include "kernels/ops.h"
 #include "launcher/bench/bench_util.h"
 #include "oneapi/dnnl/dnnl.hpp"
+#include "runtime/core/aligned_buffer.h"
 
 namespace fp8rt::bench {
 namespace {
 
 // Fills x with N(0, 1) values, in parallel (one generator per thread, fixed seeds).
-void FillNormal(std::vector<float>& x, uint32_t seed) {
-  const int64_t n = static_cast<int64_t>(x.size());
+void FillNormal(float* x, int64_t n, uint32_t seed) {
 #pragma omp parallel
   {
     std::mt19937 gen(seed + 7919u * static_cast<uint32_t>(omp_get_thread_num()));
     std::normal_distribution<float> dist(0.0f, 1.0f);
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < n; ++i) x[static_cast<size_t>(i)] = dist(gen);
+    for (int64_t i = 0; i < n; ++i) x[i] = dist(gen);
   }
 }
 
@@ -41,7 +41,7 @@ nlohmann::ordered_json TimingJson(const Timing& t) {
   nlohmann::ordered_json j;
   j["best_s"] = t.best_seconds;
   j["median_s"] = t.median_seconds;
-  j["iterations"] = t.iterations;
+  j["samples"] = t.samples;
   return j;
 }
 
@@ -50,24 +50,27 @@ nlohmann::ordered_json TimingJson(const Timing& t) {
 absl::StatusOr<nlohmann::ordered_json> QuantizeBench(const QuantizeBenchOptions& options) {
   if (options.mib < 1) return absl::InvalidArgumentError("--mib must be >= 1");
   const int64_t n = static_cast<int64_t>(options.mib) * (1 << 20) / 4;
-  std::vector<float> x(static_cast<size_t>(n));
-  std::vector<float> copy(static_cast<size_t>(n));
-  std::vector<uint8_t> codes(static_cast<size_t>(n));
-  FillNormal(x, 1234);
-  ParallelCopy(x.data(), copy.data(), n);  // touch every page before timing
-  std::memset(codes.data(), 0, codes.size());
+  // 64-byte aligned like every tensor fp8rt allocates (AlignedBuffer).
+  AlignedBuffer x_buf(static_cast<size_t>(n) * 4), copy_buf(static_cast<size_t>(n) * 4),
+      codes_buf(static_cast<size_t>(n));
+  float* x = x_buf.as<float>();
+  float* copy = copy_buf.as<float>();
+  uint8_t* codes = codes_buf.as<uint8_t>();
+  FillNormal(x, n, 1234);
+  ParallelCopy(x, copy, n);  // touch every page before timing
+  std::memset(codes, 0, static_cast<size_t>(n));
 
   float scale_inv = 0.0f;
   kernels::QuantStats stats;
   kernels::QuantizeArgs q;
   q.format = kernels::Fp8Format::kE4M3;
   q.granularity = kernels::Granularity::kTensor;
-  q.input = x.data();
+  q.input = x;
   q.rows = 1;
   q.cols = n;
   q.has_scale = true;
   q.scale = 448.0f / 5.0f;  // a delayed scale from a previous amax of 5
-  q.codes = codes.data();
+  q.codes = codes;
   q.scale_inv = &scale_inv;
   q.stats = &stats;
   const kernels::OpTable& ops = kernels::CpuOps();
@@ -75,10 +78,10 @@ absl::StatusOr<nlohmann::ordered_json> QuantizeBench(const QuantizeBenchOptions&
   if (!status.ok()) return status;
 
   std::vector<Case> cases = {
-      {"memcpy", [&] { ParallelCopy(x.data(), copy.data(), n); }},
+      {"memcpy", [&] { ParallelCopy(x, copy, n); }},
       {"quantize_e4m3_tensor", [&] { (void)ops.quantize(q, {}); }},
   };
-  auto t = RunInterleaved(cases, options.rounds, options.min_time_s);
+  auto t = RunInterleaved(cases, options.rounds, options.samples);
   const double bytes_copy = 2.0 * 4.0 * static_cast<double>(n);  // read + write
   const double bytes_quant = 5.0 * static_cast<double>(n);        // read FP32, write FP8
   const double bw_copy = bytes_copy / t["memcpy"].best_seconds;
@@ -89,7 +92,9 @@ absl::StatusOr<nlohmann::ordered_json> QuantizeBench(const QuantizeBenchOptions&
   j["ratio"] = bw_quant / bw_copy;
   j["ratio_definition"] =
       "quantize effective bandwidth (5 bytes/element) over memcpy bandwidth (8 bytes/element: "
-      "read + write), best of interleaved rounds";
+      "read + write), fastest of interleaved samples";
+  j["ratio_median"] = (bytes_quant / t["quantize_e4m3_tensor"].median_seconds) /
+                      (bytes_copy / t["memcpy"].median_seconds);
   j["elements"] = n;
   j["input_mib"] = options.mib;
   j["threads"] = omp_get_max_threads();
@@ -107,8 +112,8 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
   const int64_t s = options.size;
   std::vector<float> a(static_cast<size_t>(s * s)), b(static_cast<size_t>(s * s)),
       d(static_cast<size_t>(s * s)), d_ref(static_cast<size_t>(s * s));
-  FillNormal(a, 1);
-  FillNormal(b, 2);
+  FillNormal(a.data(), s * s, 1);
+  FillNormal(b.data(), s * s, 2);
   const kernels::OpTable& ops = kernels::CpuOps();
 
   // FP8 operands: current scaling of each tensor (not timed; the GEMM consumes FP8).
@@ -130,7 +135,7 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
   g.a_scale_inv = &a_si;
   g.b_scale_inv = &b_si;
   g.d = d.data();
-  std::vector<uint8_t> ws(kernels::GemmWorkspaceBytes(g));
+  AlignedBuffer ws(kernels::GemmWorkspaceBytes(g));
   g.workspace = ws.data();
   g.workspace_bytes = ws.size();
   if (absl::Status st = ops.gemm_fp8(g, {}); !st.ok()) return st;
@@ -140,7 +145,7 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
   g16.a = a.data();
   g16.b = b.data();
   g16.d = d.data();
-  std::vector<uint8_t> ws16(kernels::GemmWorkspaceBytes(g16));
+  AlignedBuffer ws16(kernels::GemmWorkspaceBytes(g16));
   g16.workspace = ws16.data();
   g16.workspace_bytes = ws16.size();
 
@@ -170,7 +175,7 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
       {"fp8_e4m3_tensor", [&] { (void)ops.gemm_fp8(g, {}); }},
       {"bf16", [&] { (void)ops.gemm_bf16(g16, {}); }},
   };
-  auto t = RunInterleaved(cases, options.rounds, options.min_time_s);
+  auto t = RunInterleaved(cases, options.rounds, options.samples);
   const double flop = 2.0 * static_cast<double>(s) * static_cast<double>(s) * static_cast<double>(s);
   const double fp32_best = std::min(t["sgemm_openblas"].best_seconds, t["f32_onednn"].best_seconds);
 
@@ -189,7 +194,10 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
   j["ratio"] = fp32_best / t["fp8_e4m3_tensor"].best_seconds;
   j["ratio_definition"] =
       "FP8 GEMM throughput (E4M3, tensor scales, FP32 out, decode included) over the faster "
-      "FP32 GEMM (OpenBLAS sgemm or oneDNN f32), best of interleaved rounds";
+      "FP32 GEMM (OpenBLAS sgemm or oneDNN f32), fastest of interleaved samples";
+  j["ratio_median"] =
+      std::min(t["sgemm_openblas"].median_seconds, t["f32_onednn"].median_seconds) /
+      t["fp8_e4m3_tensor"].median_seconds;
   j["m"] = s;
   j["n"] = s;
   j["k"] = s;

@@ -1,5 +1,7 @@
 // Helpers of fp8rt-bench: run several Google Benchmark functions interleaved, in one process,
-// and keep the best time of each, so that a ratio compares runs made under the same conditions.
+// so that a ratio compares runs made under the same conditions. Each sample is one iteration
+// (a whole kernel call); noise on a shared machine only ever adds time, so the fastest sample is
+// the estimate of each case, and the median is reported beside it.
 #ifndef FP8RT_LAUNCHER_BENCH_BENCH_UTIL_H_
 #define FP8RT_LAUNCHER_BENCH_BENCH_UTIL_H_
 
@@ -16,15 +18,15 @@ struct Case {
 };
 
 struct Timing {
-  double best_seconds = 0.0;    // fastest per-iteration real time over all rounds
-  double median_seconds = 0.0;  // median over rounds
-  long iterations = 0;          // total iterations measured
+  double best_seconds = 0.0;    // fastest sample
+  double median_seconds = 0.0;  // median sample
+  long samples = 0;             // samples measured
 };
 
-// Runs `rounds` rounds; each round runs every case once through Google Benchmark (at least
-// `min_time_s` seconds of iterations). Progress goes to stderr.
+// Runs `rounds` rounds; each round measures every case `samples_per_round` times through Google
+// Benchmark (one iteration per sample), after one warm-up call. Progress goes to stderr.
 std::map<std::string, Timing> RunInterleaved(const std::vector<Case>& cases, int rounds,
-                                             double min_time_s);
+                                             int samples_per_round);
 
 }  // namespace fp8rt::bench
 

@@ -48,11 +48,13 @@ int main(int argc, char** argv) {
   fp8rt::bench::GemmBenchOptions gopt;
   auto* quantize = app.add_subcommand("quantize", "FP32 -> E4M3 quantize vs memcpy bandwidth");
   quantize->add_option("--mib", qopt.mib, "input size in MiB (default 256)");
-  quantize->add_option("--rounds", qopt.rounds, "interleaved rounds (default 3)");
+  quantize->add_option("--rounds", qopt.rounds, "interleaved rounds (default 5)");
+  quantize->add_option("--samples", qopt.samples, "samples of each case per round (default 6)");
   quantize->add_flag("--json", json, "print one JSON object");
   auto* gemm = app.add_subcommand("gemm", "FP8 GEMM vs FP32 GEMM throughput");
   gemm->add_option("--size", gopt.size, "M = N = K (default 2048)");
-  gemm->add_option("--rounds", gopt.rounds, "interleaved rounds (default 3)");
+  gemm->add_option("--rounds", gopt.rounds, "interleaved rounds (default 5)");
+  gemm->add_option("--samples", gopt.samples, "samples of each case per round (default 3)");
   gemm->add_flag("--json", json, "print one JSON object");
   try {
     app.parse(argc, argv);

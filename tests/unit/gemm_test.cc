@@ -941,3 +941,68 @@ TEST(GemmLargeTest, TensorScaled2048Sampled) {
 
 }  // namespace
 }  // namespace fp8rt::kernels
+
+// The CPU backend's internal conversions: the AVX-512 FP8 -> BF16 decoder and the two ways of
+// packing B (direct AMX-layout loops, generic blocked offsets) must give identical results.
+#include "kernels/cpu/cpu_ops.h"
+
+namespace fp8rt::kernels {
+namespace {
+
+TEST(CpuDecodeTest, EveryCodeDecodesToItsExactBf16) {
+  // All 256 codes, shifted so that every SIMD lane position sees every code, plus a tail.
+  std::vector<uint8_t> codes(256 * 33 + 7);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i * 7 + i / 256);
+  for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    std::vector<uint16_t> out(codes.size());
+    cpu_internal::DecodeFp8ToBf16(codes.data(), static_cast<int64_t>(codes.size()), format,
+                                  out.data());
+    for (size_t i = 0; i < codes.size(); ++i) {
+      const float v = DecodeFp8(codes[i], format);
+      if (std::isnan(v)) {
+        EXPECT_TRUE(std::isnan(Bf16ToFloat(out[i]))) << int(codes[i]);
+      } else {
+        ASSERT_EQ(Bf16ToFloat(out[i]), v) << "code " << int(codes[i]) << " at " << i;
+      }
+    }
+  }
+}
+
+TEST(CpuPackingTest, GenericPackingMatchesTheAmxLoopsBitForBit) {
+  std::mt19937 gen(42);
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{8, 64, 32}, {17, 130, 100},
+                         {64, 256, 384}, {5, 1, 1}}) {
+    std::vector<uint8_t> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(n * k));
+    std::normal_distribution<float> dist(0.0f, 3.0f);
+    for (auto& c : a) c = EncodeFp8(dist(gen), Fp8Format::kE4M3);
+    for (auto& c : b) c = EncodeFp8(dist(gen), Fp8Format::kE5M2);
+    const float sa = 0.37f, sb = 1.9f;
+    std::vector<float> d_fast(static_cast<size_t>(m * n)), d_generic(d_fast.size());
+    Fp8GemmArgs g;
+    g.m = m;
+    g.n = n;
+    g.k = k;
+    g.a = a.data();
+    g.b = b.data();
+    g.b_format = Fp8Format::kE5M2;
+    g.a_scale_inv = &sa;
+    g.b_scale_inv = &sb;
+    std::vector<uint8_t> ws(GemmWorkspaceBytes(g) + 64);
+    g.workspace = ws.data() + (64 - reinterpret_cast<uintptr_t>(ws.data()) % 64) % 64;
+    g.workspace_bytes = GemmWorkspaceBytes(g);
+    g.d = d_fast.data();
+    ASSERT_TRUE(CpuOps().gemm_fp8(g, {}).ok());
+    cpu_internal::ForceGenericPackingForTesting(true);
+    g.d = d_generic.data();
+    const absl::Status s = CpuOps().gemm_fp8(g, {});
+    cpu_internal::ForceGenericPackingForTesting(false);
+    ASSERT_TRUE(s.ok()) << s;
+    for (size_t i = 0; i < d_fast.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(d_fast[i]), std::bit_cast<uint32_t>(d_generic[i]))
+          << m << "x" << n << "x" << k << " at " << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fp8rt::kernels

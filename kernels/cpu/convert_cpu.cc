@@ -1,0 +1,144 @@
+// FP8 -> BF16 conversions for the CPU GEMM: plain decoding of A, and packing of B straight into
+// oneDNN's AMX weights layout. Dispatched with Highway; on AVX-512 the decode is a 128-entry
+// table lookup done with two-table word permutes (32 codes per instruction group), elsewhere a
+// scalar table. Both are exact: every FP8 value is a BF16 value.
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/convert_cpu.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// Highway must come after foreach_target.
+#include "hwy/highway.h"
+
+#ifndef FP8RT_KERNELS_CPU_CONVERT_TABLE_
+#define FP8RT_KERNELS_CPU_CONVERT_TABLE_
+#include <array>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/formats.h"
+
+namespace fp8rt::kernels::cpu_internal {
+
+// BF16 bits of every FP8 code of one format.
+struct Bf16Table {
+  alignas(64) std::array<uint16_t, 256> bits;
+  explicit Bf16Table(Fp8Format format) {
+    for (int c = 0; c < 256; ++c) bits[c] = FloatToBf16(DecodeFp8(static_cast<uint8_t>(c), format));
+  }
+};
+
+inline const Bf16Table& TableFor(Fp8Format format) {
+  static const Bf16Table e4m3(Fp8Format::kE4M3), e5m2(Fp8Format::kE5M2);
+  return format == Fp8Format::kE4M3 ? e4m3 : e5m2;
+}
+
+}  // namespace fp8rt::kernels::cpu_internal
+#endif  // FP8RT_KERNELS_CPU_CONVERT_TABLE_
+
+HWY_BEFORE_NAMESPACE();
+namespace fp8rt::kernels::cpu_internal {
+namespace HWY_NAMESPACE {
+
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+// 32 codes -> 32 BF16: magnitudes through two 64-entry two-table permutes, sign re-attached.
+struct Avx512Decoder {
+  __m512i t0, t1, t2, t3;
+  explicit Avx512Decoder(const Bf16Table& table) {
+    t0 = _mm512_loadu_si512(table.bits.data());
+    t1 = _mm512_loadu_si512(table.bits.data() + 32);
+    t2 = _mm512_loadu_si512(table.bits.data() + 64);
+    t3 = _mm512_loadu_si512(table.bits.data() + 96);
+  }
+  HWY_INLINE __m512i operator()(const uint8_t* codes) const {
+    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+    const __m512i low = _mm512_permutex2var_epi16(t0, c, t1);   // index bits 0..5
+    const __m512i high = _mm512_permutex2var_epi16(t2, c, t3);
+    const __mmask32 upper = _mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40));
+    const __m512i magnitude = _mm512_mask_blend_epi16(upper, low, high);
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8);
+    return _mm512_or_si512(magnitude, sign);
+  }
+};
+#endif
+
+void DecodeSpan(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t* out) {
+  const Bf16Table& table = TableFor(format);
+  int64_t i = 0;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  const Avx512Decoder decode(table);
+  for (; i + 32 <= n; i += 32) _mm512_storeu_si512(out + i, decode(codes + i));
+#endif
+  for (; i < n; ++i) out[i] = table.bits[codes[i]];
+}
+
+// Packs the 64 (n) x 32 (k) block (nb, kb) of B (n x k FP8 codes, row-major) into `out`, the
+// block's 2048 BF16 values in oneDNN's AMX layout: out[(kk / 2) * 128 + ni * 2 + kk % 2].
+// Rows and columns past the matrix are zero.
+void PackBlock(const uint8_t* b, int64_t n, int64_t k, int64_t nb, int64_t kb, Fp8Format format,
+               uint16_t* out) {
+  const Bf16Table& table = TableFor(format);
+  const int64_t r0 = nb * 64, c0 = kb * 32;
+  const bool full = r0 + 64 <= n && c0 + 32 <= k;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if (full) {
+    // Decode each row's 32 codes as 16 (even, odd) k pairs, then transpose the 64 x 16 pairs.
+    alignas(64) uint32_t pairs[64][16];
+    const Avx512Decoder decode(table);
+    for (int64_t ni = 0; ni < 64; ++ni) {
+      _mm512_store_si512(pairs[ni], decode(b + (r0 + ni) * k + c0));
+    }
+    uint32_t* out32 = reinterpret_cast<uint32_t*>(out);
+    for (int64_t j = 0; j < 16; ++j) {
+      for (int64_t ni = 0; ni < 64; ++ni) out32[j * 64 + ni] = pairs[ni][j];
+    }
+    return;
+  }
+#endif
+  for (int64_t ni = 0; ni < 64; ++ni) {
+    const int64_t r = r0 + ni;
+    for (int64_t kk = 0; kk < 32; ++kk) {
+      const int64_t c = c0 + kk;
+      out[(kk / 2) * 128 + ni * 2 + (kk % 2)] =
+          (r < n && c < k) ? table.bits[b[r * k + c]] : uint16_t{0};
+    }
+  }
+  (void)full;
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace fp8rt::kernels::cpu_internal
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+#include "kernels/cpu/cpu_ops.h"
+
+namespace fp8rt::kernels::cpu_internal {
+
+HWY_EXPORT(DecodeSpan);
+HWY_EXPORT(PackBlock);
+
+void DecodeFp8ToBf16(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t* out) {
+  constexpr int64_t kChunk = int64_t{1} << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * kChunk;
+    HWY_DYNAMIC_DISPATCH(DecodeSpan)(codes + begin, std::min(kChunk, n - begin), format,
+                                     out + begin);
+  }
+}
+
+void PackFp8AmxLayout(const uint8_t* b, int64_t n, int64_t k, Fp8Format format, int64_t kp,
+                      int64_t np, int64_t k_block_stride, int64_t n_block_stride,
+                      uint16_t* dst) {
+  const int64_t nblocks = np / 64, kblocks = kp / 32;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t nb = 0; nb < nblocks; ++nb) {
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      HWY_DYNAMIC_DISPATCH(PackBlock)(b, n, k, nb, kb, format,
+                                      dst + kb * k_block_stride + nb * n_block_stride);
+    }
+  }
+}
+
+}  // namespace fp8rt::kernels::cpu_internal
+#endif  // HWY_ONCE
