@@ -60,7 +60,9 @@ struct QuantStats {
   int64_t count = 0;       // values quantized
   int64_t underflow = 0;   // finite nonzero inputs whose FP8 code is +-0
   int64_t subnormal = 0;   // outputs that are FP8 subnormals (exponent field 0, mantissa != 0)
-  int64_t saturated = 0;   // finite inputs with |x * scale| > fp8 max (encoded as +-max)
+  int64_t saturated = 0;   // finite inputs whose x * scale rounds past the largest finite
+                           // FP8 value (|y| > 464 for E4M3, >= 61440 for E5M2, or an FP32
+                           // product that overflowed): clamped to +-max
   int64_t nonfinite = 0;   // inputs that are +-Inf or NaN
 
   // Combines the statistics of two disjoint parts of one tensor (NaN amax wins).

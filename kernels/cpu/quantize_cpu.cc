@@ -58,8 +58,7 @@ inline uint8_t QuantizeOne(float x, float scale, SpanStats& s) {
   s.nonfinite += !finite;
   s.underflow += finite && ain != 0 && mag == 0;
   s.subnormal += mag != 0 && mag < (1u << B::kMantissaBits);
-  s.saturated += finite && (std::bit_cast<uint32_t>(y) & 0x7FFFFFFFu) >
-                               std::bit_cast<uint32_t>(B::kMax);
+  s.saturated += finite && (std::bit_cast<uint32_t>(y) & 0x7FFFFFFFu) > B::kOverflowAbove;
   return code;
 }
 
@@ -137,6 +136,7 @@ struct VectorEncoder {
   hn::Vec<DI> abs_mask = hn::Set(di, 0x7FFFFFFF);
   hn::Vec<DI> inf_bits = hn::Set(di, 0x7F800000);
   hn::Vec<DI> max_bits = hn::Set(di, static_cast<int32_t>(std::bit_cast<uint32_t>(B::kMax)));
+  hn::Vec<DI> overflow_bits = hn::Set(di, static_cast<int32_t>(B::kOverflowAbove));
   hn::Vec<DI> min_normal = hn::Set(di, static_cast<int32_t>(B::kMinNormalBits));
   hn::Vec<DI> round_half = hn::Set(di, (1 << (B::kShift - 1)) - 1);
   hn::Vec<DI> one = hn::Set(di, 1);
@@ -173,7 +173,8 @@ struct VectorEncoder {
         hn::CountTrue(di, hn::And(hn::And(finite, ain > zero), mag_zero)));
     stats->subnormal +=
         static_cast<int64_t>(hn::CountTrue(di, hn::AndNot(mag_zero, sub_limit > mag)));
-    stats->saturated += static_cast<int64_t>(hn::CountTrue(di, hn::And(finite, a > max_bits)));
+    stats->saturated +=
+        static_cast<int64_t>(hn::CountTrue(di, hn::And(finite, a > overflow_bits)));
     return NarrowCodes(d8, code);
   }
 };

@@ -25,15 +25,12 @@
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 
-#if defined(FP8RT_HAVE_CUDA_FP8_H)
-#include <cuda_fp8.h>
-#endif
+#include "tests/unit/nvidia_fp8_reference.h"
 
 namespace fp8rt::kernels {
 namespace {
 
-uint32_t FloatBits(float x) { return std::bit_cast<uint32_t>(x); }
-float BitsFloat(uint32_t b) { return std::bit_cast<float>(b); }
+using namespace test_reference;  // NVIDIA reference and bit helpers
 
 // ---------------------------------------------------------------------------------------------
 // BF16
@@ -244,20 +241,6 @@ TEST_P(Fp8DecodeTest, HandPickedCodes) {
   }
 }
 
-#if defined(FP8RT_HAVE_CUDA_FP8_H)
-// IEEE binary16 bits -> double, from the definition.
-double HalfBitsToDouble(uint16_t h) {
-  const double sign = (h & 0x8000) ? -1.0 : 1.0;
-  const int e = (h >> 10) & 0x1F;
-  const int m = h & 0x3FF;
-  if (e == 0x1F) {
-    return m == 0 ? sign * std::numeric_limits<double>::infinity()
-                  : std::numeric_limits<double>::quiet_NaN();
-  }
-  if (e == 0) return sign * std::ldexp(m, -24);
-  return sign * std::ldexp(1024 + m, e - 25);
-}
-#endif
 
 TEST_P(Fp8DecodeTest, AgreesWithNvidiaHalfConversion) {
 #if !defined(FP8RT_HAVE_CUDA_FP8_H)

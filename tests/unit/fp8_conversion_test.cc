@@ -25,49 +25,13 @@
 #include "gtest/gtest.h"
 #include "kernels/formats.h"
 
-#if defined(FP8RT_HAVE_CUDA_FP8_H)
-#include <cuda_fp8.h>
-#endif
+#include "tests/unit/nvidia_fp8_reference.h"
 
 namespace fp8rt::kernels {
 namespace {
 
-uint32_t FloatBits(float x) { return std::bit_cast<uint32_t>(x); }
-float BitsFloat(uint32_t b) { return std::bit_cast<float>(b); }
+using namespace test_reference;  // NVIDIA reference and bit helpers
 
-#define FP8RT_REQUIRE_CUDA_FP8_H()                                                          \
-  do {                                                                                      \
-    if (!kHaveReference) {                                                                  \
-      GTEST_SKIP() << "cuda_fp8.h not found: NVIDIA's reference conversion is unavailable " \
-                      "(install the CUDA toolkit headers under /usr/local/cuda/include)";   \
-    }                                                                                       \
-  } while (false)
-
-#if defined(FP8RT_HAVE_CUDA_FP8_H)
-constexpr bool kHaveReference = true;
-
-uint8_t NvEncode(float x, Fp8Format format) {
-  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
-                               format == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2);
-}
-
-// IEEE binary16 bits -> double, from the definition.
-double HalfBitsToDouble(uint16_t h) {
-  const double sign = (h & 0x8000) ? -1.0 : 1.0;
-  const int e = (h >> 10) & 0x1F;
-  const int m = h & 0x3FF;
-  if (e == 0x1F) {
-    return m == 0 ? sign * std::numeric_limits<double>::infinity()
-                  : std::numeric_limits<double>::quiet_NaN();
-  }
-  if (e == 0) return sign * std::ldexp(m, -24);
-  return sign * std::ldexp(1024 + m, e - 25);
-}
-#else
-constexpr bool kHaveReference = false;
-uint8_t NvEncode(float, Fp8Format) { return 0; }
-double HalfBitsToDouble(uint16_t) { return 0; }
-#endif
 
 // The value of an FP8 code from the format definition (sign, biased exponent, mantissa), used to
 // build the neighbour table independently of the code under test. NaN codes give NaN.

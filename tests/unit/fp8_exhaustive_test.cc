@@ -17,9 +17,7 @@
 #include "gtest/gtest.h"
 #include "kernels/formats.h"
 
-#if defined(FP8RT_HAVE_CUDA_FP8_H)
-#include <cuda_fp8.h>
-#endif
+#include "tests/unit/nvidia_fp8_reference.h"
 
 namespace fp8rt::kernels {
 namespace {

@@ -40,34 +40,13 @@
 #include "kernels/formats.h"
 #include "kernels/ops.h"
 
-#if defined(FP8RT_HAVE_CUDA_FP8_H)
-#include <cuda_fp8.h>
-#endif
+#include "tests/unit/nvidia_fp8_reference.h"
 
 namespace fp8rt::kernels {
 namespace {
 
-uint32_t FloatBits(float x) { return std::bit_cast<uint32_t>(x); }
-float BitsFloat(uint32_t b) { return std::bit_cast<float>(b); }
+using namespace test_reference;  // NVIDIA reference and bit helpers
 
-#if defined(FP8RT_HAVE_CUDA_FP8_H)
-constexpr bool kHaveReference = true;
-uint8_t NvEncode(float x, Fp8Format format) {
-  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE,
-                               format == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2);
-}
-#else
-constexpr bool kHaveReference = false;
-uint8_t NvEncode(float, Fp8Format) { return 0; }
-#endif
-
-#define FP8RT_REQUIRE_CUDA_FP8_H()                                                          \
-  do {                                                                                      \
-    if (!kHaveReference) {                                                                  \
-      GTEST_SKIP() << "cuda_fp8.h not found: NVIDIA's reference conversion is unavailable " \
-                      "(install the CUDA toolkit headers under /usr/local/cuda/include)";   \
-    }                                                                                       \
-  } while (false)
 
 // ---------------------------------------------------------------------------------------------
 // The reference, from the spec.
@@ -185,7 +164,6 @@ RefResult RunReference(Fp8Format format, Granularity g, const std::vector<float>
   r.grid_cols = CeilDiv(cols, blk.cols);
   r.codes.resize(rows * cols);
   r.dequant.resize(rows * cols);
-  const float fmax = Fp8Max(format);
   for (int64_t bi = 0; bi < r.grid_rows; ++bi) {
     for (int64_t bj = 0; bj < r.grid_cols; ++bj) {
       const int64_t r0 = bi * blk.rows, r1 = std::min(rows, r0 + blk.rows);
@@ -220,7 +198,7 @@ RefResult RunReference(Fp8Format format, Granularity g, const std::vector<float>
             ++r.stats.nonfinite;
           } else {
             if (v != 0.0f && (code & 0x7F) == 0) ++r.stats.underflow;
-            if (std::fabs(y) > fmax) ++r.stats.saturated;
+            if (NvRoundsPastMax(y, format)) ++r.stats.saturated;
           }
           if (RefIsSubnormalCode(code, format)) ++r.stats.subnormal;
         }
