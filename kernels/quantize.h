@@ -112,7 +112,19 @@ struct DequantizeArgs {
   float* output = nullptr;               // out: rows x cols
 };
 
+// Max |x| over a buffer, NaN if any value is NaN (the plain amax of QuantStats), and the max
+// over the finite values. For the amax of a tensor that must be synchronised before it is
+// quantized (current scaling across ranks).
+struct AmaxArgs {
+  InputType input_type = InputType::kF32;
+  const void* input = nullptr;
+  int64_t count = 0;
+  float* amax = nullptr;         // out
+  float* finite_amax = nullptr;  // out, optional
+};
+
 // Checks shapes and pointers; the backends call it first. Errors name the field.
+absl::Status ValidateAmaxArgs(const AmaxArgs& args);
 absl::Status ValidateQuantizeArgs(const QuantizeArgs& args);
 absl::Status ValidateDequantizeArgs(const DequantizeArgs& args);
 

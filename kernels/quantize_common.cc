@@ -139,6 +139,13 @@ absl::Status ValidateQuantizeArgs(const QuantizeArgs& args) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateAmaxArgs(const AmaxArgs& args) {
+  if (args.count < 0) return absl::InvalidArgumentError(absl::StrCat("count must be >= 0, got ", args.count));
+  if (args.count > 0 && args.input == nullptr) return absl::InvalidArgumentError("input is null");
+  if (args.amax == nullptr) return absl::InvalidArgumentError("amax is null");
+  return absl::OkStatus();
+}
+
 absl::Status ValidateDequantizeArgs(const DequantizeArgs& args) {
   if (absl::Status s = ValidateShape(args.rows, args.cols); !s.ok()) return s;
   if (args.rows == 0 || args.cols == 0) return absl::OkStatus();

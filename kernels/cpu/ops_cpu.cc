@@ -9,6 +9,7 @@ const OpTable& CpuOps() {
       .name = "cpu",
       .quantize = &cpu_internal::QuantizeCpu,
       .dequantize = &cpu_internal::DequantizeCpu,
+      .amax = &cpu_internal::AmaxCpu,
       .gemm_fp8 = &cpu_internal::GemmFp8Cpu,
       .gemm_bf16 = &cpu_internal::GemmBf16Cpu,
   };

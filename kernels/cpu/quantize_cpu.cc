@@ -486,6 +486,25 @@ absl::Status QuantizeCpu(const QuantizeArgs& args, Stream) {
   return absl::OkStatus();
 }
 
+absl::Status AmaxCpu(const AmaxArgs& args, Stream) {
+  if (absl::Status s = ValidateAmaxArgs(args); !s.ok()) return s;
+  const SpanFns fns = GetSpanFns(args.input_type, Fp8Format::kE4M3);
+  const auto* in = static_cast<const uint8_t*>(args.input);
+  std::mutex mu;
+  AmaxPair total;
+  ParallelRanges(args.count, int64_t{1} << 16, [&](int64_t b, int64_t e) {
+    const AmaxPair p = fns.amax(in + b * static_cast<int64_t>(fns.elem_bytes),
+                                static_cast<size_t>(e - b));
+    std::lock_guard<std::mutex> lock(mu);
+    total.amax_bits = std::max(total.amax_bits, p.amax_bits);
+    total.finite_amax_bits = std::max(total.finite_amax_bits, p.finite_amax_bits);
+  });
+  *args.amax = total.amax_bits > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN()
+                                             : BitsToFloat(total.amax_bits);
+  if (args.finite_amax != nullptr) *args.finite_amax = BitsToFloat(total.finite_amax_bits);
+  return absl::OkStatus();
+}
+
 absl::Status DequantizeCpu(const DequantizeArgs& args, Stream) {
   if (absl::Status s = ValidateDequantizeArgs(args); !s.ok()) return s;
   if (args.rows == 0 || args.cols == 0) return absl::OkStatus();

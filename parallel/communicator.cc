@@ -1,0 +1,169 @@
+// Communicator front end: argument checks, byte counting and error annotation shared by every
+// backend.
+#include "parallel/communicator.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace fp8rt::parallel {
+
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kBF16:
+      return 2;
+    case DType::kU8:
+      return 1;
+    case DType::kI64:
+      return 8;
+  }
+  return 0;
+}
+
+std::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return "f32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kU8:
+      return "fp8";
+    case DType::kI32:
+      return "i32";
+    case DType::kI64:
+      return "i64";
+  }
+  return "?";
+}
+
+std::string_view CollectiveOpName(CollectiveOp op) {
+  switch (op) {
+    case CollectiveOp::kAllReduce:
+      return "all_reduce";
+    case CollectiveOp::kAllGather:
+      return "all_gather";
+    case CollectiveOp::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveOp::kAllToAllV:
+      return "all_to_all_v";
+    case CollectiveOp::kBroadcast:
+      return "broadcast";
+    case CollectiveOp::kBarrier:
+      return "barrier";
+  }
+  return "?";
+}
+
+int64_t CommStats::TotalBytes() const {
+  int64_t total = 0;
+  for (const auto& per_op : bytes) {
+    for (int64_t b : per_op) total += b;
+  }
+  return total;
+}
+
+void Communicator::Count(CollectiveOp op, DType dtype, int64_t bytes) {
+  stats_.bytes[static_cast<int>(op)][static_cast<int>(dtype)] += bytes;
+  stats_.calls[static_cast<int>(op)][static_cast<int>(dtype)] += 1;
+}
+
+absl::Status Communicator::Annotate(CollectiveOp op, absl::Status status) const {
+  if (status.ok()) return status;
+  return absl::Status(status.code(),
+                      absl::StrCat(std::string(CollectiveOpName(op)), " on group '", name_,
+                                   "' (rank ", rank_, " of ", size_, "): ", status.message()));
+}
+
+namespace {
+
+absl::Status CheckReducible(DType dtype) {
+  if (dtype == DType::kU8) {
+    return absl::InvalidArgumentError(
+        "dtype: FP8 bytes are never reduced (sum in FP8 would round at every step); reduce in "
+        "BF16 or FP32");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckCount(int64_t count, const void* buf, const char* what) {
+  if (count < 0) return absl::InvalidArgumentError(absl::StrCat("count must be >= 0, got ", count));
+  if (count > 0 && buf == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, " is null"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Communicator::AllReduce(void* buf, int64_t count, DType dtype, ReduceOp op) {
+  absl::Status s = CheckReducible(dtype);
+  if (s.ok()) s = CheckCount(count, buf, "buf");
+  if (!s.ok()) return Annotate(CollectiveOp::kAllReduce, s);
+  Count(CollectiveOp::kAllReduce, dtype, Bytes(count, dtype));
+  return Annotate(CollectiveOp::kAllReduce, DoAllReduce(buf, count, dtype, op));
+}
+
+absl::Status Communicator::AllGather(const void* send, int64_t count, void* recv, DType dtype) {
+  absl::Status s = CheckCount(count, send, "send");
+  if (s.ok()) s = CheckCount(count, recv, "recv");
+  if (!s.ok()) return Annotate(CollectiveOp::kAllGather, s);
+  Count(CollectiveOp::kAllGather, dtype, Bytes(count, dtype));
+  return Annotate(CollectiveOp::kAllGather, DoAllGather(send, count, recv, dtype));
+}
+
+absl::Status Communicator::ReduceScatter(const void* send, void* recv, int64_t recv_count,
+                                         DType dtype, ReduceOp op) {
+  absl::Status s = CheckReducible(dtype);
+  if (s.ok()) s = CheckCount(recv_count, send, "send");
+  if (s.ok()) s = CheckCount(recv_count, recv, "recv");
+  if (!s.ok()) return Annotate(CollectiveOp::kReduceScatter, s);
+  Count(CollectiveOp::kReduceScatter, dtype, Bytes(recv_count * size_, dtype));
+  return Annotate(CollectiveOp::kReduceScatter,
+                  DoReduceScatter(send, recv, recv_count, dtype, op));
+}
+
+absl::Status Communicator::AllToAllV(const void* send, std::span<const int64_t> send_counts,
+                                     std::span<const int64_t> send_displs, void* recv,
+                                     std::span<const int64_t> recv_counts,
+                                     std::span<const int64_t> recv_displs, DType dtype) {
+  const size_t n = static_cast<size_t>(size_);
+  if (send_counts.size() != n || send_displs.size() != n || recv_counts.size() != n ||
+      recv_displs.size() != n) {
+    return Annotate(CollectiveOp::kAllToAllV,
+                    absl::InvalidArgumentError(absl::StrCat(
+                        "counts and displacements need one entry per rank (", size_, ")")));
+  }
+  int64_t sent = 0, received = 0;
+  for (size_t r = 0; r < n; ++r) {
+    if (send_counts[r] < 0 || recv_counts[r] < 0 || send_displs[r] < 0 || recv_displs[r] < 0) {
+      return Annotate(CollectiveOp::kAllToAllV,
+                      absl::InvalidArgumentError(absl::StrCat(
+                          "negative count or displacement for rank ", r)));
+    }
+    sent += send_counts[r];
+    received += recv_counts[r];
+  }
+  absl::Status s = CheckCount(sent, send, "send");
+  if (s.ok()) s = CheckCount(received, recv, "recv");
+  if (!s.ok()) return Annotate(CollectiveOp::kAllToAllV, s);
+  Count(CollectiveOp::kAllToAllV, dtype, Bytes(sent, dtype));
+  return Annotate(CollectiveOp::kAllToAllV,
+                  DoAllToAllV(send, send_counts, send_displs, recv, recv_counts, recv_displs,
+                              dtype));
+}
+
+absl::Status Communicator::Broadcast(void* buf, int64_t count, DType dtype, int root) {
+  absl::Status s = CheckCount(count, buf, "buf");
+  if (s.ok() && (root < 0 || root >= size_)) {
+    s = absl::InvalidArgumentError(absl::StrCat("root ", root, " is not a rank of the group"));
+  }
+  if (!s.ok()) return Annotate(CollectiveOp::kBroadcast, s);
+  Count(CollectiveOp::kBroadcast, dtype, rank_ == root ? Bytes(count, dtype) : 0);
+  return Annotate(CollectiveOp::kBroadcast, DoBroadcast(buf, count, dtype, root));
+}
+
+absl::Status Communicator::Barrier() {
+  Count(CollectiveOp::kBarrier, DType::kU8, 0);
+  return Annotate(CollectiveOp::kBarrier, DoBarrier());
+}
+
+}  // namespace fp8rt::parallel

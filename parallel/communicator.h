@@ -1,0 +1,133 @@
+// Communicator: collectives over one process group (world, TP, DP, EP, expert-DP).
+//
+// The public methods validate their arguments, count bytes by (op, dtype) for the metrics, and
+// call the backend's Do* method (MPI for CPU ranks in parallel/mpi/, NCCL for GPU ranks in
+// parallel/nccl/). Buffers are host memory for MPI and device memory for NCCL; the interface is
+// the same. Collectives are blocking and must be called in the same order on every rank of the
+// group. A backend never hangs forever: a collective that does not complete within the group's
+// timeout returns DeadlineExceeded naming the op and group, after which the communicator is
+// unusable (the job is expected to tear down and restart from a checkpoint).
+//
+// Reductions: kSum and kMax on f32, bf16, i32, i64. A BF16 sum adds in FP32 and rounds to BF16
+// once per reduction step, as NCCL does. FP8 bytes (kU8) are never reduced: gather, all-to-all
+// and broadcast only (a sum of FP8 values rounded to FP8 at every step would lose the gradient).
+//
+// Thread-compatible: one thread drives a communicator at a time. stats() may be read between
+// calls.
+#ifndef FP8RT_PARALLEL_COMMUNICATOR_H_
+#define FP8RT_PARALLEL_COMMUNICATOR_H_
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace fp8rt::parallel {
+
+enum class DType : uint8_t { kF32, kBF16, kU8, kI32, kI64 };
+inline constexpr int kNumDTypes = 5;
+size_t DTypeSize(DType dtype);
+std::string_view DTypeName(DType dtype);  // "f32", "bf16", "fp8" (kU8 carries FP8 bytes), "i32", "i64"
+
+enum class ReduceOp : uint8_t { kSum, kMax };
+
+enum class CollectiveOp : uint8_t {
+  kAllReduce,
+  kAllGather,
+  kReduceScatter,
+  kAllToAllV,
+  kBroadcast,
+  kBarrier,
+};
+inline constexpr int kNumCollectiveOps = 6;
+std::string_view CollectiveOpName(CollectiveOp op);  // "all_reduce", "all_gather", ...
+
+// Bytes this rank sent into collectives, and calls made, by op and dtype.
+struct CommStats {
+  std::array<std::array<int64_t, kNumDTypes>, kNumCollectiveOps> bytes{};
+  std::array<std::array<int64_t, kNumDTypes>, kNumCollectiveOps> calls{};
+  int64_t Bytes(CollectiveOp op, DType dtype) const {
+    return bytes[static_cast<int>(op)][static_cast<int>(dtype)];
+  }
+  int64_t Calls(CollectiveOp op, DType dtype) const {
+    return calls[static_cast<int>(op)][static_cast<int>(dtype)];
+  }
+  int64_t TotalBytes() const;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  // The group's name ("world", "tp", "dp", "ep", "edp"), this rank's index in it and its size.
+  const std::string& name() const { return name_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const CommStats& stats() const { return stats_; }
+
+  // In place: buf (count elements) becomes the reduction over the group.
+  absl::Status AllReduce(void* buf, int64_t count, DType dtype, ReduceOp op);
+  // recv (size() * count elements) receives every rank's `count` elements, in rank order.
+  absl::Status AllGather(const void* send, int64_t count, void* recv, DType dtype);
+  // send holds size() * recv_count elements; rank r receives the reduction of block r.
+  absl::Status ReduceScatter(const void* send, void* recv, int64_t recv_count, DType dtype,
+                             ReduceOp op);
+  // Counts and displacements in elements, one per rank of the group.
+  absl::Status AllToAllV(const void* send, std::span<const int64_t> send_counts,
+                         std::span<const int64_t> send_displs, void* recv,
+                         std::span<const int64_t> recv_counts,
+                         std::span<const int64_t> recv_displs, DType dtype);
+  absl::Status Broadcast(void* buf, int64_t count, DType dtype, int root);
+  absl::Status Barrier();
+
+  // Bytes this rank contributes to one call, as counted in stats() (what it sends into the
+  // collective: count * element size, size() * recv_count for reduce-scatter, the sum of
+  // send_counts for all-to-all).
+  static int64_t Bytes(int64_t elements, DType dtype) {
+    return elements * static_cast<int64_t>(DTypeSize(dtype));
+  }
+
+ protected:
+  Communicator(std::string name, int rank, int size)
+      : name_(std::move(name)), rank_(rank), size_(size) {}
+
+  virtual absl::Status DoAllReduce(void* buf, int64_t count, DType dtype, ReduceOp op) = 0;
+  virtual absl::Status DoAllGather(const void* send, int64_t count, void* recv, DType dtype) = 0;
+  virtual absl::Status DoReduceScatter(const void* send, void* recv, int64_t recv_count,
+                                       DType dtype, ReduceOp op) = 0;
+  virtual absl::Status DoAllToAllV(const void* send, std::span<const int64_t> send_counts,
+                                   std::span<const int64_t> send_displs, void* recv,
+                                   std::span<const int64_t> recv_counts,
+                                   std::span<const int64_t> recv_displs, DType dtype) = 0;
+  virtual absl::Status DoBroadcast(void* buf, int64_t count, DType dtype, int root) = 0;
+  virtual absl::Status DoBarrier() = 0;
+
+ private:
+  void Count(CollectiveOp op, DType dtype, int64_t bytes);
+  // Prefixes a backend error with the op and group so that every failure names both.
+  absl::Status Annotate(CollectiveOp op, absl::Status status) const;
+
+  const std::string name_;  // fixed after construction
+  const int rank_;
+  const int size_;
+  CommStats stats_;
+};
+
+// Creates the communicators of a job: the world, and subgroups split from it.
+class CommunicatorFactory {
+ public:
+  virtual ~CommunicatorFactory() = default;
+  virtual Communicator& World() = 0;
+  // Collective over the world: ranks with the same `color` form one group, ordered by `key`.
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key,
+                                                              std::string name) = 0;
+};
+
+}  // namespace fp8rt::parallel
+
+#endif  // FP8RT_PARALLEL_COMMUNICATOR_H_

@@ -1,0 +1,113 @@
+// FP8-aware collectives: the operations that let ranks agree on every FP8 scale and move half
+// the bytes of BF16 (DESIGN.md section 4).
+//
+// Index:
+//   SyncAmaxes            all amaxes of one step in one MAX all-reduce; NaN reaches every rank
+//   GatherFp8Weight       FSDP all-gather of a weight in FP8 (shared tensor scale or 128x128
+//                         block scales) straight from FP32 master shards
+//   GatherBf16            FSDP all-gather of a non-FP8 parameter in BF16
+//   ReduceScatterGrad     gradient reduce-scatter in BF16 or FP32 into FP32 shards
+//   ExchangeTokenCounts, AllToAllFp8Tokens, AllToAllBf16Tokens
+//                         MoE dispatch (FP8 with one scale per 1x128 tile of each token) and
+//                         combine (BF16); the backward pass uses the same calls reversed
+//
+// All calls are collective over the given communicator and must be made in the same order on
+// every rank of it. They run kernels through the given op table and allocate their temporary
+// host buffers themselves (the CPU path; the CUDA path will take a workspace).
+#ifndef FP8RT_PARALLEL_FP8_COLLECTIVES_H_
+#define FP8RT_PARALLEL_FP8_COLLECTIVES_H_
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/ops.h"
+#include "parallel/communicator.h"
+
+namespace fp8rt::parallel {
+
+// Replaces each amax with its MAX over the group, in one collective. The reduction runs on the
+// integer bits of |amax|, which order NaN above Inf above every finite value, so one NaN on one
+// rank makes that site NaN on every rank, whatever the backend's float MAX does with NaN.
+// Returns the indices of sites whose reduced amax is not finite (the step must be reported and
+// skipped by the caller).
+absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, std::span<float> amaxes);
+
+enum class WeightScaling : uint8_t {
+  kTensorGiven,    // one scale given by the caller (delayed scaling, already agreed)
+  kTensorCurrent,  // one scale from the amax of the whole weight: amax sync, then quantize
+  kBlock128,       // 128x128 block scales: no sync needed; shard rows must be a multiple of 128
+};
+
+struct Fp8GatherOptions {
+  kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
+  WeightScaling scaling = WeightScaling::kTensorCurrent;
+  float scale = 1.0f;  // kTensorGiven
+  int margin = 0;      // kTensorCurrent and kBlock128
+};
+
+// The full weight in FP8 after a gather, ready for the GEMM (as its B operand: rows = N, cols = K).
+struct Fp8Weight {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::vector<uint8_t> codes;     // rows x cols
+  std::vector<float> scale_inv;   // 1 value (tensor) or ceil(rows/128) x ceil(cols/128) (block)
+  kernels::QuantStats shard_stats;  // statistics of this rank's shard
+  float amax = 0.0f;              // kTensorCurrent: the synced amax; otherwise this shard's amax
+};
+
+// Each rank holds rows [rank * shard_rows, (rank + 1) * shard_rows) of a
+// (size * shard_rows) x cols FP32 master weight. Each rank quantizes its own shard and the group
+// all-gathers the FP8 bytes (and the block scales): the weight is never materialised in BF16.
+// Every rank ends with identical codes and scales, equal to quantizing the unsharded weight
+// with the same scale(s).
+absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::OpTable& ops,
+                                          const float* shard, int64_t shard_rows, int64_t cols,
+                                          const Fp8GatherOptions& options);
+
+// All-gathers `shard_count` FP32 values per rank as BF16 (rounded to nearest even) into
+// `full_bf16` (size * shard_count BF16 bits).
+absl::Status GatherBf16(Communicator& group, const float* shard, int64_t shard_count,
+                        uint16_t* full_bf16);
+
+enum class GradReduceDType : uint8_t { kBF16, kFP32 };
+
+// Sums `full_grad` (size * shard_count FP32 values, this rank's contribution to every shard)
+// over the group and leaves shard `rank` in `shard_grad`, in FP32: `shard_grad` = the reduced
+// values, or += them with `accumulate` (micro-batch accumulation in FP32). With kBF16 the
+// gradient travels and is summed as BF16 (FP32 additions rounded once per step).
+absl::Status ReduceScatterGrad(Communicator& group, const float* full_grad, int64_t shard_count,
+                               GradReduceDType dtype, bool accumulate, float* shard_grad);
+
+// MoE: every rank tells every other how many tokens it sends it. Returns recv_counts
+// (tokens this rank receives from each rank).
+absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
+                                                         std::span<const int64_t> send_counts);
+
+// Tokens received by an all-to-all: `tokens` rows of `hidden` values, grouped by source rank.
+struct Fp8Tokens {
+  std::vector<int64_t> recv_counts;  // tokens from each rank
+  std::vector<uint8_t> codes;        // tokens x hidden
+  std::vector<float> scale_inv;      // tokens x ceil(hidden / 128): one per 1x128 tile
+  int64_t tokens = 0;
+  kernels::QuantStats send_stats;    // statistics of the quantization of what this rank sent
+};
+
+// Sends tokens (rows of `hidden` FP32 values, grouped by destination rank with send_counts
+// tokens for each) in FP8 with one scale per 1x128 tile of each token. Counts go first.
+absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::OpTable& ops,
+                                            const float* tokens, int64_t hidden,
+                                            std::span<const int64_t> send_counts,
+                                            kernels::Fp8Format format);
+
+// Sends tokens (rows of `hidden` FP32 values, grouped by destination) as BF16; `recv_counts`
+// must be what the peers send (e.g. the send_counts of the matching dispatch, reversed). The
+// received rows are written to `out` as FP32 (exact BF16 values).
+absl::Status AllToAllBf16Tokens(Communicator& group, const float* tokens, int64_t hidden,
+                                std::span<const int64_t> send_counts,
+                                std::span<const int64_t> recv_counts, float* out);
+
+}  // namespace fp8rt::parallel
+
+#endif  // FP8RT_PARALLEL_FP8_COLLECTIVES_H_

@@ -1,0 +1,51 @@
+// The MPI backend of Communicator (Open MPI, CPU ranks).
+//
+// Collectives run as nonblocking MPI calls polled until they complete or until the group's
+// timeout passes; then the call returns DeadlineExceeded naming the op and group (a peer died or
+// hangs) instead of blocking forever, and the communicator refuses further calls. BF16 sums add
+// in FP32 and round once per reduction step (a user-defined MPI_Op, as NCCL does); float MAX
+// propagates NaN. The caller initialises MPI (MPI_Init_thread) before creating the factory and
+// finalizes it after destroying every communicator.
+#ifndef FP8RT_PARALLEL_MPI_MPI_COMMUNICATOR_H_
+#define FP8RT_PARALLEL_MPI_MPI_COMMUNICATOR_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "parallel/communicator.h"
+
+namespace fp8rt::parallel {
+
+struct MpiOptions {
+  // A collective that has not completed after this long fails with DeadlineExceeded.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+};
+
+class MpiCommunicatorFactory : public CommunicatorFactory {
+ public:
+  // Wraps a duplicate of MPI_COMM_WORLD as the world group ("world"). MPI must be initialised.
+  static absl::StatusOr<std::unique_ptr<MpiCommunicatorFactory>> Create(
+      const MpiOptions& options = {});
+  ~MpiCommunicatorFactory() override;
+
+  Communicator& World() override { return *world_; }
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key,
+                                                      std::string name) override;
+
+ private:
+  MpiCommunicatorFactory() = default;
+  MpiOptions options_;
+  std::unique_ptr<Communicator> world_;
+};
+
+// Initialises MPI for a process that uses fp8rt's MPI backend (MPI_THREAD_FUNNELED) unless it
+// already is, and finalizes it at exit. Returns the world size.
+absl::StatusOr<int> InitMpi(int* argc, char*** argv);
+// Finalizes MPI if InitMpi initialised it.
+void FinalizeMpi();
+
+}  // namespace fp8rt::parallel
+
+#endif  // FP8RT_PARALLEL_MPI_MPI_COMMUNICATOR_H_
