@@ -1,0 +1,437 @@
+// FP8-aware collectives (parallel/fp8_collectives.h): amax sync, FSDP gathers in FP8 and BF16,
+// gradient reduce-scatter, MoE all-to-all of tokens.
+//
+// Index:
+//   AmaxBits, AmaxFromBits    |amax| <-> ordered int32 bits (NaN > Inf > finite)
+//   SyncAmaxes
+//   GatherFp8Weight           validation, then tensor (given / current) or 128x128 block scaling
+//   GatherBf16, ReduceScatterGrad
+//   ExchangeTokenCounts, AllToAllFp8Tokens, AllToAllBf16Tokens
+//
+// Argument checks are local and happen before the first collective. They must fail on every rank
+// alike (callers pass the same shapes everywhere); a rank that fails alone leaves its peers to
+// the communicator's timeout.
+#include "parallel/fp8_collectives.h"
+
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/formats.h"
+#include "kernels/quantize.h"
+
+namespace fp8rt::parallel {
+namespace {
+
+using kernels::Fp8Format;
+using kernels::Granularity;
+
+constexpr uint32_t kFloatInfBits = 0x7F800000u;
+constexpr int64_t kTileCols = 128;  // columns per 1x128 tile and per 128x128 block
+
+// The bits of |amax| as a non-negative int32: for non-negative IEEE floats the integer order
+// is the float order, and every NaN (0x7F800001..0x7FFFFFFF) sits above +Inf.
+int32_t AmaxBits(float amax) {
+  return static_cast<int32_t>(std::bit_cast<uint32_t>(amax) & 0x7FFFFFFFu);
+}
+
+float AmaxFromBits(int32_t bits) {
+  const auto u = static_cast<uint32_t>(bits);
+  if (u > kFloatInfBits) return std::numeric_limits<float>::quiet_NaN();
+  return std::bit_cast<float>(u);
+}
+
+absl::Status CheckFormat(Fp8Format format, const char* fn) {
+  if (format != Fp8Format::kE4M3 && format != Fp8Format::kE5M2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(fn, ": format must be e4m3 or e5m2, got ", static_cast<int>(format)));
+  }
+  return absl::OkStatus();
+}
+
+// One count per rank of the group, none negative; returns their sum in *total.
+absl::Status CheckCounts(const Communicator& group, std::span<const int64_t> counts,
+                         const char* field, const char* fn, int64_t* total) {
+  if (counts.size() != static_cast<size_t>(group.size())) {
+    return absl::InvalidArgumentError(absl::StrCat(fn, ": ", field, " has ", counts.size(),
+                                                   " entries, the group '", group.name(),
+                                                   "' has ", group.size(), " ranks"));
+  }
+  *total = 0;
+  for (size_t r = 0; r < counts.size(); ++r) {
+    if (counts[r] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(fn, ": ", field, "[", r, "] must be >= 0, got ", counts[r]));
+    }
+    *total += counts[r];
+  }
+  return absl::OkStatus();
+}
+
+// Element counts and displacements of an all-to-all of rows of `row_elems` elements.
+struct AllToAllLayout {
+  std::vector<int64_t> counts;
+  std::vector<int64_t> displs;
+};
+
+AllToAllLayout RowsLayout(std::span<const int64_t> rows, int64_t row_elems) {
+  AllToAllLayout layout;
+  layout.counts.resize(rows.size());
+  layout.displs.resize(rows.size());
+  int64_t at = 0;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    layout.counts[r] = rows[r] * row_elems;
+    layout.displs[r] = at;
+    at += layout.counts[r];
+  }
+  return layout;
+}
+
+absl::Status CheckOp(const void* fn_ptr, const kernels::OpTable& ops, const char* op,
+                     const char* fn) {
+  if (fn_ptr == nullptr) {
+    return absl::UnimplementedError(
+        absl::StrCat(fn, ": the ", ops.name, " op table has no ", op, " op"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, std::span<float> amaxes) {
+  std::vector<int> nonfinite;
+  if (amaxes.empty()) return nonfinite;
+  std::vector<int32_t> bits(amaxes.size());
+  for (size_t i = 0; i < amaxes.size(); ++i) bits[i] = AmaxBits(amaxes[i]);
+  if (absl::Status s = group.AllReduce(bits.data(), static_cast<int64_t>(bits.size()),
+                                       DType::kI32, ReduceOp::kMax);
+      !s.ok()) {
+    return s;
+  }
+  for (size_t i = 0; i < amaxes.size(); ++i) {
+    amaxes[i] = AmaxFromBits(bits[i]);
+    if (static_cast<uint32_t>(bits[i]) >= kFloatInfBits) nonfinite.push_back(static_cast<int>(i));
+  }
+  return nonfinite;
+}
+
+absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::OpTable& ops,
+                                          const float* shard, int64_t shard_rows, int64_t cols,
+                                          const Fp8GatherOptions& options) {
+  constexpr const char* kFn = "GatherFp8Weight";
+  if (shard_rows <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kFn, ": shard_rows must be > 0, got ", shard_rows));
+  }
+  if (cols <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(kFn, ": cols must be > 0, got ", cols));
+  }
+  if (shard == nullptr) return absl::InvalidArgumentError(absl::StrCat(kFn, ": shard is null"));
+  if (absl::Status s = CheckFormat(options.format, kFn); !s.ok()) return s;
+  if (options.margin < 0 || options.margin > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kFn, ": margin must be in [0, 64], got ", options.margin));
+  }
+  switch (options.scaling) {
+    case WeightScaling::kTensorGiven:
+      if (!(std::isfinite(options.scale) && options.scale > 0.0f)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            kFn, ": scale must be finite and > 0 with tensor-given scaling, got ", options.scale));
+      }
+      break;
+    case WeightScaling::kTensorCurrent:
+      break;
+    case WeightScaling::kBlock128:
+      if (shard_rows % kTileCols != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            kFn, ": shard_rows must be a multiple of 128 with 128x128 block scaling (shards are "
+                 "whole block rows), got ",
+            shard_rows));
+      }
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          kFn, ": scaling must be tensor-given, tensor-current or block128, got ",
+          static_cast<int>(options.scaling)));
+  }
+  if (absl::Status s = CheckOp(reinterpret_cast<const void*>(ops.quantize), ops, "quantize", kFn);
+      !s.ok()) {
+    return s;
+  }
+
+  const int64_t shard_elems = shard_rows * cols;
+  Fp8Weight weight;
+  weight.rows = shard_rows * group.size();
+  weight.cols = cols;
+  std::vector<uint8_t> shard_codes(static_cast<size_t>(shard_elems));
+
+  kernels::QuantizeArgs q;
+  q.format = options.format;
+  q.input_type = kernels::InputType::kF32;
+  q.input = shard;
+  q.rows = shard_rows;
+  q.cols = cols;
+  q.margin = options.margin;
+  q.codes = shard_codes.data();
+  q.stats = &weight.shard_stats;
+
+  // Tensor scaling: every rank must quantize with the same scale, agreed before quantizing.
+  // Block scaling: each 128x128 block lies inside one shard, so its scale is local.
+  std::vector<float> shard_scale_inv;
+  if (options.scaling == WeightScaling::kBlock128) {
+    const kernels::ScaleGrid grid =
+        kernels::GetScaleGrid(Granularity::kBlock128x128, shard_rows, cols);
+    shard_scale_inv.resize(static_cast<size_t>(grid.size()));
+    q.granularity = Granularity::kBlock128x128;
+    q.scale_inv = shard_scale_inv.data();
+  } else {
+    float scale = options.scale;
+    if (options.scaling == WeightScaling::kTensorCurrent) {
+      if (absl::Status s = CheckOp(reinterpret_cast<const void*>(ops.amax), ops, "amax", kFn);
+          !s.ok()) {
+        return s;
+      }
+      float amax = 0.0f;
+      kernels::AmaxArgs a;
+      a.input_type = kernels::InputType::kF32;
+      a.input = shard;
+      a.count = shard_elems;
+      a.amax = &amax;
+      if (absl::Status s = ops.amax(a, kernels::Stream{}); !s.ok()) return s;
+      // A non-finite synced amax gives scale 1 (ComputeScale) and stays visible in weight.amax.
+      absl::StatusOr<std::vector<int>> bad = SyncAmaxes(group, std::span<float>(&amax, 1));
+      if (!bad.ok()) return bad.status();
+      weight.amax = amax;
+      scale = kernels::ComputeScale(amax, options.format, options.margin,
+                                    /*power_of_two=*/false);
+    }
+    shard_scale_inv.resize(1);
+    q.granularity = Granularity::kTensor;
+    q.has_scale = true;
+    q.scale = scale;
+    q.scale_inv = shard_scale_inv.data();
+  }
+  if (absl::Status s = ops.quantize(q, kernels::Stream{}); !s.ok()) return s;
+  if (options.scaling != WeightScaling::kTensorCurrent) weight.amax = weight.shard_stats.amax;
+
+  weight.codes.resize(static_cast<size_t>(shard_elems * group.size()));
+  if (absl::Status s =
+          group.AllGather(shard_codes.data(), shard_elems, weight.codes.data(), DType::kU8);
+      !s.ok()) {
+    return s;
+  }
+  if (options.scaling == WeightScaling::kBlock128) {
+    // Shards are whole block rows, so the grids concatenated in rank order are the full grid.
+    const auto grid_size = static_cast<int64_t>(shard_scale_inv.size());
+    weight.scale_inv.resize(static_cast<size_t>(grid_size * group.size()));
+    if (absl::Status s = group.AllGather(shard_scale_inv.data(), grid_size,
+                                         weight.scale_inv.data(), DType::kF32);
+        !s.ok()) {
+      return s;
+    }
+  } else {
+    weight.scale_inv = std::move(shard_scale_inv);  // the same on every rank: nothing to send
+  }
+  return weight;
+}
+
+absl::Status GatherBf16(Communicator& group, const float* shard, int64_t shard_count,
+                        uint16_t* full_bf16) {
+  if (shard_count < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("GatherBf16: shard_count must be >= 0, got ", shard_count));
+  }
+  if (shard_count > 0 && (shard == nullptr || full_bf16 == nullptr)) {
+    return absl::InvalidArgumentError(
+        shard == nullptr ? "GatherBf16: shard is null" : "GatherBf16: full_bf16 is null");
+  }
+  std::vector<uint16_t> send(static_cast<size_t>(shard_count));
+  for (int64_t i = 0; i < shard_count; ++i) send[i] = kernels::FloatToBf16(shard[i]);
+  return group.AllGather(send.data(), shard_count, full_bf16, DType::kBF16);
+}
+
+absl::Status ReduceScatterGrad(Communicator& group, const float* full_grad, int64_t shard_count,
+                               GradReduceDType dtype, bool accumulate, float* shard_grad) {
+  constexpr const char* kFn = "ReduceScatterGrad";
+  if (shard_count < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kFn, ": shard_count must be >= 0, got ", shard_count));
+  }
+  if (shard_count > 0 && full_grad == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(kFn, ": full_grad is null"));
+  }
+  if (shard_count > 0 && shard_grad == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(kFn, ": shard_grad is null"));
+  }
+  const int64_t full_count = shard_count * group.size();
+  switch (dtype) {
+    case GradReduceDType::kFP32: {
+      if (!accumulate) {
+        return group.ReduceScatter(full_grad, shard_grad, shard_count, DType::kF32,
+                                   ReduceOp::kSum);
+      }
+      std::vector<float> reduced(static_cast<size_t>(shard_count));
+      if (absl::Status s = group.ReduceScatter(full_grad, reduced.data(), shard_count,
+                                               DType::kF32, ReduceOp::kSum);
+          !s.ok()) {
+        return s;
+      }
+      for (int64_t i = 0; i < shard_count; ++i) shard_grad[i] += reduced[i];
+      return absl::OkStatus();
+    }
+    case GradReduceDType::kBF16: {
+      std::vector<uint16_t> send(static_cast<size_t>(full_count));
+      for (int64_t i = 0; i < full_count; ++i) send[i] = kernels::FloatToBf16(full_grad[i]);
+      std::vector<uint16_t> reduced(static_cast<size_t>(shard_count));
+      if (absl::Status s = group.ReduceScatter(send.data(), reduced.data(), shard_count,
+                                               DType::kBF16, ReduceOp::kSum);
+          !s.ok()) {
+        return s;
+      }
+      for (int64_t i = 0; i < shard_count; ++i) {
+        const float v = kernels::Bf16ToFloat(reduced[i]);
+        shard_grad[i] = accumulate ? shard_grad[i] + v : v;
+      }
+      return absl::OkStatus();
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(kFn, ": dtype must be bf16 or fp32, got ", static_cast<int>(dtype)));
+}
+
+absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
+                                                         std::span<const int64_t> send_counts) {
+  int64_t total = 0;
+  if (absl::Status s = CheckCounts(group, send_counts, "send_counts", "ExchangeTokenCounts", &total);
+      !s.ok()) {
+    return s;
+  }
+  const auto n = static_cast<size_t>(group.size());
+  std::vector<int64_t> ones(n, 1), displs(n);
+  for (size_t r = 0; r < n; ++r) displs[r] = static_cast<int64_t>(r);
+  std::vector<int64_t> recv_counts(n);
+  if (absl::Status s = group.AllToAllV(send_counts.data(), ones, displs, recv_counts.data(), ones,
+                                       displs, DType::kI64);
+      !s.ok()) {
+    return s;
+  }
+  for (size_t r = 0; r < n; ++r) {
+    if (recv_counts[r] < 0) {
+      return absl::DataLossError(absl::StrCat("ExchangeTokenCounts: rank ", r, " of group '",
+                                              group.name(), "' sent a negative token count ",
+                                              recv_counts[r]));
+    }
+  }
+  return recv_counts;
+}
+
+absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::OpTable& ops,
+                                            const float* tokens, int64_t hidden,
+                                            std::span<const int64_t> send_counts,
+                                            Fp8Format format) {
+  constexpr const char* kFn = "AllToAllFp8Tokens";
+  if (hidden <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(kFn, ": hidden must be > 0, got ", hidden));
+  }
+  if (absl::Status s = CheckFormat(format, kFn); !s.ok()) return s;
+  int64_t send_tokens = 0;
+  if (absl::Status s = CheckCounts(group, send_counts, "send_counts", kFn, &send_tokens);
+      !s.ok()) {
+    return s;
+  }
+  if (send_tokens > 0 && tokens == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(kFn, ": tokens is null"));
+  }
+  if (absl::Status s = CheckOp(reinterpret_cast<const void*>(ops.quantize), ops, "quantize", kFn);
+      !s.ok()) {
+    return s;
+  }
+
+  Fp8Tokens out;
+  absl::StatusOr<std::vector<int64_t>> recv_counts = ExchangeTokenCounts(group, send_counts);
+  if (!recv_counts.ok()) return recv_counts.status();
+  out.recv_counts = *std::move(recv_counts);
+  for (int64_t c : out.recv_counts) out.tokens += c;
+
+  // All outgoing tokens as one (send_tokens x hidden) matrix: 1x128 tiles never straddle rows,
+  // so each token's scales are its own whichever rank it goes to.
+  const int64_t tiles = kernels::GetScaleGrid(Granularity::kTile1x128, 1, hidden).cols;
+  std::vector<uint8_t> send_codes(static_cast<size_t>(send_tokens * hidden));
+  std::vector<float> send_scale_inv(static_cast<size_t>(send_tokens * tiles));
+  if (send_tokens > 0) {
+    kernels::QuantizeArgs q;
+    q.format = format;
+    q.granularity = Granularity::kTile1x128;
+    q.input_type = kernels::InputType::kF32;
+    q.input = tokens;
+    q.rows = send_tokens;
+    q.cols = hidden;
+    q.codes = send_codes.data();
+    q.scale_inv = send_scale_inv.data();
+    q.stats = &out.send_stats;
+    if (absl::Status s = ops.quantize(q, kernels::Stream{}); !s.ok()) return s;
+  }
+
+  out.codes.resize(static_cast<size_t>(out.tokens * hidden));
+  out.scale_inv.resize(static_cast<size_t>(out.tokens * tiles));
+  const AllToAllLayout send_c = RowsLayout(send_counts, hidden);
+  const AllToAllLayout recv_c = RowsLayout(out.recv_counts, hidden);
+  if (absl::Status s = group.AllToAllV(send_codes.data(), send_c.counts, send_c.displs,
+                                       out.codes.data(), recv_c.counts, recv_c.displs, DType::kU8);
+      !s.ok()) {
+    return s;
+  }
+  const AllToAllLayout send_s = RowsLayout(send_counts, tiles);
+  const AllToAllLayout recv_s = RowsLayout(out.recv_counts, tiles);
+  if (absl::Status s =
+          group.AllToAllV(send_scale_inv.data(), send_s.counts, send_s.displs,
+                          out.scale_inv.data(), recv_s.counts, recv_s.displs, DType::kF32);
+      !s.ok()) {
+    return s;
+  }
+  return out;
+}
+
+absl::Status AllToAllBf16Tokens(Communicator& group, const float* tokens, int64_t hidden,
+                                std::span<const int64_t> send_counts,
+                                std::span<const int64_t> recv_counts, float* out) {
+  constexpr const char* kFn = "AllToAllBf16Tokens";
+  if (hidden <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(kFn, ": hidden must be > 0, got ", hidden));
+  }
+  int64_t send_tokens = 0, recv_tokens = 0;
+  if (absl::Status s = CheckCounts(group, send_counts, "send_counts", kFn, &send_tokens);
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = CheckCounts(group, recv_counts, "recv_counts", kFn, &recv_tokens);
+      !s.ok()) {
+    return s;
+  }
+  if (send_tokens > 0 && tokens == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(kFn, ": tokens is null"));
+  }
+  if (recv_tokens > 0 && out == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(kFn, ": out is null"));
+  }
+
+  const int64_t send_elems = send_tokens * hidden;
+  std::vector<uint16_t> send(static_cast<size_t>(send_elems));
+  for (int64_t i = 0; i < send_elems; ++i) send[i] = kernels::FloatToBf16(tokens[i]);
+  const int64_t recv_elems = recv_tokens * hidden;
+  std::vector<uint16_t> recv(static_cast<size_t>(recv_elems));
+  const AllToAllLayout send_l = RowsLayout(send_counts, hidden);
+  const AllToAllLayout recv_l = RowsLayout(recv_counts, hidden);
+  if (absl::Status s = group.AllToAllV(send.data(), send_l.counts, send_l.displs, recv.data(),
+                                       recv_l.counts, recv_l.displs, DType::kBF16);
+      !s.ok()) {
+    return s;
+  }
+  for (int64_t i = 0; i < recv_elems; ++i) out[i] = kernels::Bf16ToFloat(recv[i]);
+  return absl::OkStatus();
+}
+
+}  // namespace fp8rt::parallel

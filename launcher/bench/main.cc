@@ -2,19 +2,93 @@
 // in the same run (these machines are noisy; absolute times alone mean little).
 //   fp8rt bench quantize [--json] [--mib N]
 //   fp8rt bench gemm [--json] [--size N]
+//   fp8rt bench comm --np N [--json]   (runs N MPI ranks of fp8rt-bench-comm through mpirun)
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <string>
+#include <thread>
 
 #include "CLI/CLI.hpp"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "launcher/bench/bench_kernels.h"
 
 namespace {
 
+#ifndef FP8RT_MPIEXEC
+#define FP8RT_MPIEXEC "mpirun"
+#endif
+
+// Runs fp8rt-bench-comm on `np` ranks through mpirun and returns the JSON rank 0 printed.
+absl::StatusOr<nlohmann::ordered_json> CommBench(int np, int repeats) {
+  if (np < 1 || np > 16) return absl::InvalidArgumentError("--np must be in [1, 16]");
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  const std::filesystem::path worker = self.parent_path() / "fp8rt-bench-comm";
+  if (ec || access(worker.c_str(), X_OK) != 0) {
+    return absl::NotFoundError("fp8rt-bench-comm not found next to fp8rt-bench (" +
+                               worker.string() + ")");
+  }
+  // Each rank gets its share of the cores for its OpenMP kernels (they would fight otherwise).
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const unsigned threads = std::max(1u, cores / static_cast<unsigned>(np));
+  std::string cmd = std::string(FP8RT_MPIEXEC) + (geteuid() == 0 ? " --allow-run-as-root" : "") +
+                    " --oversubscribe -np " + std::to_string(np) + " -x OMP_NUM_THREADS=" +
+                    std::to_string(threads) + " " + worker.string() + " --repeats " +
+                    std::to_string(repeats);
+  std::fprintf(stderr, "running %d MPI ranks: %s\n", np, cmd.c_str());
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return absl::InternalError("cannot start " + cmd);
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, n);
+  const int status = pclose(pipe);
+  if (status != 0) {
+    return absl::InternalError("the MPI job failed (status " + std::to_string(status) +
+                               "); its output: " + out);
+  }
+  const size_t start = out.rfind('{');
+  if (start == std::string::npos) return absl::InternalError("no JSON in the MPI job's output: " + out);
+  try {
+    return nlohmann::ordered_json::parse(out.substr(out.rfind("{\"benchmark\"")));
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InternalError(std::string("bad JSON from the MPI job: ") + e.what());
+  }
+}
+
 void PrintHuman(const nlohmann::ordered_json& j) {
   const std::string name = j["benchmark"].get<std::string>();
-  if (name == "quantize") {
+  if (name == "comm") {
+    const auto& g = j["fsdp_gather"];
+    const auto& m = j["moe_dispatch"];
+    const auto& r = j["grad_reduce_scatter"];
+    std::cout << absl::StrFormat(
+        "communication, %d MPI ranks (bytes sent per rank; time of the slowest rank)\n"
+        "  FSDP gather, %d params    fp8 %.1f MiB %.1f ms | bf16 %.1f MiB %.1f ms | bytes x%.3f "
+        "(target <= 0.52), time x%.3f (target <= 0.65)\n"
+        "    128x128 block scales    fp8 %.1f MiB %.1f ms | bytes x%.3f, time x%.3f\n"
+        "  MoE dispatch              fp8 %.1f MiB %.1f ms | bf16 %.1f MiB %.1f ms | bytes x%.3f, "
+        "time x%.3f\n"
+        "  grad reduce-scatter       bf16 %.1f MiB %.1f ms | fp32 %.1f MiB %.1f ms | bytes x%.3f, "
+        "time x%.3f\n",
+        j["np"].get<int>(), j["params"].get<int64_t>(), g["fp8_bytes"].get<double>() / 1048576,
+        1e3 * g["fp8_s"].get<double>(), g["bf16_bytes"].get<double>() / 1048576,
+        1e3 * g["bf16_s"].get<double>(), g["byte_ratio"].get<double>(),
+        g["time_ratio"].get<double>(), g["fp8_block_bytes"].get<double>() / 1048576,
+        1e3 * g["fp8_block_s"].get<double>(), g["fp8_block_byte_ratio"].get<double>(),
+        g["fp8_block_time_ratio"].get<double>(), m["fp8_bytes"].get<double>() / 1048576,
+        1e3 * m["fp8_s"].get<double>(), m["bf16_bytes"].get<double>() / 1048576,
+        1e3 * m["bf16_s"].get<double>(), m["byte_ratio"].get<double>(),
+        m["time_ratio"].get<double>(), r["bf16_bytes"].get<double>() / 1048576,
+        1e3 * r["bf16_s"].get<double>(), r["fp32_bytes"].get<double>() / 1048576,
+        1e3 * r["fp32_s"].get<double>(), r["byte_ratio"].get<double>(),
+        r["time_ratio"].get<double>());
+  } else if (name == "quantize") {
     std::cout << absl::StrFormat(
         "quantize FP32 -> E4M3 (tensor scale, stats in the same pass), %d MiB input, %d threads\n"
         "  quantize  %8.2f GB/s effective (5 B/element)\n"
@@ -56,6 +130,11 @@ int main(int argc, char** argv) {
   gemm->add_option("--rounds", gopt.rounds, "interleaved rounds (default 5)");
   gemm->add_option("--samples", gopt.samples, "samples of each case per round (default 3)");
   gemm->add_flag("--json", json, "print one JSON object");
+  int np = 2, comm_repeats = 3;
+  auto* comm = app.add_subcommand("comm", "FP8 vs BF16 collectives over N MPI ranks");
+  comm->add_option("--np", np, "MPI ranks (default 2)");
+  comm->add_option("--repeats", comm_repeats, "repeats of each measurement (default 3)");
+  comm->add_flag("--json", json, "print one JSON object");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -65,7 +144,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   absl::StatusOr<nlohmann::ordered_json> result =
-      quantize->parsed() ? fp8rt::bench::QuantizeBench(qopt) : fp8rt::bench::GemmBench(gopt);
+      quantize->parsed() ? fp8rt::bench::QuantizeBench(qopt)
+      : gemm->parsed()   ? fp8rt::bench::GemmBench(gopt)
+                         : CommBench(np, comm_repeats);
   if (!result.ok()) {
     std::fprintf(stderr, "fp8rt bench: %s\n", std::string(result.status().message()).c_str());
     return 2;

@@ -1,0 +1,127 @@
+// The NCCL backend of Communicator (GPU ranks, one CUDA device per process).
+//
+// Buffers passed to the collectives are device memory on the communicator's device. Each
+// collective is enqueued on the communicator's own CUDA stream (stream()) and then waited for:
+// the call polls the stream and NCCL's asynchronous error state until the work is done, NCCL
+// reports an error, or the group's timeout passes. On a timeout or an asynchronous error the NCCL
+// communicator is aborted (ncclCommAbort), the call returns DeadlineExceeded (or the NCCL error)
+// and every later call on that communicator fails with FailedPrecondition: the job is expected
+// to tear down and restart from a checkpoint, as with the MPI backend.
+//
+// NCCL communicators are created non-blocking (ncclConfig_t::blocking = 0) so that creation,
+// splitting and connection setup can time out too instead of hanging on a dead peer.
+//
+// Ordering with the caller's kernels: stream() is an ordinary (blocking) stream, so a collective
+// runs after work already queued on stream() and on the legacy default stream. Work queued on
+// other streams must be complete before the call (synchronize it, or make stream() wait on an
+// event recorded after it). When a call returns OK its results are visible to every stream.
+//
+// The ncclUniqueId of the world is created by rank 0 and broadcast over a bootstrap communicator
+// (the MPI world, host memory); subgroups come from ncclCommSplit and need no bootstrap.
+//
+// Thread-compatible, like every Communicator. The factory and the communicators it returns may
+// be destroyed in any order; destroying one waits (up to the timeout) for its peers to finish
+// their outstanding NCCL work, then aborts.
+#ifndef FP8RT_PARALLEL_NCCL_NCCL_COMMUNICATOR_H_
+#define FP8RT_PARALLEL_NCCL_NCCL_COMMUNICATOR_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "parallel/communicator.h"
+
+// Opaque library handles, so that this header needs neither nccl.h nor cuda_runtime.h:
+// ncclComm_t is `ncclComm*` and cudaStream_t is `CUstream_st*`.
+struct ncclComm;
+struct CUstream_st;
+
+namespace fp8rt::parallel {
+
+struct NcclOptions {
+  // A collective, a communicator creation or a split that has not completed after this long
+  // fails with DeadlineExceeded and aborts the NCCL communicator. Also bounds the wait for peers
+  // when a communicator is destroyed.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+};
+
+class NcclCommunicator : public Communicator {
+ public:
+  ~NcclCommunicator() override;
+  NcclCommunicator(const NcclCommunicator&) = delete;
+  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
+
+  // The CUDA device ordinal and the stream the collectives run on (a cudaStream_t).
+  int device() const { return device_; }
+  CUstream_st* stream() const { return stream_; }
+  // OK while usable; otherwise the error that aborted the communicator.
+  const absl::Status& health() const { return broken_; }
+
+ protected:
+  absl::Status DoAllReduce(void* buf, int64_t count, DType dtype, ReduceOp op) override;
+  absl::Status DoAllGather(const void* send, int64_t count, void* recv, DType dtype) override;
+  absl::Status DoReduceScatter(const void* send, void* recv, int64_t recv_count, DType dtype,
+                               ReduceOp op) override;
+  absl::Status DoAllToAllV(const void* send, std::span<const int64_t> send_counts,
+                           std::span<const int64_t> send_displs, void* recv,
+                           std::span<const int64_t> recv_counts,
+                           std::span<const int64_t> recv_displs, DType dtype) override;
+  absl::Status DoBroadcast(void* buf, int64_t count, DType dtype, int root) override;
+  absl::Status DoBarrier() override;
+
+ private:
+  friend class NcclCommunicatorFactory;
+
+  // Takes ownership of `comm`, an initialised NCCL communicator on `device`; on error aborts it.
+  static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Wrap(std::string name, int device,
+                                                                ncclComm* comm,
+                                                                const NcclOptions& options);
+  NcclCommunicator(std::string name, int rank, int size, int device, ncclComm* comm,
+                   const NcclOptions& options);
+
+  // Makes the device current and fails if the communicator was aborted.
+  absl::Status Begin();
+  // Waits until the work just enqueued (`enqueued`: the status of the enqueue calls) completes,
+  // NCCL reports an error or the deadline passes; aborts the communicator on any failure.
+  absl::Status Finish(absl::Status enqueued, std::chrono::steady_clock::time_point deadline);
+  // Aborts the NCCL communicator and remembers why.
+  absl::Status Break(absl::Status why);
+  // The NCCL communicator, for ncclCommSplit; null once aborted.
+  ncclComm* comm() const { return comm_; }
+
+  const int device_;            // fixed after construction
+  const NcclOptions options_;   // fixed after construction
+  ncclComm* comm_;              // owned; null once aborted
+  CUstream_st* stream_ = nullptr;  // owned
+  void* barrier_buf_ = nullptr;    // owned device memory, one int32 for Barrier()
+  absl::Status broken_;         // OK until the communicator is aborted
+};
+
+class NcclCommunicatorFactory : public CommunicatorFactory {
+ public:
+  // Creates the world group ("world") over the ranks of `bootstrap` (the MPI world: same ranks,
+  // same order, host buffers), with this process on CUDA device `device`. Collective over
+  // `bootstrap`: rank 0 creates the ncclUniqueId and broadcasts it. If any rank fails to set up
+  // its device, every rank gets an error naming the failing rank rather than a hang.
+  static absl::StatusOr<std::unique_ptr<NcclCommunicatorFactory>> Create(
+      Communicator& bootstrap, int device, const NcclOptions& options = {});
+  ~NcclCommunicatorFactory() override;
+
+  Communicator& World() override { return *world_; }
+  // ncclCommSplit of the world: collective over the world. `color` must be >= 0. A split that
+  // times out aborts the world communicator.
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key,
+                                                      std::string name) override;
+
+ private:
+  explicit NcclCommunicatorFactory(const NcclOptions& options) : options_(options) {}
+
+  const NcclOptions options_;  // fixed after construction
+  std::unique_ptr<NcclCommunicator> world_;
+};
+
+}  // namespace fp8rt::parallel
+
+#endif  // FP8RT_PARALLEL_NCCL_NCCL_COMMUNICATOR_H_
