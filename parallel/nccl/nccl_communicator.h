@@ -20,8 +20,8 @@
 // (the MPI world, host memory); subgroups come from ncclCommSplit and need no bootstrap.
 //
 // Thread-compatible, like every Communicator. The factory and the communicators it returns may
-// be destroyed in any order; destroying one waits (up to the timeout) for its peers to finish
-// their outstanding NCCL work, then aborts.
+// be destroyed in any order. Destroying a communicator finalizes it (ncclCommFinalize, waiting
+// up to the timeout for its outstanding work) and aborts it instead if that fails.
 #ifndef FP8RT_PARALLEL_NCCL_NCCL_COMMUNICATOR_H_
 #define FP8RT_PARALLEL_NCCL_NCCL_COMMUNICATOR_H_
 
@@ -85,18 +85,20 @@ class NcclCommunicator : public Communicator {
   absl::Status Begin();
   // Waits until the work just enqueued (`enqueued`: the status of the enqueue calls) completes,
   // NCCL reports an error or the deadline passes; aborts the communicator on any failure.
-  absl::Status Finish(absl::Status enqueued, std::chrono::steady_clock::time_point deadline);
+  // `what` names the NCCL call in errors.
+  absl::Status Finish(absl::Status enqueued, std::chrono::steady_clock::time_point deadline,
+                      const char* what);
   // Aborts the NCCL communicator and remembers why.
   absl::Status Break(absl::Status why);
   // The NCCL communicator, for ncclCommSplit; null once aborted.
   ncclComm* comm() const { return comm_; }
 
-  const int device_;            // fixed after construction
-  const NcclOptions options_;   // fixed after construction
-  ncclComm* comm_;              // owned; null once aborted
+  const int device_;               // fixed after construction
+  const NcclOptions options_;      // fixed after construction
+  ncclComm* comm_;                 // owned; null once aborted
   CUstream_st* stream_ = nullptr;  // owned
   void* barrier_buf_ = nullptr;    // owned device memory, one int32 for Barrier()
-  absl::Status broken_;         // OK until the communicator is aborted
+  absl::Status broken_;            // OK until the communicator is aborted
 };
 
 class NcclCommunicatorFactory : public CommunicatorFactory {

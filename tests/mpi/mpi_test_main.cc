@@ -67,6 +67,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "InitMpi failed: %s\n", std::string(world_size.status().message()).c_str());
     return 1;
   }
+  // mpirun's output forwarding looks like a terminal to gtest: no colour codes in the logs
+  // unless asked for (--gtest_color=yes).
+  GTEST_FLAG_SET(color, "no");
   ::testing::InitGoogleTest(&argc, argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

@@ -1,0 +1,355 @@
+// NCCL backend: collectives enqueued on the communicator's stream of a non-blocking NCCL
+// communicator, then polled (NCCL's asynchronous state, then the stream) against a deadline.
+//
+// Index:
+//   ToNccl                  DType / ReduceOp -> NCCL enums
+//   WaitState               polls a communicator out of ncclInProgress (init, split, finalize)
+//   NcclCommunicator        Do* collectives, Finish (the deadline), Break (abort), teardown
+//   NcclCommunicatorFactory Create (unique id over the bootstrap), Split (ncclCommSplit)
+#include "parallel/nccl/nccl_communicator.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <cstdint>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/core/checks.h"
+#include "runtime/core/status.h"
+
+namespace fp8rt::parallel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+ncclDataType_t ToNccl(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return ncclFloat32;
+    case DType::kBF16:
+      return ncclBfloat16;
+    case DType::kU8:
+      return ncclUint8;  // FP8 bytes are moved, never reduced (the front end rejects that)
+    case DType::kI32:
+      return ncclInt32;
+    case DType::kI64:
+      return ncclInt64;
+  }
+  return ncclUint8;
+}
+
+ncclRedOp_t ToNccl(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclMax; }
+
+// A call on a non-blocking communicator returns ncclInProgress when it queued work that
+// completes later; that is success so far, and the caller polls the communicator's state.
+absl::Status Enqueued(ncclResult_t rc, const char* expr, const char* file, int line) {
+  if (rc == ncclSuccess || rc == ncclInProgress) return absl::OkStatus();
+  return internal::NcclErrorStatus(rc, expr, file, line);
+}
+#define FP8RT_NCCL_ENQUEUE(expr) Enqueued((expr), #expr, __FILE__, __LINE__)
+
+// Between polls: yield for the first ~thousand (small collectives finish in microseconds), then
+// sleep briefly so that a long wait does not burn a core.
+void Pause(int64_t polls) {
+  if (polls < 1024) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+}
+
+absl::Status Timeout(const char* what, std::chrono::milliseconds timeout) {
+  return absl::DeadlineExceededError(
+      absl::StrCat(what, " did not complete within ", timeout.count(),
+                   " ms: a peer rank has failed, hangs, or called a different collective"));
+}
+
+// Polls `comm` until it leaves ncclInProgress: OK when it reaches ncclSuccess, the NCCL error
+// otherwise, DeadlineExceeded past `deadline` (the caller then aborts it).
+absl::Status WaitState(ncclComm_t comm, Clock::time_point deadline,
+                       std::chrono::milliseconds timeout, const char* what) {
+  for (int64_t polls = 0;; ++polls) {
+    ncclResult_t state = ncclInProgress;
+    NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(comm, &state));
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress) return internal::NcclErrorStatus(state, what, __FILE__, __LINE__);
+    if (Clock::now() >= deadline) return Timeout(what, timeout);
+    Pause(polls);
+  }
+}
+
+}  // namespace
+
+// --- NcclCommunicator --------------------------------------------------------------------------
+
+NcclCommunicator::NcclCommunicator(std::string name, int rank, int size, int device, ncclComm* comm,
+                                   const NcclOptions& options)
+    : Communicator(std::move(name), rank, size), device_(device), options_(options), comm_(comm) {}
+
+absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Wrap(
+    std::string name, int device, ncclComm* comm, const NcclOptions& options) {
+  int rank = 0, size = 0;
+  absl::Status status = [&]() -> absl::Status {
+    NCCL_RETURN_IF_ERROR(ncclCommUserRank(comm, &rank));
+    NCCL_RETURN_IF_ERROR(ncclCommCount(comm, &size));
+    return absl::OkStatus();
+  }();
+  if (!status.ok()) {
+    ncclCommAbort(comm);
+    return status;
+  }
+  // From here the object owns `comm`: its destructor frees whatever was created.
+  std::unique_ptr<NcclCommunicator> self(
+      new NcclCommunicator(std::move(name), rank, size, device, comm, options));
+  status = [&]() -> absl::Status {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+    // A blocking stream (the default flags): ordered after the legacy default stream.
+    CUDA_RETURN_IF_ERROR(cudaStreamCreate(&self->stream_));
+    CUDA_RETURN_IF_ERROR(cudaMalloc(&self->barrier_buf_, sizeof(int32_t)));
+    CUDA_RETURN_IF_ERROR(cudaMemset(self->barrier_buf_, 0, sizeof(int32_t)));
+    return absl::OkStatus();
+  }();
+  if (!status.ok()) return self->Break(status);
+  return self;
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  (void)cudaSetDevice(device_);
+  if (comm_ != nullptr) {
+    // Finalize flushes outstanding work and waits for the peers' side of it; if that fails or
+    // does not finish in time, abort (which never waits for peers).
+    const auto deadline = Clock::now() + options_.timeout;
+    const bool finalized = FP8RT_NCCL_ENQUEUE(ncclCommFinalize(comm_)).ok() &&
+                           WaitState(comm_, deadline, options_.timeout, "ncclCommFinalize").ok();
+    (void)(finalized ? ncclCommDestroy(comm_) : ncclCommAbort(comm_));
+    comm_ = nullptr;
+  }
+  if (barrier_buf_ != nullptr) (void)cudaFree(barrier_buf_);
+  if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+}
+
+absl::Status NcclCommunicator::Break(absl::Status why) {
+  if (comm_ != nullptr) {
+    (void)ncclCommAbort(comm_);
+    comm_ = nullptr;
+    why = absl::Status(why.code(),
+                       absl::StrCat(why.message(), "; the NCCL communicator was aborted"));
+  }
+  if (broken_.ok()) broken_ = why;
+  return why;
+}
+
+absl::Status NcclCommunicator::Begin() {
+  if (!broken_.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("communicator is unusable after an earlier failure: ", broken_.message()));
+  }
+  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  return absl::OkStatus();
+}
+
+absl::Status NcclCommunicator::Finish(absl::Status enqueued, Clock::time_point deadline,
+                                      const char* what) {
+  // A failed enqueue leaves a non-blocking communicator in an error state: it is not reusable.
+  if (!enqueued.ok()) return Break(enqueued);
+  for (int64_t polls = 0;; ++polls) {
+    ncclResult_t state = ncclInProgress;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+    if (rc != ncclSuccess) {
+      return Break(internal::NcclErrorStatus(rc, "ncclCommGetAsyncError", __FILE__, __LINE__));
+    }
+    if (state != ncclSuccess && state != ncclInProgress) {
+      return Break(internal::NcclErrorStatus(state, what, __FILE__, __LINE__));
+    }
+    // Only once NCCL has finished enqueueing (state ncclSuccess) does an idle stream mean done.
+    if (state == ncclSuccess) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) return absl::OkStatus();
+      if (q != cudaErrorNotReady) {
+        return Break(internal::CudaErrorStatus(q, "cudaStreamQuery(stream_)", __FILE__, __LINE__));
+      }
+    }
+    if (Clock::now() >= deadline) return Break(Timeout(what, options_.timeout));
+    Pause(polls);
+  }
+}
+
+absl::Status NcclCommunicator::DoAllReduce(void* buf, int64_t count, DType dtype, ReduceOp op) {
+  FP8RT_RETURN_IF_ERROR(Begin());
+  if (count == 0) return absl::OkStatus();  // same count on every rank: all skip together
+  const auto deadline = Clock::now() + options_.timeout;
+  return Finish(FP8RT_NCCL_ENQUEUE(ncclAllReduce(buf, buf, static_cast<size_t>(count),
+                                                 ToNccl(dtype), ToNccl(op), comm_, stream_)),
+                deadline, "ncclAllReduce");
+}
+
+absl::Status NcclCommunicator::DoAllGather(const void* send, int64_t count, void* recv,
+                                           DType dtype) {
+  FP8RT_RETURN_IF_ERROR(Begin());
+  if (count == 0) return absl::OkStatus();
+  const auto deadline = Clock::now() + options_.timeout;
+  return Finish(FP8RT_NCCL_ENQUEUE(ncclAllGather(send, recv, static_cast<size_t>(count),
+                                                 ToNccl(dtype), comm_, stream_)),
+                deadline, "ncclAllGather");
+}
+
+absl::Status NcclCommunicator::DoReduceScatter(const void* send, void* recv, int64_t recv_count,
+                                               DType dtype, ReduceOp op) {
+  FP8RT_RETURN_IF_ERROR(Begin());
+  if (recv_count == 0) return absl::OkStatus();
+  const auto deadline = Clock::now() + options_.timeout;
+  return Finish(FP8RT_NCCL_ENQUEUE(ncclReduceScatter(send, recv, static_cast<size_t>(recv_count),
+                                                     ToNccl(dtype), ToNccl(op), comm_, stream_)),
+                deadline, "ncclReduceScatter");
+}
+
+absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int64_t> send_counts,
+                                           std::span<const int64_t> send_displs, void* recv,
+                                           std::span<const int64_t> recv_counts,
+                                           std::span<const int64_t> recv_displs, DType dtype) {
+  FP8RT_RETURN_IF_ERROR(Begin());
+  const auto deadline = Clock::now() + options_.timeout;
+  const size_t elem = DTypeSize(dtype);
+  const ncclDataType_t type = ToNccl(dtype);
+  const auto* send_bytes = static_cast<const char*>(send);
+  auto* recv_bytes = static_cast<char*>(recv);
+  // One group of point-to-point calls: NCCL schedules them together, so the order of peers
+  // cannot deadlock. Empty transfers are skipped on both sides (counts agree pairwise).
+  absl::Status status = FP8RT_NCCL_ENQUEUE(ncclGroupStart());
+  if (status.ok()) {
+    for (int peer = 0; peer < size() && status.ok(); ++peer) {
+      const size_t p = static_cast<size_t>(peer);
+      if (send_counts[p] > 0) {
+        status = FP8RT_NCCL_ENQUEUE(ncclSend(send_bytes + send_displs[p] * elem,
+                                             static_cast<size_t>(send_counts[p]), type, peer, comm_,
+                                             stream_));
+      }
+      if (status.ok() && recv_counts[p] > 0) {
+        status = FP8RT_NCCL_ENQUEUE(ncclRecv(recv_bytes + recv_displs[p] * elem,
+                                             static_cast<size_t>(recv_counts[p]), type, peer, comm_,
+                                             stream_));
+      }
+    }
+    // The group is closed even after a failed call, or this thread's NCCL group stays open.
+    const absl::Status end = FP8RT_NCCL_ENQUEUE(ncclGroupEnd());
+    if (status.ok()) status = end;
+  }
+  return Finish(status, deadline, "ncclSend/ncclRecv group");
+}
+
+absl::Status NcclCommunicator::DoBroadcast(void* buf, int64_t count, DType dtype, int root) {
+  FP8RT_RETURN_IF_ERROR(Begin());
+  if (count == 0) return absl::OkStatus();
+  const auto deadline = Clock::now() + options_.timeout;
+  return Finish(FP8RT_NCCL_ENQUEUE(ncclBroadcast(buf, buf, static_cast<size_t>(count),
+                                                 ToNccl(dtype), root, comm_, stream_)),
+                deadline, "ncclBroadcast");
+}
+
+absl::Status NcclCommunicator::DoBarrier() {
+  FP8RT_RETURN_IF_ERROR(Begin());
+  const auto deadline = Clock::now() + options_.timeout;
+  // MAX of zeros keeps the buffer at zero however many barriers run.
+  return Finish(FP8RT_NCCL_ENQUEUE(ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclInt32, ncclMax,
+                                                 comm_, stream_)),
+                deadline, "ncclAllReduce (barrier)");
+}
+
+// --- NcclCommunicatorFactory -------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<NcclCommunicatorFactory>> NcclCommunicatorFactory::Create(
+    Communicator& bootstrap, int device, const NcclOptions& options) {
+  if (device < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("device must be >= 0, got ", device));
+  }
+  const int rank = bootstrap.rank();
+  const int size = bootstrap.size();
+
+  // Local setup first, then agree on it over the bootstrap, so that one rank without a usable
+  // GPU gives every rank an error naming it instead of a timeout in ncclCommInitRank.
+  ncclUniqueId id{};
+  absl::Status local = [&]() -> absl::Status {
+    CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+    if (rank == 0) NCCL_RETURN_IF_ERROR(ncclGetUniqueId(&id));
+    return absl::OkStatus();
+  }();
+  int32_t failed = local.ok() ? 0 : rank + 1;  // 1 + the highest failing rank, after the MAX
+  FP8RT_RETURN_IF_ERROR(bootstrap.AllReduce(&failed, 1, DType::kI32, ReduceOp::kMax));
+  if (!local.ok()) {
+    return absl::Status(local.code(), absl::StrCat("CUDA device ", device, ": ", local.message()));
+  }
+  if (failed != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("rank ", failed - 1,
+                     " could not set up its CUDA device or the NCCL unique id (see that "
+                     "rank's error); NCCL was not initialised"));
+  }
+  FP8RT_RETURN_IF_ERROR(bootstrap.Broadcast(&id, sizeof(id), DType::kU8, /*root=*/0));
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // init, split and connection setup return instead of hanging
+  ncclComm_t comm = nullptr;
+  const auto deadline = Clock::now() + options.timeout;
+  absl::Status status = FP8RT_NCCL_ENQUEUE(ncclCommInitRankConfig(&comm, size, id, rank, &config));
+  if (status.ok()) status = WaitState(comm, deadline, options.timeout, "ncclCommInitRankConfig");
+  if (!status.ok()) {
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+    return status;
+  }
+
+  std::unique_ptr<NcclCommunicatorFactory> factory(new NcclCommunicatorFactory(options));
+  FP8RT_ASSIGN_OR_RETURN(factory->world_, NcclCommunicator::Wrap("world", device, comm, options));
+  return factory;
+}
+
+NcclCommunicatorFactory::~NcclCommunicatorFactory() = default;
+
+absl::StatusOr<std::unique_ptr<Communicator>> NcclCommunicatorFactory::Split(int color, int key,
+                                                                             std::string name) {
+  if (color < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("split color must be >= 0, got ", color));
+  }
+  NcclCommunicator& world = *world_;
+  FP8RT_RETURN_IF_ERROR(world.Begin());
+  const auto deadline = Clock::now() + options_.timeout;
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  // NCCL writes the child handle from its own thread once the split completes, possibly after a
+  // timeout made us give up: the slot lives on the heap and is leaked in that case.
+  auto slot = std::make_unique<ncclComm_t>(nullptr);
+  absl::Status status =
+      FP8RT_NCCL_ENQUEUE(ncclCommSplit(world.comm(), color, key, slot.get(), &config));
+  // The parent stays ncclInProgress until the split is done; an error or timeout there leaves
+  // the world unusable, so it is aborted.
+  if (status.ok()) {
+    status = WaitState(world.comm(), deadline, options_.timeout, "ncclCommSplit");
+  }
+  if (!status.ok()) {
+    (void)slot.release();
+    return world.Break(status);
+  }
+  // The parent reaching ncclSuccess does not guarantee the handle is written yet (NCCL 2.23+).
+  std::atomic_ref<ncclComm_t> child_ref(*slot);
+  for (int64_t polls = 0; child_ref.load(std::memory_order_acquire) == nullptr; ++polls) {
+    if (Clock::now() >= deadline) {
+      (void)slot.release();
+      return world.Break(Timeout("ncclCommSplit", options_.timeout));
+    }
+    Pause(polls);
+  }
+  ncclComm_t child = child_ref.load(std::memory_order_acquire);
+  status = WaitState(child, deadline, options_.timeout, "ncclCommSplit (new communicator)");
+  if (!status.ok()) {
+    (void)ncclCommAbort(child);
+    return status;
+  }
+  FP8RT_ASSIGN_OR_RETURN(auto group,
+                         NcclCommunicator::Wrap(std::move(name), world.device(), child, options_));
+  return std::unique_ptr<Communicator>(std::move(group));
+}
+
+}  // namespace fp8rt::parallel
