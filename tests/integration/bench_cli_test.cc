@@ -53,11 +53,31 @@ TEST(BenchCliTest, GemmReportsARatioAndAnAccurateResult) {
   EXPECT_EQ(j["m"].get<int>(), 256);
 }
 
+TEST(BenchCliTest, CommRunsMpiRanksAndMovesHalfTheBytesInFp8) {
+  int rc = -1;
+  const auto j = RunBench("comm --np 2 --repeats 1 --json", &rc);
+  ASSERT_EQ(rc, 0);
+  EXPECT_EQ(j["benchmark"], "comm");
+  EXPECT_EQ(j["np"].get<int>(), 2);
+  // Bytes are deterministic (times are not asserted): FP8 codes are half of BF16, and the
+  // 128x128 block scales add 4 bytes per 16384 values.
+  const auto& g = j["fsdp_gather"];
+  EXPECT_EQ(g["fp8_bytes"].get<int64_t>() * 2, g["bf16_bytes"].get<int64_t>());
+  EXPECT_LE(j["ratio"].get<double>(), 0.52);
+  EXPECT_LE(g["fp8_block_byte_ratio"].get<double>(), 0.52);
+  EXPECT_GT(g["fp8_block_bytes"].get<int64_t>(), g["fp8_bytes"].get<int64_t>());
+  // MoE: 1024 FP8 bytes + 8 FP32 scales per token (plus the counts) vs 2048 BF16 bytes.
+  EXPECT_LE(j["moe_dispatch"]["byte_ratio"].get<double>(), 0.52);
+  EXPECT_DOUBLE_EQ(j["grad_reduce_scatter"]["byte_ratio"].get<double>(), 0.5);
+}
+
 TEST(BenchCliTest, BadArgumentsExitWithCode2) {
   int rc = -1;
   RunBench("quantize --mib 0 --json", &rc);
   EXPECT_EQ(rc, 2);
   RunBench("gemm --size 3", &rc);
+  EXPECT_EQ(rc, 2);
+  RunBench("comm --np 0", &rc);
   EXPECT_EQ(rc, 2);
   RunBench("nonsense", &rc);
   EXPECT_NE(rc, 0);
