@@ -57,8 +57,8 @@ absl::Status CheckCounts(const Communicator& group, std::span<const int64_t> cou
                          const char* field, const char* fn, int64_t* total) {
   if (counts.size() != static_cast<size_t>(group.size())) {
     return absl::InvalidArgumentError(absl::StrCat(fn, ": ", field, " has ", counts.size(),
-                                                   " entries, the group '", group.name(),
-                                                   "' has ", group.size(), " ranks"));
+                                                   " entries, the group '", group.name(), "' has ",
+                                                   group.size(), " ranks"));
   }
   *total = 0;
   for (size_t r = 0; r < counts.size(); ++r) {
@@ -106,8 +106,8 @@ absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, std::span<float
   if (amaxes.empty()) return nonfinite;
   std::vector<int32_t> bits(amaxes.size());
   for (size_t i = 0; i < amaxes.size(); ++i) bits[i] = AmaxBits(amaxes[i]);
-  if (absl::Status s = group.AllReduce(bits.data(), static_cast<int64_t>(bits.size()),
-                                       DType::kI32, ReduceOp::kMax);
+  if (absl::Status s = group.AllReduce(bits.data(), static_cast<int64_t>(bits.size()), DType::kI32,
+                                       ReduceOp::kMax);
       !s.ok()) {
     return s;
   }
@@ -147,15 +147,16 @@ absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::Op
     case WeightScaling::kBlock128:
       if (shard_rows % kTileCols != 0) {
         return absl::InvalidArgumentError(absl::StrCat(
-            kFn, ": shard_rows must be a multiple of 128 with 128x128 block scaling (shards are "
-                 "whole block rows), got ",
+            kFn,
+            ": shard_rows must be a multiple of 128 with 128x128 block scaling (shards are "
+            "whole block rows), got ",
             shard_rows));
       }
       break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat(
-          kFn, ": scaling must be tensor-given, tensor-current or block128, got ",
-          static_cast<int>(options.scaling)));
+      return absl::InvalidArgumentError(
+          absl::StrCat(kFn, ": scaling must be tensor-given, tensor-current or block128, got ",
+                       static_cast<int>(options.scaling)));
   }
   if (absl::Status s = CheckOp(reinterpret_cast<const void*>(ops.quantize), ops, "quantize", kFn);
       !s.ok()) {
@@ -227,8 +228,8 @@ absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::Op
     // Shards are whole block rows, so the grids concatenated in rank order are the full grid.
     const auto grid_size = static_cast<int64_t>(shard_scale_inv.size());
     weight.scale_inv.resize(static_cast<size_t>(grid_size * group.size()));
-    if (absl::Status s = group.AllGather(shard_scale_inv.data(), grid_size,
-                                         weight.scale_inv.data(), DType::kF32);
+    if (absl::Status s = group.AllGather(shard_scale_inv.data(), grid_size, weight.scale_inv.data(),
+                                         DType::kF32);
         !s.ok()) {
       return s;
     }
@@ -245,8 +246,8 @@ absl::Status GatherBf16(Communicator& group, const float* shard, int64_t shard_c
         absl::StrCat("GatherBf16: shard_count must be >= 0, got ", shard_count));
   }
   if (shard_count > 0 && (shard == nullptr || full_bf16 == nullptr)) {
-    return absl::InvalidArgumentError(
-        shard == nullptr ? "GatherBf16: shard is null" : "GatherBf16: full_bf16 is null");
+    return absl::InvalidArgumentError(shard == nullptr ? "GatherBf16: shard is null"
+                                                       : "GatherBf16: full_bf16 is null");
   }
   std::vector<uint16_t> send(static_cast<size_t>(shard_count));
   for (int64_t i = 0; i < shard_count; ++i) send[i] = kernels::FloatToBf16(shard[i]);
@@ -270,12 +271,11 @@ absl::Status ReduceScatterGrad(Communicator& group, const float* full_grad, int6
   switch (dtype) {
     case GradReduceDType::kFP32: {
       if (!accumulate) {
-        return group.ReduceScatter(full_grad, shard_grad, shard_count, DType::kF32,
-                                   ReduceOp::kSum);
+        return group.ReduceScatter(full_grad, shard_grad, shard_count, DType::kF32, ReduceOp::kSum);
       }
       std::vector<float> reduced(static_cast<size_t>(shard_count));
-      if (absl::Status s = group.ReduceScatter(full_grad, reduced.data(), shard_count,
-                                               DType::kF32, ReduceOp::kSum);
+      if (absl::Status s = group.ReduceScatter(full_grad, reduced.data(), shard_count, DType::kF32,
+                                               ReduceOp::kSum);
           !s.ok()) {
         return s;
       }
@@ -305,7 +305,8 @@ absl::Status ReduceScatterGrad(Communicator& group, const float* full_grad, int6
 absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
                                                          std::span<const int64_t> send_counts) {
   int64_t total = 0;
-  if (absl::Status s = CheckCounts(group, send_counts, "send_counts", "ExchangeTokenCounts", &total);
+  if (absl::Status s =
+          CheckCounts(group, send_counts, "send_counts", "ExchangeTokenCounts", &total);
       !s.ok()) {
     return s;
   }
@@ -338,8 +339,7 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
   }
   if (absl::Status s = CheckFormat(format, kFn); !s.ok()) return s;
   int64_t send_tokens = 0;
-  if (absl::Status s = CheckCounts(group, send_counts, "send_counts", kFn, &send_tokens);
-      !s.ok()) {
+  if (absl::Status s = CheckCounts(group, send_counts, "send_counts", kFn, &send_tokens); !s.ok()) {
     return s;
   }
   if (send_tokens > 0 && tokens == nullptr) {
@@ -387,8 +387,8 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
   const AllToAllLayout send_s = RowsLayout(send_counts, tiles);
   const AllToAllLayout recv_s = RowsLayout(out.recv_counts, tiles);
   if (absl::Status s =
-          group.AllToAllV(send_scale_inv.data(), send_s.counts, send_s.displs,
-                          out.scale_inv.data(), recv_s.counts, recv_s.displs, DType::kF32);
+          group.AllToAllV(send_scale_inv.data(), send_s.counts, send_s.displs, out.scale_inv.data(),
+                          recv_s.counts, recv_s.displs, DType::kF32);
       !s.ok()) {
     return s;
   }
@@ -403,12 +403,10 @@ absl::Status AllToAllBf16Tokens(Communicator& group, const float* tokens, int64_
     return absl::InvalidArgumentError(absl::StrCat(kFn, ": hidden must be > 0, got ", hidden));
   }
   int64_t send_tokens = 0, recv_tokens = 0;
-  if (absl::Status s = CheckCounts(group, send_counts, "send_counts", kFn, &send_tokens);
-      !s.ok()) {
+  if (absl::Status s = CheckCounts(group, send_counts, "send_counts", kFn, &send_tokens); !s.ok()) {
     return s;
   }
-  if (absl::Status s = CheckCounts(group, recv_counts, "recv_counts", kFn, &recv_tokens);
-      !s.ok()) {
+  if (absl::Status s = CheckCounts(group, recv_counts, "recv_counts", kFn, &recv_tokens); !s.ok()) {
     return s;
   }
   if (send_tokens > 0 && tokens == nullptr) {

@@ -1,24 +1,27 @@
 // Tests of the FP8-aware collectives (parallel/fp8_collectives.h) over the MPI backend, run by
 // ctest under mpirun with 2 and 4 ranks.
 //
-// Every rank generates the same data from one seeded hash (Value()), so each rank can compute,
-// on its own, the reference for the whole group: the unsharded weight quantized by the op table
-// in one piece, the spec formula (scale = fp8_max / amax / 2^margin, code = EncodeFp8(x * scale),
-// EncodeFp8 being the scalar conversion that is tested bit for bit against NVIDIA's cuda_fp8.h),
-// sums of every rank's contribution in double precision, tokens regenerated from their ids.
+// Every rank generates the same data from one seeded hash (Unit(), Signed()), so each rank can
+// compute, on its own, the reference for the whole group: the unsharded weight quantized by the
+// op table in one piece, the spec formula (scale = fp8_max / amax / 2^margin, code =
+// EncodeFp8(x * scale), EncodeFp8 being the scalar conversion that is tested bit for bit against
+// NVIDIA's cuda_fp8.h), sums of every rank's contribution in double precision, tokens
+// regenerated from their ids.
 //
 // Index:
 //   SyncAmaxesTest          MAX over ranks, bit exact; NaN/Inf on one rank reach every rank and
 //                           are reported; one i32 all-reduce; subgroups
 //   GatherFp8WeightTest     (TEST_P) format x {tensor-given, tensor-current, 128x128 blocks} x
 //                           shape: codes and scales equal to quantizing the unsharded weight,
-//                           identical on every rank; NaN/Inf in one shard; bad arguments
+//                           identical on every rank; statistics; bytes sent
+//   GatherFp8WeightMiscTest NaN/Inf in one shard poisons the shared amax; bad arguments
 //   GatherBf16Test          exact round to nearest even, specials
 //   ReduceScatterGradTest   FP32 and BF16 sums within the bounds below, exact for integer
 //                           data; accumulate adds, no-accumulate overwrites
 //   TokenAllToAllTest       (TEST_P) format x hidden x count pattern (uneven, zero, all to one
 //                           rank, none): FP8 dispatch then BF16 combine returns every token to
-//                           its origin
+//                           its origin; codes and 1x128 scales equal to quantizing the tokens
+//   TokenCountsTest         count exchange; bad counts rejected before any collective
 //   BytesTest               FP8 / BF16 bytes of the MoE dispatch and of the FSDP gather (<= 0.52)
 //
 // Tolerances (everything else is compared bit for bit):
@@ -71,8 +74,8 @@ const kernels::OpTable& Ops() { return kernels::CpuOps(); }
 // that ASSERT_TRUE(AllOk(s)) makes all ranks leave a test together.
 ::testing::AssertionResult AllOk(const absl::Status& status) {
   if (env::AllRanksOk(status.ok())) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "not OK on every rank; here (rank " << World().rank()
-                                       << "): " << status;
+  return ::testing::AssertionFailure()
+         << "not OK on every rank; here (rank " << World().rank() << "): " << status;
 }
 
 // splitmix64: the same deterministic stream on every rank.
@@ -176,9 +179,9 @@ Quantized QuantizeWhole(const std::vector<float>& x, int64_t rows, int64_t cols,
   return q;
 }
 
-std::vector<float> Dequantize(const std::vector<uint8_t>& codes, const std::vector<float>& scale_inv,
-                              int64_t rows, int64_t cols, Fp8Format format,
-                              Granularity granularity) {
+std::vector<float> Dequantize(const std::vector<uint8_t>& codes,
+                              const std::vector<float>& scale_inv, int64_t rows, int64_t cols,
+                              Fp8Format format, Granularity granularity) {
   std::vector<float> out(codes.size());
   if (codes.empty()) return out;
   kernels::DequantizeArgs a;
@@ -256,14 +259,14 @@ TEST(SyncAmaxesTest, NonFiniteAmaxOnOneRankReachesEveryRankAndIsReported) {
   const float inf = std::numeric_limits<float>::infinity();
   std::vector<float> amaxes(12);
   for (int i = 0; i < 12; ++i) amaxes[i] = 1.0f + static_cast<float>(i + rank);
-  if (rank == last) amaxes[0] = nan;                           // NaN on the last rank only
-  if (rank == 0) amaxes[1] = inf;                              // Inf on rank 0 only
-  if (rank == 0) amaxes[2] = nan;                              // NaN on one rank, Inf on another:
-  if (rank == last) amaxes[2] = inf;                           //   NaN wins
-  if (rank == 0) amaxes[3] = -nan;                             // negative NaN
-  if (rank == last) amaxes[4] = -inf;                          // -Inf: |amax| = +Inf
+  if (rank == last) amaxes[0] = nan;           // NaN on the last rank only
+  if (rank == 0) amaxes[1] = inf;              // Inf on rank 0 only
+  if (rank == 0) amaxes[2] = nan;              // NaN on one rank, Inf on another:
+  if (rank == last && n > 1) amaxes[2] = inf;  //   NaN wins
+  if (rank == 0) amaxes[3] = -nan;             // negative NaN
+  if (rank == last) amaxes[4] = -inf;          // -Inf: |amax| = +Inf
   if (rank == last) amaxes[5] = std::bit_cast<float>(0x7F800001u);  // signalling-NaN bits
-  if (rank == 0) amaxes[6] = FLT_MAX;                          // finite: not reported
+  if (rank == 0) amaxes[6] = FLT_MAX;                               // finite: not reported
 
   absl::StatusOr<std::vector<int>> bad = SyncAmaxes(World(), amaxes);
   ASSERT_TRUE(AllOk(bad.status()));
@@ -317,8 +320,8 @@ TEST(SyncAmaxesTest, SubgroupsReduceOverTheirMembersOnly) {
       FullWeight(77 + static_cast<uint64_t>(color), kShardRows * g.size(), kCols);
   Fp8GatherOptions options;
   options.scaling = WeightScaling::kTensorCurrent;
-  absl::StatusOr<Fp8Weight> w = GatherFp8Weight(g, Ops(), full.data() + g.rank() * kShardRows * kCols,
-                                                kShardRows, kCols, options);
+  absl::StatusOr<Fp8Weight> w = GatherFp8Weight(
+      g, Ops(), full.data() + g.rank() * kShardRows * kCols, kShardRows, kCols, options);
   ASSERT_TRUE(AllOk(w.status()));
   const Quantized ref = QuantizeWhole(full, kShardRows * g.size(), kCols, options.format,
                                       Granularity::kTensor, false, 1.0f, 0);
@@ -381,10 +384,9 @@ TEST_P(GatherFp8WeightTest, EveryRankHoldsTheUnshardedWeightQuantizedWithTheSame
   // Reference 1: the unsharded weight quantized in one piece by the op table.
   const bool block = c.scaling == WeightScaling::kBlock128;
   const Granularity g = block ? Granularity::kBlock128x128 : Granularity::kTensor;
-  const Quantized ref =
-      QuantizeWhole(full, rows, c.cols, c.format, g,
-                    /*has_scale=*/c.scaling == WeightScaling::kTensorGiven, options.scale,
-                    options.margin);
+  const Quantized ref = QuantizeWhole(full, rows, c.cols, c.format, g,
+                                      /*has_scale=*/c.scaling == WeightScaling::kTensorGiven,
+                                      options.scale, options.margin);
   EXPECT_TRUE(SameBits(w->codes, ref.codes)) << "codes";
   EXPECT_TRUE(SameBits(w->scale_inv, ref.scale_inv)) << "scale_inv";
 
@@ -416,8 +418,8 @@ TEST_P(GatherFp8WeightTest, EveryRankHoldsTheUnshardedWeightQuantizedWithTheSame
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t col = 0; col < c.cols; ++col) {
       const int64_t b = block ? (r / 128) * grid.cols + col / 128 : 0;
-      spec_codes[r * c.cols + col] = kernels::EncodeFp8(full[r * c.cols + col] * spec_scale[b],
-                                                        c.format);
+      spec_codes[r * c.cols + col] =
+          kernels::EncodeFp8(full[r * c.cols + col] * spec_scale[b], c.format);
     }
   }
   EXPECT_TRUE(SameBits(w->codes, spec_codes)) << "codes vs the spec";
@@ -448,10 +450,11 @@ TEST_P(GatherFp8WeightTest, EveryRankHoldsTheUnshardedWeightQuantizedWithTheSame
       << "scales differ from rank 0";
 
   // What travelled: this shard's FP8 bytes, its block scales, and one i32 amax for current.
-  const auto delta = [&](CollectiveOp op, DType d) { return after.Bytes(op, d) - before.Bytes(op, d); };
+  const auto delta = [&](CollectiveOp op, DType d) {
+    return after.Bytes(op, d) - before.Bytes(op, d);
+  };
   EXPECT_EQ(delta(CollectiveOp::kAllGather, DType::kU8), c.shard_rows * c.cols);
-  EXPECT_EQ(delta(CollectiveOp::kAllGather, DType::kF32),
-            block ? 4 * grid.size() / n : 0);
+  EXPECT_EQ(delta(CollectiveOp::kAllGather, DType::kF32), block ? 4 * grid.size() / n : 0);
   EXPECT_EQ(delta(CollectiveOp::kAllReduce, DType::kI32),
             c.scaling == WeightScaling::kTensorCurrent ? 4 : 0);
   EXPECT_EQ(delta(CollectiveOp::kAllGather, DType::kBF16), 0) << "never gathered in BF16";
@@ -473,8 +476,8 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(GatherFp8WeightMiscTest, NonFiniteValueInOneShardPoisonsTheSharedAmaxOnEveryRank) {
   const int n = World().size(), rank = World().rank();
   constexpr int64_t kShardRows = 8, kCols = 16;
-  for (const float poison : {std::numeric_limits<float>::quiet_NaN(),
-                             std::numeric_limits<float>::infinity()}) {
+  for (const float poison :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     std::vector<float> full = FullWeight(99, kShardRows * n, kCols);
     full[(n - 1) * kShardRows * kCols + 5] = poison;  // in the last rank's shard
     Fp8GatherOptions options;
@@ -706,8 +709,8 @@ int64_t TokenCount(Pattern p, int src, int dst) {
 // k / 8); the rest is noise below the amax.
 std::vector<float> MakeToken(Fp8Format f, int src, int dst, int64_t k, int64_t hidden) {
   std::vector<float> row(static_cast<size_t>(hidden));
-  const uint64_t seed = Mix(static_cast<uint64_t>(src) * 1000003 + static_cast<uint64_t>(dst) * 1009 +
-                            static_cast<uint64_t>(k));
+  const uint64_t seed = Mix(static_cast<uint64_t>(src) * 1000003 +
+                            static_cast<uint64_t>(dst) * 1009 + static_cast<uint64_t>(k));
   for (int64_t base = 0, t = 0; base < hidden; base += 128, ++t) {
     const int p = static_cast<int>((src * 7 + dst * 3 + k + t) % 9) - 4;
     const float unit = std::ldexp(1.0f, p);
@@ -823,16 +826,15 @@ TEST_P(TokenAllToAllTest, Fp8DispatchThenBf16CombineReturnsEveryTokenToItsOrigin
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    All, TokenAllToAllTest,
-    ::testing::Values(TokenCase{Fp8Format::kE4M3, 128, Pattern::kUneven},
-                      TokenCase{Fp8Format::kE5M2, 128, Pattern::kUneven},
-                      TokenCase{Fp8Format::kE4M3, 200, Pattern::kUneven},
-                      TokenCase{Fp8Format::kE5M2, 200, Pattern::kAllToRank0},
-                      TokenCase{Fp8Format::kE4M3, 1024, Pattern::kAllToRank0},
-                      TokenCase{Fp8Format::kE4M3, 256, Pattern::kNone},
-                      TokenCase{Fp8Format::kE5M2, 1024, Pattern::kFull16}),
-    TokenCaseName);
+INSTANTIATE_TEST_SUITE_P(All, TokenAllToAllTest,
+                         ::testing::Values(TokenCase{Fp8Format::kE4M3, 128, Pattern::kUneven},
+                                           TokenCase{Fp8Format::kE5M2, 128, Pattern::kUneven},
+                                           TokenCase{Fp8Format::kE4M3, 200, Pattern::kUneven},
+                                           TokenCase{Fp8Format::kE5M2, 200, Pattern::kAllToRank0},
+                                           TokenCase{Fp8Format::kE4M3, 1024, Pattern::kAllToRank0},
+                                           TokenCase{Fp8Format::kE4M3, 256, Pattern::kNone},
+                                           TokenCase{Fp8Format::kE5M2, 1024, Pattern::kFull16}),
+                         TokenCaseName);
 
 TEST(TokenCountsTest, ExchangeTellsEachRankWhatItReceives) {
   const int n = World().size(), rank = World().rank();

@@ -64,7 +64,8 @@ int main(int argc, char** argv) {
   namespace env = fp8rt::parallel::testing;
   absl::StatusOr<int> world_size = par::InitMpi(&argc, &argv);
   if (!world_size.ok()) {
-    std::fprintf(stderr, "InitMpi failed: %s\n", std::string(world_size.status().message()).c_str());
+    std::fprintf(stderr, "InitMpi failed: %s\n",
+                 std::string(world_size.status().message()).c_str());
     return 1;
   }
   // mpirun's output forwarding looks like a terminal to gtest: no colour codes in the logs
