@@ -2,6 +2,7 @@
 // backend.
 #include "parallel/communicator.h"
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace fp8rt::parallel {
@@ -70,9 +71,11 @@ void Communicator::Count(CollectiveOp op, DType dtype, int64_t bytes) {
 
 absl::Status Communicator::Annotate(CollectiveOp op, absl::Status status) const {
   if (status.ok()) return status;
-  return absl::Status(status.code(),
-                      absl::StrCat(std::string(CollectiveOpName(op)), " on group '", name_,
-                                   "' (rank ", rank_, " of ", size_, "): ", status.message()));
+  const std::string prefix = absl::StrCat(std::string(CollectiveOpName(op)), " on group '",
+                                          name_, "' (rank ", rank_, " of ", size_, "): ");
+  // A wrapper (FaultInjectingCommunicator) calls an inner communicator that annotated already.
+  if (absl::StartsWith(status.message(), prefix)) return status;
+  return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
 }
 
 namespace {
