@@ -30,6 +30,7 @@ struct OpTable {
   absl::Status (*quantize)(const QuantizeArgs& args, Stream stream);
   absl::Status (*dequantize)(const DequantizeArgs& args, Stream stream);
   absl::Status (*amax)(const AmaxArgs& args, Stream stream);
+  absl::Status (*convert)(const ConvertArgs& args, Stream stream);
   absl::Status (*gemm_fp8)(const Fp8GemmArgs& args, Stream stream);
   absl::Status (*gemm_bf16)(const Bf16GemmArgs& args, Stream stream);
 };

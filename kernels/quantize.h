@@ -123,8 +123,20 @@ struct AmaxArgs {
   float* finite_amax = nullptr;  // out, optional
 };
 
+// Element-wise FP32 <-> BF16: FP32 -> BF16 rounds to nearest even (NaN stays NaN), BF16 -> FP32
+// is exact; the same type copies. At memory speed, for the BF16 paths of the collectives and the
+// bf16 precision mode.
+struct ConvertArgs {
+  InputType from = InputType::kF32;
+  InputType to = InputType::kBF16;
+  const void* input = nullptr;
+  void* output = nullptr;
+  int64_t count = 0;
+};
+
 // Checks shapes and pointers; the backends call it first. Errors name the field.
 absl::Status ValidateAmaxArgs(const AmaxArgs& args);
+absl::Status ValidateConvertArgs(const ConvertArgs& args);
 absl::Status ValidateQuantizeArgs(const QuantizeArgs& args);
 absl::Status ValidateDequantizeArgs(const DequantizeArgs& args);
 

@@ -146,6 +146,15 @@ absl::Status ValidateAmaxArgs(const AmaxArgs& args) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateConvertArgs(const ConvertArgs& args) {
+  if (args.count < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("count must be >= 0, got ", args.count));
+  }
+  if (args.count > 0 && args.input == nullptr) return absl::InvalidArgumentError("input is null");
+  if (args.count > 0 && args.output == nullptr) return absl::InvalidArgumentError("output is null");
+  return absl::OkStatus();
+}
+
 absl::Status ValidateDequantizeArgs(const DequantizeArgs& args) {
   if (absl::Status s = ValidateShape(args.rows, args.cols); !s.ok()) return s;
   if (args.rows == 0 || args.cols == 0) return absl::OkStatus();

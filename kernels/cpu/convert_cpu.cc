@@ -60,6 +60,47 @@ struct Avx512Decoder {
 };
 #endif
 
+namespace hn = hwy::HWY_NAMESPACE;
+
+// FP32 -> BF16 bits, nearest even, NaN kept quiet: the lanes do what FloatToBf16 does.
+void F32ToBf16Span(const float* HWY_RESTRICT in, int64_t n, uint16_t* HWY_RESTRICT out) {
+  const hn::ScalableTag<int32_t> di;
+  const hn::Rebind<uint16_t, decltype(di)> d16;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(di));
+  const auto abs_mask = hn::Set(di, 0x7FFFFFFF);
+  const auto inf = hn::Set(di, 0x7F800000);
+  const auto half = hn::Set(di, 0x7FFF);
+  const auto one = hn::Set(di, 1);
+  const auto quiet = hn::Set(di, 0x40);
+  const auto low16 = hn::Set(di, 0xFFFF);
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto bits = hn::BitCast(di, hn::LoadU(hn::RebindToFloat<decltype(di)>(), in + i));
+    // Logical shifts of the (possibly negative) bits: mask after the arithmetic shift.
+    const auto hi = hn::And(hn::ShiftRight<16>(bits), low16);
+    const auto rounded =
+        hn::And(hn::ShiftRight<16>(hn::Add(hn::Add(bits, half), hn::And(hi, one))), low16);
+    const auto is_nan = hn::And(bits, abs_mask) > inf;
+    const auto result = hn::IfThenElse(is_nan, hn::Or(hi, quiet), rounded);
+    hn::StoreU(hn::DemoteTo(d16, result), d16, out + i);
+  }
+  for (; i < n; ++i) out[i] = FloatToBf16(in[i]);
+}
+
+// BF16 bits -> FP32, exact.
+void Bf16ToF32Span(const uint16_t* HWY_RESTRICT in, int64_t n, float* HWY_RESTRICT out) {
+  const hn::ScalableTag<int32_t> di;
+  const hn::RebindToFloat<decltype(di)> df;
+  const hn::Rebind<uint16_t, decltype(di)> d16;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(di));
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto wide = hn::PromoteTo(di, hn::LoadU(d16, in + i));
+    hn::StoreU(hn::BitCast(df, hn::ShiftLeft<16>(wide)), df, out + i);
+  }
+  for (; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
+}
+
 void DecodeSpan(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t* out) {
   const Bf16Table& table = TableFor(format);
   int64_t i = 0;
@@ -115,6 +156,33 @@ namespace fp8rt::kernels::cpu_internal {
 
 HWY_EXPORT(DecodeSpan);
 HWY_EXPORT(PackBlock);
+HWY_EXPORT(F32ToBf16Span);
+HWY_EXPORT(Bf16ToF32Span);
+
+absl::Status ConvertCpu(const ConvertArgs& args, Stream) {
+  if (absl::Status s = ValidateConvertArgs(args); !s.ok()) return s;
+  const int64_t n = args.count;
+  constexpr int64_t kChunk = int64_t{1} << 16;
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const size_t in_size = args.from == InputType::kF32 ? 4 : 2;
+  const size_t out_size = args.to == InputType::kF32 ? 4 : 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
+    const auto* in = static_cast<const uint8_t*>(args.input) + begin * static_cast<int64_t>(in_size);
+    auto* out = static_cast<uint8_t*>(args.output) + begin * static_cast<int64_t>(out_size);
+    if (args.from == args.to) {
+      std::memcpy(out, in, static_cast<size_t>(len) * in_size);
+    } else if (args.from == InputType::kF32) {
+      HWY_DYNAMIC_DISPATCH(F32ToBf16Span)(reinterpret_cast<const float*>(in), len,
+                                          reinterpret_cast<uint16_t*>(out));
+    } else {
+      HWY_DYNAMIC_DISPATCH(Bf16ToF32Span)(reinterpret_cast<const uint16_t*>(in), len,
+                                          reinterpret_cast<float*>(out));
+    }
+  }
+  return absl::OkStatus();
+}
 
 void DecodeFp8ToBf16(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t* out) {
   constexpr int64_t kChunk = int64_t{1} << 16;

@@ -9,6 +9,7 @@ namespace fp8rt::kernels::cpu_internal {
 absl::Status QuantizeCpu(const QuantizeArgs& args, Stream stream);
 absl::Status DequantizeCpu(const DequantizeArgs& args, Stream stream);
 absl::Status AmaxCpu(const AmaxArgs& args, Stream stream);
+absl::Status ConvertCpu(const ConvertArgs& args, Stream stream);
 absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream stream);
 absl::Status GemmBf16Cpu(const Bf16GemmArgs& args, Stream stream);
 

@@ -10,6 +10,7 @@ const OpTable& CpuOps() {
       .quantize = &cpu_internal::QuantizeCpu,
       .dequantize = &cpu_internal::DequantizeCpu,
       .amax = &cpu_internal::AmaxCpu,
+      .convert = &cpu_internal::ConvertCpu,
       .gemm_fp8 = &cpu_internal::GemmFp8Cpu,
       .gemm_bf16 = &cpu_internal::GemmBf16Cpu,
   };
