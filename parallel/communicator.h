@@ -73,6 +73,7 @@ class Communicator {
   // In place: buf (count elements) becomes the reduction over the group.
   absl::Status AllReduce(void* buf, int64_t count, DType dtype, ReduceOp op);
   // recv (size() * count elements) receives every rank's `count` elements, in rank order.
+  // In place when send is recv + rank() * count elements (this rank's block already there).
   absl::Status AllGather(const void* send, int64_t count, void* recv, DType dtype);
   // send holds size() * recv_count elements; rank r receives the reduction of block r.
   absl::Status ReduceScatter(const void* send, void* recv, int64_t recv_count, DType dtype,

@@ -99,6 +99,21 @@ absl::Status CheckOp(const void* fn_ptr, const kernels::OpTable& ops, const char
   return absl::OkStatus();
 }
 
+// FP32 <-> BF16 through the op table (at memory speed; rounding to nearest even).
+absl::Status Convert(const kernels::OpTable& ops, kernels::InputType from, const void* in,
+                     kernels::InputType to, void* out, int64_t count) {
+  if (ops.convert == nullptr) {
+    return absl::UnimplementedError(absl::StrCat("the ", ops.name, " op table has no convert op"));
+  }
+  kernels::ConvertArgs args;
+  args.from = from;
+  args.to = to;
+  args.input = in;
+  args.output = out;
+  args.count = count;
+  return ops.convert(args, kernels::Stream{});
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, std::span<float> amaxes) {
@@ -121,7 +136,19 @@ absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, std::span<float
 absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::OpTable& ops,
                                           const float* shard, int64_t shard_rows, int64_t cols,
                                           const Fp8GatherOptions& options) {
+  Fp8Weight weight;
+  if (absl::Status s = GatherFp8WeightInto(group, ops, shard, shard_rows, cols, options, &weight);
+      !s.ok()) {
+    return s;
+  }
+  return weight;
+}
+
+absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& ops,
+                                 const float* shard, int64_t shard_rows, int64_t cols,
+                                 const Fp8GatherOptions& options, Fp8Weight* out) {
   constexpr const char* kFn = "GatherFp8Weight";
+  if (out == nullptr) return absl::InvalidArgumentError(absl::StrCat(kFn, ": out is null"));
   if (shard_rows <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(kFn, ": shard_rows must be > 0, got ", shard_rows));
@@ -163,11 +190,16 @@ absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::Op
     return s;
   }
 
+  // Each rank quantizes straight into its own rows of the full buffers, which the all-gathers
+  // then fill in place: no staging copy, and buffers reused across steps are not reallocated.
   const int64_t shard_elems = shard_rows * cols;
-  Fp8Weight weight;
+  const int64_t rank = group.rank();
+  Fp8Weight& weight = *out;
   weight.rows = shard_rows * group.size();
   weight.cols = cols;
-  std::vector<uint8_t> shard_codes(static_cast<size_t>(shard_elems));
+  weight.codes.resize(static_cast<size_t>(shard_elems * group.size()));
+  uint8_t* my_codes = weight.codes.data() + rank * shard_elems;
+  weight.shard_stats = kernels::QuantStats{};
 
   kernels::QuantizeArgs q;
   q.format = options.format;
@@ -176,18 +208,17 @@ absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::Op
   q.rows = shard_rows;
   q.cols = cols;
   q.margin = options.margin;
-  q.codes = shard_codes.data();
+  q.codes = my_codes;
   q.stats = &weight.shard_stats;
 
   // Tensor scaling: every rank must quantize with the same scale, agreed before quantizing.
   // Block scaling: each 128x128 block lies inside one shard, so its scale is local.
-  std::vector<float> shard_scale_inv;
+  int64_t shard_grid = 1;
   if (options.scaling == WeightScaling::kBlock128) {
-    const kernels::ScaleGrid grid =
-        kernels::GetScaleGrid(Granularity::kBlock128x128, shard_rows, cols);
-    shard_scale_inv.resize(static_cast<size_t>(grid.size()));
+    shard_grid = kernels::GetScaleGrid(Granularity::kBlock128x128, shard_rows, cols).size();
+    weight.scale_inv.resize(static_cast<size_t>(shard_grid * group.size()));
     q.granularity = Granularity::kBlock128x128;
-    q.scale_inv = shard_scale_inv.data();
+    q.scale_inv = weight.scale_inv.data() + rank * shard_grid;
   } else {
     float scale = options.scale;
     if (options.scaling == WeightScaling::kTensorCurrent) {
@@ -209,38 +240,29 @@ absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::Op
       scale = kernels::ComputeScale(amax, options.format, options.margin,
                                     /*power_of_two=*/false);
     }
-    shard_scale_inv.resize(1);
+    weight.scale_inv.resize(1);  // the same on every rank: nothing to send
     q.granularity = Granularity::kTensor;
     q.has_scale = true;
     q.scale = scale;
-    q.scale_inv = shard_scale_inv.data();
+    q.scale_inv = weight.scale_inv.data();
   }
   if (absl::Status s = ops.quantize(q, kernels::Stream{}); !s.ok()) return s;
   if (options.scaling != WeightScaling::kTensorCurrent) weight.amax = weight.shard_stats.amax;
 
-  weight.codes.resize(static_cast<size_t>(shard_elems * group.size()));
-  if (absl::Status s =
-          group.AllGather(shard_codes.data(), shard_elems, weight.codes.data(), DType::kU8);
+  if (absl::Status s = group.AllGather(my_codes, shard_elems, weight.codes.data(), DType::kU8);
       !s.ok()) {
     return s;
   }
   if (options.scaling == WeightScaling::kBlock128) {
-    // Shards are whole block rows, so the grids concatenated in rank order are the full grid.
-    const auto grid_size = static_cast<int64_t>(shard_scale_inv.size());
-    weight.scale_inv.resize(static_cast<size_t>(grid_size * group.size()));
-    if (absl::Status s = group.AllGather(shard_scale_inv.data(), grid_size, weight.scale_inv.data(),
-                                         DType::kF32);
-        !s.ok()) {
-      return s;
-    }
-  } else {
-    weight.scale_inv = std::move(shard_scale_inv);  // the same on every rank: nothing to send
+    // Shards are whole block rows, so the grids in rank order are the full grid.
+    return group.AllGather(weight.scale_inv.data() + rank * shard_grid, shard_grid,
+                           weight.scale_inv.data(), DType::kF32);
   }
-  return weight;
+  return absl::OkStatus();
 }
 
-absl::Status GatherBf16(Communicator& group, const float* shard, int64_t shard_count,
-                        uint16_t* full_bf16) {
+absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const float* shard,
+                        int64_t shard_count, uint16_t* full_bf16) {
   if (shard_count < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("GatherBf16: shard_count must be >= 0, got ", shard_count));
@@ -249,12 +271,18 @@ absl::Status GatherBf16(Communicator& group, const float* shard, int64_t shard_c
     return absl::InvalidArgumentError(shard == nullptr ? "GatherBf16: shard is null"
                                                        : "GatherBf16: full_bf16 is null");
   }
-  std::vector<uint16_t> send(static_cast<size_t>(shard_count));
-  for (int64_t i = 0; i < shard_count; ++i) send[i] = kernels::FloatToBf16(shard[i]);
-  return group.AllGather(send.data(), shard_count, full_bf16, DType::kBF16);
+  // Converted straight into this rank's block of the output, then gathered in place.
+  uint16_t* mine = full_bf16 + group.rank() * shard_count;
+  if (absl::Status s = Convert(ops, kernels::InputType::kF32, shard, kernels::InputType::kBF16,
+                               mine, shard_count);
+      !s.ok()) {
+    return s;
+  }
+  return group.AllGather(mine, shard_count, full_bf16, DType::kBF16);
 }
 
-absl::Status ReduceScatterGrad(Communicator& group, const float* full_grad, int64_t shard_count,
+absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
+                               const float* full_grad, int64_t shard_count,
                                GradReduceDType dtype, bool accumulate, float* shard_grad) {
   constexpr const char* kFn = "ReduceScatterGrad";
   if (shard_count < 0) {
@@ -284,17 +312,28 @@ absl::Status ReduceScatterGrad(Communicator& group, const float* full_grad, int6
     }
     case GradReduceDType::kBF16: {
       std::vector<uint16_t> send(static_cast<size_t>(full_count));
-      for (int64_t i = 0; i < full_count; ++i) send[i] = kernels::FloatToBf16(full_grad[i]);
+      if (absl::Status s = Convert(ops, kernels::InputType::kF32, full_grad,
+                                   kernels::InputType::kBF16, send.data(), full_count);
+          !s.ok()) {
+        return s;
+      }
       std::vector<uint16_t> reduced(static_cast<size_t>(shard_count));
       if (absl::Status s = group.ReduceScatter(send.data(), reduced.data(), shard_count,
                                                DType::kBF16, ReduceOp::kSum);
           !s.ok()) {
         return s;
       }
-      for (int64_t i = 0; i < shard_count; ++i) {
-        const float v = kernels::Bf16ToFloat(reduced[i]);
-        shard_grad[i] = accumulate ? shard_grad[i] + v : v;
+      if (!accumulate) {
+        return Convert(ops, kernels::InputType::kBF16, reduced.data(), kernels::InputType::kF32,
+                       shard_grad, shard_count);
       }
+      std::vector<float> widened(static_cast<size_t>(shard_count));
+      if (absl::Status s = Convert(ops, kernels::InputType::kBF16, reduced.data(),
+                                   kernels::InputType::kF32, widened.data(), shard_count);
+          !s.ok()) {
+        return s;
+      }
+      for (int64_t i = 0; i < shard_count; ++i) shard_grad[i] += widened[i];
       return absl::OkStatus();
     }
   }
@@ -395,7 +434,8 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
   return out;
 }
 
-absl::Status AllToAllBf16Tokens(Communicator& group, const float* tokens, int64_t hidden,
+absl::Status AllToAllBf16Tokens(Communicator& group, const kernels::OpTable& ops,
+                                const float* tokens, int64_t hidden,
                                 std::span<const int64_t> send_counts,
                                 std::span<const int64_t> recv_counts, float* out) {
   constexpr const char* kFn = "AllToAllBf16Tokens";
@@ -418,7 +458,11 @@ absl::Status AllToAllBf16Tokens(Communicator& group, const float* tokens, int64_
 
   const int64_t send_elems = send_tokens * hidden;
   std::vector<uint16_t> send(static_cast<size_t>(send_elems));
-  for (int64_t i = 0; i < send_elems; ++i) send[i] = kernels::FloatToBf16(tokens[i]);
+  if (absl::Status s = Convert(ops, kernels::InputType::kF32, tokens, kernels::InputType::kBF16,
+                               send.data(), send_elems);
+      !s.ok()) {
+    return s;
+  }
   const int64_t recv_elems = recv_tokens * hidden;
   std::vector<uint16_t> recv(static_cast<size_t>(recv_elems));
   const AllToAllLayout send_l = RowsLayout(send_counts, hidden);
@@ -428,8 +472,8 @@ absl::Status AllToAllBf16Tokens(Communicator& group, const float* tokens, int64_
       !s.ok()) {
     return s;
   }
-  for (int64_t i = 0; i < recv_elems; ++i) out[i] = kernels::Bf16ToFloat(recv[i]);
-  return absl::OkStatus();
+  return Convert(ops, kernels::InputType::kBF16, recv.data(), kernels::InputType::kF32, out,
+                 recv_elems);
 }
 
 }  // namespace fp8rt::parallel

@@ -12,8 +12,9 @@
 //                         combine (BF16); the backward pass uses the same calls reversed
 //
 // All calls are collective over the given communicator and must be made in the same order on
-// every rank of it. They run kernels through the given op table and allocate their temporary
-// host buffers themselves (the CPU path; the CUDA path will take a workspace).
+// every rank of it. They run kernels (quantization, FP32 <-> BF16 conversion) through the given
+// op table and allocate their temporary host buffers themselves (the CPU path; the CUDA path will
+// take a workspace).
 #ifndef FP8RT_PARALLEL_FP8_COLLECTIVES_H_
 #define FP8RT_PARALLEL_FP8_COLLECTIVES_H_
 
@@ -65,11 +66,17 @@ struct Fp8Weight {
 absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::OpTable& ops,
                                           const float* shard, int64_t shard_rows, int64_t cols,
                                           const Fp8GatherOptions& options);
+// The same into a caller-owned weight whose buffers are reused (no reallocation when the shape
+// is unchanged, as in a training loop). This rank quantizes straight into its rows of the full
+// buffers, which the all-gather then fills in place.
+absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& ops,
+                                 const float* shard, int64_t shard_rows, int64_t cols,
+                                 const Fp8GatherOptions& options, Fp8Weight* out);
 
 // All-gathers `shard_count` FP32 values per rank as BF16 (rounded to nearest even) into
 // `full_bf16` (size * shard_count BF16 bits).
-absl::Status GatherBf16(Communicator& group, const float* shard, int64_t shard_count,
-                        uint16_t* full_bf16);
+absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const float* shard,
+                        int64_t shard_count, uint16_t* full_bf16);
 
 enum class GradReduceDType : uint8_t { kBF16, kFP32 };
 
@@ -77,7 +84,8 @@ enum class GradReduceDType : uint8_t { kBF16, kFP32 };
 // over the group and leaves shard `rank` in `shard_grad`, in FP32: `shard_grad` = the reduced
 // values, or += them with `accumulate` (micro-batch accumulation in FP32). With kBF16 the
 // gradient travels and is summed as BF16 (FP32 additions rounded once per step).
-absl::Status ReduceScatterGrad(Communicator& group, const float* full_grad, int64_t shard_count,
+absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
+                               const float* full_grad, int64_t shard_count,
                                GradReduceDType dtype, bool accumulate, float* shard_grad);
 
 // MoE: every rank tells every other how many tokens it sends it. Returns recv_counts
@@ -104,7 +112,8 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
 // Sends tokens (rows of `hidden` FP32 values, grouped by destination) as BF16; `recv_counts`
 // must be what the peers send (e.g. the send_counts of the matching dispatch, reversed). The
 // received rows are written to `out` as FP32 (exact BF16 values).
-absl::Status AllToAllBf16Tokens(Communicator& group, const float* tokens, int64_t hidden,
+absl::Status AllToAllBf16Tokens(Communicator& group, const kernels::OpTable& ops,
+                                const float* tokens, int64_t hidden,
                                 std::span<const int64_t> send_counts,
                                 std::span<const int64_t> recv_counts, float* out);
 

@@ -96,26 +96,34 @@ absl::StatusOr<nlohmann::ordered_json> Run(Communicator& world, int repeats) {
   parallel::Fp8GatherOptions tensor{.scaling = parallel::WeightScaling::kTensorGiven,
                                     .scale = 448.0f / 0.1f};
   parallel::Fp8GatherOptions block{.scaling = parallel::WeightScaling::kBlock128};
+  // Gathered weights live in buffers reused from step to step, as in training.
   std::vector<uint16_t> full_bf16(static_cast<size_t>(kRows * kCols));
+  parallel::Fp8Weight gathered;
   auto fp8 = Measure(world, world, repeats, [&]() -> absl::Status {
     for (const auto& s : shards) {
-      auto w = parallel::GatherFp8Weight(world, ops, s.data(), shard_rows, kCols, tensor);
-      if (!w.ok()) return w.status();
+      if (absl::Status st = parallel::GatherFp8WeightInto(world, ops, s.data(), shard_rows, kCols,
+                                                          tensor, &gathered);
+          !st.ok()) {
+        return st;
+      }
     }
     return absl::OkStatus();
   });
   if (!fp8.ok()) return fp8.status();
   auto fp8_block = Measure(world, world, repeats, [&]() -> absl::Status {
     for (const auto& s : shards) {
-      auto w = parallel::GatherFp8Weight(world, ops, s.data(), shard_rows, kCols, block);
-      if (!w.ok()) return w.status();
+      if (absl::Status st = parallel::GatherFp8WeightInto(world, ops, s.data(), shard_rows, kCols,
+                                                          block, &gathered);
+          !st.ok()) {
+        return st;
+      }
     }
     return absl::OkStatus();
   });
   if (!fp8_block.ok()) return fp8_block.status();
   auto bf16 = Measure(world, world, repeats, [&]() -> absl::Status {
     for (const auto& s : shards) {
-      if (absl::Status st = parallel::GatherBf16(world, s.data(), shard_rows * kCols,
+      if (absl::Status st = parallel::GatherBf16(world, ops, s.data(), shard_rows * kCols,
                                                  full_bf16.data());
           !st.ok()) {
         return st;
@@ -150,7 +158,7 @@ absl::StatusOr<nlohmann::ordered_json> Run(Communicator& world, int repeats) {
   for (int64_t c : recv_counts) recv_tokens += c;
   received.resize(static_cast<size_t>(recv_tokens * kHidden));
   auto moe_bf16 = Measure(world, world, repeats, [&]() -> absl::Status {
-    return parallel::AllToAllBf16Tokens(world, tokens.data(), kHidden, send_counts, recv_counts,
+    return parallel::AllToAllBf16Tokens(world, ops, tokens.data(), kHidden, send_counts, recv_counts,
                                         received.data());
   });
   if (!moe_bf16.ok()) return moe_bf16.status();
@@ -164,7 +172,7 @@ absl::StatusOr<nlohmann::ordered_json> Run(Communicator& world, int repeats) {
   auto reduce = [&](parallel::GradReduceDType dtype) {
     return Measure(world, world, repeats, [&]() -> absl::Status {
       for (int w = 0; w < kWeights; ++w) {
-        if (absl::Status s = parallel::ReduceScatterGrad(world, grad.data(), shard_rows * kCols,
+        if (absl::Status s = parallel::ReduceScatterGrad(world, ops, grad.data(), shard_rows * kCols,
                                                          dtype, false, shard_grad.data());
             !s.ok()) {
           return s;

@@ -168,8 +168,13 @@ class MpiCommunicator : public Communicator {
     if (!n.ok()) return n.status();
     auto total = ToInt(count * size(), "gathered size");
     if (!total.ok()) return total.status();
+    // This rank's block already in place in recv: MPI_IN_PLACE (overlapping buffers are not
+    // allowed otherwise).
+    const bool in_place =
+        send == static_cast<const char*>(recv) + static_cast<int64_t>(rank()) * Bytes(count, dtype);
+    const void* source = in_place ? MPI_IN_PLACE : send;
     return Run([&](MPI_Request* r) {
-      return MPI_Iallgather(send, *n, ToMpi(dtype), recv, *n, ToMpi(dtype), comm_, r);
+      return MPI_Iallgather(source, *n, ToMpi(dtype), recv, *n, ToMpi(dtype), comm_, r);
     });
   }
 
@@ -228,15 +233,17 @@ class MpiCommunicator : public Communicator {
     const auto begin = std::chrono::steady_clock::now();
     const auto deadline = begin + options_.timeout;
     int done = 0;
+    bool patient = false;  // after 20 ms of spinning, sleep between polls
     for (int64_t polls = 0;; ++polls) {
       MPI_RETURN_IF_ERROR(MPI_Test(&request, &done, MPI_STATUS_IGNORE));
       if (done) return absl::OkStatus();
-      if ((polls & 1023) == 0) {
+      if (patient) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      if (patient || (polls & 1023) == 0) {
         const auto now = std::chrono::steady_clock::now();
         if (now >= deadline) break;
-        if (now - begin > std::chrono::milliseconds(20)) {
-          std::this_thread::sleep_for(std::chrono::microseconds(200));
-        }
+        patient = now - begin > std::chrono::milliseconds(20);
       }
     }
     broken_ = true;
@@ -296,6 +303,10 @@ absl::StatusOr<int> InitMpi(int* argc, char*** argv) {
     int provided = 0;
     MPI_RETURN_IF_ERROR(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided));
     g_we_initialized = true;
+    if (provided < MPI_THREAD_FUNNELED) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("MPI provides thread level ", provided, ", fp8rt needs MPI_THREAD_FUNNELED"));
+    }
   }
   int size = 0;
   MPI_RETURN_IF_ERROR(MPI_Comm_size(MPI_COMM_WORLD, &size));

@@ -40,10 +40,11 @@ class MpiCommunicatorFactory : public CommunicatorFactory {
   std::unique_ptr<Communicator> world_;
 };
 
-// Initialises MPI for a process that uses fp8rt's MPI backend (MPI_THREAD_FUNNELED) unless it
-// already is, and finalizes it at exit. Returns the world size.
+// Initialises MPI for a process that uses fp8rt's MPI backend (MPI_THREAD_FUNNELED: only the
+// thread that initialised MPI calls it) unless it already is; FailedPrecondition when the
+// library cannot give that level. Returns the world size.
 absl::StatusOr<int> InitMpi(int* argc, char*** argv);
-// Finalizes MPI if InitMpi initialised it.
+// Finalizes MPI if InitMpi initialised it (call it after destroying every communicator).
 void FinalizeMpi();
 
 }  // namespace fp8rt::parallel

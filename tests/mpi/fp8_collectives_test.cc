@@ -557,7 +557,7 @@ TEST(GatherBf16Test, EveryRankHoldsEveryShardRoundedToNearestEven) {
 
   std::vector<uint16_t> got(full.size(), 0xDEAD);
   const CommStats before = World().stats();
-  ASSERT_TRUE(AllOk(GatherBf16(World(), full.data() + rank * kShard, kShard, got.data())));
+  ASSERT_TRUE(AllOk(GatherBf16(World(), Ops(), full.data() + rank * kShard, kShard, got.data())));
   EXPECT_EQ(World().stats().Bytes(CollectiveOp::kAllGather, DType::kBF16) -
                 before.Bytes(CollectiveOp::kAllGather, DType::kBF16),
             2 * kShard);
@@ -613,7 +613,7 @@ TEST(ReduceScatterGradTest, Fp32SumWithinSummationOrderBound) {
   constexpr int64_t kShard = 1031;
   const std::vector<float> mine = RankGrad(World().rank(), kShard * n, false);
   std::vector<float> got(kShard, std::numeric_limits<float>::quiet_NaN());
-  ASSERT_TRUE(AllOk(ReduceScatterGrad(World(), mine.data(), kShard, GradReduceDType::kFP32,
+  ASSERT_TRUE(AllOk(ReduceScatterGrad(World(), Ops(), mine.data(), kShard, GradReduceDType::kFP32,
                                       /*accumulate=*/false, got.data())));
   const GradRef ref = ReferenceShard(kShard, false);
   const double u = 0x1p-24;
@@ -634,7 +634,7 @@ TEST(ReduceScatterGradTest, Bf16SumWithinBf16RoundingBound) {
   const std::vector<float> mine = RankGrad(World().rank(), kShard * n, false);
   std::vector<float> got(kShard, std::numeric_limits<float>::quiet_NaN());
   const CommStats before = World().stats();
-  ASSERT_TRUE(AllOk(ReduceScatterGrad(World(), mine.data(), kShard, GradReduceDType::kBF16,
+  ASSERT_TRUE(AllOk(ReduceScatterGrad(World(), Ops(), mine.data(), kShard, GradReduceDType::kBF16,
                                       /*accumulate=*/false, got.data())));
   EXPECT_EQ(World().stats().Bytes(CollectiveOp::kReduceScatter, DType::kBF16) -
                 before.Bytes(CollectiveOp::kReduceScatter, DType::kBF16),
@@ -664,7 +664,7 @@ TEST(ReduceScatterGradTest, ExactForIntegersAccumulateAddsAndOverwriteReplaces) 
   for (GradReduceDType dtype : {GradReduceDType::kFP32, GradReduceDType::kBF16}) {
     const char* name = dtype == GradReduceDType::kFP32 ? "fp32" : "bf16";
     std::vector<float> got(kShard, std::numeric_limits<float>::quiet_NaN());
-    ASSERT_TRUE(AllOk(ReduceScatterGrad(World(), mine.data(), kShard, dtype, false, got.data())));
+    ASSERT_TRUE(AllOk(ReduceScatterGrad(World(), Ops(), mine.data(), kShard, dtype, false, got.data())));
     std::vector<float> want(kShard);
     for (int64_t i = 0; i < kShard; ++i) want[i] = static_cast<float>(ref.sum[i]);
     EXPECT_TRUE(SameBits(got, want)) << name << " overwrite";
@@ -676,7 +676,7 @@ TEST(ReduceScatterGradTest, ExactForIntegersAccumulateAddsAndOverwriteReplaces) 
       want_acc[i] = acc[i] + 2.0f * want[i];
     }
     for (int step = 0; step < 2; ++step) {
-      ASSERT_TRUE(AllOk(ReduceScatterGrad(World(), mine.data(), kShard, dtype,
+      ASSERT_TRUE(AllOk(ReduceScatterGrad(World(), Ops(), mine.data(), kShard, dtype,
                                           /*accumulate=*/true, acc.data())));
     }
     EXPECT_TRUE(SameBits(acc, want_acc)) << name << " accumulate";
@@ -808,7 +808,7 @@ TEST_P(TokenAllToAllTest, Fp8DispatchThenBf16CombineReturnsEveryTokenToItsOrigin
   std::vector<float> back(static_cast<size_t>(send_tokens * hidden),
                           std::numeric_limits<float>::quiet_NaN());
   const absl::Status combine =
-      AllToAllBf16Tokens(World(), deq.data(), hidden, got->recv_counts, send_counts, back.data());
+      AllToAllBf16Tokens(World(), Ops(), deq.data(), hidden, got->recv_counts, send_counts, back.data());
   ASSERT_TRUE(AllOk(combine));
 
   // Back home: each token is 2 x its own 1x128 quantization, dequantized (exact in BF16).
@@ -866,7 +866,7 @@ TEST(TokenCountsTest, BadCountsAreRejectedBeforeAnyCollective) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("hidden"), std::string::npos) << r.status();
   const absl::Status s =
-      AllToAllBf16Tokens(World(), buf.data(), 128, zeros, wrong_size, buf.data());
+      AllToAllBf16Tokens(World(), Ops(), buf.data(), 128, zeros, wrong_size, buf.data());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("recv_counts"), std::string::npos) << s;
 }
@@ -899,7 +899,7 @@ TEST(BytesTest, MoeDispatchInFp8SendsAtMost52PercentOfBf16) {
   ASSERT_TRUE(AllOk(fp8.status()));
   const int64_t b1 = World().stats().TotalBytes();
   std::vector<float> out(static_cast<size_t>(fp8->tokens * kHidden));
-  ASSERT_TRUE(AllOk(AllToAllBf16Tokens(World(), tokens.data(), kHidden, send_counts,
+  ASSERT_TRUE(AllOk(AllToAllBf16Tokens(World(), Ops(), tokens.data(), kHidden, send_counts,
                                        fp8->recv_counts, out.data())));
   const int64_t b2 = World().stats().TotalBytes();
 
@@ -919,7 +919,7 @@ TEST(BytesTest, FsdpGatherInFp8SendsAtMost52PercentOfBf16) {
 
   const int64_t b0 = World().stats().TotalBytes();
   std::vector<uint16_t> bf16(full.size());
-  ASSERT_TRUE(AllOk(GatherBf16(World(), shard, kShardRows * kCols, bf16.data())));
+  ASSERT_TRUE(AllOk(GatherBf16(World(), Ops(), shard, kShardRows * kCols, bf16.data())));
   const int64_t bf16_bytes = World().stats().TotalBytes() - b0;
   EXPECT_EQ(bf16_bytes, 2 * kShardRows * kCols);
 
