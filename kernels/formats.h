@@ -29,19 +29,18 @@ enum class Fp8Format : uint8_t { kE4M3, kE5M2 };
 
 // Constants of one FP8 format.
 struct Fp8Info {
-  float max;             // largest finite value
-  float min_normal;      // smallest positive normal value
-  float min_subnormal;   // smallest positive subnormal value
-  int mantissa_bits;     // explicit mantissa bits (3 or 2)
-  int exponent_bias;     // 7 or 15
-  uint8_t max_code;      // code of +max (0x7E or 0x7B)
-  int emax;              // exponent of the largest power of two <= max (8 or 15), for MX scales
+  float max;            // largest finite value
+  float min_normal;     // smallest positive normal value
+  float min_subnormal;  // smallest positive subnormal value
+  int mantissa_bits;    // explicit mantissa bits (3 or 2)
+  int exponent_bias;    // 7 or 15
+  uint8_t max_code;     // code of +max (0x7E or 0x7B)
+  int emax;             // exponent of the largest power of two <= max (8 or 15), for MX scales
 };
 
 constexpr Fp8Info GetFp8Info(Fp8Format format) {
-  return format == Fp8Format::kE4M3
-             ? Fp8Info{448.0f, 0x1p-6f, 0x1p-9f, 3, 7, 0x7E, 8}
-             : Fp8Info{57344.0f, 0x1p-14f, 0x1p-16f, 2, 15, 0x7B, 15};
+  return format == Fp8Format::kE4M3 ? Fp8Info{448.0f, 0x1p-6f, 0x1p-9f, 3, 7, 0x7E, 8}
+                                    : Fp8Info{57344.0f, 0x1p-14f, 0x1p-16f, 2, 15, 0x7B, 15};
 }
 
 // The canonical NaN that EncodeFp8 produces for any NaN input, in both formats.

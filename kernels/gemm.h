@@ -39,8 +39,8 @@ struct Fp8GemmArgs {
   const float* a_scale_inv = nullptr;  // 1 value, or M x ceil(K/128) for kBlock
   const float* b_scale_inv = nullptr;  // 1 value, or ceil(N/128) x ceil(K/128) for kBlock
   OutputType out_type = OutputType::kF32;
-  void* d = nullptr;        // M x N, float or BF16 bits
-  bool accumulate = false;  // D += result instead of D = result (FP32 output only)
+  void* d = nullptr;          // M x N, float or BF16 bits
+  bool accumulate = false;    // D += result instead of D = result (FP32 output only)
   void* workspace = nullptr;  // GemmWorkspaceBytes(*this) bytes, 64-byte aligned
   size_t workspace_bytes = 0;
 };
@@ -54,8 +54,8 @@ struct Bf16GemmArgs {
   InputType b_type = InputType::kF32;
   const void* b = nullptr;  // N x K
   OutputType out_type = OutputType::kF32;
-  void* d = nullptr;        // M x N
-  bool accumulate = false;  // FP32 output only
+  void* d = nullptr;          // M x N
+  bool accumulate = false;    // FP32 output only
   void* workspace = nullptr;  // GemmWorkspaceBytes(*this) bytes, 64-byte aligned
   size_t workspace_bytes = 0;
 };

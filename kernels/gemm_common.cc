@@ -20,8 +20,8 @@ absl::Status ValidateCommon(int64_t m, int64_t n, int64_t k, const void* a, cons
     return absl::InvalidArgumentError("accumulate requires out_type F32");
   }
   if (workspace_bytes < required) {
-    return absl::InvalidArgumentError(absl::StrCat("workspace_bytes is ", workspace_bytes,
-                                                   ", this GEMM needs ", required));
+    return absl::InvalidArgumentError(
+        absl::StrCat("workspace_bytes is ", workspace_bytes, ", this GEMM needs ", required));
   }
   if (required > 0 && workspace == nullptr) return absl::InvalidArgumentError("workspace is null");
   if (reinterpret_cast<uintptr_t>(workspace) % kAlign != 0) {

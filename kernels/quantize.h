@@ -56,14 +56,14 @@ ScaleGrid GetScaleGrid(Granularity granularity, int64_t rows, int64_t cols);
 
 // What one quantization did to its input. Counts are over all rows * cols values.
 struct QuantStats {
-  float amax = 0.0f;       // max |x| of the input; NaN if any input is NaN
-  int64_t count = 0;       // values quantized
-  int64_t underflow = 0;   // finite nonzero inputs whose FP8 code is +-0
-  int64_t subnormal = 0;   // outputs that are FP8 subnormals (exponent field 0, mantissa != 0)
-  int64_t saturated = 0;   // finite inputs whose x * scale rounds past the largest finite
-                           // FP8 value (|y| > 464 for E4M3, >= 61440 for E5M2, or an FP32
-                           // product that overflowed): clamped to +-max
-  int64_t nonfinite = 0;   // inputs that are +-Inf or NaN
+  float amax = 0.0f;      // max |x| of the input; NaN if any input is NaN
+  int64_t count = 0;      // values quantized
+  int64_t underflow = 0;  // finite nonzero inputs whose FP8 code is +-0
+  int64_t subnormal = 0;  // outputs that are FP8 subnormals (exponent field 0, mantissa != 0)
+  int64_t saturated = 0;  // finite inputs whose x * scale rounds past the largest finite
+                          // FP8 value (|y| > 464 for E4M3, >= 61440 for E5M2, or an FP32
+                          // product that overflowed): clamped to +-max
+  int64_t nonfinite = 0;  // inputs that are +-Inf or NaN
 
   // Combines the statistics of two disjoint parts of one tensor (NaN amax wins).
   void Merge(const QuantStats& other);
@@ -92,7 +92,7 @@ struct QuantizeArgs {
   // instead of computing it from this tensor's amax (two passes).
   bool has_scale = false;
   float scale = 1.0f;
-  int margin = 0;                   // for computed scales: fp8_max / amax / 2^margin
+  int margin = 0;                    // for computed scales: fp8_max / amax / 2^margin
   bool power_of_two_scales = false;  // for computed scales (mx32 scales always are)
 
   uint8_t* codes = nullptr;        // out: rows x cols FP8 codes
@@ -104,7 +104,7 @@ struct QuantizeArgs {
 struct DequantizeArgs {
   Fp8Format format = Fp8Format::kE4M3;
   Granularity granularity = Granularity::kTensor;
-  const uint8_t* codes = nullptr;        // rows x cols
+  const uint8_t* codes = nullptr;  // rows x cols
   int64_t rows = 0;
   int64_t cols = 0;
   const float* scale_inv = nullptr;      // all granularities but mx32

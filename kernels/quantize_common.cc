@@ -28,8 +28,9 @@ absl::StatusOr<Granularity> ParseGranularity(std::string_view name) {
                         Granularity::kBlock128x128, Granularity::kMx32}) {
     if (name == GranularityName(g)) return g;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "unknown granularity '", std::string(name), "' (expected tensor, row, 1x128, 128x128 or mx32)"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown granularity '", std::string(name),
+                   "' (expected tensor, row, 1x128, 128x128 or mx32)"));
 }
 
 ScaleGrid GetScaleGrid(Granularity granularity, int64_t rows, int64_t cols) {
@@ -119,7 +120,8 @@ absl::Status ValidateQuantizeArgs(const QuantizeArgs& args) {
       return absl::InvalidArgumentError("e8m0_scales is null (mx32 needs one E8M0 per 1x32 block)");
     }
     if (args.has_scale) {
-      return absl::InvalidArgumentError("scale: a fixed scale is only valid with granularity tensor");
+      return absl::InvalidArgumentError(
+          "scale: a fixed scale is only valid with granularity tensor");
     }
   } else {
     if (args.scale_inv == nullptr) return absl::InvalidArgumentError("scale_inv is null");
@@ -140,7 +142,8 @@ absl::Status ValidateQuantizeArgs(const QuantizeArgs& args) {
 }
 
 absl::Status ValidateAmaxArgs(const AmaxArgs& args) {
-  if (args.count < 0) return absl::InvalidArgumentError(absl::StrCat("count must be >= 0, got ", args.count));
+  if (args.count < 0)
+    return absl::InvalidArgumentError(absl::StrCat("count must be >= 0, got ", args.count));
   if (args.count > 0 && args.input == nullptr) return absl::InvalidArgumentError("input is null");
   if (args.amax == nullptr) return absl::InvalidArgumentError("amax is null");
   return absl::OkStatus();

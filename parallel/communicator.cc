@@ -71,8 +71,8 @@ void Communicator::Count(CollectiveOp op, DType dtype, int64_t bytes) {
 
 absl::Status Communicator::Annotate(CollectiveOp op, absl::Status status) const {
   if (status.ok()) return status;
-  const std::string prefix = absl::StrCat(std::string(CollectiveOpName(op)), " on group '",
-                                          name_, "' (rank ", rank_, " of ", size_, "): ");
+  const std::string prefix = absl::StrCat(std::string(CollectiveOpName(op)), " on group '", name_,
+                                          "' (rank ", rank_, " of ", size_, "): ");
   // A wrapper (FaultInjectingCommunicator) calls an inner communicator that annotated already.
   if (absl::StartsWith(status.message(), prefix)) return status;
   return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
@@ -91,7 +91,8 @@ absl::Status CheckReducible(DType dtype) {
 
 absl::Status CheckCount(int64_t count, const void* buf, const char* what) {
   if (count < 0) return absl::InvalidArgumentError(absl::StrCat("count must be >= 0, got ", count));
-  if (count > 0 && buf == nullptr) return absl::InvalidArgumentError(absl::StrCat(what, " is null"));
+  if (count > 0 && buf == nullptr)
+    return absl::InvalidArgumentError(absl::StrCat(what, " is null"));
   return absl::OkStatus();
 }
 
@@ -120,8 +121,7 @@ absl::Status Communicator::ReduceScatter(const void* send, void* recv, int64_t r
   if (s.ok()) s = CheckCount(recv_count, recv, "recv");
   if (!s.ok()) return Annotate(CollectiveOp::kReduceScatter, s);
   Count(CollectiveOp::kReduceScatter, dtype, Bytes(recv_count * size_, dtype));
-  return Annotate(CollectiveOp::kReduceScatter,
-                  DoReduceScatter(send, recv, recv_count, dtype, op));
+  return Annotate(CollectiveOp::kReduceScatter, DoReduceScatter(send, recv, recv_count, dtype, op));
 }
 
 absl::Status Communicator::AllToAllV(const void* send, std::span<const int64_t> send_counts,
@@ -138,9 +138,9 @@ absl::Status Communicator::AllToAllV(const void* send, std::span<const int64_t> 
   int64_t sent = 0, received = 0;
   for (size_t r = 0; r < n; ++r) {
     if (send_counts[r] < 0 || recv_counts[r] < 0 || send_displs[r] < 0 || recv_displs[r] < 0) {
-      return Annotate(CollectiveOp::kAllToAllV,
-                      absl::InvalidArgumentError(absl::StrCat(
-                          "negative count or displacement for rank ", r)));
+      return Annotate(
+          CollectiveOp::kAllToAllV,
+          absl::InvalidArgumentError(absl::StrCat("negative count or displacement for rank ", r)));
     }
     sent += send_counts[r];
     received += recv_counts[r];
@@ -149,9 +149,8 @@ absl::Status Communicator::AllToAllV(const void* send, std::span<const int64_t> 
   if (s.ok()) s = CheckCount(received, recv, "recv");
   if (!s.ok()) return Annotate(CollectiveOp::kAllToAllV, s);
   Count(CollectiveOp::kAllToAllV, dtype, Bytes(sent, dtype));
-  return Annotate(CollectiveOp::kAllToAllV,
-                  DoAllToAllV(send, send_counts, send_displs, recv, recv_counts, recv_displs,
-                              dtype));
+  return Annotate(CollectiveOp::kAllToAllV, DoAllToAllV(send, send_counts, send_displs, recv,
+                                                        recv_counts, recv_displs, dtype));
 }
 
 absl::Status Communicator::Broadcast(void* buf, int64_t count, DType dtype, int root) {

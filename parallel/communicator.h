@@ -32,7 +32,8 @@ namespace fp8rt::parallel {
 enum class DType : uint8_t { kF32, kBF16, kU8, kI32, kI64 };
 inline constexpr int kNumDTypes = 5;
 size_t DTypeSize(DType dtype);
-std::string_view DTypeName(DType dtype);  // "f32", "bf16", "fp8" (kU8 carries FP8 bytes), "i32", "i64"
+std::string_view DTypeName(
+    DType dtype);  // "f32", "bf16", "fp8" (kU8 carries FP8 bytes), "i32", "i64"
 
 enum class ReduceOp : uint8_t { kSum, kMax };
 
@@ -81,8 +82,8 @@ class Communicator {
   // Counts and displacements in elements, one per rank of the group.
   absl::Status AllToAllV(const void* send, std::span<const int64_t> send_counts,
                          std::span<const int64_t> send_displs, void* recv,
-                         std::span<const int64_t> recv_counts,
-                         std::span<const int64_t> recv_displs, DType dtype);
+                         std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
+                         DType dtype);
   absl::Status Broadcast(void* buf, int64_t count, DType dtype, int root);
   absl::Status Barrier();
 

@@ -33,8 +33,8 @@ absl::StatusOr<CommFault> ParseCommFault(const std::string& spec) {
         }
       }
       if (!found) {
-        return absl::InvalidArgumentError(absl::StrCat("fault '", spec, "': unknown op '", kv[1],
-                                                       "'"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("fault '", spec, "': unknown op '", kv[1], "'"));
       }
       have_op = true;
     } else if (kv[0] == "call") {
@@ -68,8 +68,7 @@ absl::Status FaultInjectingCommunicator::Before(CollectiveOp op) {
     if (f.op != op || f.call != call) continue;
     ++fired_;
     if (f.action == CommFault::Action::kFail) {
-      return absl::Status(f.status.code(),
-                          absl::StrCat(f.status.message(), " (call ", call, ")"));
+      return absl::Status(f.status.code(), absl::StrCat(f.status.message(), " (call ", call, ")"));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(f.delay_ms));
   }

@@ -282,8 +282,8 @@ absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const 
 }
 
 absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
-                               const float* full_grad, int64_t shard_count,
-                               GradReduceDType dtype, bool accumulate, float* shard_grad) {
+                               const float* full_grad, int64_t shard_count, GradReduceDType dtype,
+                               bool accumulate, float* shard_grad) {
   constexpr const char* kFn = "ReduceScatterGrad";
   if (shard_count < 0) {
     return absl::InvalidArgumentError(

@@ -52,10 +52,10 @@ struct Fp8GatherOptions {
 struct Fp8Weight {
   int64_t rows = 0;
   int64_t cols = 0;
-  std::vector<uint8_t> codes;     // rows x cols
-  std::vector<float> scale_inv;   // 1 value (tensor) or ceil(rows/128) x ceil(cols/128) (block)
+  std::vector<uint8_t> codes;       // rows x cols
+  std::vector<float> scale_inv;     // 1 value (tensor) or ceil(rows/128) x ceil(cols/128) (block)
   kernels::QuantStats shard_stats;  // statistics of this rank's shard
-  float amax = 0.0f;              // kTensorCurrent: the synced amax; otherwise this shard's amax
+  float amax = 0.0f;                // kTensorCurrent: the synced amax; otherwise this shard's amax
 };
 
 // Each rank holds rows [rank * shard_rows, (rank + 1) * shard_rows) of a
@@ -85,8 +85,8 @@ enum class GradReduceDType : uint8_t { kBF16, kFP32 };
 // values, or += them with `accumulate` (micro-batch accumulation in FP32). With kBF16 the
 // gradient travels and is summed as BF16 (FP32 additions rounded once per step).
 absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
-                               const float* full_grad, int64_t shard_count,
-                               GradReduceDType dtype, bool accumulate, float* shard_grad);
+                               const float* full_grad, int64_t shard_count, GradReduceDType dtype,
+                               bool accumulate, float* shard_grad);
 
 // MoE: every rank tells every other how many tokens it sends it. Returns recv_counts
 // (tokens this rank receives from each rank).
@@ -99,7 +99,7 @@ struct Fp8Tokens {
   std::vector<uint8_t> codes;        // tokens x hidden
   std::vector<float> scale_inv;      // tokens x ceil(hidden / 128): one per 1x128 tile
   int64_t tokens = 0;
-  kernels::QuantStats send_stats;    // statistics of the quantization of what this rank sent
+  kernels::QuantStats send_stats;  // statistics of the quantization of what this rank sent
 };
 
 // Sends tokens (rows of `hidden` FP32 values, grouped by destination rank with send_counts

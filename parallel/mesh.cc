@@ -5,19 +5,21 @@
 
 namespace fp8rt::parallel {
 
-absl::StatusOr<MeshLayout> MeshLayout::Create(const MeshConfig& config, int world_size,
-                                              int rank) {
-  if (config.dp < 1) return absl::InvalidArgumentError(absl::StrCat("parallel.dp must be >= 1, got ", config.dp));
-  if (config.tp < 1) return absl::InvalidArgumentError(absl::StrCat("parallel.tp must be >= 1, got ", config.tp));
-  if (config.ep < 1) return absl::InvalidArgumentError(absl::StrCat("parallel.ep must be >= 1, got ", config.ep));
+absl::StatusOr<MeshLayout> MeshLayout::Create(const MeshConfig& config, int world_size, int rank) {
+  if (config.dp < 1)
+    return absl::InvalidArgumentError(absl::StrCat("parallel.dp must be >= 1, got ", config.dp));
+  if (config.tp < 1)
+    return absl::InvalidArgumentError(absl::StrCat("parallel.tp must be >= 1, got ", config.tp));
+  if (config.ep < 1)
+    return absl::InvalidArgumentError(absl::StrCat("parallel.ep must be >= 1, got ", config.ep));
   if (config.dp * config.tp != world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("parallel.dp * parallel.tp = ", config.dp, " * ", config.tp, " = ",
-                     config.dp * config.tp, ", but the job has ", world_size, " ranks"));
+    return absl::InvalidArgumentError(absl::StrCat("parallel.dp * parallel.tp = ", config.dp, " * ",
+                                                   config.tp, " = ", config.dp * config.tp,
+                                                   ", but the job has ", world_size, " ranks"));
   }
   if (config.dp % config.ep != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("parallel.ep (", config.ep,
-                                                   ") must divide parallel.dp (", config.dp, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("parallel.ep (", config.ep, ") must divide parallel.dp (", config.dp, ")"));
   }
   if (rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(
@@ -74,8 +76,8 @@ absl::StatusOr<std::unique_ptr<Mesh>> Mesh::Create(const MeshConfig& config,
   FP8RT_ASSIGN_OR_RETURN(mesh->dp_, factory.Split(layout.tp_rank, layout.dp_rank, "dp"));
   FP8RT_ASSIGN_OR_RETURN(
       mesh->ep_, factory.Split((layout.dp_rank / ep) * tp + layout.tp_rank, layout.ep_rank, "ep"));
-  FP8RT_ASSIGN_OR_RETURN(mesh->edp_,
-                         factory.Split(layout.ep_rank * tp + layout.tp_rank, layout.edp_rank, "edp"));
+  FP8RT_ASSIGN_OR_RETURN(
+      mesh->edp_, factory.Split(layout.ep_rank * tp + layout.tp_rank, layout.edp_rank, "edp"));
   return mesh;
 }
 

@@ -33,8 +33,8 @@ struct MeshLayout {
   int rank = 0;
   int dp_rank = 0;
   int tp_rank = 0;
-  int ep_rank = 0;    // position inside the ep group
-  int edp_rank = 0;   // position inside the expert-data-parallel group
+  int ep_rank = 0;   // position inside the ep group
+  int edp_rank = 0;  // position inside the expert-data-parallel group
 
   // InvalidArgument naming the field when dp * tp != world_size, ep does not divide dp, a size
   // is < 1, or rank is out of range.

@@ -49,8 +49,9 @@ struct Avx512Decoder {
     t3 = _mm512_loadu_si512(table.bits.data() + 96);
   }
   HWY_INLINE __m512i operator()(const uint8_t* codes) const {
-    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-    const __m512i low = _mm512_permutex2var_epi16(t0, c, t1);   // index bits 0..5
+    const __m512i c =
+        _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
+    const __m512i low = _mm512_permutex2var_epi16(t0, c, t1);  // index bits 0..5
     const __m512i high = _mm512_permutex2var_epi16(t2, c, t3);
     const __mmask32 upper = _mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40));
     const __m512i magnitude = _mm512_mask_blend_epi16(upper, low, high);
@@ -169,16 +170,17 @@ absl::Status ConvertCpu(const ConvertArgs& args, Stream) {
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t begin = c * kChunk, len = std::min(kChunk, n - begin);
-    const auto* in = static_cast<const uint8_t*>(args.input) + begin * static_cast<int64_t>(in_size);
+    const auto* in =
+        static_cast<const uint8_t*>(args.input) + begin * static_cast<int64_t>(in_size);
     auto* out = static_cast<uint8_t*>(args.output) + begin * static_cast<int64_t>(out_size);
     if (args.from == args.to) {
       std::memcpy(out, in, static_cast<size_t>(len) * in_size);
     } else if (args.from == InputType::kF32) {
-      HWY_DYNAMIC_DISPATCH(F32ToBf16Span)(reinterpret_cast<const float*>(in), len,
-                                          reinterpret_cast<uint16_t*>(out));
+      HWY_DYNAMIC_DISPATCH(F32ToBf16Span)
+      (reinterpret_cast<const float*>(in), len, reinterpret_cast<uint16_t*>(out));
     } else {
-      HWY_DYNAMIC_DISPATCH(Bf16ToF32Span)(reinterpret_cast<const uint16_t*>(in), len,
-                                          reinterpret_cast<float*>(out));
+      HWY_DYNAMIC_DISPATCH(Bf16ToF32Span)
+      (reinterpret_cast<const uint16_t*>(in), len, reinterpret_cast<float*>(out));
     }
   }
   return absl::OkStatus();
@@ -190,20 +192,19 @@ void DecodeFp8ToBf16(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t begin = c * kChunk;
-    HWY_DYNAMIC_DISPATCH(DecodeSpan)(codes + begin, std::min(kChunk, n - begin), format,
-                                     out + begin);
+    HWY_DYNAMIC_DISPATCH(DecodeSpan)
+    (codes + begin, std::min(kChunk, n - begin), format, out + begin);
   }
 }
 
 void PackFp8AmxLayout(const uint8_t* b, int64_t n, int64_t k, Fp8Format format, int64_t kp,
-                      int64_t np, int64_t k_block_stride, int64_t n_block_stride,
-                      uint16_t* dst) {
+                      int64_t np, int64_t k_block_stride, int64_t n_block_stride, uint16_t* dst) {
   const int64_t nblocks = np / 64, kblocks = kp / 32;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t nb = 0; nb < nblocks; ++nb) {
     for (int64_t kb = 0; kb < kblocks; ++kb) {
-      HWY_DYNAMIC_DISPATCH(PackBlock)(b, n, k, nb, kb, format,
-                                      dst + kb * k_block_stride + nb * n_block_stride);
+      HWY_DYNAMIC_DISPATCH(PackBlock)
+      (b, n, k, nb, kb, format, dst + kb * k_block_stride + nb * n_block_stride);
     }
   }
 }

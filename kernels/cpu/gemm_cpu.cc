@@ -3,8 +3,8 @@
 // FP8 values are exact in BF16, so an FP8 GEMM decodes its operands to BF16 (a 256-entry table)
 // and runs a BF16 x BF16 -> FP32 matmul: products exact, FP32 accumulation. B is packed straight
 // into oneDNN's preferred weights layout while it is decoded (no separate reorder). Tensor scales
-// are applied by oneDNN as one multiplication by sa*sb of the FP32 accumulator. Block scales are applied
-// per 128-wide slice of K: the slice's partial product is computed in FP32, multiplied by
+// are applied by oneDNN as one multiplication by sa*sb of the FP32 accumulator. Block scales are
+// applied per 128-wide slice of K: the slice's partial product is computed in FP32, multiplied by
 // sa(m, kb) * sb(n/128, kb) and added to an FP32 accumulator (the promotion DeepGEMM does).
 // oneDNN reports errors by exception; they are turned into Status here and never escape.
 #include <omp.h>
@@ -18,8 +18,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_ops.h"
-#include "runtime/core/status.h"
 #include "oneapi/dnnl/dnnl.hpp"
+#include "runtime/core/status.h"
 
 namespace fp8rt::kernels::cpu_internal {
 
@@ -102,8 +102,8 @@ class MatmulCache {
     try {
       created = CreateMatmul(key);
     } catch (const dnnl::error& e) {
-      return absl::InternalError(absl::StrCat("oneDNN matmul ", key.m, "x", key.n, "x", key.k,
-                                              ": ", e.what(), " (status ", e.status, ")"));
+      return absl::InternalError(absl::StrCat("oneDNN matmul ", key.m, "x", key.n, "x", key.k, ": ",
+                                              e.what(), " (status ", e.status, ")"));
     }
     if (!created.ok()) return created.status();
     if (cache_.size() > 4096) cache_.clear();
@@ -121,8 +121,7 @@ MatmulCache& Cache() {
   return *cache;
 }
 
-absl::Status Execute(const Matmul& mm, const uint16_t* a, const uint16_t* b, void* d,
-                     float alpha) {
+absl::Status Execute(const Matmul& mm, const uint16_t* a, const uint16_t* b, void* d, float alpha) {
   try {
     dnnl::engine& engine = CpuEngine();
     dnnl::memory a_mem(mm.a_md, engine, const_cast<uint16_t*>(a));
@@ -136,8 +135,8 @@ absl::Status Execute(const Matmul& mm, const uint16_t* a, const uint16_t* b, voi
                                   {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, alpha_mem}});
     stream.wait();
   } catch (const dnnl::error& e) {
-    return absl::InternalError(absl::StrCat("oneDNN matmul failed: ", e.what(), " (status ",
-                                            e.status, ")"));
+    return absl::InternalError(
+        absl::StrCat("oneDNN matmul failed: ", e.what(), " (status ", e.status, ")"));
   }
   return absl::OkStatus();
 }
@@ -207,7 +206,6 @@ absl::Status PackB(const dnnl::memory::desc& md, int64_t n, int64_t k, Load load
   }
   return absl::OkStatus();
 }
-
 
 // Rounds n floats to BF16, nearest even.
 void RoundToBf16(const float* in, int64_t n, uint16_t* out) {

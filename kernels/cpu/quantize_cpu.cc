@@ -107,8 +107,8 @@ HWY_INLINE hn::Vec<DI> EncodeLanes(hn::Vec<DI> y_bits, hn::Vec<DI> a) {
   // Normal range: round the FP32 mantissa to the FP8 width, nearest even, then rebias.
   const auto odd = hn::And(hn::ShiftRight<B::kShift>(a), hn::Set(di, 1));
   const auto rounded = hn::Add(hn::Add(a, hn::Set(di, (1 << (B::kShift - 1)) - 1)), odd);
-  const auto normal = hn::Sub(hn::ShiftRight<B::kShift>(rounded),
-                              hn::Set(di, static_cast<int32_t>(B::kRebias)));
+  const auto normal =
+      hn::Sub(hn::ShiftRight<B::kShift>(rounded), hn::Set(di, static_cast<int32_t>(B::kRebias)));
   // Subnormal range: the FPU rounds |y| to a multiple of the FP8 subnormal step.
   const auto magic_bits = hn::Set(di, static_cast<int32_t>(B::kMagicBits));
   const auto sub = hn::Sub(
@@ -169,12 +169,11 @@ struct VectorEncoder {
     const auto mag = hn::And(code, mag_mask);
     const auto mag_zero = mag == zero;
     stats->nonfinite += static_cast<int64_t>(hn::CountTrue(di, hn::Not(finite)));
-    stats->underflow += static_cast<int64_t>(
-        hn::CountTrue(di, hn::And(hn::And(finite, ain > zero), mag_zero)));
+    stats->underflow +=
+        static_cast<int64_t>(hn::CountTrue(di, hn::And(hn::And(finite, ain > zero), mag_zero)));
     stats->subnormal +=
         static_cast<int64_t>(hn::CountTrue(di, hn::AndNot(mag_zero, sub_limit > mag)));
-    stats->saturated +=
-        static_cast<int64_t>(hn::CountTrue(di, hn::And(finite, a > overflow_bits)));
+    stats->saturated += static_cast<int64_t>(hn::CountTrue(di, hn::And(finite, a > overflow_bits)));
     return NarrowCodes(d8, code);
   }
 };
@@ -213,8 +212,7 @@ HWY_INLINE void QuantizeSpanT(const In* HWY_RESTRICT x, size_t n, float scale,
       const auto c1 = encoder(x + i + lanes, amax, stats);
       const auto c2 = encoder(x + i + 2 * lanes, amax, stats);
       const auto c3 = encoder(x + i + 3 * lanes, amax, stats);
-      const auto line =
-          hn::Combine(d8x4, hn::Combine(d8x2, c3, c2), hn::Combine(d8x2, c1, c0));
+      const auto line = hn::Combine(d8x4, hn::Combine(d8x2, c3, c2), hn::Combine(d8x2, c1, c0));
       hn::Stream(line, d8x4, out + i);
     }
     hwy::FlushStream();
@@ -367,9 +365,8 @@ class StatsSink {
 template <class Body>
 void ParallelRanges(int64_t n, int64_t min_per_thread, Body body) {
   const int max_threads = omp_get_max_threads();
-  const int threads =
-      static_cast<int>(std::clamp<int64_t>(n / std::max<int64_t>(min_per_thread, 1), 1,
-                                           max_threads));
+  const int threads = static_cast<int>(
+      std::clamp<int64_t>(n / std::max<int64_t>(min_per_thread, 1), 1, max_threads));
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num();
@@ -443,8 +440,8 @@ absl::Status QuantizeCpu(const QuantizeArgs& args, Stream) {
                            const AmaxPair p = fns.amax(in_at(at), len);
                            float scale;
                            if (args.granularity == Granularity::kMx32) {
-                             const int e = Mx32ScaleExponent(BitsToFloat(p.finite_amax_bits),
-                                                             args.format);
+                             const int e =
+                                 Mx32ScaleExponent(BitsToFloat(p.finite_amax_bits), args.format);
                              args.e8m0_scales[r * grid.cols + j] = E8M0FromExponent(e);
                              scale = std::ldexp(1.0f, -e);
                            } else {
@@ -469,7 +466,8 @@ absl::Status QuantizeCpu(const QuantizeArgs& args, Stream) {
           const size_t len = static_cast<size_t>(std::min<int64_t>(128, cols - c0));
           uint32_t finite_amax = 0;
           for (int64_t r = r_begin; r < r_end; ++r) {
-            finite_amax = std::max(finite_amax, fns.amax(in_at(r * cols + c0), len).finite_amax_bits);
+            finite_amax =
+                std::max(finite_amax, fns.amax(in_at(r * cols + c0), len).finite_amax_bits);
           }
           const float scale = BlockScale(finite_amax, args);
           args.scale_inv[b] = 1.0f / scale;
@@ -493,8 +491,8 @@ absl::Status AmaxCpu(const AmaxArgs& args, Stream) {
   std::mutex mu;
   AmaxPair total;
   ParallelRanges(args.count, int64_t{1} << 16, [&](int64_t b, int64_t e) {
-    const AmaxPair p = fns.amax(in + b * static_cast<int64_t>(fns.elem_bytes),
-                                static_cast<size_t>(e - b));
+    const AmaxPair p =
+        fns.amax(in + b * static_cast<int64_t>(fns.elem_bytes), static_cast<size_t>(e - b));
     std::lock_guard<std::mutex> lock(mu);
     total.amax_bits = std::max(total.amax_bits, p.amax_bits);
     total.finite_amax_bits = std::max(total.finite_amax_bits, p.finite_amax_bits);

@@ -83,7 +83,7 @@ absl::StatusOr<nlohmann::ordered_json> QuantizeBench(const QuantizeBenchOptions&
   };
   auto t = RunInterleaved(cases, options.rounds, options.samples);
   const double bytes_copy = 2.0 * 4.0 * static_cast<double>(n);  // read + write
-  const double bytes_quant = 5.0 * static_cast<double>(n);        // read FP32, write FP8
+  const double bytes_quant = 5.0 * static_cast<double>(n);       // read FP32, write FP8
   const double bw_copy = bytes_copy / t["memcpy"].best_seconds;
   const double bw_quant = bytes_quant / t["quantize_e4m3_tensor"].best_seconds;
 
@@ -163,20 +163,21 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
   std::vector<Case> cases = {
       {"sgemm_openblas",
        [&] {
-         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s, s, s, 1.0f, a.data(), s,
-                     b.data(), s, 0.0f, d_ref.data(), s);
+         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s, s, s, 1.0f, a.data(), s, b.data(),
+                     s, 0.0f, d_ref.data(), s);
        }},
       {"f32_onednn",
        [&] {
-         f32_matmul.execute(stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem},
-                                     {DNNL_ARG_DST, d_mem}});
+         f32_matmul.execute(
+             stream, {{DNNL_ARG_SRC, a_mem}, {DNNL_ARG_WEIGHTS, b_mem}, {DNNL_ARG_DST, d_mem}});
          stream.wait();
        }},
       {"fp8_e4m3_tensor", [&] { (void)ops.gemm_fp8(g, {}); }},
       {"bf16", [&] { (void)ops.gemm_bf16(g16, {}); }},
   };
   auto t = RunInterleaved(cases, options.rounds, options.samples);
-  const double flop = 2.0 * static_cast<double>(s) * static_cast<double>(s) * static_cast<double>(s);
+  const double flop =
+      2.0 * static_cast<double>(s) * static_cast<double>(s) * static_cast<double>(s);
   const double fp32_best = std::min(t["sgemm_openblas"].best_seconds, t["f32_onednn"].best_seconds);
 
   // Sanity: the FP8 result must be close to the FP32 one (FP8 inputs: ~2^-4 relative per value).
@@ -195,9 +196,8 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
   j["ratio_definition"] =
       "FP8 GEMM throughput (E4M3, tensor scales, FP32 out, decode included) over the faster "
       "FP32 GEMM (OpenBLAS sgemm or oneDNN f32), fastest of interleaved samples";
-  j["ratio_median"] =
-      std::min(t["sgemm_openblas"].median_seconds, t["f32_onednn"].median_seconds) /
-      t["fp8_e4m3_tensor"].median_seconds;
+  j["ratio_median"] = std::min(t["sgemm_openblas"].median_seconds, t["f32_onednn"].median_seconds) /
+                      t["fp8_e4m3_tensor"].median_seconds;
   j["m"] = s;
   j["n"] = s;
   j["k"] = s;

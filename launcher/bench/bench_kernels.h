@@ -9,18 +9,18 @@
 namespace fp8rt::bench {
 
 struct QuantizeBenchOptions {
-  int mib = 256;       // FP32 input size in MiB
-  int rounds = 5;      // interleaved rounds of (memcpy, quantize)
-  int samples = 6;     // samples of each case per round
+  int mib = 256;    // FP32 input size in MiB
+  int rounds = 5;   // interleaved rounds of (memcpy, quantize)
+  int samples = 6;  // samples of each case per round
 };
 // FP32 -> E4M3, tensor granularity with a given scale, amax and statistics in the same pass
 // (the delayed-scaling kernel), over a memcpy of the input, both on all cores.
 absl::StatusOr<nlohmann::ordered_json> QuantizeBench(const QuantizeBenchOptions& options);
 
 struct GemmBenchOptions {
-  int size = 2048;     // M = N = K
-  int rounds = 5;      // interleaved rounds of the four GEMMs
-  int samples = 3;     // samples of each case per round
+  int size = 2048;  // M = N = K
+  int rounds = 5;   // interleaved rounds of the four GEMMs
+  int samples = 3;  // samples of each case per round
 };
 // FP8 GEMM (E4M3 x E4M3, tensor scales, FP32 out) over FP32 GEMM of the same shape; the FP32
 // baseline is the faster of OpenBLAS sgemm and oneDNN's f32 matmul.

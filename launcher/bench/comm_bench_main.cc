@@ -123,8 +123,8 @@ absl::StatusOr<nlohmann::ordered_json> Run(Communicator& world, int repeats) {
   if (!fp8_block.ok()) return fp8_block.status();
   auto bf16 = Measure(world, world, repeats, [&]() -> absl::Status {
     for (const auto& s : shards) {
-      if (absl::Status st = parallel::GatherBf16(world, ops, s.data(), shard_rows * kCols,
-                                                 full_bf16.data());
+      if (absl::Status st =
+              parallel::GatherBf16(world, ops, s.data(), shard_rows * kCols, full_bf16.data());
           !st.ok()) {
         return st;
       }
@@ -141,7 +141,8 @@ absl::StatusOr<nlohmann::ordered_json> Run(Communicator& world, int repeats) {
 
   // MoE dispatch: tokens spread evenly over the ranks.
   constexpr int64_t kTokens = 8192, kHidden = 1024;
-  const std::vector<float> tokens = Normal(kTokens * kHidden, 99u + static_cast<uint32_t>(world.rank()));
+  const std::vector<float> tokens =
+      Normal(kTokens * kHidden, 99u + static_cast<uint32_t>(world.rank()));
   std::vector<int64_t> send_counts(static_cast<size_t>(p), kTokens / p);
   send_counts[0] += kTokens % p;
   std::vector<int64_t> recv_counts;
@@ -158,8 +159,8 @@ absl::StatusOr<nlohmann::ordered_json> Run(Communicator& world, int repeats) {
   for (int64_t c : recv_counts) recv_tokens += c;
   received.resize(static_cast<size_t>(recv_tokens * kHidden));
   auto moe_bf16 = Measure(world, world, repeats, [&]() -> absl::Status {
-    return parallel::AllToAllBf16Tokens(world, ops, tokens.data(), kHidden, send_counts, recv_counts,
-                                        received.data());
+    return parallel::AllToAllBf16Tokens(world, ops, tokens.data(), kHidden, send_counts,
+                                        recv_counts, received.data());
   });
   if (!moe_bf16.ok()) return moe_bf16.status();
   out["moe_dispatch"] = Pair("fp8", *moe_fp8, "bf16", *moe_bf16);
@@ -172,8 +173,8 @@ absl::StatusOr<nlohmann::ordered_json> Run(Communicator& world, int repeats) {
   auto reduce = [&](parallel::GradReduceDType dtype) {
     return Measure(world, world, repeats, [&]() -> absl::Status {
       for (int w = 0; w < kWeights; ++w) {
-        if (absl::Status s = parallel::ReduceScatterGrad(world, ops, grad.data(), shard_rows * kCols,
-                                                         dtype, false, shard_grad.data());
+        if (absl::Status s = parallel::ReduceScatterGrad(
+                world, ops, grad.data(), shard_rows * kCols, dtype, false, shard_grad.data());
             !s.ok()) {
           return s;
         }

@@ -37,9 +37,9 @@ absl::StatusOr<nlohmann::ordered_json> CommBench(int np, int repeats) {
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const unsigned threads = std::max(1u, cores / static_cast<unsigned>(np));
   std::string cmd = std::string(FP8RT_MPIEXEC) + (geteuid() == 0 ? " --allow-run-as-root" : "") +
-                    " --oversubscribe -np " + std::to_string(np) + " -x OMP_NUM_THREADS=" +
-                    std::to_string(threads) + " " + worker.string() + " --repeats " +
-                    std::to_string(repeats);
+                    " --oversubscribe -np " + std::to_string(np) +
+                    " -x OMP_NUM_THREADS=" + std::to_string(threads) + " " + worker.string() +
+                    " --repeats " + std::to_string(repeats);
   std::fprintf(stderr, "running %d MPI ranks: %s\n", np, cmd.c_str());
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) return absl::InternalError("cannot start " + cmd);
@@ -53,7 +53,8 @@ absl::StatusOr<nlohmann::ordered_json> CommBench(int np, int repeats) {
                                "); its output: " + out);
   }
   const size_t start = out.rfind('{');
-  if (start == std::string::npos) return absl::InternalError("no JSON in the MPI job's output: " + out);
+  if (start == std::string::npos)
+    return absl::InternalError("no JSON in the MPI job's output: " + out);
   try {
     return nlohmann::ordered_json::parse(out.substr(out.rfind("{\"benchmark\"")));
   } catch (const nlohmann::json::exception& e) {
@@ -143,10 +144,10 @@ int main(int argc, char** argv) {
     app.exit(e);
     return 2;
   }
-  absl::StatusOr<nlohmann::ordered_json> result =
-      quantize->parsed() ? fp8rt::bench::QuantizeBench(qopt)
-      : gemm->parsed()   ? fp8rt::bench::GemmBench(gopt)
-                         : CommBench(np, comm_repeats);
+  absl::StatusOr<nlohmann::ordered_json> result = quantize->parsed()
+                                                      ? fp8rt::bench::QuantizeBench(qopt)
+                                                  : gemm->parsed() ? fp8rt::bench::GemmBench(gopt)
+                                                                   : CommBench(np, comm_repeats);
   if (!result.ok()) {
     std::fprintf(stderr, "fp8rt bench: %s\n", std::string(result.status().message()).c_str());
     return 2;

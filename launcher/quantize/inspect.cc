@@ -115,7 +115,7 @@ absl::StatusOr<nlohmann::ordered_json> Inspect(const InspectOptions& options) {
   r["format"] = std::string(kernels::Fp8FormatName(options.format));
   r["granularity"] = std::string(kernels::GranularityName(options.granularity));
   r["count"] = n;
-  r["amax"] = std::isnan(stats.amax) ? nlohmann::ordered_json("nan")
+  r["amax"] = std::isnan(stats.amax)   ? nlohmann::ordered_json("nan")
               : std::isinf(stats.amax) ? nlohmann::ordered_json("inf")
                                        : nlohmann::ordered_json(stats.amax);
   if (options.granularity == Granularity::kTensor) {
@@ -155,11 +155,11 @@ std::string FormatReport(const nlohmann::ordered_json& r) {
     return absl::StrFormat("%.4g%%", 100.0 * v.get<double>());
   };
   std::string shape;
-  for (const auto& d : r["shape"]) shape += (shape.empty() ? "" : " x ") + std::to_string(d.get<int64_t>());
-  std::string out = absl::StrFormat("%s: %s values (%s) -> %s, granularity %s\n",
-                                    r["input"].get<std::string>(), num(r["count"]), shape,
-                                    r["format"].get<std::string>(),
-                                    r["granularity"].get<std::string>());
+  for (const auto& d : r["shape"])
+    shape += (shape.empty() ? "" : " x ") + std::to_string(d.get<int64_t>());
+  std::string out = absl::StrFormat(
+      "%s: %s values (%s) -> %s, granularity %s\n", r["input"].get<std::string>(), num(r["count"]),
+      shape, r["format"].get<std::string>(), r["granularity"].get<std::string>());
   absl::StrAppendFormat(&out, "  amax               %s\n", num(r["amax"]));
   if (r["scale"].is_object()) {
     const auto& s = r["scale"];
@@ -178,8 +178,10 @@ std::string FormatReport(const nlohmann::ordered_json& r) {
   absl::StrAppendFormat(&out, "  saturated          %s values clipped to +-max (%s)\n",
                         num(r["saturated"]), pct(r["saturated_ratio"]));
   absl::StrAppendFormat(&out, "  non-finite inputs  %s\n", num(r["nonfinite"]));
-  if (r.contains("out")) absl::StrAppendFormat(&out, "  wrote dequantized  %s\n", r["out"].get<std::string>());
-  if (r.contains("codes")) absl::StrAppendFormat(&out, "  wrote FP8 codes    %s\n", r["codes"].get<std::string>());
+  if (r.contains("out"))
+    absl::StrAppendFormat(&out, "  wrote dequantized  %s\n", r["out"].get<std::string>());
+  if (r.contains("codes"))
+    absl::StrAppendFormat(&out, "  wrote FP8 codes    %s\n", r["codes"].get<std::string>());
   return out;
 }
 

@@ -14,13 +14,13 @@
 namespace fp8rt::inspect {
 
 struct InspectOptions {
-  std::string input;                     // .npy, float32/float64, 1-D or 2-D
+  std::string input;  // .npy, float32/float64, 1-D or 2-D
   kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
   kernels::Granularity granularity = kernels::Granularity::kTensor;
-  std::optional<float> scale;            // fixed scale (tensor granularity only)
-  int margin = 0;                        // computed scales: fp8_max / amax / 2^margin
-  std::string out_path;                  // optional: dequantized float32 .npy, same shape
-  std::string codes_path;                // optional: FP8 codes as uint8 .npy, same shape
+  std::optional<float> scale;  // fixed scale (tensor granularity only)
+  int margin = 0;              // computed scales: fp8_max / amax / 2^margin
+  std::string out_path;        // optional: dequantized float32 .npy, same shape
+  std::string codes_path;      // optional: FP8 codes as uint8 .npy, same shape
 };
 
 // Runs the inspection; the report is the JSON object that --json prints. Errors name the file

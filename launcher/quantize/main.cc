@@ -36,7 +36,8 @@ int main(int argc, char** argv) {
     return 2;
   };
   auto parsed_format = kernels::ParseFp8Format(format);
-  if (!parsed_format.ok()) return fail("--format: " + std::string(parsed_format.status().message()));
+  if (!parsed_format.ok())
+    return fail("--format: " + std::string(parsed_format.status().message()));
   auto parsed_granularity = kernels::ParseGranularity(granularity);
   if (!parsed_granularity.ok()) {
     return fail("--granularity: " + std::string(parsed_granularity.status().message()));

@@ -132,8 +132,8 @@ absl::StatusOr<MPI_Op> ToMpi(DType dtype, ReduceOp op) {
 // MPI counts are int: larger transfers are refused rather than silently truncated.
 absl::StatusOr<int> ToInt(int64_t count, const char* what) {
   if (count > INT_MAX) {
-    return absl::OutOfRangeError(absl::StrCat(what, " of ", count,
-                                              " elements exceeds MPI's int count limit"));
+    return absl::OutOfRangeError(
+        absl::StrCat(what, " of ", count, " elements exceeds MPI's int count limit"));
   }
   return static_cast<int>(count);
 }
@@ -196,8 +196,9 @@ class MpiCommunicator : public Communicator {
     std::vector<int> sc(send_counts.size()), sd(send_counts.size()), rc(send_counts.size()),
         rd(send_counts.size());
     for (size_t i = 0; i < sc.size(); ++i) {
-      for (auto [in, out] : {std::pair{send_counts[i], &sc[i]}, std::pair{send_displs[i], &sd[i]},
-                             std::pair{recv_counts[i], &rc[i]}, std::pair{recv_displs[i], &rd[i]}}) {
+      for (auto [in, out] :
+           {std::pair{send_counts[i], &sc[i]}, std::pair{send_displs[i], &sd[i]},
+            std::pair{recv_counts[i], &rc[i]}, std::pair{recv_displs[i], &rd[i]}}) {
         auto v = ToInt(in, "count or displacement");
         if (!v.ok()) return v.status();
         *out = *v;
@@ -247,9 +248,9 @@ class MpiCommunicator : public Communicator {
       }
     }
     broken_ = true;
-    return absl::DeadlineExceededError(absl::StrCat(
-        "did not complete within ", options_.timeout.count(),
-        " ms: a peer rank has failed, hangs, or called a different collective"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("did not complete within ", options_.timeout.count(),
+                     " ms: a peer rank has failed, hangs, or called a different collective"));
   }
 
   MPI_Comm comm_;             // owned
@@ -304,8 +305,8 @@ absl::StatusOr<int> InitMpi(int* argc, char*** argv) {
     MPI_RETURN_IF_ERROR(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided));
     g_we_initialized = true;
     if (provided < MPI_THREAD_FUNNELED) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("MPI provides thread level ", provided, ", fp8rt needs MPI_THREAD_FUNNELED"));
+      return absl::FailedPreconditionError(absl::StrCat("MPI provides thread level ", provided,
+                                                        ", fp8rt needs MPI_THREAD_FUNNELED"));
     }
   }
   int size = 0;

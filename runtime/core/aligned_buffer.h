@@ -16,9 +16,9 @@ class AlignedBuffer {
   AlignedBuffer() = default;
   explicit AlignedBuffer(size_t bytes)
       : size_(bytes),
-        data_(static_cast<std::byte*>(
-            std::aligned_alloc(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment +
-                                               (bytes == 0 ? kAlignment : 0)))) {}
+        data_(static_cast<std::byte*>(std::aligned_alloc(
+            kAlignment,
+            (bytes + kAlignment - 1) / kAlignment * kAlignment + (bytes == 0 ? kAlignment : 0)))) {}
 
   std::byte* data() { return data_.get(); }
   const std::byte* data() const { return data_.get(); }

@@ -25,9 +25,9 @@ struct Voidify {
 
 }  // namespace fp8rt::internal
 
-#define FP8RT_CHECK(cond)                   \
-  (cond) ? (void)0                          \
-         : ::fp8rt::internal::Voidify() &   \
+#define FP8RT_CHECK(cond)                 \
+  (cond) ? (void)0                        \
+         : ::fp8rt::internal::Voidify() & \
                ::fp8rt::internal::CheckFailure(__FILE__, __LINE__, #cond).stream()
 
 #endif  // FP8RT_RUNTIME_CORE_CHECK_H_

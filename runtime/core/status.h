@@ -14,10 +14,10 @@
 #define FP8RT_CONCAT_(a, b) FP8RT_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function if `expr` (an absl::Status) is not OK.
-#define FP8RT_RETURN_IF_ERROR(expr)                    \
-  do {                                                 \
-    ::absl::Status fp8rt_status_ = (expr);             \
-    if (!fp8rt_status_.ok()) return fp8rt_status_;     \
+#define FP8RT_RETURN_IF_ERROR(expr)                \
+  do {                                             \
+    ::absl::Status fp8rt_status_ = (expr);         \
+    if (!fp8rt_status_.ok()) return fp8rt_status_; \
   } while (false)
 
 // `lhs = value of statusor_expr`, or returns its error.

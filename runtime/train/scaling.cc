@@ -28,8 +28,8 @@ absl::StatusOr<ScalingStrategy> ParseScalingStrategy(std::string_view name) {
        {ScalingStrategy::kDelayed, ScalingStrategy::kCurrent, ScalingStrategy::kBlock}) {
     if (name == ScalingStrategyName(s)) return s;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown scaling '", std::string(name), "' (expected delayed, current or block)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown scaling '", std::string(name),
+                                                 "' (expected delayed, current or block)"));
 }
 
 std::string_view AmaxAlgoName(AmaxAlgo algo) {
@@ -39,8 +39,8 @@ std::string_view AmaxAlgoName(AmaxAlgo algo) {
 absl::StatusOr<AmaxAlgo> ParseAmaxAlgo(std::string_view name) {
   if (name == "max") return AmaxAlgo::kMax;
   if (name == "most_recent") return AmaxAlgo::kMostRecent;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown amax_compute_algo '", std::string(name), "' (expected max or most_recent)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown amax_compute_algo '", std::string(name),
+                                                 "' (expected max or most_recent)"));
 }
 
 absl::Status ValidateScalingConfig(const ScalingConfig& config) {
@@ -118,7 +118,7 @@ void ScalingState::ToProto(v1::ScalingState* proto) const {
   proto->set_strategy(StrategyToProto(config_.strategy));
   proto->set_history_len(config_.history_len);
   proto->set_amax_algo(config_.algo == AmaxAlgo::kMax ? v1::AMAX_ALGO_MAX
-                                                       : v1::AMAX_ALGO_MOST_RECENT);
+                                                      : v1::AMAX_ALGO_MOST_RECENT);
   proto->set_margin(config_.margin);
   proto->set_power_of_two(config_.power_of_two);
   for (float a : history_) proto->add_amax_history(a);
@@ -188,8 +188,8 @@ absl::StatusOr<ScalingState> ScalingState::FromProto(const v1::ScalingState& pro
     return BadField("scale_inv", absl::StrCat("must be finite and > 0, got ", proto.scale_inv()));
   }
   for (auto [field, value] : {std::pair{"updates", proto.updates()},
-                               std::pair{"zero_amax_count", proto.zero_amax_count()},
-                               std::pair{"nonfinite_amax_count", proto.nonfinite_amax_count()}}) {
+                              std::pair{"zero_amax_count", proto.zero_amax_count()},
+                              std::pair{"nonfinite_amax_count", proto.nonfinite_amax_count()}}) {
     if (value < 0) return BadField(field, absl::StrCat("must be >= 0, got ", value));
   }
   ScalingState state(config);

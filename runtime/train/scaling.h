@@ -36,17 +36,17 @@ enum class AmaxAlgo : uint8_t { kMax, kMostRecent };
 
 std::string_view ScalingStrategyName(ScalingStrategy strategy);  // "delayed", "current", "block"
 absl::StatusOr<ScalingStrategy> ParseScalingStrategy(std::string_view name);
-std::string_view AmaxAlgoName(AmaxAlgo algo);                    // "max", "most_recent"
+std::string_view AmaxAlgoName(AmaxAlgo algo);  // "max", "most_recent"
 absl::StatusOr<AmaxAlgo> ParseAmaxAlgo(std::string_view name);
 
 // Recipe of one site.
 struct ScalingConfig {
   kernels::Fp8Format format = kernels::Fp8Format::kE4M3;
   ScalingStrategy strategy = ScalingStrategy::kDelayed;
-  int history_len = 16;               // delayed: amaxes remembered, 1..4096
-  AmaxAlgo algo = AmaxAlgo::kMax;     // delayed: how the history is reduced
-  int margin = 0;                     // scale = fp8_max / amax / 2^margin, 0..32
-  bool power_of_two = false;          // round scales down to powers of two
+  int history_len = 16;            // delayed: amaxes remembered, 1..4096
+  AmaxAlgo algo = AmaxAlgo::kMax;  // delayed: how the history is reduced
+  int margin = 0;                  // scale = fp8_max / amax / 2^margin, 0..32
+  bool power_of_two = false;       // round scales down to powers of two
 };
 
 // InvalidArgument naming the field (history_len, margin) when out of range.
@@ -54,9 +54,9 @@ absl::Status ValidateScalingConfig(const ScalingConfig& config);
 
 // What Update() did with an amax.
 enum class AmaxUpdate : uint8_t {
-  kRecorded,         // added to the history; the scale follows it
-  kKeptZero,         // amax was 0: not recorded, scale kept
-  kKeptNonFinite,    // amax was Inf or NaN: not recorded, scale kept
+  kRecorded,       // added to the history; the scale follows it
+  kKeptZero,       // amax was 0: not recorded, scale kept
+  kKeptNonFinite,  // amax was Inf or NaN: not recorded, scale kept
 };
 
 class ScalingState {
@@ -79,7 +79,7 @@ class ScalingState {
 
   // Amax history, oldest first (at most config().history_len values, all finite and > 0).
   const std::deque<float>& history() const { return history_; }
-  int64_t updates() const { return updates_; }                  // amaxes recorded
+  int64_t updates() const { return updates_; }  // amaxes recorded
   int64_t zero_amax_count() const { return zero_amax_count_; }
   int64_t nonfinite_amax_count() const { return nonfinite_amax_count_; }
 

@@ -1,6 +1,8 @@
 // Communicator (MPI backend) and Mesh under mpirun with 2 and 4 ranks. Every expected value is
 // computed on each rank from what all ranks contribute (each rank can regenerate any rank's
 // input from its seed), never from the collective under test.
+#include "parallel/communicator.h"
+
 #include <algorithm>
 #include <bit>
 #include <chrono>
@@ -12,7 +14,6 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "parallel/communicator.h"
 #include "parallel/fault_injection.h"
 #include "parallel/mesh.h"
 #include "tests/mpi/mpi_test_env.h"

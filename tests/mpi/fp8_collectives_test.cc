@@ -664,7 +664,8 @@ TEST(ReduceScatterGradTest, ExactForIntegersAccumulateAddsAndOverwriteReplaces) 
   for (GradReduceDType dtype : {GradReduceDType::kFP32, GradReduceDType::kBF16}) {
     const char* name = dtype == GradReduceDType::kFP32 ? "fp32" : "bf16";
     std::vector<float> got(kShard, std::numeric_limits<float>::quiet_NaN());
-    ASSERT_TRUE(AllOk(ReduceScatterGrad(World(), Ops(), mine.data(), kShard, dtype, false, got.data())));
+    ASSERT_TRUE(
+        AllOk(ReduceScatterGrad(World(), Ops(), mine.data(), kShard, dtype, false, got.data())));
     std::vector<float> want(kShard);
     for (int64_t i = 0; i < kShard; ++i) want[i] = static_cast<float>(ref.sum[i]);
     EXPECT_TRUE(SameBits(got, want)) << name << " overwrite";
@@ -807,8 +808,8 @@ TEST_P(TokenAllToAllTest, Fp8DispatchThenBf16CombineReturnsEveryTokenToItsOrigin
   for (float& v : deq) v *= 2.0f;
   std::vector<float> back(static_cast<size_t>(send_tokens * hidden),
                           std::numeric_limits<float>::quiet_NaN());
-  const absl::Status combine =
-      AllToAllBf16Tokens(World(), Ops(), deq.data(), hidden, got->recv_counts, send_counts, back.data());
+  const absl::Status combine = AllToAllBf16Tokens(World(), Ops(), deq.data(), hidden,
+                                                  got->recv_counts, send_counts, back.data());
   ASSERT_TRUE(AllOk(combine));
 
   // Back home: each token is 2 x its own 1x128 quantization, dequantized (exact in BF16).

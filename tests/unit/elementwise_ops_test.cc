@@ -28,9 +28,19 @@ TEST(ConvertOpTest, F32ToBf16MatchesTheScalarDefinitionOnRandomBitPatterns) {
   const auto bits = RandomBits((size_t{1} << 22) + 13, 7);
   std::vector<float> in(bits.size());
   for (size_t i = 0; i < bits.size(); ++i) in[i] = std::bit_cast<float>(bits[i]);
-  const float specials[] = {0.0f, -0.0f, INFINITY, -INFINITY, NAN, -NAN, FLT_MAX, -FLT_MAX,
-                            0x1.fffffep127f, 1.0f + 0x1p-8f, 1.0f + 0x1p-8f + 0x1p-23f,
-                            1.0f + 0x1p-7f + 0x1p-8f, std::numeric_limits<float>::denorm_min()};
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            INFINITY,
+                            -INFINITY,
+                            NAN,
+                            -NAN,
+                            FLT_MAX,
+                            -FLT_MAX,
+                            0x1.fffffep127f,
+                            1.0f + 0x1p-8f,
+                            1.0f + 0x1p-8f + 0x1p-23f,
+                            1.0f + 0x1p-7f + 0x1p-8f,
+                            std::numeric_limits<float>::denorm_min()};
   in.insert(in.begin(), std::begin(specials), std::end(specials));
   std::vector<uint16_t> out(in.size(), 0xDEAD);
   ConvertArgs a{InputType::kF32, InputType::kBF16, in.data(), out.data(),

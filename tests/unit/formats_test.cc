@@ -24,7 +24,6 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
-
 #include "tests/unit/nvidia_fp8_reference.h"
 
 namespace fp8rt::kernels {
@@ -240,7 +239,6 @@ TEST_P(Fp8DecodeTest, HandPickedCodes) {
     }
   }
 }
-
 
 TEST_P(Fp8DecodeTest, AgreesWithNvidiaHalfConversion) {
 #if !defined(FP8RT_HAVE_CUDA_FP8_H)

@@ -24,14 +24,12 @@
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 #include "kernels/formats.h"
-
 #include "tests/unit/nvidia_fp8_reference.h"
 
 namespace fp8rt::kernels {
 namespace {
 
 using namespace test_reference;  // NVIDIA reference and bit helpers
-
 
 // The value of an FP8 code from the format definition (sign, biased exponent, mantissa), used to
 // build the neighbour table independently of the code under test. NaN codes give NaN.

@@ -16,7 +16,6 @@
 #include "absl/strings/str_format.h"
 #include "gtest/gtest.h"
 #include "kernels/formats.h"
-
 #include "tests/unit/nvidia_fp8_reference.h"
 
 namespace fp8rt::kernels {

@@ -199,9 +199,7 @@ void ExpectExact(const std::vector<float>& d, const Reference& ref, int64_t n, O
 // Caller-provided buffers.
 
 // The first 64-byte aligned address in a buffer over-allocated by 64 bytes.
-inline void* AlignTo64(uint8_t* p) {
-  return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
-}
+inline void* AlignTo64(uint8_t* p) { return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64; }
 
 // `bytes` bytes aligned to 64, followed by guard bytes that a kernel must not touch.
 class GuardedBuffer {
@@ -970,8 +968,10 @@ TEST(CpuDecodeTest, EveryCodeDecodesToItsExactBf16) {
 
 TEST(CpuPackingTest, GenericPackingMatchesTheAmxLoopsBitForBit) {
   std::mt19937 gen(42);
-  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{8, 64, 32}, {17, 130, 100},
-                         {64, 256, 384}, {5, 1, 1}}) {
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{8, 64, 32},
+                         {17, 130, 100},
+                         {64, 256, 384},
+                         {5, 1, 1}}) {
     std::vector<uint8_t> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(n * k));
     std::normal_distribution<float> dist(0.0f, 3.0f);
     for (auto& c : a) c = EncodeFp8(dist(gen), Fp8Format::kE4M3);

@@ -39,14 +39,12 @@
 #include "gtest/gtest.h"
 #include "kernels/formats.h"
 #include "kernels/ops.h"
-
 #include "tests/unit/nvidia_fp8_reference.h"
 
 namespace fp8rt::kernels {
 namespace {
 
 using namespace test_reference;  // NVIDIA reference and bit helpers
-
 
 // ---------------------------------------------------------------------------------------------
 // The reference, from the spec.
