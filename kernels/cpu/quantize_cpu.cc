@@ -145,6 +145,9 @@ struct VectorEncoder {
   hn::Vec<DI> mag_mask = hn::Set(di, 0x7F);
   hn::Vec<DI> sub_limit = hn::Set(di, 1 << B::kMantissaBits);
   hn::Vec<DI> zero = hn::Zero(di);
+  hn::RebindToUnsigned<DI> du;
+  hn::Vec<decltype(du)> normal_span =
+      hn::Set(du, std::bit_cast<uint32_t>(B::kMax) - B::kMinNormalBits);
 
   explicit VectorEncoder(float scale) : vscale(hn::Set(df, scale)) {}
 
@@ -156,7 +159,9 @@ struct VectorEncoder {
     amax = hn::Max(amax, ain);
     const auto y_bits = hn::BitCast(di, hn::Mul(vx, vscale));
     const auto a = hn::And(y_bits, abs_mask);
-    const auto special = hn::Or(min_normal > a, a > max_bits);
+    // Outside [min normal, max] as one unsigned range check: a - min_normal wraps below it.
+    const auto offset = hn::BitCast(du, hn::Sub(a, min_normal));
+    const auto special = hn::RebindMask(di, offset > normal_span);
     if (HWY_LIKELY(hn::AllFalse(di, special))) {
       // Normal range: round the FP32 mantissa to the FP8 width (nearest even), rebias, sign.
       const auto odd = hn::And(hn::ShiftRight<B::kShift>(a), one);
