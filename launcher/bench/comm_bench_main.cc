@@ -99,27 +99,21 @@ absl::StatusOr<nlohmann::ordered_json> Run(Communicator& world, int repeats) {
   // Gathered weights live in buffers reused from step to step, as in training.
   std::vector<uint16_t> full_bf16(static_cast<size_t>(kRows * kCols));
   parallel::Fp8Weight gathered;
-  auto fp8 = Measure(world, world, repeats, [&]() -> absl::Status {
-    for (const auto& s : shards) {
-      if (absl::Status st = parallel::GatherFp8WeightInto(world, ops, s.data(), shard_rows, kCols,
-                                                          tensor, &gathered);
-          !st.ok()) {
-        return st;
+  auto gather_all = [&](const parallel::Fp8GatherOptions& options) {
+    return Measure(world, world, repeats, [&]() -> absl::Status {
+      for (const auto& s : shards) {
+        if (absl::Status st = parallel::GatherFp8WeightInto(world, ops, s.data(), shard_rows,
+                                                            kCols, options, &gathered);
+            !st.ok()) {
+          return st;
+        }
       }
-    }
-    return absl::OkStatus();
-  });
+      return absl::OkStatus();
+    });
+  };
+  auto fp8 = gather_all(tensor);
   if (!fp8.ok()) return fp8.status();
-  auto fp8_block = Measure(world, world, repeats, [&]() -> absl::Status {
-    for (const auto& s : shards) {
-      if (absl::Status st = parallel::GatherFp8WeightInto(world, ops, s.data(), shard_rows, kCols,
-                                                          block, &gathered);
-          !st.ok()) {
-        return st;
-      }
-    }
-    return absl::OkStatus();
-  });
+  auto fp8_block = gather_all(block);
   if (!fp8_block.ok()) return fp8_block.status();
   auto bf16 = Measure(world, world, repeats, [&]() -> absl::Status {
     for (const auto& s : shards) {
