@@ -1,0 +1,657 @@
+// Run spec loading (see run_spec.h). Contents:
+//   RunSpecDefaults          the one place defaults are written
+//   Parser                   YAML node -> message fields by reflection, with typed errors
+//   ApplyOverride            "dotted.path=value" -> the same walk
+//   ParseRunSpec/LoadRunSpec the entry points
+//   ValidateRunSpec          cross-field checks
+#include "runtime/core/run_spec.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "google/protobuf/descriptor.h"
+#include "google/protobuf/message.h"
+#include "runtime/core/status.h"
+
+namespace fp8rt {
+
+v1::RunSpec RunSpecDefaults() {
+  v1::RunSpec spec;
+  using P = v1::RunSpec::Precision;
+  auto* parallel = spec.mutable_parallel();
+  parallel->set_dp(1);
+  parallel->set_tp(1);
+  parallel->set_ep(1);
+  auto* precision = spec.mutable_precision();
+  precision->set_mode(P::MODE_FP8);
+  precision->set_format(P::FORMAT_HYBRID);
+  precision->set_scaling(P::SCALING_DELAYED);
+  precision->set_amax_history_len(16);
+  precision->set_amax_compute_algo(P::AMAX_COMPUTE_ALGO_MAX);
+  precision->set_margin(0);
+  precision->set_fsdp_gather(P::FSDP_GATHER_FP8);
+  precision->set_grad_reduce(P::GRAD_REDUCE_FP32);
+  auto* train = spec.mutable_train();
+  train->set_micro_batch(1);
+  train->set_grad_accum(1);
+  train->set_seed(1);
+  train->set_lr(3e-4);
+  train->set_warmup(0);
+  train->set_min_lr(0.0);
+  train->set_weight_decay(0.1);
+  train->set_clip(1.0);
+  spec.mutable_data()->set_format(v1::RunSpec::Data::FORMAT_TEXT);
+  spec.mutable_checkpoint()->set_every(0);
+  spec.mutable_checkpoint()->set_keep(3);
+  spec.mutable_metrics()->set_every(1);
+  spec.mutable_metrics()->set_per_rank_fp8_stats(false);
+  return spec;
+}
+
+namespace {
+
+namespace pb = google::protobuf;
+namespace fs = std::filesystem;
+
+// Keys that have no default, in the order they are reported.
+constexpr const char* kRequiredKeys[] = {
+    "model.layers",  "model.d_model", "model.heads", "model.d_ff",
+    "model.seq_len", "model.vocab",   "train.steps", "data.path",
+};
+
+std::string Lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+size_t EditDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// "unknown key (did you mean X?)" when a field name is close, else the list of valid keys.
+std::string UnknownKeyMessage(const std::string& key, const pb::Descriptor* desc) {
+  std::vector<std::string> names;
+  std::string best;
+  size_t best_distance = std::numeric_limits<size_t>::max();
+  for (int i = 0; i < desc->field_count(); ++i) {
+    const std::string& name = desc->field(i)->name();
+    names.push_back(name);
+    const size_t d = EditDistance(Lower(key), name);
+    if (d < best_distance) {
+      best_distance = d;
+      best = name;
+    }
+  }
+  const size_t limit = std::max<size_t>(2, key.size() / 2);
+  if (!best.empty() && best_distance <= limit) {
+    return absl::StrCat("unknown key (did you mean ", best, "?)");
+  }
+  return absl::StrCat("unknown key (expected one of ", absl::StrJoin(names, ", "), ")");
+}
+
+// The YAML spelling of an enum's values: the lower-case value name without the prefix its
+// *_UNSPECIFIED value carries ("MODE_FP8" -> "fp8"). The unspecified value is not listed.
+std::string EnumPrefix(const pb::EnumDescriptor* e) {
+  const std::string& zero = e->value(0)->name();
+  constexpr std::string_view kSuffix = "UNSPECIFIED";
+  if (zero.size() >= kSuffix.size() &&
+      zero.compare(zero.size() - kSuffix.size(), kSuffix.size(), kSuffix) == 0) {
+    return zero.substr(0, zero.size() - kSuffix.size());
+  }
+  return "";
+}
+
+std::vector<std::pair<std::string, int>> EnumChoices(const pb::EnumDescriptor* e) {
+  const std::string prefix = EnumPrefix(e);
+  std::vector<std::pair<std::string, int>> out;
+  for (int i = 0; i < e->value_count(); ++i) {
+    const pb::EnumValueDescriptor* v = e->value(i);
+    if (v->number() == 0) continue;
+    std::string name = v->name();
+    if (name.compare(0, prefix.size(), prefix) == 0) name = name.substr(prefix.size());
+    out.emplace_back(Lower(name), v->number());
+  }
+  return out;
+}
+
+// How a node reads in "got ..." messages.
+std::string Describe(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Scalar:
+      return absl::StrCat(node.Tag() == "!" ? "the quoted string '" : "'", node.Scalar(), "'");
+    case YAML::NodeType::Sequence:
+      return "a list";
+    case YAML::NodeType::Map:
+      return "a map";
+    default:
+      return "an empty value";
+  }
+}
+
+bool ParseInt64(std::string_view s, int64_t* out) {
+  if (!s.empty() && s[0] == '+') s.remove_prefix(1);
+  if (s.empty()) return false;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+  return ec == std::errc() && ptr == s.data() + s.size();
+}
+
+bool ParseUint64(std::string_view s, uint64_t* out) {
+  if (!s.empty() && s[0] == '+') s.remove_prefix(1);
+  if (s.empty() || s[0] == '-') return false;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+  return ec == std::errc() && ptr == s.data() + s.size();
+}
+
+bool ParseDouble(std::string_view s, double* out) {
+  if (!s.empty() && s[0] == '+') s.remove_prefix(1);
+  if (s.empty()) return false;
+  const auto [ptr, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+  return ec == std::errc() && ptr == s.data() + s.size() && std::isfinite(*out);
+}
+
+// Maps YAML onto messages for one source (the file, or one override).
+class Parser {
+ public:
+  // `source` starts every error; `positions` says whether YAML marks are meaningful there.
+  // `seen` collects the paths of scalar fields set (for the required-key check).
+  Parser(std::string source, bool positions, std::set<std::string>* seen)
+      : source_(std::move(source)), positions_(positions), seen_(seen) {}
+
+  absl::Status Error(const YAML::Mark& mark, const std::string& path,
+                     const std::string& message) const {
+    std::string where = source_;
+    if (positions_ && mark.line >= 0) {
+      absl::StrAppend(&where, ":", mark.line + 1, ":", mark.column + 1);
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": ", path.empty() ? "" : path + ": ", message));
+  }
+
+  // Fills `msg` from a YAML map (null = empty map). `path` is the message's own dotted path.
+  absl::Status ApplyMap(const YAML::Node& node, const YAML::Mark& mark, const std::string& path,
+                        pb::Message* msg) {
+    const pb::Descriptor* desc = msg->GetDescriptor();
+    if (node.IsNull()) return absl::OkStatus();
+    if (!node.IsMap()) {
+      std::vector<std::string> names;
+      for (int i = 0; i < desc->field_count(); ++i) names.push_back(desc->field(i)->name());
+      return Error(MarkOf(node, mark), path,
+                   absl::StrCat("expected a map of keys (", absl::StrJoin(names, ", "), "), got ",
+                                Describe(node)));
+    }
+    std::set<std::string> keys;
+    for (const auto& entry : node) {
+      // Copies: Node is a handle, and the iterator's pairs are temporaries.
+      const YAML::Node key = entry.first;
+      const YAML::Node value = entry.second;
+      if (!key.IsScalar()) {
+        return Error(key.Mark(), path, absl::StrCat("expected a key name, got ", Describe(key)));
+      }
+      const std::string& name = key.Scalar();
+      const std::string field_path = path.empty() ? name : absl::StrCat(path, ".", name);
+      const pb::FieldDescriptor* field = desc->FindFieldByName(name);
+      if (field == nullptr) {
+        return Error(key.Mark(), field_path, UnknownKeyMessage(name, desc));
+      }
+      if (!keys.insert(name).second) return Error(key.Mark(), field_path, "duplicate key");
+      FP8RT_RETURN_IF_ERROR(ApplyField(value, key.Mark(), field_path, field, msg));
+    }
+    return absl::OkStatus();
+  }
+
+  // Sets one field of `msg` from `node`; `key_mark` locates errors about empty values.
+  absl::Status ApplyField(const YAML::Node& node, const YAML::Mark& key_mark,
+                          const std::string& path, const pb::FieldDescriptor* field,
+                          pb::Message* msg) {
+    const pb::Reflection* refl = msg->GetReflection();
+    if (field->is_map()) return Error(key_mark, path, "map fields are not supported");
+    if (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE && !field->is_repeated()) {
+      return ApplyMap(node, key_mark, path, refl->MutableMessage(msg, field));
+    }
+    if (field->is_repeated()) {
+      if (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
+        return Error(key_mark, path, "lists of sections are not supported");
+      }
+      std::vector<YAML::Node> items;
+      if (node.IsSequence()) {
+        for (const YAML::Node& item : node) items.push_back(item);
+      } else if (node.IsScalar() && !positions_ &&
+                 field->cpp_type() == pb::FieldDescriptor::CPPTYPE_STRING) {
+        // Override values may be comma-separated: precision.exclude=a,b
+        for (const std::string& part :
+             std::vector<std::string>(absl::StrSplit(node.Scalar(), ','))) {
+          items.push_back(YAML::Node(part));
+        }
+      } else if (!node.IsNull()) {
+        return Error(MarkOf(node, key_mark), path,
+                     absl::StrCat("expected a list of ", TypeName(field, /*plural=*/true), ", got ",
+                                  Describe(node)));
+      }
+      refl->ClearField(msg, field);
+      for (size_t i = 0; i < items.size(); ++i) {
+        FP8RT_RETURN_IF_ERROR(SetScalar(items[i], MarkOf(node, key_mark),
+                                        absl::StrCat(path, "[", i, "]"), field, msg));
+      }
+      seen_->insert(path);
+      return absl::OkStatus();
+    }
+    FP8RT_RETURN_IF_ERROR(SetScalar(node, key_mark, path, field, msg));
+    seen_->insert(path);
+    return absl::OkStatus();
+  }
+
+ private:
+  // A node's own mark, or the key's where the node has none (an empty value).
+  static YAML::Mark MarkOf(const YAML::Node& node, const YAML::Mark& fallback) {
+    return node.IsNull() || node.Mark().line < 0 ? fallback : node.Mark();
+  }
+
+  static std::string TypeName(const pb::FieldDescriptor* field, bool plural) {
+    switch (field->cpp_type()) {
+      case pb::FieldDescriptor::CPPTYPE_INT32:
+      case pb::FieldDescriptor::CPPTYPE_INT64:
+        return plural ? "integers" : "an integer";
+      case pb::FieldDescriptor::CPPTYPE_UINT32:
+      case pb::FieldDescriptor::CPPTYPE_UINT64:
+        return plural ? "non-negative integers" : "a non-negative integer";
+      case pb::FieldDescriptor::CPPTYPE_FLOAT:
+      case pb::FieldDescriptor::CPPTYPE_DOUBLE:
+        return plural ? "numbers" : "a number";
+      case pb::FieldDescriptor::CPPTYPE_BOOL:
+        return plural ? "booleans" : "true or false";
+      case pb::FieldDescriptor::CPPTYPE_ENUM: {
+        std::vector<std::string> names;
+        for (const auto& [name, number] : EnumChoices(field->enum_type())) names.push_back(name);
+        return absl::StrCat(plural ? "values from " : "one of ", absl::StrJoin(names, ", "));
+      }
+      case pb::FieldDescriptor::CPPTYPE_STRING:
+        return plural ? "strings" : "a string";
+      case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+        return plural ? "maps" : "a map";
+    }
+    return "a value";
+  }
+
+  // Sets (or, for a repeated field, adds) one scalar value.
+  absl::Status SetScalar(const YAML::Node& node, const YAML::Mark& key_mark,
+                         const std::string& path, const pb::FieldDescriptor* field,
+                         pb::Message* msg) {
+    const pb::Reflection* refl = msg->GetReflection();
+    const bool repeated = field->is_repeated();
+    const YAML::Mark mark = MarkOf(node, key_mark);
+    auto mismatch = [&]() {
+      return Error(mark, path,
+                   absl::StrCat("expected ", TypeName(field, false), ", got ", Describe(node)));
+    };
+    if (!node.IsScalar()) return mismatch();
+    const std::string& text = node.Scalar();
+    // A quoted scalar is a string: "10" is not an integer.
+    const bool quoted = node.Tag() == "!";
+    switch (field->cpp_type()) {
+      case pb::FieldDescriptor::CPPTYPE_INT32:
+      case pb::FieldDescriptor::CPPTYPE_INT64: {
+        int64_t v = 0;
+        if (quoted || !ParseInt64(text, &v)) return mismatch();
+        if (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_INT32) {
+          if (v < std::numeric_limits<int32_t>::min() || v > std::numeric_limits<int32_t>::max()) {
+            return Error(mark, path, absl::StrCat("value ", text, " is out of the 32-bit range"));
+          }
+          repeated ? refl->AddInt32(msg, field, static_cast<int32_t>(v))
+                   : refl->SetInt32(msg, field, static_cast<int32_t>(v));
+        } else {
+          repeated ? refl->AddInt64(msg, field, v) : refl->SetInt64(msg, field, v);
+        }
+        return absl::OkStatus();
+      }
+      case pb::FieldDescriptor::CPPTYPE_UINT32:
+      case pb::FieldDescriptor::CPPTYPE_UINT64: {
+        uint64_t v = 0;
+        if (quoted || !ParseUint64(text, &v)) return mismatch();
+        if (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_UINT32) {
+          if (v > std::numeric_limits<uint32_t>::max()) {
+            return Error(mark, path, absl::StrCat("value ", text, " is out of the 32-bit range"));
+          }
+          repeated ? refl->AddUInt32(msg, field, static_cast<uint32_t>(v))
+                   : refl->SetUInt32(msg, field, static_cast<uint32_t>(v));
+        } else {
+          repeated ? refl->AddUInt64(msg, field, v) : refl->SetUInt64(msg, field, v);
+        }
+        return absl::OkStatus();
+      }
+      case pb::FieldDescriptor::CPPTYPE_FLOAT:
+      case pb::FieldDescriptor::CPPTYPE_DOUBLE: {
+        double v = 0;
+        if (quoted || !ParseDouble(text, &v)) return mismatch();
+        if (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_FLOAT) {
+          repeated ? refl->AddFloat(msg, field, static_cast<float>(v))
+                   : refl->SetFloat(msg, field, static_cast<float>(v));
+        } else {
+          repeated ? refl->AddDouble(msg, field, v) : refl->SetDouble(msg, field, v);
+        }
+        return absl::OkStatus();
+      }
+      case pb::FieldDescriptor::CPPTYPE_BOOL: {
+        const std::string lower = Lower(text);
+        if (quoted || (lower != "true" && lower != "false")) return mismatch();
+        repeated ? refl->AddBool(msg, field, lower == "true")
+                 : refl->SetBool(msg, field, lower == "true");
+        return absl::OkStatus();
+      }
+      case pb::FieldDescriptor::CPPTYPE_ENUM: {
+        const std::string lower = Lower(text);
+        for (const auto& [name, number] : EnumChoices(field->enum_type())) {
+          if (name == lower) {
+            repeated ? refl->AddEnumValue(msg, field, number)
+                     : refl->SetEnumValue(msg, field, number);
+            return absl::OkStatus();
+          }
+        }
+        return mismatch();
+      }
+      case pb::FieldDescriptor::CPPTYPE_STRING:
+        repeated ? refl->AddString(msg, field, text) : refl->SetString(msg, field, text);
+        return absl::OkStatus();
+      case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+        break;
+    }
+    return mismatch();
+  }
+
+  const std::string source_;
+  const bool positions_;
+  std::set<std::string>* const seen_;
+};
+
+// Applies one "dotted.path=value" override.
+absl::Status ApplyOverride(const std::string& text, std::set<std::string>* seen,
+                           v1::RunSpec* spec) {
+  Parser parser(absl::StrCat("override '", text, "'"), /*positions=*/false, seen);
+  const YAML::Mark none = YAML::Mark::null_mark();
+  const size_t eq = text.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    return parser.Error(none, "", "expected KEY=VALUE, e.g. train.steps=20");
+  }
+  const std::string key = text.substr(0, eq);
+  const std::vector<std::string> parts = absl::StrSplit(key, '.');
+  pb::Message* msg = spec;
+  std::string path;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::string parent = path;
+    path = path.empty() ? parts[i] : absl::StrCat(path, ".", parts[i]);
+    if (msg == nullptr) {
+      return parser.Error(none, path, absl::StrCat("unknown key (", parent, " is not a section)"));
+    }
+    const pb::FieldDescriptor* field = msg->GetDescriptor()->FindFieldByName(parts[i]);
+    if (field == nullptr) {
+      return parser.Error(none, path, UnknownKeyMessage(parts[i], msg->GetDescriptor()));
+    }
+    if (i + 1 == parts.size()) {
+      YAML::Node value;
+      try {
+        value = YAML::Load(text.substr(eq + 1));
+      } catch (const YAML::Exception& e) {
+        return parser.Error(none, path, absl::StrCat("invalid YAML value: ", e.msg));
+      }
+      return parser.ApplyField(value, none, path, field, msg);
+    }
+    const bool section =
+        field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE && !field->is_repeated();
+    msg = section ? msg->GetReflection()->MutableMessage(msg, field) : nullptr;
+  }
+  return absl::OkStatus();  // not reached: the loop returns on its last part
+}
+
+// "a.b" of a field and the path of its message.
+std::string Join(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : absl::StrCat(prefix, ".", name);
+}
+
+// Enums left unspecified and non-finite numbers anywhere in the message.
+absl::Status CheckFieldsSet(const pb::Message& msg, const std::string& prefix) {
+  const pb::Descriptor* desc = msg.GetDescriptor();
+  const pb::Reflection* refl = msg.GetReflection();
+  for (int i = 0; i < desc->field_count(); ++i) {
+    const pb::FieldDescriptor* f = desc->field(i);
+    if (f->is_repeated()) continue;
+    const std::string path = Join(prefix, f->name());
+    switch (f->cpp_type()) {
+      case pb::FieldDescriptor::CPPTYPE_MESSAGE:
+        FP8RT_RETURN_IF_ERROR(CheckFieldsSet(refl->GetMessage(msg, f), path));
+        break;
+      case pb::FieldDescriptor::CPPTYPE_ENUM:
+        if (refl->GetEnumValue(msg, f) == 0) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(path, ": not set (expected ", "a value from the schema)"));
+        }
+        break;
+      case pb::FieldDescriptor::CPPTYPE_DOUBLE:
+        if (!std::isfinite(refl->GetDouble(msg, f))) {
+          return absl::InvalidArgumentError(absl::StrCat(path, ": must be finite"));
+        }
+        break;
+      case pb::FieldDescriptor::CPPTYPE_FLOAT:
+        if (!std::isfinite(refl->GetFloat(msg, f))) {
+          return absl::InvalidArgumentError(absl::StrCat(path, ": must be finite"));
+        }
+        break;
+      default:
+        break;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FieldError(const std::string& field, const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
+}
+
+absl::Status CheckPositive(const std::string& field, int64_t value) {
+  if (value > 0) return absl::OkStatus();
+  return FieldError(field, absl::StrCat("must be positive, got ", value));
+}
+
+absl::Status CheckNonNegative(const std::string& field, double value) {
+  if (value >= 0) return absl::OkStatus();
+  return FieldError(field, absl::StrCat("must be >= 0, got ", value));
+}
+
+absl::Status CheckReadableFile(const std::string& field, const std::string& path) {
+  if (path.empty()) return FieldError(field, "is empty (a data file is required)");
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  if (st.type() == fs::file_type::not_found) {
+    return FieldError(field, absl::StrCat("file '", path, "' does not exist"));
+  }
+  if (ec) return FieldError(field, absl::StrCat("cannot access '", path, "': ", ec.message()));
+  if (fs::is_directory(st)) {
+    return FieldError(field, absl::StrCat("'", path, "' is a directory, not a file"));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return FieldError(field, absl::StrCat("file '", path, "' is not readable"));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::RunSpec> ParseRunSpec(const std::string& yaml_text,
+                                         const std::string& source_name,
+                                         std::span<const std::string> overrides) {
+  v1::RunSpec spec = RunSpecDefaults();
+  std::set<std::string> seen;
+  // yaml-cpp reports errors by exceptions; none leaves this function.
+  try {
+    YAML::Node root;
+    try {
+      root = YAML::Load(yaml_text);
+    } catch (const YAML::ParserException& e) {
+      Parser p(source_name, /*positions=*/true, &seen);
+      return p.Error(e.mark, "", absl::StrCat("invalid YAML: ", e.msg));
+    }
+    Parser parser(source_name, /*positions=*/true, &seen);
+    FP8RT_RETURN_IF_ERROR(parser.ApplyMap(root, YAML::Mark(), "", &spec));
+    for (const std::string& text : overrides) {
+      FP8RT_RETURN_IF_ERROR(ApplyOverride(text, &seen, &spec));
+    }
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source_name, ": ", e.what()));
+  }
+  for (const char* key : kRequiredKeys) {
+    if (!seen.contains(key)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source_name, ": ", key, ": required key missing"));
+    }
+  }
+  return spec;
+}
+
+absl::StatusOr<v1::RunSpec> LoadRunSpec(const std::string& path,
+                                        std::span<const std::string> overrides) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    return absl::NotFoundError(absl::StrCat(path, ": run spec file does not exist"));
+  }
+  if (fs::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": is a directory, not a run spec"));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(path, ": cannot read the run spec"));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return absl::InvalidArgumentError(absl::StrCat(path, ": read error"));
+  return ParseRunSpec(text.str(), path, overrides);
+}
+
+absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size) {
+  FP8RT_RETURN_IF_ERROR(CheckFieldsSet(spec, ""));
+
+  const auto& m = spec.model();
+  FP8RT_RETURN_IF_ERROR(CheckPositive("model.layers", m.layers()));
+  FP8RT_RETURN_IF_ERROR(CheckPositive("model.d_model", m.d_model()));
+  FP8RT_RETURN_IF_ERROR(CheckPositive("model.heads", m.heads()));
+  FP8RT_RETURN_IF_ERROR(CheckPositive("model.d_ff", m.d_ff()));
+  FP8RT_RETURN_IF_ERROR(CheckPositive("model.seq_len", m.seq_len()));
+  FP8RT_RETURN_IF_ERROR(CheckPositive("model.vocab", m.vocab()));
+  if (m.d_model() % m.heads() != 0) {
+    return FieldError(
+        "model.d_model",
+        absl::StrCat("d_model ", m.d_model(), " is not a multiple of model.heads ", m.heads()));
+  }
+
+  const auto& par = spec.parallel();
+  FP8RT_RETURN_IF_ERROR(CheckPositive("parallel.dp", par.dp()));
+  FP8RT_RETURN_IF_ERROR(CheckPositive("parallel.tp", par.tp()));
+  FP8RT_RETURN_IF_ERROR(CheckPositive("parallel.ep", par.ep()));
+  if (world_size > 0 && int64_t{par.dp()} * par.tp() != world_size) {
+    return FieldError("parallel.dp", absl::StrCat("parallel.dp * parallel.tp = ", par.dp(), " * ",
+                                                  par.tp(), " = ", int64_t{par.dp()} * par.tp(),
+                                                  ", but the world size is ", world_size));
+  }
+  if (par.dp() % par.ep() != 0) {
+    return FieldError("parallel.ep",
+                      absl::StrCat("ep ", par.ep(), " does not divide parallel.dp ", par.dp()));
+  }
+  const struct {
+    const char* field;
+    int32_t value;
+  } tp_split[] = {
+      {"model.d_model", m.d_model()}, {"model.d_ff", m.d_ff()}, {"model.heads", m.heads()}};
+  for (const auto& [field, value] : tp_split) {
+    if (value % par.tp() != 0) {
+      return FieldError(field, absl::StrCat(value, " is not divisible by parallel.tp ", par.tp()));
+    }
+  }
+
+  const auto& pr = spec.precision();
+  if (pr.scaling() == v1::RunSpec::Precision::SCALING_BLOCK) {
+    const struct {
+      const char* field;
+      int32_t value;
+    } block[] = {{"model.d_model", m.d_model()}, {"model.d_ff", m.d_ff()}};
+    for (const auto& [field, value] : block) {
+      if ((value / par.tp()) % 128 != 0) {
+        return FieldError(
+            field, absl::StrCat("precision.scaling block needs a multiple of 128 per tensor-"
+                                "parallel shard, got ",
+                                value, " / parallel.tp ", par.tp(), " = ", value / par.tp()));
+      }
+    }
+  }
+  if (pr.margin() < 0 || pr.margin() > 32) {
+    return FieldError("precision.margin", absl::StrCat("must be in [0, 32], got ", pr.margin()));
+  }
+  if (pr.amax_history_len() < 1 || pr.amax_history_len() > 4096) {
+    return FieldError("precision.amax_history_len",
+                      absl::StrCat("must be in [1, 4096], got ", pr.amax_history_len()));
+  }
+  for (int i = 0; i < pr.exclude_size(); ++i) {
+    if (pr.exclude(i).empty()) {
+      return FieldError(absl::StrCat("precision.exclude[", i, "]"), "empty layer name");
+    }
+  }
+
+  const auto& t = spec.train();
+  FP8RT_RETURN_IF_ERROR(CheckPositive("train.steps", t.steps()));
+  FP8RT_RETURN_IF_ERROR(CheckPositive("train.micro_batch", t.micro_batch()));
+  FP8RT_RETURN_IF_ERROR(CheckPositive("train.grad_accum", t.grad_accum()));
+  if (!(t.lr() > 0)) return FieldError("train.lr", absl::StrCat("must be positive, got ", t.lr()));
+  FP8RT_RETURN_IF_ERROR(CheckNonNegative("train.min_lr", t.min_lr()));
+  FP8RT_RETURN_IF_ERROR(CheckNonNegative("train.weight_decay", t.weight_decay()));
+  FP8RT_RETURN_IF_ERROR(CheckNonNegative("train.clip", t.clip()));
+  FP8RT_RETURN_IF_ERROR(CheckNonNegative("train.warmup", static_cast<double>(t.warmup())));
+  if (t.warmup() > t.steps()) {
+    return FieldError("train.warmup",
+                      absl::StrCat("warmup ", t.warmup(), " is more than train.steps ", t.steps()));
+  }
+  if (t.min_lr() > t.lr()) {
+    return FieldError("train.min_lr",
+                      absl::StrCat("min_lr ", t.min_lr(), " is more than train.lr ", t.lr()));
+  }
+
+  const auto& d = spec.data();
+  if (d.format() == v1::RunSpec::Data::FORMAT_TEXT && m.vocab() < 256) {
+    return FieldError("model.vocab", absl::StrCat("data.format text uses byte tokens and needs "
+                                                  "vocab >= 256, got ",
+                                                  m.vocab()));
+  }
+  if (d.format() == v1::RunSpec::Data::FORMAT_U16 && m.vocab() > 65536) {
+    return FieldError(
+        "model.vocab",
+        absl::StrCat("data.format u16 holds token ids < 65536, got vocab ", m.vocab()));
+  }
+
+  FP8RT_RETURN_IF_ERROR(
+      CheckNonNegative("checkpoint.every", static_cast<double>(spec.checkpoint().every())));
+  FP8RT_RETURN_IF_ERROR(CheckPositive("checkpoint.keep", spec.checkpoint().keep()));
+  FP8RT_RETURN_IF_ERROR(CheckPositive("metrics.every", spec.metrics().every()));
+
+  return CheckReadableFile("data.path", d.path());
+}
+
+}  // namespace fp8rt

@@ -1,0 +1,87 @@
+// Run spec loading and validation: YAML -> fp8rt.v1.RunSpec (proto/fp8rt/v1/run_spec.proto).
+//
+// The proto is the schema. The loader walks the message's Descriptor, so a YAML key is a field
+// name, a section is a sub-message, an enum is written as its lower-case value name without the
+// enum's prefix (`precision.mode: fp8` for MODE_FP8; the *_UNSPECIFIED value is not accepted) and
+// a repeated string is a YAML sequence. Anything else is an error:
+//
+//   tiny.yaml:12:3: precision.scalng: unknown key (did you mean scaling?)
+//   tiny.yaml:20:10: train.steps: expected an integer, got 'ten'
+//   tiny.yaml:9:9: precision.mode: expected one of fp32, bf16, fp8, got 'fp16'
+//
+// Types are strict: an integer field takes a plain integer (not 1.5, not a quoted "10"), a
+// number field takes an integer or a decimal, a bool takes true/false, a scalar never takes a
+// list or a map, and a key may appear once per section. An empty section (`checkpoint:`) is an
+// empty map; an empty `precision.exclude:` is an empty list.
+//
+// Required keys (missing ones are an error naming the first, in this order):
+//   model.layers, model.d_model, model.heads, model.d_ff, model.seq_len, model.vocab,
+//   train.steps, data.path
+//
+// Defaults of every other key (set in one place, RunSpecDefaults() in run_spec.cc):
+//   parallel:   dp 1, tp 1, ep 1
+//   precision:  mode fp8, format hybrid, scaling delayed, amax_history_len 16,
+//               amax_compute_algo max, margin 0, exclude [], fsdp_gather fp8, grad_reduce fp32
+//   train:      micro_batch 1, grad_accum 1, seed 1, lr 3e-4, warmup 0, min_lr 0,
+//               weight_decay 0.1, clip 1.0 (0 disables clipping)
+//   data:       format text
+//   checkpoint: every 0 (off), keep 3
+//   metrics:    every 1, per_rank_fp8_stats false
+//
+// Overrides ("--set train.steps=20") are `dotted.path=value`, applied in order after the file,
+// with the same typing and errors; the value is read as YAML, so `precision.mode=bf16`,
+// `train.lr=1e-3` and `precision.exclude=[lm_head, blocks.0.attn.qkv]` all work. A repeated
+// string also takes a comma-separated override value (`precision.exclude=a,b`; an empty value
+// clears the list); overrides replace a list, they never append. Override errors start with
+// "override 'KEY=VALUE': ".
+//
+// Every error is InvalidArgument, except NotFound for a spec file that does not exist. Parse
+// errors start with "<file>:<line>:<column>: " where YAML gives a position (else "<file>: "),
+// then the field path. Loading does not run the cross-field checks: call ValidateRunSpec once
+// the world size is known. Relative data paths are relative to the working directory.
+//
+// Stateless and thread-safe.
+#ifndef FP8RT_RUNTIME_CORE_RUN_SPEC_H_
+#define FP8RT_RUNTIME_CORE_RUN_SPEC_H_
+
+#include <span>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "fp8rt/v1/run_spec.pb.h"
+
+namespace fp8rt {
+
+// A RunSpec holding every default listed above (required keys left zero/empty).
+v1::RunSpec RunSpecDefaults();
+
+// Reads the YAML file at `path`, applies `overrides` ("a.b=value") and checks required keys.
+[[nodiscard]] absl::StatusOr<v1::RunSpec> LoadRunSpec(const std::string& path,
+                                                      std::span<const std::string> overrides);
+
+// Same on YAML text already in memory; `source_name` stands for the file name in errors.
+[[nodiscard]] absl::StatusOr<v1::RunSpec> ParseRunSpec(const std::string& yaml_text,
+                                                       const std::string& source_name,
+                                                       std::span<const std::string> overrides);
+
+// Cross-field checks, each failure an InvalidArgument naming the field:
+//   - model sizes, parallel sizes, train.steps, micro_batch, grad_accum, metrics.every and
+//     checkpoint.keep positive; warmup, min_lr, weight_decay, clip, checkpoint.every >= 0;
+//     lr > 0; every number finite
+//   - model.d_model % model.heads == 0
+//   - parallel.dp * parallel.tp == world_size (world_size 0 skips this check)
+//   - parallel.ep divides parallel.dp
+//   - model.heads, model.d_model and model.d_ff divisible by parallel.tp
+//   - precision.scaling block: d_model / tp and d_ff / tp multiples of 128 (whole 128x128
+//     blocks on every tensor-parallel shard; with tp 1, d_model and d_ff multiples of 128)
+//   - train.warmup <= train.steps, train.min_lr <= train.lr
+//   - precision.margin in [0, 32], precision.amax_history_len in [1, 4096], exclude names
+//     non-empty
+//   - data.format text (byte-level tokens) needs model.vocab >= 256; u16 needs vocab <= 65536
+//   - data.path names an existing, readable regular file (the message names the path)
+[[nodiscard]] absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size);
+
+}  // namespace fp8rt
+
+#endif  // FP8RT_RUNTIME_CORE_RUN_SPEC_H_

@@ -1,0 +1,457 @@
+// Tests of runtime/core/run_spec.h: the documented contract of the YAML run spec.
+//   - A full spec and examples/tiny.yaml read with the written values; absent keys take the
+//     defaults listed in run_spec.h.
+//   - Schema errors (unknown keys, wrong types, bad enum values, invalid YAML, missing required
+//     keys) name the file, the YAML position and the field path.
+//   - Overrides set nested values with the same typing; bad ones name the override.
+//   - Cross-field checks each name the field they reject.
+#include "runtime/core/run_spec.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace fp8rt {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::StartsWith;
+
+namespace fs = std::filesystem;
+using Precision = v1::RunSpec::Precision;
+
+// A fresh directory with one readable data file, removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    const char* base = std::getenv("TEST_TMPDIR");
+    std::string tmpl =
+        (fs::path(base != nullptr ? base : fs::temp_directory_path().string()) / "runspec.XXXXXX")
+            .string();
+    path_ = mkdtemp(tmpl.data());
+    std::ofstream(path_ / "corpus.txt") << "In the beginning God created the heaven and the earth.";
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  std::string DataFile() const { return (path_ / "corpus.txt").string(); }
+  std::string Path(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+// Every key written, none at its default.
+std::string FullSpec(const std::string& data_path) {
+  return absl::StrCat(R"(model:
+  layers: 4
+  d_model: 256
+  heads: 8
+  d_ff: 1024
+  seq_len: 128
+  vocab: 512
+parallel:
+  dp: 4
+  tp: 2
+  ep: 2
+precision:
+  mode: bf16
+  format: e4m3
+  scaling: block
+  amax_history_len: 32
+  amax_compute_algo: most_recent
+  margin: 2
+  exclude: [lm_head, blocks.0.attn.qkv]
+  fsdp_gather: bf16
+  grad_reduce: bf16
+train:
+  steps: 500
+  micro_batch: 4
+  grad_accum: 2
+  seed: 1234
+  lr: 6.0e-4
+  warmup: 50
+  min_lr: 6e-5
+  weight_decay: 0.05
+  clip: 0.5
+data:
+  path: )",
+                      data_path, R"(
+  format: u16
+checkpoint:
+  every: 100
+  keep: 5
+metrics:
+  every: 10
+  per_rank_fp8_stats: true
+)");
+}
+
+// Only the required keys.
+std::string MinimalSpec(const std::string& data_path) {
+  return absl::StrCat(
+      "model: {layers: 2, d_model: 128, heads: 4, d_ff: 512, seq_len: 64, vocab: 256}\n"
+      "train:\n  steps: 10\n"
+      "data:\n  path: ",
+      data_path, "\n");
+}
+
+absl::StatusOr<v1::RunSpec> Parse(const std::string& text,
+                                  const std::vector<std::string>& overrides = {}) {
+  return ParseRunSpec(text, "run.yaml", overrides);
+}
+
+std::string Message(const absl::Status& s) { return std::string(s.message()); }
+
+// Asserts InvalidArgument whose message contains every fragment.
+void ExpectInvalid(const absl::Status& status, const std::vector<std::string>& fragments) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  for (const std::string& f : fragments) EXPECT_THAT(Message(status), HasSubstr(f));
+}
+
+TEST(RunSpecTest, FullSpecReadsEveryValue) {
+  const absl::StatusOr<v1::RunSpec> spec = Parse(FullSpec("/data/tokens.bin"));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->model().layers(), 4);
+  EXPECT_EQ(spec->model().d_model(), 256);
+  EXPECT_EQ(spec->model().heads(), 8);
+  EXPECT_EQ(spec->model().d_ff(), 1024);
+  EXPECT_EQ(spec->model().seq_len(), 128);
+  EXPECT_EQ(spec->model().vocab(), 512);
+  EXPECT_EQ(spec->parallel().dp(), 4);
+  EXPECT_EQ(spec->parallel().tp(), 2);
+  EXPECT_EQ(spec->parallel().ep(), 2);
+  const Precision& p = spec->precision();
+  EXPECT_EQ(p.mode(), Precision::MODE_BF16);
+  EXPECT_EQ(p.format(), Precision::FORMAT_E4M3);
+  EXPECT_EQ(p.scaling(), Precision::SCALING_BLOCK);
+  EXPECT_EQ(p.amax_history_len(), 32);
+  EXPECT_EQ(p.amax_compute_algo(), Precision::AMAX_COMPUTE_ALGO_MOST_RECENT);
+  EXPECT_EQ(p.margin(), 2);
+  EXPECT_THAT(p.exclude(), ElementsAre("lm_head", "blocks.0.attn.qkv"));
+  EXPECT_EQ(p.fsdp_gather(), Precision::FSDP_GATHER_BF16);
+  EXPECT_EQ(p.grad_reduce(), Precision::GRAD_REDUCE_BF16);
+  EXPECT_EQ(spec->train().steps(), 500);
+  EXPECT_EQ(spec->train().micro_batch(), 4);
+  EXPECT_EQ(spec->train().grad_accum(), 2);
+  EXPECT_EQ(spec->train().seed(), 1234u);
+  EXPECT_DOUBLE_EQ(spec->train().lr(), 6.0e-4);
+  EXPECT_EQ(spec->train().warmup(), 50);
+  EXPECT_DOUBLE_EQ(spec->train().min_lr(), 6e-5);
+  EXPECT_DOUBLE_EQ(spec->train().weight_decay(), 0.05);
+  EXPECT_DOUBLE_EQ(spec->train().clip(), 0.5);
+  EXPECT_EQ(spec->data().path(), "/data/tokens.bin");
+  EXPECT_EQ(spec->data().format(), v1::RunSpec::Data::FORMAT_U16);
+  EXPECT_EQ(spec->checkpoint().every(), 100);
+  EXPECT_EQ(spec->checkpoint().keep(), 5);
+  EXPECT_EQ(spec->metrics().every(), 10);
+  EXPECT_TRUE(spec->metrics().per_rank_fp8_stats());
+}
+
+TEST(RunSpecTest, FullSpecValidates) {
+  TempDir dir;
+  const absl::StatusOr<v1::RunSpec> spec = Parse(FullSpec(dir.DataFile()));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(ValidateRunSpec(*spec, 8).ok()) << ValidateRunSpec(*spec, 8);
+  EXPECT_TRUE(ValidateRunSpec(*spec, 0).ok());
+}
+
+TEST(RunSpecTest, AbsentKeysTakeTheDocumentedDefaults) {
+  TempDir dir;
+  const absl::StatusOr<v1::RunSpec> spec = Parse(MinimalSpec(dir.DataFile()));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->parallel().dp(), 1);
+  EXPECT_EQ(spec->parallel().tp(), 1);
+  EXPECT_EQ(spec->parallel().ep(), 1);
+  const Precision& p = spec->precision();
+  EXPECT_EQ(p.mode(), Precision::MODE_FP8);
+  EXPECT_EQ(p.format(), Precision::FORMAT_HYBRID);
+  EXPECT_EQ(p.scaling(), Precision::SCALING_DELAYED);
+  EXPECT_EQ(p.amax_history_len(), 16);
+  EXPECT_EQ(p.amax_compute_algo(), Precision::AMAX_COMPUTE_ALGO_MAX);
+  EXPECT_EQ(p.margin(), 0);
+  EXPECT_THAT(p.exclude(), IsEmpty());
+  EXPECT_EQ(p.fsdp_gather(), Precision::FSDP_GATHER_FP8);
+  EXPECT_EQ(p.grad_reduce(), Precision::GRAD_REDUCE_FP32);
+  EXPECT_EQ(spec->train().micro_batch(), 1);
+  EXPECT_EQ(spec->train().grad_accum(), 1);
+  EXPECT_EQ(spec->train().seed(), 1u);
+  EXPECT_DOUBLE_EQ(spec->train().lr(), 3e-4);
+  EXPECT_EQ(spec->train().warmup(), 0);
+  EXPECT_DOUBLE_EQ(spec->train().min_lr(), 0.0);
+  EXPECT_DOUBLE_EQ(spec->train().weight_decay(), 0.1);
+  EXPECT_DOUBLE_EQ(spec->train().clip(), 1.0);
+  EXPECT_EQ(spec->data().format(), v1::RunSpec::Data::FORMAT_TEXT);
+  EXPECT_EQ(spec->checkpoint().every(), 0);
+  EXPECT_EQ(spec->checkpoint().keep(), 3);
+  EXPECT_EQ(spec->metrics().every(), 1);
+  EXPECT_FALSE(spec->metrics().per_rank_fp8_stats());
+  EXPECT_TRUE(ValidateRunSpec(*spec, 1).ok()) << ValidateRunSpec(*spec, 1);
+}
+
+TEST(RunSpecTest, TinyExampleLoadsAndValidatesOnTwoRanks) {
+  const std::string tiny =
+      (fs::path(__FILE__).parent_path() / "../../examples/tiny.yaml").lexically_normal().string();
+  TempDir dir;
+  const std::vector<std::string> overrides = {"data.path=" + dir.DataFile()};
+  const absl::StatusOr<v1::RunSpec> spec = LoadRunSpec(tiny, overrides);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->model().layers(), 2);
+  EXPECT_EQ(spec->model().d_model(), 128);
+  EXPECT_EQ(spec->model().heads(), 4);
+  EXPECT_EQ(spec->model().d_ff(), 512);
+  EXPECT_EQ(spec->model().seq_len(), 64);
+  EXPECT_EQ(spec->model().vocab(), 256);
+  EXPECT_EQ(spec->parallel().dp(), 2);
+  EXPECT_EQ(spec->parallel().tp(), 1);
+  EXPECT_EQ(spec->precision().mode(), Precision::MODE_FP8);
+  EXPECT_EQ(spec->precision().scaling(), Precision::SCALING_DELAYED);
+  EXPECT_EQ(spec->train().steps(), 100);
+  EXPECT_EQ(spec->data().path(), dir.DataFile());
+  EXPECT_EQ(spec->data().format(), v1::RunSpec::Data::FORMAT_TEXT);
+  EXPECT_EQ(spec->checkpoint().every(), 50);
+  EXPECT_EQ(spec->checkpoint().keep(), 2);
+  EXPECT_EQ(spec->metrics().every(), 10);
+  EXPECT_TRUE(ValidateRunSpec(*spec, 2).ok()) << ValidateRunSpec(*spec, 2);
+  // Written for 2 ranks: refused on 1 with the field named.
+  ExpectInvalid(ValidateRunSpec(*spec, 1), {"parallel.dp", "world size is 1"});
+  // Without the override it names the corpus bootstrap writes.
+  const absl::StatusOr<v1::RunSpec> plain = LoadRunSpec(tiny, {});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->data().path(), "examples/data/kjv.txt");
+}
+
+TEST(RunSpecTest, MissingSpecFileIsNotFound) {
+  TempDir dir;
+  const absl::StatusOr<v1::RunSpec> spec = LoadRunSpec(dir.Path("nope.yaml"), {});
+  EXPECT_EQ(spec.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(Message(spec.status()), HasSubstr(dir.Path("nope.yaml")));
+}
+
+TEST(RunSpecTest, UnknownNestedKeyNamesPathPositionAndSuggestion) {
+  const std::string text = MinimalSpec("x") + "precision:\n  scalng: block\n";
+  const absl::Status s = Parse(text).status();
+  ExpectInvalid(s, {"precision.scalng: unknown key (did you mean scaling?)"});
+  // The key is on line 7 (1-based), column 3.
+  EXPECT_THAT(Message(s), StartsWith("run.yaml:7:3: "));
+}
+
+TEST(RunSpecTest, UnknownTopLevelKey) {
+  ExpectInvalid(Parse(MinimalSpec("x") + "trian:\n  lr: 1\n").status(),
+                {"run.yaml:6:1: ", "trian: unknown key (did you mean train?)"});
+  // Nothing close: the valid keys are listed.
+  ExpectInvalid(Parse(MinimalSpec("x") + "optimizer: adam\n").status(),
+                {"optimizer: unknown key (expected one of model, parallel, precision"});
+}
+
+TEST(RunSpecTest, DuplicateKeyIsRejected) {
+  ExpectInvalid(Parse(MinimalSpec("x") + "train:\n  lr: 1\n").status(),
+                {"run.yaml:6:1: ", "train: duplicate key"});
+}
+
+TEST(RunSpecTest, WrongTypesNamePathAndExpectedType) {
+  struct Case {
+    std::string yaml;
+    std::string want;
+  } cases[] = {
+      {"train:\n  steps: ten\n", "run.yaml:2:10: train.steps: expected an integer, got 'ten'"},
+      {"train:\n  steps: 1.5\n", "train.steps: expected an integer, got '1.5'"},
+      {"train:\n  steps: [1, 2]\n", "train.steps: expected an integer, got a list"},
+      {"train:\n  steps: {a: 1}\n", "train.steps: expected an integer, got a map"},
+      {"train:\n  steps: \"10\"\n", "train.steps: expected an integer, got the quoted string"},
+      {"train:\n  steps:\n", "run.yaml:2:3: train.steps: expected an integer, got an empty value"},
+      {"train:\n  lr: fast\n", "train.lr: expected a number, got 'fast'"},
+      {"train:\n  seed: -1\n", "train.seed: expected a non-negative integer, got '-1'"},
+      {"metrics:\n  per_rank_fp8_stats: 1\n",
+       "metrics.per_rank_fp8_stats: expected true or false, got '1'"},
+      {"data:\n  path: [a, b]\n", "data.path: expected a string, got a list"},
+      {"precision:\n  exclude: lm_head\n",
+       "precision.exclude: expected a list of strings, got 'lm_head'"},
+      {"precision:\n  exclude: [[a]]\n", "precision.exclude[0]: expected a string, got a list"},
+      {"model: 3\n", "model: expected a map of keys (layers, d_model"},
+      {"model:\n  layers: 99999999999\n", "model.layers: value 99999999999 is out of the"},
+  };
+  for (const Case& c : cases) {
+    // Type errors come before the required-key check, so each case is a whole document.
+    SCOPED_TRACE(c.yaml);
+    ExpectInvalid(Parse(c.yaml).status(), {c.want});
+  }
+}
+
+TEST(RunSpecTest, BadEnumListsTheChoices) {
+  ExpectInvalid(Parse("precision:\n  mode: fp16\n").status(),
+                {"run.yaml:2:9: precision.mode: expected one of fp32, bf16, fp8, got 'fp16'"});
+  ExpectInvalid(Parse("precision:\n  amax_compute_algo: mean\n").status(),
+                {"precision.amax_compute_algo: expected one of max, most_recent, got 'mean'"});
+  ExpectInvalid(Parse("data:\n  format: u8\n").status(),
+                {"data.format: expected one of text, u16, u32, got 'u8'"});
+  // The proto's zero value is not a choice.
+  ExpectInvalid(Parse("precision:\n  scaling: unspecified\n").status(),
+                {"precision.scaling: expected one of delayed, current, block"});
+}
+
+TEST(RunSpecTest, OverridesApplyAfterTheFileWithTheSameTyping) {
+  TempDir dir;
+  const std::vector<std::string> overrides = {
+      "train.steps=20",  "precision.mode=bf16",        "train.lr=1e-3",
+      "parallel.dp=2",   "precision.exclude=[a, b.c]", "metrics.per_rank_fp8_stats=true",
+      "data.format=u32", "checkpoint={every: 7}",
+  };
+  const absl::StatusOr<v1::RunSpec> spec = Parse(FullSpec(dir.DataFile()), overrides);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->train().steps(), 20);
+  EXPECT_EQ(spec->precision().mode(), Precision::MODE_BF16);
+  EXPECT_DOUBLE_EQ(spec->train().lr(), 1e-3);
+  EXPECT_EQ(spec->parallel().dp(), 2);
+  EXPECT_EQ(spec->parallel().tp(), 2);  // the rest of the section is kept
+  EXPECT_THAT(spec->precision().exclude(), ElementsAre("a", "b.c"));
+  EXPECT_EQ(spec->data().format(), v1::RunSpec::Data::FORMAT_U32);
+  EXPECT_EQ(spec->checkpoint().every(), 7);
+  EXPECT_EQ(spec->checkpoint().keep(), 5);
+}
+
+TEST(RunSpecTest, ListOverrideTakesCommaSeparatedValuesAndReplaces) {
+  const absl::StatusOr<v1::RunSpec> spec =
+      Parse(FullSpec("x"), {"precision.exclude=lm_head,blocks.1.mlp.fc2"});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_THAT(spec->precision().exclude(), ElementsAre("lm_head", "blocks.1.mlp.fc2"));
+  const absl::StatusOr<v1::RunSpec> cleared = Parse(FullSpec("x"), {"precision.exclude="});
+  ASSERT_TRUE(cleared.ok()) << cleared.status();
+  EXPECT_THAT(cleared->precision().exclude(), IsEmpty());
+}
+
+TEST(RunSpecTest, OverridesMayProvideRequiredKeys) {
+  const absl::StatusOr<v1::RunSpec> spec =
+      Parse("model: {layers: 1, d_model: 128, heads: 1, d_ff: 128, seq_len: 8}\n",
+            {"model.vocab=256", "train.steps=3", "data.path=/tmp/x"});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->model().vocab(), 256);
+}
+
+TEST(RunSpecTest, BadOverridesNameTheOverride) {
+  const std::string spec = FullSpec("x");
+  ExpectInvalid(Parse(spec, {"train.steps"}).status(),
+                {"override 'train.steps': expected KEY=VALUE"});
+  ExpectInvalid(Parse(spec, {"=5"}).status(), {"override '=5': expected KEY=VALUE"});
+  ExpectInvalid(Parse(spec, {"train.stepz=3"}).status(),
+                {"override 'train.stepz=3': train.stepz: unknown key (did you mean steps?)"});
+  ExpectInvalid(Parse(spec, {"training.steps=3"}).status(),
+                {"override 'training.steps=3': training: unknown key (did you mean train?)"});
+  ExpectInvalid(Parse(spec, {"train.steps.max=3"}).status(),
+                {"override 'train.steps.max=3': train.steps.max: unknown key (train.steps is not "
+                 "a section)"});
+  ExpectInvalid(Parse(spec, {"train.steps=ten"}).status(),
+                {"override 'train.steps=ten': train.steps: expected an integer, got 'ten'"});
+  ExpectInvalid(Parse(spec, {"precision.mode=fp16"}).status(),
+                {"override 'precision.mode=fp16': precision.mode: expected one of fp32, bf16, "
+                 "fp8, got 'fp16'"});
+  ExpectInvalid(Parse(spec, {"train.steps=[1"}).status(),
+                {"override 'train.steps=[1': train.steps: invalid YAML value"});
+}
+
+// A valid spec (parsed from MinimalSpec) with `overrides`, validated on `world` ranks.
+absl::Status ValidateWith(const TempDir& dir, const std::vector<std::string>& overrides,
+                          int world) {
+  const absl::StatusOr<v1::RunSpec> spec = Parse(MinimalSpec(dir.DataFile()), overrides);
+  if (!spec.ok()) return spec.status();
+  return ValidateRunSpec(*spec, world);
+}
+
+TEST(RunSpecTest, CrossFieldChecksNameTheField) {
+  TempDir dir;
+  struct Case {
+    std::vector<std::string> overrides;
+    int world;
+    std::vector<std::string> want;
+  } cases[] = {
+      {{"parallel.dp=2", "parallel.tp=2"}, 2, {"parallel.dp", "2 * 2 = 4", "world size is 2"}},
+      {{"parallel.dp=4", "parallel.ep=3"}, 4, {"parallel.ep", "does not divide parallel.dp 4"}},
+      {{"model.d_model=96", "model.heads=2", "parallel.tp=4"}, 4, {"model.heads"}},
+      {{"model.d_model=132", "model.heads=1", "parallel.tp=8"}, 8, {"model.d_model", "132"}},
+      {{"model.d_ff=500", "parallel.tp=8", "model.heads=8"}, 8, {"model.d_ff", "500"}},
+      {{"model.d_model=100", "model.heads=4", "precision.scaling=block"},
+       1,
+       {"model.d_model", "multiple of 128"}},
+      {{"model.d_model=256", "model.d_ff=384", "precision.scaling=block", "parallel.tp=2"},
+       2,
+       {"model.d_ff", "384 / parallel.tp 2 = 192"}},
+      {{"model.d_model=130", "model.heads=4"}, 1, {"model.d_model", "multiple of model.heads 4"}},
+      {{"model.layers=0"}, 1, {"model.layers: must be positive, got 0"}},
+      {{"parallel.tp=0"}, 0, {"parallel.tp: must be positive"}},
+      {{"train.warmup=11"}, 1, {"train.warmup", "more than train.steps 10"}},
+      {{"train.min_lr=1e-3"}, 1, {"train.min_lr", "more than train.lr"}},
+      {{"train.lr=0"}, 1, {"train.lr: must be positive"}},
+      {{"precision.margin=33"}, 1, {"precision.margin: must be in [0, 32], got 33"}},
+      {{"precision.margin=-1"}, 1, {"precision.margin"}},
+      {{"precision.amax_history_len=0"}, 1, {"precision.amax_history_len: must be in [1, 4096]"}},
+      {{"precision.amax_history_len=4097"}, 1, {"precision.amax_history_len"}},
+      {{"model.vocab=100"}, 1, {"model.vocab", "vocab >= 256"}},
+      {{"metrics.every=0"}, 1, {"metrics.every: must be positive"}},
+      {{"data.path=" + dir.Path("missing.txt")}, 1, {"data.path", dir.Path("missing.txt")}},
+      {{"data.path=" + dir.Path("")}, 1, {"data.path", "is a directory"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::PrintToString(c.overrides));
+    ExpectInvalid(ValidateWith(dir, c.overrides, c.world), c.want);
+  }
+  // The same layouts made consistent pass.
+  EXPECT_TRUE(ValidateWith(dir, {"parallel.dp=2", "parallel.tp=2"}, 4).ok());
+  EXPECT_TRUE(ValidateWith(dir, {"parallel.dp=4", "parallel.ep=2"}, 4).ok());
+  EXPECT_TRUE(
+      ValidateWith(dir, {"model.d_model=256", "precision.scaling=block", "parallel.tp=2"}, 2).ok());
+  EXPECT_TRUE(ValidateWith(dir, {"train.warmup=10", "train.min_lr=3e-4"}, 1).ok());
+}
+
+TEST(RunSpecTest, UnspecifiedEnumFromAnotherSourceIsRefused) {
+  TempDir dir;
+  absl::StatusOr<v1::RunSpec> spec = Parse(MinimalSpec(dir.DataFile()));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  spec->mutable_precision()->set_grad_reduce(Precision::GRAD_REDUCE_UNSPECIFIED);
+  ExpectInvalid(ValidateRunSpec(*spec, 1), {"precision.grad_reduce: not set"});
+}
+
+TEST(RunSpecTest, MissingRequiredKeyIsNamed) {
+  const absl::Status s = Parse(
+                             "model: {d_model: 128, heads: 4, d_ff: 512, seq_len: 64, vocab: 256}\n"
+                             "train: {steps: 10}\ndata: {path: x}\n")
+                             .status();
+  ExpectInvalid(s, {"run.yaml: model.layers: required key missing"});
+  ExpectInvalid(Parse("model: {layers: 1, d_model: 128, heads: 4, d_ff: 512, seq_len: 64, "
+                      "vocab: 256}\ntrain: {steps: 10}\n")
+                    .status(),
+                {"data.path: required key missing"});
+}
+
+TEST(RunSpecTest, InvalidYamlNamesFileAndLine) {
+  TempDir dir;
+  const std::string path = dir.Path("broken.yaml");
+  std::ofstream(path) << "model:\n  layers: 2\n  d_model: [128, 256\ntrain:\n  steps: 5\n";
+  const absl::Status s = LoadRunSpec(path, {}).status();
+  ExpectInvalid(s, {path + ":", "invalid YAML"});
+  EXPECT_THAT(Message(s), testing::MatchesRegex(".*broken\\.yaml:[45]:[0-9]+: invalid YAML.*"));
+  // A document that is not a map.
+  ExpectInvalid(Parse("just words\n").status(), {"run.yaml:1:1: expected a map of keys (model"});
+}
+
+TEST(RunSpecTest, EmptyFileReportsTheFirstMissingRequiredKey) {
+  TempDir dir;
+  const std::string path = dir.Path("empty.yaml");
+  std::ofstream(path) << "";
+  ExpectInvalid(LoadRunSpec(path, {}).status(), {path + ": model.layers: required key missing"});
+  ExpectInvalid(Parse("# nothing but a comment\n").status(),
+                {"run.yaml: model.layers: required key missing"});
+}
+
+}  // namespace
+}  // namespace fp8rt
