@@ -1,0 +1,188 @@
+// AdamW: config checks, the learning-rate schedule, the global gradient norm and the update.
+#include "runtime/train/optimizer.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <numbers>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/core/check.h"
+#include "runtime/core/status.h"
+
+namespace fp8rt::train {
+namespace {
+
+// Added to the norm in the clip factor so that a zero gradient never divides by zero.
+constexpr double kClipNormEps = 1e-6;
+
+absl::Status OutOfRange(const char* field, double value, const char* range) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("optimizer field '", field, "' is ", value, "; must be ", range));
+}
+
+// Sum of squares of one gradient, in FP64 (a float squared never overflows a double, so the
+// sum is non-finite only when an element is NaN or Inf).
+double SumOfSquares(const float* grad, int64_t count) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < count; ++i) {
+    const double g = grad[i];
+    sum += g * g;
+  }
+  return sum;
+}
+
+// The FP32 AdamW update of one shard (see AdamW::Step for the formula).
+struct UpdateScalars {
+  float lr;          // learning rate of this step
+  float decay;       // lr * weight_decay, 0 for shards without decay
+  float clip_scale;  // multiplies each gradient element
+  float beta1, one_minus_beta1;
+  float beta2, one_minus_beta2;
+  float bias1, bias2;  // 1 - beta^t
+  float eps;
+};
+
+void UpdateShard(const ParamShard& s, const UpdateScalars& k) {
+  for (int64_t i = 0; i < s.count; ++i) {
+    const float g = s.grad[i] * k.clip_scale;
+    float p = s.master[i];
+    p -= k.decay * p;  // decoupled weight decay, on the weight before this step's update
+    const float m = k.beta1 * s.m[i] + k.one_minus_beta1 * g;
+    const float v = k.beta2 * s.v[i] + k.one_minus_beta2 * (g * g);
+    const float m_hat = m / k.bias1;
+    const float v_hat = v / k.bias2;
+    p -= k.lr * m_hat / (std::sqrt(v_hat) + k.eps);
+    s.m[i] = m;
+    s.v[i] = v;
+    s.master[i] = p;
+  }
+}
+
+absl::Status ValidateShard(const ParamShard& s) {
+  if (s.count < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter shard '", s.name, "': count is ", s.count, "; must be >= 0"));
+  }
+  if (s.count > 0 &&
+      (s.master == nullptr || s.grad == nullptr || s.m == nullptr || s.v == nullptr)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter shard '", s.name, "': ", s.count,
+                     " elements but a null master, grad, m or v pointer"));
+  }
+  return absl::OkStatus();
+}
+
+// Adds every rank's FP64 sum in rank order. The doubles travel as their int64 bit patterns in
+// an all-gather (the Communicator reduces no FP64), so the sum is exact to FP64 rounding, the
+// same bits on every rank, and NaN or Inf from any rank reaches all of them.
+absl::StatusOr<double> GlobalSum(double local, parallel::Communicator* group) {
+  if (group == nullptr) return local;
+  std::vector<int64_t> all(static_cast<size_t>(group->size()));
+  const int64_t mine = std::bit_cast<int64_t>(local);
+  FP8RT_RETURN_IF_ERROR(group->AllGather(&mine, 1, all.data(), parallel::DType::kI64));
+  double sum = 0.0;
+  for (int64_t bits : all) sum += std::bit_cast<double>(bits);
+  return sum;
+}
+
+}  // namespace
+
+absl::Status ValidateAdamWConfig(const AdamWConfig& c) {
+  if (!(std::isfinite(c.lr) && c.lr >= 0)) return OutOfRange("lr", c.lr, "finite and >= 0");
+  if (!(c.beta1 >= 0 && c.beta1 < 1)) return OutOfRange("beta1", c.beta1, "in [0, 1)");
+  if (!(c.beta2 >= 0 && c.beta2 < 1)) return OutOfRange("beta2", c.beta2, "in [0, 1)");
+  if (!(std::isfinite(c.eps) && c.eps > 0)) return OutOfRange("eps", c.eps, "finite and > 0");
+  if (!(std::isfinite(c.weight_decay) && c.weight_decay >= 0)) {
+    return OutOfRange("weight_decay", c.weight_decay, "finite and >= 0");
+  }
+  if (!(std::isfinite(c.clip) && c.clip >= 0)) {
+    return OutOfRange("clip", c.clip, "finite and >= 0 (0 turns clipping off)");
+  }
+  if (c.warmup < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer field 'warmup' is ", c.warmup, "; must be >= 0"));
+  }
+  if (c.steps < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer field 'steps' is ", c.steps, "; must be >= 0"));
+  }
+  if (!(c.min_lr >= 0 && c.min_lr <= c.lr)) {
+    return OutOfRange("min_lr", c.min_lr, absl::StrCat("in [0, lr = ", c.lr, "]").c_str());
+  }
+  return absl::OkStatus();
+}
+
+double LearningRate(const AdamWConfig& c, int64_t step) {
+  FP8RT_CHECK(step >= 1) << "learning-rate step " << step << "; steps are 1-based";
+  if (step <= c.warmup) {
+    return c.lr * static_cast<double>(step) / static_cast<double>(c.warmup);
+  }
+  if (c.steps <= c.warmup) return c.lr;
+  if (step >= c.steps) return c.min_lr;
+  const double progress =
+      static_cast<double>(step - c.warmup) / static_cast<double>(c.steps - c.warmup);
+  return c.min_lr + (c.lr - c.min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
+}
+
+AdamW::AdamW(const AdamWConfig& config) : config_(config) {
+  const absl::Status status = ValidateAdamWConfig(config);
+  FP8RT_CHECK(status.ok()) << status;
+}
+
+void AdamW::set_applied_steps(int64_t n) {
+  FP8RT_CHECK(n >= 0) << "applied steps " << n;
+  applied_steps_ = n;
+}
+
+absl::StatusOr<StepResult> AdamW::Step(std::span<ParamShard> shards, int64_t step,
+                                       parallel::Communicator* norm_group) {
+  if (step < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("optimizer step is ", step, "; steps are 1-based"));
+  }
+  for (const ParamShard& s : shards) FP8RT_RETURN_IF_ERROR(ValidateShard(s));
+
+  double local = 0.0;
+  for (const ParamShard& s : shards) local += SumOfSquares(s.grad, s.count);
+  FP8RT_ASSIGN_OR_RETURN(const double global, GlobalSum(local, norm_group));
+
+  StepResult result;
+  result.grad_norm = std::sqrt(global);
+  result.lr = LearningRate(config_, step);
+  if (!std::isfinite(global)) {
+    result.skipped = true;
+    result.applied_steps = applied_steps_;
+    return result;
+  }
+  if (config_.clip > 0) {
+    result.clip_scale =
+        static_cast<float>(std::min(1.0, config_.clip / (result.grad_norm + kClipNormEps)));
+  }
+
+  // Per-step scalars in FP64, rounded once to FP32; the per-element update is FP32.
+  const int64_t t = applied_steps_ + 1;
+  const double t_d = static_cast<double>(t);
+  UpdateScalars k;
+  k.lr = static_cast<float>(result.lr);
+  k.clip_scale = result.clip_scale;
+  k.beta1 = static_cast<float>(config_.beta1);
+  k.one_minus_beta1 = static_cast<float>(1.0 - config_.beta1);
+  k.beta2 = static_cast<float>(config_.beta2);
+  k.one_minus_beta2 = static_cast<float>(1.0 - config_.beta2);
+  k.bias1 = static_cast<float>(1.0 - std::pow(config_.beta1, t_d));
+  k.bias2 = static_cast<float>(1.0 - std::pow(config_.beta2, t_d));
+  k.eps = static_cast<float>(config_.eps);
+  const float decay = static_cast<float>(result.lr * config_.weight_decay);
+  for (const ParamShard& s : shards) {
+    k.decay = s.decay ? decay : 0.0f;
+    UpdateShard(s, k);
+  }
+  applied_steps_ = t;
+  result.applied_steps = t;
+  return result;
+}
+
+}  // namespace fp8rt::train

@@ -1,0 +1,419 @@
+// Tests of runtime/train/data_loader.h. Every corpus is written here byte by byte, so each
+// expected token, window and error offset is known from the test's own arithmetic:
+//   - text, u16 and u32 files read back as the tokens written (little-endian, no header);
+//   - a micro-batch is B rows of T + 1 consecutive tokens; targets are inputs shifted by one;
+//   - DP ranks read distinct windows at each position, cover the windows without overlap, and
+//     an epoch visits every window once;
+//   - Seek(p) resumes exactly; two loaders over the same file agree;
+//   - bad input (missing, empty, short, partial token, token >= vocab, bad options) is an error
+//     of the right kind naming the file (and the byte offset of a bad token).
+#include "runtime/train/data_loader.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace fp8rt::train {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::ElementsAre;
+using ::testing::ElementsAreArray;
+using ::testing::HasSubstr;
+
+namespace fs = std::filesystem;
+
+class DataLoaderTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string tmpl = ::testing::TempDir() + "data_loader_test.XXXXXX";
+    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string WriteBytes(const std::string& name, const std::string& bytes) {
+    const std::string path = (fs::path(dir_) / name).string();
+    std::ofstream out(path, std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    EXPECT_TRUE(out.good());
+    return path;
+  }
+  // Little-endian, written byte by byte so the test does not rely on the host's order.
+  std::string WriteU16(const std::string& name, const std::vector<uint32_t>& tokens) {
+    std::string bytes;
+    for (uint32_t t : tokens) {
+      bytes.push_back(static_cast<char>(t & 0xff));
+      bytes.push_back(static_cast<char>((t >> 8) & 0xff));
+    }
+    return WriteBytes(name, bytes);
+  }
+  std::string WriteU32(const std::string& name, const std::vector<uint32_t>& tokens) {
+    std::string bytes;
+    for (uint32_t t : tokens) {
+      for (int s = 0; s < 32; s += 8) bytes.push_back(static_cast<char>((t >> s) & 0xff));
+    }
+    return WriteBytes(name, bytes);
+  }
+  // A u32 corpus whose token i is i: a batch's first token names its window.
+  std::string WriteIota(const std::string& name, uint32_t n) {
+    std::vector<uint32_t> tokens(n);
+    for (uint32_t i = 0; i < n; ++i) tokens[i] = i;
+    return WriteU32(name, tokens);
+  }
+
+  std::shared_ptr<const TokenDataset> OpenOrDie(const std::string& path, TokenFormat format,
+                                                int32_t vocab) {
+    auto dataset = TokenDataset::Open(path, format, vocab);
+    EXPECT_TRUE(dataset.ok()) << dataset.status();
+    return dataset.ok() ? std::shared_ptr<const TokenDataset>(*std::move(dataset)) : nullptr;
+  }
+  DataLoader LoaderOrDie(std::shared_ptr<const TokenDataset> dataset, int32_t seq_len,
+                         int32_t micro_batch, int32_t dp, int32_t dp_rank) {
+    auto loader = DataLoader::Create(
+        std::move(dataset),
+        {.seq_len = seq_len, .micro_batch = micro_batch, .dp = dp, .dp_rank = dp_rank});
+    EXPECT_TRUE(loader.ok()) << loader.status();
+    return *std::move(loader);
+  }
+  static std::vector<int32_t> Next(DataLoader& loader) {
+    std::vector<int32_t> batch(loader.batch_tokens());
+    EXPECT_TRUE(loader.Next(batch).ok());
+    return batch;
+  }
+
+  std::string dir_;
+};
+
+std::vector<int32_t> Tokens(const TokenDataset& dataset) {
+  std::vector<int32_t> out(dataset.size());
+  dataset.Read(0, out);
+  return out;
+}
+
+std::vector<int32_t> Bytes(const std::string& s) {
+  std::vector<int32_t> out;
+  for (char c : s) out.push_back(static_cast<unsigned char>(c));
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Formats
+
+TEST_F(DataLoaderTest, TextFileGivesItsBytes) {
+  const std::string text = std::string("In the beginning\n") + '\0' + "\xff\x80";
+  auto dataset = OpenOrDie(WriteBytes("a.txt", text), TokenFormat::kText, 256);
+  ASSERT_NE(dataset, nullptr);
+  EXPECT_EQ(dataset->size(), text.size());
+  EXPECT_THAT(Tokens(*dataset), ElementsAreArray(Bytes(text)));
+  EXPECT_EQ(dataset->token(0), 'I');
+  EXPECT_EQ(dataset->token(17), 0);
+  EXPECT_EQ(dataset->token(18), 255);
+  EXPECT_EQ(dataset->token(19), 128);
+}
+
+TEST_F(DataLoaderTest, U16FileGivesTheTokensWritten) {
+  const std::vector<uint32_t> tokens = {0, 1, 255, 256, 0x1234, 50303, 65535};
+  auto dataset = OpenOrDie(WriteU16("a.bin", tokens), TokenFormat::kU16, 65536);
+  ASSERT_NE(dataset, nullptr);
+  EXPECT_EQ(dataset->size(), 7u);
+  EXPECT_THAT(Tokens(*dataset), ElementsAre(0, 1, 255, 256, 0x1234, 50303, 65535));
+  // Byte order: 0x1234 is stored as 34 12.
+  std::ifstream in(dataset->path(), std::ios::binary);
+  std::string raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(raw.substr(8, 2), "\x34\x12");
+}
+
+TEST_F(DataLoaderTest, U32FileGivesTheTokensWritten) {
+  const std::vector<uint32_t> tokens = {0, 65536, 70000, 0x01020304, 2147483646};
+  auto dataset = OpenOrDie(WriteU32("a.bin", tokens), TokenFormat::kU32, 2147483647);
+  ASSERT_NE(dataset, nullptr);
+  EXPECT_THAT(Tokens(*dataset), ElementsAre(0, 65536, 70000, 0x01020304, 2147483646));
+  EXPECT_EQ(dataset->token(3), 16909060);
+}
+
+TEST_F(DataLoaderTest, FormatNamesRoundTrip) {
+  for (TokenFormat f : {TokenFormat::kText, TokenFormat::kU16, TokenFormat::kU32}) {
+    auto parsed = ParseTokenFormat(TokenFormatName(f));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, f);
+  }
+  EXPECT_EQ(TokenBytes(TokenFormat::kText), 1u);
+  EXPECT_EQ(TokenBytes(TokenFormat::kU16), 2u);
+  EXPECT_EQ(TokenBytes(TokenFormat::kU32), 4u);
+  auto bad = ParseTokenFormat("u8");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("'u8'"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Batches
+
+TEST_F(DataLoaderTest, RowsAreConsecutiveAndTargetsAreInputsShiftedByOne) {
+  // 26 letters; B = 2 rows of T + 1 = 4 tokens: window 0 is "abcdefgh", window 1 "ijklmnop".
+  auto dataset =
+      OpenOrDie(WriteBytes("abc.txt", "abcdefghijklmnopqrstuvwxyz"), TokenFormat::kText, 256);
+  DataLoader loader = LoaderOrDie(dataset, /*seq_len=*/3, /*micro_batch=*/2, 1, 0);
+  EXPECT_EQ(loader.batch_tokens(), 8u);
+  EXPECT_EQ(loader.num_windows(), 3u);  // 26 / 8: "yz" is never read
+
+  std::vector<int32_t> batch = Next(loader);
+  EXPECT_THAT(batch, ElementsAreArray(Bytes("abcdefgh")));
+  // Row i: inputs batch[i*(T+1) + 0..T), targets batch[i*(T+1) + 1..T+1).
+  const int T = 3;
+  for (int row = 0; row < 2; ++row) {
+    for (int t = 0; t < T; ++t) {
+      const int32_t input = batch[row * (T + 1) + t];
+      const int32_t target = batch[row * (T + 1) + t + 1];
+      EXPECT_EQ(target, input + 1) << "row " << row << " t " << t;  // next letter
+    }
+  }
+  EXPECT_THAT(Next(loader), ElementsAreArray(Bytes("ijklmnop")));
+  EXPECT_THAT(Next(loader), ElementsAreArray(Bytes("qrstuvwx")));
+  EXPECT_THAT(Next(loader), ElementsAreArray(Bytes("abcdefgh")));  // next epoch
+  EXPECT_EQ(loader.position(), 4u);
+}
+
+TEST_F(DataLoaderTest, TwoRanksReadDistinctWindowsAndCoverThemWithoutOverlap) {
+  // 1000 tokens, window B * (T + 1) = 2 * 5 = 10 tokens: W = 100.
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 1000), TokenFormat::kU32, 1000);
+  DataLoader rank0 = LoaderOrDie(dataset, 4, 2, /*dp=*/2, 0);
+  DataLoader rank1 = LoaderOrDie(dataset, 4, 2, /*dp=*/2, 1);
+  ASSERT_EQ(rank0.num_windows(), 100u);
+
+  std::set<int32_t> seen;
+  for (uint64_t p = 0; p < 50; ++p) {
+    std::vector<int32_t> a = Next(rank0);
+    std::vector<int32_t> b = Next(rank1);
+    // Token i is i, so the batch is [10w, 10w + 10) for window w = (2p + r) mod 100.
+    std::vector<int32_t> want_a(10), want_b(10);
+    for (int i = 0; i < 10; ++i) {
+      want_a[i] = static_cast<int32_t>(10 * (2 * p) + i);
+      want_b[i] = static_cast<int32_t>(10 * (2 * p + 1) + i);
+    }
+    EXPECT_EQ(a, want_a) << "position " << p;
+    EXPECT_EQ(b, want_b) << "position " << p;
+    EXPECT_NE(a[0], b[0]) << "position " << p;
+    for (int32_t t : a) EXPECT_TRUE(seen.insert(t).second) << "token " << t << " read twice";
+    for (int32_t t : b) EXPECT_TRUE(seen.insert(t).second) << "token " << t << " read twice";
+  }
+  EXPECT_EQ(seen.size(), 1000u);  // every token of every window, once
+}
+
+TEST_F(DataLoaderTest, AnEpochVisitsEveryWindowOnceWhenDpDoesNotDivideTheWindows) {
+  // 7 windows of 3 tokens (T = 2, B = 1) plus a 2-token tail; dp = 3.
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 23), TokenFormat::kU32, 23);
+  std::vector<DataLoader> ranks;
+  for (int r = 0; r < 3; ++r) ranks.push_back(LoaderOrDie(dataset, 2, 1, 3, r));
+  ASSERT_EQ(ranks[0].num_windows(), 7u);
+
+  // Counters k = 3p + r for k < 7 form one epoch: windows 0..6 each once, the tail never.
+  std::vector<int> visits(7, 0);
+  for (uint64_t p = 0; p < 3; ++p) {
+    std::set<int32_t> this_step;
+    for (int r = 0; r < 3; ++r) {
+      std::vector<int32_t> batch = Next(ranks[r]);
+      const int32_t window = batch[0] / 3;
+      EXPECT_EQ(batch, (std::vector<int32_t>{3 * window, 3 * window + 1, 3 * window + 2}));
+      EXPECT_EQ(window, static_cast<int32_t>((3 * p + r) % 7));
+      EXPECT_TRUE(this_step.insert(window).second) << "two ranks share window " << window;
+      if (3 * p + r < 7) ++visits[window];
+    }
+  }
+  EXPECT_THAT(visits, ElementsAre(1, 1, 1, 1, 1, 1, 1));
+}
+
+TEST_F(DataLoaderTest, SingleRankEpochIsEveryWindowInOrder) {
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 60), TokenFormat::kU32, 60);
+  DataLoader loader = LoaderOrDie(dataset, 3, 3, 1, 0);  // windows of 12: W = 5
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    for (int32_t w = 0; w < 5; ++w) EXPECT_EQ(Next(loader)[0], 12 * w);
+  }
+}
+
+TEST_F(DataLoaderTest, WindowOfHugePositionsWrapsWithoutOverflow) {
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 21), TokenFormat::kU32, 21);
+  DataLoader loader = LoaderOrDie(dataset, 2, 1, 2, 1);  // W = 7
+  for (uint64_t p : {uint64_t{0}, uint64_t{6}, uint64_t{1} << 63, ~uint64_t{0}}) {
+    const unsigned __int128 k = static_cast<unsigned __int128>(p) * 2 + 1;
+    EXPECT_EQ(loader.WindowAt(p), static_cast<uint64_t>(k % 7)) << p;
+  }
+}
+
+TEST_F(DataLoaderTest, SeekResumesExactly) {
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 997), TokenFormat::kU32, 997);
+  for (uint64_t p : {0, 1, 7, 48, 49, 50, 123}) {
+    DataLoader straight = LoaderOrDie(dataset, 4, 3, 2, 1);  // W = 66
+    for (uint64_t i = 0; i < p; ++i) Next(straight);
+    ASSERT_EQ(straight.position(), p);
+
+    DataLoader resumed = LoaderOrDie(dataset, 4, 3, 2, 1);
+    ASSERT_TRUE(resumed.Seek(p).ok());
+    EXPECT_EQ(resumed.position(), p);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(Next(resumed), Next(straight)) << p << " + " << i;
+    EXPECT_EQ(resumed.position(), p + 3);
+  }
+  // Seeking back replays.
+  DataLoader loader = LoaderOrDie(dataset, 4, 3, 2, 1);
+  std::vector<int32_t> first = Next(loader);
+  Next(loader);
+  ASSERT_TRUE(loader.Seek(0).ok());
+  EXPECT_EQ(Next(loader), first);
+}
+
+TEST_F(DataLoaderTest, TwoLoadersOverTheSameFileAgree) {
+  std::string text;
+  for (int i = 0; i < 5000; ++i) text.push_back(static_cast<char>((i * 131 + i / 7) % 256));
+  const std::string path = WriteBytes("mix.txt", text);
+  DataLoader a = LoaderOrDie(OpenOrDie(path, TokenFormat::kText, 256), 16, 4, 4, 2);
+  DataLoader b = LoaderOrDie(OpenOrDie(path, TokenFormat::kText, 256), 16, 4, 4, 2);
+  for (int i = 0; i < 40; ++i) {
+    std::vector<int32_t> x = Next(a);
+    EXPECT_EQ(x, Next(b)) << "batch " << i;
+    // And both equal the bytes of window (4i + 2) mod 73.
+    const size_t w = (4 * static_cast<size_t>(i) + 2) % (5000 / 68);
+    EXPECT_EQ(x, Bytes(text.substr(w * 68, 68))) << "batch " << i;
+  }
+}
+
+TEST_F(DataLoaderTest, BatchAtDoesNotMove) {
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 40), TokenFormat::kU32, 40);
+  DataLoader loader = LoaderOrDie(dataset, 1, 2, 1, 0);  // windows of 4: W = 10
+  std::vector<int32_t> batch(4);
+  ASSERT_TRUE(loader.BatchAt(13, batch).ok());
+  EXPECT_THAT(batch, ElementsAre(12, 13, 14, 15));
+  EXPECT_EQ(loader.position(), 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bad input
+
+TEST_F(DataLoaderTest, MissingFileIsNotFoundNamingIt) {
+  const std::string path = (fs::path(dir_) / "nope.bin").string();
+  auto dataset = TokenDataset::Open(path, TokenFormat::kU16, 50304);
+  EXPECT_EQ(dataset.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(dataset.status().message(), AllOf(HasSubstr(path), HasSubstr("no such file")));
+}
+
+TEST_F(DataLoaderTest, DirectoryIsInvalidArgument) {
+  auto dataset = TokenDataset::Open(dir_, TokenFormat::kText, 256);
+  EXPECT_EQ(dataset.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(dataset.status().message(), HasSubstr(dir_));
+}
+
+TEST_F(DataLoaderTest, EmptyFileIsInvalidArgumentNamingIt) {
+  for (TokenFormat f : {TokenFormat::kText, TokenFormat::kU16, TokenFormat::kU32}) {
+    const std::string path = WriteBytes("empty.bin", "");
+    auto dataset = TokenDataset::Open(path, f, 256);
+    EXPECT_EQ(dataset.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(dataset.status().message(), AllOf(HasSubstr(path), HasSubstr("empty")));
+  }
+}
+
+TEST_F(DataLoaderTest, U16FileWithAnOddSizeIsDataLoss) {
+  const std::string path = WriteBytes("odd.bin", std::string("\x01\x00\x02\x00\x03", 5));
+  auto dataset = TokenDataset::Open(path, TokenFormat::kU16, 65536);
+  EXPECT_EQ(dataset.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(dataset.status().message(),
+              AllOf(HasSubstr(path), HasSubstr("size 5 bytes"), HasSubstr("2-byte u16"),
+                    HasSubstr("byte offset 4")));
+}
+
+TEST_F(DataLoaderTest, U32FileWithAPartialTokenIsDataLoss) {
+  const std::string path = WriteBytes("part.bin", std::string(10, '\0'));
+  auto dataset = TokenDataset::Open(path, TokenFormat::kU32, 100);
+  EXPECT_EQ(dataset.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(dataset.status().message(),
+              AllOf(HasSubstr(path), HasSubstr("4-byte u32"), HasSubstr("byte offset 8")));
+}
+
+TEST_F(DataLoaderTest, U16TokenNotBelowVocabIsDataLossWithItsOffset) {
+  // Token 3 (bytes 6..7) is 50304 = vocab; token 5 is larger still but the first is reported.
+  const std::string path = WriteU16("big.bin", {1, 2, 50303, 50304, 7, 60000});
+  auto dataset = TokenDataset::Open(path, TokenFormat::kU16, 50304);
+  EXPECT_EQ(dataset.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(dataset.status().message(),
+              AllOf(HasSubstr(path), HasSubstr("token 50304"), HasSubstr("byte offset 6"),
+                    HasSubstr("vocab 50304")));
+  // The same file with a vocabulary that holds every token opens.
+  EXPECT_TRUE(TokenDataset::Open(path, TokenFormat::kU16, 60001).ok());
+}
+
+TEST_F(DataLoaderTest, U32TokenNotBelowVocabIsDataLossWithItsOffset) {
+  const std::string path = WriteU32("big.bin", {0, 1, 2, 3, 4, 4000000000u});
+  auto dataset = TokenDataset::Open(path, TokenFormat::kU32, 65536);
+  EXPECT_EQ(dataset.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(dataset.status().message(),
+              AllOf(HasSubstr(path), HasSubstr("token 4000000000"), HasSubstr("byte offset 20")));
+}
+
+TEST_F(DataLoaderTest, TextByteNotBelowASmallVocabIsDataLossWithItsOffset) {
+  const std::string path = WriteBytes("a.txt", "AAAAz");  // 'z' = 122 at offset 4
+  auto dataset = TokenDataset::Open(path, TokenFormat::kText, 100);
+  EXPECT_EQ(dataset.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(dataset.status().message(),
+              AllOf(HasSubstr(path), HasSubstr("token 122"), HasSubstr("byte offset 4")));
+}
+
+TEST_F(DataLoaderTest, NonPositiveVocabIsInvalidArgument) {
+  const std::string path = WriteBytes("a.txt", "abc");
+  EXPECT_EQ(TokenDataset::Open(path, TokenFormat::kText, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(DataLoaderTest, FileShorterThanOneWindowIsInvalidArgumentNamingIt) {
+  const std::string path = WriteBytes("short.txt", "only 19 bytes here.");
+  auto dataset = OpenOrDie(path, TokenFormat::kText, 256);
+  // B * (T + 1) = 2 * 10 = 20 > 19.
+  auto loader = DataLoader::Create(dataset, {.seq_len = 9, .micro_batch = 2, .dp = 1});
+  EXPECT_EQ(loader.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(loader.status().message(),
+              AllOf(HasSubstr(path), HasSubstr("19 tokens"), HasSubstr("shorter than one window"),
+                    HasSubstr("20 tokens")));
+  // Exactly one window is enough for one rank ...
+  EXPECT_TRUE(DataLoader::Create(dataset, {.seq_len = 9, .micro_batch = 1, .dp = 1}).ok());
+  // ... but not for two, who would then share it.
+  auto two = DataLoader::Create(dataset, {.seq_len = 8, .micro_batch = 1, .dp = 3});
+  EXPECT_EQ(two.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(two.status().message(), AllOf(HasSubstr(path), HasSubstr("fewer than dp = 3")));
+}
+
+TEST_F(DataLoaderTest, BadOptionsNameTheOption) {
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 100), TokenFormat::kU32, 100);
+  struct Case {
+    DataLoaderOptions options;
+    const char* field;
+  };
+  for (const Case& c :
+       {Case{{.seq_len = 0, .micro_batch = 1}, "seq_len"},
+        Case{{.seq_len = 4, .micro_batch = 0}, "micro_batch"},
+        Case{{.seq_len = 4, .micro_batch = 1, .dp = 0}, "dp must"},
+        Case{{.seq_len = 4, .micro_batch = 1, .dp = 2, .dp_rank = 2}, "dp_rank"},
+        Case{{.seq_len = 4, .micro_batch = 1, .dp = 2, .dp_rank = -1}, "dp_rank"}}) {
+    auto loader = DataLoader::Create(dataset, c.options);
+    EXPECT_EQ(loader.status().code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(loader.status().message(), HasSubstr(c.field));
+  }
+  EXPECT_EQ(DataLoader::Create(nullptr, {.seq_len = 4, .micro_batch = 1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(DataLoaderTest, WrongBufferSizeIsInvalidArgumentAndDoesNotMove) {
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 100), TokenFormat::kU32, 100);
+  DataLoader loader = LoaderOrDie(dataset, 4, 2, 1, 0);
+  std::vector<int32_t> small(9);
+  EXPECT_EQ(loader.Next(small).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(loader.position(), 0u);
+}
+
+}  // namespace
+}  // namespace fp8rt::train
