@@ -37,19 +37,6 @@ float DecodeFp8(uint8_t code, Fp8Format format) {
   return negative ? -magnitude : magnitude;
 }
 
-uint16_t FloatToBf16(float x) {
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) {
-    return static_cast<uint16_t>((bits >> 16) | 0x0040u);  // quiet NaN, sign kept
-  }
-  // Round to nearest even: add 0x7FFF plus the lowest kept bit, then truncate. A carry into the
-  // exponent is the correct rounding (up to infinity for values past the BF16 max).
-  const uint32_t rounded = bits + 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(rounded >> 16);
-}
-
-float Bf16ToFloat(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
-
 float DecodeE8M0(uint8_t code) {
   if (code == kE8M0NaN) return std::numeric_limits<float>::quiet_NaN();
   return std::ldexp(1.0f, static_cast<int>(code) - 127);

@@ -18,6 +18,7 @@
 #ifndef FP8RT_KERNELS_FORMATS_H_
 #define FP8RT_KERNELS_FORMATS_H_
 
+#include <bit>
 #include <cstdint>
 #include <string_view>
 
@@ -53,10 +54,20 @@ uint8_t EncodeFp8(float x, Fp8Format format);
 // +-infinity.
 float DecodeFp8(uint8_t code, Fp8Format format);
 
-// FP32 -> BF16 bits, round to nearest even; NaN stays a (quiet) NaN with its sign.
-uint16_t FloatToBf16(float x);
+// FP32 -> BF16 bits, round to nearest even; NaN stays a (quiet) NaN with its sign. Inline and
+// branch-free (a select, not a branch) so that loops calling it vectorise.
+inline uint16_t FloatToBf16(float x) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  // Adding 0x7FFF plus the lowest kept bit rounds to nearest even; a carry into the exponent is
+  // the correct rounding (up to infinity past the BF16 max).
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (bits >> 16) | 0x40u;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
+}
 // BF16 bits -> FP32, exact.
-float Bf16ToFloat(uint16_t bits);
+inline float Bf16ToFloat(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
 
 // E8M0 scale codes (OCP MX v1.0): 2^(code - 127); 0xFF is NaN.
 inline constexpr uint8_t kE8M0NaN = 0xFF;

@@ -160,6 +160,18 @@ HWY_EXPORT(PackBlock);
 HWY_EXPORT(F32ToBf16Span);
 HWY_EXPORT(Bf16ToF32Span);
 
+const std::array<uint16_t, 256>& Fp8ToBf16Table(Fp8Format format) { return TableFor(format).bits; }
+
+void RoundToBf16(const float* in, int64_t n, uint16_t* out) {
+  ConvertArgs args;
+  args.from = InputType::kF32;
+  args.to = InputType::kBF16;
+  args.input = in;
+  args.output = out;
+  args.count = n;
+  (void)ConvertCpu(args, Stream{});  // valid by construction
+}
+
 absl::Status ConvertCpu(const ConvertArgs& args, Stream) {
   if (absl::Status s = ValidateConvertArgs(args); !s.ok()) return s;
   const int64_t n = args.count;

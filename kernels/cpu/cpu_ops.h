@@ -2,6 +2,8 @@
 #ifndef FP8RT_KERNELS_CPU_CPU_OPS_H_
 #define FP8RT_KERNELS_CPU_CPU_OPS_H_
 
+#include <array>
+
 #include "kernels/ops.h"
 
 namespace fp8rt::kernels::cpu_internal {
@@ -17,6 +19,11 @@ absl::Status GemmBf16Cpu(const Bf16GemmArgs& args, Stream stream);
 // B packed into oneDNN's weights layout.
 size_t Padded(size_t bytes);
 size_t PackedBBytes(int64_t n, int64_t k);
+
+// BF16 bits of every FP8 code of a format (exact), built once (kernels/cpu/convert_cpu.cc).
+const std::array<uint16_t, 256>& Fp8ToBf16Table(Fp8Format format);
+// FP32 -> BF16 (nearest even) on the OpenMP team, vectorised (kernels/cpu/convert_cpu.cc).
+void RoundToBf16(const float* in, int64_t n, uint16_t* out);
 
 // FP8 codes -> BF16 bits, exact, on the OpenMP team (kernels/cpu/convert_cpu.cc).
 void DecodeFp8ToBf16(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t* out);

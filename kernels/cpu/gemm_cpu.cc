@@ -207,12 +207,6 @@ absl::Status PackB(const dnnl::memory::desc& md, int64_t n, int64_t k, Load load
   return absl::OkStatus();
 }
 
-// Rounds n floats to BF16, nearest even.
-void RoundToBf16(const float* in, int64_t n, uint16_t* out) {
-#pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < n; ++i) out[i] = FloatToBf16(in[i]);
-}
-
 // Block-scaled product: acc (m x n, FP32) [+]= sum_kb sa(m, kb) sb(n/128, kb) A_kb B_kb^T.
 absl::Status BlockScaledGemm(const Fp8GemmArgs& args, const uint16_t* a, const uint16_t* b,
                              float* partial, float* acc, bool accumulate) {
@@ -291,10 +285,7 @@ absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream) {
       PackFp8AmxLayout(args.b, n, k, args.b_format, mm->b_md.data.padded_dims[0],
                        mm->b_md.data.padded_dims[1], blk.strides[0], blk.strides[1], b_packed);
     } else {
-      std::array<uint16_t, 256> lut;
-      for (int c = 0; c < 256; ++c) {
-        lut[c] = FloatToBf16(DecodeFp8(static_cast<uint8_t>(c), args.b_format));
-      }
+      const std::array<uint16_t, 256>& lut = Fp8ToBf16Table(args.b_format);
       const uint8_t* b = args.b;
       FP8RT_RETURN_IF_ERROR(PackB(
           mm->b_md, n, k, [&](int64_t r, int64_t c) { return lut[b[r * k + c]]; }, b_packed,

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/formats.h"
 #include "runtime/core/checks.h"
 
 namespace fp8rt::internal {
@@ -32,22 +33,13 @@ namespace {
 
 // --- user-defined reductions -----------------------------------------------------------------
 
-float Bf16ToF32(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
-
-uint16_t F32ToBf16(float x) {  // round to nearest even; NaN stays a quiet NaN
-  const uint32_t bits = std::bit_cast<uint32_t>(x);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  const uint32_t nan = (bits >> 16) | 0x40u;
-  // A select rather than a branch, so the reduction loop vectorises.
-  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
-}
-
 // inout[i] = inout[i] + in[i], in FP32, rounded to BF16 once: one reduction step.
 void Bf16Sum(void* in, void* inout, int* len, MPI_Datatype*) {
   const auto* a = static_cast<const uint16_t*>(in);
   auto* b = static_cast<uint16_t*>(inout);
   const int n = *len;
-  for (int i = 0; i < n; ++i) b[i] = F32ToBf16(Bf16ToF32(a[i]) + Bf16ToF32(b[i]));
+  for (int i = 0; i < n; ++i)
+    b[i] = kernels::FloatToBf16(kernels::Bf16ToFloat(a[i]) + kernels::Bf16ToFloat(b[i]));
 }
 
 // MAX that returns NaN when either side is NaN (MPI_MAX leaves that to the implementation).
@@ -55,7 +47,7 @@ void Bf16Max(void* in, void* inout, int* len, MPI_Datatype*) {
   const auto* a = static_cast<const uint16_t*>(in);
   auto* b = static_cast<uint16_t*>(inout);
   for (int i = 0; i < *len; ++i) {
-    const float x = Bf16ToF32(a[i]), y = Bf16ToF32(b[i]);
+    const float x = kernels::Bf16ToFloat(a[i]), y = kernels::Bf16ToFloat(b[i]);
     if (std::isnan(x) || std::isnan(y)) {
       b[i] = 0x7FC0;
     } else if (x > y) {
