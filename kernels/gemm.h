@@ -60,6 +60,18 @@ struct Bf16GemmArgs {
   size_t workspace_bytes = 0;
 };
 
+// The `fp32` precision mode GEMM: D = A x B^T in FP32 (A M x K, B N x K, D M x N, all row-major
+// FP32), no workspace. The baseline FP8 and BF16 GEMMs are measured against.
+struct F32GemmArgs {
+  int64_t m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  const float* a = nullptr;  // M x K
+  const float* b = nullptr;  // N x K
+  float* d = nullptr;        // M x N
+  bool accumulate = false;   // D += A x B^T
+};
+
 // Bytes of workspace the CPU backend needs for these shapes (decoded BF16 operands, and the
 // per-K-slice FP32 partial products of block scaling).
 size_t GemmWorkspaceBytes(const Fp8GemmArgs& args);
@@ -68,6 +80,7 @@ size_t GemmWorkspaceBytes(const Bf16GemmArgs& args);
 // Shape, pointer and workspace checks shared by the backends. Errors name the field.
 absl::Status ValidateGemmArgs(const Fp8GemmArgs& args, size_t required_workspace);
 absl::Status ValidateGemmArgs(const Bf16GemmArgs& args, size_t required_workspace);
+absl::Status ValidateGemmArgs(const F32GemmArgs& args);
 
 }  // namespace fp8rt::kernels
 

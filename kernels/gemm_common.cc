@@ -44,4 +44,9 @@ absl::Status ValidateGemmArgs(const Bf16GemmArgs& args, size_t required_workspac
                         args.accumulate, args.workspace_bytes, args.workspace, required_workspace);
 }
 
+absl::Status ValidateGemmArgs(const F32GemmArgs& args) {
+  return ValidateCommon(args.m, args.n, args.k, args.a, args.b, args.d, OutputType::kF32,
+                        args.accumulate, 0, nullptr, 0);
+}
+
 }  // namespace fp8rt::kernels

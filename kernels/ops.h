@@ -33,6 +33,7 @@ struct OpTable {
   absl::Status (*convert)(const ConvertArgs& args, Stream stream);
   absl::Status (*gemm_fp8)(const Fp8GemmArgs& args, Stream stream);
   absl::Status (*gemm_bf16)(const Bf16GemmArgs& args, Stream stream);
+  absl::Status (*gemm_f32)(const F32GemmArgs& args, Stream stream);
 };
 
 const OpTable& CpuOps();

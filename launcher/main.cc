@@ -4,6 +4,7 @@
 // (like git), so that this binary links no kernels or CUDA libraries:
 //   fp8rt quantize ...   -> fp8rt-quantize ...   (what FP8 does to a tensor)
 //   fp8rt bench ...      -> fp8rt-bench ...      (benchmarks, ratios against a baseline)
+//   fp8rt launch ...     -> fp8rt-launch ...     (a training run through mpirun, with progress)
 #include <unistd.h>
 
 #include <cerrno>
@@ -25,6 +26,10 @@ constexpr const char* kUsage =
     "                  what FP8 does to a tensor: error, underflow, saturation\n"
     "  bench quantize|gemm [--json]\n"
     "                  benchmarks reporting a ratio against a baseline measured in the same run\n"
+    "  launch RUN.yaml --np N --run-dir DIR [--set key=value]... [--resume]\n"
+    "                  [--threads-per-rank T] [--quiet]\n"
+    "                  train: N ranks of fp8rt-worker through mpirun, progress from\n"
+    "                  DIR/metrics.jsonl, output in DIR/logs/launch.log\n"
     "  help            this text\n"
     "\n"
     "`fp8rt <command> --help` shows the options of one command.\n";
@@ -65,7 +70,9 @@ int main(int argc, char** argv) {
     std::fputs(kUsage, stdout);
     return 0;
   }
-  if (command == "quantize" || command == "bench") return ExecSibling(command, argc, argv);
+  if (command == "quantize" || command == "bench" || command == "launch") {
+    return ExecSibling(command, argc, argv);
+  }
   std::fprintf(stderr, "fp8rt: unknown command '%s'\n\n%s", command.c_str(), kUsage);
   return 2;
 }

@@ -54,6 +54,7 @@ struct MatmulKey {
   BLayout b_layout;
   bool accumulate;
   OutputType out_type;
+  bool f32_inputs = false;  // FP32 A and B (plain layouts) instead of BF16
   auto operator<=>(const MatmulKey&) const = default;
 };
 
@@ -68,12 +69,13 @@ dnnl::memory::desc ScalarDesc() {
 
 absl::StatusOr<std::shared_ptr<const Matmul>> CreateMatmul(const MatmulKey& key) {
   using dt = dnnl::memory::data_type;
-  dnnl::memory::desc a_md({key.m, key.k}, dt::bf16, {key.lda, 1});
+  const dt in_type = key.f32_inputs ? dt::f32 : dt::bf16;
+  dnnl::memory::desc a_md({key.m, key.k}, in_type, {key.lda, 1});
   // B is stored n x k: as the k x n weights of oneDNN it has strides {1, ldb}.
   dnnl::memory::desc b_md =
       key.b_layout == BLayout::kPacked
-          ? dnnl::memory::desc({key.k, key.n}, dt::bf16, dnnl::memory::format_tag::any)
-          : dnnl::memory::desc({key.k, key.n}, dt::bf16, {1, key.ldb});
+          ? dnnl::memory::desc({key.k, key.n}, in_type, dnnl::memory::format_tag::any)
+          : dnnl::memory::desc({key.k, key.n}, in_type, {1, key.ldb});
   dnnl::memory::desc d_md({key.m, key.n}, key.out_type == OutputType::kF32 ? dt::f32 : dt::bf16,
                           {key.n, 1});
   dnnl::post_ops ops;
@@ -121,11 +123,11 @@ MatmulCache& Cache() {
   return *cache;
 }
 
-absl::Status Execute(const Matmul& mm, const uint16_t* a, const uint16_t* b, void* d, float alpha) {
+absl::Status Execute(const Matmul& mm, const void* a, const void* b, void* d, float alpha) {
   try {
     dnnl::engine& engine = CpuEngine();
-    dnnl::memory a_mem(mm.a_md, engine, const_cast<uint16_t*>(a));
-    dnnl::memory b_mem(mm.b_md, engine, const_cast<uint16_t*>(b));
+    dnnl::memory a_mem(mm.a_md, engine, const_cast<void*>(a));
+    dnnl::memory b_mem(mm.b_md, engine, const_cast<void*>(b));
     dnnl::memory d_mem(mm.d_md, engine, d);
     dnnl::memory alpha_mem(ScalarDesc(), engine, &alpha);
     dnnl::stream stream(engine);
@@ -221,7 +223,7 @@ absl::Status BlockScaledGemm(const Fp8GemmArgs& args, const uint16_t* a, const u
       const int64_t klen = std::min<int64_t>(128, k - k0);
       FP8RT_ASSIGN_OR_RETURN(
           std::shared_ptr<const Matmul> mm,
-          Cache().Get({rows, n, klen, k, k, BLayout::kPlain, false, OutputType::kF32}));
+          Cache().Get({rows, n, klen, k, k, BLayout::kPlain, false, OutputType::kF32, false}));
       FP8RT_RETURN_IF_ERROR(Execute(*mm, a + m0 * k + k0, b + k0, partial, 1.0f));
       const bool first = kb == 0 && !accumulate;
 #pragma omp parallel for schedule(static)
@@ -276,7 +278,7 @@ absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream) {
     auto* b_packed = ws.Take<uint16_t>(packed_bytes);
     FP8RT_ASSIGN_OR_RETURN(
         std::shared_ptr<const Matmul> mm,
-        Cache().Get({m, n, k, k, k, BLayout::kPacked, args.accumulate, args.out_type}));
+        Cache().Get({m, n, k, k, k, BLayout::kPacked, args.accumulate, args.out_type, false}));
     if (mm->b_md.get_size() > packed_bytes) {
       return absl::InternalError("oneDNN's weights layout is larger than the workspace reserves");
     }
@@ -320,7 +322,7 @@ absl::Status GemmBf16Cpu(const Bf16GemmArgs& args, Stream) {
   auto* b_packed = ws.Take<uint16_t>(packed_bytes);
   FP8RT_ASSIGN_OR_RETURN(
       std::shared_ptr<const Matmul> mm,
-      Cache().Get({m, n, k, k, k, BLayout::kPacked, args.accumulate, args.out_type}));
+      Cache().Get({m, n, k, k, k, BLayout::kPacked, args.accumulate, args.out_type, false}));
   if (args.b_type == InputType::kF32) {
     const float* b = static_cast<const float*>(args.b);
     FP8RT_RETURN_IF_ERROR(PackB(
@@ -333,6 +335,16 @@ absl::Status GemmBf16Cpu(const Bf16GemmArgs& args, Stream) {
         packed_bytes));
   }
   return Execute(*mm, a16, b_packed, args.d, 1.0f);
+}
+
+// FP32 operands straight from the caller's buffers (B in its plain n x k layout: oneDNN's f32
+// kernels read it without packing).
+absl::Status GemmF32Cpu(const F32GemmArgs& args, Stream) {
+  FP8RT_RETURN_IF_ERROR(ValidateGemmArgs(args));
+  FP8RT_ASSIGN_OR_RETURN(std::shared_ptr<const Matmul> mm,
+                         Cache().Get({args.m, args.n, args.k, args.k, args.k, BLayout::kPlain,
+                                      args.accumulate, OutputType::kF32, true}));
+  return Execute(*mm, args.a, args.b, args.d, 1.0f);
 }
 
 }  // namespace fp8rt::kernels::cpu_internal

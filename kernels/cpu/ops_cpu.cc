@@ -13,6 +13,7 @@ const OpTable& CpuOps() {
       .convert = &cpu_internal::ConvertCpu,
       .gemm_fp8 = &cpu_internal::GemmFp8Cpu,
       .gemm_bf16 = &cpu_internal::GemmBf16Cpu,
+      .gemm_f32 = &cpu_internal::GemmF32Cpu,
   };
   return kTable;
 }

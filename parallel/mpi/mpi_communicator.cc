@@ -2,6 +2,7 @@
 // reductions as user-defined MPI_Ops.
 #include "parallel/mpi/mpi_communicator.h"
 
+#include <cstdlib>
 #include <mpi.h>
 
 #include <bit>
@@ -310,6 +311,11 @@ void FinalizeMpi() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (g_we_initialized && !finalized) MPI_Finalize();
+}
+
+void AbortMpi(int code) {
+  MPI_Abort(MPI_COMM_WORLD, code);
+  std::_Exit(code);  // MPI_Abort should not return
 }
 
 }  // namespace fp8rt::parallel

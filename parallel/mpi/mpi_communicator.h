@@ -46,6 +46,9 @@ class MpiCommunicatorFactory : public CommunicatorFactory {
 absl::StatusOr<int> InitMpi(int* argc, char*** argv);
 // Finalizes MPI if InitMpi initialised it (call it after destroying every communicator).
 void FinalizeMpi();
+// Tears the whole job down (MPI_Abort on MPI_COMM_WORLD) with `code`: for a rank that fails while
+// its peers may be waiting in a collective. Does not return.
+[[noreturn]] void AbortMpi(int code);
 
 }  // namespace fp8rt::parallel
 

@@ -146,7 +146,11 @@ absl::StatusOr<StepResult> AdamW::Step(std::span<ParamShard> shards, int64_t ste
   for (const ParamShard& s : shards) FP8RT_RETURN_IF_ERROR(ValidateShard(s));
 
   double local = 0.0;
-  for (const ParamShard& s : shards) local += SumOfSquares(s.grad, s.count);
+  for (const ParamShard& s : shards) {
+    // A shard left out of the norm still poisons it with a NaN or Inf (0 * Inf is NaN).
+    const double sumsq = SumOfSquares(s.grad, s.count);
+    local += s.in_norm ? sumsq : sumsq * 0.0;
+  }
   FP8RT_ASSIGN_OR_RETURN(const double global, GlobalSum(local, norm_group));
 
   StepResult result;

@@ -69,6 +69,10 @@ struct ParamShard {
   float* v = nullptr;       // second moment, updated in place (zero before the first step)
   int64_t count = 0;        // elements in each array; >= 0
   bool decay = true;        // apply weight decay (false for norms' gains and biases)
+  // Counted in the global norm. False for a replica whose identical twin on another rank is
+  // counted (a parameter replicated over tensor parallelism); a NaN or Inf in it still makes the
+  // norm non-finite, so the step is still skipped everywhere.
+  bool in_norm = true;
 };
 
 // What one Step() did.

@@ -16,6 +16,7 @@
 #include "kernels/gemm.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstddef>
@@ -901,6 +902,48 @@ TEST_F(GemmValidationTest, Bf16BadArguments) {
     args.workspace_bytes = bf16_required_ - 1;
     ExpectInvalid(Bf16(args), {"workspace", "workspace_bytes"});
   }
+}
+
+// The fp32-mode GEMM against a double-precision reference: FP32 accumulation of K products of
+// values in [-1, 1] is within K * 2^-24 * sum|a b| of the exact result (a loose, standard bound).
+TEST(F32GemmTest, MatchesDoubleReferenceAndAccumulates) {
+  for (const auto& [m, n, k] :
+       std::vector<std::array<int64_t, 3>>{{1, 1, 1}, {7, 5, 3}, {64, 96, 128}, {33, 130, 257}}) {
+    std::mt19937 rng(static_cast<uint32_t>(m * 131 + n * 7 + k));
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    std::vector<float> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(n * k)),
+        d(static_cast<size_t>(m * n)), d0(static_cast<size_t>(m * n));
+    for (float& x : a) x = dist(rng);
+    for (float& x : b) x = dist(rng);
+    for (float& x : d0) x = dist(rng);
+    for (bool accumulate : {false, true}) {
+      d = d0;
+      F32GemmArgs args{.m = m,
+                       .n = n,
+                       .k = k,
+                       .a = a.data(),
+                       .b = b.data(),
+                       .d = d.data(),
+                       .accumulate = accumulate};
+      ASSERT_TRUE(CpuOps().gemm_f32(args, Stream{}).ok());
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < n; ++j) {
+          double exact = accumulate ? d0[static_cast<size_t>(i * n + j)] : 0.0, mag = 0.0;
+          for (int64_t p = 0; p < k; ++p) {
+            const double prod = static_cast<double>(a[static_cast<size_t>(i * k + p)]) *
+                                b[static_cast<size_t>(j * k + p)];
+            exact += prod;
+            mag += std::fabs(prod);
+          }
+          const double bound = static_cast<double>(k + 1) * std::ldexp(1.0, -24) * (mag + 1.0);
+          ASSERT_NEAR(d[static_cast<size_t>(i * n + j)], exact, bound)
+              << m << "x" << n << "x" << k << " at (" << i << ", " << j << ")";
+        }
+      }
+    }
+  }
+  F32GemmArgs bad{.m = 0, .n = 1, .k = 1};
+  EXPECT_EQ(CpuOps().gemm_f32(bad, Stream{}).code(), absl::StatusCode::kInvalidArgument);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,660 @@
+// fp8rt-launch (run as `fp8rt launch`): starts a training run through mpirun and shows progress.
+//
+//   fp8rt launch RUN.yaml --np N --run-dir DIR [--set key=value]... [--resume]
+//                [--threads-per-rank T] [--quiet]
+//
+// The spec is loaded and validated for N ranks before anything starts. Then mpirun runs N ranks
+// of fp8rt-worker with the spec, the run folder and the overrides; its output goes to
+// DIR/logs/launch.log, and the launcher follows DIR/metrics.jsonl (one JSON object per step,
+// appended by rank 0) to draw a progress bar on a terminal, or plain lines otherwise.
+//
+// Exit codes: 0 the workers finished; 1 they failed (the tail of launch.log is printed);
+// 2 bad options or spec, or no worker/mpirun to run (nothing was started).
+// SIGINT/SIGTERM are forwarded to mpirun, which stops its ranks (a second Ctrl-C makes mpirun
+// kill them at once).
+//
+// Environment: FP8RT_WORKER, the absolute path of a worker executable to run instead of the
+// fp8rt-worker found next to this program or on PATH (for tests and custom builds).
+//
+// Index:
+//   Options, ParseOptions        the command line
+//   LoadSpec                     the run spec, loaded and validated for --np ranks
+//   FindWorker, FindExecutable   the worker executable: FP8RT_WORKER, sibling, PATH
+//   MpirunArgv, ShellQuote       the mpirun command line
+//   StartMpirun                  fork/exec with output appended to launch.log
+//   MetricsTail                  the complete lines appended to metrics.jsonl since the start
+//   Progress                     a redrawn bar (terminal) or every-5% lines (pipe, file)
+//   WaitForMpirun                polls metrics and the child; forwards signals
+//   PrintLogTail, main
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <deque>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "nlohmann/json.hpp"
+#include "runtime/core/run_spec.h"
+
+#ifndef FP8RT_MPIEXEC
+#define FP8RT_MPIEXEC "mpirun"
+#endif
+
+namespace fp8rt {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr char kWorkerName[] = "fp8rt-worker";
+constexpr auto kPollInterval = std::chrono::milliseconds(200);
+constexpr int kLogTailLines = 30;
+constexpr int kExitOk = 0, kExitWorkersFailed = 1, kExitBadInput = 2;
+
+// ---------------------------------------------------------------------------------------------
+// Options
+
+struct Options {
+  std::string spec_path;               // RUN.yaml as given
+  int np = 0;                          // MPI ranks; must equal parallel.dp * parallel.tp
+  std::vector<std::string> overrides;  // --set key=value, in order
+  std::string run_dir;                 // run folder as given (created if missing)
+  bool resume = false;                 // passed to the workers as --resume
+  int threads_per_rank = 0;            // OMP_NUM_THREADS per rank; 0 = max(1, cores / np)
+  bool quiet = false;                  // print errors only
+};
+
+// CLI11's PositiveNumber names the range up to DBL_MAX in its message; this says what it wants.
+const CLI::Validator kPositiveInt(
+    [](std::string& text) -> std::string {
+      int value = 0;
+      const char* end = text.data() + text.size();
+      const auto [ptr, ec] = std::from_chars(text.data(), end, value);
+      if (ec == std::errc() && ptr == end && value > 0) return "";
+      return "expected a positive integer, got '" + text + "'";
+    },
+    "POSITIVE");
+
+// Parses argv; on failure (or --help) returns the exit code to leave with.
+std::optional<int> ParseOptions(int argc, char** argv, Options* options) {
+  CLI::App app{"Start a training run through mpirun and show its progress", "fp8rt launch"};
+  app.add_option("spec", options->spec_path, "run spec (YAML)")->required();
+  app.add_option("--np", options->np, "number of MPI ranks (parallel.dp * parallel.tp)")
+      ->required()
+      ->check(kPositiveInt);
+  // One value per --set, kept intact (a value may hold commas: precision.exclude=a,b).
+  app.add_option("--set", options->overrides,
+                 "override a spec key (repeatable), e.g. train.steps=20")
+      ->allow_extra_args(false);
+  app.add_option("--run-dir", options->run_dir, "run folder: logs, metrics, checkpoints")
+      ->required();
+  app.add_flag("--resume", options->resume, "resume from the newest checkpoint in the run folder");
+  app.add_option("--threads-per-rank", options->threads_per_rank,
+                 "OMP_NUM_THREADS of each rank (default: cores / np, at least 1)")
+      ->check(kPositiveInt);
+  app.add_flag("--quiet", options->quiet, "print nothing but errors");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "fp8rt launch: %s (see fp8rt launch --help)\n", e.what());
+    return kExitBadInput;
+  }
+  if (options->run_dir.empty()) {
+    std::fputs("fp8rt launch: --run-dir: must not be empty\n", stderr);
+    return kExitBadInput;
+  }
+  return std::nullopt;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Spec
+
+absl::StatusOr<v1::RunSpec> LoadSpec(const Options& options) {
+  absl::StatusOr<v1::RunSpec> spec = LoadRunSpec(options.spec_path, options.overrides);
+  if (!spec.ok()) return spec.status();
+  if (absl::Status valid = ValidateRunSpec(*spec, options.np); !valid.ok()) return valid;
+  return spec;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Executables
+
+bool IsExecutableFile(const fs::path& path) {
+  std::error_code ec;
+  return fs::is_regular_file(path, ec) && access(path.c_str(), X_OK) == 0;
+}
+
+// Directory holding this executable (for its sibling fp8rt-worker).
+fs::path SelfDir() {
+  std::error_code ec;
+  const fs::path self = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? fs::path() : self.parent_path();
+}
+
+// `name` itself when it contains a '/', else the first executable `name` on PATH.
+std::optional<fs::path> FindExecutable(const std::string& name) {
+  if (name.find('/') != std::string::npos) {
+    return IsExecutableFile(name) ? std::optional<fs::path>(name) : std::nullopt;
+  }
+  const char* path = std::getenv("PATH");
+  for (const absl::string_view dir : absl::StrSplit(path ? path : "", ':', absl::SkipEmpty())) {
+    const fs::path candidate = fs::path(std::string(dir)) / name;
+    if (IsExecutableFile(candidate)) return candidate;
+  }
+  return std::nullopt;
+}
+
+// The worker mpirun runs: $FP8RT_WORKER, else fp8rt-worker next to this program, else on PATH.
+// Resolved here so that a missing worker is a clear error before anything starts.
+absl::StatusOr<fs::path> FindWorker() {
+  if (const char* env = std::getenv("FP8RT_WORKER"); env != nullptr && *env != '\0') {
+    const fs::path worker(env);
+    if (!worker.is_absolute() || !IsExecutableFile(worker)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("FP8RT_WORKER=", env, ": not an absolute path to an executable file"));
+    }
+    return worker;
+  }
+  const fs::path sibling = SelfDir() / kWorkerName;
+  if (IsExecutableFile(sibling)) return sibling;
+  if (std::optional<fs::path> on_path = FindExecutable(kWorkerName)) {
+    return fs::absolute(*on_path);
+  }
+  return absl::NotFoundError(absl::StrCat("cannot find ", kWorkerName, " (looked in ",
+                                          SelfDir().string(), ", then on PATH)"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The mpirun command line
+
+int CoreCount() { return static_cast<int>(std::max(1L, sysconf(_SC_NPROCESSORS_ONLN))); }
+
+// Absolute and without "." or ".." parts (nor a trailing '/'), for paths handed to the workers.
+fs::path AbsolutePath(const std::string& path) {
+  fs::path p = fs::absolute(path).lexically_normal();
+  if (!p.has_filename() && p.has_parent_path() && p != p.root_path()) p = p.parent_path();
+  return p;
+}
+
+std::vector<std::string> MpirunArgv(const Options& options, const fs::path& worker,
+                                    const fs::path& run_dir) {
+  const int cores = CoreCount();
+  const int threads =
+      options.threads_per_rank > 0 ? options.threads_per_rank : std::max(1, cores / options.np);
+  std::vector<std::string> argv = {FP8RT_MPIEXEC, "-np", std::to_string(options.np)};
+  if (options.np > cores) argv.push_back("--oversubscribe");
+  if (geteuid() == 0) argv.push_back("--allow-run-as-root");
+  // Each rank runs its own OpenMP/oneDNN threads: binding ranks to cores would pile them up.
+  argv.insert(argv.end(), {"--bind-to", "none", "-x", absl::StrCat("OMP_NUM_THREADS=", threads)});
+  argv.insert(argv.end(), {worker.string(), "--spec", AbsolutePath(options.spec_path).string(),
+                           "--run-dir", run_dir.string()});
+  for (const std::string& kv : options.overrides) argv.insert(argv.end(), {"--set", kv});
+  if (options.resume) argv.push_back("--resume");
+  return argv;
+}
+
+// `arg` as a POSIX shell word, so that the printed command can be pasted into a shell.
+std::string ShellQuote(const std::string& arg) {
+  const bool plain = !arg.empty() && arg.find_first_not_of(
+                                         "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                         "0123456789_-+=.,:/@%") == std::string::npos;
+  if (plain) return arg;
+  std::string quoted = "'";
+  for (char c : arg) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+std::string CommandLine(const std::vector<std::string>& argv) {
+  std::vector<std::string> words;
+  for (const std::string& arg : argv) words.push_back(ShellQuote(arg));
+  return absl::StrJoin(words, " ");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Starting mpirun
+
+std::string LocalTimeNow() {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  localtime_r(&now, &tm);
+  char buf[64];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%d %H:%M:%S %z", &tm);
+  return buf;
+}
+
+// Opens the log for appending and writes the header line (date and command).
+absl::StatusOr<int> OpenLog(const fs::path& log_path, const std::string& command) {
+  const int fd = open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot open ", log_path.string(), ": ", std::strerror(errno)));
+  }
+  const std::string header = absl::StrCat("=== ", LocalTimeNow(), " fp8rt launch: ", command, "\n");
+  if (write(fd, header.data(), header.size()) != static_cast<ssize_t>(header.size())) {
+    const int err = errno;
+    close(fd);
+    return absl::UnavailableError(
+        absl::StrCat("cannot write ", log_path.string(), ": ", std::strerror(err)));
+  }
+  return fd;
+}
+
+// Forks and execs argv in its own process group, stdin from /dev/null and stdout+stderr into
+// log_fd. In its own group, a terminal's Ctrl-C reaches only the launcher, which forwards it:
+// mpirun gets each signal once and stops its ranks (they run in process groups of their own).
+// If the launcher dies without forwarding a signal (SIGKILL), mpirun gets SIGTERM and stops
+// the ranks rather than running on unobserved.
+absl::StatusOr<pid_t> StartMpirun(const std::vector<std::string>& argv, int log_fd) {
+  std::vector<char*> args;
+  for (const std::string& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
+  args.push_back(nullptr);
+  const pid_t launcher = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) return absl::UnavailableError(absl::StrCat("fork: ", std::strerror(errno)));
+  if (pid == 0) {
+    // Child: async-signal-safe calls only until exec.
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (getppid() != launcher) _exit(127);  // the launcher died before prctl took effect
+    const int null_fd = open("/dev/null", O_RDONLY);
+    if (null_fd >= 0) dup2(null_fd, STDIN_FILENO);
+    dup2(log_fd, STDOUT_FILENO);
+    dup2(log_fd, STDERR_FILENO);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    execvp(args[0], args.data());
+    const char* err = std::strerror(errno);
+    const char prefix[] = "fp8rt launch: cannot exec ";
+    [[maybe_unused]] ssize_t n = write(STDERR_FILENO, prefix, sizeof(prefix) - 1);
+    n = write(STDERR_FILENO, args[0], std::strlen(args[0]));
+    n = write(STDERR_FILENO, ": ", 2);
+    n = write(STDERR_FILENO, err, std::strlen(err));
+    n = write(STDERR_FILENO, "\n", 1);
+    _exit(127);
+  }
+  setpgid(pid, pid);  // also in the parent, so that the group exists before any kill
+  return pid;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Following metrics.jsonl
+
+// One record of metrics.jsonl (written by rank 0 of the worker).
+struct StepRecord {
+  int64_t step = 0;  // 1-based optimizer step
+  double loss = NAN;
+  double tokens_per_s = NAN;
+  bool skipped = false;  // the optimizer skipped the step (non-finite gradients)
+};
+
+// A record from one line; nullopt for a line that is not a JSON object with an integer "step".
+std::optional<StepRecord> ParseRecord(const std::string& line) {
+  const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object() || !j.contains("step") || !j["step"].is_number_integer()) return std::nullopt;
+  auto number = [&j](const char* key) {
+    return j.contains(key) && j[key].is_number() ? j[key].get<double>() : NAN;
+  };
+  StepRecord record;
+  record.step = j["step"].get<int64_t>();
+  record.loss = number("loss");
+  record.tokens_per_s = number("tokens_per_s");
+  record.skipped = j.contains("skipped") && j["skipped"].is_boolean() && j["skipped"].get<bool>();
+  return record;
+}
+
+// Reads the lines appended to a file since construction. Only complete lines (ending in '\n')
+// are returned; a partly written last line waits for the next call. Lines already in the file
+// when the launcher starts (an earlier run, before --resume) are skipped. A file that shrinks
+// (rewritten by a fresh run) is read again from its start.
+class MetricsTail {
+ public:
+  explicit MetricsTail(fs::path path) : path_(std::move(path)) {
+    std::error_code ec;
+    const uintmax_t size = fs::file_size(path_, ec);
+    offset_ = ec ? 0 : size;
+  }
+
+  std::vector<std::string> ReadNewLines() {
+    std::vector<std::string> lines;
+    std::error_code ec;
+    const uintmax_t size = fs::file_size(path_, ec);
+    if (ec) return lines;
+    if (size < offset_) {
+      offset_ = 0;
+      partial_.clear();
+    }
+    if (size == offset_) return lines;
+    std::ifstream in(path_, std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(offset_));
+    std::string chunk(size - offset_, '\0');
+    in.read(chunk.data(), static_cast<std::streamsize>(chunk.size()));
+    chunk.resize(static_cast<size_t>(in.gcount()));
+    offset_ += chunk.size();
+    partial_ += chunk;
+    size_t start = 0;
+    for (size_t end; (end = partial_.find('\n', start)) != std::string::npos; start = end + 1) {
+      lines.push_back(partial_.substr(start, end - start));
+    }
+    partial_.erase(0, start);
+    return lines;
+  }
+
+ private:
+  const fs::path path_;   // fixed after construction
+  uintmax_t offset_ = 0;  // bytes of the file consumed (complete lines plus partial_)
+  std::string partial_;   // the start of a line whose '\n' has not been written yet
+};
+
+// ---------------------------------------------------------------------------------------------
+// Progress display
+
+// "4,321"
+std::string WithThousands(int64_t value) {
+  std::string digits = std::to_string(value < 0 ? -value : value);
+  for (int i = static_cast<int>(digits.size()) - 3; i > 0; i -= 3) digits.insert(i, ",");
+  return value < 0 ? "-" + digits : digits;
+}
+
+// "0:42", "1:02:03" (terminal) or "42s", "3m20s", "1h02m03s" (plain lines).
+std::string FormatEta(double seconds, bool clock_style) {
+  if (!std::isfinite(seconds) || seconds < 0) return clock_style ? "-:--" : "?";
+  const int64_t s = std::llround(seconds);
+  const int64_t h = s / 3600, m = s / 60 % 60, sec = s % 60;
+  char buf[48];
+  if (clock_style) {
+    if (h > 0) {
+      std::snprintf(buf, sizeof(buf), "%lld:%02lld:%02lld", static_cast<long long>(h),
+                    static_cast<long long>(m), static_cast<long long>(sec));
+    } else {
+      std::snprintf(buf, sizeof(buf), "%lld:%02lld", static_cast<long long>(m),
+                    static_cast<long long>(sec));
+    }
+  } else if (h > 0) {
+    std::snprintf(buf, sizeof(buf), "%lldh%02lldm%02llds", static_cast<long long>(h),
+                  static_cast<long long>(m), static_cast<long long>(sec));
+  } else if (m > 0) {
+    std::snprintf(buf, sizeof(buf), "%lldm%02llds", static_cast<long long>(m),
+                  static_cast<long long>(sec));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%llds", static_cast<long long>(sec));
+  }
+  return buf;
+}
+
+std::string FormatLoss(double loss) {
+  if (!std::isfinite(loss)) return "nan";
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.4f", loss);
+  return buf;
+}
+
+// Shows the records as they arrive: on a terminal one line redrawn in place, otherwise a plain
+// line every max(1, total/20) steps and at the last step. Keeps the last record for the summary.
+class Progress {
+ public:
+  Progress(int64_t total_steps, bool terminal, bool quiet)
+      : total_(total_steps),
+        terminal_(terminal),
+        quiet_(quiet),
+        every_(std::max<int64_t>(1, total_steps / 20)),
+        start_(Clock::now()) {}
+
+  // Plain lines are printed here, one per qualifying record.
+  void Add(const StepRecord& record) {
+    // The rate counts steps since the launcher started; a resumed run starts past step 0.
+    if (!first_step_) first_step_ = record.step - 1;
+    last_ = record;
+    changed_ = true;
+    if (quiet_ || terminal_) return;
+    if (record.step / every_ > last_printed_ / every_ || record.step == total_) {
+      PrintLine();
+      last_printed_ = record.step;
+    }
+  }
+
+  // The terminal line is redrawn here, once per poll that brought new records.
+  void Refresh() {
+    if (changed_ && terminal_ && !quiet_) Redraw();
+    changed_ = false;
+  }
+
+  // Ends a redrawn line so that what follows starts on a fresh one.
+  void Finish() {
+    if (drawn_) std::fputc('\n', stderr);
+    drawn_ = false;
+  }
+
+  const std::optional<StepRecord>& last() const { return last_; }
+
+ private:
+  double EtaSeconds() const {
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start_).count();
+    const int64_t done = last_->step - *first_step_;
+    if (done <= 0 || elapsed <= 0) return NAN;
+    return static_cast<double>(total_ - last_->step) * elapsed / static_cast<double>(done);
+  }
+
+  std::string TokensPerSecond() const {
+    return std::isfinite(last_->tokens_per_s) ? WithThousands(std::llround(last_->tokens_per_s))
+                                              : "?";
+  }
+
+  void Redraw() {
+    constexpr int kWidth = 20;
+    const double fraction =
+        total_ > 0 ? std::clamp(static_cast<double>(last_->step) / total_, 0.0, 1.0) : 0.0;
+    const int filled = static_cast<int>(fraction * kWidth);
+    const std::string bar = std::string(filled, '#') + std::string(kWidth - filled, '.');
+    // \x1b[K clears what a longer previous line left behind.
+    std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %s  %s tok/s  ETA %s%s\x1b[K", bar.c_str(),
+                 static_cast<long long>(last_->step), static_cast<long long>(total_),
+                 FormatLoss(last_->loss).c_str(), TokensPerSecond().c_str(),
+                 FormatEta(EtaSeconds(), /*clock_style=*/true).c_str(),
+                 last_->skipped ? "  (skipped)" : "");
+    std::fflush(stderr);
+    drawn_ = true;
+  }
+
+  void PrintLine() {
+    const std::string tokens = std::isfinite(last_->tokens_per_s)
+                                   ? std::to_string(std::llround(last_->tokens_per_s))
+                                   : "?";
+    std::fprintf(stderr, "step %lld/%lld loss %s tokens/s %s eta %s%s\n",
+                 static_cast<long long>(last_->step), static_cast<long long>(total_),
+                 FormatLoss(last_->loss).c_str(), tokens.c_str(),
+                 FormatEta(EtaSeconds(), /*clock_style=*/false).c_str(),
+                 last_->skipped ? " (skipped)" : "");
+    std::fflush(stderr);
+  }
+
+  const int64_t total_;                // train.steps
+  const bool terminal_;                // stderr is a terminal: redraw one line
+  const bool quiet_;                   // show nothing
+  const int64_t every_;                // plain lines: print every this many steps
+  const Clock::time_point start_;      // when the launcher started mpirun
+  std::optional<int64_t> first_step_;  // the step before the first record seen
+  std::optional<StepRecord> last_;     // the newest record
+  int64_t last_printed_ = 0;           // plain lines: the step printed last
+  bool changed_ = false;               // records arrived since the last Refresh
+  bool drawn_ = false;                 // a redrawn line is on screen
+};
+
+// ---------------------------------------------------------------------------------------------
+// Waiting for mpirun
+
+volatile std::sig_atomic_t g_pending_signal = 0;  // set by OnSignal, consumed by WaitForMpirun
+
+void OnSignal(int signo) { g_pending_signal = signo; }
+
+// No SA_RESTART: the poll's sleep returns early on a signal.
+void InstallSignalHandlers() {
+  struct sigaction action {};
+  action.sa_handler = OnSignal;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+// Feeds every new metrics line to `progress` until mpirun exits; returns its wait status.
+int WaitForMpirun(pid_t pid, MetricsTail* metrics, Progress* progress, bool quiet) {
+  auto drain = [&] {
+    for (const std::string& line : metrics->ReadNewLines()) {
+      if (std::optional<StepRecord> record = ParseRecord(line)) progress->Add(*record);
+    }
+    progress->Refresh();
+  };
+  for (;;) {
+    int status = 0;
+    const pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid) {
+      drain();  // the last lines written before the workers exited
+      return status;
+    }
+    if (done < 0 && errno != EINTR) {
+      std::fprintf(stderr, "fp8rt launch: waitpid: %s\n", std::strerror(errno));
+      return 1 << 8;  // a wait status saying "exited with 1"
+    }
+    if (const int signo = g_pending_signal; signo != 0) {
+      g_pending_signal = 0;
+      progress->Finish();
+      if (!quiet) {
+        std::fprintf(stderr, "fp8rt launch: %s received, stopping the workers\n",
+                     signo == SIGINT ? "SIGINT" : "SIGTERM");
+      }
+      kill(-pid, signo);
+    }
+    drain();
+    std::this_thread::sleep_for(kPollInterval);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reporting the end
+
+void PrintLogTail(const fs::path& log_path) {
+  std::ifstream in(log_path);
+  std::deque<std::string> tail;
+  for (std::string line; std::getline(in, line);) {
+    tail.push_back(std::move(line));
+    if (tail.size() > kLogTailLines) tail.pop_front();
+  }
+  std::fprintf(stderr, "--- last %zu lines of %s ---\n", tail.size(), log_path.c_str());
+  for (const std::string& line : tail) std::fprintf(stderr, "%s\n", line.c_str());
+  std::fprintf(stderr, "---\n");
+}
+
+// The exit code a shell would report: the child's, or 128 + the signal that killed it.
+int ShellExitCode(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+int Launch(const Options& options) {
+  auto fail = [](const absl::Status& status) {
+    std::fprintf(stderr, "fp8rt launch: %s\n", std::string(status.message()).c_str());
+    return kExitBadInput;
+  };
+  // 1. Everything a user can get wrong is checked before anything starts.
+  absl::StatusOr<v1::RunSpec> spec = LoadSpec(options);
+  if (!spec.ok()) return fail(spec.status());
+  absl::StatusOr<fs::path> worker = FindWorker();
+  if (!worker.ok()) return fail(worker.status());
+  if (fs::path(FP8RT_MPIEXEC).is_absolute() && !IsExecutableFile(FP8RT_MPIEXEC)) {
+    return fail(absl::NotFoundError(
+        absl::StrCat("cannot run mpirun: ", FP8RT_MPIEXEC, " is not an executable file")));
+  }
+
+  // 2. The run folder, the log and mpirun.
+  const fs::path run_dir = AbsolutePath(options.run_dir);
+  const fs::path log_path = run_dir / "logs" / "launch.log";
+  std::error_code ec;
+  fs::create_directories(run_dir / "logs", ec);
+  if (ec) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "--run-dir: cannot create ", (run_dir / "logs").string(), ": ", ec.message())));
+  }
+  const std::vector<std::string> argv = MpirunArgv(options, *worker, run_dir);
+  const std::string command = CommandLine(argv);
+  if (!options.quiet) std::fprintf(stderr, "fp8rt launch: %s\n", command.c_str());
+  absl::StatusOr<int> log_fd = OpenLog(log_path, command);
+  if (!log_fd.ok()) return fail(log_fd.status());
+  MetricsTail metrics(run_dir / "metrics.jsonl");  // before the start: earlier lines are skipped
+  Progress progress(spec->train().steps(), isatty(STDERR_FILENO) == 1, options.quiet);
+  InstallSignalHandlers();
+  absl::StatusOr<pid_t> pid = StartMpirun(argv, *log_fd);
+  close(*log_fd);
+  if (!pid.ok()) return fail(pid.status());
+
+  // 3. Progress until mpirun exits.
+  const int status = WaitForMpirun(*pid, &metrics, &progress, options.quiet);
+  progress.Finish();
+
+  // 4. The outcome.
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+    if (options.quiet) return kExitOk;
+    if (const std::optional<StepRecord>& last = progress.last()) {
+      std::fprintf(stderr, "fp8rt launch: done, %lld steps, final loss %s, run folder %s\n",
+                   static_cast<long long>(last->step), FormatLoss(last->loss).c_str(),
+                   run_dir.c_str());
+    } else {
+      std::fprintf(stderr, "fp8rt launch: done, no new steps in %s, run folder %s\n",
+                   (run_dir / "metrics.jsonl").c_str(), run_dir.c_str());
+    }
+    return kExitOk;
+  }
+  const int code = ShellExitCode(status);
+  if (WIFSIGNALED(status)) {
+    std::fprintf(stderr, "fp8rt launch: workers failed (exit code %d: mpirun killed by %s)\n", code,
+                 strsignal(WTERMSIG(status)));
+  } else {
+    std::fprintf(stderr, "fp8rt launch: workers failed (exit code %d)\n", code);
+  }
+  PrintLogTail(log_path);
+  return kExitWorkersFailed;
+}
+
+}  // namespace
+}  // namespace fp8rt
+
+int main(int argc, char** argv) {
+  try {
+    fp8rt::Options options;
+    if (std::optional<int> exit_code = fp8rt::ParseOptions(argc, argv, &options)) {
+      return *exit_code;
+    }
+    return fp8rt::Launch(options);
+  } catch (const std::exception& e) {
+    // Nothing here is expected to throw (filesystem calls take error codes); this is the net.
+    std::fprintf(stderr, "fp8rt launch: internal error: %s\n", e.what());
+    return 1;
+  }
+}

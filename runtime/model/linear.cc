@@ -1,0 +1,275 @@
+// Linear layer: FP32 / BF16 / FP8 GEMMs with the three FP8 quantization sites (see linear.h).
+#include "runtime/model/linear.h"
+
+#include <algorithm>
+#include <cmath>
+#include <span>
+
+#include "absl/strings/str_cat.h"
+#include "runtime/core/status.h"
+
+namespace fp8rt::model {
+
+template <typename T>
+void Transpose(const T* src, int64_t rows, int64_t cols, T* dst) {
+  constexpr int64_t kB = 32;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t r0 = 0; r0 < rows; r0 += kB) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kB) {
+      const int64_t r1 = std::min(rows, r0 + kB), c1 = std::min(cols, c0 + kB);
+      for (int64_t c = c0; c < c1; ++c) {
+        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * cols + c];
+      }
+    }
+  }
+}
+template void Transpose<float>(const float*, int64_t, int64_t, float*);
+template void Transpose<uint8_t>(const uint8_t*, int64_t, int64_t, uint8_t*);
+
+Linear::Linear(std::string name, int64_t in, int64_t out, GemmPrecision precision,
+               const Fp8SiteConfigs& sites)
+    : name_(std::move(name)),
+      in_(in),
+      out_(out),
+      precision_(precision),
+      input_site_(name_ + "/input", sites.input),
+      weight_site_(name_ + "/weight", sites.weight),
+      grad_site_(name_ + "/grad_output", sites.grad_output) {}
+
+bool Linear::block_scaling() const {
+  return weight_site_.state().config().strategy == train::ScalingStrategy::kBlock;
+}
+
+absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& site, const float* src,
+                                        int64_t rows, int64_t cols, std::vector<uint8_t>* codes,
+                                        std::vector<float>* scale_inv) {
+  const train::ScalingState& state = site.state();
+  const train::ScalingConfig& cfg = state.config();
+  codes->resize(static_cast<size_t>(rows * cols));
+  kernels::QuantStats stats;
+  kernels::QuantizeArgs q;
+  q.format = cfg.format;
+  q.input = src;
+  q.rows = rows;
+  q.cols = cols;
+  q.margin = cfg.margin;
+  q.power_of_two_scales = cfg.power_of_two;
+  q.codes = codes->data();
+  q.stats = &stats;
+  float scale = 1.0f;
+  if (cfg.strategy == train::ScalingStrategy::kBlock) {
+    q.granularity = kernels::Granularity::kTile1x128;
+    scale_inv->resize(static_cast<size_t>(kernels::GetScaleGrid(q.granularity, rows, cols).size()));
+    q.scale_inv = scale_inv->data();
+    FP8RT_RETURN_IF_ERROR(ctx.ops->quantize(q, {}));
+    scale = kernels::ComputeScale(stats.amax, cfg.format, cfg.margin, cfg.power_of_two);
+  } else {
+    if (state.UsesCurrentScaling()) {
+      float amax = 0.0f;
+      kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
+                          .input = src,
+                          .count = rows * cols,
+                          .amax = &amax};
+      FP8RT_RETURN_IF_ERROR(ctx.ops->amax(a, {}));
+      if (ctx.tp != nullptr && ctx.tp->size() > 1) {
+        FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(*ctx.tp, std::span<float>(&amax, 1)).status());
+      }
+      scale = kernels::ComputeScale(amax, cfg.format, cfg.margin, cfg.power_of_two);
+    } else {
+      scale = state.scale();
+    }
+    scale_inv->resize(1);
+    q.granularity = kernels::Granularity::kTensor;
+    q.has_scale = true;
+    q.scale = scale;
+    q.scale_inv = scale_inv->data();
+    FP8RT_RETURN_IF_ERROR(ctx.ops->quantize(q, {}));
+  }
+  site.Record(stats, scale);
+  return absl::OkStatus();
+}
+
+absl::Status Linear::GemmHigh(const LinearContext& ctx, const float* a, const float* b, int64_t m,
+                              int64_t nn, int64_t k, float* d, bool accumulate) {
+  if (precision_ == GemmPrecision::kFp32) {
+    kernels::F32GemmArgs g{
+        .m = m, .n = nn, .k = k, .a = a, .b = b, .d = d, .accumulate = accumulate};
+    return ctx.ops->gemm_f32(g, {});
+  }
+  kernels::Bf16GemmArgs g;
+  g.m = m;
+  g.n = nn;
+  g.k = k;
+  g.a = a;
+  g.b = b;
+  g.d = d;
+  g.accumulate = accumulate;
+  g.workspace_bytes = kernels::GemmWorkspaceBytes(g);
+  g.workspace = ctx.scratch->Get(Scratch::kGemm, g.workspace_bytes);
+  return ctx.ops->gemm_bf16(g, {});
+}
+
+absl::Status Linear::Forward(const LinearContext& ctx, const float* x, int64_t n, float* y) {
+  x_ = x;
+  n_ = n;
+  if (precision_ == GemmPrecision::kFp8) return ForwardFp8(ctx, x, n, y);
+  if (w_f32_ == nullptr) return absl::FailedPreconditionError(name_ + ": no FP32 weight set");
+  return GemmHigh(ctx, x, w_f32_, n, out_, in_, y, false);
+}
+
+absl::Status Linear::Backward(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
+                              float* dw) {
+  if (n != n_ || x_ == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name_, ": backward of ", n, " rows without a matching forward"));
+  }
+  if (precision_ == GemmPrecision::kFp8) return BackwardFp8(ctx, dy, n, dx, dw);
+  if (dx != nullptr) {
+    auto* wt = static_cast<float*>(
+        ctx.scratch->Get(Scratch::kTransposeB, static_cast<size_t>(in_ * out_) * sizeof(float)));
+    Transpose(w_f32_, out_, in_, wt);
+    FP8RT_RETURN_IF_ERROR(GemmHigh(ctx, dy, wt, n, in_, out_, dx, true));
+  }
+  auto* dyt = static_cast<float*>(
+      ctx.scratch->Get(Scratch::kTransposeA, static_cast<size_t>(out_ * n) * sizeof(float)));
+  auto* xt = static_cast<float*>(
+      ctx.scratch->Get(Scratch::kTransposeB, static_cast<size_t>(in_ * n) * sizeof(float)));
+  Transpose(dy, n, out_, dyt);
+  Transpose(x_, n, in_, xt);
+  return GemmHigh(ctx, dyt, xt, out_, in_, n, dw, true);
+}
+
+namespace {
+
+absl::Status RunFp8Gemm(const LinearContext& ctx, kernels::Fp8GemmArgs g) {
+  g.out_type = kernels::OutputType::kF32;
+  g.workspace_bytes = kernels::GemmWorkspaceBytes(g);
+  g.workspace = ctx.scratch->Get(Scratch::kGemm, g.workspace_bytes);
+  return ctx.ops->gemm_fp8(g, {});
+}
+
+}  // namespace
+
+absl::Status Linear::ForwardFp8(const LinearContext& ctx, const float* x, int64_t n, float* y) {
+  if (w_fp8_ == nullptr) return absl::FailedPreconditionError(name_ + ": no FP8 weight set");
+  FP8RT_RETURN_IF_ERROR(QuantizeActivation(ctx, input_site_, x, n, in_, &x_codes_, &x_scale_inv_));
+  kernels::Fp8GemmArgs g;
+  g.m = n;
+  g.n = out_;
+  g.k = in_;
+  g.a = x_codes_.data();
+  g.a_format = input_site_.state().config().format;
+  g.a_scale_inv = x_scale_inv_.data();
+  g.b = w_fp8_->codes.data();
+  g.b_format = weight_site_.state().config().format;
+  g.b_scale_inv = w_fp8_->scale_inv.data();
+  g.scaling = block_scaling() ? kernels::GemmScaling::kBlock : kernels::GemmScaling::kTensor;
+  g.d = y;
+  return RunFp8Gemm(ctx, g);
+}
+
+absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
+                                 float* dw) {
+  FP8RT_RETURN_IF_ERROR(
+      QuantizeActivation(ctx, grad_site_, dy, n, out_, &dy_codes_, &dy_scale_inv_));
+  const bool block = block_scaling();
+  const kernels::Fp8Format grad_format = grad_site_.state().config().format;
+  const kernels::Fp8Format input_format = input_site_.state().config().format;
+  const kernels::Fp8Format weight_format = weight_site_.state().config().format;
+  kernels::Fp8GemmArgs g;
+  g.scaling = block ? kernels::GemmScaling::kBlock : kernels::GemmScaling::kTensor;
+
+  // dx[n, in] += dy[n, out] (W^T)[in, out]^T: W^T is W's codes (and block grid) transposed.
+  if (dx != nullptr) {
+    auto* wt =
+        static_cast<uint8_t*>(ctx.scratch->Get(Scratch::kCodesB, static_cast<size_t>(in_ * out_)));
+    Transpose(w_fp8_->codes.data(), out_, in_, wt);
+    const float* wt_scale = w_fp8_->scale_inv.data();
+    if (block) {
+      const kernels::ScaleGrid grid =
+          kernels::GetScaleGrid(kernels::Granularity::kBlock128x128, out_, in_);
+      auto* s = static_cast<float*>(
+          ctx.scratch->Get(Scratch::kScalesB, static_cast<size_t>(grid.size()) * sizeof(float)));
+      Transpose(w_fp8_->scale_inv.data(), grid.rows, grid.cols, s);
+      wt_scale = s;
+    }
+    g.m = n;
+    g.n = in_;
+    g.k = out_;
+    g.a = dy_codes_.data();
+    g.a_format = grad_format;
+    g.a_scale_inv = dy_scale_inv_.data();
+    g.b = wt;
+    g.b_format = weight_format;
+    g.b_scale_inv = wt_scale;
+    g.d = dx;
+    g.accumulate = true;
+    FP8RT_RETURN_IF_ERROR(RunFp8Gemm(ctx, g));
+  }
+
+  // dw[out, in] += (dy^T)[out, n] (x^T)[in, n]^T.
+  auto* dyt =
+      static_cast<uint8_t*>(ctx.scratch->Get(Scratch::kCodesA, static_cast<size_t>(out_ * n)));
+  auto* xt =
+      static_cast<uint8_t*>(ctx.scratch->Get(Scratch::kCodesB, static_cast<size_t>(in_ * n)));
+  const float* dyt_scale = dy_scale_inv_.data();
+  const float* xt_scale = x_scale_inv_.data();
+  if (!block) {
+    Transpose(dy_codes_.data(), n, out_, dyt);
+    Transpose(x_codes_.data(), n, in_, xt);
+  } else {
+    // New tiles along the token dimension, quantized from the FP32 transposes.
+    const train::ScalingConfig& gcfg = grad_site_.state().config();
+    const train::ScalingConfig& icfg = input_site_.state().config();
+    auto* dyt32 = static_cast<float*>(
+        ctx.scratch->Get(Scratch::kTransposeA, static_cast<size_t>(out_ * n) * sizeof(float)));
+    auto* xt32 = static_cast<float*>(
+        ctx.scratch->Get(Scratch::kTransposeB, static_cast<size_t>(in_ * n) * sizeof(float)));
+    Transpose(dy, n, out_, dyt32);
+    Transpose(x_, n, in_, xt32);
+    const kernels::ScaleGrid agrid =
+        kernels::GetScaleGrid(kernels::Granularity::kTile1x128, out_, n);
+    const kernels::ScaleGrid bgrid =
+        kernels::GetScaleGrid(kernels::Granularity::kBlock128x128, in_, n);
+    auto* as = static_cast<float*>(
+        ctx.scratch->Get(Scratch::kScalesA, static_cast<size_t>(agrid.size()) * sizeof(float)));
+    auto* bs = static_cast<float*>(
+        ctx.scratch->Get(Scratch::kScalesB, static_cast<size_t>(bgrid.size()) * sizeof(float)));
+    kernels::QuantizeArgs q;
+    q.format = gcfg.format;
+    q.granularity = kernels::Granularity::kTile1x128;
+    q.input = dyt32;
+    q.rows = out_;
+    q.cols = n;
+    q.margin = gcfg.margin;
+    q.power_of_two_scales = gcfg.power_of_two;
+    q.codes = dyt;
+    q.scale_inv = as;
+    FP8RT_RETURN_IF_ERROR(ctx.ops->quantize(q, {}));
+    q.format = icfg.format;
+    q.granularity = kernels::Granularity::kBlock128x128;
+    q.input = xt32;
+    q.rows = in_;
+    q.margin = icfg.margin;
+    q.power_of_two_scales = icfg.power_of_two;
+    q.codes = xt;
+    q.scale_inv = bs;
+    FP8RT_RETURN_IF_ERROR(ctx.ops->quantize(q, {}));
+    dyt_scale = as;
+    xt_scale = bs;
+  }
+  g.m = out_;
+  g.n = in_;
+  g.k = n;
+  g.a = dyt;
+  g.a_format = grad_format;
+  g.a_scale_inv = dyt_scale;
+  g.b = xt;
+  g.b_format = input_format;
+  g.b_scale_inv = xt_scale;
+  g.d = dw;
+  g.accumulate = true;
+  return RunFp8Gemm(ctx, g);
+}
+
+}  // namespace fp8rt::model

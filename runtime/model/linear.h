@@ -1,0 +1,175 @@
+// A linear layer y = x W^T whose GEMMs run in FP32, BF16 or FP8, with its quantization sites.
+//
+// Index:
+//   GemmPrecision   fp32 | bf16 | fp8, per layer (a layer excluded from FP8 runs in BF16)
+//   QuantSite       one FP8 quantization site ("blocks.0.mlp.fc1/input"): its ScalingState and
+//                   the statistics of the step in progress (merged over micro-batches)
+//   LinearContext   what a call needs from outside: op table, TP group, scratch space
+//   Linear          forward and backward side by side (llm.c style)
+//
+// FP8 (DESIGN.md section 3). Every FP8 GEMM has three sites, each with its own scaling state:
+//   input        x, E4M3          forward A operand; x^T is the dW GEMM's B operand
+//   weight       W, E4M3          forward B operand; W^T is the dX GEMM's B operand
+//   grad_output  dy, E5M2 (HYBRID) or E4M3   dX GEMM's A operand; dy^T is the dW GEMM's A operand
+// Tensor scaling (delayed, current): one scale per tensor, so the transposed operands are the
+// same FP8 codes transposed (a cast-transpose): no second rounding. Block scaling: x and dy get
+// one scale per 1x128 tile and W one per 128x128 block (DeepSeek-V3); W^T keeps W's blocks
+// (transposed), while x^T and dy^T are quantized again from FP32 in the tile shape their GEMM
+// needs (x^T in 128x128 blocks as a B operand, dy^T in 1x128 tiles along the tokens).
+// A site that quantizes with the scale of the tensor in hand (current scaling, or delayed scaling
+// before its history has an amax) takes the max of the amax over the tensor-parallel group
+// first, because a TP-split tensor (the input of a row-parallel layer, the output gradient of a
+// column-parallel one) is one logical tensor and must have one scale. Delayed scaling uses the
+// state's scale; the caller records the step's amaxes (synchronised) after the step.
+//
+// Gradients accumulate (+=) into dx and dw like every backward of layer_ops.h.
+// Not thread-safe; one owner (the model).
+#ifndef FP8RT_RUNTIME_MODEL_LINEAR_H_
+#define FP8RT_RUNTIME_MODEL_LINEAR_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/ops.h"
+#include "parallel/communicator.h"
+#include "parallel/fp8_collectives.h"
+#include "runtime/core/aligned_buffer.h"
+#include "runtime/train/scaling.h"
+
+namespace fp8rt::model {
+
+enum class GemmPrecision : uint8_t { kFp32, kBf16, kFp8 };
+
+// One FP8 quantization site.
+class QuantSite {
+ public:
+  QuantSite(std::string name, const train::ScalingConfig& config)
+      : name_(std::move(name)), state_(config) {}
+
+  const std::string& name() const { return name_; }
+  train::ScalingState& state() { return state_; }
+  const train::ScalingState& state() const { return state_; }
+
+  // Statistics of the current step: merged over every quantization of the site in the step.
+  const kernels::QuantStats& step_stats() const { return step_stats_; }
+  // The (tensor-level) scale the site last quantized with in this step.
+  float step_scale() const { return step_scale_; }
+  bool used_this_step() const { return used_; }
+
+  void BeginStep() {
+    step_stats_ = kernels::QuantStats{};
+    step_scale_ = 1.0f;
+    used_ = false;
+  }
+  void Record(const kernels::QuantStats& stats, float scale) {
+    step_stats_.Merge(stats);
+    step_scale_ = scale;
+    used_ = true;
+  }
+
+ private:
+  const std::string name_;  // fixed after construction
+  train::ScalingState state_;
+  kernels::QuantStats step_stats_;
+  float step_scale_ = 1.0f;
+  bool used_ = false;
+};
+
+// A growing scratch arena for GEMM workspaces and temporary operands. Slots are distinct
+// buffers; Get may move a slot's storage, so pointers are valid until the next Get of that slot.
+class Scratch {
+ public:
+  enum Slot : int { kGemm, kTransposeA, kTransposeB, kCodesA, kCodesB, kScalesA, kScalesB, kCount };
+  void* Get(Slot slot, size_t bytes) {
+    AlignedBuffer& buf = buffers_[slot];
+    if (buf.size() < bytes) buf = AlignedBuffer(bytes + bytes / 4);
+    return buf.data();
+  }
+
+ private:
+  AlignedBuffer buffers_[kCount];
+};
+
+struct LinearContext {
+  const kernels::OpTable* ops = nullptr;
+  parallel::Communicator* tp = nullptr;  // amax sync of current-scaled sites; null: no TP
+  Scratch* scratch = nullptr;
+};
+
+// The FP8 recipe of a layer's sites.
+struct Fp8SiteConfigs {
+  train::ScalingConfig input;
+  train::ScalingConfig weight;
+  train::ScalingConfig grad_output;
+};
+
+class Linear {
+ public:
+  // A layer named `name` ("blocks.0.mlp.fc1") mapping `in` features to `out` (this rank's
+  // shapes under tensor parallelism). Sites are named name + "/input" etc.
+  Linear(std::string name, int64_t in, int64_t out, GemmPrecision precision,
+         const Fp8SiteConfigs& sites);
+
+  const std::string& name() const { return name_; }
+  int64_t in() const { return in_; }
+  int64_t out() const { return out_; }
+  GemmPrecision precision() const { return precision_; }
+  bool block_scaling() const;
+
+  // The weight for this step: FP32 [out, in] (fp32 and bf16 precision) or FP8 (fp8 precision,
+  // codes [out, in] with one scale_inv or 128x128 block scales). The caller keeps it alive.
+  void SetWeight(const float* w) { w_f32_ = w; }
+  void SetWeight(const parallel::Fp8Weight* w) { w_fp8_ = w; }
+
+  // The scale a tensor-scaled weight site quantizes with this step (delayed scaling with a
+  // history); for current scaling the caller passes the scale from the synchronised amax.
+  QuantSite& input_site() { return input_site_; }
+  QuantSite& weight_site() { return weight_site_; }
+  QuantSite& grad_site() { return grad_site_; }
+
+  // y[n, out] = x[n, in] W^T. `x` must stay valid and unchanged until Backward.
+  absl::Status Forward(const LinearContext& ctx, const float* x, int64_t n, float* y);
+  // dx[n, in] += dy W;  dw[out, in] += dy^T x  (accumulates). dx may be null (no input gradient).
+  absl::Status Backward(const LinearContext& ctx, const float* dy, int64_t n, float* dx, float* dw);
+
+ private:
+  // Quantizes a rows x cols FP32 tensor for `site` (tensor or 1x128 granularity) into codes and
+  // scale_inv, recording the statistics. Synchronises the amax over TP when the scale comes
+  // from the tensor.
+  absl::Status QuantizeActivation(const LinearContext& ctx, QuantSite& site, const float* src,
+                                  int64_t rows, int64_t cols, std::vector<uint8_t>* codes,
+                                  std::vector<float>* scale_inv);
+  absl::Status ForwardFp8(const LinearContext& ctx, const float* x, int64_t n, float* y);
+  absl::Status BackwardFp8(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
+                           float* dw);
+  absl::Status GemmHigh(const LinearContext& ctx, const float* a, const float* b, int64_t m,
+                        int64_t nn, int64_t k, float* d, bool accumulate);
+
+  // Fixed after construction.
+  const std::string name_;
+  const int64_t in_, out_;
+  const GemmPrecision precision_;
+
+  QuantSite input_site_, weight_site_, grad_site_;
+  const float* w_f32_ = nullptr;
+  const parallel::Fp8Weight* w_fp8_ = nullptr;
+
+  // Saved by Forward for Backward.
+  const float* x_ = nullptr;
+  int64_t n_ = 0;
+  std::vector<uint8_t> x_codes_;  // FP8: x quantized (tensor scaling: reused transposed)
+  std::vector<float> x_scale_inv_;
+  // Backward temporaries kept to avoid reallocation.
+  std::vector<uint8_t> dy_codes_;
+  std::vector<float> dy_scale_inv_;
+};
+
+// dst[c, r] = src[r, c] for a rows x cols row-major matrix (cache-blocked).
+template <typename T>
+void Transpose(const T* src, int64_t rows, int64_t cols, T* dst);
+
+}  // namespace fp8rt::model
+
+#endif  // FP8RT_RUNTIME_MODEL_LINEAR_H_

@@ -1,0 +1,529 @@
+// The transformer: parameters, FSDP gathers, and the forward and backward of every layer (see
+// transformer.h). Index: initialisation (Normal), Create/Build, BeginStep and GatherParam,
+// ForwardBackward (forward top to bottom, then backward bottom to top), ReduceGrads, SyncScaling.
+#include "runtime/model/transformer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numbers>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "runtime/core/status.h"
+#include "runtime/model/layer_ops.h"
+
+namespace fp8rt::model {
+namespace {
+
+constexpr float kNormEps = 1e-5f;
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+uint64_t Fnv1a(const std::string& s) {
+  uint64_t h = 0xcbf29ce484222325ULL;
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ULL;
+  return h;
+}
+
+// A standard normal sample that depends only on (key, index): Box-Muller on two hashed uniforms.
+float Normal(uint64_t key, uint64_t index) {
+  const uint64_t a = SplitMix64(key ^ SplitMix64(2 * index));
+  const uint64_t b = SplitMix64(key ^ SplitMix64(2 * index + 1));
+  const double u1 = (static_cast<double>(a >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]
+  const double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;          // [0, 1)
+  return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * std::numbers::pi * u2));
+}
+
+}  // namespace
+
+// The parameters and layers of one block (indices into params_).
+struct Transformer::Block {
+  int attn_norm, qkv_w, proj_w, mlp_norm, fc1_w, fc2_w;
+  Linear *qkv, *proj, *fc1, *fc2;
+};
+
+// Activations of one micro-batch (saved by the forward for the backward) and the backward's
+// temporaries. n = micro_batch * seq_len tokens; cl, fl: this rank's d_model and d_ff columns.
+struct Transformer::Acts {
+  int64_t b = 0, n = 0;
+  struct Layer {
+    std::vector<float> x, ln1, rstd1, qkv, q, k, v, probs, att, proj, x2, ln2, rstd2, h, g, fc2;
+  };
+  std::vector<Layer> layers;
+  std::vector<float> x_final, lnf, rstdf, logits, ce_probs;
+  std::vector<int32_t> inputs, targets;
+  // Backward temporaries.
+  std::vector<float> dx, dx2, dln, dg, dh, datt, dq, dk, dv, dqkv, dlogits, dlnf;
+
+  void Resize(const ModelShape& s, int64_t tp, int64_t micro_batch) {
+    if (micro_batch == b) return;
+    b = micro_batch;
+    n = micro_batch * s.seq_len;
+    const size_t c = static_cast<size_t>(n * s.d_model);
+    const size_t cl = c / static_cast<size_t>(tp);
+    const size_t fl = static_cast<size_t>(n * s.d_ff / tp);
+    const size_t probs = static_cast<size_t>(micro_batch * (s.heads / tp) * s.seq_len * s.seq_len);
+    const size_t rows = static_cast<size_t>(n);
+    layers.resize(static_cast<size_t>(s.layers));
+    for (Layer& l : layers) {
+      for (auto* v : {&l.x, &l.ln1, &l.proj, &l.x2, &l.ln2, &l.fc2}) v->assign(c, 0.0f);
+      for (auto* v : {&l.q, &l.k, &l.v, &l.att}) v->assign(cl, 0.0f);
+      for (auto* v : {&l.h, &l.g}) v->assign(fl, 0.0f);
+      l.qkv.assign(3 * cl, 0.0f);
+      l.probs.assign(probs, 0.0f);
+      l.rstd1.assign(rows, 0.0f);
+      l.rstd2.assign(rows, 0.0f);
+    }
+    const size_t logits_size = static_cast<size_t>(n * s.vocab);
+    for (auto* v : {&x_final, &lnf, &dx, &dx2, &dln, &dlnf}) v->assign(c, 0.0f);
+    rstdf.assign(rows, 0.0f);
+    for (auto* v : {&logits, &ce_probs, &dlogits}) v->assign(logits_size, 0.0f);
+    for (auto* v : {&dg, &dh}) v->assign(fl, 0.0f);
+    for (auto* v : {&datt, &dq, &dk, &dv}) v->assign(cl, 0.0f);
+    dqkv.assign(3 * cl, 0.0f);
+    inputs.assign(rows, 0);
+    targets.assign(rows, 0);
+  }
+};
+
+Transformer::Transformer(const ModelShape& shape, const ModelRecipe& recipe, parallel::Mesh& mesh,
+                         const kernels::OpTable& ops)
+    : shape_(shape),
+      recipe_(recipe),
+      mesh_(mesh),
+      ops_(ops),
+      tp_(mesh.layout().config.tp),
+      dp_(mesh.layout().config.dp),
+      tp_rank_(mesh.layout().tp_rank),
+      dp_rank_(mesh.layout().dp_rank),
+      acts_(std::make_unique<Acts>()) {}
+
+Transformer::~Transformer() = default;
+
+std::vector<std::string> Transformer::LayerNames() const {
+  std::vector<std::string> names;
+  for (int64_t l = 0; l < shape_.layers; ++l) {
+    for (const char* s : {"attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"}) {
+      names.push_back(absl::StrCat("blocks.", l, ".", s));
+    }
+  }
+  names.push_back("lm_head");
+  return names;
+}
+
+absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Create(const ModelShape& shape,
+                                                                 const ModelRecipe& recipe,
+                                                                 uint64_t seed,
+                                                                 parallel::Mesh& mesh,
+                                                                 const kernels::OpTable& ops) {
+  const int64_t tp = mesh.layout().config.tp, dp = mesh.layout().config.dp;
+  auto bad = [](const std::string& field, const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
+  };
+  if (shape.layers < 1 || shape.d_model < 1 || shape.heads < 1 || shape.d_ff < 1 ||
+      shape.seq_len < 1 || shape.vocab < 1) {
+    return bad("model", "every size must be positive");
+  }
+  if (shape.d_model % shape.heads != 0) {
+    return bad("model.d_model",
+               absl::StrCat(shape.d_model, " is not a multiple of model.heads ", shape.heads));
+  }
+  if (shape.heads % tp != 0) {
+    return bad("model.heads",
+               absl::StrCat(shape.heads, " heads cannot be split over parallel.tp ", tp));
+  }
+  if (shape.d_ff % tp != 0) {
+    return bad("model.d_ff", absl::StrCat(shape.d_ff, " cannot be split over parallel.tp ", tp));
+  }
+  if (recipe.precision == GemmPrecision::kFp8) {
+    // FP8 weights are gathered as whole rows of FP8 codes: each DP rank owns whole rows (and
+    // whole 128-row blocks with block scaling).
+    const bool block = recipe.sites.weight.strategy == train::ScalingStrategy::kBlock;
+    const int64_t row_unit = block ? 128 * dp : dp;
+    const struct {
+      const char* field;
+      int64_t rows;
+    } weights[] = {{"model.d_model", 3 * shape.d_model / tp},
+                   {"model.d_model", shape.d_model},
+                   {"model.d_ff", shape.d_ff / tp}};
+    for (const auto& w : weights) {
+      if (w.rows % row_unit != 0) {
+        return bad(w.field,
+                   absl::StrCat("FP8 weights with ", w.rows,
+                                " rows per tensor-parallel rank cannot "
+                                "be cut into parallel.dp=",
+                                dp, " shards of whole ",
+                                block ? "128-row blocks (precision.scaling block)" : "rows"));
+      }
+    }
+  }
+  std::unique_ptr<Transformer> model(new Transformer(shape, recipe, mesh, ops));
+  const std::vector<std::string> layers = model->LayerNames();
+  for (const std::string& name : recipe.exclude) {
+    if (std::find(layers.begin(), layers.end(), name) == layers.end()) {
+      return bad(
+          "precision.exclude",
+          absl::StrCat("no layer named '", name, "' (layers: ", absl::StrJoin(layers, ", "), ")"));
+    }
+  }
+  FP8RT_RETURN_IF_ERROR(model->Build(seed));
+  return model;
+}
+
+Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols, TpSplit split,
+                             bool decay, float std_dev, uint64_t seed, Linear* linear) {
+  Param& p = params_.emplace_back();
+  p.name = name;
+  p.rows = rows;
+  p.cols = cols;
+  p.split = split;
+  p.local_rows = split == TpSplit::kRows ? rows / tp_ : rows;
+  p.local_cols = split == TpSplit::kCols ? cols / tp_ : cols;
+  p.shard_count = (p.local_count() + dp_ - 1) / dp_;
+  p.decay = decay;
+  p.linear = linear;
+  const size_t shard = static_cast<size_t>(p.shard_count);
+  p.master.assign(shard, 0.0f);
+  p.grad.assign(shard, 0.0f);
+  p.m.assign(shard, 0.0f);
+  p.v.assign(shard, 0.0f);
+  p.full.assign(shard * static_cast<size_t>(dp_), 0.0f);
+  p.full_grad.assign(shard * static_cast<size_t>(dp_), 0.0f);
+  const uint64_t key = SplitMix64(seed) ^ Fnv1a(name);
+  const int64_t row0 = split == TpSplit::kRows ? tp_rank_ * p.local_rows : 0;
+  const int64_t col0 = split == TpSplit::kCols ? tp_rank_ * p.local_cols : 0;
+  for (int64_t i = 0; i < p.shard_count; ++i) {
+    const int64_t li = dp_rank_ * p.shard_count + i;
+    if (li >= p.local_count()) break;  // padding stays 0
+    const int64_t r = row0 + li / p.local_cols, c = col0 + li % p.local_cols;
+    p.master[static_cast<size_t>(i)] =
+        std_dev == 0.0f ? 1.0f : std_dev * Normal(key, static_cast<uint64_t>(r * cols + c));
+  }
+  return p;
+}
+
+absl::Status Transformer::Build(uint64_t seed) {
+  const int64_t c = shape_.d_model, f = shape_.d_ff, v = shape_.vocab, L = shape_.layers;
+  params_.reserve(static_cast<size_t>(6 * L + 3));
+  const float std_dev = 0.02f;
+  const float resid_std = std_dev / std::sqrt(2.0f * static_cast<float>(L));
+  auto make_linear = [&](const std::string& name, int64_t in, int64_t out) {
+    GemmPrecision precision = recipe_.precision;
+    if (precision == GemmPrecision::kFp8 &&
+        std::find(recipe_.exclude.begin(), recipe_.exclude.end(), name) != recipe_.exclude.end()) {
+      precision = GemmPrecision::kBf16;
+    }
+    linears_.push_back(std::make_unique<Linear>(name, in, out, precision, recipe_.sites));
+    Linear* lin = linears_.back().get();
+    if (precision == GemmPrecision::kFp8) {
+      sites_.push_back(&lin->input_site());
+      sites_.push_back(&lin->weight_site());
+      sites_.push_back(&lin->grad_site());
+    }
+    return lin;
+  };
+  embedding_ = static_cast<int>(params_.size());
+  AddParam("embedding/weight", v, c, TpSplit::kNone, true, std_dev, seed, nullptr);
+  for (int64_t l = 0; l < L; ++l) {
+    const std::string p = absl::StrCat("blocks.", l, ".");
+    auto block = std::make_unique<Block>();
+    block->qkv = make_linear(p + "attn.qkv", c, 3 * c / tp_);
+    block->proj = make_linear(p + "attn.proj", c / tp_, c);
+    block->fc1 = make_linear(p + "mlp.fc1", c, f / tp_);
+    block->fc2 = make_linear(p + "mlp.fc2", f / tp_, c);
+    block->attn_norm = static_cast<int>(params_.size());
+    AddParam(p + "attn_norm/weight", 1, c, TpSplit::kNone, false, 0.0f, seed, nullptr);
+    block->qkv_w = static_cast<int>(params_.size());
+    AddParam(p + "attn.qkv/weight", 3 * c, c, TpSplit::kRows, true, std_dev, seed, block->qkv);
+    block->proj_w = static_cast<int>(params_.size());
+    AddParam(p + "attn.proj/weight", c, c, TpSplit::kCols, true, resid_std, seed, block->proj);
+    block->mlp_norm = static_cast<int>(params_.size());
+    AddParam(p + "mlp_norm/weight", 1, c, TpSplit::kNone, false, 0.0f, seed, nullptr);
+    block->fc1_w = static_cast<int>(params_.size());
+    AddParam(p + "mlp.fc1/weight", f, c, TpSplit::kRows, true, std_dev, seed, block->fc1);
+    block->fc2_w = static_cast<int>(params_.size());
+    AddParam(p + "mlp.fc2/weight", c, f, TpSplit::kCols, true, resid_std, seed, block->fc2);
+    blocks_.push_back(std::move(block));
+  }
+  final_norm_ = static_cast<int>(params_.size());
+  AddParam("final_norm/weight", 1, c, TpSplit::kNone, false, 0.0f, seed, nullptr);
+  linears_.push_back(std::make_unique<Linear>(
+      "lm_head", c, v,
+      recipe_.precision == GemmPrecision::kFp32 ? GemmPrecision::kFp32 : GemmPrecision::kBf16,
+      recipe_.sites));
+  lm_head_ = linears_.back().get();
+  lm_head_param_ = static_cast<int>(params_.size());
+  AddParam("lm_head/weight", v, c, TpSplit::kNone, true, std_dev, seed, lm_head_);
+  return absl::OkStatus();
+}
+
+LinearContext Transformer::Ctx() {
+  return LinearContext{.ops = &ops_, .tp = tp_ > 1 ? &mesh_.tp() : nullptr, .scratch = &scratch_};
+}
+
+absl::Status Transformer::AllReduceTp(float* buf, int64_t count) {
+  if (tp_ == 1) return absl::OkStatus();
+  return mesh_.tp().AllReduce(buf, count, parallel::DType::kF32, parallel::ReduceOp::kSum);
+}
+
+absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
+  const bool fp8 = p.linear != nullptr && p.linear->precision() == GemmPrecision::kFp8;
+  if (!fp8) {
+    FP8RT_RETURN_IF_ERROR(
+        mesh_.dp().AllGather(p.master.data(), p.shard_count, p.full.data(), parallel::DType::kF32));
+    if (p.linear != nullptr) p.linear->SetWeight(p.full.data());
+    return absl::OkStatus();
+  }
+  const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
+  const bool block = cfg.strategy == train::ScalingStrategy::kBlock;
+  const int64_t shard_rows = p.local_rows / dp_;
+  if (recipe_.fsdp_gather == FsdpGatherDType::kFp8) {
+    parallel::Fp8GatherOptions opts;
+    opts.format = cfg.format;
+    opts.scaling =
+        block ? parallel::WeightScaling::kBlock128 : parallel::WeightScaling::kTensorGiven;
+    opts.scale = weight_scale;
+    opts.margin = cfg.margin;
+    FP8RT_RETURN_IF_ERROR(parallel::GatherFp8WeightInto(mesh_.dp(), ops_, p.master.data(),
+                                                        shard_rows, p.local_cols, opts, &p.fp8));
+  } else {
+    // BF16 on the wire, then every rank quantizes the whole piece with the same scale(s).
+    std::vector<uint16_t> bf16(p.full.size());
+    FP8RT_RETURN_IF_ERROR(
+        parallel::GatherBf16(mesh_.dp(), ops_, p.master.data(), p.shard_count, bf16.data()));
+    kernels::ConvertArgs conv{.from = kernels::InputType::kBF16,
+                              .to = kernels::InputType::kF32,
+                              .input = bf16.data(),
+                              .output = p.full.data(),
+                              .count = static_cast<int64_t>(bf16.size())};
+    FP8RT_RETURN_IF_ERROR(ops_.convert(conv, {}));
+    kernels::QuantizeArgs q;
+    q.format = cfg.format;
+    q.granularity = block ? kernels::Granularity::kBlock128x128 : kernels::Granularity::kTensor;
+    q.input = p.full.data();
+    q.rows = p.local_rows;
+    q.cols = p.local_cols;
+    q.has_scale = !block;
+    q.scale = weight_scale;
+    q.margin = cfg.margin;
+    p.fp8.rows = p.local_rows;
+    p.fp8.cols = p.local_cols;
+    p.fp8.codes.resize(static_cast<size_t>(p.local_count()));
+    p.fp8.scale_inv.resize(
+        static_cast<size_t>(kernels::GetScaleGrid(q.granularity, q.rows, q.cols).size()));
+    q.codes = p.fp8.codes.data();
+    q.scale_inv = p.fp8.scale_inv.data();
+    p.fp8.shard_stats = kernels::QuantStats{};
+    q.stats = &p.fp8.shard_stats;
+    FP8RT_RETURN_IF_ERROR(ops_.quantize(q, {}));
+    p.fp8.amax = p.fp8.shard_stats.amax;
+  }
+  p.linear->weight_site().Record(p.fp8.shard_stats,
+                                 block ? kernels::ComputeScale(p.fp8.shard_stats.amax, cfg.format,
+                                                               cfg.margin, cfg.power_of_two)
+                                       : weight_scale);
+  p.linear->SetWeight(&p.fp8);
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::BeginStep() {
+  for (QuantSite* s : sites_) s->BeginStep();
+  // Tensor-scaled FP8 weights whose scale comes from the weight itself (current scaling, or
+  // delayed scaling without a history yet): one MAX over all ranks of every such weight's shard
+  // amax, so every rank (and every layout) quantizes a weight with the same scale.
+  std::vector<int> current;
+  std::vector<float> amaxes;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Param& p = params_[i];
+    if (p.linear == nullptr || p.linear->precision() != GemmPrecision::kFp8) continue;
+    const train::ScalingState& st = p.linear->weight_site().state();
+    if (st.config().strategy == train::ScalingStrategy::kBlock || !st.UsesCurrentScaling())
+      continue;
+    float amax = 0.0f;
+    kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
+                        .input = p.master.data(),
+                        .count = p.shard_count,
+                        .amax = &amax};
+    FP8RT_RETURN_IF_ERROR(ops_.amax(a, {}));
+    current.push_back(static_cast<int>(i));
+    amaxes.push_back(amax);
+  }
+  if (!amaxes.empty()) {
+    FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), amaxes).status());
+  }
+  size_t next = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    float scale = 1.0f;
+    if (next < current.size() && current[next] == static_cast<int>(i)) {
+      const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
+      scale = kernels::ComputeScale(amaxes[next], cfg.format, cfg.margin, cfg.power_of_two);
+      ++next;
+    } else if (p.linear != nullptr) {
+      scale = p.linear->weight_site().state().scale();
+    }
+    FP8RT_RETURN_IF_ERROR(GatherParam(p, scale));
+    std::fill(p.full_grad.begin(), p.full_grad.end(), 0.0f);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> tokens,
+                                                   int64_t micro_batch, float dloss) {
+  const int64_t T = shape_.seq_len, C = shape_.d_model, V = shape_.vocab;
+  const int64_t Hl = shape_.heads / tp_, Dh = C / shape_.heads, Cl = C / tp_,
+                Fl = shape_.d_ff / tp_;
+  if (static_cast<int64_t>(tokens.size()) != micro_batch * (T + 1)) {
+    return absl::InvalidArgumentError(absl::StrCat("micro-batch of ", tokens.size(),
+                                                   " tokens, expected ", micro_batch * (T + 1)));
+  }
+  Acts& a = *acts_;
+  a.Resize(shape_, tp_, micro_batch);
+  const int64_t B = micro_batch, N = a.n;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      a.inputs[static_cast<size_t>(b * T + t)] = tokens[static_cast<size_t>(b * (T + 1) + t)];
+      a.targets[static_cast<size_t>(b * T + t)] = tokens[static_cast<size_t>(b * (T + 1) + t + 1)];
+    }
+  }
+  const LinearContext ctx = Ctx();
+  auto P = [&](int i) -> Param& { return params_[static_cast<size_t>(i)]; };
+  auto W = [&](int i) -> std::span<const float> {
+    return std::span<const float>(P(i).full.data(), static_cast<size_t>(P(i).local_count()));
+  };
+  auto G = [&](int i) -> std::span<float> {
+    return std::span<float>(P(i).full_grad.data(), static_cast<size_t>(P(i).local_count()));
+  };
+  auto zero = [](std::vector<float>& v) { std::fill(v.begin(), v.end(), 0.0f); };
+  // Head-major QKV columns of this rank: head h holds [q | k | v], Dh each.
+  auto split_qkv = [&](const std::vector<float>& qkv, std::vector<float>& q, std::vector<float>& k,
+                       std::vector<float>& v) {
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t h = 0; h < Hl; ++h) {
+        const float* src = qkv.data() + n * 3 * Cl + h * 3 * Dh;
+        const int64_t dst = n * Cl + h * Dh;
+        std::memcpy(q.data() + dst, src, static_cast<size_t>(Dh) * sizeof(float));
+        std::memcpy(k.data() + dst, src + Dh, static_cast<size_t>(Dh) * sizeof(float));
+        std::memcpy(v.data() + dst, src + 2 * Dh, static_cast<size_t>(Dh) * sizeof(float));
+      }
+    }
+  };
+  auto join_qkv = [&](const std::vector<float>& q, const std::vector<float>& k,
+                      const std::vector<float>& v, std::vector<float>& qkv) {
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t h = 0; h < Hl; ++h) {
+        float* dst = qkv.data() + n * 3 * Cl + h * 3 * Dh;
+        const int64_t src = n * Cl + h * Dh;
+        std::memcpy(dst, q.data() + src, static_cast<size_t>(Dh) * sizeof(float));
+        std::memcpy(dst + Dh, k.data() + src, static_cast<size_t>(Dh) * sizeof(float));
+        std::memcpy(dst + 2 * Dh, v.data() + src, static_cast<size_t>(Dh) * sizeof(float));
+      }
+    }
+  };
+
+  // ---- Forward ----
+  EmbeddingForward(a.layers[0].x, a.inputs, W(embedding_), N, V, C);
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const Block& blk = *blocks_[l];
+    Acts::Layer& x = a.layers[l];
+    RmsNormForward(x.ln1, x.rstd1, x.x, W(blk.attn_norm), N, C, kNormEps);
+    FP8RT_RETURN_IF_ERROR(blk.qkv->Forward(ctx, x.ln1.data(), N, x.qkv.data()));
+    split_qkv(x.qkv, x.q, x.k, x.v);
+    AttentionForward(x.att, x.probs, x.q, x.k, x.v, B, T, Hl, Dh);
+    FP8RT_RETURN_IF_ERROR(blk.proj->Forward(ctx, x.att.data(), N, x.proj.data()));
+    FP8RT_RETURN_IF_ERROR(AllReduceTp(x.proj.data(), N * C));
+    ResidualForward(x.x2, x.x, x.proj, N * C);
+    RmsNormForward(x.ln2, x.rstd2, x.x2, W(blk.mlp_norm), N, C, kNormEps);
+    FP8RT_RETURN_IF_ERROR(blk.fc1->Forward(ctx, x.ln2.data(), N, x.h.data()));
+    GeluForward(x.g, x.h, N * Fl);
+    FP8RT_RETURN_IF_ERROR(blk.fc2->Forward(ctx, x.g.data(), N, x.fc2.data()));
+    FP8RT_RETURN_IF_ERROR(AllReduceTp(x.fc2.data(), N * C));
+    std::vector<float>& next = l + 1 < blocks_.size() ? a.layers[l + 1].x : a.x_final;
+    ResidualForward(next, x.x2, x.fc2, N * C);
+  }
+  RmsNormForward(a.lnf, a.rstdf, a.x_final, W(final_norm_), N, C, kNormEps);
+  FP8RT_RETURN_IF_ERROR(lm_head_->Forward(ctx, a.lnf.data(), N, a.logits.data()));
+  const float loss = CrossEntropyForward(a.ce_probs, a.logits, a.targets, N, V);
+
+  // ---- Backward (every op accumulates into zeroed buffers) ----
+  zero(a.dlogits);
+  CrossEntropyBackward(a.dlogits, a.ce_probs, a.targets, N, V, dloss);
+  zero(a.dlnf);
+  FP8RT_RETURN_IF_ERROR(
+      lm_head_->Backward(ctx, a.dlogits.data(), N, a.dlnf.data(), G(lm_head_param_).data()));
+  zero(a.dx);
+  RmsNormBackward(a.dx, G(final_norm_), a.dlnf, a.x_final, W(final_norm_), a.rstdf, N, C);
+  for (size_t l = blocks_.size(); l-- > 0;) {
+    const Block& blk = *blocks_[l];
+    Acts::Layer& x = a.layers[l];
+    // out = x2 + fc2(gelu(fc1(norm(x2)))): the residual passes dx straight to x2.
+    zero(a.dg);
+    FP8RT_RETURN_IF_ERROR(blk.fc2->Backward(ctx, a.dx.data(), N, a.dg.data(), G(blk.fc2_w).data()));
+    zero(a.dh);
+    GeluBackward(a.dh, a.dg, x.h, N * Fl);
+    zero(a.dln);
+    FP8RT_RETURN_IF_ERROR(
+        blk.fc1->Backward(ctx, a.dh.data(), N, a.dln.data(), G(blk.fc1_w).data()));
+    FP8RT_RETURN_IF_ERROR(AllReduceTp(a.dln.data(), N * C));
+    a.dx2 = a.dx;
+    RmsNormBackward(a.dx2, G(blk.mlp_norm), a.dln, x.x2, W(blk.mlp_norm), x.rstd2, N, C);
+    // x2 = x + proj(attention(qkv(norm(x)))).
+    zero(a.datt);
+    FP8RT_RETURN_IF_ERROR(
+        blk.proj->Backward(ctx, a.dx2.data(), N, a.datt.data(), G(blk.proj_w).data()));
+    zero(a.dq);
+    zero(a.dk);
+    zero(a.dv);
+    AttentionBackward(a.dq, a.dk, a.dv, a.datt, x.q, x.k, x.v, x.probs, B, T, Hl, Dh);
+    join_qkv(a.dq, a.dk, a.dv, a.dqkv);
+    zero(a.dln);
+    FP8RT_RETURN_IF_ERROR(
+        blk.qkv->Backward(ctx, a.dqkv.data(), N, a.dln.data(), G(blk.qkv_w).data()));
+    FP8RT_RETURN_IF_ERROR(AllReduceTp(a.dln.data(), N * C));
+    a.dx = a.dx2;
+    RmsNormBackward(a.dx, G(blk.attn_norm), a.dln, x.x, W(blk.attn_norm), x.rstd1, N, C);
+  }
+  EmbeddingBackward(G(embedding_), a.dx, a.inputs, N, V, C);
+  return loss;
+}
+
+absl::Status Transformer::ReduceGrads() {
+  for (Param& p : params_) {
+    FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(mesh_.dp(), ops_, p.full_grad.data(),
+                                                      p.shard_count, recipe_.grad_reduce,
+                                                      /*accumulate=*/false, p.grad.data()));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<SiteReport>> Transformer::SyncScaling() {
+  std::vector<float> amaxes(sites_.size(), 0.0f);
+  for (size_t i = 0; i < sites_.size(); ++i) {
+    if (sites_[i]->used_this_step()) amaxes[i] = sites_[i]->step_stats().amax;
+  }
+  if (!amaxes.empty()) FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), amaxes).status());
+  std::vector<SiteReport> reports(sites_.size());
+  for (size_t i = 0; i < sites_.size(); ++i) {
+    QuantSite& s = *sites_[i];
+    const kernels::QuantStats& st = s.step_stats();
+    SiteReport& r = reports[i];
+    r.site = s.name();
+    r.amax = amaxes[i];
+    r.scale = s.step_scale();
+    r.used = s.used_this_step();
+    if (st.count > 0) {
+      r.underflow_ratio = static_cast<double>(st.underflow) / static_cast<double>(st.count);
+      r.saturation_ratio = static_cast<double>(st.saturated) / static_cast<double>(st.count);
+    }
+    s.state().Update(amaxes[i]);
+  }
+  return reports;
+}
+
+}  // namespace fp8rt::model

@@ -1,0 +1,178 @@
+// The decoder-only transformer of DESIGN.md section 5, with tensor parallelism over the TP group
+// and FSDP over the DP group, its forward and backward written out layer by layer.
+//
+// Index:
+//   ModelShape, ModelRecipe   the model's sizes and its precision recipe (from the run spec)
+//   Param                     one parameter: its logical shape, this rank's TP piece, the FSDP
+//                             shard this rank owns (master, gradient, Adam moments) and the
+//                             gathered weight of the step
+//   SiteReport                one FP8 site's statistics of a step (per-rank fp8_stats lines)
+//   Transformer               Create, GatherWeights, ForwardBackward, ReduceGrads,
+//                             SyncScaling; parameters and sites by stable name
+//
+// Layers (names are the keys of scaling states, checkpoints and metrics):
+//   embedding                  token embedding [vocab, d_model], FP32
+//   blocks.L.attn_norm         RMSNorm gain [d_model], FP32
+//   blocks.L.attn.qkv          column-parallel [3 d_model, d_model]: rows grouped by head
+//                              (head h: its q, k and v rows), so a TP rank's heads are one range
+//   blocks.L.attn.proj         row-parallel [d_model, d_model]
+//   blocks.L.mlp_norm          RMSNorm gain
+//   blocks.L.mlp.fc1           column-parallel [d_ff, d_model], GELU after it
+//   blocks.L.mlp.fc2           row-parallel [d_model, d_ff]
+//   final_norm, lm_head        RMSNorm gain; LM head [vocab, d_model] (BF16 GEMM in bf16 and fp8
+//                              runs, FP32 in fp32 runs; never FP8)
+// No biases. The four block GEMMs run in the run's precision; in an fp8 run a layer listed in
+// precision.exclude runs in BF16.
+//
+// Tensor parallelism: column-parallel outputs stay split by heads / d_ff; row-parallel outputs
+// are summed over the TP group (all-reduce, FP32) and so are the input gradients of the
+// column-parallel layers. Embedding, norms and LM head are replicated on the TP ranks (their
+// gradients are identical there, and only TP rank 0's copy counts in the gradient norm).
+// FSDP: each parameter's TP piece, flattened, is cut into dp shards (the last one zero-padded);
+// FP8 GEMM weights are all-gathered as FP8 codes plus scales (fsdp_gather fp8) or as BF16 then
+// quantized (fsdp_gather bf16); every other parameter is all-gathered in FP32. Gradients of the
+// micro-batches accumulate in FP32 and are reduce-scattered once per step (grad_reduce).
+//
+// Initialisation is a pure function of (seed, parameter name, logical index), so every layout
+// starts from the same logical weights: N(0, 0.02), the residual-output layers (attn.proj,
+// mlp.fc2) scaled by 1/sqrt(2 layers), norm gains 1.
+//
+// Not thread-safe: one owner (the rank's step loop). Collective calls (GatherWeights, the TP
+// reductions inside ForwardBackward, ReduceGrads, SyncScaling) must be made in the same order on
+// every rank.
+#ifndef FP8RT_RUNTIME_MODEL_TRANSFORMER_H_
+#define FP8RT_RUNTIME_MODEL_TRANSFORMER_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/ops.h"
+#include "parallel/fp8_collectives.h"
+#include "parallel/mesh.h"
+#include "runtime/model/linear.h"
+#include "runtime/train/scaling.h"
+
+namespace fp8rt::model {
+
+struct ModelShape {
+  int64_t layers = 0;
+  int64_t d_model = 0;
+  int64_t heads = 0;
+  int64_t d_ff = 0;
+  int64_t seq_len = 0;
+  int64_t vocab = 0;
+};
+
+enum class FsdpGatherDType : uint8_t { kFp8, kBf16 };
+
+struct ModelRecipe {
+  GemmPrecision precision = GemmPrecision::kFp8;  // of the block GEMMs
+  Fp8SiteConfigs sites;                           // formats and scaling of the FP8 sites
+  std::vector<std::string> exclude;               // layers kept out of FP8 (run in BF16)
+  FsdpGatherDType fsdp_gather = FsdpGatherDType::kFp8;
+  parallel::GradReduceDType grad_reduce = parallel::GradReduceDType::kFP32;
+};
+
+enum class TpSplit : uint8_t { kNone, kRows, kCols };
+
+struct Param {
+  std::string name;  // "blocks.0.mlp.fc1/weight"
+  int64_t rows = 0;  // logical shape
+  int64_t cols = 0;
+  TpSplit split = TpSplit::kNone;
+  int64_t local_rows = 0;  // this rank's TP piece
+  int64_t local_cols = 0;
+  int64_t shard_count = 0;   // ceil(local_rows * local_cols / dp)
+  bool decay = true;         // weight decay (not for norm gains)
+  Linear* linear = nullptr;  // the GEMM layer it is the weight of, or null
+
+  // This rank's FSDP shard: flattened TP-piece elements [dp_rank * shard_count, +shard_count).
+  std::vector<float> master, grad, m, v;
+  // The step's gathered TP piece (FP32, dp * shard_count with the padding) and its gradient.
+  std::vector<float> full, full_grad;
+  parallel::Fp8Weight fp8;  // the step's gathered FP8 weight (FP8 GEMM weights)
+
+  int64_t local_count() const { return local_rows * local_cols; }
+};
+
+struct SiteReport {
+  std::string site;              // "blocks.0.mlp.fc1/input"
+  float amax = 0.0f;             // synchronised over all ranks
+  float scale = 1.0f;            // the scale the site quantized with in this step
+  double underflow_ratio = 0.0;  // of this rank's quantizations in the step
+  double saturation_ratio = 0.0;
+  bool used = false;  // quantized anything this step
+};
+
+class Transformer {
+ public:
+  // InvalidArgument naming the run-spec field for shapes the layout cannot split (heads, d_model,
+  // d_ff by tp; GEMM weight rows by dp; whole 128x128 blocks per shard with block scaling) and
+  // for an unknown layer in `recipe.exclude` (field precision.exclude).
+  ~Transformer();
+  static absl::StatusOr<std::unique_ptr<Transformer>> Create(const ModelShape& shape,
+                                                             const ModelRecipe& recipe,
+                                                             uint64_t seed, parallel::Mesh& mesh,
+                                                             const kernels::OpTable& ops);
+
+  const ModelShape& shape() const { return shape_; }
+  std::vector<Param>& params() { return params_; }
+  // Every FP8 site in a stable order (empty unless some GEMM runs in FP8).
+  const std::vector<QuantSite*>& sites() const { return sites_; }
+  // Names of the GEMM layers, for the error of an unknown exclude entry.
+  std::vector<std::string> LayerNames() const;
+
+  // Starts an optimizer step: resets the sites' step statistics, gathers every parameter for the
+  // step (FP8 weights with their scales) and zeroes the accumulated gradients.
+  absl::Status BeginStep();
+
+  // One micro-batch: `tokens` holds micro_batch rows of seq_len + 1 token ids (inputs and
+  // next-token targets). Runs forward and backward, accumulating parameter gradients scaled by
+  // `dloss` (1 / (grad_accum * dp) for the mean over the global batch). Returns the micro-batch's
+  // mean loss.
+  absl::StatusOr<float> ForwardBackward(std::span<const int32_t> tokens, int64_t micro_batch,
+                                        float dloss);
+
+  // Reduce-scatters the accumulated gradients over DP into each Param::grad (FP32 shards).
+  absl::Status ReduceGrads();
+
+  // Ends the step's scaling: every site's amax of the step, MAX-reduced over all ranks in one
+  // collective, is recorded in its scaling state. Returns what each site did (before the update).
+  absl::StatusOr<std::vector<SiteReport>> SyncScaling();
+
+ private:
+  struct Block;
+  struct Acts;
+  Transformer(const ModelShape& shape, const ModelRecipe& recipe, parallel::Mesh& mesh,
+              const kernels::OpTable& ops);
+  absl::Status Build(uint64_t seed);
+  Param& AddParam(const std::string& name, int64_t rows, int64_t cols, TpSplit split, bool decay,
+                  float std_dev, uint64_t seed, Linear* linear);
+  absl::Status GatherParam(Param& p, float weight_scale);
+  absl::Status AllReduceTp(float* buf, int64_t count);
+  LinearContext Ctx();
+
+  const ModelShape shape_;
+  const ModelRecipe recipe_;
+  parallel::Mesh& mesh_;
+  const kernels::OpTable& ops_;
+  const int64_t tp_, dp_, tp_rank_, dp_rank_;
+
+  std::vector<std::unique_ptr<Linear>> linears_;
+  std::vector<Param> params_;  // stable order; reserved up front (Linear points into it)
+  std::vector<QuantSite*> sites_;
+  std::vector<std::unique_ptr<Block>> blocks_;
+  std::unique_ptr<Acts> acts_;
+  Scratch scratch_;
+  // Indices of the non-block parameters and layers.
+  int embedding_ = -1, final_norm_ = -1, lm_head_param_ = -1;
+  Linear* lm_head_ = nullptr;
+};
+
+}  // namespace fp8rt::model
+
+#endif  // FP8RT_RUNTIME_MODEL_TRANSFORMER_H_

@@ -1,0 +1,592 @@
+// The step loop (see trainer.h). Index: spec -> recipe, FaultSpec, Create, run folder and
+// metrics files, Step, Run, SaveCheckpoint, Restore.
+#include "runtime/worker/trainer.h"
+
+#include <chrono>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "fp8rt/v1/checkpoint.pb.h"
+#include "fp8rt/v1/scaling.pb.h"
+#include "nlohmann/json.hpp"
+#include "runtime/core/status.h"
+#include "runtime/train/checkpoint_dir.h"
+#include "runtime/train/checkpoint_io.h"
+
+namespace fp8rt::worker {
+namespace fs = std::filesystem;
+using v1::RunSpec;
+
+namespace {
+
+model::ModelRecipe RecipeFromSpec(const RunSpec& spec) {
+  const RunSpec::Precision& p = spec.precision();
+  model::ModelRecipe recipe;
+  switch (p.mode()) {
+    case RunSpec::Precision::MODE_FP32:
+      recipe.precision = model::GemmPrecision::kFp32;
+      break;
+    case RunSpec::Precision::MODE_BF16:
+      recipe.precision = model::GemmPrecision::kBf16;
+      break;
+    default:
+      recipe.precision = model::GemmPrecision::kFp8;
+      break;
+  }
+  train::ScalingConfig base;
+  switch (p.scaling()) {
+    case RunSpec::Precision::SCALING_CURRENT:
+      base.strategy = train::ScalingStrategy::kCurrent;
+      break;
+    case RunSpec::Precision::SCALING_BLOCK:
+      base.strategy = train::ScalingStrategy::kBlock;
+      break;
+    default:
+      base.strategy = train::ScalingStrategy::kDelayed;
+      break;
+  }
+  base.history_len = p.amax_history_len();
+  base.algo = p.amax_compute_algo() == RunSpec::Precision::AMAX_COMPUTE_ALGO_MOST_RECENT
+                  ? train::AmaxAlgo::kMostRecent
+                  : train::AmaxAlgo::kMax;
+  base.margin = p.margin();
+  base.format = kernels::Fp8Format::kE4M3;
+  recipe.sites.input = base;
+  recipe.sites.weight = base;
+  recipe.sites.grad_output = base;
+  if (p.format() != RunSpec::Precision::FORMAT_E4M3) {
+    recipe.sites.grad_output.format = kernels::Fp8Format::kE5M2;  // HYBRID
+  }
+  recipe.exclude.assign(p.exclude().begin(), p.exclude().end());
+  recipe.fsdp_gather = p.fsdp_gather() == RunSpec::Precision::FSDP_GATHER_BF16
+                           ? model::FsdpGatherDType::kBf16
+                           : model::FsdpGatherDType::kFp8;
+  recipe.grad_reduce = p.grad_reduce() == RunSpec::Precision::GRAD_REDUCE_BF16
+                           ? parallel::GradReduceDType::kBF16
+                           : parallel::GradReduceDType::kFP32;
+  return recipe;
+}
+
+train::TokenFormat FormatFromSpec(const RunSpec& spec) {
+  switch (spec.data().format()) {
+    case RunSpec::Data::FORMAT_U16:
+      return train::TokenFormat::kU16;
+    case RunSpec::Data::FORMAT_U32:
+      return train::TokenFormat::kU32;
+    default:
+      return train::TokenFormat::kText;
+  }
+}
+
+std::string RankFileName(int rank) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "rank-%05d.jsonl", rank);
+  return buf;
+}
+
+// Keeps the lines of a JSONL file whose "step" is <= max_step (a resumed run rewrites the steps
+// after its checkpoint). A missing file is fine.
+absl::Status TruncateJsonlAfter(const std::string& path, int64_t max_step) {
+  std::ifstream in(path);
+  if (!in) return absl::OkStatus();
+  std::ostringstream kept;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.contains("step")) continue;  // a torn last line
+    if (j["step"].get<int64_t>() <= max_step) kept << line << '\n';
+  }
+  in.close();
+  std::ofstream out(path, std::ios::trunc);
+  out << kept.str();
+  if (!out) return absl::InternalError(absl::StrCat("cannot rewrite ", path));
+  return absl::OkStatus();
+}
+
+template <typename T>
+std::span<const std::byte> Bytes(const T* data, size_t count) {
+  return std::as_bytes(std::span<const T>(data, count));
+}
+
+// Copies a section into `count` values of T, or DataLoss naming the section and file.
+template <typename T>
+absl::Status ReadSection(const train::ShardReader& reader, const std::string& name, T* out,
+                         size_t count) {
+  FP8RT_ASSIGN_OR_RETURN(std::span<const std::byte> bytes, reader.Section(name));
+  if (bytes.size() != count * sizeof(T)) {
+    return absl::DataLossError(absl::StrCat(reader.path(), ": section '", name, "' holds ",
+                                            bytes.size(), " bytes, this run expects ",
+                                            count * sizeof(T)));
+  }
+  std::memcpy(out, bytes.data(), bytes.size());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<FaultSpec> FaultSpec::Parse(const std::string& text) {
+  FaultSpec f;
+  if (text.empty()) return f;
+  auto bad = [&] {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "FP8RT_FAULT='", text, "': expected nan_grad:rank=R:step=S or kill:rank=R:step=S"));
+  };
+  std::vector<std::string> parts = absl::StrSplit(text, ':');
+  if (parts.size() != 3) return bad();
+  if (parts[0] == "nan_grad") {
+    f.kind = Kind::kNanGrad;
+  } else if (parts[0] == "kill") {
+    f.kind = Kind::kKill;
+  } else {
+    return bad();
+  }
+  for (size_t i = 1; i < 3; ++i) {
+    std::vector<std::string> kv = absl::StrSplit(parts[i], '=');
+    if (kv.size() != 2) return bad();
+    int64_t value = 0;
+    if (!absl::SimpleAtoi(kv[1], &value) || value < 0) return bad();
+    if (kv[0] == "rank") {
+      f.rank = static_cast<int>(value);
+    } else if (kv[0] == "step") {
+      f.step = value;
+    } else {
+      return bad();
+    }
+  }
+  if (f.rank < 0 || f.step < 1) return bad();
+  return f;
+}
+
+Trainer::Trainer(const RunSpec& spec, const TrainerOptions& options, const kernels::OpTable& ops)
+    : spec_(spec), options_(options), ops_(ops), resumed_(options.resume) {}
+
+Trainer::~Trainer() {
+  if (metrics_ != nullptr) std::fclose(metrics_);
+  if (fp8_stats_ != nullptr) std::fclose(fp8_stats_);
+}
+
+absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
+                                                         const TrainerOptions& options,
+                                                         parallel::CommunicatorFactory& factory,
+                                                         const kernels::OpTable& ops) {
+  std::unique_ptr<Trainer> t(new Trainer(spec, options, ops));
+  const char* fault = std::getenv("FP8RT_FAULT");
+  FP8RT_ASSIGN_OR_RETURN(t->fault_, FaultSpec::Parse(fault == nullptr ? "" : fault));
+  parallel::MeshConfig mesh_config{
+      .dp = spec.parallel().dp(), .tp = spec.parallel().tp(), .ep = spec.parallel().ep()};
+  FP8RT_ASSIGN_OR_RETURN(t->mesh_, parallel::Mesh::Create(mesh_config, factory));
+  const RunSpec::Model& m = spec.model();
+  model::ModelShape shape{.layers = m.layers(),
+                          .d_model = m.d_model(),
+                          .heads = m.heads(),
+                          .d_ff = m.d_ff(),
+                          .seq_len = m.seq_len(),
+                          .vocab = m.vocab()};
+  FP8RT_ASSIGN_OR_RETURN(
+      t->model_,
+      model::Transformer::Create(shape, RecipeFromSpec(spec), spec.train().seed(), *t->mesh_, ops));
+  FP8RT_ASSIGN_OR_RETURN(
+      std::unique_ptr<train::TokenDataset> dataset,
+      train::TokenDataset::Open(spec.data().path(), FormatFromSpec(spec), m.vocab()));
+  const parallel::MeshLayout& layout = t->mesh_->layout();
+  FP8RT_ASSIGN_OR_RETURN(
+      train::DataLoader loader,
+      train::DataLoader::Create(std::move(dataset), {.seq_len = m.seq_len(),
+                                                     .micro_batch = spec.train().micro_batch(),
+                                                     .dp = layout.config.dp,
+                                                     .dp_rank = layout.dp_rank}));
+  t->loader_ = std::make_unique<train::DataLoader>(std::move(loader));
+  t->tokens_.resize(t->loader_->batch_tokens());
+  const RunSpec::Train& tr = spec.train();
+  train::AdamWConfig adam{.lr = tr.lr(),
+                          .weight_decay = tr.weight_decay(),
+                          .clip = tr.clip(),
+                          .warmup = tr.warmup(),
+                          .steps = tr.steps(),
+                          .min_lr = tr.min_lr()};
+  FP8RT_RETURN_IF_ERROR(train::ValidateAdamWConfig(adam));
+  t->optimizer_ = std::make_unique<train::AdamW>(adam);
+  FP8RT_RETURN_IF_ERROR(t->PrepareRunDir());
+  return t;
+}
+
+absl::Status Trainer::PrepareRunDir() {
+  parallel::Communicator& world = mesh_->world();
+  const std::string metrics_path = options_.run_dir + "/metrics.jsonl";
+  train::CheckpointDir checkpoints(options_.run_dir);
+  // Rank 0 checks the folder and tells the others, so every rank takes the same path.
+  int64_t verdict = 0;
+  std::string error;
+  if (world.rank() == 0) {
+    std::error_code ec;
+    fs::create_directories(options_.run_dir + "/fp8_stats", ec);
+    if (ec) {
+      error = absl::StrCat("cannot create run folder ", options_.run_dir, ": ", ec.message());
+      verdict = 1;
+    } else if (!options_.resume) {
+      FP8RT_ASSIGN_OR_RETURN(std::vector<int64_t> committed, checkpoints.ListCommitted());
+      if (!committed.empty() || (fs::exists(metrics_path, ec) && fs::file_size(metrics_path, ec) > 0)) {
+        error = absl::StrCat("run folder ", options_.run_dir,
+                             " already holds a run (metrics.jsonl or committed checkpoints): pass "
+                             "--resume to continue it, or choose another --run-dir");
+        verdict = 2;
+      }
+    }
+  }
+  FP8RT_RETURN_IF_ERROR(world.Broadcast(&verdict, 1, parallel::DType::kI64, 0));
+  if (verdict == 1) return absl::InternalError(world.rank() == 0 ? error : "run folder not usable");
+  if (verdict == 2) {
+    return absl::FailedPreconditionError(world.rank() == 0 ? error
+                                                           : "run folder already holds a run");
+  }
+  if (options_.resume) FP8RT_RETURN_IF_ERROR(Restore());
+  const std::string stats_path =
+      options_.run_dir + "/fp8_stats/" + RankFileName(mesh_->layout().rank);
+  if (world.rank() == 0) {
+    FP8RT_RETURN_IF_ERROR(TruncateJsonlAfter(metrics_path, step_));
+    metrics_ = std::fopen(metrics_path.c_str(), "a");
+    if (metrics_ == nullptr) return absl::InternalError("cannot open " + metrics_path);
+  }
+  if (spec_.metrics().per_rank_fp8_stats()) {
+    FP8RT_RETURN_IF_ERROR(TruncateJsonlAfter(stats_path, step_));
+    fp8_stats_ = std::fopen(stats_path.c_str(), "a");
+    if (fp8_stats_ == nullptr) return absl::InternalError("cannot open " + stats_path);
+  }
+  return absl::OkStatus();
+}
+
+std::vector<train::ParamShard> Trainer::Shards() {
+  std::vector<train::ParamShard> shards;
+  const bool tp_rank0 = mesh_->layout().tp_rank == 0;
+  for (model::Param& p : model_->params()) {
+    shards.push_back(train::ParamShard{.name = p.name,
+                                       .master = p.master.data(),
+                                       .grad = p.grad.data(),
+                                       .m = p.m.data(),
+                                       .v = p.v.data(),
+                                       .count = p.shard_count,
+                                       .decay = p.decay,
+                                       .in_norm = p.split != model::TpSplit::kNone || tp_rank0});
+  }
+  return shards;
+}
+
+absl::StatusOr<StepRecord> Trainer::Step() {
+  const parallel::MeshLayout& layout = mesh_->layout();
+  const int64_t step = step_ + 1;
+  if (fault_.kind == FaultSpec::Kind::kKill && fault_.rank == layout.rank && fault_.step == step &&
+      !resumed_) {
+    std::fprintf(stderr, "fp8rt-worker: rank %d: FP8RT_FAULT kills this rank at step %lld\n",
+                 layout.rank, static_cast<long long>(step));
+    std::fflush(nullptr);
+    std::raise(SIGKILL);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  const RunSpec::Train& tr = spec_.train();
+  const int64_t ga = tr.grad_accum(), dp = layout.config.dp;
+  const float dloss = 1.0f / static_cast<float>(ga * dp);
+
+  FP8RT_RETURN_IF_ERROR(model_->BeginStep());
+  float loss_sum = 0.0f;
+  for (int64_t i = 0; i < ga; ++i) {
+    FP8RT_RETURN_IF_ERROR(loader_->Next(tokens_));
+    FP8RT_ASSIGN_OR_RETURN(const float loss,
+                           model_->ForwardBackward(tokens_, tr.micro_batch(), dloss));
+    loss_sum += loss;
+  }
+  FP8RT_RETURN_IF_ERROR(model_->ReduceGrads());
+  if (fault_.kind == FaultSpec::Kind::kNanGrad && fault_.rank == layout.rank &&
+      fault_.step == step) {
+    model_->params().front().grad.front() = std::numeric_limits<float>::quiet_NaN();
+  }
+  std::vector<train::ParamShard> shards = Shards();
+  FP8RT_ASSIGN_OR_RETURN(const train::StepResult result,
+                         optimizer_->Step(shards, step, &mesh_->world()));
+  FP8RT_ASSIGN_OR_RETURN(const std::vector<model::SiteReport> sites, model_->SyncScaling());
+  FP8RT_RETURN_IF_ERROR(
+      mesh_->dp().AllReduce(&loss_sum, 1, parallel::DType::kF32, parallel::ReduceOp::kSum));
+  step_ = step;
+
+  StepRecord r;
+  r.step = step;
+  r.loss = static_cast<double>(loss_sum) / static_cast<double>(ga * dp);
+  r.grad_norm = result.grad_norm;
+  r.lr = result.lr;
+  r.skipped = result.skipped;
+  r.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double tokens = static_cast<double>(ga * dp * tr.micro_batch() * spec_.model().seq_len());
+  r.tokens_per_s = tokens / r.step_time_s;
+  FP8RT_RETURN_IF_ERROR(WriteRecords(r, sites));
+  return r;
+}
+
+absl::Status Trainer::WriteRecords(const StepRecord& r,
+                                   const std::vector<model::SiteReport>& sites) {
+  if (metrics_ != nullptr) {
+    nlohmann::ordered_json j;
+    j["step"] = r.step;
+    j["loss"] = r.loss;
+    j["grad_norm"] = r.skipped ? nlohmann::ordered_json() : nlohmann::ordered_json(r.grad_norm);
+    j["lr"] = r.lr;
+    j["tokens_per_s"] = r.tokens_per_s;
+    j["skipped"] = r.skipped;
+    j["step_time_s"] = r.step_time_s;
+    const std::string line = j.dump() + "\n";
+    if (std::fputs(line.c_str(), metrics_) < 0 || std::fflush(metrics_) != 0) {
+      return absl::InternalError(absl::StrCat("cannot write ", options_.run_dir,
+                                              "/metrics.jsonl: ", std::strerror(errno)));
+    }
+  }
+  const int64_t every = spec_.metrics().every();
+  if (fp8_stats_ != nullptr && r.step % every == 0) {
+    std::string out;
+    for (const model::SiteReport& s : sites) {
+      nlohmann::ordered_json j;
+      j["step"] = r.step;
+      j["site"] = s.site;
+      j["amax"] = s.amax;
+      j["scale"] = s.scale;
+      j["underflow_ratio"] = s.underflow_ratio;
+      j["saturation_ratio"] = s.saturation_ratio;
+      out += j.dump() + "\n";
+    }
+    if (std::fputs(out.c_str(), fp8_stats_) < 0 || std::fflush(fp8_stats_) != 0) {
+      return absl::InternalError("cannot write the per-rank FP8 stats file");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Run() {
+  const int64_t steps = spec_.train().steps(), every = spec_.metrics().every();
+  const int64_t ckpt_every = spec_.checkpoint().every();
+  const bool rank0 = mesh_->layout().rank == 0;
+  while (step_ < steps) {
+    FP8RT_ASSIGN_OR_RETURN(const StepRecord r, Step());
+    if (rank0 && options_.print_progress &&
+        (r.step % every == 0 || r.step == 1 || r.step == steps)) {
+      std::printf("step %lld/%lld loss %.4f grad_norm %.4f lr %.3g tokens/s %.0f%s\n",
+                  static_cast<long long>(r.step), static_cast<long long>(steps), r.loss,
+                  r.grad_norm, r.lr, r.tokens_per_s,
+                  r.skipped ? " (skipped: non-finite gradient)" : "");
+      std::fflush(stdout);
+    }
+    if (ckpt_every > 0 && (step_ % ckpt_every == 0 || step_ == steps)) {
+      FP8RT_RETURN_IF_ERROR(SaveCheckpoint());
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::SaveCheckpoint() {
+  parallel::Communicator& world = mesh_->world();
+  const parallel::MeshLayout& layout = mesh_->layout();
+  train::CheckpointDir dir(options_.run_dir);
+  int64_t ok = 1;
+  std::string error;
+  if (world.rank() == 0) {
+    absl::StatusOr<std::string> prepared = dir.PrepareTemp(step_);
+    if (!prepared.ok()) {
+      ok = 0;
+      error = prepared.status().ToString();
+    }
+  }
+  FP8RT_RETURN_IF_ERROR(world.Broadcast(&ok, 1, parallel::DType::kI64, 0));
+  if (ok == 0) {
+    return absl::InternalError(
+        world.rank() == 0 ? error : "rank 0 could not prepare the checkpoint folder");
+  }
+
+  // This rank's shard: its FSDP shards, Adam moments, every scaling state, the data position.
+  train::ShardWriter w;
+  const int64_t applied = optimizer_->applied_steps();
+  const uint64_t position = loader_->position();
+  const int32_t layout_ints[4] = {layout.world_size, layout.config.dp, layout.config.tp,
+                                  layout.rank};
+  const uint64_t rng[2] = {spec_.train().seed(), 0};  // no stochastic ops draw numbers yet
+  absl::Status st = w.Add("meta/step", Bytes(&step_, 1));
+  if (st.ok()) st = w.Add("meta/applied_steps", Bytes(&applied, 1));
+  if (st.ok()) st = w.Add("meta/data_position", Bytes(&position, 1));
+  if (st.ok()) st = w.Add("meta/layout", Bytes(layout_ints, 4));
+  if (st.ok()) st = w.Add("rng", Bytes(rng, 2));
+  for (const model::Param& p : model_->params()) {
+    const size_t n = p.master.size();
+    if (st.ok()) st = w.Add("master/" + p.name, Bytes(p.master.data(), n));
+    if (st.ok()) st = w.Add("adam_m/" + p.name, Bytes(p.m.data(), n));
+    if (st.ok()) st = w.Add("adam_v/" + p.name, Bytes(p.v.data(), n));
+  }
+  for (const model::QuantSite* s : model_->sites()) {
+    v1::ScalingState proto;
+    s->state().ToProto(&proto);
+    if (st.ok()) st = w.AddProto("scaling/" + s->name(), proto);
+  }
+  absl::StatusOr<train::ShardWriteResult> written =
+      st.ok() ? w.Write(dir.TempDir(step_) + "/" + train::ShardFileName(layout.rank))
+              : absl::StatusOr<train::ShardWriteResult>(st);
+  int64_t report[3] = {written.ok() ? 1 : 0, written.ok() ? static_cast<int64_t>(written->size) : 0,
+                       written.ok() ? static_cast<int64_t>(written->xxh64) : 0};
+  std::vector<int64_t> reports(3 * static_cast<size_t>(world.size()));
+  FP8RT_RETURN_IF_ERROR(world.AllGather(report, 3, reports.data(), parallel::DType::kI64));
+  int64_t committed = 1;
+  if (world.rank() == 0) {
+    v1::CheckpointManifest manifest;
+    manifest.set_step(step_);
+    manifest.set_world_size(layout.world_size);
+    manifest.set_dp(layout.config.dp);
+    manifest.set_tp(layout.config.tp);
+    manifest.set_ep(layout.config.ep);
+    *manifest.mutable_spec() = spec_;
+    manifest.set_created_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                     std::chrono::system_clock::now().time_since_epoch())
+                                     .count());
+    manifest.set_data_position(position);
+    for (int r = 0; r < world.size(); ++r) {
+      if (reports[3 * static_cast<size_t>(r)] == 0) {
+        committed = 0;
+        error = absl::StrCat("rank ", r, " could not write its checkpoint shard for step ", step_);
+      }
+      v1::CheckpointShard* shard = manifest.add_shards();
+      shard->set_rank(r);
+      shard->set_file(train::ShardFileName(r));
+      shard->set_size(static_cast<uint64_t>(reports[3 * static_cast<size_t>(r) + 1]));
+      shard->set_xxh64(static_cast<uint64_t>(reports[3 * static_cast<size_t>(r) + 2]));
+    }
+    absl::Status commit = committed ? dir.Commit(manifest) : absl::OkStatus();
+    if (!commit.ok()) {
+      committed = 0;
+      error = commit.ToString();
+    }
+    if (committed) {
+      absl::StatusOr<std::vector<int64_t>> pruned = dir.Prune(spec_.checkpoint().keep());
+      if (!pruned.ok())
+        std::fprintf(stderr, "fp8rt-worker: %s\n", pruned.status().ToString().c_str());
+    } else {
+      std::error_code ec;
+      fs::remove_all(dir.TempDir(step_), ec);  // nothing partial is left behind
+    }
+  }
+  FP8RT_RETURN_IF_ERROR(world.Broadcast(&committed, 1, parallel::DType::kI64, 0));
+  if (!written.ok()) return written.status();
+  if (committed == 0) {
+    return absl::InternalError(world.rank() == 0 ? error
+                                                 : "the checkpoint was not committed (see rank 0)");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::Restore() {
+  parallel::Communicator& world = mesh_->world();
+  train::CheckpointDir dir(options_.run_dir);
+  // Rank 0 picks the checkpoint (verifying every shard), sets aside refused newer ones, and tells
+  // the others which step to load: -1 none (fresh start), -2 an error.
+  int64_t chosen = -1;
+  std::string error;
+  if (world.rank() == 0) {
+    std::vector<std::string> refused;
+    absl::StatusOr<train::ResumePoint> point = dir.FindNewestValid(&refused);
+    for (const std::string& why : refused) {
+      std::fprintf(stderr, "fp8rt-worker: refusing checkpoint: %s\n", why.c_str());
+    }
+    absl::StatusOr<std::vector<int64_t>> committed = dir.ListCommitted();
+    if (!committed.ok()) {
+      chosen = -2;
+      error = committed.status().ToString();
+    } else if (point.ok()) {
+      chosen = point->step;
+      const v1::CheckpointManifest& m = point->manifest;
+      const parallel::MeshLayout& layout = mesh_->layout();
+      if (m.world_size() != layout.world_size || m.dp() != layout.config.dp ||
+          m.tp() != layout.config.tp) {
+        chosen = -2;
+        error = absl::StrCat("parallel: checkpoint ", point->dir, " was written by dp=", m.dp(),
+                             " tp=", m.tp(), " on ", m.world_size(),
+                             " ranks; this run has dp=", layout.config.dp, " tp=", layout.config.tp,
+                             " on ", layout.world_size, " (resharding is not supported yet)");
+      } else if (m.spec().model().SerializeAsString() != spec_.model().SerializeAsString()) {
+        chosen = -2;
+        error = absl::StrCat(
+            "model: checkpoint ", point->dir,
+            " was written for a different model: ", m.spec().model().ShortDebugString());
+      }
+    } else if (!committed->empty()) {
+      chosen = -2;
+      error = absl::StrCat("no committed checkpoint in ", dir.root(),
+                           " verifies (see the refusals above): ", point.status().ToString());
+    }
+    if (chosen >= -1 && committed.ok()) {
+      for (int64_t s : *committed) {
+        if (s <= chosen) continue;
+        std::error_code ec;
+        const std::string aside = dir.root() + "/refused-" + train::CheckpointName(s);
+        fs::rename(dir.CommittedDir(s), aside, ec);
+        std::fprintf(stderr, "fp8rt-worker: moved %s to %s%s\n", dir.CommittedDir(s).c_str(),
+                     aside.c_str(), ec ? (" failed: " + ec.message()).c_str() : "");
+      }
+    }
+    if (chosen == -1)
+      std::fprintf(stderr, "fp8rt-worker: no checkpoint to resume from; starting at step 1\n");
+  }
+  FP8RT_RETURN_IF_ERROR(world.Broadcast(&chosen, 1, parallel::DType::kI64, 0));
+  if (chosen == -2) {
+    return absl::FailedPreconditionError(world.rank() == 0 ? error : "resume failed on rank 0");
+  }
+  if (chosen == -1) return absl::OkStatus();
+
+  const std::string path = dir.CommittedDir(chosen) + "/" + train::ShardFileName(world.rank());
+  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<train::ShardReader> reader,
+                         train::ShardReader::Open(path));
+  int64_t step = 0, applied = 0;
+  uint64_t position = 0;
+  FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "meta/step", &step, 1));
+  FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "meta/applied_steps", &applied, 1));
+  FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "meta/data_position", &position, 1));
+  if (step != chosen || applied < 0 || applied > step) {
+    return absl::DataLossError(absl::StrCat(path, ": meta/step ", step, " applied_steps ", applied,
+                                            " do not match checkpoint step ", chosen));
+  }
+  for (model::Param& p : model_->params()) {
+    const size_t n = p.master.size();
+    FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "master/" + p.name, p.master.data(), n));
+    FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "adam_m/" + p.name, p.m.data(), n));
+    FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "adam_v/" + p.name, p.v.data(), n));
+  }
+  for (model::QuantSite* s : model_->sites()) {
+    v1::ScalingState proto;
+    FP8RT_RETURN_IF_ERROR(reader->ParseProto("scaling/" + s->name(), &proto));
+    absl::StatusOr<train::ScalingState> state = train::ScalingState::FromProto(proto);
+    if (!state.ok()) {
+      return absl::DataLossError(
+          absl::StrCat(path, ": scaling/", s->name(), ": ", state.status().message()));
+    }
+    const train::ScalingConfig& want = s->state().config();
+    const train::ScalingConfig& got = state->config();
+    if (want.format == got.format && want.strategy == got.strategy &&
+        want.history_len == got.history_len && want.algo == got.algo && want.margin == got.margin &&
+        want.power_of_two == got.power_of_two) {
+      s->state() = *state;
+    } else if (world.rank() == 0) {
+      std::fprintf(stderr,
+                   "fp8rt-worker: %s: recipe changed since the checkpoint; its scaling "
+                   "state starts afresh\n",
+                   s->name().c_str());
+    }
+  }
+  optimizer_->set_applied_steps(applied);
+  FP8RT_RETURN_IF_ERROR(loader_->Seek(position));
+  step_ = step;
+  if (world.rank() == 0) {
+    std::fprintf(stderr, "fp8rt-worker: resuming after step %lld from %s\n",
+                 static_cast<long long>(step), dir.CommittedDir(chosen).c_str());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fp8rt::worker

@@ -1,0 +1,125 @@
+// The training step loop of one rank (DESIGN.md section 5), standalone under mpirun.
+//
+// Index:
+//   TrainerOptions   run folder, resume, progress printing
+//   FaultSpec        test faults from FP8RT_FAULT (nan_grad, kill), parsed once
+//   Trainer          Create (model, data, optimizer, resume), Run (the steps), Step (one step)
+//
+// One optimizer step reads, top to bottom:
+//   model.BeginStep()                       FSDP gathers (FP8 weights with their scales)
+//   for each micro-batch:                   loader.Next, model.ForwardBackward (grads +=)
+//   model.ReduceGrads()                     reduce-scatter over DP (BF16 or FP32 per recipe)
+//   optimizer.Step()                        global norm, non-finite skip, clip, AdamW
+//   model.SyncScaling()                     one MAX all-reduce of every site's amax, states updated
+//   metrics, per-rank FP8 stats, checkpoint
+//
+// Outputs in the run folder (rank 0 unless noted):
+//   metrics.jsonl                 one object per optimizer step: step (1-based), loss (mean over
+//   the
+//                                 global batch), grad_norm (null when skipped), lr, tokens_per_s,
+//                                 skipped, step_time_s
+//   fp8_stats/rank-NNNNN.jsonl    every rank, every metrics.every steps when
+//                                 metrics.per_rank_fp8_stats: one object per FP8 site
+//                                 {step, site, amax, scale, underflow_ratio, saturation_ratio}
+//   checkpoints/step-NNNNNNNN/    every checkpoint.every steps and at the last step
+//                                 (runtime/train/checkpoint_dir.h), checkpoint.keep kept
+//
+// A fresh run refuses a run folder that already holds metrics or committed checkpoints (pass
+// --resume or choose another folder: nothing is overwritten). A resume starts after the newest
+// committed checkpoint that verifies; newer ones that fail verification are renamed
+// `refused-step-NNNNNNNN` (kept for inspection, never loaded) and the reason is printed; metrics
+// lines after the resumed step are dropped so that the files read as one run.
+//
+// Not thread-safe; one per rank. Every rank of the job runs the same calls.
+#ifndef FP8RT_RUNTIME_WORKER_TRAINER_H_
+#define FP8RT_RUNTIME_WORKER_TRAINER_H_
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "fp8rt/v1/run_spec.pb.h"
+#include "kernels/ops.h"
+#include "parallel/mesh.h"
+#include "runtime/model/transformer.h"
+#include "runtime/train/data_loader.h"
+#include "runtime/train/optimizer.h"
+
+namespace fp8rt::worker {
+
+struct TrainerOptions {
+  std::string run_dir;         // where metrics, stats and checkpoints go; created if absent
+  bool resume = false;         // continue from the newest committed checkpoint (if any)
+  bool print_progress = true;  // rank 0 prints a line every metrics.every steps to stdout
+};
+
+// Faults for tests, from the environment variable FP8RT_FAULT (documented in docs/operations.md):
+//   nan_grad:rank=R:step=S   rank R puts a NaN into its gradient at step S
+//   kill:rank=R:step=S       rank R SIGKILLs itself at the start of step S (not in a resumed run)
+struct FaultSpec {
+  enum class Kind : uint8_t { kNone, kNanGrad, kKill } kind = Kind::kNone;
+  int rank = -1;
+  int64_t step = -1;
+  // InvalidArgument naming FP8RT_FAULT when `text` is not one of the forms above.
+  static absl::StatusOr<FaultSpec> Parse(const std::string& text);
+};
+
+// What one step did (also what metrics.jsonl records).
+struct StepRecord {
+  int64_t step = 0;
+  double loss = 0.0;
+  double grad_norm = 0.0;
+  double lr = 0.0;
+  double tokens_per_s = 0.0;
+  double step_time_s = 0.0;
+  bool skipped = false;
+};
+
+class Trainer {
+ public:
+  // Builds the rank's model, data loader and optimizer from a validated spec, and restores the
+  // newest committed checkpoint with options.resume. Collective over the factory's world.
+  static absl::StatusOr<std::unique_ptr<Trainer>> Create(const v1::RunSpec& spec,
+                                                         const TrainerOptions& options,
+                                                         parallel::CommunicatorFactory& factory,
+                                                         const kernels::OpTable& ops);
+  ~Trainer();
+
+  // Runs the remaining steps up to train.steps.
+  absl::Status Run();
+  // One optimizer step (the next one); exposed for benchmarks.
+  absl::StatusOr<StepRecord> Step();
+
+  int64_t step() const { return step_; }  // optimizer steps done
+  model::Transformer& model() { return *model_; }
+  parallel::Mesh& mesh() { return *mesh_; }
+
+ private:
+  Trainer(const v1::RunSpec& spec, const TrainerOptions& options, const kernels::OpTable& ops);
+  absl::Status PrepareRunDir();
+  absl::Status Restore();
+  absl::Status SaveCheckpoint();
+  absl::Status WriteRecords(const StepRecord& record, const std::vector<model::SiteReport>& sites);
+  std::vector<train::ParamShard> Shards();
+
+  const v1::RunSpec spec_;
+  const TrainerOptions options_;
+  const kernels::OpTable& ops_;
+  FaultSpec fault_;
+  std::unique_ptr<parallel::Mesh> mesh_;
+  std::unique_ptr<model::Transformer> model_;
+  std::unique_ptr<train::DataLoader> loader_;
+  std::unique_ptr<train::AdamW> optimizer_;
+  std::vector<int32_t> tokens_;
+  int64_t step_ = 0;
+  bool resumed_ = false;     // started with --resume (the kill fault fires in a first attempt only)
+  FILE* metrics_ = nullptr;  // rank 0
+  FILE* fp8_stats_ = nullptr;  // every rank, with per_rank_fp8_stats
+};
+
+}  // namespace fp8rt::worker
+
+#endif  // FP8RT_RUNTIME_WORKER_TRAINER_H_

@@ -1,0 +1,92 @@
+// fp8rt-worker: one rank of a training run, started by mpirun (directly or by `fp8rt launch`).
+//
+//   mpirun -np 2 fp8rt-worker --spec RUN.yaml [--set key=value ...] --run-dir DIR [--resume]
+//
+// Exit codes: 0 done; 2 bad input (spec, options, run folder): every rank reaches the same
+// verdict and exits without a collective left pending; 1 a failure during the run, after which
+// the rank tears the job down (MPI_Abort) so that no peer waits in a collective.
+// Environment: FP8RT_FAULT (test faults, runtime/worker/trainer.h), FP8RT_COLLECTIVE_TIMEOUT_S
+// (a collective that does not complete within it fails the run; default 300).
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "kernels/ops.h"
+#include "parallel/mpi/mpi_communicator.h"
+#include "runtime/core/run_spec.h"
+#include "runtime/worker/trainer.h"
+
+int main(int argc, char** argv) {
+  using namespace fp8rt;
+  CLI::App app{"One rank of an fp8rt training run (start it with mpirun or `fp8rt launch`)",
+               "fp8rt-worker"};
+  std::string spec_path, run_dir;
+  std::vector<std::string> overrides;
+  bool resume = false, quiet = false;
+  app.add_option("--spec", spec_path, "run spec (YAML)")->required();
+  app.add_option("--set", overrides, "override a spec key: --set train.steps=20 (repeatable)");
+  app.add_option("--run-dir", run_dir, "run folder: metrics.jsonl, fp8_stats/, checkpoints/")
+      ->required();
+  app.add_flag("--resume", resume, "continue from the newest committed checkpoint in --run-dir");
+  app.add_flag("--quiet", quiet, "no per-step progress lines");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);
+    return 2;
+  }
+
+  absl::StatusOr<int> world_size = parallel::InitMpi(&argc, &argv);
+  if (!world_size.ok()) {
+    std::fprintf(stderr, "fp8rt-worker: %s\n", world_size.status().ToString().c_str());
+    return 1;
+  }
+  parallel::MpiOptions mpi_options;
+  if (const char* t = std::getenv("FP8RT_COLLECTIVE_TIMEOUT_S"); t != nullptr && std::atoi(t) > 0) {
+    mpi_options.timeout = std::chrono::seconds(std::atoi(t));
+  }
+  auto factory = parallel::MpiCommunicatorFactory::Create(mpi_options);
+  if (!factory.ok()) {
+    std::fprintf(stderr, "fp8rt-worker: %s\n", factory.status().ToString().c_str());
+    return 1;
+  }
+  const int rank = (*factory)->World().rank();
+  // Bad input: the same on every rank (every rank reads the same files), so each exits with 2.
+  auto bad_input = [&](const absl::Status& status) {
+    if (rank == 0)
+      std::fprintf(stderr, "fp8rt-worker: %s\n", std::string(status.message()).c_str());
+    factory->reset();
+    parallel::FinalizeMpi();
+    return 2;
+  };
+  absl::StatusOr<v1::RunSpec> spec = LoadRunSpec(spec_path, overrides);
+  if (!spec.ok()) return bad_input(spec.status());
+  if (absl::Status v = ValidateRunSpec(*spec, *world_size); !v.ok()) return bad_input(v);
+
+  worker::TrainerOptions options{.run_dir = run_dir, .resume = resume, .print_progress = !quiet};
+  absl::StatusOr<std::unique_ptr<worker::Trainer>> trainer =
+      worker::Trainer::Create(*spec, options, **factory, kernels::CpuOps());
+  if (!trainer.ok()) {
+    const absl::StatusCode code = trainer.status().code();
+    if (code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kNotFound ||
+        code == absl::StatusCode::kFailedPrecondition) {
+      return bad_input(trainer.status());
+    }
+    std::fprintf(stderr, "fp8rt-worker: rank %d: %s\n", rank, trainer.status().ToString().c_str());
+    parallel::AbortMpi(1);
+  }
+  if (absl::Status s = (*trainer)->Run(); !s.ok()) {
+    std::fprintf(stderr, "fp8rt-worker: rank %d: step %lld: %s\n", rank,
+                 static_cast<long long>((*trainer)->step() + 1), s.ToString().c_str());
+    std::fflush(nullptr);
+    parallel::AbortMpi(1);
+  }
+  trainer->reset();
+  factory->reset();
+  parallel::FinalizeMpi();
+  return 0;
+}
