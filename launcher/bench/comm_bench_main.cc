@@ -102,8 +102,8 @@ absl::StatusOr<nlohmann::ordered_json> Run(Communicator& world, int repeats) {
   auto gather_all = [&](const parallel::Fp8GatherOptions& options) {
     return Measure(world, world, repeats, [&]() -> absl::Status {
       for (const auto& s : shards) {
-        if (absl::Status st = parallel::GatherFp8WeightInto(world, ops, s.data(), shard_rows,
-                                                            kCols, options, &gathered);
+        if (absl::Status st = parallel::GatherFp8WeightInto(world, ops, s.data(), shard_rows, kCols,
+                                                            options, &gathered);
             !st.ok()) {
           return st;
         }

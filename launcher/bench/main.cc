@@ -3,6 +3,8 @@
 //   fp8rt bench quantize [--json] [--mib N]
 //   fp8rt bench gemm [--json] [--size N]
 //   fp8rt bench comm --np N [--json]   (runs N MPI ranks of fp8rt-bench-comm through mpirun)
+//   fp8rt bench step [--json] [--spec RUN.yaml]   (fp8 vs bf16 vs fp32 training step, one rank of
+//                                                 fp8rt-bench-step through mpirun)
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,23 +25,25 @@ namespace {
 #define FP8RT_MPIEXEC "mpirun"
 #endif
 
-// Runs fp8rt-bench-comm on `np` ranks through mpirun and returns the JSON rank 0 printed.
-absl::StatusOr<nlohmann::ordered_json> CommBench(int np, int repeats) {
+// Runs the MPI benchmark program `program` (next to this executable) on `np` ranks through
+// mpirun with `args`, and returns the JSON rank 0 printed.
+absl::StatusOr<nlohmann::ordered_json> MpiBench(const std::string& program, int np,
+                                                const std::string& args) {
   if (np < 1 || np > 16) return absl::InvalidArgumentError("--np must be in [1, 16]");
   std::error_code ec;
   const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
-  const std::filesystem::path worker = self.parent_path() / "fp8rt-bench-comm";
+  const std::filesystem::path worker = self.parent_path() / program;
   if (ec || access(worker.c_str(), X_OK) != 0) {
-    return absl::NotFoundError("fp8rt-bench-comm not found next to fp8rt-bench (" +
-                               worker.string() + ")");
+    return absl::NotFoundError(program + " not found next to fp8rt-bench (" + worker.string() +
+                               ")");
   }
   // Each rank gets its share of the cores for its OpenMP kernels (they would fight otherwise).
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const unsigned threads = std::max(1u, cores / static_cast<unsigned>(np));
   std::string cmd = std::string(FP8RT_MPIEXEC) + (geteuid() == 0 ? " --allow-run-as-root" : "") +
                     " --oversubscribe -np " + std::to_string(np) +
-                    " -x OMP_NUM_THREADS=" + std::to_string(threads) + " " + worker.string() +
-                    " --repeats " + std::to_string(repeats);
+                    " -x OMP_NUM_THREADS=" + std::to_string(threads) + " " + worker.string() + " " +
+                    args;
   std::fprintf(stderr, "running %d MPI ranks: %s\n", np, cmd.c_str());
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) return absl::InternalError("cannot start " + cmd);
@@ -89,6 +93,21 @@ void PrintHuman(const nlohmann::ordered_json& j) {
         1e3 * r["bf16_s"].get<double>(), r["fp32_bytes"].get<double>() / 1048576,
         1e3 * r["fp32_s"].get<double>(), r["byte_ratio"].get<double>(),
         r["time_ratio"].get<double>());
+  } else if (name == "step") {
+    const auto& m = j["modes"];
+    const auto& md = j["model"];
+    std::cout << absl::StrFormat(
+        "training step, one rank: %d layers, d_model %d, d_ff %d, %d tokens per step\n"
+        "  fp8   %7.1f ms  %9.0f tokens/s\n"
+        "  bf16  %7.1f ms  %9.0f tokens/s\n"
+        "  fp32  %7.1f ms  %9.0f tokens/s\n"
+        "  ratio fp8 / fp32 step time  %.3f  (target <= 0.7)\n",
+        md["layers"].get<int>(), md["d_model"].get<int>(), md["d_ff"].get<int>(),
+        static_cast<int>(j["tokens_per_step"].get<double>()),
+        1e3 * m["fp8"]["best_s"].get<double>(), m["fp8"]["tokens_per_s"].get<double>(),
+        1e3 * m["bf16"]["best_s"].get<double>(), m["bf16"]["tokens_per_s"].get<double>(),
+        1e3 * m["fp32"]["best_s"].get<double>(), m["fp32"]["tokens_per_s"].get<double>(),
+        j["ratio"].get<double>());
   } else if (name == "quantize") {
     std::cout << absl::StrFormat(
         "quantize FP32 -> E4M3 (tensor scale, stats in the same pass), %d MiB input, %d threads\n"
@@ -136,6 +155,12 @@ int main(int argc, char** argv) {
   comm->add_option("--np", np, "MPI ranks (default 2)");
   comm->add_option("--repeats", comm_repeats, "repeats of each measurement (default 3)");
   comm->add_flag("--json", json, "print one JSON object");
+  std::string step_spec;
+  int step_rounds = 3;
+  auto* step = app.add_subcommand("step", "FP8 vs BF16 vs FP32 training step time (one rank)");
+  step->add_option("--spec", step_spec, "run spec to time (default: a GEMM-dominated model)");
+  step->add_option("--rounds", step_rounds, "timed steps of each mode (default 3)");
+  step->add_flag("--json", json, "print one JSON object");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -144,10 +169,21 @@ int main(int argc, char** argv) {
     app.exit(e);
     return 2;
   }
-  absl::StatusOr<nlohmann::ordered_json> result = quantize->parsed()
-                                                      ? fp8rt::bench::QuantizeBench(qopt)
-                                                  : gemm->parsed() ? fp8rt::bench::GemmBench(gopt)
-                                                                   : CommBench(np, comm_repeats);
+  absl::StatusOr<nlohmann::ordered_json> result;
+  if (quantize->parsed()) {
+    result = fp8rt::bench::QuantizeBench(qopt);
+  } else if (gemm->parsed()) {
+    result = fp8rt::bench::GemmBench(gopt);
+  } else if (comm->parsed()) {
+    result = MpiBench("fp8rt-bench-comm", np, "--repeats " + std::to_string(comm_repeats));
+  } else {
+    std::string args = "--rounds " + std::to_string(step_rounds);
+    if (!step_spec.empty()) {
+      std::error_code ec;
+      args += " --spec '" + std::filesystem::absolute(step_spec, ec).string() + "'";
+    }
+    result = MpiBench("fp8rt-bench-step", 1, args);
+  }
   if (!result.ok()) {
     std::fprintf(stderr, "fp8rt bench: %s\n", std::string(result.status().message()).c_str());
     return 2;

@@ -603,6 +603,27 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size) {
       }
     }
   }
+  if (pr.mode() == v1::RunSpec::Precision::MODE_FP8) {
+    // FSDP gathers FP8 weights as whole rows (whole 128-row blocks with block scaling) of each
+    // tensor-parallel piece: attn.qkv has 3 d_model / tp rows, attn.proj d_model, mlp.fc1
+    // d_ff / tp, mlp.fc2 d_model.
+    const bool block = pr.scaling() == v1::RunSpec::Precision::SCALING_BLOCK;
+    const int64_t unit = (block ? 128 : 1) * int64_t{par.dp()};
+    const struct {
+      const char* field;
+      int64_t rows;
+    } pieces[] = {{"model.d_model", 3 * int64_t{m.d_model()} / par.tp()},
+                  {"model.d_model", m.d_model()},
+                  {"model.d_ff", int64_t{m.d_ff()} / par.tp()}};
+    for (const auto& [field, rows] : pieces) {
+      if (rows % unit != 0) {
+        return FieldError(
+            field, absl::StrCat("FSDP cuts each FP8 weight into parallel.dp = ", par.dp(),
+                                " shards of whole ", block ? "128-row blocks" : "rows",
+                                ", but a weight here has ", rows, " rows per tensor-parallel rank"));
+      }
+    }
+  }
   if (pr.margin() < 0 || pr.margin() > 32) {
     return FieldError("precision.margin", absl::StrCat("must be in [0, 32], got ", pr.margin()));
   }

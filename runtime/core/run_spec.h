@@ -75,6 +75,9 @@ v1::RunSpec RunSpecDefaults();
 //   - model.heads, model.d_model and model.d_ff divisible by parallel.tp
 //   - precision.scaling block: d_model / tp and d_ff / tp multiples of 128 (whole 128x128
 //     blocks on every tensor-parallel shard; with tp 1, d_model and d_ff multiples of 128)
+//   - precision.mode fp8: the FP8 weights' rows per tensor-parallel rank (3 d_model / tp,
+//     d_model, d_ff / tp) divisible by parallel.dp (by 128 * dp with block scaling): FSDP
+//     gathers whole rows / blocks
 //   - train.warmup <= train.steps, train.min_lr <= train.lr
 //   - precision.margin in [0, 32], precision.amax_history_len in [1, 4096], exclude names
 //     non-empty

@@ -15,11 +15,13 @@
 #include "CLI/CLI.hpp"
 #include "kernels/ops.h"
 #include "parallel/mpi/mpi_communicator.h"
+#include "runtime/core/memory.h"
 #include "runtime/core/run_spec.h"
 #include "runtime/worker/trainer.h"
 
 int main(int argc, char** argv) {
   using namespace fp8rt;
+  KeepFreedMemory();
   CLI::App app{"One rank of an fp8rt training run (start it with mpirun or `fp8rt launch`)",
                "fp8rt-worker"};
   std::string spec_path, run_dir;

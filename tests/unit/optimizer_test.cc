@@ -287,6 +287,31 @@ OneStep StepOnce(const AdamWConfig& config, std::vector<float> grad) {
   return out;
 }
 
+// A replica left out of the norm (a TP-replicated parameter on TP rank > 0): the norm is that of
+// the counted shards alone, the replica is still updated, and a NaN in it still skips the step.
+TEST(NormTest, ShardOutsideTheNormIsUpdatedButNotCounted) {
+  AdamWConfig config;
+  config.clip = 0.0;
+  std::vector<float> g1 = {3.0f, 4.0f}, g2 = {100.0f, 100.0f};
+  std::vector<float> w1(2, 1.0f), w2(2, 1.0f), m1(2, 0.0f), m2(2, 0.0f), v1(2, 0.0f), v2(2, 0.0f);
+  ParamShard shards[2] = {
+      {.name = "counted", .master = w1.data(), .grad = g1.data(), .m = m1.data(), .v = v1.data(),
+       .count = 2},
+      {.name = "replica", .master = w2.data(), .grad = g2.data(), .m = m2.data(), .v = v2.data(),
+       .count = 2, .in_norm = false}};
+  AdamW opt(config);
+  absl::StatusOr<StepResult> r = opt.Step(shards, 1, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->grad_norm, 5.0);  // sqrt(3^2 + 4^2): the replica's 100s are not in it
+  EXPECT_NE(w2[0], 1.0f);        // but the replica is updated
+  g2[1] = std::numeric_limits<float>::infinity();
+  const std::vector<float> before = w1;
+  r = opt.Step(shards, 2, nullptr);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->skipped);
+  EXPECT_EQ(w1, before);
+}
+
 TEST(ClippingTest, ScalesByClipOverNormAboveTheThreshold) {
   AdamWConfig c = ConstantLr(1e-2, 0.0);
   c.clip = 1.0;

@@ -387,6 +387,14 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
        2,
        {"model.d_ff", "384 / parallel.tp 2 = 192"}},
       {{"model.d_model=130", "model.heads=4"}, 1, {"model.d_model", "multiple of model.heads 4"}},
+      // FSDP over 4 ranks cannot cut 3 * 66 / 2 = 99 rows of attn.qkv into whole rows.
+      {{"model.d_model=66", "model.heads=2", "model.d_ff=64", "parallel.dp=4", "parallel.tp=2"},
+       8,
+       {"model.d_model", "parallel.dp = 4", "99 rows"}},
+      // Block scaling: attn.qkv has 384 rows, not a whole number of 2 x 128-row blocks.
+      {{"model.d_model=128", "model.d_ff=256", "precision.scaling=block", "parallel.dp=2"},
+       2,
+       {"model.d_model", "128-row blocks", "384 rows"}},
       {{"model.layers=0"}, 1, {"model.layers: must be positive, got 0"}},
       {{"parallel.tp=0"}, 0, {"parallel.tp: must be positive"}},
       {{"train.warmup=11"}, 1, {"train.warmup", "more than train.steps 10"}},
@@ -411,6 +419,11 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
   EXPECT_TRUE(
       ValidateWith(dir, {"model.d_model=256", "precision.scaling=block", "parallel.tp=2"}, 2).ok());
   EXPECT_TRUE(ValidateWith(dir, {"train.warmup=10", "train.min_lr=3e-4"}, 1).ok());
+  // Outside fp8 mode nothing is gathered in FP8.
+  EXPECT_TRUE(ValidateWith(dir, {"model.d_model=66", "model.heads=2", "model.d_ff=64",
+                                 "parallel.dp=4", "parallel.tp=2", "precision.mode=bf16"},
+                           8)
+                  .ok());
 }
 
 TEST(RunSpecTest, UnspecifiedEnumFromAnotherSourceIsRefused) {
