@@ -5,6 +5,9 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -71,6 +74,41 @@ TEST(BenchCliTest, CommRunsMpiRanksAndMovesHalfTheBytesInFp8) {
   EXPECT_DOUBLE_EQ(j["grad_reduce_scatter"]["byte_ratio"].get<double>(), 0.5);
 }
 
+TEST(BenchCliTest, StepTimesTheSameSpecInThreePrecisions) {
+  // A small spec so that the test is quick; the figures in docs/perf.md use the default one.
+  char dir[] = "/tmp/fp8rt-bench-step-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string data = std::string(dir) + "/data.txt";
+  {
+    std::ofstream out(data);
+    for (int i = 0; i < 4000; ++i) out << "In the beginning was the word. ";
+  }
+  const std::string spec = std::string(dir) + "/spec.yaml";
+  {
+    std::ofstream out(spec);
+    out << "model: {layers: 1, d_model: 128, heads: 2, d_ff: 256, seq_len: 32, vocab: 256}\n"
+           "train: {steps: 100, micro_batch: 4}\n"
+           "data: {path: "
+        << data << "}\n";
+  }
+  int rc = -1;
+  const auto j = RunBench("step --rounds 1 --json --spec " + spec, &rc);
+  ASSERT_EQ(rc, 0);
+  EXPECT_EQ(j["benchmark"], "step");
+  const auto& m = j["modes"];
+  const double ratio = j["ratio"].get<double>();
+  EXPECT_NEAR(ratio, m["fp8"]["best_s"].get<double>() / m["fp32"]["best_s"].get<double>(),
+              1e-9 * ratio);
+  // The three modes trained the same model on the same tokens: their first-step losses agree
+  // (FP8 and BF16 rounding move the loss of a fresh model by far less than 1%).
+  const double fp32_loss = m["fp32"]["loss"].get<double>();
+  EXPECT_NEAR(m["fp8"]["loss"].get<double>(), fp32_loss, 0.01 * fp32_loss);
+  EXPECT_NEAR(m["bf16"]["loss"].get<double>(), fp32_loss, 0.01 * fp32_loss);
+  EXPECT_EQ(j["model"]["d_model"].get<int>(), 128);
+  EXPECT_EQ(j["tokens_per_step"].get<double>(), 4 * 32);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(BenchCliTest, BadArgumentsExitWithCode2) {
   int rc = -1;
   RunBench("quantize --mib 0 --json", &rc);
@@ -78,6 +116,8 @@ TEST(BenchCliTest, BadArgumentsExitWithCode2) {
   RunBench("gemm --size 3", &rc);
   EXPECT_EQ(rc, 2);
   RunBench("comm --np 0", &rc);
+  EXPECT_EQ(rc, 2);
+  RunBench("step --spec /nonexistent/spec.yaml", &rc);
   EXPECT_EQ(rc, 2);
   RunBench("nonsense", &rc);
   EXPECT_NE(rc, 0);
