@@ -61,6 +61,7 @@ v1::RunSpec RunSpecDefaults() {
   spec.mutable_checkpoint()->set_keep(3);
   spec.mutable_metrics()->set_every(1);
   spec.mutable_metrics()->set_per_rank_fp8_stats(false);
+  spec.mutable_health()->set_intervals(3);
   return spec;
 }
 
@@ -618,9 +619,10 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size) {
     for (const auto& [field, rows] : pieces) {
       if (rows % unit != 0) {
         return FieldError(
-            field, absl::StrCat("FSDP cuts each FP8 weight into parallel.dp = ", par.dp(),
-                                " shards of whole ", block ? "128-row blocks" : "rows",
-                                ", but a weight here has ", rows, " rows per tensor-parallel rank"));
+            field,
+            absl::StrCat("FSDP cuts each FP8 weight into parallel.dp = ", par.dp(),
+                         " shards of whole ", block ? "128-row blocks" : "rows",
+                         ", but a weight here has ", rows, " rows per tensor-parallel rank"));
       }
     }
   }
@@ -636,6 +638,16 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size) {
       return FieldError(absl::StrCat("precision.exclude[", i, "]"), "empty layer name");
     }
   }
+
+  const auto& h = spec.health();
+  for (const auto& [field, value] :
+       {std::pair<const char*, double>{"health.saturation_threshold", h.saturation_threshold()},
+        {"health.underflow_threshold", h.underflow_threshold()}}) {
+    if (!(value >= 0.0 && value <= 1.0)) {
+      return FieldError(field, absl::StrCat("must be a ratio in [0, 1] (0 = off), got ", value));
+    }
+  }
+  FP8RT_RETURN_IF_ERROR(CheckPositive("health.intervals", h.intervals()));
 
   const auto& t = spec.train();
   FP8RT_RETURN_IF_ERROR(CheckPositive("train.steps", t.steps()));

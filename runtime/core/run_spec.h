@@ -27,6 +27,7 @@
 //   data:       format text
 //   checkpoint: every 0 (off), keep 3
 //   metrics:    every 1, per_rank_fp8_stats false
+//   health:     saturation_threshold 0 (off), underflow_threshold 0 (off), intervals 3, demote false
 //
 // Overrides ("--set train.steps=20") are `dotted.path=value`, applied in order after the file,
 // with the same typing and errors; the value is read as YAML, so `precision.mode=bf16`,
@@ -75,6 +76,7 @@ v1::RunSpec RunSpecDefaults();
 //   - model.heads, model.d_model and model.d_ff divisible by parallel.tp
 //   - precision.scaling block: d_model / tp and d_ff / tp multiples of 128 (whole 128x128
 //     blocks on every tensor-parallel shard; with tp 1, d_model and d_ff multiples of 128)
+//   - health thresholds in [0, 1], health.intervals positive
 //   - precision.mode fp8: the FP8 weights' rows per tensor-parallel rank (3 d_model / tp,
 //     d_model, d_ff / tp) divisible by parallel.dp (by 128 * dp with block scaling): FSDP
 //     gathers whole rows / blocks

@@ -17,8 +17,8 @@
 #include "fp8rt/v1/scaling.pb.h"
 #include "nlohmann/json.hpp"
 #include "runtime/core/status.h"
-#include "runtime/train/checkpoint_dir.h"
-#include "runtime/train/checkpoint_io.h"
+#include "runtime/core/checkpoint_dir.h"
+#include "runtime/core/checkpoint_io.h"
 
 namespace fp8rt::worker {
 namespace fs = std::filesystem;
@@ -118,7 +118,7 @@ std::span<const std::byte> Bytes(const T* data, size_t count) {
 
 // Copies a section into `count` values of T, or DataLoss naming the section and file.
 template <typename T>
-absl::Status ReadSection(const train::ShardReader& reader, const std::string& name, T* out,
+absl::Status ReadSection(const ShardReader& reader, const std::string& name, T* out,
                          size_t count) {
   FP8RT_ASSIGN_OR_RETURN(std::span<const std::byte> bytes, reader.Section(name));
   if (bytes.size() != count * sizeof(T)) {
@@ -221,7 +221,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
 absl::Status Trainer::PrepareRunDir() {
   parallel::Communicator& world = mesh_->world();
   const std::string metrics_path = options_.run_dir + "/metrics.jsonl";
-  train::CheckpointDir checkpoints(options_.run_dir);
+  CheckpointDir checkpoints(options_.run_dir);
   // Rank 0 checks the folder and tells the others, so every rank takes the same path.
   int64_t verdict = 0;
   std::string error;
@@ -389,7 +389,7 @@ absl::Status Trainer::Run() {
 absl::Status Trainer::SaveCheckpoint() {
   parallel::Communicator& world = mesh_->world();
   const parallel::MeshLayout& layout = mesh_->layout();
-  train::CheckpointDir dir(options_.run_dir);
+  CheckpointDir dir(options_.run_dir);
   int64_t ok = 1;
   std::string error;
   if (world.rank() == 0) {
@@ -406,7 +406,7 @@ absl::Status Trainer::SaveCheckpoint() {
   }
 
   // This rank's shard: its FSDP shards, Adam moments, every scaling state, the data position.
-  train::ShardWriter w;
+  ShardWriter w;
   const int64_t applied = optimizer_->applied_steps();
   const uint64_t position = loader_->position();
   const int32_t layout_ints[4] = {layout.world_size, layout.config.dp, layout.config.tp,
@@ -428,9 +428,9 @@ absl::Status Trainer::SaveCheckpoint() {
     s->state().ToProto(&proto);
     if (st.ok()) st = w.AddProto("scaling/" + s->name(), proto);
   }
-  absl::StatusOr<train::ShardWriteResult> written =
-      st.ok() ? w.Write(dir.TempDir(step_) + "/" + train::ShardFileName(layout.rank))
-              : absl::StatusOr<train::ShardWriteResult>(st);
+  absl::StatusOr<ShardWriteResult> written =
+      st.ok() ? w.Write(dir.TempDir(step_) + "/" + ShardFileName(layout.rank))
+              : absl::StatusOr<ShardWriteResult>(st);
   int64_t report[3] = {written.ok() ? 1 : 0, written.ok() ? static_cast<int64_t>(written->size) : 0,
                        written.ok() ? static_cast<int64_t>(written->xxh64) : 0};
   std::vector<int64_t> reports(3 * static_cast<size_t>(world.size()));
@@ -455,7 +455,7 @@ absl::Status Trainer::SaveCheckpoint() {
       }
       v1::CheckpointShard* shard = manifest.add_shards();
       shard->set_rank(r);
-      shard->set_file(train::ShardFileName(r));
+      shard->set_file(ShardFileName(r));
       shard->set_size(static_cast<uint64_t>(reports[3 * static_cast<size_t>(r) + 1]));
       shard->set_xxh64(static_cast<uint64_t>(reports[3 * static_cast<size_t>(r) + 2]));
     }
@@ -484,14 +484,14 @@ absl::Status Trainer::SaveCheckpoint() {
 
 absl::Status Trainer::Restore() {
   parallel::Communicator& world = mesh_->world();
-  train::CheckpointDir dir(options_.run_dir);
+  CheckpointDir dir(options_.run_dir);
   // Rank 0 picks the checkpoint (verifying every shard), sets aside refused newer ones, and tells
   // the others which step to load: -1 none (fresh start), -2 an error.
   int64_t chosen = -1;
   std::string error;
   if (world.rank() == 0) {
     std::vector<std::string> refused;
-    absl::StatusOr<train::ResumePoint> point = dir.FindNewestValid(&refused);
+    absl::StatusOr<ResumePoint> point = dir.FindNewestValid(&refused);
     for (const std::string& why : refused) {
       std::fprintf(stderr, "fp8rt-worker: refusing checkpoint: %s\n", why.c_str());
     }
@@ -525,7 +525,7 @@ absl::Status Trainer::Restore() {
       for (int64_t s : *committed) {
         if (s <= chosen) continue;
         std::error_code ec;
-        const std::string aside = dir.root() + "/refused-" + train::CheckpointName(s);
+        const std::string aside = dir.root() + "/refused-" + CheckpointName(s);
         fs::rename(dir.CommittedDir(s), aside, ec);
         std::fprintf(stderr, "fp8rt-worker: moved %s to %s%s\n", dir.CommittedDir(s).c_str(),
                      aside.c_str(), ec ? (" failed: " + ec.message()).c_str() : "");
@@ -540,9 +540,9 @@ absl::Status Trainer::Restore() {
   }
   if (chosen == -1) return absl::OkStatus();
 
-  const std::string path = dir.CommittedDir(chosen) + "/" + train::ShardFileName(world.rank());
-  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<train::ShardReader> reader,
-                         train::ShardReader::Open(path));
+  const std::string path = dir.CommittedDir(chosen) + "/" + ShardFileName(world.rank());
+  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> reader,
+                         ShardReader::Open(path));
   int64_t step = 0, applied = 0;
   uint64_t position = 0;
   FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "meta/step", &step, 1));

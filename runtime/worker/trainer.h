@@ -22,7 +22,7 @@
 //                                 metrics.per_rank_fp8_stats: one object per FP8 site
 //                                 {step, site, amax, scale, underflow_ratio, saturation_ratio}
 //   checkpoints/step-NNNNNNNN/    every checkpoint.every steps and at the last step
-//                                 (runtime/train/checkpoint_dir.h), checkpoint.keep kept
+//                                 (runtime/core/checkpoint_dir.h), checkpoint.keep kept
 //
 // A fresh run refuses a run folder that already holds metrics or committed checkpoints (pass
 // --resume or choose another folder: nothing is overwritten). A resume starts after the newest

@@ -41,7 +41,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "runtime/train/checkpoint_io.h"
+#include "runtime/core/checkpoint_io.h"
 
 namespace fp8rt {
 namespace {
@@ -212,7 +212,7 @@ void ExpectSameSteps(const std::vector<Json>& a, const std::vector<Json>& b, siz
 // every scaling/ section with `with_scaling`.
 std::map<std::string, std::string> StateSections(const std::string& path, bool with_scaling) {
   std::map<std::string, std::string> sections;
-  absl::StatusOr<std::unique_ptr<train::ShardReader>> reader = train::ShardReader::Open(path);
+  absl::StatusOr<std::unique_ptr<ShardReader>> reader = ShardReader::Open(path);
   EXPECT_TRUE(reader.ok()) << reader.status();
   if (!reader.ok()) return sections;
   for (const std::string& name : (*reader)->SectionNames()) {

@@ -1,4 +1,4 @@
-// Tests of runtime/train/checkpoint_dir.h, in a fresh folder under /tmp per test. Names and paths
+// Tests of runtime/core/checkpoint_dir.h, in a fresh folder under /tmp per test. Names and paths
 // are checked against the layout the header documents; shard checksums against XXH64 computed
 // here on the bytes read back from disk; corruption is made by hand (one flipped byte, a deleted
 // or swapped file) and must be refused with a message naming the file:
@@ -10,7 +10,7 @@
 //   - every single-byte flip of the newest checkpoint's MANIFEST or a shard, a deleted or swapped
 //     shard, and a MANIFEST of another step make FindNewestValid fall back to the previous one;
 //   - Prune keeps the newest N and never the newest; RemoveStaleTemps removes only temp folders.
-#include "runtime/train/checkpoint_dir.h"
+#include "runtime/core/checkpoint_dir.h"
 
 #include <stdlib.h>
 #include <xxhash.h>
@@ -31,9 +31,9 @@
 #include "fp8rt/v1/checkpoint.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "runtime/train/checkpoint_io.h"
+#include "runtime/core/checkpoint_io.h"
 
-namespace fp8rt::train {
+namespace fp8rt {
 namespace {
 
 using ::testing::ElementsAre;
@@ -491,4 +491,4 @@ TEST_F(CheckpointDirTest, RemoveStaleTempsRemovesOnlyTempFolders) {
 }
 
 }  // namespace
-}  // namespace fp8rt::train
+}  // namespace fp8rt

@@ -1,4 +1,4 @@
-// Tests of runtime/train/checkpoint_io.h. Expected bytes and checksums are computed here from the
+// Tests of runtime/core/checkpoint_io.h. Expected bytes and checksums are computed here from the
 // format written in the header (magic, little-endian fields, XXH64 with seed 0, called directly on
 // the bytes read back from disk), never captured from the writer:
 //   - sections round-trip: empty, 1 MiB of random bytes, names with arbitrary bytes, protos;
@@ -6,7 +6,7 @@
 //   - the reported checksum is XXH64 of the file; no temp file is left, after success or failure;
 //   - every single-byte flip of a small shard (and a sample of a large one) and every truncation
 //     is DataLoss naming the file and an offset; a missing section is NotFound naming it.
-#include "runtime/train/checkpoint_io.h"
+#include "runtime/core/checkpoint_io.h"
 
 #include <stdlib.h>
 #include <xxhash.h>
@@ -25,7 +25,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace fp8rt::train {
+namespace fp8rt {
 namespace {
 
 using ::testing::AllOf;
@@ -381,4 +381,4 @@ TEST_F(CheckpointIoTest, MissingFileIsNotFoundNamingIt) {
 }
 
 }  // namespace
-}  // namespace fp8rt::train
+}  // namespace fp8rt

@@ -37,8 +37,8 @@
 // Threads and processes: a CheckpointDir is immutable after construction and holds no open files;
 // its methods may be called from any thread. Saving assumes one committer per run folder (rank 0):
 // two processes preparing, committing or pruning the same step at once are not coordinated.
-#ifndef FP8RT_RUNTIME_TRAIN_CHECKPOINT_DIR_H_
-#define FP8RT_RUNTIME_TRAIN_CHECKPOINT_DIR_H_
+#ifndef FP8RT_RUNTIME_CORE_CHECKPOINT_DIR_H_
+#define FP8RT_RUNTIME_CORE_CHECKPOINT_DIR_H_
 
 #include <cstdint>
 #include <string>
@@ -49,7 +49,7 @@
 #include "absl/status/statusor.h"
 #include "fp8rt/v1/checkpoint.pb.h"
 
-namespace fp8rt::train {
+namespace fp8rt {
 
 // The folder name of the checkpoint of `step`: "step-" and the step with 8 digits, zero-padded
 // ("step-00000012"). Meaningful for steps in [0, 99999999]; PrepareTemp and Commit refuse others.
@@ -140,6 +140,6 @@ class CheckpointDir {
   const std::string root_;  // <run_dir>/checkpoints; fixed at construction
 };
 
-}  // namespace fp8rt::train
+}  // namespace fp8rt
 
-#endif  // FP8RT_RUNTIME_TRAIN_CHECKPOINT_DIR_H_
+#endif  // FP8RT_RUNTIME_CORE_CHECKPOINT_DIR_H_

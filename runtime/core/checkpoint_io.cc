@@ -2,7 +2,7 @@
 //
 // Index: little-endian encoding helpers, XXH64 helpers, file helpers (WriteAll, SyncFolder),
 // ShardWriter, the verifying parser (ParseShard), ShardReader.
-#include "runtime/train/checkpoint_io.h"
+#include "runtime/core/checkpoint_io.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -24,7 +24,7 @@
 #include "runtime/core/check.h"
 #include "runtime/core/status.h"
 
-namespace fp8rt::train {
+namespace fp8rt {
 namespace {
 
 // Smallest possible section on disk: name length, a 1-byte name, byte length, checksum.
@@ -405,4 +405,4 @@ absl::Status ShardReader::ParseProto(std::string_view name,
   return absl::OkStatus();
 }
 
-}  // namespace fp8rt::train
+}  // namespace fp8rt

@@ -2,7 +2,7 @@
 //
 // Index: names and step parsing, filesystem helpers (Exists, SyncFolder, RemoveFolder, HashFile),
 // the manifest shape check shared by Commit and Verify, then CheckpointDir's methods.
-#include "runtime/train/checkpoint_dir.h"
+#include "runtime/core/checkpoint_dir.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -24,9 +24,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "runtime/core/status.h"
-#include "runtime/train/checkpoint_io.h"
+#include "runtime/core/checkpoint_io.h"
 
-namespace fp8rt::train {
+namespace fp8rt {
 namespace {
 
 namespace fs = std::filesystem;
@@ -391,4 +391,4 @@ absl::StatusOr<int> CheckpointDir::RemoveStaleTemps() const {
   return static_cast<int>(temps.size());
 }
 
-}  // namespace fp8rt::train
+}  // namespace fp8rt

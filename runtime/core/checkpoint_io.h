@@ -40,8 +40,8 @@
 // may change after Add returns); it is not thread-safe. A ShardReader owns the whole file in
 // memory and is immutable after Open, so any number of threads may read sections concurrently;
 // the spans it returns live as long as the reader.
-#ifndef FP8RT_RUNTIME_TRAIN_CHECKPOINT_IO_H_
-#define FP8RT_RUNTIME_TRAIN_CHECKPOINT_IO_H_
+#ifndef FP8RT_RUNTIME_CORE_CHECKPOINT_IO_H_
+#define FP8RT_RUNTIME_CORE_CHECKPOINT_IO_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -59,7 +59,7 @@ namespace google::protobuf {
 class MessageLite;
 }  // namespace google::protobuf
 
-namespace fp8rt::train {
+namespace fp8rt {
 
 inline constexpr std::string_view kShardMagic = "FP8RTSH1";
 inline constexpr uint32_t kShardFormatVersion = 1;
@@ -139,6 +139,6 @@ class ShardReader {
   const uint64_t file_xxh64_;
 };
 
-}  // namespace fp8rt::train
+}  // namespace fp8rt
 
-#endif  // FP8RT_RUNTIME_TRAIN_CHECKPOINT_IO_H_
+#endif  // FP8RT_RUNTIME_CORE_CHECKPOINT_IO_H_
