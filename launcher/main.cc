@@ -5,6 +5,8 @@
 //   fp8rt quantize ...   -> fp8rt-quantize ...   (what FP8 does to a tensor)
 //   fp8rt bench ...      -> fp8rt-bench ...      (benchmarks, ratios against a baseline)
 //   fp8rt launch ...     -> fp8rt-launch ...     (a training run through mpirun, with progress)
+// The commands that talk to fp8rt-controller (runs, layers, recipe, checkpoints) run in this
+// process: they need only gRPC and the proto (launcher/client/commands.h).
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,9 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "launcher/client/commands.h"
+
 namespace {
 
-constexpr const char* kUsage =
+constexpr const char* kUsageHead =
     "usage: fp8rt <command> [options]\n"
     "\n"
     "commands:\n"
@@ -29,10 +33,17 @@ constexpr const char* kUsage =
     "  launch RUN.yaml --np N --run-dir DIR [--set key=value]... [--resume]\n"
     "                  [--threads-per-rank T] [--quiet]\n"
     "                  train: N ranks of fp8rt-worker through mpirun, progress from\n"
-    "                  DIR/metrics.jsonl, output in DIR/logs/launch.log\n"
+    "                  DIR/metrics.jsonl, output in DIR/logs/launch.log\n";
+constexpr const char* kUsageTail =
     "  help            this text\n"
     "\n"
     "`fp8rt <command> --help` shows the options of one command.\n";
+
+void PrintUsage(std::FILE* out) {
+  std::fputs(kUsageHead, out);
+  std::fputs(fp8rt::cli::kControlCommandsUsage, out);
+  std::fputs(kUsageTail, out);
+}
 
 // Directory holding this executable (for its sibling fp8rt-<command> programs).
 std::filesystem::path SelfDir() {
@@ -62,17 +73,19 @@ int ExecSibling(const std::string& command, int argc, char** argv) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fputs(kUsage, stderr);
+    PrintUsage(stderr);
     return 2;
   }
   const std::string command = argv[1];
   if (command == "help" || command == "--help" || command == "-h") {
-    std::fputs(kUsage, stdout);
+    PrintUsage(stdout);
     return 0;
   }
   if (command == "quantize" || command == "bench" || command == "launch") {
     return ExecSibling(command, argc, argv);
   }
-  std::fprintf(stderr, "fp8rt: unknown command '%s'\n\n%s", command.c_str(), kUsage);
+  if (fp8rt::cli::IsControlCommand(command)) return fp8rt::cli::RunControlCommand(argc, argv);
+  std::fprintf(stderr, "fp8rt: unknown command '%s'\n\n", command.c_str());
+  PrintUsage(stderr);
   return 2;
 }

@@ -113,7 +113,7 @@ int main(int argc, char** argv) {
     v1::RunSpec spec = *base;
     spec.mutable_precision()->set_mode(m.mode);
     worker::TrainerOptions options{
-        .run_dir = (tmp / m.name).string(), .resume = false, .print_progress = false};
+        .run_dir = (tmp / m.name).string(), .resume = false, .print_progress = false, .controller = {}};
     auto trainer = worker::Trainer::Create(spec, options, **factory, kernels::CpuOps());
     if (!trainer.ok()) return Fail(std::string(m.name) + ": " + trainer.status().ToString());
     m.trainer = std::move(*trainer);

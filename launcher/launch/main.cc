@@ -1,7 +1,16 @@
 // fp8rt-launch (run as `fp8rt launch`): starts a training run through mpirun and shows progress.
 //
 //   fp8rt launch RUN.yaml --np N --run-dir DIR [--set key=value]... [--resume]
-//                [--threads-per-rank T] [--quiet]
+//                [--threads-per-rank T] [--quiet] [--run-id ID]
+//                [--metrics-port P | --controller HOST:PORT --token-file F | --no-controller]
+//
+// The control plane: unless --controller or --no-controller is given, the launcher starts an
+// fp8rt-controller on loopback for the run (a fresh random token in DIR/controller/token, state
+// in DIR/controller/state, output in DIR/logs/controller.log, Prometheus metrics on
+// --metrics-port, default any free port), prints where its gRPC API and metrics are served, hands
+// its address and token to the workers, and stops it when the workers are done. With
+// --controller the workers join an existing controller. The run id defaults to the run folder's
+// name.
 //
 // The spec is loaded and validated for N ranks before anything starts. Then mpirun runs N ranks
 // of fp8rt-worker with the spec, the run folder and the overrides; its output goes to
@@ -60,6 +69,7 @@
 #include "absl/strings/str_split.h"
 #include "nlohmann/json.hpp"
 #include "runtime/core/run_spec.h"
+#include "runtime/core/status.h"
 
 #ifndef FP8RT_MPIEXEC
 #define FP8RT_MPIEXEC "mpirun"
@@ -87,6 +97,11 @@ struct Options {
   bool resume = false;                 // passed to the workers as --resume
   int threads_per_rank = 0;            // OMP_NUM_THREADS per rank; 0 = max(1, cores / np)
   bool quiet = false;                  // print errors only
+  std::string controller;              // an existing controller's address ("": start one)
+  std::string token_file;              // its token (--token-file or $FP8RT_TOKEN_FILE)
+  bool no_controller = false;          // standalone workers, no control plane
+  int metrics_port = 0;                // the started controller's metrics port (0: any free)
+  std::string run_id;                  // default: the run folder's name
 };
 
 // CLI11's PositiveNumber names the range up to DBL_MAX in its message; this says what it wants.
@@ -118,6 +133,16 @@ std::optional<int> ParseOptions(int argc, char** argv, Options* options) {
                  "OMP_NUM_THREADS of each rank (default: cores / np, at least 1)")
       ->check(kPositiveInt);
   app.add_flag("--quiet", options->quiet, "print nothing but errors");
+  app.add_option("--run-id", options->run_id, "run id at the controller (default: folder name)");
+  app.add_option("--metrics-port", options->metrics_port,
+                 "Prometheus port of the controller started for the run (default: any free one)")
+      ->check(CLI::Range(0, 65535));
+  app.add_option("--controller", options->controller,
+                 "join an existing fp8rt-controller (host:port) instead of starting one");
+  app.add_option("--token-file", options->token_file,
+                 "bearer token of --controller (default: $FP8RT_TOKEN_FILE)");
+  app.add_flag("--no-controller", options->no_controller,
+               "run the workers without a control plane (metrics files only)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -129,6 +154,21 @@ std::optional<int> ParseOptions(int argc, char** argv, Options* options) {
   if (options->run_dir.empty()) {
     std::fputs("fp8rt launch: --run-dir: must not be empty\n", stderr);
     return kExitBadInput;
+  }
+  if (options->no_controller && !options->controller.empty()) {
+    std::fputs("fp8rt launch: --no-controller and --controller exclude each other\n", stderr);
+    return kExitBadInput;
+  }
+  if (!options->controller.empty() && options->token_file.empty()) {
+    const char* env = std::getenv("FP8RT_TOKEN_FILE");
+    if (env == nullptr || *env == '\0') {
+      std::fputs(
+          "fp8rt launch: --token-file: required with --controller (or set "
+          "FP8RT_TOKEN_FILE)\n",
+          stderr);
+      return kExitBadInput;
+    }
+    options->token_file = env;
   }
   return std::nullopt;
 }
@@ -204,7 +244,8 @@ fs::path AbsolutePath(const std::string& path) {
 }
 
 std::vector<std::string> MpirunArgv(const Options& options, const fs::path& worker,
-                                    const fs::path& run_dir) {
+                                    const fs::path& run_dir,
+                                    const std::vector<std::string>& worker_extra) {
   const int cores = CoreCount();
   const int threads =
       options.threads_per_rank > 0 ? options.threads_per_rank : std::max(1, cores / options.np);
@@ -217,6 +258,7 @@ std::vector<std::string> MpirunArgv(const Options& options, const fs::path& work
                            "--run-dir", run_dir.string()});
   for (const std::string& kv : options.overrides) argv.insert(argv.end(), {"--set", kv});
   if (options.resume) argv.push_back("--resume");
+  argv.insert(argv.end(), worker_extra.begin(), worker_extra.end());
   return argv;
 }
 
@@ -578,6 +620,113 @@ int ShellExitCode(int status) {
   return 1;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The run's controller
+
+struct ControlPlane {
+  std::string address;     // gRPC host:port ("" = none)
+  std::string metrics;     // Prometheus host:port of a controller we started
+  std::string token_file;  // absolute path
+  pid_t pid = 0;           // a controller we started (0: external or none)
+};
+
+// 32 random bytes as hex, from the kernel's CSPRNG.
+absl::StatusOr<std::string> RandomToken() {
+  std::ifstream in("/dev/urandom", std::ios::binary);
+  unsigned char bytes[32];
+  if (!in.read(reinterpret_cast<char*>(bytes), sizeof(bytes))) {
+    return absl::UnavailableError("cannot read /dev/urandom for a controller token");
+  }
+  static const char kHex[] = "0123456789abcdef";
+  std::string token;
+  for (unsigned char b : bytes) token += {kHex[b >> 4], kHex[b & 15]};
+  return token;
+}
+
+// Starts fp8rt-controller for the run on loopback and waits until it serves.
+absl::StatusOr<ControlPlane> StartController(const Options& options, const fs::path& run_dir) {
+  fs::path binary = SelfDir() / "fp8rt-controller";
+  if (!IsExecutableFile(binary)) {
+    std::optional<fs::path> on_path = FindExecutable("fp8rt-controller");
+    if (!on_path) {
+      return absl::NotFoundError(absl::StrCat("cannot find fp8rt-controller (looked in ",
+                                              SelfDir().string(),
+                                              ", then on PATH); pass "
+                                              "--no-controller to run without one"));
+    }
+    binary = *on_path;
+  }
+  const fs::path dir = run_dir / "controller";
+  std::error_code ec;
+  fs::create_directories(dir / "state", ec);
+  if (ec)
+    return absl::UnavailableError(absl::StrCat("cannot create ", dir.string(), ": ", ec.message()));
+  ControlPlane plane;
+  plane.token_file = (dir / "token").string();
+  FP8RT_ASSIGN_OR_RETURN(const std::string token, RandomToken());
+  {
+    const int fd = open(plane.token_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0 || write(fd, token.data(), token.size()) != static_cast<ssize_t>(token.size())) {
+      if (fd >= 0) close(fd);
+      return absl::UnavailableError(absl::StrCat("cannot write ", plane.token_file));
+    }
+    fchmod(fd, 0600);
+    close(fd);
+  }
+  const fs::path ready = dir / "ready.json";
+  fs::remove(ready, ec);
+  const std::vector<std::string> argv = {binary.string(),
+                                         "--token-file",
+                                         plane.token_file,
+                                         "--state-dir",
+                                         (dir / "state").string(),
+                                         "--listen",
+                                         "127.0.0.1:0",
+                                         "--metrics-listen",
+                                         absl::StrCat("127.0.0.1:", options.metrics_port),
+                                         "--ready-file",
+                                         ready.string()};
+  const fs::path log_path = run_dir / "logs" / "controller.log";
+  FP8RT_ASSIGN_OR_RETURN(const int log_fd, OpenLog(log_path, CommandLine(argv)));
+  absl::StatusOr<pid_t> pid = StartMpirun(argv, log_fd);
+  close(log_fd);
+  if (!pid.ok()) return pid.status();
+  plane.pid = *pid;
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  while (Clock::now() < deadline) {
+    int status = 0;
+    if (waitpid(plane.pid, &status, WNOHANG) == plane.pid) {
+      PrintLogTail(log_path);
+      return absl::UnavailableError("fp8rt-controller exited before serving (see above)");
+    }
+    std::ifstream in(ready);
+    if (in) {
+      const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+      if (!j.is_discarded() && j.contains("grpc") && j.contains("metrics")) {
+        plane.address = j["grpc"].get<std::string>();
+        plane.metrics = j["metrics"].get<std::string>();
+        return plane;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  kill(plane.pid, SIGKILL);
+  waitpid(plane.pid, nullptr, 0);
+  return absl::DeadlineExceededError("fp8rt-controller did not come up within 30 s (see " +
+                                     log_path.string() + ")");
+}
+
+void StopController(const ControlPlane& plane) {
+  if (plane.pid <= 0) return;
+  kill(plane.pid, SIGTERM);
+  for (int i = 0; i < 100; ++i) {  // 10 s for a graceful shutdown
+    if (waitpid(plane.pid, nullptr, WNOHANG) == plane.pid) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  kill(plane.pid, SIGKILL);
+  waitpid(plane.pid, nullptr, 0);
+}
+
 int Launch(const Options& options) {
   auto fail = [](const absl::Status& status) {
     std::fprintf(stderr, "fp8rt launch: %s\n", std::string(status.message()).c_str());
@@ -602,21 +751,55 @@ int Launch(const Options& options) {
     return fail(absl::InvalidArgumentError(absl::StrCat(
         "--run-dir: cannot create ", (run_dir / "logs").string(), ": ", ec.message())));
   }
-  const std::vector<std::string> argv = MpirunArgv(options, *worker, run_dir);
+  ControlPlane plane;
+  if (!options.no_controller) {
+    if (!options.controller.empty()) {
+      plane.address = options.controller;
+      plane.token_file = AbsolutePath(options.token_file).string();
+    } else {
+      absl::StatusOr<ControlPlane> started = StartController(options, run_dir);
+      if (!started.ok()) {
+        std::fprintf(stderr, "fp8rt launch: %s\n", std::string(started.status().message()).c_str());
+        return kExitWorkersFailed;
+      }
+      plane = *started;
+      if (!options.quiet) {
+        std::fprintf(stderr,
+                     "fp8rt launch: controller serving gRPC on %s (token in %s); Prometheus "
+                     "metrics on http://%s/metrics\n",
+                     plane.address.c_str(), plane.token_file.c_str(), plane.metrics.c_str());
+      }
+    }
+  }
+  std::vector<std::string> worker_extra;
+  if (!plane.address.empty()) {
+    const std::string run_id =
+        options.run_id.empty() ? run_dir.filename().string() : options.run_id;
+    worker_extra = {"--controller",   plane.address, "--token-file",
+                    plane.token_file, "--run-id",    run_id};
+  }
+  const std::vector<std::string> argv = MpirunArgv(options, *worker, run_dir, worker_extra);
   const std::string command = CommandLine(argv);
   if (!options.quiet) std::fprintf(stderr, "fp8rt launch: %s\n", command.c_str());
   absl::StatusOr<int> log_fd = OpenLog(log_path, command);
-  if (!log_fd.ok()) return fail(log_fd.status());
+  if (!log_fd.ok()) {
+    StopController(plane);
+    return fail(log_fd.status());
+  }
   MetricsTail metrics(run_dir / "metrics.jsonl");  // before the start: earlier lines are skipped
   Progress progress(spec->train().steps(), isatty(STDERR_FILENO) == 1, options.quiet);
   InstallSignalHandlers();
   absl::StatusOr<pid_t> pid = StartMpirun(argv, *log_fd);
   close(*log_fd);
-  if (!pid.ok()) return fail(pid.status());
+  if (!pid.ok()) {
+    StopController(plane);
+    return fail(pid.status());
+  }
 
-  // 3. Progress until mpirun exits.
+  // 3. Progress until mpirun exits; then the run's controller is stopped.
   const int status = WaitForMpirun(*pid, &metrics, &progress, options.quiet);
   progress.Finish();
+  StopController(plane);
 
   // 4. The outcome.
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {

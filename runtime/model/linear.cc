@@ -36,6 +36,13 @@ Linear::Linear(std::string name, int64_t in, int64_t out, GemmPrecision precisio
       weight_site_(name_ + "/weight", sites.weight),
       grad_site_(name_ + "/grad_output", sites.grad_output) {}
 
+void Linear::Reconfigure(GemmPrecision precision, const Fp8SiteConfigs& sites) {
+  precision_ = precision;
+  input_site_.Reconfigure(sites.input);
+  weight_site_.Reconfigure(sites.weight);
+  grad_site_.Reconfigure(sites.grad_output);
+}
+
 bool Linear::block_scaling() const {
   return weight_site_.state().config().strategy == train::ScalingStrategy::kBlock;
 }

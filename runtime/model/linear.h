@@ -68,6 +68,13 @@ class QuantSite {
     step_scale_ = scale;
     used_ = true;
   }
+  // A new recipe for the site (a live recipe update): a fresh state with `config` that has seen
+  // the old state's amax history, so that delayed scaling does not start from nothing.
+  void Reconfigure(const train::ScalingConfig& config) {
+    train::ScalingState next(config);
+    for (float amax : state_.history()) next.Update(amax);
+    state_ = next;
+  }
 
  private:
   const std::string name_;  // fixed after construction
@@ -117,6 +124,9 @@ class Linear {
   int64_t out() const { return out_; }
   GemmPrecision precision() const { return precision_; }
   bool block_scaling() const;
+  // A live recipe change: the GEMM precision (e.g. a layer excluded from FP8 runs in BF16) and
+  // the sites' scaling configs (histories carried over). Takes effect at the next Forward.
+  void Reconfigure(GemmPrecision precision, const Fp8SiteConfigs& sites);
 
   // The weight for this step: FP32 [out, in] (fp32 and bf16 precision) or FP8 (fp8 precision,
   // codes [out, in] with one scale_inv or 128x128 block scales). The caller keeps it alive.
@@ -150,7 +160,7 @@ class Linear {
   // Fixed after construction.
   const std::string name_;
   const int64_t in_, out_;
-  const GemmPrecision precision_;
+  GemmPrecision precision_;
 
   QuantSite input_site_, weight_site_, grad_site_;
   const float* w_f32_ = nullptr;

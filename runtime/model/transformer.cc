@@ -117,6 +117,44 @@ std::vector<std::string> Transformer::LayerNames() const {
   return names;
 }
 
+absl::Status Transformer::CheckRecipe(const ModelShape& shape, const ModelRecipe& recipe,
+                                      int64_t tp, int64_t dp,
+                                      const std::vector<std::string>& layers) {
+  auto bad = [](const std::string& field, const std::string& why) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
+  };
+  if (recipe.precision == GemmPrecision::kFp8) {
+    // FP8 weights are gathered as whole rows of FP8 codes: each DP rank owns whole rows (and
+    // whole 128-row blocks with block scaling).
+    const bool block = recipe.sites.weight.strategy == train::ScalingStrategy::kBlock;
+    const int64_t row_unit = block ? 128 * dp : dp;
+    const struct {
+      const char* field;
+      int64_t rows;
+    } weights[] = {{"model.d_model", 3 * shape.d_model / tp},
+                   {"model.d_model", shape.d_model},
+                   {"model.d_ff", shape.d_ff / tp}};
+    for (const auto& w : weights) {
+      if (w.rows % row_unit != 0) {
+        return bad(w.field,
+                   absl::StrCat("FP8 weights with ", w.rows,
+                                " rows per tensor-parallel rank cannot "
+                                "be cut into parallel.dp=",
+                                dp, " shards of whole ",
+                                block ? "128-row blocks (precision.scaling block)" : "rows"));
+      }
+    }
+  }
+  for (const std::string& name : recipe.exclude) {
+    if (std::find(layers.begin(), layers.end(), name) == layers.end()) {
+      return bad(
+          "precision.exclude",
+          absl::StrCat("no layer named '", name, "' (layers: ", absl::StrJoin(layers, ", "), ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Create(const ModelShape& shape,
                                                                  const ModelRecipe& recipe,
                                                                  uint64_t seed,
@@ -141,37 +179,8 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Create(const ModelShap
   if (shape.d_ff % tp != 0) {
     return bad("model.d_ff", absl::StrCat(shape.d_ff, " cannot be split over parallel.tp ", tp));
   }
-  if (recipe.precision == GemmPrecision::kFp8) {
-    // FP8 weights are gathered as whole rows of FP8 codes: each DP rank owns whole rows (and
-    // whole 128-row blocks with block scaling).
-    const bool block = recipe.sites.weight.strategy == train::ScalingStrategy::kBlock;
-    const int64_t row_unit = block ? 128 * dp : dp;
-    const struct {
-      const char* field;
-      int64_t rows;
-    } weights[] = {{"model.d_model", 3 * shape.d_model / tp},
-                   {"model.d_model", shape.d_model},
-                   {"model.d_ff", shape.d_ff / tp}};
-    for (const auto& w : weights) {
-      if (w.rows % row_unit != 0) {
-        return bad(w.field,
-                   absl::StrCat("FP8 weights with ", w.rows,
-                                " rows per tensor-parallel rank cannot "
-                                "be cut into parallel.dp=",
-                                dp, " shards of whole ",
-                                block ? "128-row blocks (precision.scaling block)" : "rows"));
-      }
-    }
-  }
   std::unique_ptr<Transformer> model(new Transformer(shape, recipe, mesh, ops));
-  const std::vector<std::string> layers = model->LayerNames();
-  for (const std::string& name : recipe.exclude) {
-    if (std::find(layers.begin(), layers.end(), name) == layers.end()) {
-      return bad(
-          "precision.exclude",
-          absl::StrCat("no layer named '", name, "' (layers: ", absl::StrJoin(layers, ", "), ")"));
-    }
-  }
+  FP8RT_RETURN_IF_ERROR(CheckRecipe(shape, recipe, tp, dp, model->LayerNames()));
   FP8RT_RETURN_IF_ERROR(model->Build(seed));
   return model;
 }
@@ -214,19 +223,9 @@ absl::Status Transformer::Build(uint64_t seed) {
   const float std_dev = 0.02f;
   const float resid_std = std_dev / std::sqrt(2.0f * static_cast<float>(L));
   auto make_linear = [&](const std::string& name, int64_t in, int64_t out) {
-    GemmPrecision precision = recipe_.precision;
-    if (precision == GemmPrecision::kFp8 &&
-        std::find(recipe_.exclude.begin(), recipe_.exclude.end(), name) != recipe_.exclude.end()) {
-      precision = GemmPrecision::kBf16;
-    }
-    linears_.push_back(std::make_unique<Linear>(name, in, out, precision, recipe_.sites));
-    Linear* lin = linears_.back().get();
-    if (precision == GemmPrecision::kFp8) {
-      sites_.push_back(&lin->input_site());
-      sites_.push_back(&lin->weight_site());
-      sites_.push_back(&lin->grad_site());
-    }
-    return lin;
+    linears_.push_back(
+        std::make_unique<Linear>(name, in, out, LayerPrecision(name), recipe_.sites));
+    return linears_.back().get();
   };
   embedding_ = static_cast<int>(params_.size());
   AddParam("embedding/weight", v, c, TpSplit::kNone, true, std_dev, seed, nullptr);
@@ -260,6 +259,39 @@ absl::Status Transformer::Build(uint64_t seed) {
   lm_head_ = linears_.back().get();
   lm_head_param_ = static_cast<int>(params_.size());
   AddParam("lm_head/weight", v, c, TpSplit::kNone, true, std_dev, seed, lm_head_);
+  CollectSites();
+  return absl::OkStatus();
+}
+
+GemmPrecision Transformer::LayerPrecision(const std::string& name) const {
+  if (recipe_.precision == GemmPrecision::kFp8 &&
+      std::find(recipe_.exclude.begin(), recipe_.exclude.end(), name) != recipe_.exclude.end()) {
+    return GemmPrecision::kBf16;
+  }
+  return recipe_.precision;
+}
+
+void Transformer::CollectSites() {
+  sites_.clear();
+  for (const std::unique_ptr<Linear>& lin : linears_) {
+    if (lin->precision() != GemmPrecision::kFp8) continue;
+    sites_.push_back(&lin->input_site());
+    sites_.push_back(&lin->weight_site());
+    sites_.push_back(&lin->grad_site());
+  }
+}
+
+absl::Status Transformer::ApplyRecipe(const ModelRecipe& recipe) {
+  if (recipe.precision != recipe_.precision) {
+    return absl::InvalidArgumentError("precision.mode cannot change while a run trains");
+  }
+  FP8RT_RETURN_IF_ERROR(CheckRecipe(shape_, recipe, tp_, dp_, LayerNames()));
+  recipe_ = recipe;
+  for (const std::unique_ptr<Linear>& lin : linears_) {
+    if (lin.get() == lm_head_) continue;  // never FP8
+    lin->Reconfigure(LayerPrecision(lin->name()), recipe_.sites);
+  }
+  CollectSites();
   return absl::OkStatus();
 }
 
@@ -517,6 +549,9 @@ absl::StatusOr<std::vector<SiteReport>> Transformer::SyncScaling() {
     r.amax = amaxes[i];
     r.scale = s.step_scale();
     r.used = s.used_this_step();
+    r.count = st.count;
+    r.underflow = st.underflow;
+    r.saturated = st.saturated;
     if (st.count > 0) {
       r.underflow_ratio = static_cast<double>(st.underflow) / static_cast<double>(st.count);
       r.saturation_ratio = static_cast<double>(st.saturated) / static_cast<double>(st.count);

@@ -105,7 +105,10 @@ struct SiteReport {
   float scale = 1.0f;            // the scale the site quantized with in this step
   double underflow_ratio = 0.0;  // of this rank's quantizations in the step
   double saturation_ratio = 0.0;
-  bool used = false;  // quantized anything this step
+  bool used = false;      // quantized anything this step
+  int64_t count = 0;      // values this rank quantized in the step, and how many of
+  int64_t underflow = 0;  // them underflowed / saturated (summed over ranks for the
+  int64_t saturated = 0;  // controller)
 };
 
 class Transformer {
@@ -125,6 +128,14 @@ class Transformer {
   const std::vector<QuantSite*>& sites() const { return sites_; }
   // Names of the GEMM layers, for the error of an unknown exclude entry.
   std::vector<std::string> LayerNames() const;
+
+  const ModelRecipe& recipe() const { return recipe_; }
+  // Switches to a new recipe between steps (a live recipe update; the precision mode itself
+  // cannot change): layers entering or leaving precision.exclude, scaling strategy, history
+  // length, margin, formats, FSDP gather and gradient-reduce dtypes. Scaling histories carry
+  // over. InvalidArgument naming the field (nothing changed) for an unknown layer or a shape the
+  // new scaling cannot split. Every rank must apply the same recipe at the same step.
+  absl::Status ApplyRecipe(const ModelRecipe& recipe);
 
   // Starts an optimizer step: resets the sites' step statistics, gathers every parameter for the
   // step (FP8 weights with their scales) and zeroes the accumulated gradients.
@@ -156,8 +167,13 @@ class Transformer {
   absl::Status AllReduceTp(float* buf, int64_t count);
   LinearContext Ctx();
 
+  static absl::Status CheckRecipe(const ModelShape& shape, const ModelRecipe& recipe, int64_t tp,
+                                  int64_t dp, const std::vector<std::string>& layers);
+  GemmPrecision LayerPrecision(const std::string& name) const;
+  void CollectSites();
+
   const ModelShape shape_;
-  const ModelRecipe recipe_;
+  ModelRecipe recipe_;
   parallel::Mesh& mesh_;
   const kernels::OpTable& ops_;
   const int64_t tp_, dp_, tp_rank_, dp_rank_;

@@ -2,6 +2,9 @@
 // metrics files, Step, Run, SaveCheckpoint, Restore.
 #include "runtime/worker/trainer.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstring>
@@ -14,11 +17,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "fp8rt/v1/checkpoint.pb.h"
+#include "fp8rt/v1/control.pb.h"
 #include "fp8rt/v1/scaling.pb.h"
 #include "nlohmann/json.hpp"
-#include "runtime/core/status.h"
 #include "runtime/core/checkpoint_dir.h"
 #include "runtime/core/checkpoint_io.h"
+#include "runtime/core/status.h"
 
 namespace fp8rt::worker {
 namespace fs = std::filesystem;
@@ -85,6 +89,69 @@ train::TokenFormat FormatFromSpec(const RunSpec& spec) {
   }
 }
 
+// The live part of a recipe (control.proto Recipe) applied onto the model's recipe.
+model::ModelRecipe MergeRecipe(model::ModelRecipe base, const v1::Recipe& r) {
+  base.exclude.assign(r.exclude().begin(), r.exclude().end());
+  for (train::ScalingConfig* c : {&base.sites.input, &base.sites.weight, &base.sites.grad_output}) {
+    switch (r.scaling()) {
+      case RunSpec::Precision::SCALING_CURRENT:
+        c->strategy = train::ScalingStrategy::kCurrent;
+        break;
+      case RunSpec::Precision::SCALING_BLOCK:
+        c->strategy = train::ScalingStrategy::kBlock;
+        break;
+      default:
+        c->strategy = train::ScalingStrategy::kDelayed;
+        break;
+    }
+    if (r.amax_history_len() > 0) c->history_len = r.amax_history_len();
+    c->algo = r.amax_compute_algo() == RunSpec::Precision::AMAX_COMPUTE_ALGO_MOST_RECENT
+                  ? train::AmaxAlgo::kMostRecent
+                  : train::AmaxAlgo::kMax;
+    c->margin = r.margin();
+  }
+  base.fsdp_gather = r.fsdp_gather() == RunSpec::Precision::FSDP_GATHER_BF16
+                         ? model::FsdpGatherDType::kBf16
+                         : model::FsdpGatherDType::kFp8;
+  base.grad_reduce = r.grad_reduce() == RunSpec::Precision::GRAD_REDUCE_BF16
+                         ? parallel::GradReduceDType::kBF16
+                         : parallel::GradReduceDType::kFP32;
+  return base;
+}
+
+v1::Recipe RecipeToProto(const model::ModelRecipe& m) {
+  v1::Recipe r;
+  for (const std::string& e : m.exclude) r.add_exclude(e);
+  const train::ScalingConfig& c = m.sites.weight;
+  r.set_scaling(c.strategy == train::ScalingStrategy::kCurrent ? RunSpec::Precision::SCALING_CURRENT
+                : c.strategy == train::ScalingStrategy::kBlock
+                    ? RunSpec::Precision::SCALING_BLOCK
+                    : RunSpec::Precision::SCALING_DELAYED);
+  r.set_amax_history_len(c.history_len);
+  r.set_amax_compute_algo(c.algo == train::AmaxAlgo::kMostRecent
+                              ? RunSpec::Precision::AMAX_COMPUTE_ALGO_MOST_RECENT
+                              : RunSpec::Precision::AMAX_COMPUTE_ALGO_MAX);
+  r.set_margin(c.margin);
+  r.set_fsdp_gather(m.fsdp_gather == model::FsdpGatherDType::kBf16
+                        ? RunSpec::Precision::FSDP_GATHER_BF16
+                        : RunSpec::Precision::FSDP_GATHER_FP8);
+  r.set_grad_reduce(m.grad_reduce == parallel::GradReduceDType::kBF16
+                        ? RunSpec::Precision::GRAD_REDUCE_BF16
+                        : RunSpec::Precision::GRAD_REDUCE_FP32);
+  return r;
+}
+
+// "blocks.0.mlp.fc1/grad_output" -> layer and tensor role.
+void SplitSiteName(const std::string& site, v1::SiteStats* out) {
+  const size_t slash = site.rfind('/');
+  out->set_layer(site.substr(0, slash));
+  const std::string role = slash == std::string::npos ? "" : site.substr(slash + 1);
+  out->set_tensor(role == "input"    ? v1::TENSOR_ROLE_INPUT
+                  : role == "weight" ? v1::TENSOR_ROLE_WEIGHT
+                                     : v1::TENSOR_ROLE_GRAD_OUTPUT);
+  out->set_expert(-1);
+}
+
 std::string RankFileName(int rank) {
   char buf[32];
   std::snprintf(buf, sizeof(buf), "rank-%05d.jsonl", rank);
@@ -118,8 +185,7 @@ std::span<const std::byte> Bytes(const T* data, size_t count) {
 
 // Copies a section into `count` values of T, or DataLoss naming the section and file.
 template <typename T>
-absl::Status ReadSection(const ShardReader& reader, const std::string& name, T* out,
-                         size_t count) {
+absl::Status ReadSection(const ShardReader& reader, const std::string& name, T* out, size_t count) {
   FP8RT_ASSIGN_OR_RETURN(std::span<const std::byte> bytes, reader.Section(name));
   if (bytes.size() != count * sizeof(T)) {
     return absl::DataLossError(absl::StrCat(reader.path(), ": section '", name, "' holds ",
@@ -183,6 +249,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
   parallel::MeshConfig mesh_config{
       .dp = spec.parallel().dp(), .tp = spec.parallel().tp(), .ep = spec.parallel().ep()};
   FP8RT_ASSIGN_OR_RETURN(t->mesh_, parallel::Mesh::Create(mesh_config, factory));
+  if (!options.controller.address.empty()) FP8RT_RETURN_IF_ERROR(t->RegisterWithController());
   const RunSpec::Model& m = spec.model();
   model::ModelShape shape{.layers = m.layers(),
                           .d_model = m.d_model(),
@@ -218,6 +285,55 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
   return t;
 }
 
+absl::Status Trainer::RegisterWithController() {
+  parallel::Communicator& world = mesh_->world();
+  FP8RT_ASSIGN_OR_RETURN(controller_, ControllerClient::Connect(options_.controller));
+  v1::RegisterRequest request;
+  request.set_run_id(options_.controller.run_id);
+  request.set_rank(world.rank());
+  request.set_world_size(world.size());
+  std::error_code ec;
+  request.set_run_dir(fs::absolute(options_.run_dir, ec).string());
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  request.set_hostname(host);
+  request.set_pid(getpid());
+  request.set_resume(options_.resume);
+  // Rank 0 first: its call creates the run (with the spec); then every other rank.
+  absl::StatusOr<v1::RegisterResponse> response = absl::UnknownError("not registered");
+  if (world.rank() == 0) {
+    *request.mutable_spec() = spec_;
+    response = controller_->Register(request);
+  }
+  int64_t failed = world.rank() == 0 && !response.ok() ? 1 : 0;
+  FP8RT_RETURN_IF_ERROR(world.Broadcast(&failed, 1, parallel::DType::kI64, 0));
+  if (failed != 0) {
+    if (world.rank() == 0) return response.status();
+    return absl::FailedPreconditionError("rank 0 could not register with the controller");
+  }
+  if (world.rank() != 0) response = controller_->Register(request);
+  failed = response.ok() ? 0 : 1;
+  FP8RT_RETURN_IF_ERROR(
+      world.AllReduce(&failed, 1, parallel::DType::kI64, parallel::ReduceOp::kMax));
+  if (failed != 0) {
+    if (!response.ok()) return response.status();
+    return absl::UnavailableError("another rank could not register with the controller");
+  }
+  // The worker's own --spec stays in force (a resume may extend train.steps); the controller
+  // holds the copy rank 0 registered.
+  resume_step_ = response->resume_step();
+  resume_dir_ = response->resume_dir();
+  const int interval_ms = std::max(100, response->heartbeat_interval_ms());
+  controller_->StartHeartbeats(world.rank(), std::chrono::milliseconds(interval_ms),
+                               [this] { return progress_.load(); });
+  if (world.rank() == 0) {
+    std::fprintf(stderr, "fp8rt-worker: registered run '%s' with controller %s (%d ranks)\n",
+                 options_.controller.run_id.c_str(), options_.controller.address.c_str(),
+                 world.size());
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Trainer::PrepareRunDir() {
   parallel::Communicator& world = mesh_->world();
   const std::string metrics_path = options_.run_dir + "/metrics.jsonl";
@@ -233,7 +349,8 @@ absl::Status Trainer::PrepareRunDir() {
       verdict = 1;
     } else if (!options_.resume) {
       FP8RT_ASSIGN_OR_RETURN(std::vector<int64_t> committed, checkpoints.ListCommitted());
-      if (!committed.empty() || (fs::exists(metrics_path, ec) && fs::file_size(metrics_path, ec) > 0)) {
+      if (!committed.empty() ||
+          (fs::exists(metrics_path, ec) && fs::file_size(metrics_path, ec) > 0)) {
         error = absl::StrCat("run folder ", options_.run_dir,
                              " already holds a run (metrics.jsonl or committed checkpoints): pass "
                              "--resume to continue it, or choose another --run-dir");
@@ -290,6 +407,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
     std::raise(SIGKILL);
   }
   const auto t0 = std::chrono::steady_clock::now();
+  if (controller_ != nullptr) FP8RT_RETURN_IF_ERROR(ShareDirectives());
   const RunSpec::Train& tr = spec_.train();
   const int64_t ga = tr.grad_accum(), dp = layout.config.dp;
   const float dloss = 1.0f / static_cast<float>(ga * dp);
@@ -325,7 +443,122 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   const double tokens = static_cast<double>(ga * dp * tr.micro_batch() * spec_.model().seq_len());
   r.tokens_per_s = tokens / r.step_time_s;
   FP8RT_RETURN_IF_ERROR(WriteRecords(r, sites));
+  progress_.store(step_);
+  if (controller_ != nullptr) FP8RT_RETURN_IF_ERROR(ReportToController(r, sites));
   return r;
+}
+
+absl::Status Trainer::ShareDirectives() {
+  parallel::Communicator& world = mesh_->world();
+  // [newest version, its effective step, stop, save, recipe bytes]
+  int64_t head[5] = {0, 0, 0, 0, 0};
+  std::string bytes;
+  if (world.rank() == 0) {
+    // One synchronous heartbeat per step: a recipe update made while step s runs is known at the
+    // start of step s + 1 at the latest, before its effective step (the controller schedules it
+    // a few steps after the newest reported one). A miss falls back on the last known answer.
+    (void)controller_->HeartbeatOnce(0, step_);
+    const Directives d = controller_->Latest();
+    head[0] = d.recipe.version();
+    head[1] = d.recipe.effective_step();
+    head[2] = d.stop ? 1 : 0;
+    head[3] = d.save_checkpoint ? 1 : 0;
+    if (head[0] > recipe_version_) bytes = d.recipe.recipe().SerializeAsString();
+    head[4] = static_cast<int64_t>(bytes.size());
+  }
+  FP8RT_RETURN_IF_ERROR(world.Broadcast(head, 5, parallel::DType::kI64, 0));
+  stop_requested_ = stop_requested_ || head[2] != 0;
+  save_requested_ = save_requested_ || head[3] != 0;
+  if (head[4] == 0) return absl::OkStatus();
+  bytes.resize(static_cast<size_t>(head[4]));
+  FP8RT_RETURN_IF_ERROR(world.Broadcast(bytes.data(), head[4], parallel::DType::kU8, 0));
+  const int64_t step = step_ + 1;
+  if (head[0] <= recipe_version_ || step < head[1]) return absl::OkStatus();
+  v1::Recipe recipe;
+  if (!recipe.ParseFromString(bytes)) return absl::DataLossError("unreadable recipe broadcast");
+  const absl::Status applied = model_->ApplyRecipe(MergeRecipe(model_->recipe(), recipe));
+  if (world.rank() == 0) {
+    if (applied.ok()) {
+      std::fprintf(stderr, "fp8rt-worker: recipe version %lld applied at step %lld: %s\n",
+                   static_cast<long long>(head[0]), static_cast<long long>(step),
+                   recipe.ShortDebugString().c_str());
+    } else {
+      std::fprintf(stderr, "fp8rt-worker: recipe version %lld refused, keeping version %lld: %s\n",
+                   static_cast<long long>(head[0]), static_cast<long long>(recipe_version_),
+                   applied.ToString().c_str());
+    }
+  }
+  recipe_version_ = head[0];  // a refused version is not retried
+  if (applied.ok()) recipe_applied_step_ = step;
+  return absl::OkStatus();
+}
+
+absl::Status Trainer::ReportToController(const StepRecord& r,
+                                         const std::vector<model::SiteReport>& sites) {
+  parallel::Communicator& world = mesh_->world();
+  const bool stats_step = r.step % spec_.metrics().every() == 0;
+  // Site counts and communication bytes summed over all ranks (collective, metric steps only).
+  std::vector<int64_t> counts;
+  std::vector<int64_t> comm(parallel::kNumCollectiveOps * parallel::kNumDTypes, 0);
+  if (stats_step) {
+    for (const model::SiteReport& s : sites) {
+      counts.insert(counts.end(), {s.count, s.underflow, s.saturated});
+    }
+    if (!counts.empty()) {
+      FP8RT_RETURN_IF_ERROR(world.AllReduce(counts.data(), static_cast<int64_t>(counts.size()),
+                                            parallel::DType::kI64, parallel::ReduceOp::kSum));
+    }
+    for (parallel::Communicator* c :
+         {&mesh_->world(), &mesh_->tp(), &mesh_->dp(), &mesh_->ep(), &mesh_->edp()}) {
+      for (int op = 0; op < parallel::kNumCollectiveOps; ++op) {
+        for (int dt = 0; dt < parallel::kNumDTypes; ++dt) {
+          comm[static_cast<size_t>(op * parallel::kNumDTypes + dt)] += c->stats().bytes[op][dt];
+        }
+      }
+    }
+    FP8RT_RETURN_IF_ERROR(world.AllReduce(comm.data(), static_cast<int64_t>(comm.size()),
+                                          parallel::DType::kI64, parallel::ReduceOp::kSum));
+  }
+  if (world.rank() != 0) return absl::OkStatus();
+  v1::ReportStepRequest request;
+  request.set_run_id(options_.controller.run_id);
+  v1::StepMetrics* m = request.mutable_metrics();
+  m->set_step(r.step);
+  m->set_loss(r.loss);
+  m->set_grad_norm(r.skipped ? std::numeric_limits<double>::quiet_NaN() : r.grad_norm);
+  m->set_lr(r.lr);
+  m->set_tokens_per_s(r.tokens_per_s);
+  m->set_skipped(r.skipped);
+  m->set_step_time_s(r.step_time_s);
+  m->set_recipe_version(recipe_version_);
+  if (recipe_applied_step_ == r.step) request.set_recipe_applied_step(r.step);
+  if (stats_step) {
+    for (size_t i = 0; i < sites.size(); ++i) {
+      v1::SiteStats* out = request.add_sites();
+      SplitSiteName(sites[i].site, out);
+      out->set_amax(sites[i].amax);
+      out->set_scale(sites[i].scale);
+      const double n = static_cast<double>(counts[3 * i]);
+      out->set_underflow_ratio(n > 0 ? static_cast<double>(counts[3 * i + 1]) / n : 0.0);
+      out->set_saturation_ratio(n > 0 ? static_cast<double>(counts[3 * i + 2]) / n : 0.0);
+    }
+    for (int op = 0; op < parallel::kNumCollectiveOps; ++op) {
+      for (int dt = 0; dt < parallel::kNumDTypes; ++dt) {
+        const int64_t bytes = comm[static_cast<size_t>(op * parallel::kNumDTypes + dt)];
+        if (bytes == 0) continue;
+        v1::CommBytes* c = request.add_comm();
+        c->set_op(std::string(parallel::CollectiveOpName(static_cast<parallel::CollectiveOp>(op))));
+        c->set_dtype(std::string(parallel::DTypeName(static_cast<parallel::DType>(dt))));
+        c->set_bytes(bytes);
+      }
+    }
+  }
+  // Training goes on when the controller is briefly unreachable; the report is lost, said once.
+  absl::Status s = controller_->ReportStep(request);
+  if (!s.ok())
+    std::fprintf(stderr, "fp8rt-worker: step %lld not reported: %s\n",
+                 static_cast<long long>(r.step), s.ToString().c_str());
+  return absl::OkStatus();
 }
 
 absl::Status Trainer::WriteRecords(const StepRecord& r,
@@ -339,6 +572,7 @@ absl::Status Trainer::WriteRecords(const StepRecord& r,
     j["tokens_per_s"] = r.tokens_per_s;
     j["skipped"] = r.skipped;
     j["step_time_s"] = r.step_time_s;
+    j["recipe_version"] = recipe_version_;
     const std::string line = j.dump() + "\n";
     if (std::fputs(line.c_str(), metrics_) < 0 || std::fflush(metrics_) != 0) {
       return absl::InternalError(absl::StrCat("cannot write ", options_.run_dir,
@@ -379,8 +613,17 @@ absl::Status Trainer::Run() {
                   r.skipped ? " (skipped: non-finite gradient)" : "");
       std::fflush(stdout);
     }
-    if (ckpt_every > 0 && (step_ % ckpt_every == 0 || step_ == steps)) {
+    if ((ckpt_every > 0 && (step_ % ckpt_every == 0 || step_ == steps)) || save_requested_ ||
+        stop_requested_) {
       FP8RT_RETURN_IF_ERROR(SaveCheckpoint());
+      save_requested_ = false;
+    }
+    if (stop_requested_) {
+      if (rank0) {
+        std::fprintf(stderr, "fp8rt-worker: stopped by the controller after step %lld\n",
+                     static_cast<long long>(step_));
+      }
+      break;
     }
   }
   return absl::OkStatus();
@@ -393,7 +636,8 @@ absl::Status Trainer::SaveCheckpoint() {
   int64_t ok = 1;
   std::string error;
   if (world.rank() == 0) {
-    absl::StatusOr<std::string> prepared = dir.PrepareTemp(step_);
+    absl::StatusOr<std::string> prepared =
+        controller_ != nullptr ? controller_->BeginCheckpoint(step_) : dir.PrepareTemp(step_);
     if (!prepared.ok()) {
       ok = 0;
       error = prepared.status().ToString();
@@ -417,6 +661,8 @@ absl::Status Trainer::SaveCheckpoint() {
   if (st.ok()) st = w.Add("meta/data_position", Bytes(&position, 1));
   if (st.ok()) st = w.Add("meta/layout", Bytes(layout_ints, 4));
   if (st.ok()) st = w.Add("rng", Bytes(rng, 2));
+  if (st.ok()) st = w.Add("meta/recipe_version", Bytes(&recipe_version_, 1));
+  if (st.ok()) st = w.AddProto("recipe", RecipeToProto(model_->recipe()));
   for (const model::Param& p : model_->params()) {
     const size_t n = p.master.size();
     if (st.ok()) st = w.Add("master/" + p.name, Bytes(p.master.data(), n));
@@ -431,6 +677,35 @@ absl::Status Trainer::SaveCheckpoint() {
   absl::StatusOr<ShardWriteResult> written =
       st.ok() ? w.Write(dir.TempDir(step_) + "/" + ShardFileName(layout.rank))
               : absl::StatusOr<ShardWriteResult>(st);
+  if (controller_ != nullptr) {
+    // Every rank acknowledges its own shard; the controller commits after the last one.
+    absl::StatusOr<bool> acked = written.ok() ? absl::StatusOr<bool>(false) : written.status();
+    if (written.ok()) {
+      v1::AckShardRequest ack;
+      ack.set_run_id(options_.controller.run_id);
+      ack.set_step(step_);
+      ack.set_rank(layout.rank);
+      ack.set_file(ShardFileName(layout.rank));
+      ack.set_size(written->size);
+      ack.set_xxh64(written->xxh64);
+      ack.set_data_position(position);
+      acked = controller_->AckShard(ack);
+    }
+    int64_t flags[2] = {acked.ok() ? 0 : 1, acked.ok() && *acked ? 1 : 0};
+    FP8RT_RETURN_IF_ERROR(
+        world.AllReduce(flags, 2, parallel::DType::kI64, parallel::ReduceOp::kMax));
+    if (!acked.ok()) return acked.status();
+    if (flags[0] != 0) {
+      return absl::InternalError(absl::StrCat("checkpoint step ", step_,
+                                              ": another rank could not write or acknowledge "
+                                              "its shard (see its error)"));
+    }
+    if (world.rank() == 0 && flags[1] != 0) {
+      std::fprintf(stderr, "fp8rt-worker: checkpoint step %lld committed by the controller\n",
+                   static_cast<long long>(step_));
+    }
+    return absl::OkStatus();
+  }
   int64_t report[3] = {written.ok() ? 1 : 0, written.ok() ? static_cast<int64_t>(written->size) : 0,
                        written.ok() ? static_cast<int64_t>(written->xxh64) : 0};
   std::vector<int64_t> reports(3 * static_cast<size_t>(world.size()));
@@ -489,6 +764,18 @@ absl::Status Trainer::Restore() {
   // the others which step to load: -1 none (fresh start), -2 an error.
   int64_t chosen = -1;
   std::string error;
+  if (controller_ != nullptr) {
+    // The controller verified the checkpoints and set refused ones aside (its Register answer).
+    chosen = resume_step_ > 0 ? resume_step_ : -1;
+    FP8RT_RETURN_IF_ERROR(world.Broadcast(&chosen, 1, parallel::DType::kI64, 0));
+    if (chosen < 0) {
+      if (world.rank() == 0) {
+        std::fprintf(stderr, "fp8rt-worker: no checkpoint to resume from; starting at step 1\n");
+      }
+      return absl::OkStatus();
+    }
+    return LoadCheckpoint(chosen, dir.CommittedDir(chosen));
+  }
   if (world.rank() == 0) {
     std::vector<std::string> refused;
     absl::StatusOr<ResumePoint> point = dir.FindNewestValid(&refused);
@@ -539,15 +826,32 @@ absl::Status Trainer::Restore() {
     return absl::FailedPreconditionError(world.rank() == 0 ? error : "resume failed on rank 0");
   }
   if (chosen == -1) return absl::OkStatus();
+  return LoadCheckpoint(chosen, dir.CommittedDir(chosen));
+}
 
-  const std::string path = dir.CommittedDir(chosen) + "/" + ShardFileName(world.rank());
-  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> reader,
-                         ShardReader::Open(path));
+absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) {
+  parallel::Communicator& world = mesh_->world();
+  const std::string path = folder + "/" + ShardFileName(world.rank());
+  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> reader, ShardReader::Open(path));
   int64_t step = 0, applied = 0;
   uint64_t position = 0;
   FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "meta/step", &step, 1));
   FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "meta/applied_steps", &applied, 1));
   FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "meta/data_position", &position, 1));
+  // The recipe in force when the checkpoint was written (its sites are the saved ones).
+  if (reader->HasSection("recipe")) {
+    int64_t version = 1;
+    FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "meta/recipe_version", &version, 1));
+    v1::Recipe recipe;
+    FP8RT_RETURN_IF_ERROR(reader->ParseProto("recipe", &recipe));
+    if (version > 1) {
+      absl::Status applied = model_->ApplyRecipe(MergeRecipe(model_->recipe(), recipe));
+      if (!applied.ok()) {
+        return absl::DataLossError(absl::StrCat(path, ": recipe: ", applied.message()));
+      }
+    }
+    recipe_version_ = version;
+  }
   if (step != chosen || applied < 0 || applied > step) {
     return absl::DataLossError(absl::StrCat(path, ": meta/step ", step, " applied_steps ", applied,
                                             " do not match checkpoint step ", chosen));
@@ -584,7 +888,7 @@ absl::Status Trainer::Restore() {
   step_ = step;
   if (world.rank() == 0) {
     std::fprintf(stderr, "fp8rt-worker: resuming after step %lld from %s\n",
-                 static_cast<long long>(step), dir.CommittedDir(chosen).c_str());
+                 static_cast<long long>(step), folder.c_str());
   }
   return absl::OkStatus();
 }

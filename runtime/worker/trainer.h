@@ -17,7 +17,8 @@
 //   metrics.jsonl                 one object per optimizer step: step (1-based), loss (mean over
 //   the
 //                                 global batch), grad_norm (null when skipped), lr, tokens_per_s,
-//                                 skipped, step_time_s
+//                                 skipped, step_time_s, recipe_version (the live recipe version
+//                                 the step ran with; 1 = the spec's)
 //   fp8_stats/rank-NNNNN.jsonl    every rank, every metrics.every steps when
 //                                 metrics.per_rank_fp8_stats: one object per FP8 site
 //                                 {step, site, amax, scale, underflow_ratio, saturation_ratio}
@@ -30,10 +31,16 @@
 // `refused-step-NNNNNNNN` (kept for inspection, never loaded) and the reason is printed; metrics
 // lines after the resumed step are dropped so that the files read as one run.
 //
+// Under a controller, rank 0 also receives the controller's directives (the heartbeat thread
+// keeps the newest) and broadcasts them to every rank at the start of each step, so that a new
+// recipe version is applied by every rank at the same step: its effective step, or the next step
+// when the run is already past it (the applied step is reported back).
+//
 // Not thread-safe; one per rank. Every rank of the job runs the same calls.
 #ifndef FP8RT_RUNTIME_WORKER_TRAINER_H_
 #define FP8RT_RUNTIME_WORKER_TRAINER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -47,6 +54,7 @@
 #include "runtime/model/transformer.h"
 #include "runtime/train/data_loader.h"
 #include "runtime/train/optimizer.h"
+#include "runtime/worker/controller_client.h"
 
 namespace fp8rt::worker {
 
@@ -54,6 +62,11 @@ struct TrainerOptions {
   std::string run_dir;         // where metrics, stats and checkpoints go; created if absent
   bool resume = false;         // continue from the newest committed checkpoint (if any)
   bool print_progress = true;  // rank 0 prints a line every metrics.every steps to stdout
+  // Under a controller (fp8rt-worker --controller): every rank registers (rank 0 with the
+  // spec), heartbeats, and the controller gives the resume point and recipe updates, receives the step metrics
+  // and FP8 statistics (reduced over all ranks) and commits the checkpoints. Empty address:
+  // standalone.
+  ControllerOptions controller;
 };
 
 // Faults for tests, from the environment variable FP8RT_FAULT (documented in docs/operations.md):
@@ -99,9 +112,15 @@ class Trainer {
 
  private:
   Trainer(const v1::RunSpec& spec, const TrainerOptions& options, const kernels::OpTable& ops);
+  absl::Status RegisterWithController();
   absl::Status PrepareRunDir();
   absl::Status Restore();
+  absl::Status LoadCheckpoint(int64_t step, const std::string& dir);
   absl::Status SaveCheckpoint();
+  // Start of a step under a controller: rank 0's directives to every rank; applies a due recipe.
+  absl::Status ShareDirectives();
+  absl::Status ReportToController(const StepRecord& record,
+                                  const std::vector<model::SiteReport>& sites);
   absl::Status WriteRecords(const StepRecord& record, const std::vector<model::SiteReport>& sites);
   std::vector<train::ParamShard> Shards();
 
@@ -116,6 +135,14 @@ class Trainer {
   std::vector<int32_t> tokens_;
   int64_t step_ = 0;
   bool resumed_ = false;     // started with --resume (the kill fault fires in a first attempt only)
+  std::unique_ptr<ControllerClient> controller_;
+  std::atomic<int64_t> progress_{0};  // steps done, read by the heartbeat thread
+  int64_t resume_step_ = -1;          // from the controller's Register answer
+  std::string resume_dir_;
+  int64_t recipe_version_ = 1;       // applied recipe version
+  int64_t recipe_applied_step_ = 0;  // the step a new version was applied at, for the report
+  bool stop_requested_ = false;
+  bool save_requested_ = false;
   FILE* metrics_ = nullptr;  // rank 0
   FILE* fp8_stats_ = nullptr;  // every rank, with per_rank_fp8_stats
 };

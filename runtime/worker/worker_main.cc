@@ -1,6 +1,11 @@
 // fp8rt-worker: one rank of a training run, started by mpirun (directly or by `fp8rt launch`).
 //
 //   mpirun -np 2 fp8rt-worker --spec RUN.yaml [--set key=value ...] --run-dir DIR [--resume]
+//                             [--controller HOST:PORT --token-file F [--run-id ID] [--tls-ca F]]
+//
+// With --controller every rank registers with fp8rt-controller, which then holds the run: its
+// spec (rank 0's --spec creates the run), the resume point, live recipe updates, the metrics and
+// the checkpoint commits (runtime/worker/trainer.h).
 //
 // Exit codes: 0 done; 2 bad input (spec, options, run folder): every rank reaches the same
 // verdict and exits without a collective left pending; 1 a failure during the run, after which
@@ -9,6 +14,9 @@
 // (a collective that does not complete within it fails the run; default 300).
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -27,12 +35,18 @@ int main(int argc, char** argv) {
   std::string spec_path, run_dir;
   std::vector<std::string> overrides;
   bool resume = false, quiet = false;
+  std::string controller, token_file, run_id, tls_ca;
   app.add_option("--spec", spec_path, "run spec (YAML)")->required();
   app.add_option("--set", overrides, "override a spec key: --set train.steps=20 (repeatable)");
   app.add_option("--run-dir", run_dir, "run folder: metrics.jsonl, fp8_stats/, checkpoints/")
       ->required();
   app.add_flag("--resume", resume, "continue from the newest committed checkpoint in --run-dir");
   app.add_flag("--quiet", quiet, "no per-step progress lines");
+  app.add_option("--controller", controller, "fp8rt-controller address (host:port)");
+  app.add_option("--token-file", token_file,
+                 "bearer token for the controller (default: $FP8RT_TOKEN_FILE)");
+  app.add_option("--run-id", run_id, "run id at the controller (default: the run folder's name)");
+  app.add_option("--tls-ca", tls_ca, "PEM root certificate: talk TLS to the controller");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -69,13 +83,44 @@ int main(int argc, char** argv) {
   if (!spec.ok()) return bad_input(spec.status());
   if (absl::Status v = ValidateRunSpec(*spec, *world_size); !v.ok()) return bad_input(v);
 
-  worker::TrainerOptions options{.run_dir = run_dir, .resume = resume, .print_progress = !quiet};
+  worker::TrainerOptions options{
+      .run_dir = run_dir, .resume = resume, .print_progress = !quiet, .controller = {}};
+  if (!controller.empty()) {
+    if (token_file.empty() && std::getenv("FP8RT_TOKEN_FILE") != nullptr) {
+      token_file = std::getenv("FP8RT_TOKEN_FILE");
+    }
+    if (token_file.empty()) {
+      return bad_input(absl::InvalidArgumentError(
+          "--token-file: required with --controller (or set FP8RT_TOKEN_FILE)"));
+    }
+    absl::StatusOr<std::string> token = worker::ReadTokenFile(token_file);
+    if (!token.ok()) return bad_input(token.status());
+    options.controller.address = controller;
+    options.controller.token = *token;
+    if (!tls_ca.empty()) {
+      std::ifstream in(tls_ca);
+      std::stringstream pem;
+      pem << in.rdbuf();
+      if (!in || pem.str().empty()) {
+        return bad_input(absl::InvalidArgumentError("--tls-ca: cannot read " + tls_ca));
+      }
+      options.controller.tls_ca = pem.str();
+    }
+    options.controller.run_id =
+        !run_id.empty() ? run_id
+                        : std::filesystem::absolute(run_dir).lexically_normal().filename().string();
+    if (options.controller.run_id.empty()) {
+      options.controller.run_id =
+          std::filesystem::absolute(run_dir).lexically_normal().parent_path().filename().string();
+    }
+  }
   absl::StatusOr<std::unique_ptr<worker::Trainer>> trainer =
       worker::Trainer::Create(*spec, options, **factory, kernels::CpuOps());
   if (!trainer.ok()) {
     const absl::StatusCode code = trainer.status().code();
     if (code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kNotFound ||
-        code == absl::StatusCode::kFailedPrecondition) {
+        code == absl::StatusCode::kFailedPrecondition ||
+        code == absl::StatusCode::kUnauthenticated) {
       return bad_input(trainer.status());
     }
     std::fprintf(stderr, "fp8rt-worker: rank %d: %s\n", rank, trainer.status().ToString().c_str());

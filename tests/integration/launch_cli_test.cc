@@ -122,11 +122,14 @@ class LaunchCliTest : public ::testing::Test {
     fs::permissions(worker_, fs::perms::owner_all);
   }
 
-  // Starts `fp8rt launch ARGS` in dir_ with FP8RT_WORKER set and stderr into a file.
+  // Starts `fp8rt launch ARGS --no-controller` in dir_ with FP8RT_WORKER set and stderr into a
+  // file. (Launches with a controller are tested with the real worker in train_test and
+  // control_plane_test.)
   pid_t Start(const std::vector<std::string>& args) {
     const std::string fp8rt = std::string(FP8RT_BIN_DIR) + "/fp8rt";
     std::vector<std::string> argv = {fp8rt, "launch"};
     argv.insert(argv.end(), args.begin(), args.end());
+    argv.push_back("--no-controller");  // the fake worker has no control plane to talk to
     std::vector<char*> cargs;
     for (std::string& a : argv) cargs.push_back(a.data());
     cargs.push_back(nullptr);

@@ -631,6 +631,12 @@ TEST_F(TrainTest, LaunchTrainsTinyModel) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.err, HasSubstr("step 10/10"));
   EXPECT_THAT(r.err, HasSubstr("done, 10 steps"));
+  // The launcher ran a controller for the run (fresh token, loopback) and said where.
+  EXPECT_THAT(r.err, HasSubstr("controller serving gRPC on 127.0.0.1:"));
+  EXPECT_THAT(r.err, HasSubstr("metrics on http://127.0.0.1:"));
+  EXPECT_TRUE(fs::exists(run_dir / "controller" / "token"));
+  EXPECT_EQ(fs::status(run_dir / "controller" / "token").permissions() & fs::perms::all,
+            fs::perms::owner_read | fs::perms::owner_write);
   EXPECT_EQ(Steps(ReadJsonl(run_dir / "metrics.jsonl")), OneTo(10));
   EXPECT_TRUE(fs::exists(CheckpointDir(run_dir, 10)));
 }

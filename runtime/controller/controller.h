@@ -1,0 +1,214 @@
+// Controller: the state and rules of the control plane (DESIGN.md section 6), behind the gRPC
+// services of proto/fp8rt/v1/control.proto. service.h adapts it to gRPC (authentication,
+// Status conversion); this class knows nothing of gRPC.
+//
+// What it owns:
+//   - the runs, each a v1::RunRecord (persisted through StateStore) plus what only lives in
+//     memory: which ranks are connected, the checkpoint being saved, the health policy's counters;
+//   - a monitor thread that marks ranks silent for longer than the heartbeat timeout as lost
+//     (a RUNNING run then FAILS; after a controller restart, the ranks of a RUNNING run have one
+//     timeout to heartbeat) and writes run records whose step metrics changed;
+//   - the Prometheus series (ControllerMetrics) of every run.
+//
+// Rules, per RPC (errors: InvalidArgument naming the field, NotFound for an unknown run,
+// FailedPrecondition for a call out of order):
+//   Register         rank 0 creates or restarts the run (its spec is validated; a fresh start of a
+//                    run with committed checkpoints is refused, resume finds the newest checkpoint
+//                    that verifies and moves newer refused ones aside as refused-step-NNNNNNNN);
+//                    other ranks join a RUNNING run and get the same answer.
+//   Heartbeat        marks the rank alive; answers the newest recipe, stop, save_checkpoint.
+//   ReportStep       rank 0's step metrics, FP8 site table, communication bytes; finishes the run
+//                    at train.steps; records recipe_applied; runs the FP8 health policy.
+//   BeginCheckpoint  prepares <run_dir>/checkpoints/.tmp-step-N (CheckpointDir::PrepareTemp).
+//   AckShard         records one rank's shard; the last one commits (manifest, rename), prunes
+//                    to checkpoint.keep and answers committed = true. Nothing is listed or
+//                    committed before every rank has acknowledged.
+//   UpdateRecipe     validates and schedules a new version at latest step + recipe_lead_steps.
+//   WatchEvents      existing events, then live ones until cancelled or shutdown.
+//
+// Long disk work (verifying checkpoints at resume, committing: both read every shard in full) runs
+// without the controller's mutex held, so heartbeats keep being answered meanwhile.
+//
+// Threads: every public method may be called from any thread concurrently. One mutex (mu_) guards
+// all run state; state files are written under write_mu_ (taken before mu_, never after).
+#ifndef FP8RT_RUNTIME_CONTROLLER_CONTROLLER_H_
+#define FP8RT_RUNTIME_CONTROLLER_CONTROLLER_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "fp8rt/v1/control.pb.h"
+#include "fp8rt/v1/controller_state.pb.h"
+#include "runtime/controller/metrics.h"
+#include "runtime/controller/state_store.h"
+
+namespace fp8rt::controller {
+
+struct ControllerOptions {
+  // Folder of the persistent state (created if missing). Required.
+  std::string state_dir;
+  // A rank not heard from for longer than this is lost.
+  std::chrono::milliseconds heartbeat_timeout{std::chrono::seconds(30)};
+  // A recipe update takes effect this many steps after the latest reported step.
+  int64_t recipe_lead_steps = 3;
+  // Events kept per run (in memory and in its state file).
+  int max_events_per_run = 1000;
+};
+
+// What the controller keeps per run and rank (internal; guarded by Controller::mu_).
+namespace internal {
+
+using Clock = std::chrono::steady_clock;
+
+struct RankState {
+  bool connected = false;  // heard from within the timeout
+  // A rank of a run that was RUNNING when the controller (re)started: not connected, but lost
+  // if it is not heard from within the timeout after the start.
+  bool awaited = false;
+  Clock::time_point last_seen;  // or the controller's start, for an awaited rank
+  int64_t step = 0;
+  std::string hostname;  // from Register ("" when the rank only heartbeats)
+  int pid = 0;
+};
+
+struct PendingCheckpoint {
+  int64_t step = 0;
+  std::string temp_dir;
+  std::map<int, v1::CheckpointShard> shards;  // rank -> acknowledged shard
+  uint64_t data_position = 0;                 // from rank 0's acknowledgement
+  bool committing = false;                    // the last ack is committing it now
+};
+
+struct RunEntry {
+  v1::RunRecord record;
+  std::vector<RankState> ranks;              // world_size entries
+  std::optional<PendingCheckpoint> pending;  // the save in progress
+  // Health policy: site key -> consecutive intervals above the saturation / underflow threshold.
+  std::map<std::string, int> saturation_streak;
+  std::map<std::string, int> underflow_streak;
+  // Last cumulative bytes of each (op, dtype), to turn them into counter increments.
+  std::map<std::pair<std::string, std::string>, int64_t> comm_last;
+  uint64_t change_seq = 0;     // bumped by every change to `record`
+  uint64_t persisted_seq = 0;  // change_seq of the record last written
+  bool write_failing = false;  // the last write failed (logged once)
+};
+
+}  // namespace internal
+
+class Controller {
+ public:
+  // Loads every run of options.state_dir; DataLoss naming the file for a corrupt one.
+  // `metrics` must outlive the controller.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Controller>> Open(
+      const ControllerOptions& options, ControllerMetrics* metrics);
+  ~Controller();  // Shutdown()
+
+  Controller(const Controller&) = delete;
+  Controller& operator=(const Controller&) = delete;
+
+  // Starts the monitor thread.
+  void Start();
+  // Ends WatchEvents streams (they return Unavailable) and refuses new registrations, so that the
+  // gRPC server's Shutdown does not wait for streams. Idempotent.
+  void CloseStreams();
+  // CloseStreams, stops the monitor thread and writes every changed run record. Call it after
+  // the gRPC server has stopped, so that no handler changes a run afterwards. Idempotent.
+  void Shutdown();
+
+  // The interval the workers should heartbeat at (RegisterResponse.heartbeat_interval_ms).
+  int heartbeat_interval_ms() const;
+
+  // Control.
+  [[nodiscard]] absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request);
+  [[nodiscard]] absl::StatusOr<v1::HeartbeatResponse> Heartbeat(
+      const v1::HeartbeatRequest& request);
+  [[nodiscard]] absl::Status ReportStep(const v1::ReportStepRequest& request);
+  [[nodiscard]] absl::StatusOr<v1::BeginCheckpointResponse> BeginCheckpoint(
+      const v1::BeginCheckpointRequest& request);
+  [[nodiscard]] absl::StatusOr<v1::AckShardResponse> AckShard(const v1::AckShardRequest& request);
+
+  // Runs.
+  [[nodiscard]] v1::ListRunsResponse ListRuns();
+  [[nodiscard]] absl::StatusOr<v1::Run> GetRun(const v1::GetRunRequest& request);
+  [[nodiscard]] absl::StatusOr<v1::Run> StopRun(const v1::StopRunRequest& request);
+  [[nodiscard]] absl::StatusOr<v1::GetLayersResponse> GetLayers(
+      const v1::GetLayersRequest& request);
+  [[nodiscard]] absl::StatusOr<v1::RecipeVersion> GetRecipe(const v1::GetRecipeRequest& request);
+  [[nodiscard]] absl::StatusOr<v1::RecipeVersion> UpdateRecipe(
+      const v1::UpdateRecipeRequest& request);
+  [[nodiscard]] absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(
+      const v1::ListCheckpointsRequest& request);
+  [[nodiscard]] absl::Status SaveCheckpoint(const v1::SaveCheckpointRequest& request);
+  // Calls `send` for each event of the run (every run for an empty run_id), oldest first, then
+  // for each new one, until `send` returns false or `cancelled` returns true (OK), or Shutdown
+  // (Unavailable). `send` is called without any lock held.
+  [[nodiscard]] absl::Status WatchEvents(const v1::WatchEventsRequest& request,
+                                         const std::function<bool()>& cancelled,
+                                         const std::function<bool(const v1::Event&)>& send);
+
+ private:
+  using Clock = internal::Clock;
+  using RankState = internal::RankState;
+  using PendingCheckpoint = internal::PendingCheckpoint;
+  using RunEntry = internal::RunEntry;
+
+  Controller(const ControllerOptions& options, ControllerMetrics* metrics);
+
+  RunEntry* FindLocked(const std::string& run_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<RunEntry*> GetLocked(const std::string& run_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::Run RunViewLocked(const RunEntry& run) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  const v1::RecipeVersion& NewestRecipeLocked(const RunEntry& run) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int ConnectedLocked(const RunEntry& run) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddEventLocked(RunEntry* run, const std::string& kind, int64_t step,
+                      const std::string& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetStateLocked(RunEntry* run, v1::RunState state) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  v1::RecipeVersion& AddRecipeLocked(RunEntry* run, const v1::Recipe& recipe,
+                                     int64_t effective_step, const std::string& source,
+                                     const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ApplyHealthPolicyLocked(RunEntry* run, const v1::ReportStepRequest& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ExportRunLocked(const RunEntry& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void MarkChangedLocked(RunEntry* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++run->change_seq; }
+
+  absl::StatusOr<v1::RegisterResponse> RegisterRank0(const v1::RegisterRequest& request);
+  absl::StatusOr<v1::RegisterResponse> RegisterOtherRank(const v1::RegisterRequest& request);
+  v1::RegisterResponse RegisterResponseLocked(const RunEntry& run) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Writes the record of `run_id` if it changed since its last write. A failed write is logged
+  // (once per streak of failures) and retried by the monitor; the change stays in memory.
+  void Flush(const std::string& run_id) ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
+  void FlushAll() ABSL_LOCKS_EXCLUDED(mu_, write_mu_);
+  void MonitorLoop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Marks silent ranks lost; returns the runs whose record changed.
+  std::vector<std::string> SweepLocked(Clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const ControllerOptions options_;  // fixed after construction
+  ControllerMetrics* const metrics_;
+  const StateStore store_;
+
+  absl::Mutex write_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // serializes state file writes
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::unique_ptr<RunEntry>> runs_ ABSL_GUARDED_BY(mu_);
+  int64_t next_event_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::CondVar events_cv_;   // a new event, or shutdown
+  absl::CondVar monitor_cv_;  // shutdown
+  std::thread monitor_;
+};
+
+}  // namespace fp8rt::controller
+
+#endif  // FP8RT_RUNTIME_CONTROLLER_CONTROLLER_H_

@@ -1,0 +1,206 @@
+// Recipe and spec checks of the controller (see recipe.h). Contents:
+//   LayerNames / IsBlockLayer / LayerList   the layers a recipe may name
+//   RecipeFromSpec / WithRecipe / SameRecipe
+//   ValidateSpec / ValidateRecipe
+//   DescribeRecipeChange
+#include "runtime/controller/recipe.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstdint>
+#include <set>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "runtime/core/run_spec.h"
+
+namespace fp8rt::controller {
+namespace {
+
+using Precision = v1::RunSpec::Precision;
+
+constexpr const char* kBlockLinears[] = {"attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"};
+
+// The layer list for error messages: in full for small models, as a pattern for large ones.
+std::string LayerList(int layers) {
+  if (layers <= 2) return absl::StrJoin(LayerNames(layers), ", ");
+  return absl::StrCat("blocks.N.attn.qkv, blocks.N.attn.proj, blocks.N.mlp.fc1, blocks.N.mlp.fc2 ",
+                      "for N in 0..", layers - 1, ", lm_head");
+}
+
+// "SCALING_BLOCK" -> "block".
+std::string EnumLabel(const std::string& value_name, std::string_view prefix) {
+  std::string s = value_name;
+  if (s.starts_with(prefix)) s = s.substr(prefix.size());
+  return absl::AsciiStrToLower(s);
+}
+
+std::string ScalingLabel(int v) {
+  return EnumLabel(Precision::Scaling_Name(static_cast<Precision::Scaling>(v)), "SCALING_");
+}
+std::string AlgoLabel(int v) {
+  return EnumLabel(Precision::AmaxComputeAlgo_Name(static_cast<Precision::AmaxComputeAlgo>(v)),
+                   "AMAX_COMPUTE_ALGO_");
+}
+std::string GatherLabel(int v) {
+  return EnumLabel(Precision::FsdpGather_Name(static_cast<Precision::FsdpGather>(v)),
+                   "FSDP_GATHER_");
+}
+std::string ReduceLabel(int v) {
+  return EnumLabel(Precision::GradReduce_Name(static_cast<Precision::GradReduce>(v)),
+                   "GRAD_REDUCE_");
+}
+
+absl::Status FieldError(const std::string& field, const std::string& message) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", message));
+}
+
+// Every exclude name is a non-empty layer of the model, listed once; `field` is the list's path.
+absl::Status CheckExclude(const google::protobuf::RepeatedPtrField<std::string>& exclude,
+                          int layers, const std::string& field) {
+  const std::vector<std::string> names = LayerNames(layers);
+  std::set<std::string> seen;
+  for (int i = 0; i < exclude.size(); ++i) {
+    const std::string item = absl::StrCat(field, "[", i, "]");
+    const std::string& name = exclude.Get(i);
+    if (name.empty()) return FieldError(item, "empty layer name");
+    if (std::find(names.begin(), names.end(), name) == names.end()) {
+      return FieldError(
+          item, absl::StrCat("no layer named '", name, "' (layers: ", LayerList(layers), ")"));
+    }
+    if (!seen.insert(name).second)
+      return FieldError(item, absl::StrCat("'", name, "' listed twice"));
+  }
+  return absl::OkStatus();
+}
+
+// ValidateRunSpec on a copy whose data file is one that always exists (see recipe.h).
+absl::Status ValidateWithoutDataFile(v1::RunSpec spec, int world_size) {
+  spec.mutable_data()->set_path("/dev/null");
+  return ValidateRunSpec(spec, world_size);
+}
+
+}  // namespace
+
+std::vector<std::string> LayerNames(int layers) {
+  std::vector<std::string> names;
+  for (int l = 0; l < layers; ++l) {
+    for (const char* linear : kBlockLinears)
+      names.push_back(absl::StrCat("blocks.", l, ".", linear));
+  }
+  names.push_back("lm_head");
+  return names;
+}
+
+bool IsBlockLayer(std::string_view name, int layers) {
+  constexpr std::string_view kBlocks = "blocks.";
+  if (!name.starts_with(kBlocks)) return false;
+  name.remove_prefix(kBlocks.size());
+  const size_t dot = name.find('.');
+  if (dot == std::string_view::npos || dot == 0) return false;
+  int index = -1;
+  const auto [ptr, ec] = std::from_chars(name.data(), name.data() + dot, index);
+  if (ec != std::errc() || ptr != name.data() + dot || index < 0 || index >= layers) return false;
+  // No leading zeros: blocks.01.attn.qkv is not a layer name.
+  if (dot > 1 && name[0] == '0') return false;
+  const std::string_view linear = name.substr(dot + 1);
+  return std::any_of(std::begin(kBlockLinears), std::end(kBlockLinears),
+                     [&](const char* l) { return linear == l; });
+}
+
+v1::Recipe RecipeFromSpec(const v1::RunSpec& spec) {
+  const Precision& p = spec.precision();
+  v1::Recipe r;
+  *r.mutable_exclude() = p.exclude();
+  r.set_scaling(p.scaling());
+  r.set_amax_history_len(p.amax_history_len());
+  r.set_amax_compute_algo(p.amax_compute_algo());
+  r.set_margin(p.margin());
+  r.set_fsdp_gather(p.fsdp_gather());
+  r.set_grad_reduce(p.grad_reduce());
+  return r;
+}
+
+v1::RunSpec WithRecipe(v1::RunSpec spec, const v1::Recipe& recipe) {
+  Precision* p = spec.mutable_precision();
+  *p->mutable_exclude() = recipe.exclude();
+  p->set_scaling(recipe.scaling());
+  p->set_amax_history_len(recipe.amax_history_len());
+  p->set_amax_compute_algo(recipe.amax_compute_algo());
+  p->set_margin(recipe.margin());
+  p->set_fsdp_gather(recipe.fsdp_gather());
+  p->set_grad_reduce(recipe.grad_reduce());
+  return spec;
+}
+
+bool SameRecipe(const v1::Recipe& a, const v1::Recipe& b) {
+  return google::protobuf::util::MessageDifferencer::Equals(a, b);
+}
+
+absl::Status ValidateSpec(const v1::RunSpec& spec, int world_size) {
+  absl::Status s = ValidateWithoutDataFile(spec, world_size);
+  if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.", s.message()));
+  return CheckExclude(spec.precision().exclude(), spec.model().layers(), "spec.precision.exclude");
+}
+
+absl::Status ValidateRecipe(const v1::Recipe& recipe, const v1::RunSpec& spec, int world_size) {
+  if (recipe.scaling() == Precision::SCALING_UNSPECIFIED) {
+    return FieldError("recipe.scaling", "not set (delayed, current or block)");
+  }
+  if (recipe.amax_compute_algo() == Precision::AMAX_COMPUTE_ALGO_UNSPECIFIED) {
+    return FieldError("recipe.amax_compute_algo", "not set (max or most_recent)");
+  }
+  if (recipe.fsdp_gather() == Precision::FSDP_GATHER_UNSPECIFIED) {
+    return FieldError("recipe.fsdp_gather", "not set (fp8 or bf16)");
+  }
+  if (recipe.grad_reduce() == Precision::GRAD_REDUCE_UNSPECIFIED) {
+    return FieldError("recipe.grad_reduce", "not set (bf16 or fp32)");
+  }
+  if (recipe.amax_history_len() < 1 || recipe.amax_history_len() > 4096) {
+    return FieldError("recipe.amax_history_len",
+                      absl::StrCat("must be in [1, 4096], got ", recipe.amax_history_len()));
+  }
+  if (recipe.margin() < 0 || recipe.margin() > 32) {
+    return FieldError("recipe.margin", absl::StrCat("must be in [0, 32], got ", recipe.margin()));
+  }
+  absl::Status s = CheckExclude(recipe.exclude(), spec.model().layers(), "recipe.exclude");
+  if (!s.ok()) return s;
+  // What is left to fail in the merged spec depends on the scaling: block scaling needs whole
+  // 128-wide blocks per tensor-parallel shard and whole 128-row blocks per FSDP shard.
+  s = ValidateWithoutDataFile(WithRecipe(spec, recipe), world_size);
+  if (!s.ok()) {
+    return FieldError(
+        recipe.scaling() == Precision::SCALING_BLOCK ? "recipe.scaling" : "recipe",
+        absl::StrCat(ScalingLabel(recipe.scaling()),
+                     " scaling does not fit the run's model and layout: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+std::string DescribeRecipeChange(const v1::Recipe& from, const v1::Recipe& to) {
+  std::vector<std::string> parts;
+  auto changed = [&](const char* name, const std::string& a, const std::string& b) {
+    if (a != b) parts.push_back(absl::StrCat(name, " ", a, " -> ", b));
+  };
+  changed("scaling", ScalingLabel(from.scaling()), ScalingLabel(to.scaling()));
+  changed("amax_history_len", absl::StrCat(from.amax_history_len()),
+          absl::StrCat(to.amax_history_len()));
+  changed("amax_compute_algo", AlgoLabel(from.amax_compute_algo()),
+          AlgoLabel(to.amax_compute_algo()));
+  changed("margin", absl::StrCat(from.margin()), absl::StrCat(to.margin()));
+  changed("fsdp_gather", GatherLabel(from.fsdp_gather()), GatherLabel(to.fsdp_gather()));
+  changed("grad_reduce", ReduceLabel(from.grad_reduce()), ReduceLabel(to.grad_reduce()));
+  const std::set<std::string> a(from.exclude().begin(), from.exclude().end());
+  const std::set<std::string> b(to.exclude().begin(), to.exclude().end());
+  for (const std::string& name : b) {
+    if (!a.contains(name)) parts.push_back(absl::StrCat("exclude +", name));
+  }
+  for (const std::string& name : a) {
+    if (!b.contains(name)) parts.push_back(absl::StrCat("exclude -", name));
+  }
+  return parts.empty() ? "no change" : absl::StrJoin(parts, ", ");
+}
+
+}  // namespace fp8rt::controller

@@ -1,0 +1,67 @@
+// Recipes and layer names as the controller checks them (proto/fp8rt/v1/control.proto Recipe).
+//
+// Defines:
+//   LayerNames, IsBlockLayer     the layers a recipe may exclude: blocks.N.{attn.qkv, attn.proj,
+//                                mlp.fc1, mlp.fc2} for N < model.layers, and lm_head (the same
+//                                list as runtime/model's Transformer::LayerNames).
+//   RecipeFromSpec, WithRecipe   RunSpec.precision <-> Recipe.
+//   ValidateSpec                 a registered spec, errors prefixed "spec.".
+//   ValidateRecipe               an updated recipe against the run's spec, errors prefixed
+//                                "recipe.".
+//   DescribeRecipeChange         "margin 0 -> 2, exclude +blocks.0.mlp.fc1" for events.
+//
+// Data files. ValidateRunSpec (runtime/core/run_spec.h) also requires data.path to name a
+// readable file, but the data lives on the workers' machines and the controller never reads it
+// (the worker validates its spec with the real path before it registers). So both functions
+// validate a copy of the spec whose data.path is /dev/null, which always exists and is readable:
+// every other check of ValidateRunSpec runs unchanged.
+//
+// Stateless and thread-safe.
+#ifndef FP8RT_RUNTIME_CONTROLLER_RECIPE_H_
+#define FP8RT_RUNTIME_CONTROLLER_RECIPE_H_
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "fp8rt/v1/control.pb.h"
+#include "fp8rt/v1/run_spec.pb.h"
+
+namespace fp8rt::controller {
+
+// The layers of a model with `layers` blocks, in model order, lm_head last.
+std::vector<std::string> LayerNames(int layers);
+
+// True for blocks.N.{attn.qkv, attn.proj, mlp.fc1, mlp.fc2} with N < layers.
+bool IsBlockLayer(std::string_view name, int layers);
+
+// The part of a run spec's precision section that can change while a run trains.
+v1::Recipe RecipeFromSpec(const v1::RunSpec& spec);
+
+// `spec` with its precision section's recipe fields replaced by `recipe`.
+v1::RunSpec WithRecipe(v1::RunSpec spec, const v1::Recipe& recipe);
+
+// Field-by-field equality.
+bool SameRecipe(const v1::Recipe& a, const v1::Recipe& b);
+
+// ValidateRunSpec(spec, world_size) without the data.path check (see the file comment), plus
+// every precision.exclude name a layer of the model. InvalidArgument "spec.<field>: ...".
+[[nodiscard]] absl::Status ValidateSpec(const v1::RunSpec& spec, int world_size);
+
+// A recipe update for a run of `spec` and `world_size`. InvalidArgument naming the field:
+//   recipe.scaling / amax_compute_algo / fsdp_gather / grad_reduce: not set
+//   recipe.amax_history_len: must be in [1, 4096], got N
+//   recipe.margin: must be in [0, 32], got N
+//   recipe.exclude[i]: empty layer name / no layer named 'x' (layers: ...) / listed twice
+//   recipe.scaling: the model does not fit (block scaling needs whole 128 blocks: the
+//                   ValidateRunSpec message follows)
+[[nodiscard]] absl::Status ValidateRecipe(const v1::Recipe& recipe, const v1::RunSpec& spec,
+                                          int world_size);
+
+// What changed from `from` to `to`, for event messages ("no change" when nothing did).
+std::string DescribeRecipeChange(const v1::Recipe& from, const v1::Recipe& to);
+
+}  // namespace fp8rt::controller
+
+#endif  // FP8RT_RUNTIME_CONTROLLER_RECIPE_H_

@@ -1,0 +1,147 @@
+// Control-plane client of a worker rank (see controller_client.h).
+#include "runtime/worker/controller_client.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+
+namespace fp8rt::worker {
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("token file ", path, ": cannot read it"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string token(absl::StripAsciiWhitespace(ss.str()));
+  if (token.empty())
+    return absl::InvalidArgumentError(absl::StrCat("token file ", path, " is empty"));
+  return token;
+}
+
+ControllerClient::ControllerClient(const ControllerOptions& options) : options_(options) {}
+
+absl::StatusOr<std::unique_ptr<ControllerClient>> ControllerClient::Connect(
+    const ControllerOptions& options) {
+  if (options.address.empty()) return absl::InvalidArgumentError("--controller: empty address");
+  std::shared_ptr<grpc::ChannelCredentials> creds;
+  if (options.tls_ca.empty()) {
+    creds = grpc::InsecureChannelCredentials();
+  } else {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_ca;
+    creds = grpc::SslCredentials(ssl);
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(16 << 20);
+  args.SetMaxSendMessageSize(16 << 20);
+  std::unique_ptr<ControllerClient> client(new ControllerClient(options));
+  client->stub_ = v1::Control::NewStub(grpc::CreateCustomChannel(options.address, creds, args));
+  return client;
+}
+
+ControllerClient::~ControllerClient() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (heartbeat_.joinable()) heartbeat_.join();
+}
+
+void ControllerClient::Prepare(grpc::ClientContext* context) const {
+  context->set_deadline(std::chrono::system_clock::now() + options_.timeout);
+  context->AddMetadata("authorization", "Bearer " + options_.token);
+}
+
+absl::Status ControllerClient::Convert(const char* rpc, const grpc::Status& status) const {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(
+      static_cast<absl::StatusCode>(status.error_code()),
+      absl::StrCat("controller ", options_.address, ": ", rpc, ": ", status.error_message()));
+}
+
+absl::StatusOr<v1::RegisterResponse> ControllerClient::Register(
+    const v1::RegisterRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::RegisterResponse response;
+  absl::Status s = Convert("Register", stub_->Register(&context, request, &response));
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> lock(mu_);
+  latest_.recipe = response.recipe();
+  return response;
+}
+
+absl::Status ControllerClient::HeartbeatOnce(int rank, int64_t step) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::HeartbeatRequest request;
+  request.set_run_id(options_.run_id);
+  request.set_rank(rank);
+  request.set_step(step);
+  v1::HeartbeatResponse response;
+  absl::Status s = Convert("Heartbeat", stub_->Heartbeat(&context, request, &response));
+  if (!s.ok()) return s;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (response.recipe().version() >= latest_.recipe.version()) latest_.recipe = response.recipe();
+  latest_.stop = response.stop();
+  latest_.save_checkpoint = latest_.save_checkpoint || response.save_checkpoint();
+  return absl::OkStatus();
+}
+
+void ControllerClient::StartHeartbeats(int rank, std::chrono::milliseconds interval,
+                                       std::function<int64_t()> step) {
+  heartbeat_ = std::thread([this, rank, interval, step = std::move(step)] {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopping_) {
+      lock.unlock();
+      (void)HeartbeatOnce(rank, step());  // a miss is tolerated; the controller times ranks out
+      lock.lock();
+      cv_.wait_for(lock, interval, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return stopping_; });
+    }
+  });
+}
+
+Directives ControllerClient::Latest() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return latest_;
+}
+
+absl::Status ControllerClient::ReportStep(const v1::ReportStepRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::ReportStepResponse response;
+  return Convert("ReportStep", stub_->ReportStep(&context, request, &response));
+}
+
+absl::StatusOr<std::string> ControllerClient::BeginCheckpoint(int64_t step) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  v1::BeginCheckpointRequest request;
+  request.set_run_id(options_.run_id);
+  request.set_step(step);
+  v1::BeginCheckpointResponse response;
+  absl::Status s = Convert("BeginCheckpoint", stub_->BeginCheckpoint(&context, request, &response));
+  if (!s.ok()) return s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    latest_.save_checkpoint = false;  // the request (if any) is being served
+  }
+  return response.temp_dir();
+}
+
+absl::StatusOr<bool> ControllerClient::AckShard(const v1::AckShardRequest& request) {
+  grpc::ClientContext context;
+  Prepare(&context);
+  // The last acknowledgement commits: the controller hashes every shard first.
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
+  v1::AckShardResponse response;
+  absl::Status s = Convert("AckShard", stub_->AckShard(&context, request, &response));
+  if (!s.ok()) return s;
+  return response.committed();
+}
+
+}  // namespace fp8rt::worker

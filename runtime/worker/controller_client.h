@@ -1,0 +1,89 @@
+// The worker's side of the control plane: a client of fp8rt.v1.Control
+// (proto/fp8rt/v1/control.proto).
+//
+// Index:
+//   ControllerOptions  address, token, TLS root, run id, deadline
+//   Directives         what the controller last told this rank through its heartbeat: the newest
+//                      recipe version, stop, save a checkpoint
+//   ControllerClient   Register, a heartbeat thread, ReportStep, BeginCheckpoint, AckShard
+//
+// Every call carries `authorization: Bearer <token>` and a deadline; a failed call is a Status
+// naming the RPC and the controller's address (the token never appears in messages).
+// Thread-safe: the heartbeat thread and the step loop share the client; Latest() may be called
+// from any thread.
+#ifndef FP8RT_RUNTIME_WORKER_CONTROLLER_CLIENT_H_
+#define FP8RT_RUNTIME_WORKER_CONTROLLER_CLIENT_H_
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "fp8rt/v1/control.grpc.pb.h"
+#include "fp8rt/v1/control.pb.h"
+
+namespace fp8rt::worker {
+
+struct ControllerOptions {
+  std::string address;  // host:port of fp8rt-controller
+  std::string token;    // bearer token (the token file's content, trimmed)
+  std::string tls_ca;   // PEM of the root CA to verify the controller with; "" = plaintext
+  std::string run_id;   // the run this worker belongs to
+  std::chrono::milliseconds timeout{std::chrono::seconds(10)};  // deadline of every call
+};
+
+// Reads a token file: its content with surrounding whitespace removed. InvalidArgument naming the
+// file when it is missing or empty.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
+
+struct Directives {
+  v1::RecipeVersion recipe;  // newest known version (version 0 before the first answer)
+  bool stop = false;
+  bool save_checkpoint = false;
+};
+
+class ControllerClient {
+ public:
+  static absl::StatusOr<std::unique_ptr<ControllerClient>> Connect(
+      const ControllerOptions& options);
+  ~ControllerClient();  // stops the heartbeat thread
+
+  const ControllerOptions& options() const { return options_; }
+
+  absl::StatusOr<v1::RegisterResponse> Register(const v1::RegisterRequest& request);
+  // Heartbeats every `interval` from a background thread, reporting `step()` (called on that
+  // thread; it must be thread-safe). Failures are counted, not fatal: the controller marks a rank
+  // lost only after its timeout.
+  void StartHeartbeats(int rank, std::chrono::milliseconds interval, std::function<int64_t()> step);
+  // One heartbeat now (also what the thread sends).
+  absl::Status HeartbeatOnce(int rank, int64_t step);
+  Directives Latest() const;
+
+  absl::Status ReportStep(const v1::ReportStepRequest& request);
+  absl::StatusOr<std::string> BeginCheckpoint(int64_t step);
+  absl::StatusOr<bool> AckShard(const v1::AckShardRequest& request);
+
+ private:
+  explicit ControllerClient(const ControllerOptions& options);
+  void Prepare(grpc::ClientContext* context) const;
+  absl::Status Convert(const char* rpc, const grpc::Status& status) const;
+
+  const ControllerOptions options_;  // fixed after construction
+  std::unique_ptr<v1::Control::Stub> stub_;
+
+  mutable std::mutex mu_;
+  Directives latest_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::condition_variable cv_;
+  std::thread heartbeat_;
+};
+
+}  // namespace fp8rt::worker
+
+#endif  // FP8RT_RUNTIME_WORKER_CONTROLLER_CLIENT_H_

@@ -1,0 +1,334 @@
+// The control plane end to end, as an operator runs it: a real fp8rt-controller, a real
+// Prometheus server scraping it, and `fp8rt launch` training examples/tiny.yaml on 2 MPI ranks
+// against that controller.
+//   - a live recipe update (a layer excluded from FP8, a new margin) is applied by every rank at
+//     the same step, which metrics.jsonl, the per-rank FP8 statistics and the controller agree on;
+//   - Prometheus scrapes per-layer FP8 metrics of the run and answers a PromQL query on them;
+//   - checkpoints are committed by the controller, and a resume through it continues the run.
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "fp8rt/v1/control.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace fp8rt {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+const std::string kBin = FP8RT_BIN_DIR;
+const std::string kSource = FP8RT_SOURCE_DIR;
+
+std::string ReadFile(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::vector<Json> ReadJsonl(const fs::path& path) {
+  std::vector<Json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty()) out.push_back(Json::parse(line));
+  }
+  return out;
+}
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int port = ntohs(addr.sin_port);
+  close(fd);
+  return port;
+}
+
+// A child process with its output in a file; killed (SIGTERM, then SIGKILL) on destruction.
+class Process {
+ public:
+  Process(const std::vector<std::string>& argv, const fs::path& log) {
+    pid_ = fork();
+    if (pid_ == 0) {
+      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      std::vector<char*> args;
+      for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+      args.push_back(nullptr);
+      execvp(args[0], args.data());
+      _exit(127);
+    }
+  }
+  ~Process() { Stop(); }
+  int Wait() {
+    if (pid_ <= 0) return status_;
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = 0;
+    status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return status_;
+  }
+  void Stop() {
+    if (pid_ <= 0) return;
+    kill(pid_, SIGTERM);
+    for (int i = 0; i < 100; ++i) {
+      if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
+        pid_ = 0;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    kill(pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
+    pid_ = 0;
+  }
+
+ private:
+  pid_t pid_ = 0;
+  int status_ = -1;
+};
+
+std::string Capture(const std::string& cmd) {
+  std::string out;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, n);
+  pclose(pipe);
+  return out;
+}
+
+class ControlPlaneTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/fp8rt-control-plane-XXXXXX";
+    ASSERT_NE(mkdtemp(tmpl), nullptr);
+    dir_ = tmpl;
+    token_file_ = dir_ / "token";
+    std::ofstream(token_file_) << "0123456789abcdef0123456789abcdef\n";
+    fs::permissions(token_file_, fs::perms::owner_read | fs::perms::owner_write);
+    StartController();
+    // The spec: examples/tiny.yaml with an absolute data path (the test runs in the build dir).
+    std::string spec = ReadFile(kSource + "/examples/tiny.yaml");
+    const std::string rel = "path: examples/data/kjv.txt";
+    ASSERT_NE(spec.find(rel), std::string::npos);
+    spec.replace(spec.find(rel), rel.size(), "path: " + kSource + "/examples/data/kjv.txt");
+    spec_ = dir_ / "tiny.yaml";
+    std::ofstream(spec_) << spec;
+  }
+
+  void TearDown() override {
+    controller_.reset();
+    if (!HasFailure())
+      fs::remove_all(dir_);
+    else
+      std::printf("test folder kept: %s\n", dir_.c_str());
+  }
+
+  void StartController() {
+    const fs::path ready = dir_ / "ready.json";
+    fs::remove(ready);
+    controller_ = std::make_unique<Process>(
+        std::vector<std::string>{kBin + "/fp8rt-controller", "--token-file", token_file_.string(),
+                                 "--state-dir", (dir_ / "state").string(), "--listen",
+                                 "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--ready-file",
+                                 ready.string()},
+        dir_ / "controller.log");
+    for (int i = 0; i < 200 && !fs::exists(ready); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    ASSERT_TRUE(fs::exists(ready)) << ReadFile(dir_ / "controller.log");
+    const Json j = Json::parse(ReadFile(ready));
+    address_ = j["grpc"].get<std::string>();
+    metrics_ = j["metrics"].get<std::string>();
+    runs_ = v1::Runs::NewStub(grpc::CreateChannel(address_, grpc::InsecureChannelCredentials()));
+  }
+
+  void Prepare(grpc::ClientContext* ctx) {
+    ctx->AddMetadata("authorization", "Bearer 0123456789abcdef0123456789abcdef");
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  }
+
+  std::vector<std::string> LaunchArgv(const std::string& run_dir,
+                                      const std::vector<std::string>& extra) {
+    std::vector<std::string> argv = {
+        kBin + "/fp8rt", "launch",       spec_.string(),       "--np",      "2",     "--controller",
+        address_,        "--token-file", token_file_.string(), "--run-dir", run_dir, "--run-id",
+        "tiny-e2e"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return argv;
+  }
+
+  fs::path dir_, token_file_, spec_;
+  std::string address_, metrics_;
+  std::unique_ptr<Process> controller_;
+  std::unique_ptr<v1::Runs::Stub> runs_;
+};
+
+TEST_F(ControlPlaneTest, RecipeUpdatePrometheusAndCheckpointsThroughTheController) {
+  // Prometheus scrapes the controller every second.
+  const int prom_port = FreePort();
+  const fs::path prom_cfg = dir_ / "prometheus.yml";
+  std::ofstream(prom_cfg) << "global:\n  scrape_interval: 1s\n"
+                             "scrape_configs:\n  - job_name: fp8rt\n    static_configs:\n"
+                             "      - targets: ['"
+                          << metrics_ << "']\n";
+  Process prometheus({"prometheus", "--config.file=" + prom_cfg.string(),
+                      "--storage.tsdb.path=" + (dir_ / "tsdb").string(),
+                      "--web.listen-address=127.0.0.1:" + std::to_string(prom_port)},
+                     dir_ / "prometheus.log");
+
+  // Training: 60 steps, checkpoints every 20, FP8 statistics of every rank at every step.
+  const fs::path run_dir = dir_ / "run";
+  Process launch(
+      LaunchArgv(run_dir.string(), {"--set", "train.steps=60", "--set", "train.warmup=5", "--set",
+                                    "checkpoint.every=20", "--set", "metrics.every=1"}),
+      dir_ / "launch.log");
+  // Once the run is under way, exclude one layer from FP8 and change the margin.
+  int64_t step_seen = 0;
+  for (int i = 0; i < 600 && step_seen < 5; ++i) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::GetRunRequest req;
+    req.set_run_id("tiny-e2e");
+    v1::Run run;
+    if (runs_->GetRun(&ctx, req, &run).ok()) step_seen = run.last_step().step();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GE(step_seen, 5) << ReadFile(dir_ / "launch.log") << ReadFile(run_dir / "logs/launch.log");
+  v1::RecipeVersion current;
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::GetRecipeRequest req;
+    req.set_run_id("tiny-e2e");
+    ASSERT_TRUE(runs_->GetRecipe(&ctx, req, &current).ok());
+  }
+  v1::RecipeVersion updated;
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::UpdateRecipeRequest req;
+    req.set_run_id("tiny-e2e");
+    *req.mutable_recipe() = current.recipe();
+    req.mutable_recipe()->add_exclude("blocks.0.mlp.fc1");
+    req.mutable_recipe()->set_margin(1);
+    req.set_reason("test: fc1 of block 0 back to BF16");
+    const grpc::Status s = runs_->UpdateRecipe(&ctx, req, &updated);
+    ASSERT_TRUE(s.ok()) << s.error_message();
+  }
+  EXPECT_EQ(updated.version(), current.version() + 1);
+  const int64_t effective = updated.effective_step();
+  EXPECT_GT(effective, step_seen);
+  ASSERT_EQ(launch.Wait(), 0) << ReadFile(dir_ / "launch.log")
+                              << ReadFile(run_dir / "logs/launch.log");
+
+  // Every rank switched at the effective step: its FP8 statistics stop listing the excluded
+  // layer exactly there, metrics.jsonl shows the new version from there on, the controller
+  // recorded it as applied there.
+  for (const char* rank_file : {"rank-00000.jsonl", "rank-00001.jsonl"}) {
+    SCOPED_TRACE(rank_file);
+    std::map<int64_t, std::set<std::string>> sites;
+    for (const Json& j : ReadJsonl(run_dir / "fp8_stats" / rank_file)) {
+      sites[j["step"].get<int64_t>()].insert(j["site"].get<std::string>());
+    }
+    ASSERT_EQ(sites.size(), 60u);
+    for (const auto& [step, names] : sites) {
+      EXPECT_EQ(names.count("blocks.0.mlp.fc1/input") == 0, step >= effective) << "step " << step;
+      EXPECT_EQ(names.count("blocks.1.mlp.fc1/input"), 1u) << "step " << step;
+    }
+  }
+  const std::vector<Json> metrics = ReadJsonl(run_dir / "metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 60u);
+  for (const Json& m : metrics) {
+    EXPECT_EQ(m["recipe_version"].get<int64_t>(), m["step"].get<int64_t>() >= effective ? 2 : 1)
+        << m.dump();
+  }
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::GetRecipeRequest req;
+    req.set_run_id("tiny-e2e");
+    v1::RecipeVersion v;
+    ASSERT_TRUE(runs_->GetRecipe(&ctx, req, &v).ok());
+    EXPECT_EQ(v.version(), 2);
+    EXPECT_EQ(v.applied_step(), effective);
+  }
+
+  // The controller committed the checkpoints (20, 40, 60; keep 2 in tiny.yaml).
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::ListCheckpointsRequest req;
+    req.set_run_id("tiny-e2e");
+    v1::ListCheckpointsResponse resp;
+    ASSERT_TRUE(runs_->ListCheckpoints(&ctx, req, &resp).ok());
+    ASSERT_EQ(resp.checkpoints_size(), 2);
+    EXPECT_EQ(resp.checkpoints(0).step(), 40);
+    EXPECT_EQ(resp.checkpoints(1).step(), 60);
+    EXPECT_TRUE(fs::exists(run_dir / "checkpoints/step-00000060/MANIFEST"));
+  }
+
+  // Prometheus has the run's per-layer FP8 metrics: a PromQL query on the weight scale of a
+  // layer answers with the run's series.
+  const std::string query =
+      "curl -s -G --data-urlencode 'query=fp8rt_fp8_scale{run=\"tiny-e2e\",layer=\"blocks.1.mlp."
+      "fc1\",tensor=\"weight\"}' http://127.0.0.1:" +
+      std::to_string(prom_port) + "/api/v1/query";
+  Json answer;
+  for (int i = 0; i < 100; ++i) {
+    const std::string out = Capture(query);
+    answer = Json::parse(out, nullptr, false);
+    if (!answer.is_discarded() && answer.value("status", "") == "success" &&
+        !answer["data"]["result"].empty()) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_FALSE(answer.is_discarded()) << ReadFile(dir_ / "prometheus.log");
+  ASSERT_FALSE(answer["data"]["result"].empty()) << answer.dump();
+  const double scale = std::stod(answer["data"]["result"][0]["value"][1].get<std::string>());
+  EXPECT_TRUE(std::isfinite(scale) && scale > 0) << answer.dump();
+
+  // Resume through the controller: it names step 60 as the resume point; the run goes on to 70.
+  Process resumed(LaunchArgv(run_dir.string(),
+                             {"--resume", "--set", "train.steps=70", "--set", "train.warmup=5",
+                              "--set", "checkpoint.every=20", "--set", "metrics.every=1"}),
+                  dir_ / "launch2.log");
+  ASSERT_EQ(resumed.Wait(), 0) << ReadFile(dir_ / "launch2.log")
+                               << ReadFile(run_dir / "logs/launch.log");
+  const std::vector<Json> after = ReadJsonl(run_dir / "metrics.jsonl");
+  ASSERT_EQ(after.size(), 70u);
+  EXPECT_EQ(after.back()["step"].get<int64_t>(), 70);
+  EXPECT_NE(ReadFile(run_dir / "logs/launch.log").find("resuming after step 60"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace fp8rt
