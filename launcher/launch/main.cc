@@ -1,7 +1,7 @@
 // fp8rt-launch (run as `fp8rt launch`): starts a training run through mpirun and shows progress.
 //
 //   fp8rt launch RUN.yaml --np N --run-dir DIR [--set key=value]... [--resume]
-//                [--threads-per-rank T] [--quiet] [--run-id ID]
+//                [--threads-per-rank T] [--quiet] [--run-id ID] [--max-restarts K]
 //                [--metrics-port P | --controller HOST:PORT --token-file F | --no-controller]
 //
 // The control plane: unless --controller or --no-controller is given, the launcher starts an
@@ -16,6 +16,12 @@
 // of fp8rt-worker with the spec, the run folder and the overrides; its output goes to
 // DIR/logs/launch.log, and the launcher follows DIR/metrics.jsonl (one JSON object per step,
 // appended by rank 0) to draw a progress bar on a terminal, or plain lines otherwise.
+//
+// Restarts: with --max-restarts K, when mpirun fails (a rank died, or hung and the others'
+// collective timeout, FP8RT_COLLECTIVE_TIMEOUT_S, tore the job down) the launcher says so and runs
+// mpirun again with --resume, up to K times; the run continues bit-identically from its newest
+// committed checkpoint. Exit 2 from the workers (bad input) and a user's Ctrl-C are not retried.
+// FP8RT_FAULT (test faults, docs/operations.md) reaches the ranks of the first attempt only.
 //
 // Exit codes: 0 the workers finished; 1 they failed (the tail of launch.log is printed);
 // 2 bad options or spec, or no worker/mpirun to run (nothing was started).
@@ -101,6 +107,7 @@ struct Options {
   std::string token_file;              // its token (--token-file or $FP8RT_TOKEN_FILE)
   bool no_controller = false;          // standalone workers, no control plane
   int metrics_port = 0;                // the started controller's metrics port (0: any free)
+  int max_restarts = 0;                // restarts from the newest checkpoint after a failure
   std::string run_id;                  // default: the run folder's name
 };
 
@@ -133,6 +140,10 @@ std::optional<int> ParseOptions(int argc, char** argv, Options* options) {
                  "OMP_NUM_THREADS of each rank (default: cores / np, at least 1)")
       ->check(kPositiveInt);
   app.add_flag("--quiet", options->quiet, "print nothing but errors");
+  app.add_option("--max-restarts", options->max_restarts,
+                 "after a failed attempt (a rank died or hung), restart from the newest committed "
+                 "checkpoint up to this many times (default 0)")
+      ->check(CLI::Range(0, 1000));
   app.add_option("--run-id", options->run_id, "run id at the controller (default: folder name)");
   app.add_option("--metrics-port", options->metrics_port,
                  "Prometheus port of the controller started for the run (default: any free one)")
@@ -254,6 +265,10 @@ std::vector<std::string> MpirunArgv(const Options& options, const fs::path& work
   if (geteuid() == 0) argv.push_back("--allow-run-as-root");
   // Each rank runs its own OpenMP/oneDNN threads: binding ranks to cores would pile them up.
   argv.insert(argv.end(), {"--bind-to", "none", "-x", absl::StrCat("OMP_NUM_THREADS=", threads)});
+  // Settings every rank must see, also on other hosts.
+  for (const char* var : {"FP8RT_FAULT", "FP8RT_COLLECTIVE_TIMEOUT_S"}) {
+    if (std::getenv(var) != nullptr) argv.insert(argv.end(), {"-x", var});
+  }
   argv.insert(argv.end(), {worker.string(), "--spec", AbsolutePath(options.spec_path).string(),
                            "--run-dir", run_dir.string()});
   for (const std::string& kv : options.overrides) argv.insert(argv.end(), {"--set", kv});
@@ -553,6 +568,7 @@ class Progress {
 // Waiting for mpirun
 
 volatile std::sig_atomic_t g_pending_signal = 0;  // set by OnSignal, consumed by WaitForMpirun
+bool g_interrupted = false;                       // a signal was forwarded to mpirun: no restart
 
 void OnSignal(int signo) { g_pending_signal = signo; }
 
@@ -586,6 +602,7 @@ int WaitForMpirun(pid_t pid, MetricsTail* metrics, Progress* progress, bool quie
     }
     if (const int signo = g_pending_signal; signo != 0) {
       g_pending_signal = 0;
+      g_interrupted = true;
       progress->Finish();
       if (!quiet) {
         std::fprintf(stderr, "fp8rt launch: %s received, stopping the workers\n",
@@ -778,27 +795,44 @@ int Launch(const Options& options) {
     worker_extra = {"--controller",   plane.address, "--token-file",
                     plane.token_file, "--run-id",    run_id};
   }
-  const std::vector<std::string> argv = MpirunArgv(options, *worker, run_dir, worker_extra);
-  const std::string command = CommandLine(argv);
-  if (!options.quiet) std::fprintf(stderr, "fp8rt launch: %s\n", command.c_str());
-  absl::StatusOr<int> log_fd = OpenLog(log_path, command);
-  if (!log_fd.ok()) {
-    StopController(plane);
-    return fail(log_fd.status());
-  }
   MetricsTail metrics(run_dir / "metrics.jsonl");  // before the start: earlier lines are skipped
   Progress progress(spec->train().steps(), isatty(STDERR_FILENO) == 1, options.quiet);
   InstallSignalHandlers();
-  absl::StatusOr<pid_t> pid = StartMpirun(argv, *log_fd);
-  close(*log_fd);
-  if (!pid.ok()) {
-    StopController(plane);
-    return fail(pid.status());
-  }
 
-  // 3. Progress until mpirun exits; then the run's controller is stopped.
-  const int status = WaitForMpirun(*pid, &metrics, &progress, options.quiet);
-  progress.Finish();
+  // 3. mpirun, and again from the newest committed checkpoint after a failure (--max-restarts).
+  int status = 0;
+  for (int attempt = 0;; ++attempt) {
+    Options attempt_options = options;
+    if (attempt > 0) {
+      attempt_options.resume = true;
+      unsetenv("FP8RT_FAULT");  // test faults fire in the first attempt only
+    }
+    const std::vector<std::string> argv =
+        MpirunArgv(attempt_options, *worker, run_dir, worker_extra);
+    const std::string command = CommandLine(argv);
+    if (!options.quiet) std::fprintf(stderr, "fp8rt launch: %s\n", command.c_str());
+    absl::StatusOr<int> log_fd = OpenLog(log_path, command);
+    if (!log_fd.ok()) {
+      StopController(plane);
+      return fail(log_fd.status());
+    }
+    absl::StatusOr<pid_t> pid = StartMpirun(argv, *log_fd);
+    close(*log_fd);
+    if (!pid.ok()) {
+      StopController(plane);
+      return fail(pid.status());
+    }
+    status = WaitForMpirun(*pid, &metrics, &progress, options.quiet);
+    progress.Finish();
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) break;
+    // Bad input (exit 2 from every rank) or a user's Ctrl-C is not a failure to retry.
+    const bool bad_input = WIFEXITED(status) && WEXITSTATUS(status) == kExitBadInput;
+    if (attempt >= options.max_restarts || bad_input || g_interrupted) break;
+    std::fprintf(stderr,
+                 "fp8rt launch: workers failed (exit code %d); restarting from the newest "
+                 "committed checkpoint (restart %d of %d)\n",
+                 ShellExitCode(status), attempt + 1, options.max_restarts);
+  }
   StopController(plane);
 
   // 4. The outcome.

@@ -302,11 +302,11 @@ class TrainTest : public ::testing::Test {
     return RunCommand(argv, fault, NextLog("worker"));
   }
 
-  // `fp8rt launch ARGS`.
-  Result Launch(const std::vector<std::string>& args) {
+  // `fp8rt launch ARGS`, with FP8RT_FAULT=`fault` when not empty.
+  Result Launch(const std::vector<std::string>& args, const std::string& fault = "") {
     std::vector<std::string> argv = {std::string(FP8RT_BIN_DIR) + "/fp8rt", "launch"};
     argv.insert(argv.end(), args.begin(), args.end());
-    return RunCommand(argv, "", NextLog("launch"));
+    return RunCommand(argv, fault, NextLog("launch"));
   }
 
   fs::path dir_;           // the test's temp folder
@@ -639,6 +639,37 @@ TEST_F(TrainTest, LaunchTrainsTinyModel) {
             fs::perms::owner_read | fs::perms::owner_write);
   EXPECT_EQ(Steps(ReadJsonl(run_dir / "metrics.jsonl")), OneTo(10));
   EXPECT_TRUE(fs::exists(CheckpointDir(run_dir, 10)));
+}
+
+// A rank killed mid-run: `fp8rt launch --max-restarts 1` says so, restarts from the newest
+// committed checkpoint (step 5, through the controller it started), and the run ends with the
+// loss curve of a run that was never interrupted, bit for bit.
+TEST_F(TrainTest, LaunchRestartsAfterAKilledRankWithTheSameLossCurve) {
+  const std::vector<std::string> common = {
+      spec_.string(),   "--np",           "2",
+      "--set",          "train.steps=12", "--set",
+      "train.warmup=2", "--set",          "checkpoint.every=5"};
+  auto with = [&](const fs::path& run_dir, std::vector<std::string> more) {
+    std::vector<std::string> args = common;
+    args.insert(args.end(), {"--run-dir", run_dir.string()});
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+  const fs::path straight = dir_ / "straight", restarted = dir_ / "restarted";
+  const Result a = Launch(with(straight, {}));
+  ASSERT_EQ(a.exit_code, 0) << a.err;
+  const Result b = Launch(with(restarted, {"--max-restarts", "1"}), "kill:rank=1:step=8");
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  EXPECT_THAT(b.err, HasSubstr("restarting from the newest committed checkpoint (restart 1 of 1)"));
+  EXPECT_THAT(ReadFile(restarted / "logs" / "launch.log"), HasSubstr("resuming after step 5"));
+  const std::vector<Json> ma = ReadJsonl(straight / "metrics.jsonl");
+  const std::vector<Json> mb = ReadJsonl(restarted / "metrics.jsonl");
+  EXPECT_EQ(Steps(mb), OneTo(12));
+  ExpectSameSteps(ma, mb, 0, 12, "restarted vs straight");
+  // Without restarts the same fault fails the launch, naming the exit and showing the log.
+  const Result c = Launch(with(dir_ / "no-restart", {}), "kill:rank=1:step=8");
+  EXPECT_EQ(c.exit_code, 1) << c.err;
+  EXPECT_THAT(c.err, HasSubstr("workers failed"));
 }
 
 }  // namespace
