@@ -62,6 +62,13 @@ v1::RunSpec RunSpecDefaults() {
   spec.mutable_metrics()->set_every(1);
   spec.mutable_metrics()->set_per_rank_fp8_stats(false);
   spec.mutable_health()->set_intervals(3);
+  v1::RunSpec::Moe* moe = spec.mutable_moe();
+  moe->set_experts(0);
+  moe->set_top_k(2);
+  moe->set_every(1);
+  moe->set_capacity_factor(1.25);
+  moe->set_aux_loss_coef(0.01);
+  moe->set_drop_tokens(true);
   return spec;
 }
 
@@ -648,6 +655,39 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size) {
     }
   }
   FP8RT_RETURN_IF_ERROR(CheckPositive("health.intervals", h.intervals()));
+
+  const auto& moe = spec.moe();
+  if (moe.experts() < 0) return FieldError("moe.experts", "must be >= 0 (0 = no MoE)");
+  if (moe.experts() > 0) {
+    if (moe.experts() % par.ep() != 0) {
+      return FieldError("moe.experts", absl::StrCat(moe.experts(), " experts cannot be split over "
+                                                    "parallel.ep ", par.ep()));
+    }
+    if (moe.top_k() < 1 || moe.top_k() > moe.experts()) {
+      return FieldError("moe.top_k", absl::StrCat("must be in [1, moe.experts = ", moe.experts(),
+                                                  "], got ", moe.top_k()));
+    }
+    FP8RT_RETURN_IF_ERROR(CheckPositive("moe.every", moe.every()));
+    if (!(moe.capacity_factor() > 0)) {
+      return FieldError("moe.capacity_factor",
+                        absl::StrCat("must be positive, got ", moe.capacity_factor()));
+    }
+    FP8RT_RETURN_IF_ERROR(CheckNonNegative("moe.aux_loss_coef", moe.aux_loss_coef()));
+    if (par.tp() != 1) {
+      return FieldError("parallel.tp", "MoE blocks need parallel.tp 1 (experts are not "
+                                       "tensor-parallel; shard them over parallel.ep)");
+    }
+    // Expert weights are FSDP-sharded over the expert-data-parallel group (dp / ep ranks).
+    const int64_t edp = par.dp() / par.ep();
+    if (pr.mode() == v1::RunSpec::Precision::MODE_FP8 &&
+        (m.d_ff() % edp != 0 || m.d_model() % edp != 0)) {
+      return FieldError("parallel.ep", absl::StrCat("expert weights (", m.d_ff(), " and ",
+                                                    m.d_model(), " rows) cannot be cut into dp / "
+                                                    "ep = ", edp, " FSDP shards of whole rows"));
+    }
+  } else if (par.ep() != 1) {
+    return FieldError("parallel.ep", "expert parallelism needs MoE blocks (moe.experts > 0)");
+  }
 
   const auto& t = spec.train();
   FP8RT_RETURN_IF_ERROR(CheckPositive("train.steps", t.steps()));

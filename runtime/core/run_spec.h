@@ -27,6 +27,8 @@
 //   data:       format text
 //   checkpoint: every 0 (off), keep 3
 //   metrics:    every 1, per_rank_fp8_stats false
+//   moe:        experts 0 (dense), top_k 2, every 1, capacity_factor 1.25, aux_loss_coef 0.01,
+//               drop_tokens true
 //   health:     saturation_threshold 0 (off), underflow_threshold 0 (off), intervals 3, demote false
 //
 // Overrides ("--set train.steps=20") are `dotted.path=value`, applied in order after the file,
@@ -76,6 +78,8 @@ v1::RunSpec RunSpecDefaults();
 //   - model.heads, model.d_model and model.d_ff divisible by parallel.tp
 //   - precision.scaling block: d_model / tp and d_ff / tp multiples of 128 (whole 128x128
 //     blocks on every tensor-parallel shard; with tp 1, d_model and d_ff multiples of 128)
+//   - moe: experts a multiple of parallel.ep, top_k in [1, experts], every >= 1, capacity_factor
+//     > 0, aux_loss_coef >= 0, tp 1 with MoE, ep 1 without; expert rows divisible by dp / ep
 //   - health thresholds in [0, 1], health.intervals positive
 //   - precision.mode fp8: the FP8 weights' rows per tensor-parallel rank (3 d_model / tp,
 //     d_model, d_ff / tp) divisible by parallel.dp (by 128 * dp with block scaling): FSDP

@@ -137,6 +137,7 @@ class Linear {
   // history); for current scaling the caller passes the scale from the synchronised amax.
   QuantSite& input_site() { return input_site_; }
   QuantSite& weight_site() { return weight_site_; }
+  const QuantSite& weight_site() const { return weight_site_; }
   QuantSite& grad_site() { return grad_site_; }
 
   // y[n, out] = x[n, in] W^T. `x` must stay valid and unchanged until Backward.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <numbers>
 
 #include "absl/strings/str_cat.h"
@@ -44,8 +45,11 @@ float Normal(uint64_t key, uint64_t index) {
 
 // The parameters and layers of one block (indices into params_).
 struct Transformer::Block {
-  int attn_norm, qkv_w, proj_w, mlp_norm, fc1_w, fc2_w;
-  Linear *qkv, *proj, *fc1, *fc2;
+  int attn_norm = -1, qkv_w = -1, proj_w = -1, mlp_norm = -1, fc1_w = -1, fc2_w = -1;
+  Linear *qkv = nullptr, *proj = nullptr, *fc1 = nullptr, *fc2 = nullptr;
+  std::unique_ptr<MoeLayer> moe;  // instead of fc1 / fc2 in MoE blocks
+  int router_w = -1;
+  int moe_stats = -1;  // index into moe_stats_
 };
 
 // Activations of one micro-batch (saved by the forward for the backward) and the backward's
@@ -109,8 +113,18 @@ Transformer::~Transformer() = default;
 std::vector<std::string> Transformer::LayerNames() const {
   std::vector<std::string> names;
   for (int64_t l = 0; l < shape_.layers; ++l) {
-    for (const char* s : {"attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"}) {
+    const bool moe = shape_.moe.experts > 0 && (l + 1) % shape_.moe_every == 0;
+    for (const char* s : {"attn.qkv", "attn.proj"})
       names.push_back(absl::StrCat("blocks.", l, ".", s));
+    if (!moe) {
+      for (const char* s : {"mlp.fc1", "mlp.fc2"})
+        names.push_back(absl::StrCat("blocks.", l, ".", s));
+      continue;
+    }
+    for (int64_t e = 0; e < shape_.moe.experts; ++e) {
+      for (const char* s : {"fc1", "fc2"}) {
+        names.push_back(absl::StrCat("blocks.", l, ".mlp.experts.", e, ".", s));
+      }
     }
   }
   names.push_back("lm_head");
@@ -186,15 +200,18 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Create(const ModelShap
 }
 
 Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols, TpSplit split,
-                             bool decay, float std_dev, uint64_t seed, Linear* linear) {
+                             bool decay, float std_dev, uint64_t seed, Linear* linear,
+                             bool expert) {
   Param& p = params_.emplace_back();
+  p.group = expert ? &mesh_.edp() : &mesh_.dp();
+  const int64_t fsdp = p.group->size(), fsdp_rank = p.group->rank();
   p.name = name;
   p.rows = rows;
   p.cols = cols;
   p.split = split;
   p.local_rows = split == TpSplit::kRows ? rows / tp_ : rows;
   p.local_cols = split == TpSplit::kCols ? cols / tp_ : cols;
-  p.shard_count = (p.local_count() + dp_ - 1) / dp_;
+  p.shard_count = (p.local_count() + fsdp - 1) / fsdp;
   p.decay = decay;
   p.linear = linear;
   const size_t shard = static_cast<size_t>(p.shard_count);
@@ -202,13 +219,13 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
   p.grad.assign(shard, 0.0f);
   p.m.assign(shard, 0.0f);
   p.v.assign(shard, 0.0f);
-  p.full.assign(shard * static_cast<size_t>(dp_), 0.0f);
-  p.full_grad.assign(shard * static_cast<size_t>(dp_), 0.0f);
+  p.full.assign(shard * static_cast<size_t>(fsdp), 0.0f);
+  p.full_grad.assign(shard * static_cast<size_t>(fsdp), 0.0f);
   const uint64_t key = SplitMix64(seed) ^ Fnv1a(name);
   const int64_t row0 = split == TpSplit::kRows ? tp_rank_ * p.local_rows : 0;
   const int64_t col0 = split == TpSplit::kCols ? tp_rank_ * p.local_cols : 0;
   for (int64_t i = 0; i < p.shard_count; ++i) {
-    const int64_t li = dp_rank_ * p.shard_count + i;
+    const int64_t li = fsdp_rank * p.shard_count + i;
     if (li >= p.local_count()) break;  // padding stays 0
     const int64_t r = row0 + li / p.local_cols, c = col0 + li % p.local_cols;
     p.master[static_cast<size_t>(i)] =
@@ -219,12 +236,13 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
 
 absl::Status Transformer::Build(uint64_t seed) {
   const int64_t c = shape_.d_model, f = shape_.d_ff, v = shape_.vocab, L = shape_.layers;
-  params_.reserve(static_cast<size_t>(6 * L + 3));
+  params_.reserve(static_cast<size_t>(L * (7 + 2 * shape_.moe.experts) + 3));
   const float std_dev = 0.02f;
   const float resid_std = std_dev / std::sqrt(2.0f * static_cast<float>(L));
   auto make_linear = [&](const std::string& name, int64_t in, int64_t out) {
     linears_.push_back(
         std::make_unique<Linear>(name, in, out, LayerPrecision(name), recipe_.sites));
+    all_linears_.push_back(linears_.back().get());
     return linears_.back().get();
   };
   embedding_ = static_cast<int>(params_.size());
@@ -234,8 +252,11 @@ absl::Status Transformer::Build(uint64_t seed) {
     auto block = std::make_unique<Block>();
     block->qkv = make_linear(p + "attn.qkv", c, 3 * c / tp_);
     block->proj = make_linear(p + "attn.proj", c / tp_, c);
-    block->fc1 = make_linear(p + "mlp.fc1", c, f / tp_);
-    block->fc2 = make_linear(p + "mlp.fc2", f / tp_, c);
+    const bool moe = shape_.moe.experts > 0 && (l + 1) % shape_.moe_every == 0;
+    if (!moe) {
+      block->fc1 = make_linear(p + "mlp.fc1", c, f / tp_);
+      block->fc2 = make_linear(p + "mlp.fc2", f / tp_, c);
+    }
     block->attn_norm = static_cast<int>(params_.size());
     AddParam(p + "attn_norm/weight", 1, c, TpSplit::kNone, false, 0.0f, seed, nullptr);
     block->qkv_w = static_cast<int>(params_.size());
@@ -244,10 +265,43 @@ absl::Status Transformer::Build(uint64_t seed) {
     AddParam(p + "attn.proj/weight", c, c, TpSplit::kCols, true, resid_std, seed, block->proj);
     block->mlp_norm = static_cast<int>(params_.size());
     AddParam(p + "mlp_norm/weight", 1, c, TpSplit::kNone, false, 0.0f, seed, nullptr);
-    block->fc1_w = static_cast<int>(params_.size());
-    AddParam(p + "mlp.fc1/weight", f, c, TpSplit::kRows, true, std_dev, seed, block->fc1);
-    block->fc2_w = static_cast<int>(params_.size());
-    AddParam(p + "mlp.fc2/weight", c, f, TpSplit::kCols, true, resid_std, seed, block->fc2);
+    if (!moe) {
+      block->fc1_w = static_cast<int>(params_.size());
+      AddParam(p + "mlp.fc1/weight", f, c, TpSplit::kRows, true, std_dev, seed, block->fc1);
+      block->fc2_w = static_cast<int>(params_.size());
+      AddParam(p + "mlp.fc2/weight", c, f, TpSplit::kCols, true, resid_std, seed, block->fc2);
+    } else {
+      // Router (FP32, replicated like a dense weight) and this rank's experts (FSDP over the
+      // expert-data-parallel group). Every rank has every expert's layers (and sites).
+      block->moe = std::make_unique<MoeLayer>(p + "mlp", shape_.moe, c, f, recipe_.precision,
+                                              recipe_.sites, &mesh_.ep());
+      MoeLayer& m = *block->moe;
+      all_linears_.push_back(&m.router());
+      block->router_w = static_cast<int>(params_.size());
+      AddParam(p + "mlp.router/weight", shape_.moe.experts, c, TpSplit::kNone, true, std_dev, seed,
+               &m.router());
+      std::vector<int> fc1_params, fc2_params;
+      for (int64_t e = 0; e < shape_.moe.experts; ++e) {
+        m.fc1(e).Reconfigure(LayerPrecision(m.fc1(e).name()), recipe_.sites);
+        m.fc2(e).Reconfigure(LayerPrecision(m.fc2(e).name()), recipe_.sites);
+        all_linears_.push_back(&m.fc1(e));
+        all_linears_.push_back(&m.fc2(e));
+        if (!m.IsLocal(e)) continue;
+        fc1_params.push_back(static_cast<int>(params_.size()));
+        AddParam(m.fc1(e).name() + "/weight", f, c, TpSplit::kNone, true, std_dev, seed, &m.fc1(e),
+                 /*expert=*/true);
+        fc2_params.push_back(static_cast<int>(params_.size()));
+        AddParam(m.fc2(e).name() + "/weight", c, f, TpSplit::kNone, true, resid_std, seed,
+                 &m.fc2(e), /*expert=*/true);
+      }
+      std::vector<float*> g1, g2;
+      for (int i : fc1_params) g1.push_back(params_[static_cast<size_t>(i)].full_grad.data());
+      for (int i : fc2_params) g2.push_back(params_[static_cast<size_t>(i)].full_grad.data());
+      m.SetGrads(params_[static_cast<size_t>(block->router_w)].full_grad.data(), g1, g2);
+      block->moe_stats = static_cast<int>(moe_stats_.size());
+      moe_stats_.push_back(
+          {p + "mlp", std::vector<int64_t>(static_cast<size_t>(shape_.moe.experts), 0), 0});
+    }
     blocks_.push_back(std::move(block));
   }
   final_norm_ = static_cast<int>(params_.size());
@@ -257,6 +311,7 @@ absl::Status Transformer::Build(uint64_t seed) {
       recipe_.precision == GemmPrecision::kFp32 ? GemmPrecision::kFp32 : GemmPrecision::kBf16,
       recipe_.sites));
   lm_head_ = linears_.back().get();
+  all_linears_.push_back(lm_head_);
   lm_head_param_ = static_cast<int>(params_.size());
   AddParam("lm_head/weight", v, c, TpSplit::kNone, true, std_dev, seed, lm_head_);
   CollectSites();
@@ -273,7 +328,7 @@ GemmPrecision Transformer::LayerPrecision(const std::string& name) const {
 
 void Transformer::CollectSites() {
   sites_.clear();
-  for (const std::unique_ptr<Linear>& lin : linears_) {
+  for (Linear* lin : all_linears_) {
     if (lin->precision() != GemmPrecision::kFp8) continue;
     sites_.push_back(&lin->input_site());
     sites_.push_back(&lin->weight_site());
@@ -287,8 +342,9 @@ absl::Status Transformer::ApplyRecipe(const ModelRecipe& recipe) {
   }
   FP8RT_RETURN_IF_ERROR(CheckRecipe(shape_, recipe, tp_, dp_, LayerNames()));
   recipe_ = recipe;
-  for (const std::unique_ptr<Linear>& lin : linears_) {
-    if (lin.get() == lm_head_) continue;  // never FP8
+  for (Linear* lin : all_linears_) {
+    if (lin == lm_head_ || lin->precision() == GemmPrecision::kFp32) continue;  // never FP8
+    if (lin->name().ends_with(".router")) continue;                             // FP32 always
     lin->Reconfigure(LayerPrecision(lin->name()), recipe_.sites);
   }
   CollectSites();
@@ -308,13 +364,13 @@ absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
   const bool fp8 = p.linear != nullptr && p.linear->precision() == GemmPrecision::kFp8;
   if (!fp8) {
     FP8RT_RETURN_IF_ERROR(
-        mesh_.dp().AllGather(p.master.data(), p.shard_count, p.full.data(), parallel::DType::kF32));
+        p.group->AllGather(p.master.data(), p.shard_count, p.full.data(), parallel::DType::kF32));
     if (p.linear != nullptr) p.linear->SetWeight(p.full.data());
     return absl::OkStatus();
   }
   const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
   const bool block = cfg.strategy == train::ScalingStrategy::kBlock;
-  const int64_t shard_rows = p.local_rows / dp_;
+  const int64_t shard_rows = p.local_rows / p.group->size();
   if (recipe_.fsdp_gather == FsdpGatherDType::kFp8) {
     parallel::Fp8GatherOptions opts;
     opts.format = cfg.format;
@@ -322,13 +378,13 @@ absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
         block ? parallel::WeightScaling::kBlock128 : parallel::WeightScaling::kTensorGiven;
     opts.scale = weight_scale;
     opts.margin = cfg.margin;
-    FP8RT_RETURN_IF_ERROR(parallel::GatherFp8WeightInto(mesh_.dp(), ops_, p.master.data(),
-                                                        shard_rows, p.local_cols, opts, &p.fp8));
+    FP8RT_RETURN_IF_ERROR(parallel::GatherFp8WeightInto(*p.group, ops_, p.master.data(), shard_rows,
+                                                        p.local_cols, opts, &p.fp8));
   } else {
     // BF16 on the wire, then every rank quantizes the whole piece with the same scale(s).
     std::vector<uint16_t> bf16(p.full.size());
     FP8RT_RETURN_IF_ERROR(
-        parallel::GatherBf16(mesh_.dp(), ops_, p.master.data(), p.shard_count, bf16.data()));
+        parallel::GatherBf16(*p.group, ops_, p.master.data(), p.shard_count, bf16.data()));
     kernels::ConvertArgs conv{.from = kernels::InputType::kBF16,
                               .to = kernels::InputType::kF32,
                               .input = bf16.data(),
@@ -366,39 +422,48 @@ absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
 
 absl::Status Transformer::BeginStep() {
   for (QuantSite* s : sites_) s->BeginStep();
+  for (MoeBlockStats& m : moe_stats_) {
+    std::fill(m.tokens_per_expert.begin(), m.tokens_per_expert.end(), 0);
+    m.dropped = 0;
+  }
   // Tensor-scaled FP8 weights whose scale comes from the weight itself (current scaling, or
   // delayed scaling without a history yet): one MAX over all ranks of every such weight's shard
-  // amax, so every rank (and every layout) quantizes a weight with the same scale.
-  std::vector<int> current;
+  // amax, so every rank (and every layout) quantizes a weight with the same scale. The list runs
+  // over every layer (every rank has the same), with 0 for expert weights this rank does not hold.
+  std::map<const Linear*, Param*> param_of;
+  for (Param& p : params_) {
+    if (p.linear != nullptr) param_of[p.linear] = &p;
+  }
+  std::vector<const Linear*> current;
   std::vector<float> amaxes;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const Param& p = params_[i];
-    if (p.linear == nullptr || p.linear->precision() != GemmPrecision::kFp8) continue;
-    const train::ScalingState& st = p.linear->weight_site().state();
+  for (const Linear* lin : all_linears_) {
+    if (lin->precision() != GemmPrecision::kFp8) continue;
+    const train::ScalingState& st = lin->weight_site().state();
     if (st.config().strategy == train::ScalingStrategy::kBlock || !st.UsesCurrentScaling())
       continue;
     float amax = 0.0f;
-    kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
-                        .input = p.master.data(),
-                        .count = p.shard_count,
-                        .amax = &amax};
-    FP8RT_RETURN_IF_ERROR(ops_.amax(a, {}));
-    current.push_back(static_cast<int>(i));
+    if (auto it = param_of.find(lin); it != param_of.end()) {
+      kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
+                          .input = it->second->master.data(),
+                          .count = it->second->shard_count,
+                          .amax = &amax};
+      FP8RT_RETURN_IF_ERROR(ops_.amax(a, {}));
+    }
+    current.push_back(lin);
     amaxes.push_back(amax);
   }
   if (!amaxes.empty()) {
     FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), amaxes).status());
   }
-  size_t next = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    Param& p = params_[i];
+  for (Param& p : params_) {
     float scale = 1.0f;
-    if (next < current.size() && current[next] == static_cast<int>(i)) {
+    if (p.linear != nullptr) {
+      const auto it = std::find(current.begin(), current.end(), p.linear);
       const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
-      scale = kernels::ComputeScale(amaxes[next], cfg.format, cfg.margin, cfg.power_of_two);
-      ++next;
-    } else if (p.linear != nullptr) {
-      scale = p.linear->weight_site().state().scale();
+      scale = it != current.end()
+                  ? kernels::ComputeScale(amaxes[static_cast<size_t>(it - current.begin())],
+                                          cfg.format, cfg.margin, cfg.power_of_two)
+                  : p.linear->weight_site().state().scale();
     }
     FP8RT_RETURN_IF_ERROR(GatherParam(p, scale));
     std::fill(p.full_grad.begin(), p.full_grad.end(), 0.0f);
@@ -460,6 +525,7 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
   };
 
   // ---- Forward ----
+  float aux_loss = 0.0f;  // MoE load-balancing losses
   EmbeddingForward(a.layers[0].x, a.inputs, W(embedding_), N, V, C);
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Block& blk = *blocks_[l];
@@ -472,16 +538,27 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
     FP8RT_RETURN_IF_ERROR(AllReduceTp(x.proj.data(), N * C));
     ResidualForward(x.x2, x.x, x.proj, N * C);
     RmsNormForward(x.ln2, x.rstd2, x.x2, W(blk.mlp_norm), N, C, kNormEps);
-    FP8RT_RETURN_IF_ERROR(blk.fc1->Forward(ctx, x.ln2.data(), N, x.h.data()));
-    GeluForward(x.g, x.h, N * Fl);
-    FP8RT_RETURN_IF_ERROR(blk.fc2->Forward(ctx, x.g.data(), N, x.fc2.data()));
-    FP8RT_RETURN_IF_ERROR(AllReduceTp(x.fc2.data(), N * C));
+    if (blk.moe != nullptr) {
+      FP8RT_ASSIGN_OR_RETURN(const MoeStats ms,
+                             blk.moe->Forward(ctx, x.ln2.data(), N, x.fc2.data()));
+      aux_loss += ms.aux_loss;
+      MoeBlockStats& acc = moe_stats_[static_cast<size_t>(blk.moe_stats)];
+      for (size_t e = 0; e < ms.tokens_per_expert.size(); ++e) {
+        acc.tokens_per_expert[e] += ms.tokens_per_expert[e];
+      }
+      acc.dropped += ms.dropped;
+    } else {
+      FP8RT_RETURN_IF_ERROR(blk.fc1->Forward(ctx, x.ln2.data(), N, x.h.data()));
+      GeluForward(x.g, x.h, N * Fl);
+      FP8RT_RETURN_IF_ERROR(blk.fc2->Forward(ctx, x.g.data(), N, x.fc2.data()));
+      FP8RT_RETURN_IF_ERROR(AllReduceTp(x.fc2.data(), N * C));
+    }
     std::vector<float>& next = l + 1 < blocks_.size() ? a.layers[l + 1].x : a.x_final;
     ResidualForward(next, x.x2, x.fc2, N * C);
   }
   RmsNormForward(a.lnf, a.rstdf, a.x_final, W(final_norm_), N, C, kNormEps);
   FP8RT_RETURN_IF_ERROR(lm_head_->Forward(ctx, a.lnf.data(), N, a.logits.data()));
-  const float loss = CrossEntropyForward(a.ce_probs, a.logits, a.targets, N, V);
+  const float loss = CrossEntropyForward(a.ce_probs, a.logits, a.targets, N, V) + aux_loss;
 
   // ---- Backward (every op accumulates into zeroed buffers) ----
   zero(a.dlogits);
@@ -495,14 +572,19 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
     const Block& blk = *blocks_[l];
     Acts::Layer& x = a.layers[l];
     // out = x2 + fc2(gelu(fc1(norm(x2)))): the residual passes dx straight to x2.
-    zero(a.dg);
-    FP8RT_RETURN_IF_ERROR(blk.fc2->Backward(ctx, a.dx.data(), N, a.dg.data(), G(blk.fc2_w).data()));
-    zero(a.dh);
-    GeluBackward(a.dh, a.dg, x.h, N * Fl);
     zero(a.dln);
-    FP8RT_RETURN_IF_ERROR(
-        blk.fc1->Backward(ctx, a.dh.data(), N, a.dln.data(), G(blk.fc1_w).data()));
-    FP8RT_RETURN_IF_ERROR(AllReduceTp(a.dln.data(), N * C));
+    if (blk.moe != nullptr) {
+      FP8RT_RETURN_IF_ERROR(blk.moe->Backward(ctx, a.dx.data(), N, dloss, a.dln.data()));
+    } else {
+      zero(a.dg);
+      FP8RT_RETURN_IF_ERROR(
+          blk.fc2->Backward(ctx, a.dx.data(), N, a.dg.data(), G(blk.fc2_w).data()));
+      zero(a.dh);
+      GeluBackward(a.dh, a.dg, x.h, N * Fl);
+      FP8RT_RETURN_IF_ERROR(
+          blk.fc1->Backward(ctx, a.dh.data(), N, a.dln.data(), G(blk.fc1_w).data()));
+      FP8RT_RETURN_IF_ERROR(AllReduceTp(a.dln.data(), N * C));
+    }
     a.dx2 = a.dx;
     RmsNormBackward(a.dx2, G(blk.mlp_norm), a.dln, x.x2, W(blk.mlp_norm), x.rstd2, N, C);
     // x2 = x + proj(attention(qkv(norm(x)))).
@@ -527,7 +609,7 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
 
 absl::Status Transformer::ReduceGrads() {
   for (Param& p : params_) {
-    FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(mesh_.dp(), ops_, p.full_grad.data(),
+    FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(*p.group, ops_, p.full_grad.data(),
                                                       p.shard_count, recipe_.grad_reduce,
                                                       /*accumulate=*/false, p.grad.data()));
   }

@@ -54,6 +54,7 @@
 #include "parallel/fp8_collectives.h"
 #include "parallel/mesh.h"
 #include "runtime/model/linear.h"
+#include "runtime/model/moe.h"
 #include "runtime/train/scaling.h"
 
 namespace fp8rt::model {
@@ -65,6 +66,15 @@ struct ModelShape {
   int64_t d_ff = 0;
   int64_t seq_len = 0;
   int64_t vocab = 0;
+  MoeConfig moe;          // moe.experts 0: dense MLPs everywhere
+  int64_t moe_every = 1;  // MoE MLP in blocks every-1, 2*every-1, ...
+};
+
+// Token routing of one MoE block over a step, this rank's tokens (summed over micro-batches).
+struct MoeBlockStats {
+  std::string layer;                       // blocks.1.mlp
+  std::vector<int64_t> tokens_per_expert;  // kept assignments per expert
+  int64_t dropped = 0;                     // assignments over capacity
 };
 
 enum class FsdpGatherDType : uint8_t { kFp8, kBf16 };
@@ -89,6 +99,8 @@ struct Param {
   int64_t shard_count = 0;   // ceil(local_rows * local_cols / dp)
   bool decay = true;         // weight decay (not for norm gains)
   Linear* linear = nullptr;  // the GEMM layer it is the weight of, or null
+  // FSDP group: the DP group, or the expert-data-parallel group for MoE expert weights.
+  parallel::Communicator* group = nullptr;
 
   // This rank's FSDP shard: flattened TP-piece elements [dp_rank * shard_count, +shard_count).
   std::vector<float> master, grad, m, v;
@@ -137,6 +149,9 @@ class Transformer {
   // new scaling cannot split. Every rank must apply the same recipe at the same step.
   absl::Status ApplyRecipe(const ModelRecipe& recipe);
 
+  // MoE routing of the current step, one entry per MoE block (empty for a dense model).
+  const std::vector<MoeBlockStats>& moe_stats() const { return moe_stats_; }
+
   // Starts an optimizer step: resets the sites' step statistics, gathers every parameter for the
   // step (FP8 weights with their scales) and zeroes the accumulated gradients.
   absl::Status BeginStep();
@@ -162,7 +177,7 @@ class Transformer {
               const kernels::OpTable& ops);
   absl::Status Build(uint64_t seed);
   Param& AddParam(const std::string& name, int64_t rows, int64_t cols, TpSplit split, bool decay,
-                  float std_dev, uint64_t seed, Linear* linear);
+                  float std_dev, uint64_t seed, Linear* linear, bool expert = false);
   absl::Status GatherParam(Param& p, float weight_scale);
   absl::Status AllReduceTp(float* buf, int64_t count);
   LinearContext Ctx();
@@ -178,7 +193,9 @@ class Transformer {
   const kernels::OpTable& ops_;
   const int64_t tp_, dp_, tp_rank_, dp_rank_;
 
-  std::vector<std::unique_ptr<Linear>> linears_;
+  std::vector<std::unique_ptr<Linear>> linears_;  // the dense GEMM layers (owned)
+  std::vector<Linear*> all_linears_;  // every GEMM layer, MoE routers and experts included
+  std::vector<MoeBlockStats> moe_stats_;
   std::vector<Param> params_;  // stable order; reserved up front (Linear points into it)
   std::vector<QuantSite*> sites_;
   std::vector<std::unique_ptr<Block>> blocks_;

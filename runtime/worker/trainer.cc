@@ -149,7 +149,13 @@ void SplitSiteName(const std::string& site, v1::SiteStats* out) {
   out->set_tensor(role == "input"    ? v1::TENSOR_ROLE_INPUT
                   : role == "weight" ? v1::TENSOR_ROLE_WEIGHT
                                      : v1::TENSOR_ROLE_GRAD_OUTPUT);
-  out->set_expert(-1);
+  // MoE expert layers (blocks.1.mlp.experts.3.fc1) carry the expert index for the `expert` label.
+  int64_t expert = -1;
+  if (const size_t at = site.find(".experts."); at != std::string::npos && at < slash) {
+    const size_t begin = at + 9, end = site.find('.', begin);
+    if (!absl::SimpleAtoi(site.substr(begin, end - begin), &expert)) expert = -1;
+  }
+  out->set_expert(expert);
 }
 
 std::string RankFileName(int rank) {
@@ -256,7 +262,13 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
                           .heads = m.heads(),
                           .d_ff = m.d_ff(),
                           .seq_len = m.seq_len(),
-                          .vocab = m.vocab()};
+                          .vocab = m.vocab(),
+                          .moe = {.experts = spec.moe().experts(),
+                                  .top_k = spec.moe().top_k(),
+                                  .capacity_factor = spec.moe().capacity_factor(),
+                                  .aux_loss_coef = spec.moe().aux_loss_coef(),
+                                  .drop_tokens = spec.moe().drop_tokens()},
+                          .moe_every = std::max(1, spec.moe().every())};
   FP8RT_ASSIGN_OR_RETURN(
       t->model_,
       model::Transformer::Create(shape, RecipeFromSpec(spec), spec.train().seed(), *t->mesh_, ops));
@@ -431,6 +443,12 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   FP8RT_ASSIGN_OR_RETURN(const std::vector<model::SiteReport> sites, model_->SyncScaling());
   FP8RT_RETURN_IF_ERROR(
       mesh_->dp().AllReduce(&loss_sum, 1, parallel::DType::kF32, parallel::ReduceOp::kSum));
+  if (!model_->moe_stats().empty()) {
+    moe_dropped_ = 0;
+    for (const model::MoeBlockStats& m : model_->moe_stats()) moe_dropped_ += m.dropped;
+    FP8RT_RETURN_IF_ERROR(mesh_->world().AllReduce(&moe_dropped_, 1, parallel::DType::kI64,
+                                                   parallel::ReduceOp::kSum));
+  }
   step_ = step;
 
   StepRecord r;
@@ -573,6 +591,7 @@ absl::Status Trainer::WriteRecords(const StepRecord& r,
     j["skipped"] = r.skipped;
     j["step_time_s"] = r.step_time_s;
     j["recipe_version"] = recipe_version_;
+    if (!model_->moe_stats().empty()) j["moe_dropped"] = moe_dropped_;
     const std::string line = j.dump() + "\n";
     if (std::fputs(line.c_str(), metrics_) < 0 || std::fflush(metrics_) != 0) {
       return absl::InternalError(absl::StrCat("cannot write ", options_.run_dir,
@@ -582,7 +601,16 @@ absl::Status Trainer::WriteRecords(const StepRecord& r,
   const int64_t every = spec_.metrics().every();
   if (fp8_stats_ != nullptr && r.step % every == 0) {
     std::string out;
+    for (const model::MoeBlockStats& m : model_->moe_stats()) {
+      nlohmann::ordered_json j;
+      j["step"] = r.step;
+      j["moe"] = m.layer;
+      j["expert_tokens"] = m.tokens_per_expert;  // this rank's kept assignments per expert
+      j["dropped"] = m.dropped;
+      out += j.dump() + "\n";
+    }
     for (const model::SiteReport& s : sites) {
+      if (!s.used) continue;  // e.g. the experts of other ranks, or an expert without tokens
       nlohmann::ordered_json j;
       j["step"] = r.step;
       j["site"] = s.site;

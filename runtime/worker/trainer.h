@@ -18,10 +18,13 @@
 //   the
 //                                 global batch), grad_norm (null when skipped), lr, tokens_per_s,
 //                                 skipped, step_time_s, recipe_version (the live recipe version
-//                                 the step ran with; 1 = the spec's)
+//                                 the step ran with; 1 = the spec's), moe_dropped (MoE runs:
+//                                 assignments over capacity, all ranks)
 //   fp8_stats/rank-NNNNN.jsonl    every rank, every metrics.every steps when
 //                                 metrics.per_rank_fp8_stats: one object per FP8 site
 //                                 {step, site, amax, scale, underflow_ratio, saturation_ratio}
+//                                 for the sites the rank used, and per MoE block
+//                                 {step, moe, expert_tokens, dropped}
 //   checkpoints/step-NNNNNNNN/    every checkpoint.every steps and at the last step
 //                                 (runtime/core/checkpoint_dir.h), checkpoint.keep kept
 //
@@ -141,6 +144,7 @@ class Trainer {
   std::string resume_dir_;
   int64_t recipe_version_ = 1;       // applied recipe version
   int64_t recipe_applied_step_ = 0;  // the step a new version was applied at, for the report
+  int64_t moe_dropped_ = 0;  // MoE assignments dropped over capacity in the step, all ranks
   bool stop_requested_ = false;
   bool save_requested_ = false;
   FILE* metrics_ = nullptr;  // rank 0

@@ -51,8 +51,14 @@ double Loss(ModelUnderTest& s) {
 }
 
 TEST(TransformerTest, Fp32GradientsMatchFiniteDifferences) {
-  const ModelShape shape{
-      .layers = 2, .d_model = 32, .heads = 4, .d_ff = 64, .seq_len = 8, .vocab = 256};
+  const ModelShape shape{.layers = 2,
+                         .d_model = 32,
+                         .heads = 4,
+                         .d_ff = 64,
+                         .seq_len = 8,
+                         .vocab = 256,
+                         .moe = {},
+                         .moe_every = 1};
   ModelRecipe recipe;
   recipe.precision = GemmPrecision::kFp32;
   ModelUnderTest s = Make(shape, recipe);
@@ -120,8 +126,14 @@ class Fp8GradientTest : public ::testing::TestWithParam<Fp8Case> {};
 // products the errors average out, so each weight gradient must point the same way as the FP32
 // one (cosine > 0.98) and the loss must agree to 1%.
 TEST_P(Fp8GradientTest, GradientsFollowFp32) {
-  const ModelShape shape{
-      .layers = 2, .d_model = 256, .heads = 4, .d_ff = 512, .seq_len = 16, .vocab = 256};
+  const ModelShape shape{.layers = 2,
+                         .d_model = 256,
+                         .heads = 4,
+                         .d_ff = 512,
+                         .seq_len = 16,
+                         .vocab = 256,
+                         .moe = {},
+                         .moe_every = 1};
   ModelRecipe fp32;
   fp32.precision = GemmPrecision::kFp32;
   ModelRecipe fp8;
@@ -164,8 +176,14 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Fp8Case>& info) { return std::string(info.param.name); });
 
 TEST(TransformerTest, UnknownExcludedLayerIsNamed) {
-  const ModelShape shape{
-      .layers = 1, .d_model = 32, .heads = 4, .d_ff = 64, .seq_len = 8, .vocab = 256};
+  const ModelShape shape{.layers = 1,
+                         .d_model = 32,
+                         .heads = 4,
+                         .d_ff = 64,
+                         .seq_len = 8,
+                         .vocab = 256,
+                         .moe = {},
+                         .moe_every = 1};
   ModelRecipe recipe;
   recipe.exclude = {"blocks.0.mlp.fc1", "blocks.3.mlp.fc1"};
   auto mesh = parallel::Mesh::Create({.dp = 1, .tp = Factory().World().size(), .ep = 1}, Factory());
@@ -183,6 +201,161 @@ TEST(TransformerTest, UnknownExcludedLayerIsNamed) {
   for (const QuantSite* site : (*ok)->sites()) {
     EXPECT_EQ(site->name().find("blocks.0.mlp.fc1"), std::string::npos) << site->name();
   }
+}
+
+// ---- Mixture of experts (every rank is one DP rank and one EP rank: dp = ep = world) ----
+
+ModelUnderTest MakeMoe(const ModelShape& shape, const ModelRecipe& recipe) {
+  ModelUnderTest s;
+  const int world = Factory().World().size();
+  auto mesh = parallel::Mesh::Create({.dp = world, .tp = 1, .ep = world}, Factory());
+  EXPECT_TRUE(mesh.ok()) << mesh.status();
+  s.mesh = std::move(*mesh);
+  auto model = Transformer::Create(shape, recipe, /*seed=*/5, *s.mesh, kernels::CpuOps());
+  EXPECT_TRUE(model.ok()) << model.status();
+  s.model = std::move(*model);
+  std::mt19937 rng(17 + static_cast<uint32_t>(s.mesh->world().rank()));  // each rank its tokens
+  s.tokens.resize(static_cast<size_t>(s.micro_batch * (shape.seq_len + 1)));
+  for (int32_t& t : s.tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(shape.vocab));
+  return s;
+}
+
+// The loss of all ranks' tokens (each rank's backward adds its tokens' share to the experts it
+// holds, so gradients are of this sum).
+double GlobalLoss(ModelUnderTest& s) {
+  float loss = static_cast<float>(Loss(s));
+  EXPECT_TRUE(
+      s.mesh->world().AllReduce(&loss, 1, parallel::DType::kF32, parallel::ReduceOp::kSum).ok());
+  return loss;
+}
+
+// Router, gates, dispatch, experts, combine and the aux loss, backward against finite
+// differences of the FP32 model. top_k = experts and no capacity keep the loss smooth in the
+// weights (no routing decision flips under a perturbation).
+TEST(MoeTest, Fp32GradientsMatchFiniteDifferences) {
+  const ModelShape shape{.layers = 1,
+                         .d_model = 32,
+                         .heads = 4,
+                         .d_ff = 48,
+                         .seq_len = 8,
+                         .vocab = 256,
+                         .moe = {.experts = 4,
+                                 .top_k = 4,
+                                 .capacity_factor = 1.0,
+                                 .aux_loss_coef = 0.1,
+                                 .drop_tokens = false},
+                         .moe_every = 1};
+  ModelRecipe recipe;
+  recipe.precision = GemmPrecision::kFp32;
+  ModelUnderTest s = MakeMoe(shape, recipe);
+  ASSERT_TRUE(s.model->BeginStep().ok());
+  GlobalLoss(s);
+  // Gradients of that one backward (the finite differences below run more of them).
+  std::vector<std::vector<float>> grads;
+  for (Param& p : s.model->params()) grads.push_back(p.full_grad);
+  const int rank = s.mesh->world().rank();
+  std::mt19937 pick(23);
+  size_t index = 0;
+  bool ok = true;
+  int checked = 0;
+  for (Param& p : s.model->params()) {
+    const std::vector<float>& full_grad = grads[index++];
+    const bool expert = p.name.find(".experts.") != std::string::npos;
+    const bool router = p.name.find(".router") != std::string::npos;
+    if (!expert && !router) continue;
+    // A router is replicated: perturbed on every rank; its gradient is the sum of the ranks'.
+    // An expert lives on one rank, whose gradient already holds every rank's tokens.
+    std::vector<float> grad(full_grad.begin(), full_grad.begin() + p.local_count());
+    if (router) {
+      ASSERT_TRUE(s.mesh->world()
+                      .AllReduce(grad.data(), static_cast<int64_t>(grad.size()),
+                                 parallel::DType::kF32, parallel::ReduceOp::kSum)
+                      .ok());
+    }
+    // Every rank holds its own experts at the same positions of its parameter list: perturb one
+    // rank's at a time, so that the global loss sees one change.
+    const int owners = router ? 1 : s.mesh->world().size();
+    for (int trial = 0; trial < 4 * owners; ++trial) {
+      const size_t j = pick() % static_cast<size_t>(p.local_count());
+      const bool mine = router || trial % owners == rank;
+      const float w0 = p.full[j];
+      const float h = 1e-2f * std::max(1.0f, std::fabs(w0));
+      if (mine) p.full[j] = w0 + h;
+      const double up = GlobalLoss(s);
+      if (mine) p.full[j] = w0 - h;
+      const double down = GlobalLoss(s);
+      if (mine) p.full[j] = w0;
+      if (!mine) continue;
+      const double fd = (up - down) / (2.0 * static_cast<double>(h));
+      if (std::fabs(fd - grad[j]) > 2e-3 + 2e-2 * std::fabs(grad[j])) {
+        ok = false;
+        ADD_FAILURE() << p.name << "[" << j << "] on rank " << rank << ": analytic " << grad[j]
+                      << ", finite difference " << fd;
+      }
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 4);
+  EXPECT_TRUE(AllRanksOk(ok));
+}
+
+// Experts that receive no tokens keep a valid scaling state: their sites are unused, report an
+// amax of 0 after the MAX over ranks, and their state records no zero (a known failure of
+// delayed scaling elsewhere: a zero amax turns into an infinite scale).
+TEST(MoeTest, ExpertsWithoutTokensKeepValidScalingState) {
+  const ModelShape shape{.layers = 1,
+                         .d_model = 32,
+                         .heads = 4,
+                         .d_ff = 48,
+                         .seq_len = 2,
+                         .vocab = 256,
+                         .moe = {.experts = 8,
+                                 .top_k = 1,
+                                 .capacity_factor = 8.0,
+                                 .aux_loss_coef = 0.01,
+                                 .drop_tokens = true},
+                         .moe_every = 1};
+  ModelRecipe recipe;  // fp8, delayed scaling
+  ModelUnderTest s = MakeMoe(shape, recipe);
+  s.micro_batch = 1;
+  s.tokens.resize(3);
+  const int world = s.mesh->world().size();
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE(s.model->BeginStep().ok());
+    Loss(s);
+    absl::StatusOr<std::vector<SiteReport>> reports = s.model->SyncScaling();
+    ASSERT_TRUE(reports.ok()) << reports.status();
+    // At most 2 tokens per rank x 1 expert each: at least 8 - 2 * world experts got nothing.
+    int64_t idle_expert_sites = 0;
+    for (const SiteReport& r : *reports) {
+      if (r.site.find(".experts.") != std::string::npos &&
+          r.site.find("/weight") == std::string::npos && r.amax == 0.0f) {
+        ++idle_expert_sites;
+      }
+    }
+    EXPECT_GE(idle_expert_sites, 2 * (8 - 2 * world)) << "step " << step;
+    for (const QuantSite* site : s.model->sites()) {
+      const train::ScalingState& st = site->state();
+      EXPECT_TRUE(std::isfinite(st.scale()) && st.scale() > 0.0f) << site->name();
+      for (float amax : st.history()) EXPECT_GT(amax, 0.0f) << site->name();
+    }
+    const std::vector<MoeBlockStats>& moe = s.model->moe_stats();
+    ASSERT_EQ(moe.size(), 1u);
+    int64_t routed = moe[0].dropped;
+    for (int64_t t : moe[0].tokens_per_expert) routed += t;
+    EXPECT_EQ(routed, 2) << "each of this rank's 2 tokens goes to its top-1 expert";
+  }
+  // An idle expert's input site has never recorded an amax; a busy one has.
+  int64_t with_history = 0, without = 0;
+  for (const QuantSite* site : s.model->sites()) {
+    if (site->name().find(".experts.") == std::string::npos ||
+        site->name().find("/input") == std::string::npos) {
+      continue;
+    }
+    (site->state().history().empty() ? without : with_history) += 1;
+  }
+  EXPECT_GT(with_history, 0);
+  EXPECT_GT(without, 0);
 }
 
 }  // namespace

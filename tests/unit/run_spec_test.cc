@@ -161,7 +161,9 @@ TEST(RunSpecTest, FullSpecReadsEveryValue) {
 
 TEST(RunSpecTest, FullSpecValidates) {
   TempDir dir;
-  const absl::StatusOr<v1::RunSpec> spec = Parse(FullSpec(dir.DataFile()));
+  // Expert parallelism (ep 2 in the full spec) needs MoE blocks, and those need tp 1: the full
+  // spec's dense model validates with ep 1.
+  const absl::StatusOr<v1::RunSpec> spec = Parse(FullSpec(dir.DataFile()), {"parallel.ep=1"});
   ASSERT_TRUE(spec.ok()) << spec.status();
   EXPECT_TRUE(ValidateRunSpec(*spec, 8).ok()) << ValidateRunSpec(*spec, 8);
   EXPECT_TRUE(ValidateRunSpec(*spec, 0).ok());
@@ -377,6 +379,11 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
   } cases[] = {
       {{"parallel.dp=2", "parallel.tp=2"}, 2, {"parallel.dp", "2 * 2 = 4", "world size is 2"}},
       {{"parallel.dp=4", "parallel.ep=3"}, 4, {"parallel.ep", "does not divide parallel.dp 4"}},
+      {{"parallel.dp=2", "parallel.ep=2"}, 2, {"parallel.ep", "needs MoE blocks"}},
+      {{"parallel.dp=2", "parallel.ep=2", "moe.experts=3"}, 2, {"moe.experts", "parallel.ep 2"}},
+      {{"moe.experts=4", "moe.top_k=5"}, 1, {"moe.top_k", "[1, moe.experts = 4]"}},
+      {{"moe.experts=4", "moe.capacity_factor=0"}, 1, {"moe.capacity_factor"}},
+      {{"moe.experts=4", "parallel.tp=2"}, 2, {"parallel.tp", "MoE"}},
       {{"model.d_model=96", "model.heads=2", "parallel.tp=4"}, 4, {"model.heads"}},
       {{"model.d_model=132", "model.heads=1", "parallel.tp=8"}, 8, {"model.d_model", "132"}},
       {{"model.d_ff=500", "parallel.tp=8", "model.heads=8"}, 8, {"model.d_ff", "500"}},
@@ -415,7 +422,7 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
   }
   // The same layouts made consistent pass.
   EXPECT_TRUE(ValidateWith(dir, {"parallel.dp=2", "parallel.tp=2"}, 4).ok());
-  EXPECT_TRUE(ValidateWith(dir, {"parallel.dp=4", "parallel.ep=2"}, 4).ok());
+  EXPECT_TRUE(ValidateWith(dir, {"parallel.dp=4", "parallel.ep=2", "moe.experts=4"}, 4).ok());
   EXPECT_TRUE(
       ValidateWith(dir, {"model.d_model=256", "precision.scaling=block", "parallel.tp=2"}, 2).ok());
   EXPECT_TRUE(ValidateWith(dir, {"train.warmup=10", "train.min_lr=3e-4"}, 1).ok());

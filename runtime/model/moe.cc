@@ -1,0 +1,287 @@
+// Mixture-of-experts layer (see moe.h). Index: construction, routing (router, top-k, capacity,
+// aux loss), Forward (dispatch, experts, combine), Backward (the same, reversed, then the router).
+#include "runtime/model/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "parallel/fp8_collectives.h"
+#include "runtime/core/status.h"
+#include "runtime/model/layer_ops.h"
+
+namespace fp8rt::model {
+namespace {
+
+std::vector<int64_t> Displacements(const std::vector<int64_t>& counts, int64_t unit) {
+  std::vector<int64_t> d(counts.size(), 0);
+  for (size_t i = 1; i < counts.size(); ++i) d[i] = d[i - 1] + counts[i - 1] * unit;
+  return d;
+}
+
+}  // namespace
+
+MoeLayer::MoeLayer(std::string name, const MoeConfig& config, int64_t d_model, int64_t d_ff,
+                   GemmPrecision expert_precision, const Fp8SiteConfigs& sites,
+                   parallel::Communicator* ep)
+    : name_(std::move(name)), config_(config), c_(d_model), f_(d_ff), ep_(ep) {
+  local_ = config_.experts / ep_->size();
+  first_local_ = ep_->rank() * local_;
+  router_ =
+      std::make_unique<Linear>(name_ + ".router", c_, config_.experts, GemmPrecision::kFp32, sites);
+  for (int64_t e = 0; e < config_.experts; ++e) {
+    const std::string expert = absl::StrCat(name_, ".experts.", e);
+    fc1_.push_back(std::make_unique<Linear>(expert + ".fc1", c_, f_, expert_precision, sites));
+    fc2_.push_back(std::make_unique<Linear>(expert + ".fc2", f_, c_, expert_precision, sites));
+  }
+  xe_.resize(static_cast<size_t>(local_));
+  he_.resize(static_cast<size_t>(local_));
+  ge_.resize(static_cast<size_t>(local_));
+  rows_of_.resize(static_cast<size_t>(local_));
+}
+
+void MoeLayer::SetGrads(float* router, std::vector<float*> fc1, std::vector<float*> fc2) {
+  router_grad_ = router;
+  fc1_grad_ = std::move(fc1);
+  fc2_grad_ = std::move(fc2);
+}
+
+absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float* x, int64_t n,
+                                           float* out) {
+  const int64_t E = config_.experts, K = config_.top_k, C = c_, F = f_;
+  const int ep = ep_->size();
+  x_ = x;
+  n_ = n;
+  MoeStats stats;
+  stats.tokens_per_expert.assign(static_cast<size_t>(E), 0);
+
+  // ---- Router: FP32 logits, softmax, top-k, renormalised gates ----
+  std::vector<float> logits(static_cast<size_t>(n * E));
+  FP8RT_RETURN_IF_ERROR(router_->Forward(ctx, x, n, logits.data()));
+  probs_.assign(static_cast<size_t>(n * E), 0.0f);
+  expert_.assign(static_cast<size_t>(n * K), 0);
+  gate_.assign(static_cast<size_t>(n * K), 0.0f);
+  kept_.assign(static_cast<size_t>(n * K), 1);
+  std::vector<int64_t> order(static_cast<size_t>(E));
+  for (int64_t t = 0; t < n; ++t) {
+    const float* l = logits.data() + t * E;
+    float* p = probs_.data() + t * E;
+    const float mx = *std::max_element(l, l + E);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(l[e] - mx));
+    for (int64_t e = 0; e < E; ++e) p[e] /= sum;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + K, order.end(),
+                      [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    float top = 0.0f;
+    for (int64_t j = 0; j < K; ++j) top += p[order[static_cast<size_t>(j)]];
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = order[static_cast<size_t>(j)];
+      expert_[static_cast<size_t>(t * K + j)] = static_cast<int32_t>(e);
+      gate_[static_cast<size_t>(t * K + j)] = p[e] / top;
+    }
+  }
+  // ---- Capacity (per source rank and expert, in token order) and the aux loss ----
+  const int64_t capacity = static_cast<int64_t>(
+      std::ceil(config_.capacity_factor * static_cast<double>(n * K) / static_cast<double>(E)));
+  std::vector<int64_t> routed(static_cast<size_t>(E), 0);
+  for (int64_t a = 0; a < n * K; ++a) {
+    const int32_t e = expert_[static_cast<size_t>(a)];
+    if (config_.drop_tokens && routed[static_cast<size_t>(e)] >= capacity) {
+      kept_[static_cast<size_t>(a)] = 0;
+      ++stats.dropped;
+    } else {
+      ++stats.tokens_per_expert[static_cast<size_t>(e)];
+    }
+    ++routed[static_cast<size_t>(e)];
+  }
+  frac_.assign(static_cast<size_t>(E), 0.0f);
+  double aux = 0.0;
+  for (int64_t e = 0; e < E; ++e) {
+    frac_[static_cast<size_t>(e)] =
+        static_cast<float>(routed[static_cast<size_t>(e)]) / static_cast<float>(n * K);
+    double mean_p = 0.0;
+    for (int64_t t = 0; t < n; ++t) mean_p += probs_[static_cast<size_t>(t * E + e)];
+    aux += frac_[static_cast<size_t>(e)] * mean_p / static_cast<double>(n);
+  }
+  stats.aux_loss = static_cast<float>(config_.aux_loss_coef * static_cast<double>(E) * aux);
+
+  // ---- Dispatch: rows grouped by destination rank, then expert, then token ----
+  send_order_.clear();
+  send_counts_.assign(static_cast<size_t>(ep), 0);
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t a = 0; a < n * K; ++a) {
+      if (kept_[static_cast<size_t>(a)] && expert_[static_cast<size_t>(a)] == e) {
+        send_order_.push_back(a);
+        ++send_counts_[static_cast<size_t>(OwnerOf(e))];
+      }
+    }
+  }
+  const int64_t sent = static_cast<int64_t>(send_order_.size());
+  std::vector<float> send_rows(static_cast<size_t>(std::max<int64_t>(1, sent * C)));
+  std::vector<int32_t> send_ids(static_cast<size_t>(std::max<int64_t>(1, sent)));
+  for (int64_t i = 0; i < sent; ++i) {
+    const int64_t a = send_order_[static_cast<size_t>(i)];
+    std::memcpy(send_rows.data() + i * C, x + (a / K) * C, static_cast<size_t>(C) * sizeof(float));
+    send_ids[static_cast<size_t>(i)] = expert_[static_cast<size_t>(a)];
+  }
+  FP8RT_ASSIGN_OR_RETURN(parallel::Fp8Tokens recv,
+                         parallel::AllToAllFp8Tokens(*ep_, *ctx.ops, send_rows.data(), C,
+                                                     send_counts_, kernels::Fp8Format::kE4M3));
+  recv_counts_ = recv.recv_counts;
+  const int64_t received = recv.tokens;
+  recv_expert_.assign(static_cast<size_t>(std::max<int64_t>(1, received)), 0);
+  FP8RT_RETURN_IF_ERROR(ep_->AllToAllV(
+      send_ids.data(), send_counts_, Displacements(send_counts_, 1), recv_expert_.data(),
+      recv_counts_, Displacements(recv_counts_, 1), parallel::DType::kI32));
+  std::vector<float> recv_x(static_cast<size_t>(std::max<int64_t>(1, received * C)));
+  if (received > 0) {
+    kernels::DequantizeArgs dq;
+    dq.format = kernels::Fp8Format::kE4M3;
+    dq.granularity = kernels::Granularity::kTile1x128;
+    dq.codes = recv.codes.data();
+    dq.rows = received;
+    dq.cols = C;
+    dq.scale_inv = recv.scale_inv.data();
+    dq.output = recv_x.data();
+    FP8RT_RETURN_IF_ERROR(ctx.ops->dequantize(dq, {}));
+  }
+
+  // ---- Local experts: fc1, GELU, fc2 on the rows each received ----
+  std::vector<float> recv_y(static_cast<size_t>(std::max<int64_t>(1, received * C)), 0.0f);
+  for (int64_t le = 0; le < local_; ++le) {
+    const int64_t e = first_local_ + le;
+    std::vector<int64_t>& rows = rows_of_[static_cast<size_t>(le)];
+    rows.clear();
+    for (int64_t r = 0; r < received; ++r) {
+      if (recv_expert_[static_cast<size_t>(r)] == e) rows.push_back(r);
+    }
+    const int64_t ne = static_cast<int64_t>(rows.size());
+    if (ne == 0) continue;  // an expert without tokens: its sites stay unused this micro-batch
+    std::vector<float>& xe = xe_[static_cast<size_t>(le)];
+    std::vector<float>& he = he_[static_cast<size_t>(le)];
+    std::vector<float>& ge = ge_[static_cast<size_t>(le)];
+    xe.resize(static_cast<size_t>(ne * C));
+    he.resize(static_cast<size_t>(ne * F));
+    ge.resize(static_cast<size_t>(ne * F));
+    for (int64_t i = 0; i < ne; ++i) {
+      std::memcpy(xe.data() + i * C, recv_x.data() + rows[static_cast<size_t>(i)] * C,
+                  static_cast<size_t>(C) * sizeof(float));
+    }
+    std::vector<float> ye(static_cast<size_t>(ne * C));
+    FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Forward(ctx, xe.data(), ne, he.data()));
+    GeluForward(ge, he, ne * F);
+    FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Forward(ctx, ge.data(), ne, ye.data()));
+    for (int64_t i = 0; i < ne; ++i) {
+      std::memcpy(recv_y.data() + rows[static_cast<size_t>(i)] * C, ye.data() + i * C,
+                  static_cast<size_t>(C) * sizeof(float));
+    }
+  }
+
+  // ---- Combine in BF16: outputs back to the source ranks, weighted by the gates ----
+  y_back_.assign(static_cast<size_t>(std::max<int64_t>(1, sent * C)), 0.0f);
+  FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, recv_y.data(), C, recv_counts_,
+                                                     send_counts_, y_back_.data()));
+  std::fill(out, out + n * C, 0.0f);
+  for (int64_t i = 0; i < sent; ++i) {
+    const int64_t a = send_order_[static_cast<size_t>(i)];
+    const float g = gate_[static_cast<size_t>(a)];
+    float* o = out + (a / K) * C;
+    const float* y = y_back_.data() + i * C;
+    for (int64_t c = 0; c < C; ++c) o[c] += g * y[c];
+  }
+  return stats;
+}
+
+absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int64_t n, float dloss,
+                                float* dx) {
+  if (n != n_ || x_ == nullptr) {
+    return absl::FailedPreconditionError(name_ + ": backward without a matching forward");
+  }
+  const int64_t E = config_.experts, K = config_.top_k, C = c_, F = f_;
+  const int64_t sent = static_cast<int64_t>(send_order_.size());
+  int64_t received = 0;
+  for (int64_t c : recv_counts_) received += c;
+
+  // Gate gradients, and the output gradients (times the gates) for the experts.
+  std::vector<float> dgate(static_cast<size_t>(n * K), 0.0f);
+  std::vector<float> dy_send(static_cast<size_t>(std::max<int64_t>(1, sent * C)));
+  for (int64_t i = 0; i < sent; ++i) {
+    const int64_t a = send_order_[static_cast<size_t>(i)];
+    const float* d = dout + (a / K) * C;
+    const float* y = y_back_.data() + i * C;
+    const float g = gate_[static_cast<size_t>(a)];
+    float dot = 0.0f;
+    for (int64_t c = 0; c < C; ++c) {
+      dy_send[static_cast<size_t>(i * C + c)] = g * d[c];
+      dot += d[c] * y[c];
+    }
+    dgate[static_cast<size_t>(a)] = dot;
+  }
+  std::vector<float> dy_recv(static_cast<size_t>(std::max<int64_t>(1, received * C)));
+  FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, dy_send.data(), C,
+                                                     send_counts_, recv_counts_, dy_recv.data()));
+  // Local experts, reversed.
+  std::vector<float> dx_recv(static_cast<size_t>(std::max<int64_t>(1, received * C)), 0.0f);
+  for (int64_t le = 0; le < local_; ++le) {
+    const int64_t e = first_local_ + le;
+    const std::vector<int64_t>& rows = rows_of_[static_cast<size_t>(le)];
+    const int64_t ne = static_cast<int64_t>(rows.size());
+    if (ne == 0) continue;
+    std::vector<float> dye(static_cast<size_t>(ne * C)), dge(static_cast<size_t>(ne * F), 0.0f),
+        dhe(static_cast<size_t>(ne * F), 0.0f), dxe(static_cast<size_t>(ne * C), 0.0f);
+    for (int64_t i = 0; i < ne; ++i) {
+      std::memcpy(dye.data() + i * C, dy_recv.data() + rows[static_cast<size_t>(i)] * C,
+                  static_cast<size_t>(C) * sizeof(float));
+    }
+    FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Backward(
+        ctx, dye.data(), ne, dge.data(), fc2_grad_[static_cast<size_t>(le)]));
+    GeluBackward(dhe, dge, he_[static_cast<size_t>(le)], ne * F);
+    FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Backward(
+        ctx, dhe.data(), ne, dxe.data(), fc1_grad_[static_cast<size_t>(le)]));
+    for (int64_t i = 0; i < ne; ++i) {
+      std::memcpy(dx_recv.data() + rows[static_cast<size_t>(i)] * C, dxe.data() + i * C,
+                  static_cast<size_t>(C) * sizeof(float));
+    }
+  }
+  std::vector<float> dx_send(static_cast<size_t>(std::max<int64_t>(1, sent * C)));
+  FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, dx_recv.data(), C,
+                                                     recv_counts_, send_counts_, dx_send.data()));
+  for (int64_t i = 0; i < sent; ++i) {
+    const int64_t a = send_order_[static_cast<size_t>(i)];
+    float* d = dx + (a / K) * C;
+    const float* s = dx_send.data() + i * C;
+    for (int64_t c = 0; c < C; ++c) d[c] += s[c];
+  }
+
+  // Router: gates g_j = p_j / S over the token's top-k; the aux loss adds
+  // dloss * coef * E * f_e / N to dL/dp_e. Then softmax backward and the FP32 GEMM's.
+  std::vector<float> dlogits(static_cast<size_t>(n * E), 0.0f);
+  std::vector<float> dp(static_cast<size_t>(E));
+  const float aux_scale = dloss * static_cast<float>(config_.aux_loss_coef) *
+                          static_cast<float>(E) / static_cast<float>(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const float* p = probs_.data() + t * E;
+    for (int64_t e = 0; e < E; ++e)
+      dp[static_cast<size_t>(e)] = aux_scale * frac_[static_cast<size_t>(e)];
+    float top = 0.0f, gdg = 0.0f;
+    for (int64_t j = 0; j < K; ++j) {
+      top += p[expert_[static_cast<size_t>(t * K + j)]];
+      gdg += gate_[static_cast<size_t>(t * K + j)] * dgate[static_cast<size_t>(t * K + j)];
+    }
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t e = expert_[static_cast<size_t>(t * K + j)];
+      dp[static_cast<size_t>(e)] += (dgate[static_cast<size_t>(t * K + j)] - gdg) / top;
+    }
+    float pdp = 0.0f;
+    for (int64_t e = 0; e < E; ++e) pdp += p[e] * dp[static_cast<size_t>(e)];
+    for (int64_t e = 0; e < E; ++e) {
+      dlogits[static_cast<size_t>(t * E + e)] = p[e] * (dp[static_cast<size_t>(e)] - pdp);
+    }
+  }
+  return router_->Backward(ctx, dlogits.data(), n, dx, router_grad_);
+}
+
+}  // namespace fp8rt::model

@@ -1,0 +1,116 @@
+// A mixture-of-experts MLP with expert parallelism over the ep group (DESIGN.md sections 4-5).
+//
+// Index:
+//   MoeConfig   experts, top_k, capacity, auxiliary loss
+//   MoeStats    what one micro-batch's routing did on this rank (token counts, drops, aux loss)
+//   MoeLayer    Forward and Backward side by side
+//
+// Forward of this rank's N tokens x [N, C]:
+//   router       logits = x Wr^T in FP32 (never FP8), probs = softmax, top_k experts per token,
+//                gates = the top_k probabilities renormalised to sum to 1 (Mixtral)
+//   capacity     with drop_tokens, each expert takes at most ceil(cf * N * top_k / E) of this
+//                rank's assignments, in token order; the rest are dropped (the token keeps only
+//                its residual path) and counted
+//   dispatch     the kept assignments' rows travel to the rank owning the expert in FP8 (E4M3,
+//                one scale per 1x128 tile of each row) with their expert ids; also to oneself,
+//                so that every layout computes with the same rounded inputs
+//   experts      each local expert runs its FP8 MLP (fc1, GELU, fc2: Linear with its own sites,
+//                named blocks.L.mlp.experts.E.fc1/...) on the rows it received
+//   combine      expert outputs travel back in BF16; out[n] = sum of gate * expert output
+//   aux loss     coef * E * sum_e f_e P_e (f_e: fraction of assignments routed to e, P_e: mean
+//                router probability of e), added to the loss (Switch Transformer)
+// Backward, reversed: output gradients (times the gates) travel to the experts in BF16, the
+// experts' input gradients travel back in BF16 (gradients never travel in FP8), and the router
+// gets the gradients of the gates and of the aux loss through the renormalisation and softmax.
+//
+// Every rank holds the Linear objects (and so the FP8 scaling sites) of all E experts, but
+// weights only for its local experts: the sites of an expert that received no tokens stay
+// unused and their scaling state keeps its scale (an unused site reports amax 0, which a
+// ScalingState never records). Weight and gradient buffers are the caller's (Transformer's).
+// Not thread-safe; collective over the ep group (every rank of it calls Forward and Backward).
+#ifndef FP8RT_RUNTIME_MODEL_MOE_H_
+#define FP8RT_RUNTIME_MODEL_MOE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "runtime/model/linear.h"
+
+namespace fp8rt::model {
+
+struct MoeConfig {
+  int64_t experts = 0;
+  int64_t top_k = 2;
+  double capacity_factor = 1.25;
+  double aux_loss_coef = 0.01;
+  bool drop_tokens = true;
+};
+
+struct MoeStats {
+  std::vector<int64_t> tokens_per_expert;  // kept assignments of this rank's tokens, per expert
+  int64_t dropped = 0;                     // assignments over capacity
+  float aux_loss = 0.0f;
+};
+
+class MoeLayer {
+ public:
+  // `name` is the block's MLP ("blocks.1.mlp"); experts [first_local, first_local + local) live
+  // on this rank (ep_rank * E / ep ...); `ep` is the expert-parallel group.
+  MoeLayer(std::string name, const MoeConfig& config, int64_t d_model, int64_t d_ff,
+           GemmPrecision expert_precision, const Fp8SiteConfigs& sites, parallel::Communicator* ep);
+
+  const std::string& name() const { return name_; }
+  const MoeConfig& config() const { return config_; }
+  Linear& router() { return *router_; }
+  Linear& fc1(int64_t e) { return *fc1_[static_cast<size_t>(e)]; }
+  Linear& fc2(int64_t e) { return *fc2_[static_cast<size_t>(e)]; }
+  bool IsLocal(int64_t e) const { return e >= first_local_ && e < first_local_ + local_; }
+  int64_t OwnerOf(int64_t e) const { return e / local_; }
+  int64_t first_local() const { return first_local_; }
+  int64_t local() const { return local_; }
+
+  // Gradient buffers (caller-owned, accumulated into): the router's [E, C] and, for each local
+  // expert e, fc1 [F, C] and fc2 [C, F] (null for experts of other ranks).
+  void SetGrads(float* router, std::vector<float*> fc1, std::vector<float*> fc2);
+
+  // out[n, :] = MoE(x)[n, :] (overwritten). x must stay valid until Backward.
+  absl::StatusOr<MoeStats> Forward(const LinearContext& ctx, const float* x, int64_t n, float* out);
+  // dx[n, :] += d(MoE)/dx, parameter gradients +=; `dloss` scales the aux loss's gradient like
+  // the cross-entropy's (1 / (grad_accum * dp)).
+  absl::Status Backward(const LinearContext& ctx, const float* dout, int64_t n, float dloss,
+                        float* dx);
+
+ private:
+  const std::string name_;
+  const MoeConfig config_;
+  const int64_t c_, f_;
+  parallel::Communicator* ep_;
+  int64_t first_local_ = 0, local_ = 0;
+  std::unique_ptr<Linear> router_;
+  std::vector<std::unique_ptr<Linear>> fc1_, fc2_;  // all experts
+  float* router_grad_ = nullptr;
+  std::vector<float*> fc1_grad_, fc2_grad_;
+
+  // Saved by Forward for Backward.
+  const float* x_ = nullptr;
+  int64_t n_ = 0;
+  std::vector<float> probs_;                      // [N, E]
+  std::vector<int32_t> expert_;                   // [N, k]
+  std::vector<float> gate_;                       // [N, k]
+  std::vector<uint8_t> kept_;                     // [N, k]
+  std::vector<float> frac_;                       // [E] fraction of assignments (aux loss)
+  std::vector<int64_t> send_order_;               // assignment (n * k + j) of each sent row
+  std::vector<int64_t> send_counts_;              // rows to each ep rank
+  std::vector<int64_t> recv_counts_;              // rows from each ep rank
+  std::vector<int32_t> recv_expert_;              // expert of each received row
+  std::vector<std::vector<int64_t>> rows_of_;     // per local expert: received row indices
+  std::vector<std::vector<float>> xe_, he_, ge_;  // per local expert: inputs, fc1 out, GELU out
+  std::vector<float> y_back_;                     // [sent, C] expert outputs back at this rank
+};
+
+}  // namespace fp8rt::model
+
+#endif  // FP8RT_RUNTIME_MODEL_MOE_H_
