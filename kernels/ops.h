@@ -24,6 +24,27 @@ struct Stream {
   void* handle = nullptr;
 };
 
+// Cast-transpose (Transformer Engine's name): quantizes a rows x cols FP32/BF16 matrix with one
+// given tensor scale into its FP8 codes and, in the same pass, the codes of its transpose. The
+// backward of an FP8 linear layer needs both: dgrad multiplies with W and wgrad with X^T, and
+// the GEMM takes K-contiguous operands only (kernels/gemm.h). Codes are bit for bit those of
+// quantize with granularity kTensor and has_scale (code = EncodeFp8(x * scale)); the statistics
+// count every input value once, exactly as that quantize does.
+struct CastTransposeArgs {
+  Fp8Format format = Fp8Format::kE4M3;
+  InputType input_type = InputType::kF32;
+  const void* input = nullptr;  // rows x cols, row-major (float or BF16 bits)
+  int64_t rows = 0;
+  int64_t cols = 0;
+  float scale = 1.0f;           // the tensor scale (delayed scaling): finite and > 0
+  uint8_t* codes = nullptr;     // out: rows x cols FP8 codes
+  uint8_t* codes_t = nullptr;   // out: cols x rows, codes_t[c * rows + r] == codes[r * cols + c]
+  float* scale_inv = nullptr;   // out: 1 value, 1 / scale
+  QuantStats* stats = nullptr;  // out, optional
+};
+// Checks shapes, pointers and the scale; the backends call it first. Errors name the field.
+absl::Status ValidateCastTransposeArgs(const CastTransposeArgs& args);
+
 struct OpTable {
   Backend backend;
   const char* name;
@@ -34,6 +55,7 @@ struct OpTable {
   absl::Status (*gemm_fp8)(const Fp8GemmArgs& args, Stream stream);
   absl::Status (*gemm_bf16)(const Bf16GemmArgs& args, Stream stream);
   absl::Status (*gemm_f32)(const F32GemmArgs& args, Stream stream);
+  absl::Status (*cast_transpose)(const CastTransposeArgs& args, Stream stream);
 };
 
 const OpTable& CpuOps();

@@ -5,6 +5,7 @@
 //   fp8rt quantize ...   -> fp8rt-quantize ...   (what FP8 does to a tensor)
 //   fp8rt bench ...      -> fp8rt-bench ...      (benchmarks, ratios against a baseline)
 //   fp8rt launch ...     -> fp8rt-launch ...     (a training run through mpirun, with progress)
+//   fp8rt k8s ...        -> fp8rt-k8s ...        (Kubernetes manifests for a run spec)
 // The commands that talk to fp8rt-controller (runs, layers, recipe, checkpoints) run in this
 // process: they need only gRPC and the proto (launcher/client/commands.h).
 #include <unistd.h>
@@ -33,7 +34,11 @@ constexpr const char* kUsageHead =
     "  launch RUN.yaml --np N --run-dir DIR [--set key=value]... [--resume]\n"
     "                  [--threads-per-rank T] [--quiet]\n"
     "                  train: N ranks of fp8rt-worker through mpirun, progress from\n"
-    "                  DIR/metrics.jsonl, output in DIR/logs/launch.log\n";
+    "                  DIR/metrics.jsonl, output in DIR/logs/launch.log\n"
+    "  k8s render RUN.yaml --image IMG [--name NAME] [--namespace NS] [--gpu] [--workers N]\n"
+    "                  [--out DIR]\n"
+    "                  Kubernetes manifests (kustomization: controller, volume, token, spec,\n"
+    "                  MPIJob) for the run, sized from its parallel.dp x parallel.tp\n";
 constexpr const char* kUsageTail =
     "  help            this text\n"
     "\n"
@@ -81,7 +86,7 @@ int main(int argc, char** argv) {
     PrintUsage(stdout);
     return 0;
   }
-  if (command == "quantize" || command == "bench" || command == "launch") {
+  if (command == "quantize" || command == "bench" || command == "launch" || command == "k8s") {
     return ExecSibling(command, argc, argv);
   }
   if (fp8rt::cli::IsControlCommand(command)) return fp8rt::cli::RunControlCommand(argc, argv);

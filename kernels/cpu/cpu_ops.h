@@ -15,6 +15,7 @@ absl::Status ConvertCpu(const ConvertArgs& args, Stream stream);
 absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream stream);
 absl::Status GemmBf16Cpu(const Bf16GemmArgs& args, Stream stream);
 absl::Status GemmF32Cpu(const F32GemmArgs& args, Stream stream);
+absl::Status CastTransposeCpu(const CastTransposeArgs& args, Stream stream);
 
 // Workspace helpers shared with GemmWorkspaceBytes: 64-byte rounding, and the bytes reserved for
 // B packed into oneDNN's weights layout.

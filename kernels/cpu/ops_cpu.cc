@@ -14,6 +14,7 @@ const OpTable& CpuOps() {
       .gemm_fp8 = &cpu_internal::GemmFp8Cpu,
       .gemm_bf16 = &cpu_internal::GemmBf16Cpu,
       .gemm_f32 = &cpu_internal::GemmF32Cpu,
+      .cast_transpose = &cpu_internal::CastTransposeCpu,
   };
   return kTable;
 }

@@ -1,8 +1,16 @@
-// CUDA device discovery. Any error from the runtime (35 = no driver, 100 = no device) means
-// "no GPU here"; the reason is passed up so that GPU tests can say why they skip.
+// CUDA device discovery and the small per-device facts the kernels size their launches with.
+// Any error from the runtime (35 = no driver, 100 = no device) means "no GPU here"; the reason is
+// passed up so that GPU tests can say why they skip.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <mutex>
 #include <string>
+#include <unordered_map>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_ops_internal.h"
+#include "runtime/core/checks.h"
 
 namespace fp8rt::kernels::cuda_internal {
 
@@ -14,10 +22,78 @@ int DeviceCount(std::string* why) {
       *why = std::string("cudaGetDeviceCount failed: ") + cudaGetErrorName(err) + " (" +
              cudaGetErrorString(err) + ")";
     }
+    (void)cudaGetLastError();  // not sticky; do not leave it for the next caller to find
     return 0;
   }
   if (count == 0 && why != nullptr) *why = "the CUDA runtime reports no device";
   return count;
+}
+
+namespace {
+
+struct DeviceFacts {
+  int sm_count = 0;
+  int compute_capability = 0;
+};
+
+absl::StatusOr<DeviceFacts> CurrentDeviceFacts() {
+  static std::mutex mu;
+  static auto* facts = new std::unordered_map<int, DeviceFacts>();  // Guarded by mu
+  int device = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = facts->find(device);
+  if (it != facts->end()) return it->second;
+  DeviceFacts f;
+  int major = 0, minor = 0;
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&f.sm_count, cudaDevAttrMultiProcessorCount, device));
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  f.compute_capability = major * 10 + minor;
+  (*facts)[device] = f;
+  return f;
+}
+
+}  // namespace
+
+absl::StatusOr<int> CurrentDeviceSmCount() {
+  absl::StatusOr<DeviceFacts> f = CurrentDeviceFacts();
+  if (!f.ok()) return f.status();
+  return f->sm_count;
+}
+
+absl::StatusOr<int> CurrentDeviceComputeCapability() {
+  absl::StatusOr<DeviceFacts> f = CurrentDeviceFacts();
+  if (!f.ok()) return f.status();
+  return f->compute_capability;
+}
+
+absl::Status CheckDevicePointers(std::initializer_list<std::pair<const char*, const void*>> ptrs) {
+  for (const auto& [field, ptr] : ptrs) {
+    if (ptr == nullptr) continue;
+    cudaPointerAttributes attr{};
+    const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": cudaPointerGetAttributes failed (", cudaGetErrorString(err), ")"));
+    }
+    const bool addressable = attr.type == cudaMemoryTypeDevice ||
+                             attr.type == cudaMemoryTypeManaged ||
+                             (attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr);
+    if (!addressable) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field,
+                       " is not device memory (the CUDA ops take cudaMalloc'd, managed or "
+                       "mapped pinned buffers)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+int64_t GridFor(int64_t work, int threads, int sm_count, int per_sm) {
+  const int64_t needed = std::max<int64_t>(1, (work + threads - 1) / threads);
+  return std::min<int64_t>(needed, static_cast<int64_t>(std::max(sm_count, 1)) * per_sm);
 }
 
 }  // namespace fp8rt::kernels::cuda_internal

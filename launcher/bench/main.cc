@@ -1,7 +1,7 @@
 // fp8rt-bench (run as `fp8rt bench`): benchmarks that report a ratio against a baseline timed
 // in the same run (these machines are noisy; absolute times alone mean little).
-//   fp8rt bench quantize [--json] [--mib N]
-//   fp8rt bench gemm [--json] [--size N]
+//   fp8rt bench quantize [--json] [--mib N] [--device cpu|cuda]
+//   fp8rt bench gemm [--json] [--size N] [--device cpu|cuda]   (cuda: bench_cuda.h)
 //   fp8rt bench comm --np N [--json]   (runs N MPI ranks of fp8rt-bench-comm through mpirun)
 //   fp8rt bench step [--json] [--spec RUN.yaml]   (fp8 vs bf16 vs fp32 training step, one rank of
 //                                                 fp8rt-bench-step through mpirun)
@@ -17,6 +17,7 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
+#include "launcher/bench/bench_cuda.h"
 #include "launcher/bench/bench_kernels.h"
 
 namespace {
@@ -68,6 +69,31 @@ absl::StatusOr<nlohmann::ordered_json> MpiBench(const std::string& program, int 
 
 void PrintHuman(const nlohmann::ordered_json& j) {
   const std::string name = j["benchmark"].get<std::string>();
+  if (j.contains("device") && j["device"] == "cuda") {
+    if (name == "quantize") {
+      std::cout << absl::StrFormat(
+          "quantize FP32 -> E4M3 on %s (tensor scale, stats in the same pass), %d MiB input\n"
+          "  quantize  %8.1f GB/s effective (5 B/element)\n"
+          "  memcpy    %8.1f GB/s (device to device, read + write)\n"
+          "  ratio     %8.3f  (target >= 0.9)\n",
+          j["gpu"].get<std::string>(), j["input_mib"].get<int>(),
+          j["quantize_gb_per_s"].get<double>(), j["memcpy_gb_per_s"].get<double>(),
+          j["ratio"].get<double>());
+    } else {
+      const auto& t = j["tflops"];
+      std::cout << absl::StrFormat(
+          "GEMM %dx%dx%d on %s, cuBLASLt (TFLOP/s)\n"
+          "  fp8 (e4m3, tensor scales)   %7.1f  [%s]\n"
+          "  fp8 (1x128 x 128x128)       %7.1f  [%s]\n"
+          "  bf16                        %7.1f  [%s]\n"
+          "  ratio fp8 / bf16            %7.2f  (target >= 1.8)\n",
+          j["m"].get<int>(), j["n"].get<int>(), j["k"].get<int>(), j["gpu"].get<std::string>(),
+          t["fp8"].get<double>(), j["paths"]["fp8_e4m3_tensor"].get<std::string>(),
+          t["fp8_block"].get<double>(), j["paths"]["fp8_e4m3_block"].get<std::string>(),
+          t["bf16"].get<double>(), j["paths"]["bf16"].get<std::string>(), j["ratio"].get<double>());
+    }
+    return;
+  }
   if (name == "comm") {
     const auto& g = j["fsdp_gather"];
     const auto& m = j["moe_dispatch"];
@@ -145,11 +171,21 @@ int main(int argc, char** argv) {
   quantize->add_option("--rounds", qopt.rounds, "interleaved rounds (default 5)");
   quantize->add_option("--samples", qopt.samples, "samples of each case per round (default 6)");
   quantize->add_flag("--json", json, "print one JSON object");
+  std::string device = "cpu";
+  fp8rt::bench::CudaQuantizeBenchOptions cqopt;
+  fp8rt::bench::CudaGemmBenchOptions cgopt;
+  quantize->add_option("--device", device, "cpu (default) or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  quantize->add_option("--iterations", cqopt.iterations,
+                       "cuda: calls per timed sample (default 10)");
   auto* gemm = app.add_subcommand("gemm", "FP8 GEMM vs FP32 GEMM throughput");
   gemm->add_option("--size", gopt.size, "M = N = K (default 2048)");
   gemm->add_option("--rounds", gopt.rounds, "interleaved rounds (default 5)");
   gemm->add_option("--samples", gopt.samples, "samples of each case per round (default 3)");
   gemm->add_flag("--json", json, "print one JSON object");
+  gemm->add_option("--device", device, "cpu (default) or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  gemm->add_option("--iterations", cgopt.iterations, "cuda: calls per timed sample (default 5)");
   int np = 2, comm_repeats = 3;
   auto* comm = app.add_subcommand("comm", "FP8 vs BF16 collectives over N MPI ranks");
   comm->add_option("--np", np, "MPI ranks (default 2)");
@@ -170,7 +206,18 @@ int main(int argc, char** argv) {
     return 2;
   }
   absl::StatusOr<nlohmann::ordered_json> result;
-  if (quantize->parsed()) {
+  if (quantize->parsed() && device == "cuda") {
+    // The CPU defaults do not carry over: the GPU input must be several times its L2.
+    if (quantize->count("--mib") > 0) cqopt.mib = qopt.mib;
+    if (quantize->count("--rounds") > 0) cqopt.rounds = qopt.rounds;
+    if (quantize->count("--samples") > 0) cqopt.samples = qopt.samples;
+    result = fp8rt::bench::CudaQuantizeBench(cqopt);
+  } else if (gemm->parsed() && device == "cuda") {
+    if (gemm->count("--size") > 0) cgopt.size = gopt.size;
+    if (gemm->count("--rounds") > 0) cgopt.rounds = gopt.rounds;
+    if (gemm->count("--samples") > 0) cgopt.samples = gopt.samples;
+    result = fp8rt::bench::CudaGemmBench(cgopt);
+  } else if (quantize->parsed()) {
     result = fp8rt::bench::QuantizeBench(qopt);
   } else if (gemm->parsed()) {
     result = fp8rt::bench::GemmBench(gopt);

@@ -540,6 +540,13 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
           absl::StrCat("comm[", i, "].bytes: must be >= 0, got ", c.bytes()));
     }
   }
+  for (int i = 0; i < request.experts_size(); ++i) {
+    const v1::ExpertLoad& e = request.experts(i);
+    if (e.layer().empty() || e.expert() < 0 || e.tokens() < 0 || e.dropped() < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "experts[", i, "]: needs a layer and non-negative expert, tokens and dropped"));
+    }
+  }
   if (request.recipe_applied_step() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("recipe_applied_step: must be >= 0, got ", request.recipe_applied_step()));
@@ -567,6 +574,7 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
       metrics_->SetSites(id, m.step(), {request.sites().begin(), request.sites().end()});
       ApplyHealthPolicyLocked(run, request);
     }
+    for (const v1::ExpertLoad& e : request.experts()) metrics_->SetExpertLoad(id, e);
     for (const v1::CommBytes& c : request.comm()) {
       int64_t& last = run->comm_last[{c.op(), c.dtype()}];
       // Cumulative since the workers (re)started: a drop means they restarted.

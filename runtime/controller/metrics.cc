@@ -102,6 +102,12 @@ ControllerMetrics::ControllerMetrics() : registry_(std::make_shared<prometheus::
   recipe_version_ = NewGauge(r, "fp8rt_recipe_version", "Newest recipe version of the run.");
   events_ = NewCounter(r, "fp8rt_events_total",
                        "Events recorded for the run, by kind (worker_lost, layer_demoted, ...).");
+  expert_tokens_ = NewGauge(r, "fp8rt_moe_expert_tokens",
+                            "Token assignments an MoE expert processed in the last reported step, "
+                            "summed over ranks.");
+  moe_dropped_ = NewGauge(r, "fp8rt_moe_dropped_tokens",
+                          "Token assignments an MoE block dropped over capacity in the last "
+                          "reported step, summed over ranks.");
 }
 
 Gauge& ControllerMetrics::RunGauge(Family<Gauge>* family, const std::string& run) {
@@ -183,6 +189,14 @@ void ControllerMetrics::SetWorkersConnected(const std::string& run, int connecte
 
 void ControllerMetrics::SetRecipeVersion(const std::string& run, int64_t version) {
   RunGauge(recipe_version_, run).Set(static_cast<double>(version));
+}
+
+void ControllerMetrics::SetExpertLoad(const std::string& run, const v1::ExpertLoad& load) {
+  expert_tokens_
+      ->Add({{"run", run}, {"layer", load.layer()}, {"expert", std::to_string(load.expert())}})
+      .Set(static_cast<double>(load.tokens()));
+  moe_dropped_->Add({{"run", run}, {"layer", load.layer()}})
+      .Set(static_cast<double>(load.dropped()));
 }
 
 void ControllerMetrics::CountEvent(const std::string& run, const std::string& kind) {

@@ -58,6 +58,8 @@ class ControllerMetrics {
   void SetRecipeVersion(const std::string& run, int64_t version);
   // fp8rt_events_total{run,kind} += 1.
   void CountEvent(const std::string& run, const std::string& kind);
+  // MoE: the tokens an expert processed in the reported step, and dropped assignments.
+  void SetExpertLoad(const std::string& run, const v1::ExpertLoad& load);
 
  private:
   prometheus::Gauge& RunGauge(prometheus::Family<prometheus::Gauge>* family,
@@ -85,6 +87,8 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Gauge>* checkpoint_time_;
   prometheus::Family<prometheus::Gauge>* recipe_version_;
   prometheus::Family<prometheus::Counter>* events_;
+  prometheus::Family<prometheus::Gauge>* expert_tokens_;
+  prometheus::Family<prometheus::Gauge>* moe_dropped_;
 
   // The four gauges of one FP8 site.
   struct SiteSeries {

@@ -518,7 +518,16 @@ absl::Status Trainer::ReportToController(const StepRecord& r,
   // Site counts and communication bytes summed over all ranks (collective, metric steps only).
   std::vector<int64_t> counts;
   std::vector<int64_t> comm(parallel::kNumCollectiveOps * parallel::kNumDTypes, 0);
+  std::vector<int64_t> moe;  // per MoE block: tokens per expert, then dropped; summed over ranks
   if (stats_step) {
+    for (const model::MoeBlockStats& m : model_->moe_stats()) {
+      moe.insert(moe.end(), m.tokens_per_expert.begin(), m.tokens_per_expert.end());
+      moe.push_back(m.dropped);
+    }
+    if (!moe.empty()) {
+      FP8RT_RETURN_IF_ERROR(world.AllReduce(moe.data(), static_cast<int64_t>(moe.size()),
+                                            parallel::DType::kI64, parallel::ReduceOp::kSum));
+    }
     for (const model::SiteReport& s : sites) {
       counts.insert(counts.end(), {s.count, s.underflow, s.saturated});
     }
@@ -559,6 +568,18 @@ absl::Status Trainer::ReportToController(const StepRecord& r,
       const double n = static_cast<double>(counts[3 * i]);
       out->set_underflow_ratio(n > 0 ? static_cast<double>(counts[3 * i + 1]) / n : 0.0);
       out->set_saturation_ratio(n > 0 ? static_cast<double>(counts[3 * i + 2]) / n : 0.0);
+    }
+    size_t at = 0;
+    for (const model::MoeBlockStats& mb : model_->moe_stats()) {
+      const size_t experts = mb.tokens_per_expert.size();
+      for (size_t e = 0; e < experts; ++e) {
+        v1::ExpertLoad* load = request.add_experts();
+        load->set_layer(mb.layer);
+        load->set_expert(static_cast<int64_t>(e));
+        load->set_tokens(moe[at + e]);
+        load->set_dropped(moe[at + experts]);
+      }
+      at += experts + 1;
     }
     for (int op = 0; op < parallel::kNumCollectiveOps; ++op) {
       for (int dt = 0; dt < parallel::kNumDTypes; ++dt) {

@@ -1,0 +1,46 @@
+// Internal: the CUDA backend's op entry points (collected into the table in ops_cuda.cc) and the
+// host helpers they share. Host code only; no CUDA header is needed to include it.
+#ifndef FP8RT_KERNELS_CUDA_CUDA_OPS_INTERNAL_H_
+#define FP8RT_KERNELS_CUDA_CUDA_OPS_INTERNAL_H_
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/ops.h"
+
+namespace fp8rt::kernels::cuda_internal {
+
+// kernels/cuda/quantize_cuda.cu
+absl::Status QuantizeCuda(const QuantizeArgs& args, Stream stream);
+absl::Status DequantizeCuda(const DequantizeArgs& args, Stream stream);
+absl::Status AmaxCuda(const AmaxArgs& args, Stream stream);
+absl::Status ConvertCuda(const ConvertArgs& args, Stream stream);
+absl::Status CastTransposeCuda(const CastTransposeArgs& args, Stream stream);
+
+// kernels/cuda/gemm_cuda.cc
+absl::Status GemmFp8Cuda(const Fp8GemmArgs& args, Stream stream);
+absl::Status GemmBf16Cuda(const Bf16GemmArgs& args, Stream stream);
+absl::Status GemmF32Cuda(const F32GemmArgs& args, Stream stream);
+
+// kernels/cuda/device.cu
+int DeviceCount(std::string* why);
+// Multiprocessors of the current device (cached per device), for sizing persistent grids.
+absl::StatusOr<int> CurrentDeviceSmCount();
+// Compute capability of the current device as major * 10 + minor (cached per device).
+absl::StatusOr<int> CurrentDeviceComputeCapability();
+// InvalidArgument naming the field unless every non-null pointer is memory the device can
+// address (cudaMalloc, managed, or mapped pinned host memory). A plain host pointer handed to a
+// kernel would fault and poison the whole CUDA context; this turns it into an error value.
+absl::Status CheckDevicePointers(std::initializer_list<std::pair<const char*, const void*>> ptrs);
+
+// Launch configuration helper: enough blocks of `threads` for `work` items, at most `per_sm`
+// blocks per multiprocessor (the kernels loop over the rest).
+int64_t GridFor(int64_t work, int threads, int sm_count, int per_sm = 8);
+
+}  // namespace fp8rt::kernels::cuda_internal
+
+#endif  // FP8RT_KERNELS_CUDA_CUDA_OPS_INTERNAL_H_

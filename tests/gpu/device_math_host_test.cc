@@ -1,0 +1,227 @@
+// The per-value numerics of the CUDA kernels (kernels/cuda/device_math.cuh), compiled as host
+// code, against the host definitions they mirror (kernels/formats.h, kernels/fp8_encode.h,
+// kernels/quantize.h, the CPU quantize op). Needs no GPU, so it runs in every build: a slip in the
+// mirror (a wrong constant, a rounding step out of order) fails here, on the CPU, before any GPU
+// run; tests/gpu/ops_cuda_test.cc then checks the compiled kernels on a device.
+//
+// The shim maps the CUDA intrinsics to their IEEE definitions: __fadd_rn / __fmul_rn / __fdiv_rn
+// are FP32 operations rounded to nearest even (the host's default rounding, no FMA contraction
+// since each is a separate function call), __float_as_uint / __uint_as_float are bit casts,
+// __clz counts leading zeros.
+//
+// Index: encoder on a sweep of all float bit patterns (every 97th) and 2^22 random patterns; the
+// per-value statistics through a whole CPU quantize; ComputeScale over amaxes of every binade,
+// margins and power-of-two scales; Mx32Exponent; PowerOfTwo; decoding of all 256 FP8 and E8M0
+// codes; FloatToBf16. Tolerances: none, every comparison is bit for bit.
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/formats.h"
+#include "kernels/ops.h"
+#include "kernels/quantize.h"
+
+// --- the shim ------------------------------------------------------------------------------------
+#define FP8RT_DEVICE_MATH_HOST_SHIM 1
+#define __device__
+#define __forceinline__ inline
+namespace fp8rt::kernels::cuda_internal {
+inline uint32_t __float_as_uint(float x) { return std::bit_cast<uint32_t>(x); }
+inline float __uint_as_float(uint32_t x) { return std::bit_cast<float>(x); }
+[[gnu::noinline]] inline float __fadd_rn(float a, float b) { return a + b; }
+[[gnu::noinline]] inline float __fmul_rn(float a, float b) { return a * b; }
+[[gnu::noinline]] inline float __fdiv_rn(float a, float b) { return a / b; }
+inline int __clz(int x) { return std::countl_zero(static_cast<uint32_t>(x)); }
+inline uint32_t max(uint32_t a, uint32_t b) { return a > b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline int min(int a, int b) { return a < b ? a : b; }
+}  // namespace fp8rt::kernels::cuda_internal
+
+#include "kernels/cuda/device_math.cuh"
+
+namespace fp8rt::kernels {
+namespace {
+
+namespace dev = cuda_internal;
+
+uint32_t Bits(float x) { return std::bit_cast<uint32_t>(x); }
+float FromBits(uint32_t b) { return std::bit_cast<float>(b); }
+
+// Every 97th bit pattern (coprime with every power of two, so all exponents and low mantissa
+// bits are visited) plus 2^22 random ones.
+std::vector<uint32_t> SweepPatterns() {
+  std::vector<uint32_t> out;
+  out.reserve((uint64_t{1} << 32) / 97 + (1 << 22) + 16);
+  for (uint64_t b = 0; b < (uint64_t{1} << 32); b += 97) out.push_back(static_cast<uint32_t>(b));
+  std::mt19937 rng(1);
+  for (int i = 0; i < (1 << 22); ++i) out.push_back(rng());
+  return out;
+}
+
+const std::vector<uint32_t>& Patterns() {
+  static const std::vector<uint32_t>* patterns = new std::vector<uint32_t>(SweepPatterns());
+  return *patterns;
+}
+
+TEST(DeviceMathTest, EncoderEqualsTheHostEncoder) {
+  int64_t mismatches[2] = {0, 0};
+  for (uint32_t b : Patterns()) {
+    const float y = FromBits(b);
+    mismatches[0] += dev::EncodeFp8<Fp8Format::kE4M3>(y) != EncodeFp8(y, Fp8Format::kE4M3);
+    mismatches[1] += dev::EncodeFp8<Fp8Format::kE5M2>(y) != EncodeFp8(y, Fp8Format::kE5M2);
+  }
+  EXPECT_EQ(mismatches[0], 0) << "E4M3";
+  EXPECT_EQ(mismatches[1], 0) << "E5M2";
+}
+
+// The streaming kernels' fast path: where it applies, the full encoder gives the same code and
+// the value counts in no statistic.
+template <Fp8Format F>
+void CheckPlainNormal() {
+  int64_t plain = 0, code_mismatches = 0, counted = 0;
+  for (uint32_t b : Patterns()) {
+    if (!dev::IsPlainNormal<F>(b)) continue;
+    ++plain;
+    code_mismatches += dev::EncodePlainNormal<F>(b) != EncodeFp8(FromBits(b), F);
+    dev::ThreadStats s;
+    (void)dev::QuantizeOne<F>(FromBits(b), 1.0f, s);
+    counted += s.underflow + s.subnormal + s.saturated + s.nonfinite;
+  }
+  EXPECT_GT(plain, 100000);
+  EXPECT_EQ(code_mismatches, 0);
+  EXPECT_EQ(counted, 0);
+  // The range ends: min normal and max are plain, their neighbours outside are not.
+  using B = internal::Fp8Bits<F>;
+  EXPECT_TRUE(dev::IsPlainNormal<F>(B::kMinNormalBits));
+  EXPECT_FALSE(dev::IsPlainNormal<F>(B::kMinNormalBits - 1));
+  EXPECT_TRUE(dev::IsPlainNormal<F>(Bits(B::kMax) | 0x80000000u));
+  EXPECT_FALSE(dev::IsPlainNormal<F>(Bits(B::kMax) + 1));
+}
+
+TEST(DeviceMathTest, FastPathEqualsTheFullEncoder) {
+  CheckPlainNormal<Fp8Format::kE4M3>();
+  CheckPlainNormal<Fp8Format::kE5M2>();
+}
+
+// QuantizeOne over a whole tensor, summed, equals the CPU quantize op (codes and statistics).
+template <Fp8Format F>
+void CheckQuantizeOne(const std::vector<float>& x, float scale) {
+  std::vector<uint8_t> cpu_codes(x.size());
+  float scale_inv = 0.0f;
+  QuantStats cpu;
+  QuantizeArgs a;
+  a.format = F;
+  a.input = x.data();
+  a.rows = 1;
+  a.cols = static_cast<int64_t>(x.size());
+  a.has_scale = true;
+  a.scale = scale;
+  a.codes = cpu_codes.data();
+  a.scale_inv = &scale_inv;
+  a.stats = &cpu;
+  ASSERT_TRUE(CpuOps().quantize(a, {}).ok());
+  dev::ThreadStats s;
+  int64_t code_mismatches = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    code_mismatches += dev::QuantizeOne<F>(x[i], scale, s) != cpu_codes[i];
+  }
+  EXPECT_EQ(code_mismatches, 0);
+  const uint32_t cpu_amax_bits = std::isnan(cpu.amax) ? 0x7FC00000u : Bits(cpu.amax);
+  const uint32_t dev_amax_bits = s.amax_bits > 0x7F800000u ? dev::kQuietNaNBits : s.amax_bits;
+  EXPECT_EQ(dev_amax_bits, cpu_amax_bits);
+  EXPECT_EQ(static_cast<int64_t>(s.underflow), cpu.underflow);
+  EXPECT_EQ(static_cast<int64_t>(s.subnormal), cpu.subnormal);
+  EXPECT_EQ(static_cast<int64_t>(s.saturated), cpu.saturated);
+  EXPECT_EQ(static_cast<int64_t>(s.nonfinite), cpu.nonfinite);
+  // The data reaches every statistic.
+  EXPECT_GT(cpu.underflow, 0);
+  EXPECT_GT(cpu.subnormal, 0);
+  EXPECT_GT(cpu.saturated, 0);
+  EXPECT_GT(cpu.nonfinite, 0);
+}
+
+TEST(DeviceMathTest, QuantizeOneEqualsTheCpuQuantize) {
+  std::vector<float> x;
+  for (size_t i = 0; i < Patterns().size(); i += 7) x.push_back(FromBits(Patterns()[i]));
+  for (float scale : {1.0f, 56.0f, 3.0e-5f, 1.7e30f}) {
+    CheckQuantizeOne<Fp8Format::kE4M3>(x, scale);
+    CheckQuantizeOne<Fp8Format::kE5M2>(x, scale);
+  }
+}
+
+TEST(DeviceMathTest, ComputeScaleEqualsTheHostFormula) {
+  std::mt19937 rng(2);
+  int64_t mismatches = 0;
+  int64_t checked = 0;
+  for (size_t i = 0; i < Patterns().size(); i += 13) {
+    const uint32_t amax_bits = Patterns()[i] & 0x7FFFFFFFu;
+    if (amax_bits >= 0x7F800000u) continue;  // the kernels pass finite amaxes only
+    const int margin = static_cast<int>(rng() % 65);
+    const bool pow2 = (rng() & 1) != 0;
+    for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      const float host = ComputeScale(FromBits(amax_bits), f, margin, pow2);
+      const float device = dev::ComputeScale(amax_bits, GetFp8Info(f).max, margin, pow2);
+      mismatches += Bits(host) != Bits(device);
+      ++checked;
+      // scale_inv as both backends write it.
+      mismatches += Bits(1.0f / host) != Bits(dev::__fdiv_rn(1.0f, device));
+    }
+  }
+  EXPECT_GT(checked, 1000000);
+  EXPECT_EQ(mismatches, 0);
+  // Edges: zero, the smallest denormal, FLT_MAX, every margin.
+  for (uint32_t amax_bits : {0u, 1u, 0x00800000u, 0x7F7FFFFFu, 0x3F800000u}) {
+    for (int margin = 0; margin <= 64; ++margin) {
+      for (bool pow2 : {false, true}) {
+        const float host = ComputeScale(FromBits(amax_bits), Fp8Format::kE4M3, margin, pow2);
+        EXPECT_EQ(Bits(dev::ComputeScale(amax_bits, 448.0f, margin, pow2)), Bits(host))
+            << amax_bits << " margin " << margin;
+      }
+    }
+  }
+}
+
+TEST(DeviceMathTest, Mx32ExponentEqualsTheHostDefinition) {
+  int64_t mismatches = 0;
+  for (uint32_t b : Patterns()) {
+    const uint32_t amax_bits = b & 0x7FFFFFFFu;
+    if (amax_bits >= 0x7F800000u) continue;
+    mismatches +=
+        dev::Mx32Exponent(amax_bits, 8) != Mx32ScaleExponent(FromBits(amax_bits), Fp8Format::kE4M3);
+    mismatches += dev::Mx32Exponent(amax_bits, 15) !=
+                  Mx32ScaleExponent(FromBits(amax_bits), Fp8Format::kE5M2);
+  }
+  EXPECT_EQ(mismatches, 0);
+  EXPECT_EQ(dev::Mx32Exponent(0, 8), -127);
+  EXPECT_EQ(dev::Mx32Exponent(1, 8), Mx32ScaleExponent(FromBits(1), Fp8Format::kE4M3));
+}
+
+TEST(DeviceMathTest, PowerOfTwoIsExact) {
+  for (int k = -149; k <= 127; ++k) {
+    EXPECT_EQ(Bits(dev::PowerOfTwo(k)), Bits(std::ldexp(1.0f, k))) << k;
+  }
+}
+
+TEST(DeviceMathTest, DecodingEqualsTheHostForAllCodes) {
+  for (int c = 0; c < 256; ++c) {
+    const auto code = static_cast<uint8_t>(c);
+    EXPECT_EQ(Bits(dev::DecodeFp8(code, true)), Bits(DecodeFp8(code, Fp8Format::kE4M3))) << c;
+    EXPECT_EQ(Bits(dev::DecodeFp8(code, false)), Bits(DecodeFp8(code, Fp8Format::kE5M2))) << c;
+    EXPECT_EQ(Bits(dev::DecodeE8M0(code)), Bits(DecodeE8M0(code))) << c;
+  }
+}
+
+TEST(DeviceMathTest, FloatToBf16EqualsTheHost) {
+  int64_t mismatches = 0;
+  for (uint32_t b : Patterns())
+    mismatches += dev::FloatToBf16(FromBits(b)) != FloatToBf16(FromBits(b));
+  EXPECT_EQ(mismatches, 0);
+}
+
+}  // namespace
+}  // namespace fp8rt::kernels
