@@ -330,5 +330,41 @@ TEST_F(ControlPlaneTest, RecipeUpdatePrometheusAndCheckpointsThroughTheControlle
             std::string::npos);
 }
 
+// A mixture-of-experts run under the controller: the per-expert FP8 statistics and token counts
+// reach its metrics with an `expert` label, and `fp8rt layers` lists the expert sites.
+TEST_F(ControlPlaneTest, MoeRunReportsPerExpertMetrics) {
+  std::string spec = ReadFile(kSource + "/examples/tiny-moe.yaml");
+  const std::string rel = "path: examples/data/kjv.txt";
+  ASSERT_NE(spec.find(rel), std::string::npos);
+  spec.replace(spec.find(rel), rel.size(), "path: " + kSource + "/examples/data/kjv.txt");
+  const fs::path moe_spec = dir_ / "tiny-moe.yaml";
+  std::ofstream(moe_spec) << spec;
+  const fs::path run_dir = dir_ / "moe";
+  Process launch(
+      {kBin + "/fp8rt", "launch", moe_spec.string(), "--np", "2", "--controller", address_,
+       "--token-file", token_file_.string(), "--run-dir", run_dir.string(), "--run-id", "tiny-moe",
+       "--set", "train.steps=10", "--set", "train.warmup=2", "--set", "metrics.every=5"},
+      dir_ / "moe-launch.log");
+  ASSERT_EQ(launch.Wait(), 0) << ReadFile(dir_ / "moe-launch.log")
+                              << ReadFile(run_dir / "logs/launch.log");
+  const std::string scrape = Capture("curl -s http://" + metrics_ + "/metrics");
+  // 4 experts of blocks.1.mlp, token counts summed over both ranks (each expert is busy with
+  // top-2 routing of 2 x 8 x 64 tokens), FP8 sites of experts held by either rank.
+  for (int e = 0; e < 4; ++e) {
+    const std::string series = "fp8rt_moe_expert_tokens{expert=\"" + std::to_string(e) +
+                               "\",layer=\"blocks.1.mlp\",run=\"tiny-moe\"}";
+    EXPECT_NE(scrape.find(series), std::string::npos) << series << "\n" << scrape.substr(0, 2000);
+  }
+  EXPECT_NE(scrape.find("fp8rt_fp8_scale{expert=\"3\",layer=\"blocks.1.mlp.experts.3.fc1\""),
+            std::string::npos);
+  EXPECT_NE(scrape.find("fp8rt_fp8_scale{expert=\"0\",layer=\"blocks.1.mlp.experts.0.fc2\""),
+            std::string::npos);
+  EXPECT_NE(scrape.find("fp8rt_moe_dropped_tokens{layer=\"blocks.1.mlp\",run=\"tiny-moe\"}"),
+            std::string::npos);
+  const std::string layers = Capture(kBin + "/fp8rt layers tiny-moe --controller " + address_ +
+                                     " --token-file " + token_file_.string());
+  EXPECT_NE(layers.find("blocks.1.mlp.experts.2.fc1"), std::string::npos) << layers;
+}
+
 }  // namespace
 }  // namespace fp8rt
