@@ -209,7 +209,8 @@ absl::StatusOr<FaultSpec> FaultSpec::Parse(const std::string& text) {
   if (text.empty()) return f;
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
-        "FP8RT_FAULT='", text, "': expected nan_grad:rank=R:step=S or kill:rank=R:step=S"));
+        "FP8RT_FAULT='", text,
+        "': expected nan_grad:rank=R:step=S, kill:rank=R:step=S or hang:rank=R:step=S"));
   };
   std::vector<std::string> parts = absl::StrSplit(text, ':');
   if (parts.size() != 3) return bad();
@@ -217,6 +218,8 @@ absl::StatusOr<FaultSpec> FaultSpec::Parse(const std::string& text) {
     f.kind = Kind::kNanGrad;
   } else if (parts[0] == "kill") {
     f.kind = Kind::kKill;
+  } else if (parts[0] == "hang") {
+    f.kind = Kind::kHang;
   } else {
     return bad();
   }
@@ -411,12 +414,13 @@ std::vector<train::ParamShard> Trainer::Shards() {
 absl::StatusOr<StepRecord> Trainer::Step() {
   const parallel::MeshLayout& layout = mesh_->layout();
   const int64_t step = step_ + 1;
-  if (fault_.kind == FaultSpec::Kind::kKill && fault_.rank == layout.rank && fault_.step == step &&
-      !resumed_) {
-    std::fprintf(stderr, "fp8rt-worker: rank %d: FP8RT_FAULT kills this rank at step %lld\n",
-                 layout.rank, static_cast<long long>(step));
+  if ((fault_.kind == FaultSpec::Kind::kKill || fault_.kind == FaultSpec::Kind::kHang) &&
+      fault_.rank == layout.rank && fault_.step == step && !resumed_) {
+    const bool kill = fault_.kind == FaultSpec::Kind::kKill;
+    std::fprintf(stderr, "fp8rt-worker: rank %d: FP8RT_FAULT %s this rank at step %lld\n",
+                 layout.rank, kill ? "kills" : "stops (SIGSTOP)", static_cast<long long>(step));
     std::fflush(nullptr);
-    std::raise(SIGKILL);
+    std::raise(kill ? SIGKILL : SIGSTOP);
   }
   const auto t0 = std::chrono::steady_clock::now();
   if (controller_ != nullptr) FP8RT_RETURN_IF_ERROR(ShareDirectives());

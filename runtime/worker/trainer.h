@@ -66,17 +66,18 @@ struct TrainerOptions {
   bool resume = false;         // continue from the newest committed checkpoint (if any)
   bool print_progress = true;  // rank 0 prints a line every metrics.every steps to stdout
   // Under a controller (fp8rt-worker --controller): every rank registers (rank 0 with the
-  // spec), heartbeats, and the controller gives the resume point and recipe updates, receives the step metrics
-  // and FP8 statistics (reduced over all ranks) and commits the checkpoints. Empty address:
-  // standalone.
+  // spec), heartbeats, and the controller gives the resume point and recipe updates, receives the
+  // step metrics and FP8 statistics (reduced over all ranks) and commits the checkpoints. Empty
+  // address: standalone.
   ControllerOptions controller;
 };
 
 // Faults for tests, from the environment variable FP8RT_FAULT (documented in docs/operations.md):
 //   nan_grad:rank=R:step=S   rank R puts a NaN into its gradient at step S
 //   kill:rank=R:step=S       rank R SIGKILLs itself at the start of step S (not in a resumed run)
+//   hang:rank=R:step=S       rank R SIGSTOPs itself there (a hung rank; not in a resumed run)
 struct FaultSpec {
-  enum class Kind : uint8_t { kNone, kNanGrad, kKill } kind = Kind::kNone;
+  enum class Kind : uint8_t { kNone, kNanGrad, kKill, kHang } kind = Kind::kNone;
   int rank = -1;
   int64_t step = -1;
   // InvalidArgument naming FP8RT_FAULT when `text` is not one of the forms above.
@@ -137,17 +138,17 @@ class Trainer {
   std::unique_ptr<train::AdamW> optimizer_;
   std::vector<int32_t> tokens_;
   int64_t step_ = 0;
-  bool resumed_ = false;     // started with --resume (the kill fault fires in a first attempt only)
+  bool resumed_ = false;  // started with --resume (the kill fault fires in a first attempt only)
   std::unique_ptr<ControllerClient> controller_;
   std::atomic<int64_t> progress_{0};  // steps done, read by the heartbeat thread
   int64_t resume_step_ = -1;          // from the controller's Register answer
   std::string resume_dir_;
   int64_t recipe_version_ = 1;       // applied recipe version
   int64_t recipe_applied_step_ = 0;  // the step a new version was applied at, for the report
-  int64_t moe_dropped_ = 0;  // MoE assignments dropped over capacity in the step, all ranks
+  int64_t moe_dropped_ = 0;          // MoE assignments dropped over capacity in the step, all ranks
   bool stop_requested_ = false;
   bool save_requested_ = false;
-  FILE* metrics_ = nullptr;  // rank 0
+  FILE* metrics_ = nullptr;    // rank 0
   FILE* fp8_stats_ = nullptr;  // every rank, with per_rank_fp8_stats
 };
 

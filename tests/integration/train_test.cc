@@ -731,5 +731,43 @@ TEST_F(TrainTest, TinyMoeTrains) {
   for (const Json& m : metrics) EXPECT_TRUE(m.contains("moe_dropped")) << m.dump();
 }
 
+// A hung rank (SIGSTOP): the other rank's collective times out (FP8RT_COLLECTIVE_TIMEOUT_S=5),
+// it tears the job down, and `fp8rt launch --max-restarts 1` restarts from the newest checkpoint
+// with the uninterrupted loss curve; no process of the first attempt is left behind.
+TEST_F(TrainTest, LaunchRestartsAfterAHungRank) {
+  const std::vector<std::string> common = {spec_.string(),   "--np",          "2",
+                                           "--set",          "train.steps=8", "--set",
+                                           "train.warmup=2", "--set",         "checkpoint.every=4",
+                                           "--no-controller"};
+  auto with = [&](const fs::path& run_dir, std::vector<std::string> more) {
+    std::vector<std::string> args = common;
+    args.insert(args.end(), {"--run-dir", run_dir.string()});
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
+  };
+  const fs::path straight = dir_ / "straight", restarted = dir_ / "restarted";
+  const Result a = Launch(with(straight, {}));
+  ASSERT_EQ(a.exit_code, 0) << a.err;
+  setenv("FP8RT_COLLECTIVE_TIMEOUT_S", "5", 1);
+  const Result b = Launch(with(restarted, {"--max-restarts", "1"}), "hang:rank=1:step=6");
+  unsetenv("FP8RT_COLLECTIVE_TIMEOUT_S");
+  ASSERT_EQ(b.exit_code, 0) << b.err;
+  EXPECT_THAT(b.err, HasSubstr("restarting from the newest committed checkpoint (restart 1 of 1)"));
+  const std::string log = ReadFile(restarted / "logs" / "launch.log");
+  EXPECT_THAT(log, HasSubstr("DEADLINE_EXCEEDED"));
+  EXPECT_THAT(log, HasSubstr("resuming after step 4"));
+  ExpectSameSteps(ReadJsonl(straight / "metrics.jsonl"), ReadJsonl(restarted / "metrics.jsonl"), 0,
+                  8, "restarted after a hang vs straight");
+  // No worker of the run is left (stopped or running).
+  // "[-]" keeps the pattern from matching the shell that runs pgrep.
+  FILE* pipe = popen(("pgrep -f -- '[-]-run-dir " + restarted.string() + "'").c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  char buf[256];
+  std::string left;
+  while (fgets(buf, sizeof(buf), pipe) != nullptr) left += buf;
+  pclose(pipe);
+  EXPECT_EQ(left, "") << "processes left behind: " << left;
+}
+
 }  // namespace
 }  // namespace fp8rt
