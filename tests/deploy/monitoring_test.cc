@@ -15,12 +15,7 @@
 //   helpers            files, processes, HTTP GET, the controller and the fake worker
 //   PromQL helpers     metric names of an expression, Grafana variables substituted
 //   tests              promtool, rules loaded, every expression evaluated
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -46,6 +41,7 @@
 #include "runtime/core/checkpoint_dir.h"
 #include "runtime/core/checkpoint_io.h"
 #include "runtime/core/run_spec.h"
+#include "tests/support/test_support.h"
 #include "yaml-cpp/yaml.h"
 
 namespace fp8rt {
@@ -62,12 +58,9 @@ const fs::path kDashboard = fs::path(kSource) / "deploy" / "grafana" / "dashboar
 constexpr char kToken[] = "monitoring-test-token-0123456789";
 constexpr char kRun[] = "mon";
 
-std::string ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+using test::FreePort;
+using test::ReadFile;
+using Process = test::ChildProcess;
 
 bool Installed(const std::string& program) {
   return std::system(("command -v " + program + " > /dev/null 2>&1").c_str()) == 0;
@@ -84,52 +77,6 @@ int Shell(const std::string& cmd, std::string* output) {
   const int status = pclose(pipe);
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
-
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const int port = ntohs(addr.sin_port);
-  close(fd);
-  return port;
-}
-
-// A child process with its output in a file; SIGTERM (then SIGKILL) at destruction.
-class Process {
- public:
-  Process(const std::vector<std::string>& argv, const fs::path& log) {
-    pid_ = fork();
-    if (pid_ == 0) {
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      dup2(fd, 1);
-      dup2(fd, 2);
-      std::vector<char*> args;
-      for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      prctl(PR_SET_PDEATHSIG, SIGTERM);  // a crashed or killed test leaves nothing running
-      execvp(args[0], args.data());
-      _exit(127);
-    }
-  }
-  ~Process() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGTERM);
-    for (int i = 0; i < 100; ++i) {
-      if (waitpid(pid_, nullptr, WNOHANG) == pid_) return;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-  }
-  bool Running() const { return pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
-
- private:
-  pid_t pid_ = -1;
-};
 
 std::string UrlEncode(const std::string& s) {
   std::string out;

@@ -5,11 +5,7 @@
 //     the same step, which metrics.jsonl, the per-rank FP8 statistics and the controller agree on;
 //   - Prometheus scrapes per-layer FP8 metrics of the run and answers a PromQL query on them;
 //   - checkpoints are committed by the controller, and a resume through it continues the run.
-#include <arpa/inet.h>
-#include <fcntl.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,6 +26,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/support/test_support.h"
 
 namespace fp8rt {
 namespace {
@@ -40,79 +37,10 @@ using Json = nlohmann::json;
 const std::string kBin = FP8RT_BIN_DIR;
 const std::string kSource = FP8RT_SOURCE_DIR;
 
-std::string ReadFile(const fs::path& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-std::vector<Json> ReadJsonl(const fs::path& path) {
-  std::vector<Json> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) {
-    if (!line.empty()) out.push_back(Json::parse(line));
-  }
-  return out;
-}
-
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const int port = ntohs(addr.sin_port);
-  close(fd);
-  return port;
-}
-
-// A child process with its output in a file; killed (SIGTERM, then SIGKILL) on destruction.
-class Process {
- public:
-  Process(const std::vector<std::string>& argv, const fs::path& log) {
-    pid_ = fork();
-    if (pid_ == 0) {
-      const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
-      dup2(fd, 1);
-      dup2(fd, 2);
-      std::vector<char*> args;
-      for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-      args.push_back(nullptr);
-      execvp(args[0], args.data());
-      _exit(127);
-    }
-  }
-  ~Process() { Stop(); }
-  int Wait() {
-    if (pid_ <= 0) return status_;
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = 0;
-    status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    return status_;
-  }
-  void Stop() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGTERM);
-    for (int i = 0; i < 100; ++i) {
-      if (waitpid(pid_, nullptr, WNOHANG) == pid_) {
-        pid_ = 0;
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    pid_ = 0;
-  }
-
- private:
-  pid_t pid_ = 0;
-  int status_ = -1;
-};
+using test::FreePort;
+using test::ReadFile;
+using test::ReadJsonl;
+using Process = test::ChildProcess;
 
 std::string Capture(const std::string& cmd) {
   std::string out;

@@ -3,7 +3,7 @@
 //
 // What a user relies on, and the test that checks it:
 //   LayoutInvariance                 1 rank, tp=2, dp=2, dp=2 x tp=2 train the same model
-//   ScaleConsistency                 FP8 scales agree where the ranks share a tensor
+//   ScaleConsistency                 FP8 amax and scale agree on every rank (per TP group at step 1)
 //   RerunIsBitIdentical              a run is reproducible to the bit
 //   ResumeIsBitIdentical             a killed run, resumed, ends exactly where an uninterrupted one
 //   CorruptNewestCheckpointFallsBack a corrupt newest checkpoint is refused, the previous one used
@@ -406,14 +406,19 @@ TEST_F(TrainTest, ScaleConsistency) {
   }
   for (const auto& [key, j0] : stats[0]) {
     const std::string where = "step " + std::to_string(key.first) + " " + key.second;
+    // Delayed-scaling histories are reduced over all ranks (stronger than the per-TP-group
+    // agreement DESIGN.md asks for): from step 2 on, every rank must hold rank 0's amax and scale
+    // for every site, so a TP group that synced only within itself differs from the other one
+    // here. Step 1 has no history yet and uses current scaling, whose amax is reduced over the TP
+    // group only (the ranks that hold parts of the same activation): there, activation and
+    // gradient sites agree within a TP group, weights everywhere.
     const bool weight = key.second.ends_with("/weight");
     for (int rank = 0; rank < kRanks; ++rank) {
       ASSERT_TRUE(stats[rank].contains(key)) << "rank " << rank << ": no " << where;
       const Json& j = stats[rank].at(key);
       const double scale = j.at("scale").get<double>();
       EXPECT_TRUE(std::isfinite(scale) && scale > 0.0) << "rank " << rank << " " << where;
-      // The first rank of this rank's TP group, or rank 0 for a weight.
-      const int peer = weight ? 0 : rank - rank % 2;
+      const int peer = (key.first == 1 && !weight) ? rank - rank % 2 : 0;
       const Json& p = stats[peer].at(key);
       EXPECT_EQ(scale, p.at("scale").get<double>()) << where << ": rank " << rank << " vs " << peer;
       EXPECT_EQ(j.at("amax").get<double>(), p.at("amax").get<double>())
