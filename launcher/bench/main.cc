@@ -5,14 +5,20 @@
 //   fp8rt bench comm --np N [--json]   (runs N MPI ranks of fp8rt-bench-comm through mpirun)
 //   fp8rt bench step [--json] [--spec RUN.yaml]   (fp8 vs bf16 vs fp32 training step, one rank of
 //                                                 fp8rt-bench-step through mpirun)
+//   fp8rt bench controller [--workers N] [--duration S] [--json] ...   (load on fp8rt-controller:
+//                                                 runs fp8rt-bench-controller, which needs no
+//                                                 kernels; its options: --help)
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <iostream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/status/statusor.h"
@@ -160,6 +166,18 @@ void PrintHuman(const nlohmann::ordered_json& j) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // `controller` is its own program (gRPC only): hand over its arguments unparsed.
+  if (argc >= 2 && std::string(argv[1]) == "controller") {
+    std::error_code ec;
+    const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    const std::string program = (self.parent_path() / "fp8rt-bench-controller").string();
+    std::vector<char*> args = {const_cast<char*>(program.c_str())};
+    for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+    args.push_back(nullptr);
+    execv(program.c_str(), args.data());
+    std::fprintf(stderr, "fp8rt bench: cannot run %s: %s\n", program.c_str(), std::strerror(errno));
+    return 2;
+  }
   CLI::App app{"fp8rt benchmarks: ratios against a baseline measured in the same run",
                "fp8rt bench"};
   app.require_subcommand(1);
@@ -197,6 +215,10 @@ int main(int argc, char** argv) {
   step->add_option("--spec", step_spec, "run spec to time (default: a GEMM-dominated model)");
   step->add_option("--rounds", step_rounds, "timed steps of each mode (default 3)");
   step->add_flag("--json", json, "print one JSON object");
+  // Listed for --help only (dispatched above).
+  app.add_subcommand("controller",
+                     "load on fp8rt-controller from simulated workers: p99 RPC latency, RSS "
+                     "(`fp8rt bench controller --help`)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

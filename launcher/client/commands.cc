@@ -8,7 +8,11 @@
 //   RunControlCommand             CLI11 tree, dispatch, errors -> exit codes
 #include "launcher/client/commands.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -416,6 +420,41 @@ absl::Status RunsStop(const Context& ctx, const std::string& run_id) {
   return absl::OkStatus();
 }
 
+// Prints the new run token, or writes it to `out` (created 0600, never overwritten) and prints
+// where it is. --json: {"run_id": RUN, "token": T} or {"run_id": RUN, "token_file": F}.
+absl::Status RunsToken(const Context& ctx, const std::string& run_id, const std::string& out) {
+  FP8RT_ASSIGN_OR_RETURN(auto client, ctx.Connect());
+  FP8RT_ASSIGN_OR_RETURN(const v1::CreateRunTokenResponse created, client->CreateRunToken(run_id));
+  if (out.empty()) {
+    if (ctx.options.json) {
+      PrintJson(nlohmann::ordered_json{{"run_id", run_id}, {"token", created.token()}});
+    } else {
+      std::printf("%s\n", created.token().c_str());
+    }
+    return absl::OkStatus();
+  }
+  const int fd = open(out.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return absl::ErrnoToStatus(errno, absl::StrCat("--out ", out, ": cannot create the file"));
+  }
+  const std::string text = created.token() + "\n";
+  const bool written = write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  const bool closed = close(fd) == 0;
+  if (!written || !closed) {
+    unlink(out.c_str());
+    return absl::UnavailableError(absl::StrCat("--out ", out, ": cannot write the token"));
+  }
+  if (ctx.options.json) {
+    PrintJson(nlohmann::ordered_json{{"run_id", run_id}, {"token_file", out}});
+  } else {
+    std::printf(
+        "run %s: token written to %s (mode 0600); give it to the run's workers with "
+        "--token-file\n",
+        run_id.c_str(), out.c_str());
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Layers(const Context& ctx, const std::string& run_id) {
   FP8RT_ASSIGN_OR_RETURN(auto client, ctx.Connect());
   FP8RT_ASSIGN_OR_RETURN(v1::GetLayersResponse layers, client->GetLayers(run_id));
@@ -514,6 +553,9 @@ const char kControlCommandsUsage[] =
     "  runs list | runs get RUN | runs stop RUN\n"
     "                  the controller's runs: state, step, loss; stop asks the workers to save\n"
     "                  and exit\n"
+    "  runs token RUN [--out FILE]\n"
+    "                  a new token valid for RUN only (admin token needed); printed, or\n"
+    "                  written to FILE (mode 0600)\n"
     "  layers RUN      the per-layer FP8 table: amax, scale, underflow %, saturation %\n"
     "  recipe get RUN | recipe set RUN [--exclude a,b | --exclude-add L | --exclude-remove L]\n"
     "                  [--scaling delayed|current|block] [--amax-history-len N]\n"
@@ -558,6 +600,10 @@ int RunControlCommand(int argc, char** argv) {
        [&](const Context& c) { return RunsGet(c, run_id); });
   leaf(runs, "stop", "ask the run's workers to save and exit", true,
        [&](const Context& c) { return RunsStop(c, run_id); });
+  std::string token_out;
+  leaf(runs, "token", "a new token valid for this run only (needs the admin token)", true,
+       [&](const Context& c) { return RunsToken(c, run_id, token_out); })
+      ->add_option("--out", token_out, "write the token to this new file (mode 0600)");
   leaf(&app, "layers", "the per-layer FP8 table of the latest statistics", true,
        [&](const Context& c) { return Layers(c, run_id); });
 

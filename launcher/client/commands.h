@@ -1,6 +1,7 @@
 // The fp8rt commands that talk to fp8rt-controller (its Runs service), run inside `fp8rt`:
 //
 //   fp8rt runs list | runs get RUN | runs stop RUN
+//   fp8rt runs token RUN [--out FILE]     a token valid for RUN only (needs the admin token)
 //   fp8rt layers RUN                       the per-layer FP8 table of the latest statistics
 //   fp8rt recipe get RUN | recipe set RUN [changes] [--reason TEXT]
 //   fp8rt checkpoints list RUN | checkpoints save RUN

@@ -153,6 +153,14 @@ absl::StatusOr<v1::Run> ControllerClient::GetRun(const std::string& run_id) cons
   return Call<v1::GetRunRequest, v1::Run>(&v1::Runs::Stub::GetRun, request);
 }
 
+absl::StatusOr<v1::CreateRunTokenResponse> ControllerClient::CreateRunToken(
+    const std::string& run_id) const {
+  v1::CreateRunTokenRequest request;
+  request.set_run_id(run_id);
+  return Call<v1::CreateRunTokenRequest, v1::CreateRunTokenResponse>(
+      &v1::Runs::Stub::CreateRunToken, request);
+}
+
 absl::StatusOr<v1::Run> ControllerClient::StopRun(const std::string& run_id) const {
   v1::StopRunRequest request;
   request.set_run_id(run_id);

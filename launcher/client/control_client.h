@@ -82,6 +82,9 @@ class ControllerClient {
   [[nodiscard]] absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(
       const std::string& run_id) const;
   [[nodiscard]] absl::Status SaveCheckpoint(const std::string& run_id) const;
+  // A fresh token limited to `run_id` (needs the admin token).
+  [[nodiscard]] absl::StatusOr<v1::CreateRunTokenResponse> CreateRunToken(
+      const std::string& run_id) const;
 
  private:
   ControllerClient(ConnectionOptions options, std::string token,

@@ -7,8 +7,9 @@
 // The control plane: unless --controller or --no-controller is given, the launcher starts an
 // fp8rt-controller on loopback for the run (a fresh random token in DIR/controller/token, state
 // in DIR/controller/state, output in DIR/logs/controller.log, Prometheus metrics on
-// --metrics-port, default any free port), prints where its gRPC API and metrics are served, hands
-// its address and token to the workers, and stops it when the workers are done. With
+// --metrics-port, default any free port), prints where its gRPC API and metrics are served, mints
+// a token valid for this run only (DIR/controller/run-token) and hands the workers that and the
+// address (the admin token stays with the launcher), and stops it when the workers are done. With
 // --controller the workers join an existing controller. The run id defaults to the run folder's
 // name.
 //
@@ -17,11 +18,14 @@
 // DIR/logs/launch.log, and the launcher follows DIR/metrics.jsonl (one JSON object per step,
 // appended by rank 0) to draw a progress bar on a terminal, or plain lines otherwise.
 //
-// Restarts: with --max-restarts K, when mpirun fails (a rank died, or hung and the others'
-// collective timeout, FP8RT_COLLECTIVE_TIMEOUT_S, tore the job down) the launcher says so and runs
+// Restarts: with --max-restarts K, when mpirun fails (a rank died; or hung, and either the
+// controller declared the run FAILED after its heartbeat timeout, whereupon the launcher stops the
+// workers, or without a controller the others' collective timeout, FP8RT_COLLECTIVE_TIMEOUT_S,
+// tore the job down) the launcher says so and runs
 // mpirun again with --resume, up to K times; the run continues bit-identically from its newest
 // committed checkpoint. Exit 2 from the workers (bad input) and a user's Ctrl-C are not retried.
-// FP8RT_FAULT (test faults, docs/operations.md) reaches the ranks of the first attempt only.
+// FP8RT_FAULT and FP8RT_FAULT_POINT (test faults, docs/operations.md) reach the ranks of the
+// first attempt only.
 //
 // Exit codes: 0 the workers finished; 1 they failed (the tail of launch.log is printed);
 // 2 bad options or spec, or no worker/mpirun to run (nothing was started).
@@ -62,6 +66,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -73,6 +78,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "launcher/client/control_client.h"
 #include "nlohmann/json.hpp"
 #include "runtime/core/run_spec.h"
 #include "runtime/core/status.h"
@@ -266,7 +272,7 @@ std::vector<std::string> MpirunArgv(const Options& options, const fs::path& work
   // Each rank runs its own OpenMP/oneDNN threads: binding ranks to cores would pile them up.
   argv.insert(argv.end(), {"--bind-to", "none", "-x", absl::StrCat("OMP_NUM_THREADS=", threads)});
   // Settings every rank must see, also on other hosts.
-  for (const char* var : {"FP8RT_FAULT", "FP8RT_COLLECTIVE_TIMEOUT_S"}) {
+  for (const char* var : {"FP8RT_FAULT", "FP8RT_FAULT_POINT", "FP8RT_COLLECTIVE_TIMEOUT_S"}) {
     if (std::getenv(var) != nullptr) argv.insert(argv.end(), {"-x", var});
   }
   argv.insert(argv.end(), {worker.string(), "--spec", AbsolutePath(options.spec_path).string(),
@@ -581,8 +587,46 @@ void InstallSignalHandlers() {
   sigaction(SIGTERM, &action, nullptr);
 }
 
-// Feeds every new metrics line to `progress` until mpirun exits; returns its wait status.
-int WaitForMpirun(pid_t pid, MetricsTail* metrics, Progress* progress, bool quiet) {
+// Watches the run at the controller while an attempt runs. Once the run has been RUNNING in the
+// attempt, a FAILED state means the controller gave up on it: a rank stopped heartbeating (hung or
+// dead) within the controller's heartbeat timeout, which is far shorter than the collective
+// timeout the other ranks would otherwise wait out. The controller is asked at most once a
+// second; an unreachable controller is not a failure of the run (training goes on without it).
+class RunWatchdog {
+ public:
+  RunWatchdog(std::unique_ptr<cli::ControllerClient> client, std::string run_id)
+      : client_(std::move(client)), run_id_(std::move(run_id)) {}
+
+  void NewAttempt() {
+    seen_running_ = false;
+    next_poll_ = std::chrono::steady_clock::now();
+  }
+
+  // True once the run, after being RUNNING in this attempt, is FAILED at the controller.
+  bool RunFailed() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_poll_) return false;
+    next_poll_ = now + std::chrono::seconds(1);
+    absl::StatusOr<v1::Run> run = client_->GetRun(run_id_);
+    if (!run.ok()) return false;
+    if (run->state() == v1::RUN_STATE_RUNNING) seen_running_ = true;
+    return seen_running_ && run->state() == v1::RUN_STATE_FAILED;
+  }
+
+ private:
+  const std::unique_ptr<cli::ControllerClient> client_;
+  const std::string run_id_;
+  bool seen_running_ = false;
+  std::chrono::steady_clock::time_point next_poll_;
+};
+
+// Feeds every new metrics line to `progress` until mpirun exits; returns its wait status. With a
+// watchdog, a run the controller declares FAILED has mpirun's process group killed (SIGKILL: a
+// hung rank would not act on SIGTERM, and mpirun answers SIGTERM by waking stopped ranks first;
+// the run restarts from its newest committed checkpoint, so there is nothing to save).
+int WaitForMpirun(pid_t pid, MetricsTail* metrics, Progress* progress, bool quiet,
+                  RunWatchdog* watchdog) {
+  bool killed = false;
   auto drain = [&] {
     for (const std::string& line : metrics->ReadNewLines()) {
       if (std::optional<StepRecord> record = ParseRecord(line)) progress->Add(*record);
@@ -609,6 +653,14 @@ int WaitForMpirun(pid_t pid, MetricsTail* metrics, Progress* progress, bool quie
                      signo == SIGINT ? "SIGINT" : "SIGTERM");
       }
       kill(-pid, signo);
+    }
+    if (!killed && watchdog != nullptr && watchdog->RunFailed()) {
+      progress->Finish();
+      std::fprintf(stderr,
+                   "fp8rt launch: the controller declared the run FAILED (a rank stopped "
+                   "heartbeating); killing the workers\n");
+      kill(-pid, SIGKILL);
+      killed = true;
     }
     drain();
     std::this_thread::sleep_for(kPollInterval);
@@ -644,8 +696,34 @@ struct ControlPlane {
   std::string address;     // gRPC host:port ("" = none)
   std::string metrics;     // Prometheus host:port of a controller we started
   std::string token_file;  // absolute path
-  pid_t pid = 0;           // a controller we started (0: external or none)
+  // A token valid for the run only (minted from the admin token of a controller we started),
+  // what the workers get; "" = they get token_file.
+  std::string worker_token_file;
+  pid_t pid = 0;  // a controller we started (0: external or none)
 };
+
+// Least privilege: the workers of the run get a token that authorizes calls on `run_id` only
+// (Runs.CreateRunToken), in <run_dir>/controller/run-token (0600); the admin token stays with the
+// launcher and the user.
+absl::Status MintWorkerToken(const std::string& run_id, const fs::path& run_dir,
+                             ControlPlane* plane) {
+  cli::ConnectionOptions connection;
+  connection.controller = plane->address;
+  connection.token_file = plane->token_file;
+  FP8RT_ASSIGN_OR_RETURN(auto client, cli::ControllerClient::Connect(connection));
+  FP8RT_ASSIGN_OR_RETURN(const v1::CreateRunTokenResponse created, client->CreateRunToken(run_id));
+  const std::string path = (run_dir / "controller" / "run-token").string();
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  const std::string& token = created.token();
+  if (fd < 0 || write(fd, token.data(), token.size()) != static_cast<ssize_t>(token.size())) {
+    if (fd >= 0) close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot write ", path));
+  }
+  fchmod(fd, 0600);
+  close(fd);
+  plane->worker_token_file = path;
+  return absl::OkStatus();
+}
 
 // 32 random bytes as hex, from the kernel's CSPRNG.
 absl::StatusOr<std::string> RandomToken() {
@@ -768,6 +846,7 @@ int Launch(const Options& options) {
     return fail(absl::InvalidArgumentError(absl::StrCat(
         "--run-dir: cannot create ", (run_dir / "logs").string(), ": ", ec.message())));
   }
+  const std::string run_id = options.run_id.empty() ? run_dir.filename().string() : options.run_id;
   ControlPlane plane;
   if (!options.no_controller) {
     if (!options.controller.empty()) {
@@ -780,6 +859,13 @@ int Launch(const Options& options) {
         return kExitWorkersFailed;
       }
       plane = *started;
+      if (const absl::Status minted = MintWorkerToken(run_id, run_dir, &plane); !minted.ok()) {
+        StopController(plane);
+        if (minted.code() == absl::StatusCode::kInvalidArgument) return fail(minted);  // run id
+        std::fprintf(stderr, "fp8rt launch: cannot get a run token from the controller: %s\n",
+                     std::string(minted.message()).c_str());
+        return kExitWorkersFailed;
+      }
       if (!options.quiet) {
         std::fprintf(stderr,
                      "fp8rt launch: controller serving gRPC on %s (token in %s); Prometheus "
@@ -790,10 +876,24 @@ int Launch(const Options& options) {
   }
   std::vector<std::string> worker_extra;
   if (!plane.address.empty()) {
-    const std::string run_id =
-        options.run_id.empty() ? run_dir.filename().string() : options.run_id;
-    worker_extra = {"--controller",   plane.address, "--token-file",
-                    plane.token_file, "--run-id",    run_id};
+    const std::string& worker_token =
+        plane.worker_token_file.empty() ? plane.token_file : plane.worker_token_file;
+    worker_extra = {"--controller", plane.address, "--token-file",
+                    worker_token,   "--run-id",    run_id};
+  }
+  std::unique_ptr<RunWatchdog> watchdog;
+  if (!plane.address.empty()) {
+    cli::ConnectionOptions connection;
+    connection.controller = plane.address;
+    connection.token_file = plane.token_file;
+    connection.timeout_s = 2.0;
+    absl::StatusOr<std::unique_ptr<cli::ControllerClient>> client =
+        cli::ControllerClient::Connect(connection);
+    if (!client.ok()) {
+      StopController(plane);
+      return fail(client.status());
+    }
+    watchdog = std::make_unique<RunWatchdog>(std::move(*client), run_id);
   }
   MetricsTail metrics(run_dir / "metrics.jsonl");  // before the start: earlier lines are skipped
   Progress progress(spec->train().steps(), isatty(STDERR_FILENO) == 1, options.quiet);
@@ -806,6 +906,7 @@ int Launch(const Options& options) {
     if (attempt > 0) {
       attempt_options.resume = true;
       unsetenv("FP8RT_FAULT");  // test faults fire in the first attempt only
+      unsetenv("FP8RT_FAULT_POINT");
     }
     const std::vector<std::string> argv =
         MpirunArgv(attempt_options, *worker, run_dir, worker_extra);
@@ -822,7 +923,8 @@ int Launch(const Options& options) {
       StopController(plane);
       return fail(pid.status());
     }
-    status = WaitForMpirun(*pid, &metrics, &progress, options.quiet);
+    if (watchdog) watchdog->NewAttempt();
+    status = WaitForMpirun(*pid, &metrics, &progress, options.quiet, watchdog.get());
     progress.Finish();
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) break;
     // Bad input (exit 2 from every rank) or a user's Ctrl-C is not a failure to retry.

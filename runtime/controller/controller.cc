@@ -8,7 +8,11 @@
 //   monitor, persistence    MonitorLoop, SweepLocked, Flush
 #include "runtime/controller/controller.h"
 
+#include <openssl/evp.h>
+#include <sys/random.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <filesystem>
@@ -24,7 +28,9 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "runtime/controller/recipe.h"
+#include "runtime/core/check.h"
 #include "runtime/core/checkpoint_dir.h"
+#include "runtime/core/fault_point.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt::controller {
@@ -38,6 +44,46 @@ constexpr int kMaxReasonBytes = 4096;
 constexpr size_t kMaxLostEvents = 16;
 
 int64_t NowUnixMs() { return absl::ToUnixMillis(absl::Now()); }
+
+// SHA-256 of `text` (32 raw bytes).
+std::string Sha256(std::string_view text) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int size = 0;
+  FP8RT_CHECK(EVP_Digest(text.data(), text.size(), digest, &size, EVP_sha256(), nullptr) == 1 &&
+              size == 32)
+      << "EVP_Digest(SHA-256) failed";
+  return std::string(reinterpret_cast<const char*>(digest), size);
+}
+
+// 32 bytes from the kernel's CSPRNG, as 64 hex digits.
+absl::StatusOr<std::string> RandomHexToken() {
+  unsigned char bytes[32];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    const ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return absl::ErrnoToStatus(errno, "getrandom for a run token");
+    got += static_cast<size_t>(n);
+  }
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string token;
+  for (unsigned char b : bytes) token += {kHex[b >> 4], kHex[b & 15]};
+  return token;
+}
+
+// InvalidArgument unless `value` has at most `max` bytes.
+absl::Status CheckLength(const std::string& field, const std::string& value, size_t max) {
+  if (value.size() <= max) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": at most ", max, " bytes, got ", value.size()));
+}
+
+// InvalidArgument unless the repeated field `field` has at most `max` entries.
+absl::Status CheckCount(const std::string& field, int count, int max) {
+  if (count <= max) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": at most ", max, " entries, got ", count));
+}
 
 bool RunIdChar(char c, bool first) {
   if ((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9')) return true;
@@ -126,6 +172,12 @@ absl::StatusOr<std::unique_ptr<Controller>> Controller::Open(const ControllerOpt
   std::unique_ptr<Controller> c(new Controller(options, metrics));
   FP8RT_RETURN_IF_ERROR(c->store_.Init());
   FP8RT_ASSIGN_OR_RETURN(std::vector<v1::RunRecord> records, c->store_.LoadAll());
+  {
+    FP8RT_ASSIGN_OR_RETURN(v1::RunTokens tokens, c->store_.LoadTokens());
+    absl::MutexLock lock(&c->tokens_mu_);
+    for (const v1::RunToken& t : tokens.tokens()) c->token_runs_[t.sha256()] = t.run_id();
+    c->tokens_ = std::move(tokens);
+  }
   absl::MutexLock lock(&c->mu_);
   for (v1::RunRecord& record : records) {
     auto run = std::make_unique<RunEntry>();
@@ -241,9 +293,12 @@ v1::RecipeVersion& Controller::AddRecipeLocked(RunEntry* run, const v1::Recipe& 
   v->set_source(source);
   v->set_created_unix_ms(NowUnixMs());
   run->record.mutable_run()->set_recipe_version(version);
+  // Keep the newest versions only (the workers only ever need the newest).
+  const int excess = run->record.recipes_size() - std::max(1, options_.max_recipe_versions_per_run);
+  if (excess > 0) run->record.mutable_recipes()->DeleteSubrange(0, excess);
   MarkChangedLocked(run);
   metrics_->SetRecipeVersion(run->record.run().run_id(), version);
-  return *v;
+  return *run->record.mutable_recipes()->rbegin();
 }
 
 void Controller::ExportRunLocked(const RunEntry& run) {
@@ -272,6 +327,8 @@ absl::StatusOr<v1::RegisterResponse> Controller::Register(const v1::RegisterRequ
                                                    "], got ", request.world_size()));
   }
   FP8RT_RETURN_IF_ERROR(CheckRankInWorld(request.rank(), request.world_size(), request.run_id()));
+  FP8RT_RETURN_IF_ERROR(CheckLength("hostname", request.hostname(), kMaxNameBytes));
+  FP8RT_RETURN_IF_ERROR(CheckLength("run_dir", request.run_dir(), kMaxPathBytes));
   return request.rank() == 0 ? RegisterRank0(request) : RegisterOtherRank(request);
 }
 
@@ -299,6 +356,7 @@ absl::StatusOr<v1::RegisterResponse> Controller::RegisterRank0(const v1::Registe
     absl::MutexLock lock(&mu_);
     if (shutting_down_) return absl::UnavailableError("the controller is shutting down");
     const RunEntry* run = FindLocked(id);
+    if (run == nullptr) FP8RT_RETURN_IF_ERROR(CheckRoomForRunLocked());
     if (run != nullptr && run->record.run().state() == v1::RUN_STATE_RUNNING && !request.resume()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "run ", id, " is already RUNNING (", ConnectedLocked(*run), " of ",
@@ -353,6 +411,7 @@ absl::StatusOr<v1::RegisterResponse> Controller::RegisterRank0(const v1::Registe
                                      "at step 1"
                                    : "starts at step 1");
     if (run == nullptr) {
+      FP8RT_RETURN_IF_ERROR(CheckRoomForRunLocked());  // another run may have come meanwhile
       auto entry = std::make_unique<RunEntry>();
       run = entry.get();
       runs_.emplace(id, std::move(entry));
@@ -515,11 +574,25 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
   if (m.step() < 1) {
     return absl::InvalidArgumentError(absl::StrCat("metrics.step: must be >= 1, got ", m.step()));
   }
+  FP8RT_RETURN_IF_ERROR(CheckCount("sites", request.sites_size(), kMaxSitesPerReport));
+  FP8RT_RETURN_IF_ERROR(CheckCount("comm", request.comm_size(), kMaxCommPerReport));
+  FP8RT_RETURN_IF_ERROR(CheckCount("experts", request.experts_size(), kMaxExpertsPerReport));
+  FP8RT_RETURN_IF_ERROR(
+      CheckCount("metrics.nonfinite_ranks", m.nonfinite_ranks_size(), kMaxWorldSize));
+  for (int i = 0; i < m.nonfinite_ranks_size(); ++i) {
+    if (m.nonfinite_ranks(i) < 0 || m.nonfinite_ranks(i) >= kMaxWorldSize) {
+      return absl::InvalidArgumentError(absl::StrCat("metrics.nonfinite_ranks[", i,
+                                                     "]: must be a rank in [0, ", kMaxWorldSize,
+                                                     "), got ", m.nonfinite_ranks(i)));
+    }
+  }
   for (int i = 0; i < request.sites_size(); ++i) {
     const v1::SiteStats& s = request.sites(i);
     if (s.layer().empty()) {
       return absl::InvalidArgumentError(absl::StrCat("sites[", i, "].layer: empty"));
     }
+    FP8RT_RETURN_IF_ERROR(
+        CheckLength(absl::StrCat("sites[", i, "].layer"), s.layer(), kMaxNameBytes));
     if (s.tensor() == v1::TENSOR_ROLE_UNSPECIFIED) {
       return absl::InvalidArgumentError(
           absl::StrCat("sites[", i, "].tensor: not set (input, weight or grad_output)"));
@@ -539,6 +612,9 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
       return absl::InvalidArgumentError(
           absl::StrCat("comm[", i, "].bytes: must be >= 0, got ", c.bytes()));
     }
+    FP8RT_RETURN_IF_ERROR(CheckLength(absl::StrCat("comm[", i, "].op"), c.op(), kMaxNameBytes));
+    FP8RT_RETURN_IF_ERROR(
+        CheckLength(absl::StrCat("comm[", i, "].dtype"), c.dtype(), kMaxNameBytes));
   }
   for (int i = 0; i < request.experts_size(); ++i) {
     const v1::ExpertLoad& e = request.experts(i);
@@ -546,6 +622,8 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
       return absl::InvalidArgumentError(absl::StrCat(
           "experts[", i, "]: needs a layer and non-negative expert, tokens and dropped"));
     }
+    FP8RT_RETURN_IF_ERROR(
+        CheckLength(absl::StrCat("experts[", i, "].layer"), e.layer(), kMaxNameBytes));
   }
   if (request.recipe_applied_step() < 0) {
     return absl::InvalidArgumentError(
@@ -564,9 +642,15 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
     rec.set_latest_step(std::max(rec.latest_step(), m.step()));
     if (m.skipped()) {
       r->set_skipped_steps(r->skipped_steps() + 1);
-      AddEventLocked(
-          run, "step_skipped", m.step(),
-          absl::StrCat("step ", m.step(), " skipped: non-finite gradients (no optimizer update)"));
+      // The message names the ranks that saw the NaN/Inf (workers that do not say: none named).
+      const std::string where =
+          m.nonfinite_ranks().empty()
+              ? ""
+              : absl::StrCat(m.nonfinite_ranks_size() == 1 ? " on rank " : " on ranks ",
+                             absl::StrJoin(m.nonfinite_ranks(), ", "));
+      AddEventLocked(run, "step_skipped", m.step(),
+                     absl::StrCat("step ", m.step(), " skipped: non-finite values", where,
+                                  " (no optimizer update)"));
     }
     if (!request.sites().empty()) {
       rec.mutable_layers()->set_step(m.step());
@@ -717,6 +801,7 @@ absl::StatusOr<v1::AckShardResponse> Controller::AckShard(const v1::AckShardRequ
   v1::CheckpointManifest manifest;
   std::string run_dir;
   int keep = 1;
+  std::string abandoned_temp;  // set when a rank reports that the save failed
   {
     absl::MutexLock lock(&mu_);
     FP8RT_ASSIGN_OR_RETURN(RunEntry * run, GetLocked(id));
@@ -738,32 +823,59 @@ absl::StatusOr<v1::AckShardResponse> Controller::AckShard(const v1::AckShardRequ
       return absl::FailedPreconditionError(absl::StrCat("run ", id, ": the checkpoint of step ",
                                                         p.step, " is already being committed"));
     }
-    v1::CheckpointShard& shard = p.shards[request.rank()];  // a retried ack replaces the first
-    shard.set_rank(request.rank());
-    shard.set_file(request.file());
-    shard.set_size(request.size());
-    shard.set_xxh64(request.xxh64());
-    if (request.rank() == 0) p.data_position = request.data_position();
-    if (static_cast<int>(p.shards.size()) < r.world_size()) return v1::AckShardResponse();
+    if (!request.error().empty()) {
+      // A rank could not write its shard: the save is abandoned, its temp folder removed below.
+      abandoned_temp = CheckpointDir(r.run_dir()).TempDir(request.step());
+      run->pending.reset();
+      AddEventLocked(run, "checkpoint_failed", request.step(),
+                     absl::StrCat("save of step ", request.step(), " abandoned by rank ",
+                                  request.rank(), ": ", request.error()));
+    } else {
+      v1::CheckpointShard& shard = p.shards[request.rank()];  // a retried ack replaces the first
+      shard.set_rank(request.rank());
+      shard.set_file(request.file());
+      shard.set_size(request.size());
+      shard.set_xxh64(request.xxh64());
+      if (request.rank() == 0) p.data_position = request.data_position();
+      if (static_cast<int>(p.shards.size()) < r.world_size()) return v1::AckShardResponse();
 
-    // The last acknowledgement: commit, without the lock (Commit hashes every shard).
-    p.committing = true;
-    manifest.set_step(p.step);
-    manifest.set_world_size(r.world_size());
-    manifest.set_dp(r.spec().parallel().dp());
-    manifest.set_tp(r.spec().parallel().tp());
-    manifest.set_ep(r.spec().parallel().ep());
-    for (const auto& [rank, s] : p.shards) *manifest.add_shards() = s;
-    *manifest.mutable_spec() = r.spec();
-    manifest.set_created_unix_ms(NowUnixMs());
-    manifest.set_data_position(p.data_position);
-    run_dir = r.run_dir();
-    keep = std::max(1, r.spec().checkpoint().keep());
+      // The last acknowledgement: commit, without the lock (Commit hashes every shard).
+      p.committing = true;
+      manifest.set_step(p.step);
+      manifest.set_world_size(r.world_size());
+      manifest.set_dp(r.spec().parallel().dp());
+      manifest.set_tp(r.spec().parallel().tp());
+      manifest.set_ep(r.spec().parallel().ep());
+      for (const auto& [rank, s] : p.shards) *manifest.add_shards() = s;
+      *manifest.mutable_spec() = r.spec();
+      manifest.set_created_unix_ms(NowUnixMs());
+      manifest.set_data_position(p.data_position);
+      run_dir = r.run_dir();
+      keep = std::max(1, r.spec().checkpoint().keep());
+    }
+  }
+  if (!abandoned_temp.empty()) {
+    Flush(id);
+    std::error_code ec;
+    fs::remove_all(abandoned_temp, ec);
+    if (ec) {
+      return absl::ErrnoToStatus(ec.value(),
+                                 absl::StrCat("run ", id, ": cannot remove ", abandoned_temp,
+                                              " of the abandoned save: ", ec.message()));
+    }
+    return v1::AckShardResponse();
   }
   const CheckpointDir dir(run_dir);
   const absl::Status committed = dir.Commit(manifest);
   absl::StatusOr<std::vector<int64_t>> pruned = std::vector<int64_t>();
+  // Retention runs only after a successful commit and keeps >= 1: never the newest checkpoint.
   if (committed.ok()) pruned = dir.Prune(keep);
+  if (!committed.ok()) {
+    // Nothing partial is left: Commit leaves its temp folder, the controller owns the save.
+    std::error_code ec;
+    fs::remove_all(dir.TempDir(manifest.step()), ec);
+  }
+  InjectKill(FaultPoint::kControllerCommitted, manifest.step());  // before the state is persisted
 
   {
     absl::MutexLock lock(&mu_);
@@ -913,6 +1025,8 @@ absl::StatusOr<v1::RecipeVersion> Controller::UpdateRecipe(const v1::UpdateRecip
     return absl::InvalidArgumentError(
         absl::StrCat("reason: at most ", kMaxReasonBytes, " bytes, got ", request.reason().size()));
   }
+  FP8RT_RETURN_IF_ERROR(
+      CheckCount("recipe.exclude", request.recipe().exclude_size(), kMaxRecipeExcludes));
   v1::RecipeVersion result;
   {
     absl::MutexLock lock(&mu_);
@@ -970,6 +1084,57 @@ absl::Status Controller::WatchEvents(const v1::WatchEventsRequest& request,
     mu_.Lock();
     if (!open || cancelled()) return absl::OkStatus();
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Run tokens and bounds.
+
+absl::Status Controller::CheckRoomForRunLocked() const {
+  if (static_cast<int64_t>(runs_.size()) < options_.max_runs) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("runs: the controller keeps at most ", options_.max_runs,
+                   " runs (--max-runs) and has that many; use another state folder for more"));
+}
+
+absl::StatusOr<std::string> Controller::CreateRunToken(const std::string& run_id) {
+  FP8RT_RETURN_IF_ERROR(ValidateRunId(run_id));
+  FP8RT_ASSIGN_OR_RETURN(const std::string token, RandomHexToken());
+  const std::string hash = Sha256(token);
+  absl::MutexLock lock(&tokens_mu_);
+  v1::RunTokens updated = tokens_;
+  auto* list = updated.mutable_tokens();
+  const int of_run = static_cast<int>(std::count_if(
+      list->begin(), list->end(), [&](const v1::RunToken& t) { return t.run_id() == run_id; }));
+  if (of_run >= options_.max_run_tokens_per_run) {
+    // Revoke the run's oldest token.
+    const auto oldest = std::find_if(list->begin(), list->end(),
+                                     [&](const v1::RunToken& t) { return t.run_id() == run_id; });
+    list->erase(oldest);
+  } else if (list->size() >= options_.max_run_tokens) {
+    return absl::ResourceExhaustedError(absl::StrCat("run tokens: the controller keeps at most ",
+                                                     options_.max_run_tokens, " run tokens"));
+  }
+  v1::RunToken* t = updated.add_tokens();
+  t->set_run_id(run_id);
+  t->set_sha256(hash);
+  t->set_created_unix_ms(NowUnixMs());
+  // Persist first: a token that would not survive a restart is not handed out.
+  FP8RT_RETURN_IF_ERROR(store_.SaveTokens(updated));
+  tokens_ = std::move(updated);
+  token_runs_.clear();
+  for (const v1::RunToken& x : tokens_.tokens()) token_runs_[x.sha256()] = x.run_id();
+  std::fprintf(stderr, "fp8rt-controller: run %s: a run token was created (%d valid)\n",
+               run_id.c_str(), of_run >= options_.max_run_tokens_per_run ? of_run : of_run + 1);
+  return token;
+}
+
+std::optional<std::string> Controller::RunOfToken(std::string_view token) const {
+  // The lookup is by the token's hash, so its timing says nothing about how close a guess is.
+  const std::string hash = Sha256(token);
+  absl::MutexLock lock(&tokens_mu_);
+  const auto it = token_runs_.find(hash);
+  if (it == token_runs_.end()) return std::nullopt;
+  return it->second;
 }
 
 // ---------------------------------------------------------------------------------------------

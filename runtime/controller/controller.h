@@ -23,8 +23,17 @@
 //   AckShard         records one rank's shard; the last one commits (manifest, rename), prunes
 //                    to checkpoint.keep and answers committed = true. Nothing is listed or
 //                    committed before every rank has acknowledged.
+//                    An ack with `error` set (a rank could not write its shard) abandons the
+//                    save: its temp folder is removed and checkpoint_failed recorded; a failed
+//                    commit removes it too.
 //   UpdateRecipe     validates and schedules a new version at latest step + recipe_lead_steps.
 //   WatchEvents      existing events, then live ones until cancelled or shutdown.
+//   CreateRunToken   a token for one run (service.h decides who may call what with it).
+//
+// Bounds (what a client can make the controller keep): at most max_runs runs, each with at most
+// max_events_per_run events, max_recipe_versions_per_run recipe versions, one layer table of at
+// most kMaxSitesPerReport sites, max_run_tokens_per_run tokens; requests beyond the k* caps below
+// are refused before anything is stored.
 //
 // Long disk work (verifying checkpoints at resume, committing: both read every shard in full) runs
 // without the controller's mutex held, so heartbeats keep being answered meanwhile.
@@ -41,6 +50,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -64,7 +74,25 @@ struct ControllerOptions {
   int64_t recipe_lead_steps = 3;
   // Events kept per run (in memory and in its state file).
   int max_events_per_run = 1000;
+  // Recipe versions kept per run (the oldest are dropped; the newest is always kept).
+  int max_recipe_versions_per_run = 1000;
+  // Runs the controller keeps; registering one more is ResourceExhausted.
+  int max_runs = 10000;
+  // Valid run tokens per run (minting one more revokes the oldest) and in all.
+  int max_run_tokens_per_run = 64;
+  int max_run_tokens = 16384;
 };
+
+// Caps on what one request may carry (InvalidArgument naming the field and the cap beyond them),
+// so that a client cannot make the controller store or export unbounded data. Chosen far above
+// what production runs send: the largest MoE configurations report about 100 layers x 256
+// experts x 2 linears x 3 tensors = 153,600 sites per step and 25,600 expert loads.
+inline constexpr int kMaxSitesPerReport = 1 << 18;    // ReportStep.sites (262,144)
+inline constexpr int kMaxExpertsPerReport = 1 << 17;  // ReportStep.experts (131,072)
+inline constexpr int kMaxCommPerReport = 1024;        // ReportStep.comm
+inline constexpr int kMaxRecipeExcludes = 16384;      // Recipe.exclude (UpdateRecipe)
+inline constexpr size_t kMaxNameBytes = 256;          // a layer, op, dtype or hostname
+inline constexpr size_t kMaxPathBytes = 4096;         // RegisterRequest.run_dir
 
 // What the controller keeps per run and rank (internal; guarded by Controller::mu_).
 namespace internal {
@@ -157,6 +185,15 @@ class Controller {
                                          const std::function<bool()>& cancelled,
                                          const std::function<bool(const v1::Event&)>& send);
 
+  // Run tokens. CreateRunToken: a fresh random token (64 hex digits) bound to `run_id` (which need
+  // not be registered yet); only its SHA-256 is kept (and persisted). ResourceExhausted beyond
+  // max_run_tokens; beyond max_run_tokens_per_run the run's oldest token is revoked.
+  [[nodiscard]] absl::StatusOr<std::string> CreateRunToken(const std::string& run_id)
+      ABSL_LOCKS_EXCLUDED(tokens_mu_);
+  // The run `token` is bound to, or nullopt when it is no run token.
+  [[nodiscard]] std::optional<std::string> RunOfToken(std::string_view token) const
+      ABSL_LOCKS_EXCLUDED(tokens_mu_);
+
  private:
   using Clock = internal::Clock;
   using RankState = internal::RankState;
@@ -181,6 +218,8 @@ class Controller {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExportRunLocked(const RunEntry& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkChangedLocked(RunEntry* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++run->change_seq; }
+  // ResourceExhausted when max_runs runs exist.
+  absl::Status CheckRoomForRunLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::StatusOr<v1::RegisterResponse> RegisterRank0(const v1::RegisterRequest& request);
   absl::StatusOr<v1::RegisterResponse> RegisterOtherRank(const v1::RegisterRequest& request);
@@ -204,6 +243,10 @@ class Controller {
   std::map<std::string, std::unique_ptr<RunEntry>> runs_ ABSL_GUARDED_BY(mu_);
   int64_t next_event_id_ ABSL_GUARDED_BY(mu_) = 1;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  // Run tokens: SHA-256 (raw bytes) -> run id, and the persisted list (oldest first).
+  mutable absl::Mutex tokens_mu_;
+  std::map<std::string, std::string> token_runs_ ABSL_GUARDED_BY(tokens_mu_);
+  v1::RunTokens tokens_ ABSL_GUARDED_BY(tokens_mu_);
   absl::CondVar events_cv_;   // a new event, or shutdown
   absl::CondVar monitor_cv_;  // shutdown
   std::thread monitor_;

@@ -4,6 +4,12 @@
 //                    [--metrics-listen HOST:PORT|off] [--tls-cert F --tls-key F [--tls-client-ca
 //                    F]]
 //                    [--heartbeat-timeout-s S] [--recipe-lead-steps N] [--ready-file F]
+//                    [--max-runs N] [--max-streams N] [--max-streams-per-token N]
+//
+// Limits: messages of at most 16 MiB each way (RESOURCE_EXHAUSTED beyond); at most --max-streams
+// concurrent WatchEvents streams (--max-streams-per-token per caller), 256 concurrent HTTP/2
+// streams per connection (more wait in the client), --max-streams + 256 handler threads; at most
+// --max-runs runs. The request caps are in controller.h.
 //
 // Serves fp8rt.v1.Control and fp8rt.v1.Runs (bearer token on every call), the standard gRPC
 // health service and server reflection on --listen, and Prometheus text on
@@ -13,10 +19,12 @@
 //
 // Exit status: 0 after SIGINT/SIGTERM (graceful shutdown), 2 for bad flags (the message names the
 // flag), 1 when the state cannot be loaded (naming the file) or an address cannot be bound.
+#include <malloc.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -24,11 +32,13 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -42,6 +52,10 @@ namespace fp8rt::controller {
 namespace {
 
 constexpr int kMaxMessageBytes = 16 << 20;
+// HTTP/2 streams one connection may have open at once (a worker or CLI needs a handful).
+constexpr int kMaxStreamsPerConnection = 256;
+// Handler threads beyond the WatchEvents streams (each of which holds one): unary calls are short.
+constexpr int kUnaryThreads = 256;
 constexpr size_t kMinTokenChars = 16;
 constexpr auto kShutdownGrace = std::chrono::seconds(5);
 
@@ -54,6 +68,9 @@ struct Flags {
   double heartbeat_timeout_s = 30;
   int64_t recipe_lead_steps = 3;
   std::string ready_file;
+  int max_runs = 10000;
+  int max_streams = 256;
+  int max_streams_per_token = 64;
 };
 
 // A flag error: the message is printed and the process exits with status 2.
@@ -139,6 +156,16 @@ int Run(const Flags& flags) {
     throw FlagError{
         absl::StrCat("--heartbeat-timeout-s: must be positive, got ", flags.heartbeat_timeout_s)};
   }
+  if (flags.max_runs < 1) {
+    throw FlagError{absl::StrCat("--max-runs: must be >= 1, got ", flags.max_runs)};
+  }
+  if (flags.max_streams < 1 || flags.max_streams > 100000) {
+    throw FlagError{absl::StrCat("--max-streams: must be in [1, 100000], got ", flags.max_streams)};
+  }
+  if (flags.max_streams_per_token < 1) {
+    throw FlagError{
+        absl::StrCat("--max-streams-per-token: must be >= 1, got ", flags.max_streams_per_token)};
+  }
   if (flags.recipe_lead_steps < 1) {
     throw FlagError{
         absl::StrCat("--recipe-lead-steps: must be >= 1, got ", flags.recipe_lead_steps)};
@@ -161,6 +188,7 @@ int Run(const Flags& flags) {
   options.heartbeat_timeout =
       std::chrono::milliseconds(static_cast<int64_t>(flags.heartbeat_timeout_s * 1000.0 + 0.5));
   options.recipe_lead_steps = flags.recipe_lead_steps;
+  options.max_runs = flags.max_runs;
   ControllerMetrics metrics;
   absl::StatusOr<std::unique_ptr<Controller>> opened = Controller::Open(options, &metrics);
   if (!opened.ok()) {
@@ -186,9 +214,10 @@ int Run(const Flags& flags) {
         absl::StrCat(metrics_listen->host, ":", ports.empty() ? metrics_listen->port : ports[0]);
   }
 
-  const Authenticator auth(token);
+  const Authenticator auth(token, &controller);
+  StreamLimiter streams(flags.max_streams, flags.max_streams_per_token);
   ControlService control(&controller, &auth);
-  RunsService runs(&controller, &auth);
+  RunsService runs(&controller, &auth, &streams);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -198,6 +227,11 @@ int Run(const Flags& flags) {
   builder.RegisterService(&runs);
   builder.SetMaxReceiveMessageSize(kMaxMessageBytes);
   builder.SetMaxSendMessageSize(kMaxMessageBytes);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
+  // Bounds the sync server's threads (and so its memory): beyond, calls get RESOURCE_EXHAUSTED.
+  grpc::ResourceQuota quota("fp8rt-controller");
+  quota.SetMaxThreads(flags.max_streams + kUnaryThreads);
+  builder.SetResourceQuota(quota);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) {
     std::fprintf(stderr, "fp8rt-controller: --listen %s: cannot listen there\n",
@@ -206,6 +240,26 @@ int Run(const Flags& flags) {
   }
   controller.Start();
   const std::string grpc_address = absl::StrCat(listen->host, ":", port);
+  // A large request (up to 16 MiB, several times that once parsed) is freed when its call ends,
+  // but glibc keeps the freed pages in its per-thread arenas; returning them every second keeps
+  // the resident size near the steady state after a burst (abusive or not).
+  std::atomic<bool> stop_trimming{false};
+  std::thread trimmer([&stop_trimming] {
+    while (!stop_trimming.load()) {
+      for (int i = 0; i < 10 && !stop_trimming.load(); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      malloc_trim(0);
+    }
+  });
+  struct StopTrimmer {
+    std::atomic<bool>& stop;
+    std::thread& thread;
+    ~StopTrimmer() {
+      stop = true;
+      thread.join();
+    }
+  } stop_trimmer{stop_trimming, trimmer};
 
   if (!flags.ready_file.empty()) {
     nlohmann::json ready = {{"grpc", grpc_address}, {"pid", static_cast<int64_t>(getpid())}};
@@ -253,6 +307,11 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
+  // Debian's Abseil is built without NDEBUG, which leaves Mutex deadlock detection on: a global
+  // lock and a graph update in every Lock, ours and gRPC's (GraphCycles was the controller's
+  // hottest user-space code under `fp8rt bench controller`). The thread annotations check our
+  // lock order instead.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 
   fp8rt::controller::Flags flags;
   CLI::App app{
@@ -260,7 +319,8 @@ int main(int argc, char** argv) {
       "Prometheus metrics)",
       "fp8rt-controller"};
   app.add_option("--token-file", flags.token_file,
-                 "file holding the bearer token (>= 16 characters) every RPC must present")
+                 "file holding the admin bearer token (>= 16 characters); run tokens "
+                 "(Runs.CreateRunToken) are limited to their run")
       ->required();
   app.add_option("--state-dir", flags.state_dir, "folder of the persistent run state")->required();
   app.add_option("--listen", flags.listen, "gRPC address HOST:PORT (port 0: a free one)")
@@ -280,6 +340,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--ready-file", flags.ready_file,
                  "written (atomically) with the bound addresses once serving");
+  app.add_option("--max-runs", flags.max_runs,
+                 "runs kept at most (registering one more is RESOURCE_EXHAUSTED)")
+      ->capture_default_str();
+  app.add_option("--max-streams", flags.max_streams,
+                 "concurrent WatchEvents streams at most (one more is RESOURCE_EXHAUSTED)")
+      ->capture_default_str();
+  app.add_option("--max-streams-per-token", flags.max_streams_per_token,
+                 "concurrent WatchEvents streams at most per caller (the admin, or one run)")
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

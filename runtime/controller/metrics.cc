@@ -82,8 +82,9 @@ ControllerMetrics::ControllerMetrics() : registry_(std::make_shared<prometheus::
   tokens_per_second_ =
       NewGauge(r, "fp8rt_tokens_per_second", "Training throughput of the latest step, all ranks.");
   step_time_ = NewGauge(r, "fp8rt_step_time_seconds", "Wall time of the latest step.");
-  skipped_steps_ = NewCounter(r, "fp8rt_skipped_steps_total",
-                              "Optimizer steps skipped for non-finite gradients.");
+  skipped_steps_ =
+      NewCounter(r, "fp8rt_skipped_steps_total",
+                 "Optimizer steps skipped for non-finite values (gradients, loss or FP8 amaxes).");
   fp8_stats_step_ =
       NewGauge(r, "fp8rt_fp8_stats_step", "Step of the per-site FP8 statistics (fp8rt_fp8_*).");
   fp8_amax_ = NewGauge(r, "fp8rt_fp8_amax",

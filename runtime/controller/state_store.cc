@@ -27,7 +27,8 @@ absl::Status FsError(const std::error_code& ec, const std::string& what) {
 }  // namespace
 
 StateStore::StateStore(std::string state_dir)
-    : runs_dir_((fs::path(std::move(state_dir)) / "runs").string()) {}
+    : runs_dir_((fs::path(state_dir) / "runs").string()),
+      tokens_path_((fs::path(state_dir) / "run-tokens.tokens").string()) {}
 
 std::string StateStore::PathOf(const std::string& run_id) const {
   return (fs::path(runs_dir_) / (run_id + std::string(kSuffix))).string();
@@ -83,6 +84,24 @@ absl::Status StateStore::Save(const v1::RunRecord& record) const {
   ShardWriter writer;
   FP8RT_RETURN_IF_ERROR(writer.AddProto(kRunRecordSection, record));
   return writer.Write(PathOf(record.run().run_id())).status();
+}
+
+absl::StatusOr<v1::RunTokens> StateStore::LoadTokens() const {
+  v1::RunTokens tokens;
+  std::error_code ec;
+  if (!fs::exists(tokens_path_, ec)) return tokens;
+  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> reader, ShardReader::Open(tokens_path_));
+  absl::Status s = reader->ParseProto(kRunTokensSection, &tokens);
+  if (!s.ok()) {
+    return absl::DataLossError(absl::StrCat(tokens_path_, ": not a run token file: ", s.message()));
+  }
+  return tokens;
+}
+
+absl::Status StateStore::SaveTokens(const v1::RunTokens& tokens) const {
+  ShardWriter writer;
+  FP8RT_RETURN_IF_ERROR(writer.AddProto(kRunTokensSection, tokens));
+  return writer.Write(tokens_path_).status();
 }
 
 }  // namespace fp8rt::controller

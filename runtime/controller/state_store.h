@@ -5,7 +5,8 @@
 // per run, stored as a shard file (runtime/core/checkpoint_io.h) with the single section
 // kRunRecordSection. The shard format brings the checksums and the atomic write (temp file, fsync,
 // rename, fsync of the folder), so a crash leaves either the old record or the new one, and a torn
-// or bit-rotten file is detected rather than half-parsed.
+// or bit-rotten file is detected rather than half-parsed. <state-dir>/run-tokens.tokens holds the
+// SHA-256 of every valid run token (v1::RunTokens) the same way.
 //
 // Errors name the file. Loading refuses the whole state on the first bad file (DataLoss): a
 // controller never starts with some of its runs silently missing.
@@ -26,6 +27,7 @@
 namespace fp8rt::controller {
 
 inline constexpr std::string_view kRunRecordSection = "fp8rt.v1.RunRecord";
+inline constexpr std::string_view kRunTokensSection = "fp8rt.v1.RunTokens";
 
 class StateStore {
  public:
@@ -45,8 +47,15 @@ class StateStore {
   // <state-dir>/runs/<run_id>.run
   std::string PathOf(const std::string& run_id) const;
 
+  // The run tokens' hashes (<state-dir>/run-tokens.tokens; empty when the file is missing).
+  // DataLoss naming the file for one that does not verify or parse.
+  [[nodiscard]] absl::StatusOr<v1::RunTokens> LoadTokens() const;
+  // Writes them atomically. Callers serialize calls.
+  [[nodiscard]] absl::Status SaveTokens(const v1::RunTokens& tokens) const;
+
  private:
-  const std::string runs_dir_;  // <state-dir>/runs; fixed at construction
+  const std::string runs_dir_;     // <state-dir>/runs; fixed at construction
+  const std::string tokens_path_;  // <state-dir>/run-tokens.tokens; fixed at construction
 };
 
 }  // namespace fp8rt::controller

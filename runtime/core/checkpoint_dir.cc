@@ -1,7 +1,8 @@
 // Committed checkpoint folders: see checkpoint_dir.h for the layout and the error contract.
 //
 // Index: names and step parsing, filesystem helpers (Exists, SyncFolder, RemoveFolder, HashFile),
-// the manifest shape check shared by Commit and Verify, then CheckpointDir's methods.
+// the manifest shape check shared by Commit and Verify, ParseManifest, then CheckpointDir's
+// methods.
 #include "runtime/core/checkpoint_dir.h"
 
 #include <fcntl.h>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <system_error>
 #include <utility>
@@ -25,6 +27,7 @@
 #include "absl/strings/str_format.h"
 #include "runtime/core/status.h"
 #include "runtime/core/checkpoint_io.h"
+#include "runtime/core/fault_point.h"
 
 namespace fp8rt {
 namespace {
@@ -158,28 +161,29 @@ std::string ShapeProblem(const v1::CheckpointManifest& manifest) {
   if (manifest.world_size() < 1) {
     return absl::StrCat("world_size ", manifest.world_size(), " is < 1");
   }
-  std::vector<bool> seen(static_cast<size_t>(manifest.world_size()), false);
-  std::vector<std::string> files;
+  // Sized by the shards listed, never by world_size: a corrupt world_size of 2^31 - 1 in a
+  // 60-byte MANIFEST must not cost 256 MiB (found by tests/fuzz/manifest_fuzzer).
+  std::set<int32_t> seen;
+  std::set<std::string> files;
   for (const v1::CheckpointShard& shard : manifest.shards()) {
     if (shard.rank() < 0 || shard.rank() >= manifest.world_size()) {
       return absl::StrCat("shard rank ", shard.rank(), " is outside [0, ", manifest.world_size(),
                           ")");
     }
-    if (seen[static_cast<size_t>(shard.rank())]) {
+    if (!seen.insert(shard.rank()).second) {
       return absl::StrCat("rank ", shard.rank(), " has more than one shard");
     }
-    seen[static_cast<size_t>(shard.rank())] = true;
     if (!IsPlainFileName(shard.file())) {
       return absl::StrCat("rank ", shard.rank(), "'s shard file name \"",
                           absl::CEscape(shard.file()), "\" is not a plain file name");
     }
-    if (std::find(files.begin(), files.end(), shard.file()) != files.end()) {
+    if (!files.insert(shard.file()).second) {
       return absl::StrCat("shard file ", shard.file(), " is listed for more than one rank");
     }
-    files.push_back(shard.file());
   }
-  for (size_t r = 0; r < seen.size(); ++r) {
-    if (!seen[r]) {
+  // The first missing rank is at most seen.size(), so this stops early whatever world_size says.
+  for (int32_t r = 0; r < manifest.world_size(); ++r) {
+    if (!seen.contains(r)) {
       return absl::StrCat("rank ", r, " has no shard (world_size ", manifest.world_size(), ")");
     }
   }
@@ -231,6 +235,7 @@ absl::StatusOr<std::string> CheckpointDir::PrepareTemp(int64_t step) const {
 absl::Status CheckpointDir::Commit(const v1::CheckpointManifest& manifest) const {
   const int64_t step = manifest.step();
   FP8RT_RETURN_IF_ERROR(StepInRange(step, absl::StrCat("checkpoint: commit in ", root_)));
+  SetFaultStep(step);  // the MANIFEST write and a following Prune are this save's (fault_point.h)
   const std::string temp = TempDir(step);
   const std::string final_dir = CommittedDir(step);
   const std::string where = absl::StrCat("checkpoint commit of ", temp, ": ");
@@ -265,14 +270,19 @@ absl::Status CheckpointDir::Commit(const v1::CheckpointManifest& manifest) const
 
   ShardWriter writer;
   FP8RT_RETURN_IF_ERROR(writer.AddProto(kManifestSection, manifest));
-  FP8RT_RETURN_IF_ERROR(Prefixed(writer.Write(Join(temp, kManifestFileName)).status(), where));
+  const std::string manifest_path = Join(temp, kManifestFileName);
+  FP8RT_RETURN_IF_ERROR(
+      Prefixed(InjectFault(FaultPoint::kCommitManifest, step, manifest_path), where));
+  FP8RT_RETURN_IF_ERROR(Prefixed(writer.Write(manifest_path).status(), where));
   FP8RT_RETURN_IF_ERROR(Prefixed(SyncFolder(temp), where));
+  InjectKill(FaultPoint::kCommitManifestWritten, step);
   FP8RT_RETURN_IF_ERROR(Prefixed(Rename(temp, final_dir), where));
   const absl::Status synced = SyncFolder(root_);
   if (!synced.ok()) {
     return Prefixed(
         synced, absl::StrCat(where, final_dir, " is committed but may not survive a power loss: "));
   }
+  InjectKill(FaultPoint::kCommitRenamed, step);
   return absl::OkStatus();
 }
 
@@ -295,16 +305,11 @@ absl::StatusOr<std::vector<int64_t>> CheckpointDir::ListCommitted() const {
   return steps;
 }
 
-absl::StatusOr<v1::CheckpointManifest> CheckpointDir::Verify(int64_t step) const {
-  const std::string dir = CommittedDir(step);
-  FP8RT_ASSIGN_OR_RETURN(const bool exists, Exists(dir));
-  if (!exists) return absl::NotFoundError(absl::StrCat("checkpoint ", dir, " does not exist"));
-
-  const std::string manifest_path = Join(dir, kManifestFileName);
-  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> manifest_file,
-                         ShardReader::Open(manifest_path));
+absl::StatusOr<v1::CheckpointManifest> ParseManifest(const ShardReader& manifest_file,
+                                                     int64_t step) {
+  const std::string& manifest_path = manifest_file.path();
   v1::CheckpointManifest manifest;
-  if (const absl::Status parsed = manifest_file->ParseProto(kManifestSection, &manifest);
+  if (const absl::Status parsed = manifest_file.ParseProto(kManifestSection, &manifest);
       !parsed.ok()) {
     // A MANIFEST without its section is as corrupt as one that does not parse.
     return absl::DataLossError(std::string(parsed.message()));
@@ -318,6 +323,18 @@ absl::StatusOr<v1::CheckpointManifest> CheckpointDir::Verify(int64_t step) const
     return absl::DataLossError(
         absl::StrCat("corrupt checkpoint manifest ", manifest_path, ": ", problem));
   }
+  return manifest;
+}
+
+absl::StatusOr<v1::CheckpointManifest> CheckpointDir::Verify(int64_t step) const {
+  const std::string dir = CommittedDir(step);
+  FP8RT_ASSIGN_OR_RETURN(const bool exists, Exists(dir));
+  if (!exists) return absl::NotFoundError(absl::StrCat("checkpoint ", dir, " does not exist"));
+
+  const std::string manifest_path = Join(dir, kManifestFileName);
+  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> manifest_file,
+                         ShardReader::Open(manifest_path));
+  FP8RT_ASSIGN_OR_RETURN(v1::CheckpointManifest manifest, ParseManifest(*manifest_file, step));
 
   for (const v1::CheckpointShard& shard : manifest.shards()) {
     const std::string path = Join(dir, shard.file());
@@ -368,6 +385,7 @@ absl::StatusOr<std::vector<int64_t>> CheckpointDir::Prune(int keep) const {
     FP8RT_RETURN_IF_ERROR(RemoveFolder(temp));
     FP8RT_RETURN_IF_ERROR(Rename(CommittedDir(steps[i]), temp));
     FP8RT_RETURN_IF_ERROR(SyncFolder(root_));
+    InjectKill(FaultPoint::kPrune, -1);
     FP8RT_RETURN_IF_ERROR(RemoveFolder(temp));
     deleted.push_back(steps[i]);
   }

@@ -4,6 +4,7 @@
 // Defines:
 //   CheckpointName, ShardFileName, kManifestFileName   the names inside the layout below.
 //   ResumePoint     the checkpoint a resume starts from: step, folder, manifest.
+//   ParseManifest   a MANIFEST already read, checked without the shards (what Verify checks first).
 //   CheckpointDir   PrepareTemp / Commit (save), ListCommitted / Verify / FindNewestValid
 //                   (resume), Prune / RemoveStaleTemps (housekeeping).
 //
@@ -68,6 +69,16 @@ struct ResumePoint {
   std::string dir;                  // its folder, CommittedDir(step)
   v1::CheckpointManifest manifest;  // its MANIFEST, already verified against every shard
 };
+
+class ShardReader;
+
+// The manifest of the committed checkpoint of `step`, from `manifest_file`, its MANIFEST already
+// opened (so its checksums are verified), checked as far as it can be without the shard files:
+// its section "manifest" parses, its step is `step`, and its shards cover the ranks
+// 0..world_size-1 exactly once with plain, distinct file names. DataLoss naming
+// manifest_file.path() otherwise. Verify calls it before it checks the shards; it touches no file.
+[[nodiscard]] absl::StatusOr<v1::CheckpointManifest> ParseManifest(const ShardReader& manifest_file,
+                                                                   int64_t step);
 
 class CheckpointDir {
  public:

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -22,6 +23,7 @@
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/message_lite.h"
 #include "runtime/core/check.h"
+#include "runtime/core/fault_point.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt {
@@ -157,12 +159,21 @@ absl::StatusOr<ShardWriteResult> ShardWriter::Write(const std::string& path) con
     if (fd >= 0) ::close(fd);
     if (!renamed) ::unlink(tmp.c_str());
   };
+  // Fault points (fault_point.h; no-ops unless FP8RT_FAULT_POINT arms one): the step is the save's.
+  FP8RT_RETURN_IF_ERROR(InjectFault(FaultPoint::kShardOpen, -1, tmp));
+  const std::optional<uint64_t> fault_after_bytes = FaultByteLimit(-1);
 
   // `body` hashes everything before the trailer (the trailer's value); `file` hashes everything.
   Xxh64Stream body;
   Xxh64Stream file;
   uint64_t size = 0;
   auto emit = [&](const void* data, size_t n, bool in_body) -> absl::Status {
+    if (fault_after_bytes.has_value() && size + n > *fault_after_bytes) {
+      // Write up to the armed byte count, then die or fail as a full disk would.
+      FP8RT_RETURN_IF_ERROR(WriteAll(fd, data, *fault_after_bytes - size, tmp));
+      size = *fault_after_bytes;
+      return InjectFault(FaultPoint::kShardBytes, -1, tmp);
+    }
     FP8RT_RETURN_IF_ERROR(WriteAll(fd, data, n, tmp));
     if (in_body) body.Update(data, n);
     file.Update(data, n);
@@ -187,6 +198,7 @@ absl::StatusOr<ShardWriteResult> ShardWriter::Write(const std::string& path) con
   AppendU64(&trailer, body.Digest());
   FP8RT_RETURN_IF_ERROR(emit(trailer.data(), trailer.size(), false));
 
+  FP8RT_RETURN_IF_ERROR(InjectFault(FaultPoint::kShardFsync, -1, tmp));
   if (::fsync(fd) != 0) {
     return absl::ErrnoToStatus(errno, absl::StrCat("checkpoint shard ", path, ": fsync ", tmp));
   }
@@ -195,12 +207,14 @@ absl::StatusOr<ShardWriteResult> ShardWriter::Write(const std::string& path) con
   if (close_rc != 0) {
     return absl::ErrnoToStatus(errno, absl::StrCat("checkpoint shard ", path, ": close ", tmp));
   }
+  InjectKill(FaultPoint::kShardRename, -1);
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     return absl::ErrnoToStatus(errno,
                                absl::StrCat("checkpoint shard ", path, ": rename ", tmp, " to it"));
   }
   renamed = true;
   FP8RT_RETURN_IF_ERROR(SyncFolder(path));
+  InjectKill(FaultPoint::kShardRenamed, -1);
   return ShardWriteResult{size, file.Digest()};
 }
 
@@ -346,7 +360,12 @@ absl::StatusOr<std::unique_ptr<ShardReader>> ShardReader::Open(const std::string
     }
     got += static_cast<size_t>(r);
   }
-  FP8RT_ASSIGN_OR_RETURN(ParsedShard parsed, ParseShard(path, data));
+  return FromBytes(path, std::move(data));
+}
+
+absl::StatusOr<std::unique_ptr<ShardReader>> ShardReader::FromBytes(std::string name,
+                                                                    std::vector<std::byte> data) {
+  FP8RT_ASSIGN_OR_RETURN(ParsedShard parsed, ParseShard(name, data));
   std::vector<SectionRef> sections;
   sections.reserve(parsed.names.size());
   for (size_t i = 0; i < parsed.names.size(); ++i) {
@@ -354,7 +373,7 @@ absl::StatusOr<std::unique_ptr<ShardReader>> ShardReader::Open(const std::string
   }
   const uint64_t file_xxh64 = Xxh64(data.data(), data.size());
   return std::unique_ptr<ShardReader>(
-      new ShardReader(path, std::move(data), std::move(sections), file_xxh64));
+      new ShardReader(std::move(name), std::move(data), std::move(sections), file_xxh64));
 }
 
 namespace {

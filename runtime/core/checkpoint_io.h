@@ -103,6 +103,11 @@ class ShardReader {
  public:
   // Reads `path` whole and verifies it (see the file comment for the errors).
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<ShardReader>> Open(const std::string& path);
+  // Verifies `data`, the whole file already in memory, exactly as Open verifies what it read;
+  // `name` stands for the path in errors and is what path() returns. Open uses it after reading;
+  // the fuzz target (tests/fuzz) calls it directly.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<ShardReader>> FromBytes(
+      std::string name, std::vector<std::byte> data);
 
   ShardReader(const ShardReader&) = delete;
   ShardReader& operator=(const ShardReader&) = delete;

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "runtime/core/check.h"
 #include "runtime/core/status.h"
 #include "runtime/model/layer_ops.h"
 
@@ -530,6 +531,10 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Block& blk = *blocks_[l];
     Acts::Layer& x = a.layers[l];
+    if (static_cast<int64_t>(l) == fault_block_) [[unlikely]] {
+      x.x[0] = fault_value_;  // a test fault (ArmActivationFault), once
+      fault_block_ = -1;
+    }
     RmsNormForward(x.ln1, x.rstd1, x.x, W(blk.attn_norm), N, C, kNormEps);
     FP8RT_RETURN_IF_ERROR(blk.qkv->Forward(ctx, x.ln1.data(), N, x.qkv.data()));
     split_qkv(x.qkv, x.q, x.k, x.v);
@@ -605,6 +610,13 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
   }
   EmbeddingBackward(G(embedding_), a.dx, a.inputs, N, V, C);
   return loss;
+}
+
+void Transformer::ArmActivationFault(int64_t block, float value) {
+  FP8RT_CHECK(block >= 0 && block < shape_.layers)
+      << "fault block " << block << " of " << shape_.layers;
+  fault_block_ = block;
+  fault_value_ = value;
 }
 
 absl::Status Transformer::ReduceGrads() {

@@ -166,6 +166,12 @@ class Transformer {
   // Reduce-scatters the accumulated gradients over DP into each Param::grad (FP32 shards).
   absl::Status ReduceGrads();
 
+  // Fault injection for tests (FP8RT_FAULT nan_act / inf_act): the next ForwardBackward writes
+  // `value` into the first element of the activation entering block `block` (the residual stream
+  // before its attention norm), once. Unarmed, the forward pays one integer compare per block.
+  // `block` must be in [0, shape().layers).
+  void ArmActivationFault(int64_t block, float value);
+
   // Ends the step's scaling: every site's amax of the step, MAX-reduced over all ranks in one
   // collective, is recorded in its scaling state. Returns what each site did (before the update).
   absl::StatusOr<std::vector<SiteReport>> SyncScaling();
@@ -204,6 +210,9 @@ class Transformer {
   // Indices of the non-block parameters and layers.
   int embedding_ = -1, final_norm_ = -1, lm_head_param_ = -1;
   Linear* lm_head_ = nullptr;
+  // ArmActivationFault: the block whose input the next forward poisons (-1: none), and the value.
+  int64_t fault_block_ = -1;
+  float fault_value_ = 0.0f;
 };
 
 }  // namespace fp8rt::model

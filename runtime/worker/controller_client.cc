@@ -67,6 +67,9 @@ absl::StatusOr<v1::RegisterResponse> ControllerClient::Register(
     const v1::RegisterRequest& request) {
   grpc::ClientContext context;
   Prepare(&context);
+  // The first call of a worker: wait (up to the deadline) for the channel to connect, so that a
+  // controller still starting, or a connection burst of many ranks, is not an error at once.
+  context.set_wait_for_ready(true);
   v1::RegisterResponse response;
   absl::Status s = Convert("Register", stub_->Register(&context, request, &response));
   if (!s.ok()) return s;

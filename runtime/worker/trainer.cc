@@ -15,6 +15,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "fp8rt/v1/checkpoint.pb.h"
 #include "fp8rt/v1/control.pb.h"
@@ -22,6 +23,7 @@
 #include "nlohmann/json.hpp"
 #include "runtime/core/checkpoint_dir.h"
 #include "runtime/core/checkpoint_io.h"
+#include "runtime/core/fault_point.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt::worker {
@@ -204,39 +206,49 @@ absl::Status ReadSection(const ShardReader& reader, const std::string& name, T* 
 
 }  // namespace
 
+float FaultSpec::value() const {
+  return kind == Kind::kInfGrad || kind == Kind::kInfAct ? std::numeric_limits<float>::infinity()
+                                                         : std::numeric_limits<float>::quiet_NaN();
+}
+
 absl::StatusOr<FaultSpec> FaultSpec::Parse(const std::string& text) {
   FaultSpec f;
   if (text.empty()) return f;
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "FP8RT_FAULT='", text,
-        "': expected nan_grad:rank=R:step=S, kill:rank=R:step=S or hang:rank=R:step=S"));
+        "': expected KIND:rank=R:step=S with KIND nan_grad, inf_grad, kill or hang, or "
+        "KIND:rank=R:step=S[:block=B] with KIND nan_act or inf_act"));
   };
   std::vector<std::string> parts = absl::StrSplit(text, ':');
-  if (parts.size() != 3) return bad();
-  if (parts[0] == "nan_grad") {
-    f.kind = Kind::kNanGrad;
-  } else if (parts[0] == "kill") {
-    f.kind = Kind::kKill;
-  } else if (parts[0] == "hang") {
-    f.kind = Kind::kHang;
-  } else {
-    return bad();
+  static const std::pair<const char*, Kind> kKinds[] = {
+      {"nan_grad", Kind::kNanGrad}, {"inf_grad", Kind::kInfGrad}, {"nan_act", Kind::kNanAct},
+      {"inf_act", Kind::kInfAct},   {"kill", Kind::kKill},        {"hang", Kind::kHang}};
+  for (const auto& [name, kind] : kKinds) {
+    if (parts[0] == name) f.kind = kind;
   }
-  for (size_t i = 1; i < 3; ++i) {
+  if (f.kind == Kind::kNone) return bad();
+  if (parts.size() != 3 && !(f.act() && parts.size() == 4)) return bad();
+  bool seen[3] = {false, false, false};  // rank, step, block
+  for (size_t i = 1; i < parts.size(); ++i) {
     std::vector<std::string> kv = absl::StrSplit(parts[i], '=');
     if (kv.size() != 2) return bad();
     int64_t value = 0;
     if (!absl::SimpleAtoi(kv[1], &value) || value < 0) return bad();
-    if (kv[0] == "rank") {
+    if (kv[0] == "rank" && !seen[0]) {
       f.rank = static_cast<int>(value);
-    } else if (kv[0] == "step") {
+      seen[0] = true;
+    } else if (kv[0] == "step" && !seen[1]) {
       f.step = value;
+      seen[1] = true;
+    } else if (kv[0] == "block" && f.act() && !seen[2]) {
+      f.block = value;
+      seen[2] = true;
     } else {
       return bad();
     }
   }
-  if (f.rank < 0 || f.step < 1) return bad();
+  if (!seen[0] || !seen[1] || f.step < 1) return bad();
   return f;
 }
 
@@ -275,6 +287,11 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
   FP8RT_ASSIGN_OR_RETURN(
       t->model_,
       model::Transformer::Create(shape, RecipeFromSpec(spec), spec.train().seed(), *t->mesh_, ops));
+  if (t->fault_.act() && t->fault_.block >= shape.layers) {
+    return absl::InvalidArgumentError(absl::StrCat("FP8RT_FAULT: block=", t->fault_.block,
+                                                   " but the model has ", shape.layers,
+                                                   " blocks (model.layers)"));
+  }
   FP8RT_ASSIGN_OR_RETURN(
       std::unique_ptr<train::TokenDataset> dataset,
       train::TokenDataset::Open(spec.data().path(), FormatFromSpec(spec), m.vocab()));
@@ -429,6 +446,8 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   const float dloss = 1.0f / static_cast<float>(ga * dp);
 
   FP8RT_RETURN_IF_ERROR(model_->BeginStep());
+  const bool fault_here = fault_.rank == layout.rank && fault_.step == step;
+  if (fault_here && fault_.act()) model_->ArmActivationFault(fault_.block, fault_.value());
   float loss_sum = 0.0f;
   for (int64_t i = 0; i < ga; ++i) {
     FP8RT_RETURN_IF_ERROR(loader_->Next(tokens_));
@@ -436,15 +455,39 @@ absl::StatusOr<StepRecord> Trainer::Step() {
                            model_->ForwardBackward(tokens_, tr.micro_batch(), dloss));
     loss_sum += loss;
   }
-  FP8RT_RETURN_IF_ERROR(model_->ReduceGrads());
-  if (fault_.kind == FaultSpec::Kind::kNanGrad && fault_.rank == layout.rank &&
-      fault_.step == step) {
-    model_->params().front().grad.front() = std::numeric_limits<float>::quiet_NaN();
+  if (fault_here && fault_.grad()) model_->params().front().full_grad.front() = fault_.value();
+  // A NaN or Inf this rank saw outside its gradients (its loss, or an FP8 site's amax: an Inf that
+  // FP8 saturated to a finite value shows only there) skips the step too: a NaN put into the local
+  // gradient makes the optimizer's global norm non-finite on every rank, with no extra collective.
+  const bool saw_nonfinite = !std::isfinite(loss_sum) || AnySiteAmaxNonFinite();
+  if (saw_nonfinite) {
+    model_->params().front().full_grad.front() = std::numeric_limits<float>::quiet_NaN();
   }
+  FP8RT_RETURN_IF_ERROR(model_->ReduceGrads());
   std::vector<train::ParamShard> shards = Shards();
   FP8RT_ASSIGN_OR_RETURN(const train::StepResult result,
                          optimizer_->Step(shards, step, &mesh_->world()));
+  // A skipped step leaves the scaling states as they were: its amaxes come from a step that made
+  // NaN or Inf (a NaN or Inf amax is refused by ScalingState anyway, but finite amaxes of such a
+  // step, e.g. of values saturated from an Inf, would distort the scales for a whole history).
+  std::vector<train::ScalingState> kept_scaling;
+  if (result.skipped) {
+    for (const model::QuantSite* s : model_->sites()) kept_scaling.push_back(s->state());
+  }
   FP8RT_ASSIGN_OR_RETURN(const std::vector<model::SiteReport> sites, model_->SyncScaling());
+  std::vector<int> nonfinite_ranks;
+  if (result.skipped) {
+    for (size_t i = 0; i < kept_scaling.size(); ++i) model_->sites()[i]->state() = kept_scaling[i];
+    // Which ranks saw the NaN/Inf (every rank agrees the step is skipped: this collective is
+    // made by all of them, on skipped steps only).
+    parallel::Communicator& world = mesh_->world();
+    const int64_t mine = saw_nonfinite || LocalGradNonFinite() ? 1 : 0;
+    std::vector<int64_t> all(static_cast<size_t>(world.size()), 0);
+    FP8RT_RETURN_IF_ERROR(world.AllGather(&mine, 1, all.data(), parallel::DType::kI64));
+    for (int r = 0; r < world.size(); ++r) {
+      if (all[static_cast<size_t>(r)] != 0) nonfinite_ranks.push_back(r);
+    }
+  }
   FP8RT_RETURN_IF_ERROR(
       mesh_->dp().AllReduce(&loss_sum, 1, parallel::DType::kF32, parallel::ReduceOp::kSum));
   if (!model_->moe_stats().empty()) {
@@ -461,6 +504,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   r.grad_norm = result.grad_norm;
   r.lr = result.lr;
   r.skipped = result.skipped;
+  r.nonfinite_ranks = std::move(nonfinite_ranks);
   r.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double tokens = static_cast<double>(ga * dp * tr.micro_batch() * spec_.model().seq_len());
   r.tokens_per_s = tokens / r.step_time_s;
@@ -468,6 +512,22 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   progress_.store(step_);
   if (controller_ != nullptr) FP8RT_RETURN_IF_ERROR(ReportToController(r, sites));
   return r;
+}
+
+bool Trainer::AnySiteAmaxNonFinite() const {
+  for (const model::QuantSite* s : model_->sites()) {
+    if (s->used_this_step() && !std::isfinite(s->step_stats().amax)) return true;
+  }
+  return false;
+}
+
+bool Trainer::LocalGradNonFinite() const {
+  for (const model::Param& p : model_->params()) {
+    for (const float g : p.full_grad) {
+      if (!std::isfinite(g)) return true;
+    }
+  }
+  return false;
 }
 
 absl::Status Trainer::ShareDirectives() {
@@ -560,6 +620,7 @@ absl::Status Trainer::ReportToController(const StepRecord& r,
   m->set_lr(r.lr);
   m->set_tokens_per_s(r.tokens_per_s);
   m->set_skipped(r.skipped);
+  for (const int rank : r.nonfinite_ranks) m->add_nonfinite_ranks(rank);
   m->set_step_time_s(r.step_time_s);
   m->set_recipe_version(recipe_version_);
   if (recipe_applied_step_ == r.step) request.set_recipe_applied_step(r.step);
@@ -614,6 +675,7 @@ absl::Status Trainer::WriteRecords(const StepRecord& r,
     j["lr"] = r.lr;
     j["tokens_per_s"] = r.tokens_per_s;
     j["skipped"] = r.skipped;
+    if (r.skipped) j["nonfinite_ranks"] = r.nonfinite_ranks;
     j["step_time_s"] = r.step_time_s;
     j["recipe_version"] = recipe_version_;
     if (!model_->moe_stats().empty()) j["moe_dropped"] = moe_dropped_;
@@ -660,10 +722,11 @@ absl::Status Trainer::Run() {
     FP8RT_ASSIGN_OR_RETURN(const StepRecord r, Step());
     if (rank0 && options_.print_progress &&
         (r.step % every == 0 || r.step == 1 || r.step == steps)) {
-      std::printf("step %lld/%lld loss %.4f grad_norm %.4f lr %.3g tokens/s %.0f%s\n",
-                  static_cast<long long>(r.step), static_cast<long long>(steps), r.loss,
-                  r.grad_norm, r.lr, r.tokens_per_s,
-                  r.skipped ? " (skipped: non-finite gradient)" : "");
+      std::printf(
+          "step %lld/%lld loss %.4f grad_norm %.4f lr %.3g tokens/s %.0f%s%s\n",
+          static_cast<long long>(r.step), static_cast<long long>(steps), r.loss, r.grad_norm, r.lr,
+          r.tokens_per_s, r.skipped ? " (skipped: non-finite values on ranks " : "",
+          r.skipped ? absl::StrCat(absl::StrJoin(r.nonfinite_ranks, ", "), ")").c_str() : "");
       std::fflush(stdout);
     }
     if ((ckpt_every > 0 && (step_ % ckpt_every == 0 || step_ == steps)) || save_requested_ ||
@@ -682,10 +745,53 @@ absl::Status Trainer::Run() {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Every rank's outcome of a save stage (OK, or the error's code and first 1022 bytes), in rank
+// order: one AllGather of a fixed-size record per rank.
+absl::StatusOr<std::vector<absl::Status>> GatherOutcomes(parallel::Communicator& world,
+                                                         const absl::Status& mine) {
+  constexpr size_t kRecord = 1024;  // byte 0: the absl code; then the message, NUL-padded
+  std::vector<uint8_t> send(kRecord, 0);
+  send[0] = static_cast<uint8_t>(mine.code());
+  const std::string message(mine.message());
+  std::memcpy(send.data() + 1, message.data(), std::min(message.size(), kRecord - 2));
+  std::vector<uint8_t> all(kRecord * static_cast<size_t>(world.size()));
+  FP8RT_RETURN_IF_ERROR(world.AllGather(send.data(), static_cast<int64_t>(kRecord), all.data(),
+                                        parallel::DType::kU8));
+  std::vector<absl::Status> outcomes;
+  for (int r = 0; r < world.size(); ++r) {
+    const uint8_t* rec = all.data() + kRecord * static_cast<size_t>(r);
+    const auto code = static_cast<absl::StatusCode>(rec[0]);
+    const std::string message(reinterpret_cast<const char*>(rec + 1));
+    outcomes.push_back(code == absl::StatusCode::kOk ? absl::OkStatus()
+                                                     : absl::Status(code, message));
+  }
+  return outcomes;
+}
+
+// The failures among `outcomes` as "rank 1 (RESOURCE_EXHAUSTED: ...); ...", and the first one's
+// code; {kOk, ""} when every rank succeeded.
+std::pair<absl::StatusCode, std::string> DescribeFailures(
+    const std::vector<absl::Status>& outcomes) {
+  absl::StatusCode code = absl::StatusCode::kOk;
+  std::string text;
+  for (size_t r = 0; r < outcomes.size(); ++r) {
+    if (outcomes[r].ok()) continue;
+    if (code == absl::StatusCode::kOk) code = outcomes[r].code();
+    absl::StrAppend(&text, text.empty() ? "" : "; ", "rank ", r, " (", outcomes[r].ToString(),
+                    ")");
+  }
+  return {code, text};
+}
+
+}  // namespace
+
 absl::Status Trainer::SaveCheckpoint() {
   parallel::Communicator& world = mesh_->world();
   const parallel::MeshLayout& layout = mesh_->layout();
   CheckpointDir dir(options_.run_dir);
+  SetFaultStep(step_);  // FP8RT_FAULT_POINT's step=S (runtime/core/fault_point.h)
   int64_t ok = 1;
   std::string error;
   if (world.rank() == 0) {
@@ -730,40 +836,79 @@ absl::Status Trainer::SaveCheckpoint() {
   absl::StatusOr<ShardWriteResult> written =
       st.ok() ? w.Write(dir.TempDir(step_) + "/" + ShardFileName(layout.rank))
               : absl::StatusOr<ShardWriteResult>(st);
+
+  // Every rank learns which ranks could not write their shard and why, so that each rank's error
+  // names the step and the failing ranks, and nobody acknowledges a save that cannot commit.
+  FP8RT_ASSIGN_OR_RETURN(const std::vector<absl::Status> outcomes,
+                         GatherOutcomes(world, written.status()));
+  const auto [failed_code, failed] = DescribeFailures(outcomes);
+  if (!failed.empty()) {
+    // The save is abandoned: rank 0 (or the controller) removes the temp folder before any rank
+    // returns, since mpirun stops the job as soon as one rank exits with an error. The run then
+    // fails; the previous committed checkpoint is untouched (fp8rt launch --max-restarts resumes
+    // from it).
+    const std::string why = absl::StrCat("checkpoint step ", step_,
+                                         " not saved, the save is abandoned (the previous "
+                                         "checkpoint is kept): could not write the shard of ",
+                                         failed);
+    if (world.rank() == 0) {
+      if (controller_ != nullptr) {
+        v1::AckShardRequest abandon;
+        abandon.set_run_id(options_.controller.run_id);
+        abandon.set_step(step_);
+        abandon.set_rank(layout.rank);
+        abandon.set_file(ShardFileName(layout.rank));
+        abandon.set_error(why);
+        absl::StatusOr<bool> told = controller_->AckShard(abandon);
+        if (!told.ok()) {
+          std::fprintf(stderr, "fp8rt-worker: cannot tell the controller to abandon step %lld: %s\n",
+                       static_cast<long long>(step_), told.status().ToString().c_str());
+        }
+      } else {
+        std::error_code ec;
+        fs::remove_all(dir.TempDir(step_), ec);  // nothing partial is left behind
+      }
+    }
+    int64_t done = 1;
+    FP8RT_RETURN_IF_ERROR(world.Broadcast(&done, 1, parallel::DType::kI64, 0));
+    return absl::Status(failed_code, why);
+  }
+
   if (controller_ != nullptr) {
     // Every rank acknowledges its own shard; the controller commits after the last one.
-    absl::StatusOr<bool> acked = written.ok() ? absl::StatusOr<bool>(false) : written.status();
-    if (written.ok()) {
-      v1::AckShardRequest ack;
-      ack.set_run_id(options_.controller.run_id);
-      ack.set_step(step_);
-      ack.set_rank(layout.rank);
-      ack.set_file(ShardFileName(layout.rank));
-      ack.set_size(written->size);
-      ack.set_xxh64(written->xxh64);
-      ack.set_data_position(position);
-      acked = controller_->AckShard(ack);
+    v1::AckShardRequest ack;
+    ack.set_run_id(options_.controller.run_id);
+    ack.set_step(step_);
+    ack.set_rank(layout.rank);
+    ack.set_file(ShardFileName(layout.rank));
+    ack.set_size(written->size);
+    ack.set_xxh64(written->xxh64);
+    ack.set_data_position(position);
+    const absl::StatusOr<bool> acked = controller_->AckShard(ack);
+    if (acked.ok()) InjectKill(FaultPoint::kShardAcked, step_);
+    // The last ack commits: its failure (the controller's commit, or the controller gone) is
+    // every rank's error. The controller removes the temp folder of a failed commit.
+    FP8RT_ASSIGN_OR_RETURN(const std::vector<absl::Status> ack_outcomes,
+                           GatherOutcomes(world, acked.status()));
+    if (const auto [code, text] = DescribeFailures(ack_outcomes); !text.empty()) {
+      return absl::Status(code, absl::StrCat("checkpoint step ", step_,
+                                             " not committed by the controller (the previous "
+                                             "checkpoint is kept): the acknowledgement of ",
+                                             text, " failed"));
     }
-    int64_t flags[2] = {acked.ok() ? 0 : 1, acked.ok() && *acked ? 1 : 0};
+    int64_t committed = acked.ok() && *acked ? 1 : 0;
     FP8RT_RETURN_IF_ERROR(
-        world.AllReduce(flags, 2, parallel::DType::kI64, parallel::ReduceOp::kMax));
-    if (!acked.ok()) return acked.status();
-    if (flags[0] != 0) {
-      return absl::InternalError(absl::StrCat("checkpoint step ", step_,
-                                              ": another rank could not write or acknowledge "
-                                              "its shard (see its error)"));
-    }
-    if (world.rank() == 0 && flags[1] != 0) {
+        world.AllReduce(&committed, 1, parallel::DType::kI64, parallel::ReduceOp::kMax));
+    if (world.rank() == 0 && committed != 0) {
       std::fprintf(stderr, "fp8rt-worker: checkpoint step %lld committed by the controller\n",
                    static_cast<long long>(step_));
     }
     return absl::OkStatus();
   }
-  int64_t report[3] = {written.ok() ? 1 : 0, written.ok() ? static_cast<int64_t>(written->size) : 0,
-                       written.ok() ? static_cast<int64_t>(written->xxh64) : 0};
-  std::vector<int64_t> reports(3 * static_cast<size_t>(world.size()));
-  FP8RT_RETURN_IF_ERROR(world.AllGather(report, 3, reports.data(), parallel::DType::kI64));
-  int64_t committed = 1;
+  int64_t report[2] = {static_cast<int64_t>(written->size), static_cast<int64_t>(written->xxh64)};
+  std::vector<int64_t> reports(2 * static_cast<size_t>(world.size()));
+  FP8RT_RETURN_IF_ERROR(world.AllGather(report, 2, reports.data(), parallel::DType::kI64));
+  absl::Status commit;  // rank 0's
   if (world.rank() == 0) {
     v1::CheckpointManifest manifest;
     manifest.set_step(step_);
@@ -777,35 +922,31 @@ absl::Status Trainer::SaveCheckpoint() {
                                      .count());
     manifest.set_data_position(position);
     for (int r = 0; r < world.size(); ++r) {
-      if (reports[3 * static_cast<size_t>(r)] == 0) {
-        committed = 0;
-        error = absl::StrCat("rank ", r, " could not write its checkpoint shard for step ", step_);
-      }
       v1::CheckpointShard* shard = manifest.add_shards();
       shard->set_rank(r);
       shard->set_file(ShardFileName(r));
-      shard->set_size(static_cast<uint64_t>(reports[3 * static_cast<size_t>(r) + 1]));
-      shard->set_xxh64(static_cast<uint64_t>(reports[3 * static_cast<size_t>(r) + 2]));
+      shard->set_size(static_cast<uint64_t>(reports[2 * static_cast<size_t>(r)]));
+      shard->set_xxh64(static_cast<uint64_t>(reports[2 * static_cast<size_t>(r) + 1]));
     }
-    absl::Status commit = committed ? dir.Commit(manifest) : absl::OkStatus();
+    commit = dir.Commit(manifest);
     if (!commit.ok()) {
-      committed = 0;
-      error = commit.ToString();
-    }
-    if (committed) {
+      std::error_code ec;
+      fs::remove_all(dir.TempDir(step_), ec);  // nothing partial is left behind
+    } else {
+      // Retention never deletes the checkpoint just committed (keep >= 1, checkpoint_dir.h).
       absl::StatusOr<std::vector<int64_t>> pruned = dir.Prune(spec_.checkpoint().keep());
       if (!pruned.ok())
         std::fprintf(stderr, "fp8rt-worker: %s\n", pruned.status().ToString().c_str());
-    } else {
-      std::error_code ec;
-      fs::remove_all(dir.TempDir(step_), ec);  // nothing partial is left behind
     }
   }
-  FP8RT_RETURN_IF_ERROR(world.Broadcast(&committed, 1, parallel::DType::kI64, 0));
-  if (!written.ok()) return written.status();
-  if (committed == 0) {
-    return absl::InternalError(world.rank() == 0 ? error
-                                                 : "the checkpoint was not committed (see rank 0)");
+  // Every rank learns rank 0's commit outcome (after rank 0 cleaned up, see above).
+  FP8RT_ASSIGN_OR_RETURN(const std::vector<absl::Status> commit_outcomes,
+                         GatherOutcomes(world, commit));
+  if (const auto [code, text] = DescribeFailures(commit_outcomes); !text.empty()) {
+    return absl::Status(code, absl::StrCat("checkpoint step ", step_,
+                                           " not committed, the save is abandoned (the previous "
+                                           "checkpoint is kept): the commit of ",
+                                           text, " failed"));
   }
   return absl::OkStatus();
 }

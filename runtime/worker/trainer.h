@@ -2,24 +2,33 @@
 //
 // Index:
 //   TrainerOptions   run folder, resume, progress printing
-//   FaultSpec        test faults from FP8RT_FAULT (nan_grad, kill), parsed once
+//   FaultSpec        test faults from FP8RT_FAULT (NaN/Inf in gradients or activations, kill,
+//                    hang), parsed once
 //   Trainer          Create (model, data, optimizer, resume), Run (the steps), Step (one step)
 //
 // One optimizer step reads, top to bottom:
 //   model.BeginStep()                       FSDP gathers (FP8 weights with their scales)
 //   for each micro-batch:                   loader.Next, model.ForwardBackward (grads +=)
+//   (non-finite check)                      a rank whose loss or FP8 amaxes of the step are NaN or
+//                                           Inf puts a NaN into its local gradient, so that
 //   model.ReduceGrads()                     reduce-scatter over DP (BF16 or FP32 per recipe)
-//   optimizer.Step()                        global norm, non-finite skip, clip, AdamW
+//   optimizer.Step()                        global norm, non-finite skip, clip, AdamW: skips the
+//                                           step on every rank
 //   model.SyncScaling()                     one MAX all-reduce of every site's amax, states updated
+//                                           (a skipped step leaves every scaling state as it was:
+//                                           its amaxes come from non-finite values)
 //   metrics, per-rank FP8 stats, checkpoint
+// A skipped step changes nothing but the step counter and the data position: weights, Adam
+// moments, applied_steps and scaling states are bitwise as before it.
 //
 // Outputs in the run folder (rank 0 unless noted):
 //   metrics.jsonl                 one object per optimizer step: step (1-based), loss (mean over
 //   the
 //                                 global batch), grad_norm (null when skipped), lr, tokens_per_s,
-//                                 skipped, step_time_s, recipe_version (the live recipe version
-//                                 the step ran with; 1 = the spec's), moe_dropped (MoE runs:
-//                                 assignments over capacity, all ranks)
+//                                 skipped, nonfinite_ranks (skipped steps only: the ranks that
+//                                 saw a NaN/Inf), step_time_s, recipe_version (the live recipe
+//                                 version the step ran with; 1 = the spec's), moe_dropped (MoE
+//                                 runs: assignments over capacity, all ranks)
 //   fp8_stats/rank-NNNNN.jsonl    every rank, every metrics.every steps when
 //                                 metrics.per_rank_fp8_stats: one object per FP8 site
 //                                 {step, site, amax, scale, underflow_ratio, saturation_ratio}
@@ -73,13 +82,42 @@ struct TrainerOptions {
 };
 
 // Faults for tests, from the environment variable FP8RT_FAULT (documented in docs/operations.md):
-//   nan_grad:rank=R:step=S   rank R puts a NaN into its gradient at step S
-//   kill:rank=R:step=S       rank R SIGKILLs itself at the start of step S (not in a resumed run)
-//   hang:rank=R:step=S       rank R SIGSTOPs itself there (a hung rank; not in a resumed run)
+//   nan_grad:rank=R:step=S           rank R puts a NaN into its local gradient (the first
+//   inf_grad:rank=R:step=S           parameter's, before the DP reduction) at step S; inf_grad an
+//                                    +Inf
+//   nan_act:rank=R:step=S[:block=B]  rank R puts a NaN (inf_act: +Inf) into one element of the
+//   inf_act:rank=R:step=S[:block=B]  activation entering block B (default 0) in the forward of
+//                                    its first micro-batch of step S
+//   kill:rank=R:step=S               rank R SIGKILLs itself at the start of step S (not in a
+//                                    resumed run)
+//   hang:rank=R:step=S               rank R SIGSTOPs itself there (a hung rank; not in a resumed
+//                                    run)
+// Non-finite values fire in every attempt (a resumed run included) and must make every rank skip
+// step S (see Step).
+// Checkpoint-write faults come from FP8RT_FAULT_POINT=<point>:kill|enospc[:rank=R][:step=S]
+// [:after_bytes=B] (runtime/core/fault_point.h lists the points): a rank (or, set in its
+// environment, fp8rt-controller) SIGKILLs itself at that point of a save, or the write there fails
+// with ENOSPC. `fp8rt launch` passes it to the first attempt only. A failed shard write abandons
+// the save on every rank: the temp folder is removed (by rank 0, or by the controller that rank 0
+// tells), every rank's error names the step and the failing ranks, the previous checkpoint is
+// kept, and the run fails (exit 1), so that `fp8rt launch --max-restarts` resumes from it.
 struct FaultSpec {
-  enum class Kind : uint8_t { kNone, kNanGrad, kKill, kHang } kind = Kind::kNone;
+  enum class Kind : uint8_t {
+    kNone,
+    kNanGrad,
+    kInfGrad,
+    kNanAct,
+    kInfAct,
+    kKill,
+    kHang
+  } kind = Kind::kNone;
   int rank = -1;
   int64_t step = -1;
+  int64_t block = 0;  // nan_act / inf_act: the block whose input is poisoned
+  bool grad() const { return kind == Kind::kNanGrad || kind == Kind::kInfGrad; }
+  bool act() const { return kind == Kind::kNanAct || kind == Kind::kInfAct; }
+  // The value a nan_* / inf_* fault injects.
+  float value() const;
   // InvalidArgument naming FP8RT_FAULT when `text` is not one of the forms above.
   static absl::StatusOr<FaultSpec> Parse(const std::string& text);
 };
@@ -93,6 +131,9 @@ struct StepRecord {
   double tokens_per_s = 0.0;
   double step_time_s = 0.0;
   bool skipped = false;
+  // Skipped steps: the ranks whose own loss, FP8 amaxes or local (pre-reduction) gradients held a
+  // NaN or Inf in the step (every rank has the list).
+  std::vector<int> nonfinite_ranks;
 };
 
 class Trainer {
@@ -127,6 +168,10 @@ class Trainer {
                                   const std::vector<model::SiteReport>& sites);
   absl::Status WriteRecords(const StepRecord& record, const std::vector<model::SiteReport>& sites);
   std::vector<train::ParamShard> Shards();
+  // This rank's NaN/Inf checks of a step: an FP8 site's amax (forward or backward), the local
+  // gradients before the DP reduction (a full scan: skipped steps only).
+  bool AnySiteAmaxNonFinite() const;
+  bool LocalGradNonFinite() const;
 
   const v1::RunSpec spec_;
   const TrainerOptions options_;
