@@ -40,7 +40,7 @@
 //   LoadSpec                     the run spec, loaded and validated for --np ranks
 //   FindWorker, FindExecutable   the worker executable: FP8RT_WORKER, sibling, PATH
 //   MpirunArgv, ShellQuote       the mpirun command line
-//   StartMpirun                  fork/exec with output appended to launch.log
+//   StartChild                   fork/exec with output appended to launch.log
 //   MetricsTail                  the complete lines appended to metrics.jsonl since the start
 //   Progress                     a redrawn bar (terminal) or every-5% lines (pipe, file)
 //   WaitForMpirun                polls metrics and the child; forwards signals
@@ -68,8 +68,10 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -334,7 +336,7 @@ absl::StatusOr<int> OpenLog(const fs::path& log_path, const std::string& command
 // mpirun gets each signal once and stops its ranks (they run in process groups of their own).
 // If the launcher dies without forwarding a signal (SIGKILL), mpirun gets SIGTERM and stops
 // the ranks rather than running on unobserved.
-absl::StatusOr<pid_t> StartMpirun(const std::vector<std::string>& argv, int log_fd) {
+absl::StatusOr<pid_t> StartChild(const std::vector<std::string>& argv, int log_fd) {
   std::vector<char*> args;
   for (const std::string& arg : argv) args.push_back(const_cast<char*>(arg.c_str()));
   args.push_back(nullptr);
@@ -620,9 +622,39 @@ class RunWatchdog {
   std::chrono::steady_clock::time_point next_poll_;
 };
 
+// SIGKILLs `root` and every process descending from it on this host (found through /proc):
+// mpirun starts the local ranks in process groups of their own, so killing mpirun's group would
+// leave a hung rank running. Remote ranks are stopped by their orted, which exits with mpirun.
+void KillProcessTree(pid_t root) {
+  std::vector<std::pair<pid_t, pid_t>> parent_of;  // (pid, ppid)
+  std::error_code ec;
+  for (const fs::directory_entry& entry : fs::directory_iterator("/proc", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.empty() || !std::all_of(name.begin(), name.end(), ::isdigit)) continue;
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    if (!std::getline(stat, line)) continue;
+    // pid (comm) state ppid ...: comm may hold spaces and parentheses, so parse after the last ')'.
+    const size_t close = line.rfind(')');
+    if (close == std::string::npos) continue;
+    std::istringstream rest(line.substr(close + 1));
+    std::string state;
+    pid_t ppid = 0;
+    if (rest >> state >> ppid) parent_of.emplace_back(std::stoi(name), ppid);
+  }
+  std::vector<pid_t> tree = {root};
+  for (size_t i = 0; i < tree.size(); ++i) {
+    for (const auto& [pid, ppid] : parent_of) {
+      if (ppid == tree[i]) tree.push_back(pid);
+    }
+  }
+  // Children first, so that none is re-parented before it is found; then mpirun.
+  for (auto it = tree.rbegin(); it != tree.rend(); ++it) kill(*it, SIGKILL);
+}
+
 // Feeds every new metrics line to `progress` until mpirun exits; returns its wait status. With a
-// watchdog, a run the controller declares FAILED has mpirun's process group killed (SIGKILL: a
-// hung rank would not act on SIGTERM, and mpirun answers SIGTERM by waking stopped ranks first;
+// watchdog, a run the controller declares FAILED has mpirun and its local ranks killed (SIGKILL:
+// a hung rank would not act on SIGTERM, and mpirun answers SIGTERM by waking stopped ranks first;
 // the run restarts from its newest committed checkpoint, so there is nothing to save).
 int WaitForMpirun(pid_t pid, MetricsTail* metrics, Progress* progress, bool quiet,
                   RunWatchdog* watchdog) {
@@ -659,7 +691,7 @@ int WaitForMpirun(pid_t pid, MetricsTail* metrics, Progress* progress, bool quie
       std::fprintf(stderr,
                    "fp8rt launch: the controller declared the run FAILED (a rank stopped "
                    "heartbeating); killing the workers\n");
-      kill(-pid, SIGKILL);
+      KillProcessTree(pid);
       killed = true;
     }
     drain();
@@ -783,7 +815,7 @@ absl::StatusOr<ControlPlane> StartController(const Options& options, const fs::p
                                          ready.string()};
   const fs::path log_path = run_dir / "logs" / "controller.log";
   FP8RT_ASSIGN_OR_RETURN(const int log_fd, OpenLog(log_path, CommandLine(argv)));
-  absl::StatusOr<pid_t> pid = StartMpirun(argv, log_fd);
+  absl::StatusOr<pid_t> pid = StartChild(argv, log_fd);
   close(log_fd);
   if (!pid.ok()) return pid.status();
   plane.pid = *pid;
@@ -917,7 +949,7 @@ int Launch(const Options& options) {
       StopController(plane);
       return fail(log_fd.status());
     }
-    absl::StatusOr<pid_t> pid = StartMpirun(argv, *log_fd);
+    absl::StatusOr<pid_t> pid = StartChild(argv, *log_fd);
     close(*log_fd);
     if (!pid.ok()) {
       StopController(plane);

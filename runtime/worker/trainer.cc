@@ -354,7 +354,6 @@ absl::Status Trainer::RegisterWithController() {
   // The worker's own --spec stays in force (a resume may extend train.steps); the controller
   // holds the copy rank 0 registered.
   resume_step_ = response->resume_step();
-  resume_dir_ = response->resume_dir();
   const int interval_ms = std::max(100, response->heartbeat_interval_ms());
   controller_->StartHeartbeats(world.rank(), std::chrono::milliseconds(interval_ms),
                                [this] { return progress_.load(); });

@@ -187,7 +187,6 @@ class Trainer {
   std::unique_ptr<ControllerClient> controller_;
   std::atomic<int64_t> progress_{0};  // steps done, read by the heartbeat thread
   int64_t resume_step_ = -1;          // from the controller's Register answer
-  std::string resume_dir_;
   int64_t recipe_version_ = 1;       // applied recipe version
   int64_t recipe_applied_step_ = 0;  // the step a new version was applied at, for the report
   int64_t moe_dropped_ = 0;          // MoE assignments dropped over capacity in the step, all ranks
