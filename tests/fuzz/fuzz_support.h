@@ -1,0 +1,80 @@
+// Helpers shared by the fuzz targets of tests/fuzz (see README.md there).
+//
+// Defines:
+//   FUZZ_CHECK(cond)       aborts with the condition and a message when a harness invariant
+//                          fails, so libFuzzer records the input as a crash.
+//   QuietProtobuf()        drops protobuf's log lines (a parse of random bytes logs one for
+//                          each invalid UTF-8 string, which would bury the fuzzer's output).
+//   FixShardChecksums      rewrites the checksums of shard-format bytes (runtime/core/
+//                          checkpoint_io.h) so that mutated bytes still pass them.
+//
+// Why FixShardChecksums: a shard file stores an XXH64 per section and one over the whole body,
+// and a random mutation almost never keeps them right, so a fuzzer fed only raw bytes would test
+// little past the first checksum. The shard and manifest targets parse each input twice: as it
+// is (the checksum checks themselves) and after this fix-up (everything behind them).
+#ifndef FP8RT_TESTS_FUZZ_FUZZ_SUPPORT_H_
+#define FP8RT_TESTS_FUZZ_FUZZ_SUPPORT_H_
+
+#include <xxhash.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "google/protobuf/stubs/logging.h"
+
+#define FUZZ_CHECK(cond, ...)                                                            \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      std::fprintf(stderr, "%s:%d: FUZZ_CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                                                 \
+      std::fprintf(stderr, "\n");                                                        \
+      std::abort();                                                                      \
+    }                                                                                    \
+  } while (false)
+
+namespace fp8rt::fuzz {
+
+inline void QuietProtobuf() { google::protobuf::SetLogHandler(nullptr); }
+
+inline uint64_t LoadLe(const std::byte* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
+}
+
+inline void StoreLe64(std::byte* p, uint64_t v) {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
+}
+
+// Walks `data` as a version 1 shard (magic and version are not checked: the parser's job) and
+// stores the right XXH64 in every section whose header and bytes fit before the trailer, then the
+// right trailer. Stops at the first section that does not fit, leaving the rest as it was. Written
+// from the format in checkpoint_io.h, independently of the parser under test.
+inline void FixShardChecksums(std::vector<std::byte>& data) {
+  constexpr uint64_t kHeader = 16;
+  constexpr uint64_t kTrailer = 8;
+  const uint64_t n = data.size();
+  if (n < kHeader + kTrailer) return;
+  const uint64_t body_end = n - kTrailer;
+  const uint64_t count = LoadLe(&data[12], 4);
+  uint64_t pos = kHeader;
+  for (uint64_t i = 0; i < count; ++i) {
+    if (body_end - pos < 4) break;
+    const uint64_t name_len = LoadLe(&data[pos], 4);
+    if (name_len > body_end - pos - 4) break;
+    pos += 4 + name_len;
+    if (body_end - pos < 16) break;
+    const uint64_t length = LoadLe(&data[pos], 8);
+    if (length > body_end - pos - 16) break;
+    StoreLe64(&data[pos + 8], XXH64(&data[pos + 16], length, 0));
+    pos += 16 + length;
+  }
+  StoreLe64(&data[body_end], XXH64(data.data(), body_end, 0));
+}
+
+}  // namespace fp8rt::fuzz
+
+#endif  // FP8RT_TESTS_FUZZ_FUZZ_SUPPORT_H_
