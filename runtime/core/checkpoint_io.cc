@@ -14,6 +14,8 @@
 #include <filesystem>
 #include <limits>
 #include <optional>
+#include <set>
+#include <string>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -271,6 +273,7 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
   parsed.names.reserve(count);
   parsed.offsets.reserve(count);
   parsed.sizes.reserve(count);
+  std::set<std::string, std::less<>> seen_names;  // duplicates are corruption
   uint64_t pos = kHeaderBytes;
   for (uint32_t i = 0; i < count; ++i) {
     const std::string label = absl::StrCat("section #", i);
@@ -289,8 +292,8 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
     std::string name(reinterpret_cast<const char*>(&data[pos + 4]), name_len);
     const uint64_t name_offset = pos + 4;
     pos += 4 + name_len;
-    for (const std::string& seen : parsed.names) {
-      if (seen == name) return loss(name_offset, name, "duplicate section name");
+    if (!seen_names.insert(name).second) {
+      return loss(name_offset, name, "duplicate section name");
     }
     if (body_end - pos < 16) {
       return loss(pos, name, "truncated: byte length and checksum run past the end");

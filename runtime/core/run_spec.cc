@@ -501,6 +501,9 @@ absl::Status CheckReadableFile(const std::string& field, const std::string& path
   if (fs::is_directory(st)) {
     return FieldError(field, absl::StrCat("'", path, "' is a directory, not a file"));
   }
+  if (!fs::is_regular_file(st)) {  // a FIFO or a device would block or never end
+    return FieldError(field, absl::StrCat("'", path, "' is not a regular file"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return FieldError(field, absl::StrCat("file '", path, "' is not readable"));
   return absl::OkStatus();

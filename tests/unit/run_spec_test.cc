@@ -7,6 +7,7 @@
 //   - Cross-field checks each name the field they reject.
 #include "runtime/core/run_spec.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -420,6 +421,10 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
     SCOPED_TRACE(::testing::PrintToString(c.overrides));
     ExpectInvalid(ValidateWith(dir, c.overrides, c.world), c.want);
   }
+  // A FIFO (or a device) as data.path would block the reader or never end: refused up front.
+  const std::string fifo = dir.Path("data.fifo");
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  ExpectInvalid(ValidateWith(dir, {"data.path=" + fifo}, 1), {"data.path", "not a regular file"});
   // The same layouts made consistent pass.
   EXPECT_TRUE(ValidateWith(dir, {"parallel.dp=2", "parallel.tp=2"}, 4).ok());
   EXPECT_TRUE(ValidateWith(dir, {"parallel.dp=4", "parallel.ep=2", "moe.experts=4"}, 4).ok());
