@@ -13,8 +13,8 @@
 // Data files. ValidateRunSpec (runtime/core/run_spec.h) also requires data.path to name a
 // readable file, but the data lives on the workers' machines and the controller never reads it
 // (the worker validates its spec with the real path before it registers). So both functions
-// validate a copy of the spec whose data.path is /dev/null, which always exists and is readable:
-// every other check of ValidateRunSpec runs unchanged.
+// call ValidateRunSpec with DataFileCheck::kSkip: data.path must be non-empty, and every other
+// check runs unchanged.
 //
 // Stateless and thread-safe.
 #ifndef FP8RT_RUNTIME_CONTROLLER_RECIPE_H_

@@ -559,7 +559,7 @@ absl::StatusOr<v1::RunSpec> LoadRunSpec(const std::string& path,
   return ParseRunSpec(text.str(), path, overrides);
 }
 
-absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size) {
+absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCheck data_file) {
   FP8RT_RETURN_IF_ERROR(CheckFieldsSet(spec, ""));
 
   const auto& m = spec.model();
@@ -727,6 +727,10 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size) {
   FP8RT_RETURN_IF_ERROR(CheckPositive("checkpoint.keep", spec.checkpoint().keep()));
   FP8RT_RETURN_IF_ERROR(CheckPositive("metrics.every", spec.metrics().every()));
 
+  if (data_file == DataFileCheck::kSkip) {
+    if (d.path().empty()) return FieldError("data.path", "is empty (a data file is required)");
+    return absl::OkStatus();
+  }
   return CheckReadableFile("data.path", d.path());
 }
 

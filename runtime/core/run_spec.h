@@ -88,8 +88,12 @@ v1::RunSpec RunSpecDefaults();
 //   - precision.margin in [0, 32], precision.amax_history_len in [1, 4096], exclude names
 //     non-empty
 //   - data.format text (byte-level tokens) needs model.vocab >= 256; u16 needs vocab <= 65536
-//   - data.path names an existing, readable regular file (the message names the path)
-[[nodiscard]] absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size);
+//   - data.path names an existing, readable regular file (the message names the path), unless
+//     `data_file` is kSkip (a process that never reads the data, such as the controller, which
+//     still requires data.path to be non-empty)
+enum class DataFileCheck { kCheck, kSkip };
+[[nodiscard]] absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size,
+                                           DataFileCheck data_file = DataFileCheck::kCheck);
 
 }  // namespace fp8rt
 
