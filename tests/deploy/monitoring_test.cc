@@ -131,12 +131,7 @@ HttpResponse Get(const std::string& address, const std::string& target) {
 // ---------------------------------------------------------------------------------------------
 // The fake worker: rank 0 and rank 1 of a world-2 run, over the controller's gRPC API.
 
-std::unique_ptr<grpc::ClientContext> Ctx() {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-  ctx->AddMetadata("authorization", std::string("Bearer ") + kToken);
-  return ctx;
-}
+std::unique_ptr<grpc::ClientContext> Ctx() { return test::BearerContext(kToken); }
 
 v1::SiteStats Site(const std::string& layer, v1::TensorRole role, float amax, double underflow,
                    double saturation, int64_t expert = -1) {
@@ -154,14 +149,7 @@ v1::SiteStats Site(const std::string& layer, v1::TensorRole role, float amax, do
 // Registers the run, reports steps 1..steps (step 3 skipped) with FP8 statistics and collective
 // bytes, and commits a checkpoint of step 2 acknowledged by both ranks.
 void FeedRun(v1::Control::Stub& control, const fs::path& run_dir, int64_t steps) {
-  v1::RunSpec spec = RunSpecDefaults();
-  auto* m = spec.mutable_model();
-  m->set_layers(2);
-  m->set_d_model(64);
-  m->set_heads(4);
-  m->set_d_ff(256);
-  m->set_seq_len(16);
-  m->set_vocab(256);
+  v1::RunSpec spec = test::TinyModelSpec();
   spec.mutable_parallel()->set_dp(2);
   spec.mutable_train()->set_steps(1000);
   spec.mutable_data()->set_path("/only/on/the/workers.txt");

@@ -73,14 +73,7 @@ constexpr bool kCheckRss = true;
 #endif
 
 v1::RunSpec SmallSpec() {
-  v1::RunSpec spec = RunSpecDefaults();
-  auto* m = spec.mutable_model();
-  m->set_layers(2);
-  m->set_d_model(64);
-  m->set_heads(4);
-  m->set_d_ff(256);
-  m->set_seq_len(16);
-  m->set_vocab(256);
+  v1::RunSpec spec = test::TinyModelSpec();
   spec.mutable_parallel()->set_dp(1);
   spec.mutable_train()->set_steps(100000);
   spec.mutable_data()->set_path("/nonexistent/on/the/controller/data.txt");

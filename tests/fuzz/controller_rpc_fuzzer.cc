@@ -93,19 +93,7 @@ Sandbox& TheSandbox() {
 }
 
 v1::RunSpec ValidSpec() {
-  v1::RunSpec spec = RunSpecDefaults();
-  auto* model = spec.mutable_model();
-  model->set_layers(1);
-  model->set_d_model(128);
-  model->set_heads(4);
-  model->set_d_ff(256);
-  model->set_seq_len(16);
-  model->set_vocab(256);
-  spec.mutable_parallel()->set_dp(2);
-  spec.mutable_train()->set_steps(10);
-  spec.mutable_data()->set_path("data.txt");  // the controller never opens it
-  spec.mutable_checkpoint()->set_every(2);
-  spec.mutable_checkpoint()->set_keep(2);
+  v1::RunSpec spec = SmallRunSpec();
   spec.mutable_health()->set_saturation_threshold(0.01);
   spec.mutable_health()->set_intervals(1);
   spec.mutable_health()->set_demote(true);
@@ -292,10 +280,7 @@ void Harness::Call(uint8_t selector, const std::string& bytes) {
 }  // namespace
 }  // namespace fp8rt::fuzz
 
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  fp8rt::fuzz::QuietProtobuf();
-  return 0;
-}
+FP8RT_FUZZ_QUIET_PROTOBUF_INIT()
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace fp8rt::fuzz;

@@ -7,6 +7,9 @@
 //                          each invalid UTF-8 string, which would bury the fuzzer's output).
 //   FixShardChecksums      rewrites the checksums of shard-format bytes (runtime/core/
 //                          checkpoint_io.h) so that mutated bytes still pass them.
+//   FP8RT_FUZZ_QUIET_PROTOBUF_INIT()  defines LLVMFuzzerInitialize to call QuietProtobuf().
+//   ToBytes(data, size)    a copy of libFuzzer's input as std::byte.
+//   SmallRunSpec()         the small valid run spec of the controller target and its seeds.
 //
 // Why FixShardChecksums: a shard file stores an XXH64 per section and one over the whole body,
 // and a random mutation almost never keeps them right, so a fuzzer fed only raw bytes would test
@@ -23,7 +26,9 @@
 #include <cstdlib>
 #include <vector>
 
+#include "fp8rt/v1/control.pb.h"
 #include "google/protobuf/stubs/logging.h"
+#include "runtime/core/run_spec.h"
 
 #define FUZZ_CHECK(cond, ...)                                                            \
   do {                                                                                   \
@@ -35,9 +40,40 @@
     }                                                                                    \
   } while (false)
 
+// Defines libFuzzer's LLVMFuzzerInitialize for a target that parses protobuf messages.
+#define FP8RT_FUZZ_QUIET_PROTOBUF_INIT()               \
+  extern "C" int LLVMFuzzerInitialize(int*, char***) { \
+    fp8rt::fuzz::QuietProtobuf();                      \
+    return 0;                                          \
+  }
+
 namespace fp8rt::fuzz {
 
 inline void QuietProtobuf() { google::protobuf::SetLogHandler(nullptr); }
+
+inline std::vector<std::byte> ToBytes(const uint8_t* data, size_t size) {
+  return std::vector<std::byte>(reinterpret_cast<const std::byte*>(data),
+                                reinterpret_cast<const std::byte*>(data) + size);
+}
+
+// A 1-layer model on dp 2 (world 2), 10 steps, a checkpoint every 2 steps keeping 2. data.path
+// is "data.txt", which the controller never opens.
+inline v1::RunSpec SmallRunSpec() {
+  v1::RunSpec spec = RunSpecDefaults();
+  auto* model = spec.mutable_model();
+  model->set_layers(1);
+  model->set_d_model(128);
+  model->set_heads(4);
+  model->set_d_ff(256);
+  model->set_seq_len(16);
+  model->set_vocab(256);
+  spec.mutable_parallel()->set_dp(2);
+  spec.mutable_train()->set_steps(10);
+  spec.mutable_data()->set_path("data.txt");
+  spec.mutable_checkpoint()->set_every(2);
+  spec.mutable_checkpoint()->set_keep(2);
+  return spec;
+}
 
 inline uint64_t LoadLe(const std::byte* p, int bytes) {
   uint64_t v = 0;

@@ -20,6 +20,7 @@
 #include "runtime/core/checkpoint_dir.h"
 #include "runtime/core/checkpoint_io.h"
 #include "runtime/core/run_spec.h"
+#include "tests/fuzz/fuzz_support.h"
 
 namespace fp8rt::fuzz {
 namespace {
@@ -299,22 +300,7 @@ void MakeRequests(const fs::path& dir) {
   v1::RegisterRequest resume = WithRun<v1::RegisterRequest>("fuzz");
   resume.set_rank(0);
   resume.set_world_size(2);
-  {
-    v1::RunSpec spec = RunSpecDefaults();
-    auto* model = spec.mutable_model();
-    model->set_layers(1);
-    model->set_d_model(128);
-    model->set_heads(4);
-    model->set_d_ff(256);
-    model->set_seq_len(16);
-    model->set_vocab(256);
-    spec.mutable_parallel()->set_dp(2);
-    spec.mutable_train()->set_steps(10);
-    spec.mutable_data()->set_path("data.txt");
-    spec.mutable_checkpoint()->set_every(2);
-    spec.mutable_checkpoint()->set_keep(2);
-    *resume.mutable_spec() = spec;
-  }
+  *resume.mutable_spec() = SmallRunSpec();  // the controller target's ValidSpec, less health
   resume.set_run_dir("/run");  // absolute: the harness puts it in its sandbox
   resume.set_hostname("node-0");
   resume.set_pid(4242);

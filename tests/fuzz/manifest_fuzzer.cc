@@ -56,15 +56,11 @@ void CheckManifest(const ShardReader& file, int64_t step) {
 }  // namespace
 }  // namespace fp8rt::fuzz
 
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  fp8rt::fuzz::QuietProtobuf();
-  return 0;
-}
+FP8RT_FUZZ_QUIET_PROTOBUF_INIT()
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace fp8rt;
-  std::vector<std::byte> bytes(reinterpret_cast<const std::byte*>(data),
-                               reinterpret_cast<const std::byte*>(data) + size);
+  std::vector<std::byte> bytes = fuzz::ToBytes(data, size);
   fuzz::FixShardChecksums(bytes);
   absl::StatusOr<std::unique_ptr<ShardReader>> file =
       ShardReader::FromBytes(fuzz::kName, std::move(bytes));

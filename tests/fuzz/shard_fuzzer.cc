@@ -73,14 +73,10 @@ void CheckOne(const std::vector<std::byte>& bytes) {
 }  // namespace
 }  // namespace fp8rt::fuzz
 
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  fp8rt::fuzz::QuietProtobuf();
-  return 0;
-}
+FP8RT_FUZZ_QUIET_PROTOBUF_INIT()
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  std::vector<std::byte> bytes(reinterpret_cast<const std::byte*>(data),
-                               reinterpret_cast<const std::byte*>(data) + size);
+  std::vector<std::byte> bytes = fp8rt::fuzz::ToBytes(data, size);
   fp8rt::fuzz::CheckOne(bytes);
   fp8rt::fuzz::FixShardChecksums(bytes);
   fp8rt::fuzz::CheckOne(bytes);

@@ -39,6 +39,7 @@
 #include "runtime/core/checkpoint_dir.h"
 #include "runtime/core/checkpoint_io.h"
 #include "runtime/core/run_spec.h"
+#include "tests/support/test_support.h"
 
 namespace fp8rt {
 namespace {
@@ -197,22 +198,12 @@ class ControllerProcess {
 
 // A client context with a deadline and, unless empty, `authorization: Bearer <token>`.
 std::unique_ptr<grpc::ClientContext> Ctx(const std::string& token = kToken) {
-  auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-  if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
-  return ctx;
+  return test::BearerContext(token);
 }
 
 // A 2-layer model on dp 2 (world 2). data.path does not exist here: the controller must not care.
 v1::RunSpec SmallSpec() {
-  v1::RunSpec spec = RunSpecDefaults();
-  auto* m = spec.mutable_model();
-  m->set_layers(2);
-  m->set_d_model(64);
-  m->set_heads(4);
-  m->set_d_ff(256);
-  m->set_seq_len(16);
-  m->set_vocab(256);
+  v1::RunSpec spec = test::TinyModelSpec();
   spec.mutable_parallel()->set_dp(2);
   spec.mutable_train()->set_steps(100);
   spec.mutable_data()->set_path("/nonexistent/on/the/controller/data.txt");

@@ -11,6 +11,7 @@
 //   ControllerProcess                fp8rt-controller on 127.0.0.1:0 with a token file and a
 //                                    ready file; gRPC stubs; Kill and restart on the same state.
 //   BearerContext                    a grpc::ClientContext with a deadline and a bearer token.
+//   TinyModelSpec                    RunSpecDefaults() with a 2-layer, d_model 64 model.
 //
 // Header-only, for tests: a failure to start a process fails the current test (ADD_FAILURE).
 #ifndef FP8RT_TESTS_SUPPORT_TEST_SUPPORT_H_
@@ -42,6 +43,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "runtime/core/run_spec.h"
 
 namespace fp8rt::test {
 
@@ -229,6 +231,20 @@ inline std::unique_ptr<grpc::ClientContext> BearerContext(
   ctx->set_deadline(std::chrono::system_clock::now() + deadline);
   if (!token.empty()) ctx->AddMetadata("authorization", "Bearer " + token);
   return ctx;
+}
+
+// RunSpecDefaults() with a small model: 2 layers, d_model 64, 4 heads, d_ff 256, seq_len 16,
+// vocab 256. The caller sets the rest (parallelism, steps, data path, ...).
+inline v1::RunSpec TinyModelSpec() {
+  v1::RunSpec spec = RunSpecDefaults();
+  auto* m = spec.mutable_model();
+  m->set_layers(2);
+  m->set_d_model(64);
+  m->set_heads(4);
+  m->set_d_ff(256);
+  m->set_seq_len(16);
+  m->set_vocab(256);
+  return spec;
 }
 
 // One fp8rt-controller on free loopback ports (gRPC and metrics), with a 0600 token file holding
