@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/gemm.h"
+#include "kernels/layer_ops.h"
 #include "kernels/quantize.h"
 
 namespace fp8rt::kernels {
@@ -56,6 +57,12 @@ struct OpTable {
   absl::Status (*gemm_bf16)(const Bf16GemmArgs& args, Stream stream);
   absl::Status (*gemm_f32)(const F32GemmArgs& args, Stream stream);
   absl::Status (*cast_transpose)(const CastTransposeArgs& args, Stream stream);
+  // Workspace the backend's gemm_fp8 / gemm_bf16 want for these arguments: GemmWorkspaceBytes on
+  // the CPU; on CUDA, CudaGemmWorkspaceBytes plus cuBLASLt's own (kernels/cuda/cuda_backend.h).
+  size_t (*fp8_gemm_workspace_bytes)(const Fp8GemmArgs& args);
+  size_t (*bf16_gemm_workspace_bytes)(const Bf16GemmArgs& args);
+  // The non-GEMM layer ops, the optimizer update and stream synchronisation (kernels/layer_ops.h).
+  const LayerOps* layer;
 };
 
 const OpTable& CpuOps();
@@ -65,6 +72,11 @@ absl::StatusOr<const OpTable*> CudaOps();
 
 // Number of usable CUDA devices; 0 with `why` filled when there is none or CUDA is not built.
 int CudaDeviceCount(std::string* why);
+
+// Makes CUDA device `ordinal` the calling thread's current device (cudaSetDevice), which creates
+// its context. InvalidArgument for an ordinal outside [0, CudaDeviceCount()); Unavailable when CUDA
+// is not built or the runtime fails (the message carries the CUDA error).
+[[nodiscard]] absl::Status UseCudaDevice(int ordinal);
 
 }  // namespace fp8rt::kernels
 

@@ -3,7 +3,9 @@
 //
 // Index:
 //   AmaxBits, AmaxFromBits    |amax| <-> ordered int32 bits (NaN > Inf > finite)
-//   SyncAmaxes
+//   SizeFor, Synchronize, Accumulate
+//                             buffers in the op table's memory; host reads; `+=` through an op
+//   SyncAmaxes, ResizeFp8Weight
 //   GatherFp8Weight           validation, then tensor (given / current) or 128x128 block scaling
 //   GatherBf16, ReduceScatterGrad
 //   ExchangeTokenCounts, AllToAllFp8Tokens, AllToAllBf16Tokens
@@ -11,17 +13,26 @@
 // Argument checks are local and happen before the first collective. They must fail on every rank
 // alike (callers pass the same shapes everywhere); a rank that fails alone leaves its peers to
 // the communicator's timeout.
+//
+// Every buffer handed to the communicator or to an op is a kernels::DeviceArray of the op table's
+// backend (host memory on the CPU, managed memory on CUDA), so that NCCL and the CUDA ops get
+// memory they can use; the host reads what ops or collectives wrote only after
+// ops.layer->synchronize. Temporaries are freed on return: on CUDA deallocate (cudaFree) waits for
+// the device, so an op still reading one is not cut short.
 #include "parallel/fp8_collectives.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/formats.h"
 #include "kernels/quantize.h"
+#include "runtime/core/status.h"
 
 namespace fp8rt::parallel {
 namespace {
@@ -114,23 +125,59 @@ absl::Status Convert(const kernels::OpTable& ops, kernels::InputType from, const
   return ops.convert(args, kernels::Stream{});
 }
 
+// `array` holds `count` elements in `ops`'s memory: resized in place (std::vector::resize) when
+// it already belongs to `ops`, replaced by a new zeroed array otherwise.
+template <typename T>
+void SizeFor(const kernels::OpTable& ops, size_t count, kernels::DeviceArray<T>& array) {
+  if (&array.ops() == &ops) {
+    array.resize(count);
+  } else {
+    array = kernels::DeviceArray<T>(ops, count);
+  }
+}
+
+// Waits for the ops enqueued on the default stream, before the host reads what they wrote.
+absl::Status Synchronize(const kernels::OpTable& ops) {
+  return ops.layer->synchronize(kernels::Stream{});
+}
+
+// sum[i] += add[i] for i < count, through the op table (residual_forward may write over its
+// first input): the same FP32 additions as a host loop, on memory of either backend.
+absl::Status Accumulate(const kernels::OpTable& ops, float* sum, const float* add, int64_t count) {
+  if (ops.layer->residual_forward == nullptr) {
+    return absl::UnimplementedError(
+        absl::StrCat("the ", ops.name, " op table has no residual_forward op"));
+  }
+  return ops.layer->residual_forward(sum, sum, add, count, kernels::Stream{});
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, std::span<float> amaxes) {
+  return SyncAmaxes(group, kernels::CpuOps(), amaxes);
+}
+
+absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, const kernels::OpTable& ops,
+                                            std::span<float> amaxes) {
   std::vector<int> nonfinite;
   if (amaxes.empty()) return nonfinite;
-  std::vector<int32_t> bits(amaxes.size());
+  // Written by the host before any op touches it, so no synchronisation is needed first.
+  kernels::DeviceArray<int32_t> bits(ops, amaxes.size());
   for (size_t i = 0; i < amaxes.size(); ++i) bits[i] = AmaxBits(amaxes[i]);
-  if (absl::Status s = group.AllReduce(bits.data(), static_cast<int64_t>(bits.size()), DType::kI32,
-                                       ReduceOp::kMax);
-      !s.ok()) {
-    return s;
-  }
+  FP8RT_RETURN_IF_ERROR(
+      group.AllReduce(bits.data(), static_cast<int64_t>(bits.size()), DType::kI32, ReduceOp::kMax));
+  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
   for (size_t i = 0; i < amaxes.size(); ++i) {
     amaxes[i] = AmaxFromBits(bits[i]);
     if (static_cast<uint32_t>(bits[i]) >= kFloatInfBits) nonfinite.push_back(static_cast<int>(i));
   }
   return nonfinite;
+}
+
+void ResizeFp8Weight(const kernels::OpTable& ops, size_t code_count, size_t scale_count,
+                     Fp8Weight* weight) {
+  SizeFor(ops, code_count, weight->codes);
+  SizeFor(ops, scale_count, weight->scale_inv);
 }
 
 absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::OpTable& ops,
@@ -197,9 +244,10 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
   Fp8Weight& weight = *out;
   weight.rows = shard_rows * group.size();
   weight.cols = cols;
-  weight.codes.resize(static_cast<size_t>(shard_elems * group.size()));
+  SizeFor(ops, static_cast<size_t>(shard_elems * group.size()), weight.codes);
   uint8_t* my_codes = weight.codes.data() + rank * shard_elems;
   weight.shard_stats = kernels::QuantStats{};
+  kernels::DeviceArray<kernels::QuantStats> stats(ops, 1);  // QuantStats{}, as before quantizing
 
   kernels::QuantizeArgs q;
   q.format = options.format;
@@ -209,14 +257,14 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
   q.cols = cols;
   q.margin = options.margin;
   q.codes = my_codes;
-  q.stats = &weight.shard_stats;
+  q.stats = stats.data();
 
   // Tensor scaling: every rank must quantize with the same scale, agreed before quantizing.
   // Block scaling: each 128x128 block lies inside one shard, so its scale is local.
   int64_t shard_grid = 1;
   if (options.scaling == WeightScaling::kBlock128) {
     shard_grid = kernels::GetScaleGrid(Granularity::kBlock128x128, shard_rows, cols).size();
-    weight.scale_inv.resize(static_cast<size_t>(shard_grid * group.size()));
+    SizeFor(ops, static_cast<size_t>(shard_grid * group.size()), weight.scale_inv);
     q.granularity = Granularity::kBlock128x128;
     q.scale_inv = weight.scale_inv.data() + rank * shard_grid;
   } else {
@@ -226,27 +274,31 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
           !s.ok()) {
         return s;
       }
-      float amax = 0.0f;
+      kernels::DeviceArray<float> shard_amax(ops, 1);
       kernels::AmaxArgs a;
       a.input_type = kernels::InputType::kF32;
       a.input = shard;
       a.count = shard_elems;
-      a.amax = &amax;
-      if (absl::Status s = ops.amax(a, kernels::Stream{}); !s.ok()) return s;
+      a.amax = shard_amax.data();
+      FP8RT_RETURN_IF_ERROR(ops.amax(a, kernels::Stream{}));
+      FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+      float amax = shard_amax[0];
       // A non-finite synced amax gives scale 1 (ComputeScale) and stays visible in weight.amax.
-      absl::StatusOr<std::vector<int>> bad = SyncAmaxes(group, std::span<float>(&amax, 1));
+      absl::StatusOr<std::vector<int>> bad = SyncAmaxes(group, ops, std::span<float>(&amax, 1));
       if (!bad.ok()) return bad.status();
       weight.amax = amax;
       scale = kernels::ComputeScale(amax, options.format, options.margin,
                                     /*power_of_two=*/false);
     }
-    weight.scale_inv.resize(1);  // the same on every rank: nothing to send
+    SizeFor(ops, 1, weight.scale_inv);  // the same on every rank: nothing to send
     q.granularity = Granularity::kTensor;
     q.has_scale = true;
     q.scale = scale;
     q.scale_inv = weight.scale_inv.data();
   }
-  if (absl::Status s = ops.quantize(q, kernels::Stream{}); !s.ok()) return s;
+  FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
+  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+  weight.shard_stats = stats[0];
   if (options.scaling != WeightScaling::kTensorCurrent) weight.amax = weight.shard_stats.amax;
 
   if (absl::Status s = group.AllGather(my_codes, shard_elems, weight.codes.data(), DType::kU8);
@@ -301,40 +353,26 @@ absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
       if (!accumulate) {
         return group.ReduceScatter(full_grad, shard_grad, shard_count, DType::kF32, ReduceOp::kSum);
       }
-      std::vector<float> reduced(static_cast<size_t>(shard_count));
-      if (absl::Status s = group.ReduceScatter(full_grad, reduced.data(), shard_count, DType::kF32,
-                                               ReduceOp::kSum);
-          !s.ok()) {
-        return s;
-      }
-      for (int64_t i = 0; i < shard_count; ++i) shard_grad[i] += reduced[i];
-      return absl::OkStatus();
+      kernels::DeviceArray<float> reduced(ops, static_cast<size_t>(shard_count));
+      FP8RT_RETURN_IF_ERROR(
+          group.ReduceScatter(full_grad, reduced.data(), shard_count, DType::kF32, ReduceOp::kSum));
+      return Accumulate(ops, shard_grad, reduced.data(), shard_count);
     }
     case GradReduceDType::kBF16: {
-      std::vector<uint16_t> send(static_cast<size_t>(full_count));
-      if (absl::Status s = Convert(ops, kernels::InputType::kF32, full_grad,
-                                   kernels::InputType::kBF16, send.data(), full_count);
-          !s.ok()) {
-        return s;
-      }
-      std::vector<uint16_t> reduced(static_cast<size_t>(shard_count));
-      if (absl::Status s = group.ReduceScatter(send.data(), reduced.data(), shard_count,
-                                               DType::kBF16, ReduceOp::kSum);
-          !s.ok()) {
-        return s;
-      }
+      kernels::DeviceArray<uint16_t> send(ops, static_cast<size_t>(full_count));
+      FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kF32, full_grad,
+                                    kernels::InputType::kBF16, send.data(), full_count));
+      kernels::DeviceArray<uint16_t> reduced(ops, static_cast<size_t>(shard_count));
+      FP8RT_RETURN_IF_ERROR(group.ReduceScatter(send.data(), reduced.data(), shard_count,
+                                                DType::kBF16, ReduceOp::kSum));
       if (!accumulate) {
         return Convert(ops, kernels::InputType::kBF16, reduced.data(), kernels::InputType::kF32,
                        shard_grad, shard_count);
       }
-      std::vector<float> widened(static_cast<size_t>(shard_count));
-      if (absl::Status s = Convert(ops, kernels::InputType::kBF16, reduced.data(),
-                                   kernels::InputType::kF32, widened.data(), shard_count);
-          !s.ok()) {
-        return s;
-      }
-      for (int64_t i = 0; i < shard_count; ++i) shard_grad[i] += widened[i];
-      return absl::OkStatus();
+      kernels::DeviceArray<float> widened(ops, static_cast<size_t>(shard_count));
+      FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kBF16, reduced.data(),
+                                    kernels::InputType::kF32, widened.data(), shard_count));
+      return Accumulate(ops, shard_grad, widened.data(), shard_count);
     }
   }
   return absl::InvalidArgumentError(
@@ -342,6 +380,12 @@ absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
 }
 
 absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
+                                                         std::span<const int64_t> send_counts) {
+  return ExchangeTokenCounts(group, kernels::CpuOps(), send_counts);
+}
+
+absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
+                                                         const kernels::OpTable& ops,
                                                          std::span<const int64_t> send_counts) {
   int64_t total = 0;
   if (absl::Status s =
@@ -352,12 +396,13 @@ absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
   const auto n = static_cast<size_t>(group.size());
   std::vector<int64_t> ones(n, 1), displs(n);
   for (size_t r = 0; r < n; ++r) displs[r] = static_cast<int64_t>(r);
-  std::vector<int64_t> recv_counts(n);
-  if (absl::Status s = group.AllToAllV(send_counts.data(), ones, displs, recv_counts.data(), ones,
-                                       displs, DType::kI64);
-      !s.ok()) {
-    return s;
-  }
+  // The counts travel through the backend's memory; ones and displs are host metadata.
+  kernels::DeviceArray<int64_t> send(ops, n), recv(ops, n);
+  std::copy(send_counts.begin(), send_counts.end(), send.begin());
+  FP8RT_RETURN_IF_ERROR(
+      group.AllToAllV(send.data(), ones, displs, recv.data(), ones, displs, DType::kI64));
+  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+  std::vector<int64_t> recv_counts(recv.begin(), recv.end());
   for (size_t r = 0; r < n; ++r) {
     if (recv_counts[r] < 0) {
       return absl::DataLossError(absl::StrCat("ExchangeTokenCounts: rank ", r, " of group '",
@@ -390,7 +435,7 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
   }
 
   Fp8Tokens out;
-  absl::StatusOr<std::vector<int64_t>> recv_counts = ExchangeTokenCounts(group, send_counts);
+  absl::StatusOr<std::vector<int64_t>> recv_counts = ExchangeTokenCounts(group, ops, send_counts);
   if (!recv_counts.ok()) return recv_counts.status();
   out.recv_counts = *std::move(recv_counts);
   for (int64_t c : out.recv_counts) out.tokens += c;
@@ -398,9 +443,10 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
   // All outgoing tokens as one (send_tokens x hidden) matrix: 1x128 tiles never straddle rows,
   // so each token's scales are its own whichever rank it goes to.
   const int64_t tiles = kernels::GetScaleGrid(Granularity::kTile1x128, 1, hidden).cols;
-  std::vector<uint8_t> send_codes(static_cast<size_t>(send_tokens * hidden));
-  std::vector<float> send_scale_inv(static_cast<size_t>(send_tokens * tiles));
+  kernels::DeviceArray<uint8_t> send_codes(ops, static_cast<size_t>(send_tokens * hidden));
+  kernels::DeviceArray<float> send_scale_inv(ops, static_cast<size_t>(send_tokens * tiles));
   if (send_tokens > 0) {
+    kernels::DeviceArray<kernels::QuantStats> stats(ops, 1);
     kernels::QuantizeArgs q;
     q.format = format;
     q.granularity = Granularity::kTile1x128;
@@ -410,12 +456,14 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
     q.cols = hidden;
     q.codes = send_codes.data();
     q.scale_inv = send_scale_inv.data();
-    q.stats = &out.send_stats;
-    if (absl::Status s = ops.quantize(q, kernels::Stream{}); !s.ok()) return s;
+    q.stats = stats.data();
+    FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
+    FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+    out.send_stats = stats[0];
   }
 
-  out.codes.resize(static_cast<size_t>(out.tokens * hidden));
-  out.scale_inv.resize(static_cast<size_t>(out.tokens * tiles));
+  out.codes = kernels::DeviceArray<uint8_t>(ops, static_cast<size_t>(out.tokens * hidden));
+  out.scale_inv = kernels::DeviceArray<float>(ops, static_cast<size_t>(out.tokens * tiles));
   const AllToAllLayout send_c = RowsLayout(send_counts, hidden);
   const AllToAllLayout recv_c = RowsLayout(out.recv_counts, hidden);
   if (absl::Status s = group.AllToAllV(send_codes.data(), send_c.counts, send_c.displs,
@@ -457,14 +505,11 @@ absl::Status AllToAllBf16Tokens(Communicator& group, const kernels::OpTable& ops
   }
 
   const int64_t send_elems = send_tokens * hidden;
-  std::vector<uint16_t> send(static_cast<size_t>(send_elems));
-  if (absl::Status s = Convert(ops, kernels::InputType::kF32, tokens, kernels::InputType::kBF16,
-                               send.data(), send_elems);
-      !s.ok()) {
-    return s;
-  }
+  kernels::DeviceArray<uint16_t> send(ops, static_cast<size_t>(send_elems));
+  FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kF32, tokens, kernels::InputType::kBF16,
+                                send.data(), send_elems));
   const int64_t recv_elems = recv_tokens * hidden;
-  std::vector<uint16_t> recv(static_cast<size_t>(recv_elems));
+  kernels::DeviceArray<uint16_t> recv(ops, static_cast<size_t>(recv_elems));
   const AllToAllLayout send_l = RowsLayout(send_counts, hidden);
   const AllToAllLayout recv_l = RowsLayout(recv_counts, hidden);
   if (absl::Status s = group.AllToAllV(send.data(), send_l.counts, send_l.displs, recv.data(),

@@ -13,8 +13,19 @@
 //
 // All calls are collective over the given communicator and must be made in the same order on
 // every rank of it. They run kernels (quantization, FP32 <-> BF16 conversion) through the given
-// op table and allocate their temporary host buffers themselves (the CPU path; the CUDA path will
-// take a workspace).
+// op table on its default stream (kernels::Stream{}).
+//
+// Memory: every buffer these calls hand to the communicator or to an op is memory of the op
+// table's backend (kernels::DeviceArray: host memory on the CPU, CUDA managed memory on CUDA),
+// and so are the FP8 codes and scales they return; values the host reads back (amaxes,
+// statistics, counts) are read after ops.layer->synchronize. The same calls therefore work with
+// the CPU ops and the MPI communicator (host memory) and with the CUDA ops and the NCCL
+// communicator (device memory). The caller's pointers (shards, gradients, tokens, outputs) must be
+// memory of that backend which the communicator can use; spans of counts and the amaxes of
+// SyncAmaxes are host memory. Outputs that an op writes last (the BF16 -> FP32 conversions, the
+// accumulation of ReduceScatterGrad) may still be in flight on the op table's default stream
+// when a call returns: later ops on that stream see them, the host reads them after
+// ops.layer->synchronize. Returned host values (amaxes, statistics, counts) are final.
 #ifndef FP8RT_PARALLEL_FP8_COLLECTIVES_H_
 #define FP8RT_PARALLEL_FP8_COLLECTIVES_H_
 
@@ -23,6 +34,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/device_array.h"
 #include "kernels/ops.h"
 #include "parallel/communicator.h"
 
@@ -33,6 +45,11 @@ namespace fp8rt::parallel {
 // rank makes that site NaN on every rank, whatever the backend's float MAX does with NaN.
 // Returns the indices of sites whose reduced amax is not finite (the step must be reported and
 // skipped by the caller).
+// `amaxes` is host memory; it travels through a buffer of `ops`'s backend, so this works with
+// any communicator whose buffers that backend's memory can be (NCCL with the CUDA ops).
+absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, const kernels::OpTable& ops,
+                                            std::span<float> amaxes);
+// The same through a host buffer (kernels::CpuOps()): for host-memory communicators only (MPI).
 absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, std::span<float> amaxes);
 
 enum class WeightScaling : uint8_t {
@@ -49,14 +66,24 @@ struct Fp8GatherOptions {
 };
 
 // The full weight in FP8 after a gather, ready for the GEMM (as its B operand: rows = N, cols = K).
+// codes and scale_inv are memory of the op table of the call that filled them, which must
+// outlive them (a default-constructed weight holds empty CPU arrays); shard_stats and amax are
+// host values.
 struct Fp8Weight {
   int64_t rows = 0;
   int64_t cols = 0;
-  std::vector<uint8_t> codes;       // rows x cols
-  std::vector<float> scale_inv;     // 1 value (tensor) or ceil(rows/128) x ceil(cols/128) (block)
-  kernels::QuantStats shard_stats;  // statistics of this rank's shard
-  float amax = 0.0f;                // kTensorCurrent: the synced amax; otherwise this shard's amax
+  kernels::DeviceArray<uint8_t> codes;    // rows x cols
+  kernels::DeviceArray<float> scale_inv;  // 1 value (tensor) or ceil(rows/128) x ceil(cols/128)
+  kernels::QuantStats shard_stats;        // statistics of this rank's shard
+  float amax = 0.0f;  // kTensorCurrent: the synced amax; otherwise this shard's amax
 };
+
+// Sizes `weight`'s codes and scale_inv to `code_count` and `scale_count` elements in `ops`'s
+// memory: resized in place (kept values, new ones zero, as std::vector::resize) when they already
+// belong to `ops`, reallocated (zeros) otherwise. For callers that quantize into a weight
+// themselves; GatherFp8WeightInto does this.
+void ResizeFp8Weight(const kernels::OpTable& ops, size_t code_count, size_t scale_count,
+                     Fp8Weight* weight);
 
 // Each rank holds rows [rank * shard_rows, (rank + 1) * shard_rows) of a
 // (size * shard_rows) x cols FP32 master weight. Each rank quantizes its own shard and the group
@@ -68,7 +95,8 @@ absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::Op
                                           const Fp8GatherOptions& options);
 // The same into a caller-owned weight whose buffers are reused (no reallocation when the shape
 // is unchanged, as in a training loop). This rank quantizes straight into its rows of the full
-// buffers, which the all-gather then fills in place.
+// buffers, which the all-gather then fills in place. The buffers move to `ops`'s memory when they
+// belonged to another op table (ResizeFp8Weight).
 absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& ops,
                                  const float* shard, int64_t shard_rows, int64_t cols,
                                  const Fp8GatherOptions& options, Fp8Weight* out);
@@ -89,15 +117,22 @@ absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
                                bool accumulate, float* shard_grad);
 
 // MoE: every rank tells every other how many tokens it sends it. Returns recv_counts
-// (tokens this rank receives from each rank).
+// (tokens this rank receives from each rank). Both are host memory; the counts travel through
+// buffers of `ops`'s backend.
+absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
+                                                         const kernels::OpTable& ops,
+                                                         std::span<const int64_t> send_counts);
+// The same through host buffers (kernels::CpuOps()): for host-memory communicators only (MPI).
 absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
                                                          std::span<const int64_t> send_counts);
 
 // Tokens received by an all-to-all: `tokens` rows of `hidden` values, grouped by source rank.
+// codes and scale_inv are memory of the op table of the call (which must outlive them); the
+// rest are host values.
 struct Fp8Tokens {
-  std::vector<int64_t> recv_counts;  // tokens from each rank
-  std::vector<uint8_t> codes;        // tokens x hidden
-  std::vector<float> scale_inv;      // tokens x ceil(hidden / 128): one per 1x128 tile
+  std::vector<int64_t> recv_counts;       // tokens from each rank
+  kernels::DeviceArray<uint8_t> codes;    // tokens x hidden
+  kernels::DeviceArray<float> scale_inv;  // tokens x ceil(hidden / 128): one per 1x128 tile
   int64_t tokens = 0;
   kernels::QuantStats send_stats;  // statistics of the quantization of what this rank sent
 };

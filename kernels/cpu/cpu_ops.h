@@ -16,6 +16,8 @@ absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream stream);
 absl::Status GemmBf16Cpu(const Bf16GemmArgs& args, Stream stream);
 absl::Status GemmF32Cpu(const F32GemmArgs& args, Stream stream);
 absl::Status CastTransposeCpu(const CastTransposeArgs& args, Stream stream);
+// The layer ops (kernels/cpu/layer_ops_cpu.cc).
+extern const LayerOps kLayerOps;
 
 // Workspace helpers shared with GemmWorkspaceBytes: 64-byte rounding, and the bytes reserved for
 // B packed into oneDNN's weights layout.

@@ -15,6 +15,10 @@ const OpTable& CpuOps() {
       .gemm_bf16 = &cpu_internal::GemmBf16Cpu,
       .gemm_f32 = &cpu_internal::GemmF32Cpu,
       .cast_transpose = &cpu_internal::CastTransposeCpu,
+      .fp8_gemm_workspace_bytes = static_cast<size_t (*)(const Fp8GemmArgs&)>(&GemmWorkspaceBytes),
+      .bf16_gemm_workspace_bytes =
+          static_cast<size_t (*)(const Bf16GemmArgs&)>(&GemmWorkspaceBytes),
+      .layer = &cpu_internal::kLayerOps,
   };
   return kTable;
 }

@@ -1,4 +1,5 @@
-// CUDA device discovery and the small per-device facts the kernels size their launches with.
+// CUDA device discovery and selection (UseCudaDevice, kernels/ops.h), and the small per-device
+// facts the kernels size their launches with.
 // Any error from the runtime (35 = no driver, 100 = no device) means "no GPU here"; the reason is
 // passed up so that GPU tests can say why they skip.
 #include <cuda_runtime.h>
@@ -97,3 +98,26 @@ int64_t GridFor(int64_t work, int threads, int sm_count, int per_sm) {
 }
 
 }  // namespace fp8rt::kernels::cuda_internal
+
+namespace fp8rt::kernels {
+
+absl::Status UseCudaDevice(int ordinal) {
+  std::string why;
+  const int count = cuda_internal::DeviceCount(&why);
+  if (count == 0) return absl::UnavailableError("no CUDA device: " + why);
+  if (ordinal < 0 || ordinal >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("CUDA device ", ordinal, " does not exist (",
+                                                   count, " device", count == 1 ? "" : "s",
+                                                   " visible)"));
+  }
+  const cudaError_t err = cudaSetDevice(ordinal);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::UnavailableError(absl::StrCat("cudaSetDevice(", ordinal,
+                                               ") failed: ", cudaGetErrorName(err), " (",
+                                               cudaGetErrorString(err), ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace fp8rt::kernels

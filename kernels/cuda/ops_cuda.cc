@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_ops_internal.h"
 #include "kernels/ops.h"
 
@@ -23,6 +24,13 @@ absl::StatusOr<const OpTable*> CudaOps() {
       .gemm_bf16 = &cuda_internal::GemmBf16Cuda,
       .gemm_f32 = &cuda_internal::GemmF32Cuda,
       .cast_transpose = &cuda_internal::CastTransposeCuda,
+      .fp8_gemm_workspace_bytes = +[](const Fp8GemmArgs& args) -> size_t {
+        return CudaGemmWorkspaceBytes(args) + kCublasLtWorkspaceBytes;
+      },
+      .bf16_gemm_workspace_bytes = +[](const Bf16GemmArgs& args) -> size_t {
+        return CudaGemmWorkspaceBytes(args) + kCublasLtWorkspaceBytes;
+      },
+      .layer = &cuda_internal::kLayerOps,
   };
   std::string why;
   if (CudaDeviceCount(&why) == 0) return absl::UnavailableError("no CUDA device: " + why);

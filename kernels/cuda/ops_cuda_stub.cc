@@ -13,4 +13,10 @@ int CudaDeviceCount(std::string* why) {
   return 0;
 }
 
+absl::Status UseCudaDevice(int ordinal) {
+  (void)ordinal;
+  return absl::UnavailableError(
+      "the CUDA backend is not built into this fp8rt (configure with -DFP8RT_CUDA=ON and nvcc)");
+}
+
 }  // namespace fp8rt::kernels

@@ -3,8 +3,9 @@
 //   fp8rt bench quantize [--json] [--mib N] [--device cpu|cuda]
 //   fp8rt bench gemm [--json] [--size N] [--device cpu|cuda]   (cuda: bench_cuda.h)
 //   fp8rt bench comm --np N [--json]   (runs N MPI ranks of fp8rt-bench-comm through mpirun)
-//   fp8rt bench step [--json] [--spec RUN.yaml]   (fp8 vs bf16 vs fp32 training step, one rank of
-//                                                 fp8rt-bench-step through mpirun)
+//   fp8rt bench step [--json] [--spec RUN.yaml] [--device cpu|cuda]   (fp8 vs bf16 vs fp32
+//                                                 training step: one rank of fp8rt-bench-step
+//                                                 through mpirun; cuda: one process on GPU 0)
 //   fp8rt bench controller [--workers N] [--duration S] [--json] ...   (load on fp8rt-controller:
 //                                                 runs fp8rt-bench-controller, which needs no
 //                                                 kernels; its options: --help)
@@ -32,11 +33,12 @@ namespace {
 #define FP8RT_MPIEXEC "mpirun"
 #endif
 
-// Runs the MPI benchmark program `program` (next to this executable) on `np` ranks through
-// mpirun with `args`, and returns the JSON rank 0 printed.
+// Runs the benchmark program `program` (next to this executable) with `args`, on `np` ranks
+// through mpirun, or directly with np 0 (the one-process GPU benchmarks), and returns the JSON it
+// (rank 0) printed.
 absl::StatusOr<nlohmann::ordered_json> MpiBench(const std::string& program, int np,
                                                 const std::string& args) {
-  if (np < 1 || np > 16) return absl::InvalidArgumentError("--np must be in [1, 16]");
+  if (np < 0 || np > 16) return absl::InvalidArgumentError("--np must be in [1, 16]");
   std::error_code ec;
   const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
   const std::filesystem::path worker = self.parent_path() / program;
@@ -47,11 +49,14 @@ absl::StatusOr<nlohmann::ordered_json> MpiBench(const std::string& program, int 
   // Each rank gets its share of the cores for its OpenMP kernels (they would fight otherwise).
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const unsigned threads = std::max(1u, cores / static_cast<unsigned>(np));
-  std::string cmd = std::string(FP8RT_MPIEXEC) + (geteuid() == 0 ? " --allow-run-as-root" : "") +
-                    " --oversubscribe -np " + std::to_string(np) +
-                    " -x OMP_NUM_THREADS=" + std::to_string(threads) + " " + worker.string() + " " +
-                    args;
-  std::fprintf(stderr, "running %d MPI ranks: %s\n", np, cmd.c_str());
+  std::string cmd = np == 0 ? worker.string() + " " + args
+                            : std::string(FP8RT_MPIEXEC) +
+                                  (geteuid() == 0 ? " --allow-run-as-root" : "") +
+                                  " --oversubscribe -np " + std::to_string(np) +
+                                  " -x OMP_NUM_THREADS=" + std::to_string(threads) + " " +
+                                  worker.string() + " " + args;
+  std::fprintf(stderr, "running %s: %s\n",
+               np == 0 ? "one process" : (std::to_string(np) + " MPI ranks").c_str(), cmd.c_str());
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) return absl::InternalError("cannot start " + cmd);
   std::string out;
@@ -128,18 +133,19 @@ void PrintHuman(const nlohmann::ordered_json& j) {
   } else if (name == "step") {
     const auto& m = j["modes"];
     const auto& md = j["model"];
+    const bool cuda = j.value("device", "cpu") == "cuda";
     std::cout << absl::StrFormat(
-        "training step, one rank: %d layers, d_model %d, d_ff %d, %d tokens per step\n"
+        "training step, one rank (%s): %d layers, d_model %d, d_ff %d, %d tokens per step\n"
         "  fp8   %7.1f ms  %9.0f tokens/s\n"
         "  bf16  %7.1f ms  %9.0f tokens/s\n"
         "  fp32  %7.1f ms  %9.0f tokens/s\n"
-        "  ratio fp8 / fp32 step time  %.3f  (target <= 0.7)\n",
-        md["layers"].get<int>(), md["d_model"].get<int>(), md["d_ff"].get<int>(),
-        static_cast<int>(j["tokens_per_step"].get<double>()),
+        "  ratio %s step time  %.3f  (target %s)\n",
+        cuda ? "GPU" : "CPU", md["layers"].get<int>(), md["d_model"].get<int>(),
+        md["d_ff"].get<int>(), static_cast<int>(j["tokens_per_step"].get<double>()),
         1e3 * m["fp8"]["best_s"].get<double>(), m["fp8"]["tokens_per_s"].get<double>(),
         1e3 * m["bf16"]["best_s"].get<double>(), m["bf16"]["tokens_per_s"].get<double>(),
         1e3 * m["fp32"]["best_s"].get<double>(), m["fp32"]["tokens_per_s"].get<double>(),
-        j["ratio"].get<double>());
+        cuda ? "bf16 / fp8" : "fp8 / fp32", j["ratio"].get<double>(), cuda ? ">= 1.3" : "<= 0.7");
   } else if (name == "quantize") {
     std::cout << absl::StrFormat(
         "quantize FP32 -> E4M3 (tensor scale, stats in the same pass), %d MiB input, %d threads\n"
@@ -214,6 +220,8 @@ int main(int argc, char** argv) {
   auto* step = app.add_subcommand("step", "FP8 vs BF16 vs FP32 training step time (one rank)");
   step->add_option("--spec", step_spec, "run spec to time (default: a GEMM-dominated model)");
   step->add_option("--rounds", step_rounds, "timed steps of each mode (default 3)");
+  step->add_option("--device", device, "cpu (default; the spec's device with --spec) or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   step->add_flag("--json", json, "print one JSON object");
   // Listed for --help only (dispatched above).
   app.add_subcommand("controller",
@@ -244,14 +252,18 @@ int main(int argc, char** argv) {
   } else if (gemm->parsed()) {
     result = fp8rt::bench::GemmBench(gopt);
   } else if (comm->parsed()) {
-    result = MpiBench("fp8rt-bench-comm", np, "--repeats " + std::to_string(comm_repeats));
+    result = np < 1 ? absl::InvalidArgumentError("--np must be in [1, 16]")
+                    : MpiBench("fp8rt-bench-comm", np, "--repeats " + std::to_string(comm_repeats));
   } else {
     std::string args = "--rounds " + std::to_string(step_rounds);
     if (!step_spec.empty()) {
       std::error_code ec;
       args += " --spec '" + std::filesystem::absolute(step_spec, ec).string() + "'";
     }
-    result = MpiBench("fp8rt-bench-step", 1, args);
+    // On a GPU the step runs in one process (a one-rank NCCL world), without mpirun.
+    const bool cuda = step->count("--device") > 0 && device == "cuda";
+    if (step->count("--device") > 0) args += " --device " + device;
+    result = MpiBench("fp8rt-bench-step", cuda ? 0 : 1, args);
   }
   if (!result.ok()) {
     std::fprintf(stderr, "fp8rt bench: %s\n", std::string(result.status().message()).c_str());

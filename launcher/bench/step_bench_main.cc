@@ -1,12 +1,18 @@
-// fp8rt-bench-step: the per-rank program behind `fp8rt bench step` (started through mpirun with
-// one rank). Times one optimizer step of the same spec in fp8, bf16 and fp32 precision, the three
-// trainers built side by side and stepped in interleaved rounds, so that every mode sees the same
-// machine noise. Prints one JSON object; its `ratio` is fp8 step time over fp32 step time (fastest
-// step of each; DESIGN.md target <= 0.7 on CPU, where FP8 and BF16 GEMMs run on AMX and FP32 ones
-// cannot).
+// fp8rt-bench-step: the program behind `fp8rt bench step`. Times one optimizer step of the same
+// spec in fp8, bf16 and fp32 precision, the three trainers built side by side and stepped in
+// interleaved rounds, so that every mode sees the same machine noise. Prints one JSON object.
 //
-// The default spec is GEMM-dominated (2 layers, d_model 1024, d_ff 4096, 16 x 64 tokens per step)
-// and trains on random bytes; --spec takes any run spec instead (its parallel sizes must be 1).
+// CPU (the default; one rank started through mpirun): `ratio` is fp8 step time over fp32 step
+// time (fastest step of each; DESIGN.md target <= 0.7 on CPU, where FP8 and BF16 GEMMs run on AMX
+// and FP32 ones cannot). The default spec is GEMM-dominated (2 layers, d_model 1024, d_ff 4096,
+// 16 x 64 tokens per step) and trains on random bytes.
+//
+// CUDA (--device cuda, or a spec with device: cuda; run directly, without mpirun: one process on
+// GPU 0, a one-rank NCCL world over a solo bootstrap, the CUDA op table): `ratio` is bf16 step time
+// over fp8 step time, the FP8 speed-up (issue 8 target >= 1.3), on a GEMM-dominated default spec
+// (1 layer, d_model 4096, d_ff 16384, 32 x 256 tokens per step).
+//
+// --spec takes any run spec instead (its parallel sizes must be 1).
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -23,6 +29,8 @@
 #include "kernels/ops.h"
 #include "nlohmann/json.hpp"
 #include "parallel/mpi/mpi_communicator.h"
+#include "parallel/nccl/nccl_communicator.h"
+#include "parallel/solo_communicator.h"
 #include "runtime/core/memory.h"
 #include "runtime/core/run_spec.h"
 #include "runtime/worker/trainer.h"
@@ -50,6 +58,27 @@ data:
   path: PLACEHOLDER
 )";
 
+// The GPU default: one block large enough that its GEMMs dominate the step on an H100/H200.
+constexpr const char* kDefaultCudaSpec = R"(model:
+  layers: 1
+  d_model: 4096
+  heads: 32
+  d_ff: 16384
+  seq_len: 256
+  vocab: 256
+train:
+  steps: 1000
+  micro_batch: 32
+  lr: 1.0e-4
+checkpoint:
+  every: 0
+metrics:
+  every: 1000
+device: cuda
+data:
+  path: PLACEHOLDER
+)";
+
 int Fail(const std::string& message) {
   std::fprintf(stderr, "fp8rt-bench-step: %s\n", message.c_str());
   return 2;
@@ -65,13 +94,11 @@ int main(int argc, char** argv) {
   app.add_option("--spec", spec_path, "run spec to time (default: a GEMM-dominated model)");
   app.add_option("--rounds", rounds, "timed steps of each mode (default 3)");
   app.add_option("--warmup", warmup, "untimed steps of each mode first (default 1)");
+  std::string device_flag;
+  app.add_option("--device", device_flag, "cpu or cuda (default: the spec's device; cpu)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   CLI11_PARSE(app, argc, argv);
   if (rounds < 1 || warmup < 0) return Fail("--rounds must be >= 1 and --warmup >= 0");
-
-  absl::StatusOr<int> world = parallel::InitMpi(&argc, &argv);
-  if (!world.ok()) return Fail(world.status().ToString());
-  auto factory = parallel::MpiCommunicatorFactory::Create();
-  if (!factory.ok()) return Fail(factory.status().ToString());
 
   std::error_code ec;
   const std::filesystem::path tmp =
@@ -87,16 +114,44 @@ int main(int argc, char** argv) {
     for (char& c : bytes) c = static_cast<char>(rng() & 0xff);
     out << bytes;
     out.close();
-    std::string text = kDefaultSpec;
+    std::string text = device_flag == "cuda" ? kDefaultCudaSpec : kDefaultSpec;
     text.replace(text.find("PLACEHOLDER"), 11, data);
     base = ParseRunSpec(text, "bench-step-spec", {});
   } else {
     base = LoadRunSpec(spec_path, {});
   }
   if (!base.ok()) return Fail(base.status().ToString());
+  if (device_flag == "cuda") base->set_device(v1::RunSpec::DEVICE_CUDA);
+  if (device_flag == "cpu") base->set_device(v1::RunSpec::DEVICE_CPU);
+  const bool cuda = base->device() == v1::RunSpec::DEVICE_CUDA;
   base->mutable_checkpoint()->set_every(0);
   base->mutable_metrics()->set_per_rank_fp8_stats(false);
-  if (absl::Status v = ValidateRunSpec(*base, *world); !v.ok()) return Fail(v.ToString());
+  if (absl::Status v = ValidateRunSpec(*base, 1); !v.ok()) return Fail(v.ToString());
+
+  // The communicators and op table of the device: MPI (one rank) and the CPU table, or a
+  // one-rank NCCL world on GPU 0 and the CUDA table.
+  std::unique_ptr<parallel::CommunicatorFactory> factory;
+  parallel::SoloCommunicatorFactory solo;
+  const kernels::OpTable* ops = &kernels::CpuOps();
+  if (cuda) {
+    if (absl::Status s = kernels::UseCudaDevice(0); !s.ok()) {
+      return Fail("device: cuda: " + std::string(s.message()));
+    }
+    absl::StatusOr<const kernels::OpTable*> table = kernels::CudaOps();
+    if (!table.ok()) return Fail("device: cuda: " + std::string(table.status().message()));
+    ops = *table;
+    auto nccl = parallel::CreateNcclCommunicatorFactory(solo.World(), 0, {});
+    if (!nccl.ok()) return Fail("device: cuda: " + nccl.status().ToString());
+    factory = std::move(*nccl);
+  } else {
+    absl::StatusOr<int> world = parallel::InitMpi(&argc, &argv);
+    if (!world.ok()) return Fail(world.status().ToString());
+    if (*world != 1)
+      return Fail("fp8rt-bench-step times one rank (started on " + std::to_string(*world) + ")");
+    auto mpi = parallel::MpiCommunicatorFactory::Create();
+    if (!mpi.ok()) return Fail(mpi.status().ToString());
+    factory = std::move(*mpi);
+  }
 
   struct Mode {
     const char* name;
@@ -112,9 +167,11 @@ int main(int argc, char** argv) {
   for (Mode& m : modes) {
     v1::RunSpec spec = *base;
     spec.mutable_precision()->set_mode(m.mode);
-    worker::TrainerOptions options{
-        .run_dir = (tmp / m.name).string(), .resume = false, .print_progress = false, .controller = {}};
-    auto trainer = worker::Trainer::Create(spec, options, **factory, kernels::CpuOps());
+    worker::TrainerOptions options{.run_dir = (tmp / m.name).string(),
+                                   .resume = false,
+                                   .print_progress = false,
+                                   .controller = {}};
+    auto trainer = worker::Trainer::Create(spec, options, *factory, *ops);
     if (!trainer.ok()) return Fail(std::string(m.name) + ": " + trainer.status().ToString());
     m.trainer = std::move(*trainer);
   }
@@ -145,12 +202,18 @@ int main(int argc, char** argv) {
                                {"tokens_per_s", tokens / best[i]},
                                {"loss", modes[i].last_loss}};
   }
-  j["ratio"] = best[0] / best[2];
-  j["ratio_median"] = median[0] / median[2];
+  j["device"] = cuda ? "cuda" : "cpu";
+  // CPU: fp8 over fp32 time (target <= 0.7). CUDA: bf16 over fp8 time, the speed-up (>= 1.3).
+  j["ratio"] = cuda ? best[1] / best[0] : best[0] / best[2];
+  j["ratio_median"] = cuda ? median[1] / median[0] : median[0] / median[2];
+  j["target"] = cuda ? 1.3 : 0.7;  // CUDA: at least; CPU: at most
   j["bf16_over_fp32"] = best[1] / best[2];
   j["fp8_over_bf16"] = best[0] / best[1];
   j["description"] =
-      "training step time in fp8 over fp32 (fastest of interleaved rounds), same spec and data";
+      cuda ? "training step time in bf16 over fp8 on one GPU (fastest of interleaved rounds), "
+             "same spec and data"
+           : "training step time in fp8 over fp32 (fastest of interleaved rounds), same spec and "
+             "data";
   j["modes"] = per_mode;
   j["model"] = {{"layers", model.layers()}, {"d_model", model.d_model()}, {"heads", model.heads()},
                 {"d_ff", model.d_ff()},     {"seq_len", model.seq_len()}, {"vocab", model.vocab()}};
@@ -159,7 +222,7 @@ int main(int argc, char** argv) {
   for (Mode& m : modes) m.trainer.reset();
   std::filesystem::remove_all(tmp, ec);
   std::cout << j.dump() << std::endl;
-  factory->reset();
-  parallel::FinalizeMpi();
+  factory.reset();
+  if (!cuda) parallel::FinalizeMpi();
   return std::isfinite(modes[0].last_loss) ? 0 : 1;
 }

@@ -5,7 +5,8 @@
 //
 // Writes a kustomization folder (launcher/k8s/render.h) that `kubectl apply -k DIR` deploys: the
 // controller, its volume and token, the spec as a ConfigMap and the ranks as an MPIJob, sized
-// from the spec's parallel.dp x parallel.tp. DIR defaults to <name>-k8s.
+// from the spec's parallel.dp x parallel.tp, on GPU Worker pods when the spec says `device: cuda`.
+// DIR defaults to <name>-k8s.
 // Exit codes: 0 written; 2 bad options or spec (the message names the flag or the field);
 // 1 the folder could not be written.
 #include <cstdio>
@@ -26,7 +27,9 @@ int main(int argc, char** argv) {
   render->add_option("--name", options.name,
                      "run name: MPIJob, object prefix, run id (default: the spec file's name)");
   render->add_option("--namespace", options.ns, "namespace of every object");
-  render->add_flag("--gpu", options.gpu, "GPU workers: one rank per GPU, NCCL settings");
+  render->add_flag("--gpu", options.gpu,
+                   "GPU workers: one rank per GPU, NCCL settings (implied by the spec's "
+                   "device: cuda; refused for a device: cpu spec)");
   render->add_option("--workers", options.workers,
                      "worker pods (default: one rank per pod on CPU; up to 8 GPUs per pod)");
   render->add_option("--out", out, "output folder (default: <name>-k8s)");
@@ -53,7 +56,7 @@ int main(int argc, char** argv) {
   }
   std::printf("wrote %s/: run %s, %d ranks = %d %s worker pod%s x %d rank%s\n", out.c_str(),
               rendered->name.c_str(), rendered->world, rendered->workers,
-              options.gpu ? "GPU" : "CPU", rendered->workers == 1 ? "" : "s", rendered->slots,
+              rendered->gpu ? "GPU" : "CPU", rendered->workers == 1 ? "" : "s", rendered->slots,
               rendered->slots == 1 ? "" : "s");
   std::printf("%s %s/token\n", token_created ? "new random token in" : "kept the token in",
               out.c_str());

@@ -463,11 +463,19 @@ absl::StatusOr<Rendered> Render(const RenderOptions& options) {
   const int64_t world64 = int64_t{spec->parallel().dp()} * spec->parallel().tp();
   if (absl::Status s = ValidateRunSpec(check, static_cast<int>(world64)); !s.ok()) return s;
   const int world = static_cast<int>(world64);
+  // GPU pods are for ranks that use them: `device: cuda` renders them, with or without --gpu.
+  const bool cuda = spec->device() == v1::RunSpec::DEVICE_CUDA;
+  if (options.gpu && !cuda) {
+    return FlagError("--gpu",
+                     "the spec's ranks run on CPU (device: cpu, the default); set `device: cuda` "
+                     "in the spec to train on GPUs (GPU pods follow)");
+  }
+  const bool gpu = cuda;
 
   int workers = options.workers;
   if (workers < 0) return FlagError("--workers", absl::StrCat("must be positive, got ", workers));
   if (workers == 0) {
-    if (!options.gpu) {
+    if (!gpu) {
       workers = world;
     } else if (world <= kGpusPerNode) {
       workers = 1;
@@ -485,7 +493,7 @@ absl::StatusOr<Rendered> Render(const RenderOptions& options) {
                                                " ranks (parallel.dp x parallel.tp) equally"));
   }
   const int slots = world / workers;
-  const Sizing& sizing = options.gpu ? kGpuSizing : kCpuSizing;
+  const Sizing& sizing = gpu ? kGpuSizing : kCpuSizing;
 
   absl::StatusOr<std::string> spec_text = ReadFile(options.spec_path);
   if (!spec_text.ok()) return spec_text.status();
@@ -496,7 +504,7 @@ absl::StatusOr<Rendered> Render(const RenderOptions& options) {
       {"${SPEC_FILE}", fs::path(options.spec_path).filename().string()},
       {"${NAMESPACE_LINE}", options.ns.empty() ? "" : absl::StrCat("namespace: ", options.ns)},
       {"${NS_FLAG}", options.ns.empty() ? "" : absl::StrCat("-n ", options.ns, " ")},
-      {"${GPU_NOTE}", options.gpu ? ", the NVIDIA device plugin (nvidia.com/gpu)" : ""},
+      {"${GPU_NOTE}", gpu ? ", the NVIDIA device plugin (nvidia.com/gpu)" : ""},
       {"${WORLD}", absl::StrCat(world)},
       {"${SLOTS}", absl::StrCat(slots)},
       {"${WORKERS}", absl::StrCat(workers)},
@@ -505,18 +513,17 @@ absl::StatusOr<Rendered> Render(const RenderOptions& options) {
       {"${MEMORY_REQUEST}", absl::StrCat(slots * sizing.memory_request_gib_per_rank, "Gi")},
       {"${MEMORY_LIMIT}", absl::StrCat(slots * sizing.memory_limit_gib_per_rank, "Gi")},
       {"${SHM}", absl::StrCat(sizing.shm_gib, "Gi")},
-      {"${EXTRA_ENV}", options.gpu ? kGpuEnv : ""},
-      {"${ENV_LIST}",
-       options.gpu ? "OMP_NUM_THREADS;NCCL_DEBUG;NCCL_SOCKET_IFNAME" : "OMP_NUM_THREADS"},
-      {"${TOLERATIONS}", options.gpu ? kGpuTolerations : ""},
-      {"${GPU_LIMIT}",
-       options.gpu ? absl::StrCat("                  nvidia.com/gpu: ", slots, "\n") : ""},
+      {"${EXTRA_ENV}", gpu ? kGpuEnv : ""},
+      {"${ENV_LIST}", gpu ? "OMP_NUM_THREADS;NCCL_DEBUG;NCCL_SOCKET_IFNAME" : "OMP_NUM_THREADS"},
+      {"${TOLERATIONS}", gpu ? kGpuTolerations : ""},
+      {"${GPU_LIMIT}", gpu ? absl::StrCat("                  nvidia.com/gpu: ", slots, "\n") : ""},
   };
   Rendered rendered;
   rendered.name = name;
   rendered.world = world;
   rendered.workers = workers;
   rendered.slots = slots;
+  rendered.gpu = gpu;
   rendered.files["kustomization.yaml"] = absl::StrReplaceAll(kKustomizationTemplate, vars);
   rendered.files["controller.yaml"] = absl::StrReplaceAll(kControllerTemplate, vars);
   rendered.files["data-pvc.yaml"] = absl::StrReplaceAll(kPvcTemplate, vars);

@@ -8,7 +8,8 @@
 //   controller.yaml      Deployment and Service <name>-controller (gRPC 50051, metrics 9464)
 //   data-pvc.yaml        PersistentVolumeClaim <name>-data (ReadWriteMany): run folder, state
 //   mpijob.yaml          MPIJob <name> (kubeflow.org/v2beta1): ranks = parallel.dp x parallel.tp
-//                        = slotsPerWorker x Worker replicas; one rank per GPU with `gpu`
+//                        = slotsPerWorker x Worker replicas; with the spec's `device: cuda`, GPU
+//                        Worker pods: one rank per GPU (nvidia.com/gpu = slotsPerWorker)
 //   run.yaml             the spec file, byte for byte
 // The token file is not rendered: WriteRendered() creates a random one unless the folder already
 // has one (so that rendering again keeps the running controller's token).
@@ -17,8 +18,8 @@
 // for data.path, which names a file in the pods (relative to /opt/fp8rt, the ranks' working
 // directory, where the image ships the demo corpus), not on this machine.
 //
-// Errors are InvalidArgument naming the flag (--name, --namespace, --image, --workers) or the
-// spec field; NotFound for a missing spec file. Stateless and thread-safe.
+// Errors are InvalidArgument naming the flag (--name, --namespace, --image, --workers, --gpu) or
+// the spec field; NotFound for a missing spec file. Stateless and thread-safe.
 #ifndef FP8RT_LAUNCHER_K8S_RENDER_H_
 #define FP8RT_LAUNCHER_K8S_RENDER_H_
 
@@ -42,7 +43,9 @@ struct RenderOptions {
   std::string name;
   // Namespace of every object; empty: the one kubectl applies to.
   std::string ns;
-  // GPU workers (nvidia.com/gpu, NCCL settings, one rank per GPU); else CPU workers.
+  // Asks for GPU workers (nvidia.com/gpu, NCCL settings, one rank per GPU). The spec decides: a
+  // `device: cuda` spec gets GPU workers anyway, and --gpu with a `device: cpu` spec (whose ranks
+  // would leave the GPUs idle) is an error naming --gpu.
   bool gpu = false;
   // Worker pods; each hosts world / workers ranks. 0: one rank per pod on CPU; on GPU one pod
   // for up to 8 ranks, else world / 8 pods of 8 GPUs (world must then be a multiple of 8).
@@ -55,6 +58,7 @@ struct Rendered {
   int world = 0;                             // ranks: parallel.dp x parallel.tp
   int workers = 0;                           // Worker pods
   int slots = 0;                             // ranks per Worker pod (slotsPerWorker)
+  bool gpu = false;                          // GPU Worker pods (the spec's device: cuda)
   std::map<std::string, std::string> files;  // file name -> content
 };
 

@@ -6,6 +6,7 @@
 //   WaitState               polls a communicator out of ncclInProgress (init, split, finalize)
 //   NcclCommunicator        Do* collectives, Finish (the deadline), Break (abort), teardown
 //   NcclCommunicatorFactory Create (unique id over the bootstrap), Split (ncclCommSplit)
+//   CreateNcclCommunicatorFactory  Create as the interface (a stub without CUDA)
 #include "parallel/nccl/nccl_communicator.h"
 
 #include <cuda_runtime.h>
@@ -306,6 +307,13 @@ absl::StatusOr<std::unique_ptr<NcclCommunicatorFactory>> NcclCommunicatorFactory
 }
 
 NcclCommunicatorFactory::~NcclCommunicatorFactory() = default;
+
+absl::StatusOr<std::unique_ptr<CommunicatorFactory>> CreateNcclCommunicatorFactory(
+    Communicator& bootstrap, int device, const NcclOptions& options) {
+  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<NcclCommunicatorFactory> factory,
+                         NcclCommunicatorFactory::Create(bootstrap, device, options));
+  return std::unique_ptr<CommunicatorFactory>(std::move(factory));
+}
 
 absl::StatusOr<std::unique_ptr<Communicator>> NcclCommunicatorFactory::Split(int color, int key,
                                                                              std::string name) {

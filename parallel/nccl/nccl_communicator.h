@@ -19,6 +19,10 @@
 // The ncclUniqueId of the world is created by rank 0 and broadcast over a bootstrap communicator
 // (the MPI world, host memory); subgroups come from ncclCommSplit and need no bootstrap.
 //
+// Built with CUDA only (FP8RT_CUDA). Code that must also build without it (fp8rt-worker) calls
+// CreateNcclCommunicatorFactory, which nccl_communicator_stub.cc defines as an Unavailable error
+// in a build without CUDA; the classes below exist in CUDA builds only.
+//
 // Thread-compatible, like every Communicator. The factory and the communicators it returns may
 // be destroyed in any order. Destroying a communicator finalizes it (ncclCommFinalize, waiting
 // up to the timeout for its outstanding work) and aborts it instead if that fails.
@@ -123,6 +127,11 @@ class NcclCommunicatorFactory : public CommunicatorFactory {
   const NcclOptions options_;  // fixed after construction
   std::unique_ptr<NcclCommunicator> world_;
 };
+
+// NcclCommunicatorFactory::Create, returned as the interface. Without CUDA in the build:
+// Unavailable, saying so.
+[[nodiscard]] absl::StatusOr<std::unique_ptr<CommunicatorFactory>> CreateNcclCommunicatorFactory(
+    Communicator& bootstrap, int device, const NcclOptions& options = {});
 
 }  // namespace fp8rt::parallel
 

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -69,6 +70,7 @@ v1::RunSpec RunSpecDefaults() {
   moe->set_capacity_factor(1.25);
   moe->set_aux_loss_coef(0.01);
   moe->set_drop_tokens(true);
+  spec.set_device(v1::RunSpec::DEVICE_CPU);
   return spec;
 }
 
@@ -441,7 +443,17 @@ std::string Join(const std::string& prefix, const std::string& name) {
   return prefix.empty() ? name : absl::StrCat(prefix, ".", name);
 }
 
-// Enums left unspecified and non-finite numbers anywhere in the message.
+// Enums added after specs were first stored (controller state, programs building a RunSpec by
+// hand) whose zero value means their default instead of "not set".
+constexpr const char* kUnsetMeansDefault[] = {"device"};
+
+bool UnsetMeansDefault(const std::string& path) {
+  return std::any_of(std::begin(kUnsetMeansDefault), std::end(kUnsetMeansDefault),
+                     [&](const char* p) { return path == p; });
+}
+
+// Enums left unspecified (but those of kUnsetMeansDefault) and non-finite numbers anywhere in the
+// message.
 absl::Status CheckFieldsSet(const pb::Message& msg, const std::string& prefix) {
   const pb::Descriptor* desc = msg.GetDescriptor();
   const pb::Reflection* refl = msg.GetReflection();
@@ -454,7 +466,7 @@ absl::Status CheckFieldsSet(const pb::Message& msg, const std::string& prefix) {
         FP8RT_RETURN_IF_ERROR(CheckFieldsSet(refl->GetMessage(msg, f), path));
         break;
       case pb::FieldDescriptor::CPPTYPE_ENUM:
-        if (refl->GetEnumValue(msg, f) == 0) {
+        if (refl->GetEnumValue(msg, f) == 0 && !UnsetMeansDefault(path)) {
           return absl::InvalidArgumentError(
               absl::StrCat(path, ": not set (expected ", "a value from the schema)"));
         }
@@ -690,6 +702,23 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
     }
   } else if (par.ep() != 1) {
     return FieldError("parallel.ep", "expert parallelism needs MoE blocks (moe.experts > 0)");
+  }
+
+  switch (spec.device()) {
+    case v1::RunSpec::DEVICE_UNSPECIFIED:  // cpu (see kUnsetMeansDefault)
+    case v1::RunSpec::DEVICE_CPU:
+      break;
+    case v1::RunSpec::DEVICE_CUDA:
+      if (moe.experts() > 0) {
+        // FieldError's prefix makes "device: cuda does not support ...".
+        return FieldError("device",
+                          "cuda does not support MoE blocks yet (moe.experts): expert routing "
+                          "runs on the host");
+      }
+      break;
+    default:  // a number from the wire that this schema does not know
+      return FieldError("device", absl::StrCat("unknown value ", static_cast<int>(spec.device()),
+                                               " (expected cpu or cuda)"));
   }
 
   const auto& t = spec.train();

@@ -30,6 +30,9 @@
 //   moe:        experts 0 (dense), top_k 2, every 1, capacity_factor 1.25, aux_loss_coef 0.01,
 //               drop_tokens true
 //   health:     saturation_threshold 0 (off), underflow_threshold 0 (off), intervals 3, demote false
+//   device:     cpu (a top-level key: `device: cpu` or `device: cuda`; a RunSpec message whose
+//               device is unset, such as one stored before the field existed, also means cpu:
+//               the one enum for which the zero value is not "not set")
 //
 // Overrides ("--set train.steps=20") are `dotted.path=value`, applied in order after the file,
 // with the same typing and errors; the value is read as YAML, so `precision.mode=bf16`,
@@ -81,6 +84,8 @@ v1::RunSpec RunSpecDefaults();
 //   - moe: experts a multiple of parallel.ep, top_k in [1, experts], every >= 1, capacity_factor
 //     > 0, aux_loss_coef >= 0, tp 1 with MoE, ep 1 without; expert rows divisible by dp / ep
 //   - health thresholds in [0, 1], health.intervals positive
+//   - device: a known value (cpu or cuda); cuda without MoE blocks (moe.experts 0): expert
+//     routing runs on the host. Whether a GPU is there is checked by the worker, not here.
 //   - precision.mode fp8: the FP8 weights' rows per tensor-parallel rank (3 d_model / tp,
 //     d_model, d_ff / tp) divisible by parallel.dp (by 128 * dp with block scaling): FSDP
 //     gathers whole rows / blocks

@@ -10,22 +10,6 @@
 
 namespace fp8rt::model {
 
-template <typename T>
-void Transpose(const T* src, int64_t rows, int64_t cols, T* dst) {
-  constexpr int64_t kB = 32;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t r0 = 0; r0 < rows; r0 += kB) {
-    for (int64_t c0 = 0; c0 < cols; c0 += kB) {
-      const int64_t r1 = std::min(rows, r0 + kB), c1 = std::min(cols, c0 + kB);
-      for (int64_t c = c0; c < c1; ++c) {
-        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * cols + c];
-      }
-    }
-  }
-}
-template void Transpose<float>(const float*, int64_t, int64_t, float*);
-template void Transpose<uint8_t>(const uint8_t*, int64_t, int64_t, uint8_t*);
-
 Linear::Linear(std::string name, int64_t in, int64_t out, GemmPrecision precision,
                const Fp8SiteConfigs& sites)
     : name_(std::move(name)),
@@ -48,12 +32,16 @@ bool Linear::block_scaling() const {
 }
 
 absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& site, const float* src,
-                                        int64_t rows, int64_t cols, std::vector<uint8_t>* codes,
-                                        std::vector<float>* scale_inv) {
+                                        int64_t rows, int64_t cols,
+                                        kernels::DeviceArray<uint8_t>* codes,
+                                        kernels::DeviceArray<float>* scale_inv) {
   const train::ScalingState& state = site.state();
   const train::ScalingConfig& cfg = state.config();
-  codes->resize(static_cast<size_t>(rows * cols));
-  kernels::QuantStats stats;
+  const kernels::OpTable& ops = *ctx.ops;
+  codes->Reset(ops, static_cast<size_t>(rows * cols));
+  // The statistics (and a current-scaled amax) are written by the op in the backend's memory and
+  // read here once it has finished.
+  stats_out_.Reset(ops, 1);
   kernels::QuantizeArgs q;
   q.format = cfg.format;
   q.input = src;
@@ -62,37 +50,43 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
   q.margin = cfg.margin;
   q.power_of_two_scales = cfg.power_of_two;
   q.codes = codes->data();
-  q.stats = &stats;
+  q.stats = stats_out_.data();
   float scale = 1.0f;
   if (cfg.strategy == train::ScalingStrategy::kBlock) {
     q.granularity = kernels::Granularity::kTile1x128;
-    scale_inv->resize(static_cast<size_t>(kernels::GetScaleGrid(q.granularity, rows, cols).size()));
+    scale_inv->Reset(ops,
+                     static_cast<size_t>(kernels::GetScaleGrid(q.granularity, rows, cols).size()));
     q.scale_inv = scale_inv->data();
-    FP8RT_RETURN_IF_ERROR(ctx.ops->quantize(q, {}));
-    scale = kernels::ComputeScale(stats.amax, cfg.format, cfg.margin, cfg.power_of_two);
+    FP8RT_RETURN_IF_ERROR(ops.quantize(q, {}));
+    FP8RT_RETURN_IF_ERROR(ops.layer->synchronize({}));
+    scale = kernels::ComputeScale(stats_out_[0].amax, cfg.format, cfg.margin, cfg.power_of_two);
   } else {
     if (state.UsesCurrentScaling()) {
-      float amax = 0.0f;
+      amax_out_.Reset(ops, 1);
       kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
                           .input = src,
                           .count = rows * cols,
-                          .amax = &amax};
-      FP8RT_RETURN_IF_ERROR(ctx.ops->amax(a, {}));
+                          .amax = amax_out_.data()};
+      FP8RT_RETURN_IF_ERROR(ops.amax(a, {}));
+      FP8RT_RETURN_IF_ERROR(ops.layer->synchronize({}));
+      float amax = amax_out_[0];
       if (ctx.tp != nullptr && ctx.tp->size() > 1) {
-        FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(*ctx.tp, std::span<float>(&amax, 1)).status());
+        FP8RT_RETURN_IF_ERROR(
+            parallel::SyncAmaxes(*ctx.tp, ops, std::span<float>(&amax, 1)).status());
       }
       scale = kernels::ComputeScale(amax, cfg.format, cfg.margin, cfg.power_of_two);
     } else {
       scale = state.scale();
     }
-    scale_inv->resize(1);
+    scale_inv->Reset(ops, 1);
     q.granularity = kernels::Granularity::kTensor;
     q.has_scale = true;
     q.scale = scale;
     q.scale_inv = scale_inv->data();
-    FP8RT_RETURN_IF_ERROR(ctx.ops->quantize(q, {}));
+    FP8RT_RETURN_IF_ERROR(ops.quantize(q, {}));
+    FP8RT_RETURN_IF_ERROR(ops.layer->synchronize({}));
   }
-  site.Record(stats, scale);
+  site.Record(stats_out_[0], scale);
   return absl::OkStatus();
 }
 
@@ -111,7 +105,7 @@ absl::Status Linear::GemmHigh(const LinearContext& ctx, const float* a, const fl
   g.b = b;
   g.d = d;
   g.accumulate = accumulate;
-  g.workspace_bytes = kernels::GemmWorkspaceBytes(g);
+  g.workspace_bytes = ctx.ops->bf16_gemm_workspace_bytes(g);
   g.workspace = ctx.scratch->Get(Scratch::kGemm, g.workspace_bytes);
   return ctx.ops->gemm_bf16(g, {});
 }
@@ -134,15 +128,15 @@ absl::Status Linear::Backward(const LinearContext& ctx, const float* dy, int64_t
   if (dx != nullptr) {
     auto* wt = static_cast<float*>(
         ctx.scratch->Get(Scratch::kTransposeB, static_cast<size_t>(in_ * out_) * sizeof(float)));
-    Transpose(w_f32_, out_, in_, wt);
+    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(wt, w_f32_, out_, in_, {}));
     FP8RT_RETURN_IF_ERROR(GemmHigh(ctx, dy, wt, n, in_, out_, dx, true));
   }
   auto* dyt = static_cast<float*>(
       ctx.scratch->Get(Scratch::kTransposeA, static_cast<size_t>(out_ * n) * sizeof(float)));
   auto* xt = static_cast<float*>(
       ctx.scratch->Get(Scratch::kTransposeB, static_cast<size_t>(in_ * n) * sizeof(float)));
-  Transpose(dy, n, out_, dyt);
-  Transpose(x_, n, in_, xt);
+  FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(dyt, dy, n, out_, {}));
+  FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(xt, x_, n, in_, {}));
   return GemmHigh(ctx, dyt, xt, out_, in_, n, dw, true);
 }
 
@@ -150,7 +144,7 @@ namespace {
 
 absl::Status RunFp8Gemm(const LinearContext& ctx, kernels::Fp8GemmArgs g) {
   g.out_type = kernels::OutputType::kF32;
-  g.workspace_bytes = kernels::GemmWorkspaceBytes(g);
+  g.workspace_bytes = ctx.ops->fp8_gemm_workspace_bytes(g);
   g.workspace = ctx.scratch->Get(Scratch::kGemm, g.workspace_bytes);
   return ctx.ops->gemm_fp8(g, {});
 }
@@ -190,14 +184,15 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
   if (dx != nullptr) {
     auto* wt =
         static_cast<uint8_t*>(ctx.scratch->Get(Scratch::kCodesB, static_cast<size_t>(in_ * out_)));
-    Transpose(w_fp8_->codes.data(), out_, in_, wt);
+    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose_bytes(wt, w_fp8_->codes.data(), out_, in_, {}));
     const float* wt_scale = w_fp8_->scale_inv.data();
     if (block) {
       const kernels::ScaleGrid grid =
           kernels::GetScaleGrid(kernels::Granularity::kBlock128x128, out_, in_);
       auto* s = static_cast<float*>(
           ctx.scratch->Get(Scratch::kScalesB, static_cast<size_t>(grid.size()) * sizeof(float)));
-      Transpose(w_fp8_->scale_inv.data(), grid.rows, grid.cols, s);
+      FP8RT_RETURN_IF_ERROR(
+          ctx.ops->layer->transpose(s, w_fp8_->scale_inv.data(), grid.rows, grid.cols, {}));
       wt_scale = s;
     }
     g.m = n;
@@ -222,8 +217,8 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
   const float* dyt_scale = dy_scale_inv_.data();
   const float* xt_scale = x_scale_inv_.data();
   if (!block) {
-    Transpose(dy_codes_.data(), n, out_, dyt);
-    Transpose(x_codes_.data(), n, in_, xt);
+    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose_bytes(dyt, dy_codes_.data(), n, out_, {}));
+    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose_bytes(xt, x_codes_.data(), n, in_, {}));
   } else {
     // New tiles along the token dimension, quantized from the FP32 transposes.
     const train::ScalingConfig& gcfg = grad_site_.state().config();
@@ -232,8 +227,8 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
         ctx.scratch->Get(Scratch::kTransposeA, static_cast<size_t>(out_ * n) * sizeof(float)));
     auto* xt32 = static_cast<float*>(
         ctx.scratch->Get(Scratch::kTransposeB, static_cast<size_t>(in_ * n) * sizeof(float)));
-    Transpose(dy, n, out_, dyt32);
-    Transpose(x_, n, in_, xt32);
+    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(dyt32, dy, n, out_, {}));
+    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(xt32, x_, n, in_, {}));
     const kernels::ScaleGrid agrid =
         kernels::GetScaleGrid(kernels::Granularity::kTile1x128, out_, n);
     const kernels::ScaleGrid bgrid =

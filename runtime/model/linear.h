@@ -32,10 +32,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/device_array.h"
 #include "kernels/ops.h"
 #include "parallel/communicator.h"
 #include "parallel/fp8_collectives.h"
-#include "runtime/core/aligned_buffer.h"
 #include "runtime/train/scaling.h"
 
 namespace fp8rt::model {
@@ -84,19 +84,26 @@ class QuantSite {
   bool used_ = false;
 };
 
-// A growing scratch arena for GEMM workspaces and temporary operands. Slots are distinct
-// buffers; Get may move a slot's storage, so pointers are valid until the next Get of that slot.
+// A growing scratch arena for GEMM workspaces and temporary operands, in memory of the model's
+// backend. Slots are distinct buffers; Get may move a slot's storage, so pointers are valid until
+// the next Get of that slot.
 class Scratch {
  public:
   enum Slot : int { kGemm, kTransposeA, kTransposeB, kCodesA, kCodesB, kScalesA, kScalesB, kCount };
+  explicit Scratch(const kernels::OpTable& ops) : ops_(ops) {}
   void* Get(Slot slot, size_t bytes) {
-    AlignedBuffer& buf = buffers_[slot];
-    if (buf.size() < bytes) buf = AlignedBuffer(bytes + bytes / 4);
+    kernels::DeviceArray<std::byte>& buf = buffers_[slot];
+    if (buf.size() < bytes) {
+      // The old contents are not kept; on CUDA, work still queued on them must finish first.
+      (void)ops_.layer->synchronize({});
+      buf = kernels::DeviceArray<std::byte>(ops_, bytes + bytes / 4);
+    }
     return buf.data();
   }
 
  private:
-  AlignedBuffer buffers_[kCount];
+  const kernels::OpTable& ops_;
+  kernels::DeviceArray<std::byte> buffers_[kCount];
 };
 
 struct LinearContext {
@@ -150,8 +157,8 @@ class Linear {
   // scale_inv, recording the statistics. Synchronises the amax over TP when the scale comes
   // from the tensor.
   absl::Status QuantizeActivation(const LinearContext& ctx, QuantSite& site, const float* src,
-                                  int64_t rows, int64_t cols, std::vector<uint8_t>* codes,
-                                  std::vector<float>* scale_inv);
+                                  int64_t rows, int64_t cols, kernels::DeviceArray<uint8_t>* codes,
+                                  kernels::DeviceArray<float>* scale_inv);
   absl::Status ForwardFp8(const LinearContext& ctx, const float* x, int64_t n, float* y);
   absl::Status BackwardFp8(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
                            float* dw);
@@ -170,16 +177,15 @@ class Linear {
   // Saved by Forward for Backward.
   const float* x_ = nullptr;
   int64_t n_ = 0;
-  std::vector<uint8_t> x_codes_;  // FP8: x quantized (tensor scaling: reused transposed)
-  std::vector<float> x_scale_inv_;
+  kernels::DeviceArray<uint8_t> x_codes_;  // FP8: x quantized (tensor scaling: reused transposed)
+  kernels::DeviceArray<float> x_scale_inv_;
   // Backward temporaries kept to avoid reallocation.
-  std::vector<uint8_t> dy_codes_;
-  std::vector<float> dy_scale_inv_;
+  kernels::DeviceArray<uint8_t> dy_codes_;
+  kernels::DeviceArray<float> dy_scale_inv_;
+  // What a quantization reports (its QuantStats, a current-scaled amax), in the backend's memory.
+  kernels::DeviceArray<kernels::QuantStats> stats_out_;
+  kernels::DeviceArray<float> amax_out_;
 };
-
-// dst[c, r] = src[r, c] for a rows x cols row-major matrix (cache-blocked).
-template <typename T>
-void Transpose(const T* src, int64_t rows, int64_t cols, T* dst);
 
 }  // namespace fp8rt::model
 

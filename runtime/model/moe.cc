@@ -10,7 +10,6 @@
 #include "absl/strings/str_cat.h"
 #include "parallel/fp8_collectives.h"
 #include "runtime/core/status.h"
-#include "runtime/model/layer_ops.h"
 
 namespace fp8rt::model {
 namespace {
@@ -172,7 +171,7 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     }
     std::vector<float> ye(static_cast<size_t>(ne * C));
     FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Forward(ctx, xe.data(), ne, he.data()));
-    GeluForward(ge, he, ne * F);
+    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->gelu_forward(ge.data(), he.data(), ne * F, {}));
     FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Forward(ctx, ge.data(), ne, ye.data()));
     for (int64_t i = 0; i < ne; ++i) {
       std::memcpy(recv_y.data() + rows[static_cast<size_t>(i)] * C, ye.data() + i * C,
@@ -238,7 +237,8 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
     }
     FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Backward(
         ctx, dye.data(), ne, dge.data(), fc2_grad_[static_cast<size_t>(le)]));
-    GeluBackward(dhe, dge, he_[static_cast<size_t>(le)], ne * F);
+    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->gelu_backward(
+        dhe.data(), dge.data(), he_[static_cast<size_t>(le)].data(), ne * F, {}));
     FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Backward(
         ctx, dhe.data(), ne, dxe.data(), fc1_grad_[static_cast<size_t>(le)]));
     for (int64_t i = 0; i < ne; ++i) {

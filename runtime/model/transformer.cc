@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <map>
 #include <numbers>
 
@@ -13,7 +12,6 @@
 #include "absl/strings/str_join.h"
 #include "runtime/core/check.h"
 #include "runtime/core/status.h"
-#include "runtime/model/layer_ops.h"
 
 namespace fp8rt::model {
 namespace {
@@ -56,15 +54,18 @@ struct Transformer::Block {
 // Activations of one micro-batch (saved by the forward for the backward) and the backward's
 // temporaries. n = micro_batch * seq_len tokens; cl, fl: this rank's d_model and d_ff columns.
 struct Transformer::Acts {
+  using Array = kernels::DeviceArray<float>;
+  explicit Acts(const kernels::OpTable& ops) : ops(ops) {}
+  const kernels::OpTable& ops;
   int64_t b = 0, n = 0;
   struct Layer {
-    std::vector<float> x, ln1, rstd1, qkv, q, k, v, probs, att, proj, x2, ln2, rstd2, h, g, fc2;
+    Array x, ln1, rstd1, qkv, q, k, v, probs, att, proj, x2, ln2, rstd2, h, g, fc2;
   };
   std::vector<Layer> layers;
-  std::vector<float> x_final, lnf, rstdf, logits, ce_probs;
-  std::vector<int32_t> inputs, targets;
+  Array x_final, lnf, rstdf, logits, ce_probs, losses;
+  kernels::DeviceArray<int32_t> inputs, targets;
   // Backward temporaries.
-  std::vector<float> dx, dx2, dln, dg, dh, datt, dq, dk, dv, dqkv, dlogits, dlnf;
+  Array dx, dx2, dln, dg, dh, datt, dq, dk, dv, dqkv, dlogits, dlnf;
 
   void Resize(const ModelShape& s, int64_t tp, int64_t micro_batch) {
     if (micro_batch == b) return;
@@ -75,8 +76,13 @@ struct Transformer::Acts {
     const size_t fl = static_cast<size_t>(n * s.d_ff / tp);
     const size_t probs = static_cast<size_t>(micro_batch * (s.heads / tp) * s.seq_len * s.seq_len);
     const size_t rows = static_cast<size_t>(n);
+    layers.clear();
     layers.resize(static_cast<size_t>(s.layers));
     for (Layer& l : layers) {
+      for (Array* v : {&l.x, &l.ln1, &l.rstd1, &l.qkv, &l.q, &l.k, &l.v, &l.probs, &l.att, &l.proj,
+                       &l.x2, &l.ln2, &l.rstd2, &l.h, &l.g, &l.fc2}) {
+        *v = Array(ops);
+      }
       for (auto* v : {&l.x, &l.ln1, &l.proj, &l.x2, &l.ln2, &l.fc2}) v->assign(c, 0.0f);
       for (auto* v : {&l.q, &l.k, &l.v, &l.att}) v->assign(cl, 0.0f);
       for (auto* v : {&l.h, &l.g}) v->assign(fl, 0.0f);
@@ -86,8 +92,15 @@ struct Transformer::Acts {
       l.rstd2.assign(rows, 0.0f);
     }
     const size_t logits_size = static_cast<size_t>(n * s.vocab);
+    for (Array* v : {&x_final, &lnf, &rstdf, &logits, &ce_probs, &losses, &dx, &dx2, &dln, &dg, &dh,
+                     &datt, &dq, &dk, &dv, &dqkv, &dlogits, &dlnf}) {
+      *v = Array(ops);
+    }
+    inputs = kernels::DeviceArray<int32_t>(ops);
+    targets = kernels::DeviceArray<int32_t>(ops);
     for (auto* v : {&x_final, &lnf, &dx, &dx2, &dln, &dlnf}) v->assign(c, 0.0f);
     rstdf.assign(rows, 0.0f);
+    losses.assign(rows, 0.0f);
     for (auto* v : {&logits, &ce_probs, &dlogits}) v->assign(logits_size, 0.0f);
     for (auto* v : {&dg, &dh}) v->assign(fl, 0.0f);
     for (auto* v : {&datt, &dq, &dk, &dv}) v->assign(cl, 0.0f);
@@ -107,7 +120,9 @@ Transformer::Transformer(const ModelShape& shape, const ModelRecipe& recipe, par
       dp_(mesh.layout().config.dp),
       tp_rank_(mesh.layout().tp_rank),
       dp_rank_(mesh.layout().dp_rank),
-      acts_(std::make_unique<Acts>()) {}
+      acts_(std::make_unique<Acts>(ops)),
+      scratch_(ops),
+      weight_amaxes_(ops) {}
 
 Transformer::~Transformer() = default;
 
@@ -216,6 +231,9 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
   p.decay = decay;
   p.linear = linear;
   const size_t shard = static_cast<size_t>(p.shard_count);
+  for (kernels::DeviceArray<float>* a : {&p.master, &p.grad, &p.m, &p.v, &p.full, &p.full_grad}) {
+    *a = kernels::DeviceArray<float>(ops_);
+  }
   p.master.assign(shard, 0.0f);
   p.grad.assign(shard, 0.0f);
   p.m.assign(shard, 0.0f);
@@ -383,7 +401,7 @@ absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
                                                         p.local_cols, opts, &p.fp8));
   } else {
     // BF16 on the wire, then every rank quantizes the whole piece with the same scale(s).
-    std::vector<uint16_t> bf16(p.full.size());
+    kernels::DeviceArray<uint16_t> bf16(ops_, p.full.size());
     FP8RT_RETURN_IF_ERROR(
         parallel::GatherBf16(*p.group, ops_, p.master.data(), p.shard_count, bf16.data()));
     kernels::ConvertArgs conv{.from = kernels::InputType::kBF16,
@@ -403,14 +421,16 @@ absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
     q.margin = cfg.margin;
     p.fp8.rows = p.local_rows;
     p.fp8.cols = p.local_cols;
-    p.fp8.codes.resize(static_cast<size_t>(p.local_count()));
-    p.fp8.scale_inv.resize(
-        static_cast<size_t>(kernels::GetScaleGrid(q.granularity, q.rows, q.cols).size()));
+    parallel::ResizeFp8Weight(
+        ops_, static_cast<size_t>(p.local_count()),
+        static_cast<size_t>(kernels::GetScaleGrid(q.granularity, q.rows, q.cols).size()), &p.fp8);
     q.codes = p.fp8.codes.data();
     q.scale_inv = p.fp8.scale_inv.data();
-    p.fp8.shard_stats = kernels::QuantStats{};
-    q.stats = &p.fp8.shard_stats;
+    kernels::DeviceArray<kernels::QuantStats> stats(ops_, 1);
+    q.stats = stats.data();
     FP8RT_RETURN_IF_ERROR(ops_.quantize(q, {}));
+    FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
+    p.fp8.shard_stats = stats[0];
     p.fp8.amax = p.fp8.shard_stats.amax;
   }
   p.linear->weight_site().Record(p.fp8.shard_stats,
@@ -436,25 +456,30 @@ absl::Status Transformer::BeginStep() {
     if (p.linear != nullptr) param_of[p.linear] = &p;
   }
   std::vector<const Linear*> current;
-  std::vector<float> amaxes;
+  std::vector<size_t> held;  // indices into `current` of the weights this rank holds
+  weight_amaxes_.Reset(ops_, all_linears_.size());  // at most one per layer
   for (const Linear* lin : all_linears_) {
     if (lin->precision() != GemmPrecision::kFp8) continue;
     const train::ScalingState& st = lin->weight_site().state();
     if (st.config().strategy == train::ScalingStrategy::kBlock || !st.UsesCurrentScaling())
       continue;
-    float amax = 0.0f;
+    current.push_back(lin);
     if (auto it = param_of.find(lin); it != param_of.end()) {
       kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
                           .input = it->second->master.data(),
                           .count = it->second->shard_count,
-                          .amax = &amax};
+                          .amax = weight_amaxes_.data() + (current.size() - 1)};
       FP8RT_RETURN_IF_ERROR(ops_.amax(a, {}));
+      held.push_back(current.size() - 1);
     }
-    current.push_back(lin);
-    amaxes.push_back(amax);
   }
+  // Every amax op above wrote its own element of weight_amaxes_ (backend memory); 0 for the
+  // expert weights this rank does not hold.
+  FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
+  std::vector<float> amaxes(current.size(), 0.0f);
+  for (const size_t i : held) amaxes[i] = weight_amaxes_[i];
   if (!amaxes.empty()) {
-    FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), amaxes).status());
+    FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), ops_, amaxes).status());
   }
   for (Param& p : params_) {
     float scale = 1.0f;
@@ -467,7 +492,8 @@ absl::Status Transformer::BeginStep() {
                   : p.linear->weight_site().state().scale();
     }
     FP8RT_RETURN_IF_ERROR(GatherParam(p, scale));
-    std::fill(p.full_grad.begin(), p.full_grad.end(), 0.0f);
+    FP8RT_RETURN_IF_ERROR(
+        ops_.layer->fill(p.full_grad.data(), 0.0f, static_cast<int64_t>(p.full_grad.size()), {}));
   }
   return absl::OkStatus();
 }
@@ -475,8 +501,7 @@ absl::Status Transformer::BeginStep() {
 absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> tokens,
                                                    int64_t micro_batch, float dloss) {
   const int64_t T = shape_.seq_len, C = shape_.d_model, V = shape_.vocab;
-  const int64_t Hl = shape_.heads / tp_, Dh = C / shape_.heads, Cl = C / tp_,
-                Fl = shape_.d_ff / tp_;
+  const int64_t Hl = shape_.heads / tp_, Dh = C / shape_.heads, Fl = shape_.d_ff / tp_;
   if (static_cast<int64_t>(tokens.size()) != micro_batch * (T + 1)) {
     return absl::InvalidArgumentError(absl::StrCat("micro-batch of ", tokens.size(),
                                                    " tokens, expected ", micro_batch * (T + 1)));
@@ -491,58 +516,40 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
     }
   }
   const LinearContext ctx = Ctx();
+  const kernels::LayerOps& L = *ops_.layer;
+  const kernels::Stream st{};
   auto P = [&](int i) -> Param& { return params_[static_cast<size_t>(i)]; };
-  auto W = [&](int i) -> std::span<const float> {
-    return std::span<const float>(P(i).full.data(), static_cast<size_t>(P(i).local_count()));
-  };
-  auto G = [&](int i) -> std::span<float> {
-    return std::span<float>(P(i).full_grad.data(), static_cast<size_t>(P(i).local_count()));
-  };
-  auto zero = [](std::vector<float>& v) { std::fill(v.begin(), v.end(), 0.0f); };
-  // Head-major QKV columns of this rank: head h holds [q | k | v], Dh each.
-  auto split_qkv = [&](const std::vector<float>& qkv, std::vector<float>& q, std::vector<float>& k,
-                       std::vector<float>& v) {
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t h = 0; h < Hl; ++h) {
-        const float* src = qkv.data() + n * 3 * Cl + h * 3 * Dh;
-        const int64_t dst = n * Cl + h * Dh;
-        std::memcpy(q.data() + dst, src, static_cast<size_t>(Dh) * sizeof(float));
-        std::memcpy(k.data() + dst, src + Dh, static_cast<size_t>(Dh) * sizeof(float));
-        std::memcpy(v.data() + dst, src + 2 * Dh, static_cast<size_t>(Dh) * sizeof(float));
-      }
-    }
-  };
-  auto join_qkv = [&](const std::vector<float>& q, const std::vector<float>& k,
-                      const std::vector<float>& v, std::vector<float>& qkv) {
-    for (int64_t n = 0; n < N; ++n) {
-      for (int64_t h = 0; h < Hl; ++h) {
-        float* dst = qkv.data() + n * 3 * Cl + h * 3 * Dh;
-        const int64_t src = n * Cl + h * Dh;
-        std::memcpy(dst, q.data() + src, static_cast<size_t>(Dh) * sizeof(float));
-        std::memcpy(dst + Dh, k.data() + src, static_cast<size_t>(Dh) * sizeof(float));
-        std::memcpy(dst + 2 * Dh, v.data() + src, static_cast<size_t>(Dh) * sizeof(float));
-      }
-    }
+  auto W = [&](int i) -> const float* { return P(i).full.data(); };
+  auto G = [&](int i) -> float* { return P(i).full_grad.data(); };
+  auto zero = [&](Acts::Array& v) {
+    return L.fill(v.data(), 0.0f, static_cast<int64_t>(v.size()), st);
   };
 
   // ---- Forward ----
   float aux_loss = 0.0f;  // MoE load-balancing losses
-  EmbeddingForward(a.layers[0].x, a.inputs, W(embedding_), N, V, C);
+  FP8RT_RETURN_IF_ERROR(
+      L.embedding_forward(a.layers[0].x.data(), a.inputs.data(), W(embedding_), N, V, C, st));
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Block& blk = *blocks_[l];
     Acts::Layer& x = a.layers[l];
     if (static_cast<int64_t>(l) == fault_block_) [[unlikely]] {
-      x.x[0] = fault_value_;  // a test fault (ArmActivationFault), once
+      // A test fault (ArmActivationFault), once.
+      FP8RT_RETURN_IF_ERROR(L.fill(x.x.data(), fault_value_, 1, st));
       fault_block_ = -1;
     }
-    RmsNormForward(x.ln1, x.rstd1, x.x, W(blk.attn_norm), N, C, kNormEps);
+    FP8RT_RETURN_IF_ERROR(L.rmsnorm_forward(x.ln1.data(), x.rstd1.data(), x.x.data(),
+                                            W(blk.attn_norm), N, C, kNormEps, st));
     FP8RT_RETURN_IF_ERROR(blk.qkv->Forward(ctx, x.ln1.data(), N, x.qkv.data()));
-    split_qkv(x.qkv, x.q, x.k, x.v);
-    AttentionForward(x.att, x.probs, x.q, x.k, x.v, B, T, Hl, Dh);
+    // Head-major QKV columns of this rank: head h holds [q | k | v], Dh each.
+    FP8RT_RETURN_IF_ERROR(
+        L.split_heads(x.q.data(), x.k.data(), x.v.data(), x.qkv.data(), N, Hl, Dh, st));
+    FP8RT_RETURN_IF_ERROR(L.attention_forward(x.att.data(), x.probs.data(), x.q.data(), x.k.data(),
+                                              x.v.data(), B, T, Hl, Dh, st));
     FP8RT_RETURN_IF_ERROR(blk.proj->Forward(ctx, x.att.data(), N, x.proj.data()));
     FP8RT_RETURN_IF_ERROR(AllReduceTp(x.proj.data(), N * C));
-    ResidualForward(x.x2, x.x, x.proj, N * C);
-    RmsNormForward(x.ln2, x.rstd2, x.x2, W(blk.mlp_norm), N, C, kNormEps);
+    FP8RT_RETURN_IF_ERROR(L.residual_forward(x.x2.data(), x.x.data(), x.proj.data(), N * C, st));
+    FP8RT_RETURN_IF_ERROR(L.rmsnorm_forward(x.ln2.data(), x.rstd2.data(), x.x2.data(),
+                                            W(blk.mlp_norm), N, C, kNormEps, st));
     if (blk.moe != nullptr) {
       FP8RT_ASSIGN_OR_RETURN(const MoeStats ms,
                              blk.moe->Forward(ctx, x.ln2.data(), N, x.fc2.data()));
@@ -554,62 +561,75 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
       acc.dropped += ms.dropped;
     } else {
       FP8RT_RETURN_IF_ERROR(blk.fc1->Forward(ctx, x.ln2.data(), N, x.h.data()));
-      GeluForward(x.g, x.h, N * Fl);
+      FP8RT_RETURN_IF_ERROR(L.gelu_forward(x.g.data(), x.h.data(), N * Fl, st));
       FP8RT_RETURN_IF_ERROR(blk.fc2->Forward(ctx, x.g.data(), N, x.fc2.data()));
       FP8RT_RETURN_IF_ERROR(AllReduceTp(x.fc2.data(), N * C));
     }
-    std::vector<float>& next = l + 1 < blocks_.size() ? a.layers[l + 1].x : a.x_final;
-    ResidualForward(next, x.x2, x.fc2, N * C);
+    Acts::Array& next = l + 1 < blocks_.size() ? a.layers[l + 1].x : a.x_final;
+    FP8RT_RETURN_IF_ERROR(L.residual_forward(next.data(), x.x2.data(), x.fc2.data(), N * C, st));
   }
-  RmsNormForward(a.lnf, a.rstdf, a.x_final, W(final_norm_), N, C, kNormEps);
+  FP8RT_RETURN_IF_ERROR(L.rmsnorm_forward(a.lnf.data(), a.rstdf.data(), a.x_final.data(),
+                                          W(final_norm_), N, C, kNormEps, st));
   FP8RT_RETURN_IF_ERROR(lm_head_->Forward(ctx, a.lnf.data(), N, a.logits.data()));
-  const float loss = CrossEntropyForward(a.ce_probs, a.logits, a.targets, N, V) + aux_loss;
+  FP8RT_RETURN_IF_ERROR(L.cross_entropy_forward(a.ce_probs.data(), a.losses.data(), a.logits.data(),
+                                                a.targets.data(), N, V, st));
 
   // ---- Backward (every op accumulates into zeroed buffers) ----
-  zero(a.dlogits);
-  CrossEntropyBackward(a.dlogits, a.ce_probs, a.targets, N, V, dloss);
-  zero(a.dlnf);
+  FP8RT_RETURN_IF_ERROR(zero(a.dlogits));
+  FP8RT_RETURN_IF_ERROR(L.cross_entropy_backward(a.dlogits.data(), a.ce_probs.data(),
+                                                 a.targets.data(), N, V, dloss, st));
+  FP8RT_RETURN_IF_ERROR(zero(a.dlnf));
   FP8RT_RETURN_IF_ERROR(
-      lm_head_->Backward(ctx, a.dlogits.data(), N, a.dlnf.data(), G(lm_head_param_).data()));
-  zero(a.dx);
-  RmsNormBackward(a.dx, G(final_norm_), a.dlnf, a.x_final, W(final_norm_), a.rstdf, N, C);
+      lm_head_->Backward(ctx, a.dlogits.data(), N, a.dlnf.data(), G(lm_head_param_)));
+  FP8RT_RETURN_IF_ERROR(zero(a.dx));
+  FP8RT_RETURN_IF_ERROR(L.rmsnorm_backward(a.dx.data(), G(final_norm_), a.dlnf.data(),
+                                           a.x_final.data(), W(final_norm_), a.rstdf.data(), N, C,
+                                           st));
   for (size_t l = blocks_.size(); l-- > 0;) {
     const Block& blk = *blocks_[l];
     Acts::Layer& x = a.layers[l];
     // out = x2 + fc2(gelu(fc1(norm(x2)))): the residual passes dx straight to x2.
-    zero(a.dln);
+    FP8RT_RETURN_IF_ERROR(zero(a.dln));
     if (blk.moe != nullptr) {
       FP8RT_RETURN_IF_ERROR(blk.moe->Backward(ctx, a.dx.data(), N, dloss, a.dln.data()));
     } else {
-      zero(a.dg);
-      FP8RT_RETURN_IF_ERROR(
-          blk.fc2->Backward(ctx, a.dx.data(), N, a.dg.data(), G(blk.fc2_w).data()));
-      zero(a.dh);
-      GeluBackward(a.dh, a.dg, x.h, N * Fl);
-      FP8RT_RETURN_IF_ERROR(
-          blk.fc1->Backward(ctx, a.dh.data(), N, a.dln.data(), G(blk.fc1_w).data()));
+      FP8RT_RETURN_IF_ERROR(zero(a.dg));
+      FP8RT_RETURN_IF_ERROR(blk.fc2->Backward(ctx, a.dx.data(), N, a.dg.data(), G(blk.fc2_w)));
+      FP8RT_RETURN_IF_ERROR(zero(a.dh));
+      FP8RT_RETURN_IF_ERROR(L.gelu_backward(a.dh.data(), a.dg.data(), x.h.data(), N * Fl, st));
+      FP8RT_RETURN_IF_ERROR(blk.fc1->Backward(ctx, a.dh.data(), N, a.dln.data(), G(blk.fc1_w)));
       FP8RT_RETURN_IF_ERROR(AllReduceTp(a.dln.data(), N * C));
     }
-    a.dx2 = a.dx;
-    RmsNormBackward(a.dx2, G(blk.mlp_norm), a.dln, x.x2, W(blk.mlp_norm), x.rstd2, N, C);
+    FP8RT_RETURN_IF_ERROR(L.copy(a.dx2.data(), a.dx.data(), N * C, st));
+    FP8RT_RETURN_IF_ERROR(L.rmsnorm_backward(a.dx2.data(), G(blk.mlp_norm), a.dln.data(),
+                                             x.x2.data(), W(blk.mlp_norm), x.rstd2.data(), N, C,
+                                             st));
     // x2 = x + proj(attention(qkv(norm(x)))).
-    zero(a.datt);
+    FP8RT_RETURN_IF_ERROR(zero(a.datt));
+    FP8RT_RETURN_IF_ERROR(blk.proj->Backward(ctx, a.dx2.data(), N, a.datt.data(), G(blk.proj_w)));
+    FP8RT_RETURN_IF_ERROR(zero(a.dq));
+    FP8RT_RETURN_IF_ERROR(zero(a.dk));
+    FP8RT_RETURN_IF_ERROR(zero(a.dv));
+    FP8RT_RETURN_IF_ERROR(L.attention_backward(a.dq.data(), a.dk.data(), a.dv.data(), a.datt.data(),
+                                               x.q.data(), x.k.data(), x.v.data(), x.probs.data(),
+                                               B, T, Hl, Dh, st));
     FP8RT_RETURN_IF_ERROR(
-        blk.proj->Backward(ctx, a.dx2.data(), N, a.datt.data(), G(blk.proj_w).data()));
-    zero(a.dq);
-    zero(a.dk);
-    zero(a.dv);
-    AttentionBackward(a.dq, a.dk, a.dv, a.datt, x.q, x.k, x.v, x.probs, B, T, Hl, Dh);
-    join_qkv(a.dq, a.dk, a.dv, a.dqkv);
-    zero(a.dln);
-    FP8RT_RETURN_IF_ERROR(
-        blk.qkv->Backward(ctx, a.dqkv.data(), N, a.dln.data(), G(blk.qkv_w).data()));
+        L.join_heads(a.dqkv.data(), a.dq.data(), a.dk.data(), a.dv.data(), N, Hl, Dh, st));
+    FP8RT_RETURN_IF_ERROR(zero(a.dln));
+    FP8RT_RETURN_IF_ERROR(blk.qkv->Backward(ctx, a.dqkv.data(), N, a.dln.data(), G(blk.qkv_w)));
     FP8RT_RETURN_IF_ERROR(AllReduceTp(a.dln.data(), N * C));
-    a.dx = a.dx2;
-    RmsNormBackward(a.dx, G(blk.attn_norm), a.dln, x.x, W(blk.attn_norm), x.rstd1, N, C);
+    FP8RT_RETURN_IF_ERROR(L.copy(a.dx.data(), a.dx2.data(), N * C, st));
+    FP8RT_RETURN_IF_ERROR(L.rmsnorm_backward(a.dx.data(), G(blk.attn_norm), a.dln.data(),
+                                             x.x.data(), W(blk.attn_norm), x.rstd1.data(), N, C,
+                                             st));
   }
-  EmbeddingBackward(G(embedding_), a.dx, a.inputs, N, V, C);
-  return loss;
+  FP8RT_RETURN_IF_ERROR(
+      L.embedding_backward(G(embedding_), a.dx.data(), a.inputs.data(), N, V, C, st));
+  // The mean loss over the rows, summed in row order on the host.
+  FP8RT_RETURN_IF_ERROR(L.synchronize(st));
+  float loss_sum = 0.0f;
+  for (const float row_loss : a.losses) loss_sum += row_loss;
+  return loss_sum / static_cast<float>(N) + aux_loss;
 }
 
 void Transformer::ArmActivationFault(int64_t block, float value) {
@@ -633,7 +653,9 @@ absl::StatusOr<std::vector<SiteReport>> Transformer::SyncScaling() {
   for (size_t i = 0; i < sites_.size(); ++i) {
     if (sites_[i]->used_this_step()) amaxes[i] = sites_[i]->step_stats().amax;
   }
-  if (!amaxes.empty()) FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), amaxes).status());
+  if (!amaxes.empty()) {
+    FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), ops_, amaxes).status());
+  }
   std::vector<SiteReport> reports(sites_.size());
   for (size_t i = 0; i < sites_.size(); ++i) {
     QuantSite& s = *sites_[i];

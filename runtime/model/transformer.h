@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/device_array.h"
 #include "kernels/ops.h"
 #include "parallel/fp8_collectives.h"
 #include "parallel/mesh.h"
@@ -103,9 +104,10 @@ struct Param {
   parallel::Communicator* group = nullptr;
 
   // This rank's FSDP shard: flattened TP-piece elements [dp_rank * shard_count, +shard_count).
-  std::vector<float> master, grad, m, v;
+  // Every array is memory of the model's backend (kernels/device_array.h).
+  kernels::DeviceArray<float> master, grad, m, v;
   // The step's gathered TP piece (FP32, dp * shard_count with the padding) and its gradient.
-  std::vector<float> full, full_grad;
+  kernels::DeviceArray<float> full, full_grad;
   parallel::Fp8Weight fp8;  // the step's gathered FP8 weight (FP8 GEMM weights)
 
   int64_t local_count() const { return local_rows * local_cols; }
@@ -207,6 +209,8 @@ class Transformer {
   std::vector<std::unique_ptr<Block>> blocks_;
   std::unique_ptr<Acts> acts_;
   Scratch scratch_;
+  // BeginStep: the shard amax of each current-scaled FP8 weight, written by the amax op.
+  kernels::DeviceArray<float> weight_amaxes_;
   // Indices of the non-block parameters and layers.
   int embedding_ = -1, final_norm_ = -1, lm_head_param_ = -1;
   Linear* lm_head_ = nullptr;

@@ -23,44 +23,6 @@ absl::Status OutOfRange(const char* field, double value, const char* range) {
       absl::StrCat("optimizer field '", field, "' is ", value, "; must be ", range));
 }
 
-// Sum of squares of one gradient, in FP64 (a float squared never overflows a double, so the
-// sum is non-finite only when an element is NaN or Inf).
-double SumOfSquares(const float* grad, int64_t count) {
-  double sum = 0.0;
-  for (int64_t i = 0; i < count; ++i) {
-    const double g = grad[i];
-    sum += g * g;
-  }
-  return sum;
-}
-
-// The FP32 AdamW update of one shard (see AdamW::Step for the formula).
-struct UpdateScalars {
-  float lr;          // learning rate of this step
-  float decay;       // lr * weight_decay, 0 for shards without decay
-  float clip_scale;  // multiplies each gradient element
-  float beta1, one_minus_beta1;
-  float beta2, one_minus_beta2;
-  float bias1, bias2;  // 1 - beta^t
-  float eps;
-};
-
-void UpdateShard(const ParamShard& s, const UpdateScalars& k) {
-  for (int64_t i = 0; i < s.count; ++i) {
-    const float g = s.grad[i] * k.clip_scale;
-    float p = s.master[i];
-    p -= k.decay * p;  // decoupled weight decay, on the weight before this step's update
-    const float m = k.beta1 * s.m[i] + k.one_minus_beta1 * g;
-    const float v = k.beta2 * s.v[i] + k.one_minus_beta2 * (g * g);
-    const float m_hat = m / k.bias1;
-    const float v_hat = v / k.bias2;
-    p -= k.lr * m_hat / (std::sqrt(v_hat) + k.eps);
-    s.m[i] = m;
-    s.v[i] = v;
-    s.master[i] = p;
-  }
-}
-
 absl::Status ValidateShard(const ParamShard& s) {
   if (s.count < 0) {
     return absl::InvalidArgumentError(
@@ -127,7 +89,7 @@ double LearningRate(const AdamWConfig& c, int64_t step) {
   return c.min_lr + (c.lr - c.min_lr) * 0.5 * (1.0 + std::cos(std::numbers::pi * progress));
 }
 
-AdamW::AdamW(const AdamWConfig& config) : config_(config) {
+AdamW::AdamW(const AdamWConfig& config, const kernels::OpTable& ops) : config_(config), ops_(&ops) {
   const absl::Status status = ValidateAdamWConfig(config);
   FP8RT_CHECK(status.ok()) << status;
 }
@@ -145,11 +107,17 @@ absl::StatusOr<StepResult> AdamW::Step(std::span<ParamShard> shards, int64_t ste
   }
   for (const ParamShard& s : shards) FP8RT_RETURN_IF_ERROR(ValidateShard(s));
 
+  // Each shard's sum of squares on the backend, then their sum on the host, in shard order.
+  const kernels::LayerOps& ops = *ops_->layer;
+  if (sums_.size() < shards.size()) sums_ = kernels::DeviceArray<double>(*ops_, shards.size());
+  for (size_t i = 0; i < shards.size(); ++i) {
+    FP8RT_RETURN_IF_ERROR(ops.sum_squares(shards[i].grad, shards[i].count, &sums_[i], {}));
+  }
+  FP8RT_RETURN_IF_ERROR(ops.synchronize({}));
   double local = 0.0;
-  for (const ParamShard& s : shards) {
+  for (size_t i = 0; i < shards.size(); ++i) {
     // A shard left out of the norm still poisons it with a NaN or Inf (0 * Inf is NaN).
-    const double sumsq = SumOfSquares(s.grad, s.count);
-    local += s.in_norm ? sumsq : sumsq * 0.0;
+    local += shards[i].in_norm ? sums_[i] : sums_[i] * 0.0;
   }
   FP8RT_ASSIGN_OR_RETURN(const double global, GlobalSum(local, norm_group));
 
@@ -169,7 +137,7 @@ absl::StatusOr<StepResult> AdamW::Step(std::span<ParamShard> shards, int64_t ste
   // Per-step scalars in FP64, rounded once to FP32; the per-element update is FP32.
   const int64_t t = applied_steps_ + 1;
   const double t_d = static_cast<double>(t);
-  UpdateScalars k;
+  kernels::AdamWArgs k;
   k.lr = static_cast<float>(result.lr);
   k.clip_scale = result.clip_scale;
   k.beta1 = static_cast<float>(config_.beta1);
@@ -181,9 +149,16 @@ absl::StatusOr<StepResult> AdamW::Step(std::span<ParamShard> shards, int64_t ste
   k.eps = static_cast<float>(config_.eps);
   const float decay = static_cast<float>(result.lr * config_.weight_decay);
   for (const ParamShard& s : shards) {
+    k.master = s.master;
+    k.grad = s.grad;
+    k.m = s.m;
+    k.v = s.v;
+    k.count = s.count;
     k.decay = s.decay ? decay : 0.0f;
-    UpdateShard(s, k);
+    FP8RT_RETURN_IF_ERROR(ops.adamw(k, {}));
   }
+  // The caller reads the master weights next (checkpoints, the FSDP gather's host side).
+  FP8RT_RETURN_IF_ERROR(ops.synchronize({}));
   applied_steps_ = t;
   result.applied_steps = t;
   return result;

@@ -29,6 +29,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/device_array.h"
+#include "kernels/ops.h"
 #include "parallel/communicator.h"
 
 namespace fp8rt::train {
@@ -87,8 +89,10 @@ struct StepResult {
 
 class AdamW {
  public:
-  // `config` must be valid (ValidateAdamWConfig); aborts otherwise.
-  explicit AdamW(const AdamWConfig& config);
+  // `config` must be valid (ValidateAdamWConfig); aborts otherwise. The gradient norm and the
+  // update run on `ops` (OpTable::layer's sum_squares and adamw), so every ParamShard buffer must
+  // be memory that backend's ops can use; Step synchronises before it returns.
+  explicit AdamW(const AdamWConfig& config, const kernels::OpTable& ops = kernels::CpuOps());
 
   const AdamWConfig& config() const { return config_; }
 
@@ -118,8 +122,10 @@ class AdamW {
   void set_applied_steps(int64_t n);
 
  private:
-  const AdamWConfig config_;  // fixed after construction
+  const AdamWConfig config_;     // fixed after construction
+  const kernels::OpTable* ops_;  // fixed after construction
   int64_t applied_steps_ = 0;
+  kernels::DeviceArray<double> sums_;  // each shard's sum of squares, reused across steps
 };
 
 }  // namespace fp8rt::train

@@ -312,7 +312,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
                           .steps = tr.steps(),
                           .min_lr = tr.min_lr()};
   FP8RT_RETURN_IF_ERROR(train::ValidateAdamWConfig(adam));
-  t->optimizer_ = std::make_unique<train::AdamW>(adam);
+  t->optimizer_ = std::make_unique<train::AdamW>(adam, ops);
   FP8RT_RETURN_IF_ERROR(t->PrepareRunDir());
   return t;
 }
@@ -454,13 +454,13 @@ absl::StatusOr<StepRecord> Trainer::Step() {
                            model_->ForwardBackward(tokens_, tr.micro_batch(), dloss));
     loss_sum += loss;
   }
-  if (fault_here && fault_.grad()) model_->params().front().full_grad.front() = fault_.value();
+  if (fault_here && fault_.grad()) model_->params().front().full_grad[0] = fault_.value();
   // A NaN or Inf this rank saw outside its gradients (its loss, or an FP8 site's amax: an Inf that
   // FP8 saturated to a finite value shows only there) skips the step too: a NaN put into the local
   // gradient makes the optimizer's global norm non-finite on every rank, with no extra collective.
   const bool saw_nonfinite = !std::isfinite(loss_sum) || AnySiteAmaxNonFinite();
   if (saw_nonfinite) {
-    model_->params().front().full_grad.front() = std::numeric_limits<float>::quiet_NaN();
+    model_->params().front().full_grad[0] = std::numeric_limits<float>::quiet_NaN();
   }
   FP8RT_RETURN_IF_ERROR(model_->ReduceGrads());
   std::vector<train::ParamShard> shards = Shards();

@@ -7,25 +7,61 @@
 // spec (rank 0's --spec creates the run), the resume point, live recipe updates, the metrics and
 // the checkpoint commits (runtime/worker/trainer.h).
 //
-// Exit codes: 0 done; 2 bad input (spec, options, run folder): every rank reaches the same
-// verdict and exits without a collective left pending; 1 a failure during the run, after which
-// the rank tears the job down (MPI_Abort) so that no peer waits in a collective.
+// Device (the spec's `device`): cpu ranks run the CPU op table and talk MPI. cuda ranks each take
+// one CUDA device (local rank modulo the devices the rank sees; the local rank is
+// OMPI_COMM_WORLD_LOCAL_RANK, else the world rank), run the CUDA op table and talk NCCL, whose
+// unique id is exchanged over the MPI world.
+//
+// Exit codes: 0 done; 2 bad input (spec, options, run folder, and device: cuda on a rank without
+// a usable CUDA device or in a build without CUDA): every rank reaches the same verdict and exits
+// without a collective left pending; 1 a failure during the run (NCCL set-up included), after
+// which the rank tears the job down (MPI_Abort) so that no peer waits in a collective.
 // Environment: FP8RT_FAULT (test faults, runtime/worker/trainer.h), FP8RT_COLLECTIVE_TIMEOUT_S
 // (a collective that does not complete within it fails the run; default 300).
+#include <charconv>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "CLI/CLI.hpp"
 #include "kernels/ops.h"
 #include "parallel/mpi/mpi_communicator.h"
+#include "parallel/nccl/nccl_communicator.h"
 #include "runtime/core/memory.h"
 #include "runtime/core/run_spec.h"
 #include "runtime/worker/trainer.h"
+
+namespace {
+
+// device: cuda on this rank: picks and makes current its CUDA device (*device), then returns the
+// CUDA op table for it. The errors say why there is none (no CUDA in the build, no driver, no
+// device, a device the kernels were not built for).
+absl::StatusOr<const fp8rt::kernels::OpTable*> UseCudaForRank(int rank, int* device) {
+  namespace kernels = fp8rt::kernels;
+  std::string why;
+  const int count = kernels::CudaDeviceCount(&why);
+  if (count == 0) return absl::UnavailableError("no CUDA device: " + why);
+  // Ranks of one host share its devices; without Open MPI's local rank, the world rank (one host).
+  int local_rank = rank;
+  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK"); env != nullptr) {
+    const std::string_view text(env);
+    int value = -1;
+    const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec == std::errc() && ptr == text.data() + text.size() && value >= 0) local_rank = value;
+  }
+  *device = local_rank % count;
+  if (absl::Status s = kernels::UseCudaDevice(*device); !s.ok()) return s;
+  return kernels::CudaOps();
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace fp8rt;
@@ -71,10 +107,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int rank = (*factory)->World().rank();
+  const int world = (*factory)->World().size();
+  std::unique_ptr<parallel::CommunicatorFactory> nccl;  // device: cuda
   // Bad input: the same on every rank (every rank reads the same files), so each exits with 2.
   auto bad_input = [&](const absl::Status& status) {
     if (rank == 0)
       std::fprintf(stderr, "fp8rt-worker: %s\n", std::string(status.message()).c_str());
+    nccl.reset();
     factory->reset();
     parallel::FinalizeMpi();
     return 2;
@@ -114,8 +153,52 @@ int main(int argc, char** argv) {
           std::filesystem::absolute(run_dir).lexically_normal().parent_path().filename().string();
     }
   }
+
+  // The op table and the communicators of the spec's device.
+  const kernels::OpTable* ops = &kernels::CpuOps();
+  parallel::CommunicatorFactory* comms = factory->get();
+  if (spec->device() == v1::RunSpec::DEVICE_CUDA) {
+    int device = -1;
+    absl::StatusOr<const kernels::OpTable*> cuda = UseCudaForRank(rank, &device);
+    // Hosts may differ: agree on one verdict before any NCCL call, so that a rank without a GPU
+    // stops every rank instead of leaving them in ncclCommInitRank. After the MAX: world - the
+    // lowest failing rank (0: none failed), and whether any rank succeeded.
+    int32_t verdict[2] = {cuda.ok() ? 0 : world - rank, cuda.ok() ? 1 : 0};
+    if (absl::Status s = (*factory)->World().AllReduce(verdict, 2, parallel::DType::kI32,
+                                                       parallel::ReduceOp::kMax);
+        !s.ok()) {
+      std::fprintf(stderr, "fp8rt-worker: rank %d: device: cuda: %s\n", rank, s.ToString().c_str());
+      parallel::AbortMpi(1);
+    }
+    if (verdict[0] != 0) {
+      // One line from the lowest failing rank, naming it when other ranks did find a device.
+      if (rank == world - verdict[0]) {
+        const std::string who = verdict[1] != 0 ? "rank " + std::to_string(rank) + ": " : "";
+        std::fprintf(stderr, "fp8rt-worker: device: cuda: %s%s\n", who.c_str(),
+                     std::string(cuda.status().message()).c_str());
+      }
+      factory->reset();
+      parallel::FinalizeMpi();
+      return 2;
+    }
+    ops = *cuda;
+    absl::StatusOr<std::unique_ptr<parallel::CommunicatorFactory>> created =
+        parallel::CreateNcclCommunicatorFactory((*factory)->World(), device,
+                                                {.timeout = mpi_options.timeout});
+    if (!created.ok()) {
+      // Every rank gets an error (the factory agrees over the MPI world), but NCCL may have
+      // half-connected: tear the job down.
+      std::fprintf(stderr, "fp8rt-worker: rank %d: device: cuda: CUDA device %d: NCCL: %s\n", rank,
+                   device, created.status().ToString().c_str());
+      std::fflush(nullptr);
+      parallel::AbortMpi(1);
+    }
+    nccl = *std::move(created);
+    comms = nccl.get();
+  }
+
   absl::StatusOr<std::unique_ptr<worker::Trainer>> trainer =
-      worker::Trainer::Create(*spec, options, **factory, kernels::CpuOps());
+      worker::Trainer::Create(*spec, options, *comms, *ops);
   if (!trainer.ok()) {
     const absl::StatusCode code = trainer.status().code();
     if (code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kNotFound ||
@@ -133,6 +216,7 @@ int main(int argc, char** argv) {
     parallel::AbortMpi(1);
   }
   trainer->reset();
+  nccl.reset();
   factory->reset();
   parallel::FinalizeMpi();
   return 0;

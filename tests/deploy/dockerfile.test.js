@@ -9,7 +9,8 @@
 //     Worker pods name; the user is the pods' uid with its home holding sshAuthMountPath; the
 //     working directory is mpirun's -wdir and holds the spec's relative data.path;
 //   - the runtime packages provide every shared library the built binaries link (readelf and
-//     dpkg on this machine's build, when the binaries are there);
+//     dpkg on this machine's build, when the binaries are there), but the CUDA libraries that
+//     deploy/Dockerfile copies next to them (cudart, cuBLASLt, NCCL: a CUDA build links them);
 //   - the CUDA image builds with FP8RT_CUDA=ON from the NVIDIA CUDA devel image, the CPU one OFF.
 // Run: node tests/deploy/dockerfile.test.js [BIN_DIR] (ctest: deploy_dockerfile_test).
 "use strict";
@@ -219,9 +220,26 @@ test("both images install the same runtime packages", () => {
                    runtimePackages(dockerfiles.cpu).sort());
 });
 
-// The Debian packages owning the shared libraries the binaries link directly (NEEDED entries):
-// package -> [binary: library].
-function neededPackages(binaries) {
+// The shared libraries deploy/Dockerfile copies from the CUDA toolkit into
+// /usr/local/lib/fp8rt-cuda (its `cp -a ... /install/usr/local/lib/fp8rt-cuda/`), as regular
+// expressions over library names made from the file name globs.
+function cudaImageLibraries(d) {
+  const patterns = [];
+  for (const i of d.filter((i) => i.cmd === "RUN")) {
+    const cp = /cp -a\s+(.*?)\s+\/install\/usr\/local\/lib\/fp8rt-cuda\//.exec(i.rest);
+    if (!cp) continue;
+    for (const src of cp[1].split(/\s+/)) {
+      const glob = path.basename(src).replace(/[.+^${}()|[\]\\]/g, "\\$&").replace(/\*/g, ".*");
+      patterns.push(new RegExp(`^${glob}$`));
+    }
+  }
+  return patterns;
+}
+
+// The Debian packages owning the shared libraries the binaries link directly (NEEDED entries),
+// but those whose names match one of `carried` (shipped by the image itself): package ->
+// [binary: library].
+function neededPackages(binaries, carried = []) {
   const libs = [];
   for (const binary of binaries) {
     const ldd = execFileSync("ldd", [binary], { encoding: "utf8" });
@@ -229,6 +247,7 @@ function neededPackages(binaries) {
     for (const m of ldd.matchAll(/^\s*(\S+) => (\/\S+)/gm)) paths[m[1]] = m[2];
     const dynamic = execFileSync("readelf", ["-d", binary], { encoding: "utf8" });
     for (const m of dynamic.matchAll(/\(NEEDED\)\s+Shared library: \[([^\]]+)\]/g)) {
+      if (carried.some((re) => re.test(m[1]))) continue;
       assert.ok(paths[m[1]], `${binary}: ${m[1]} not found by ldd`);
       libs.push({ what: `${path.basename(binary)}: ${m[1]}`, file: fs.realpathSync(paths[m[1]]) });
     }
@@ -276,7 +295,13 @@ test("the runtime packages provide every library the binaries link", (t) => {
   const base = new Set(["libc6", "libgcc-s1", "libstdc++6", "zlib1g"]);
   const sanitizer = /^lib(a|ub|l|t|hwa)san\d+$/;
   const pkgs = new Set(runtimePackages(dockerfiles.cpu));
-  for (const [pkg, users] of neededPackages(programs)) {
+  // A CUDA build links cudart, cuBLASLt and NCCL (fp8rt-worker's device: cuda): the CUDA image
+  // carries them in /usr/local/lib/fp8rt-cuda, no Debian package does.
+  const carried = cudaImageLibraries(dockerfiles.cuda);
+  for (const lib of ["libcudart.so.13", "libcublasLt.so.13", "libnccl.so.2"]) {
+    assert.ok(carried.some((re) => re.test(lib)), `deploy/Dockerfile does not carry ${lib}`);
+  }
+  for (const [pkg, users] of neededPackages(programs, carried)) {
     if (base.has(pkg) || sanitizer.test(pkg)) continue;
     assert.ok(pkgs.has(pkg), `${users.join(", ")} come from ${pkg}, which the runtime stage ` +
                              "does not install");

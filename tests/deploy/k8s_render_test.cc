@@ -3,11 +3,12 @@
 // loaded with LoadRunSpec) and the flags, not from the renderer's own output:
 //   - the files: run.yaml byte for byte, ranks = slotsPerWorker x Worker replicas = dp x tp =
 //     FP8RT_WORLD_SIZE, names and image from the flags, a private random token kept across
-//     renders, GPUs = slots with --gpu, the default pod counts;
+//     renders, GPUs = slots for a `device: cuda` spec (with or without --gpu), the default pod
+//     counts;
 //   - `kubectl kustomize` of the folder passes tests/deploy/validate_manifests.js (schemas, types,
 //     the stack working together, the cpu/gpu promises) and carries the spec in its ConfigMap
 //     (skipped without kubectl >= 1.21 or node: the message says so);
-//   - bad flags and specs exit 2 naming the flag or the field;
+//   - bad flags and specs exit 2 naming the flag or the field (--gpu with a device: cpu spec);
 //   - deploy/kubernetes/base/run.yaml is examples/tiny.yaml.
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -220,18 +221,35 @@ TEST(K8sRenderTest, CpuFolderCarriesTheSpecAndItsWorldSize) {
   EXPECT_TRUE(found);
 }
 
+// examples/tiny.yaml with `device: cuda` added, written into `dir` under its own name.
+fs::path CudaTiny(const TempDir& dir) {
+  const fs::path spec = dir / "tiny.yaml";
+  WriteFile(spec, ReadFile(kSource + "/examples/tiny.yaml") + "\ndevice: cuda\n");
+  return spec;
+}
+
 TEST(K8sRenderTest, GpuFolderHasOneRankPerGpuInTheNamespace) {
   TempDir tmp;
+  const fs::path spec = CudaTiny(tmp);
   const fs::path out = tmp / "out";
-  const Result r = Render({"examples/tiny.yaml", "--image", "fp8rt:cuda13.0", "--gpu", "--name",
+  const Result r = Render({spec.string(), "--image", "fp8rt:cuda13.0", "--gpu", "--name",
                            "tiny-gpu", "--namespace", "ml", "--out", out.string()});
   ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("GPU worker pod"));
+  EXPECT_EQ(ReadFile(out / "run.yaml"), ReadFile(spec));
   const Job job = ReadJob(out);
   EXPECT_EQ(job.name, "tiny-gpu");
   EXPECT_EQ(job.workers, 1);  // up to 8 GPUs in one pod by default
   EXPECT_EQ(job.slots, 2);
   EXPECT_EQ(job.gpus, job.slots);
   EXPECT_EQ(job.controller, "tiny-gpu-controller:50051");
+
+  // The spec's device decides: the same folder without --gpu.
+  const fs::path implied = tmp / "implied";
+  const Result r2 = Render({spec.string(), "--image", "fp8rt:cuda13.0", "--name", "tiny-gpu",
+                            "--namespace", "ml", "--out", implied.string()});
+  ASSERT_EQ(r2.status, 0) << r2.output;
+  EXPECT_EQ(ReadFile(implied / "mpijob.yaml"), ReadFile(out / "mpijob.yaml"));
 
   const std::string missing = ValidatorMissing();
   if (!missing.empty()) GTEST_SKIP() << "manifests not validated: " << missing;
@@ -258,20 +276,27 @@ TEST(K8sRenderTest, WorkersSplitALargerWorld) {
   const fs::path spec = tmp / "big.yaml";
   WriteFile(spec, text);
   ASSERT_EQ(World(spec.string()), 16);
+  // The same on GPUs (device: cuda), same file name.
+  fs::create_directories(tmp / "cuda");
+  const fs::path cuda_spec = tmp / "cuda/big.yaml";
+  WriteFile(cuda_spec, text + "\ndevice: cuda\n");
 
   struct Case {
+    bool cuda;
     std::vector<std::string> flags;
-    int workers, slots;
+    int workers, slots, gpus;
   } cases[] = {
-      {{}, 16, 1},                 // CPU: one rank per pod
-      {{"--workers", "4"}, 4, 4},  // 4 ranks per pod
-      {{"--gpu"}, 2, 8},           // 8 GPUs per pod
-      {{"--gpu", "--workers", "4"}, 4, 4},
+      {false, {}, 16, 1, 0},                 // CPU: one rank per pod
+      {false, {"--workers", "4"}, 4, 4, 0},  // 4 ranks per pod
+      {true, {}, 2, 8, 8},                   // 8 GPUs per pod
+      {true, {"--gpu"}, 2, 8, 8},
+      {true, {"--gpu", "--workers", "4"}, 4, 4, 4},
   };
+  int n = 0;
   for (const Case& c : cases) {
-    const fs::path out =
-        tmp / ("out-" + std::to_string(c.workers) + "-" + std::to_string(c.flags.size()));
-    std::vector<std::string> args = {spec.string(), "--image", "x", "--out", out.string()};
+    const fs::path out = tmp / ("out-" + std::to_string(++n));
+    std::vector<std::string> args = {(c.cuda ? cuda_spec : spec).string(), "--image", "x", "--out",
+                                     out.string()};
     args.insert(args.end(), c.flags.begin(), c.flags.end());
     const Result r = Render(args);
     ASSERT_EQ(r.status, 0) << r.output;
@@ -279,6 +304,7 @@ TEST(K8sRenderTest, WorkersSplitALargerWorld) {
     EXPECT_EQ(job.name, "big");
     EXPECT_EQ(job.workers, c.workers) << r.output;
     EXPECT_EQ(job.slots, c.slots);
+    EXPECT_EQ(job.gpus, c.gpus);
     EXPECT_EQ(job.world_env, "16");
   }
 }
@@ -310,6 +336,9 @@ TEST(K8sRenderTest, BadFlagsAndSpecsExit2NamingTheProblem) {
       {{upper.string(), "--image", "x", "--out", out}, "give --name"},
       {{typo.string(), "--image", "x", "--out", out}, "precision.scalng: unknown key"},
       {{tp3.string(), "--image", "x", "--out", out}, "parallel.tp 3"},
+      // GPU pods for ranks that would run on CPU.
+      {{"examples/tiny.yaml", "--image", "x", "--gpu", "--out", out},
+       "--gpu: the spec's ranks run on CPU (device: cpu"},
       {{(tmp / "none.yaml").string(), "--image", "x", "--out", out}, "none.yaml"},
   };
   for (const Case& c : cases) {

@@ -150,6 +150,10 @@ const mutations = [
     const c = byKind(o, "MPIJob").spec.mpiReplicaSpecs.Launcher.template.spec.containers[0];
     c.args = c.args.filter((a) => a !== "--resume");
   }, "checkStack", /--resume is missing/],
+  ["GPU pods whose ranks run on CPU", "gpu", (o) => {
+    const args = byKind(o, "MPIJob").spec.mpiReplicaSpecs.Launcher.template.spec.containers[0].args;
+    args.splice(args.indexOf("--set"), 2);
+  }, "checkFlavor:gpu", /ranks run on CPU in GPU pods/],
   ["GPUs that do not match the slots", "gpu", (o) => {
     byKind(o, "MPIJob").spec.mpiReplicaSpecs.Worker.template.spec.containers[0]
       .resources.limits["nvidia.com/gpu"] = 1;

@@ -4,10 +4,10 @@
 // mirror (a wrong constant, a rounding step out of order) fails here, on the CPU, before any GPU
 // run; tests/gpu/ops_cuda_test.cc then checks the compiled kernels on a device.
 //
-// The shim maps the CUDA intrinsics to their IEEE definitions: __fadd_rn / __fmul_rn / __fdiv_rn
-// are FP32 operations rounded to nearest even (the host's default rounding, no FMA contraction
-// since each is a separate function call), __float_as_uint / __uint_as_float are bit casts,
-// __clz counts leading zeros.
+// The shim (tests/gpu/host_shim.h) maps the CUDA intrinsics device_math.cuh uses to their IEEE
+// definitions: __fadd_rn / __fmul_rn / __fdiv_rn are FP32 operations rounded to nearest even (the
+// host's default rounding, no FMA contraction since each is a separate function call),
+// __float_as_uint / __uint_as_float are bit casts, __clz counts leading zeros.
 //
 // Index: encoder on a sweep of all float bit patterns (every 97th) and 2^22 random patterns; the
 // per-value statistics through a whole CPU quantize; ComputeScale over amaxes of every binade,
@@ -25,23 +25,8 @@
 #include "kernels/formats.h"
 #include "kernels/ops.h"
 #include "kernels/quantize.h"
-
-// --- the shim ------------------------------------------------------------------------------------
-#define FP8RT_DEVICE_MATH_HOST_SHIM 1
-#define __device__
-#define __forceinline__ inline
-namespace fp8rt::kernels::cuda_internal {
-inline uint32_t __float_as_uint(float x) { return std::bit_cast<uint32_t>(x); }
-inline float __uint_as_float(uint32_t x) { return std::bit_cast<float>(x); }
-[[gnu::noinline]] inline float __fadd_rn(float a, float b) { return a + b; }
-[[gnu::noinline]] inline float __fmul_rn(float a, float b) { return a * b; }
-[[gnu::noinline]] inline float __fdiv_rn(float a, float b) { return a / b; }
-inline int __clz(int x) { return std::countl_zero(static_cast<uint32_t>(x)); }
-inline uint32_t max(uint32_t a, uint32_t b) { return a > b ? a : b; }
-inline int max(int a, int b) { return a > b ? a : b; }
-inline int min(int a, int b) { return a < b ? a : b; }
-}  // namespace fp8rt::kernels::cuda_internal
-
+#include "tests/gpu/host_shim.h"
+// After the shim, which lets it compile as host code.
 #include "kernels/cuda/device_math.cuh"
 
 namespace fp8rt::kernels {

@@ -19,7 +19,10 @@ cd "$(dirname "$0")/../.."
 
 BUILD=${1:-build-gpu-release}
 BUNDLE_DIR=build-gpu-bundle
-TARGETS=(ops_cuda_test nccl_communicator_test device_math_host_test fp8rt-bench)
+# The tests run.sh runs (its GPU_TESTS and HOST_TESTS) and the benchmark program.
+TESTS=(ops_cuda_test layer_ops_cuda_test attention_cuda_test nccl_communicator_test train_cuda_test
+  device_math_host_test layer_math_host_test)
+TARGETS=("${TESTS[@]}" fp8rt-bench fp8rt-bench-step)
 
 mkdir -p "$BUILD"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFP8RT_CUDA=ON -DFP8RT_WERROR=ON \
@@ -30,12 +33,9 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 root="$stage/fp8rt-gpu-bundle"
 mkdir -p "$root/bin" "$root/lib"
-binaries=(
-  "$BUILD/tests/gpu/ops_cuda_test"
-  "$BUILD/tests/gpu/nccl_communicator_test"
-  "$BUILD/tests/gpu/device_math_host_test"
-  "$BUILD/bin/fp8rt-bench"
-)
+binaries=()
+for t in "${TESTS[@]}"; do binaries+=("$BUILD/tests/gpu/$t"); done
+binaries+=("$BUILD/bin/fp8rt-bench" "$BUILD/bin/fp8rt-bench-step")
 for b in "${binaries[@]}"; do
   install -m 755 "$b" "$root/bin/"
   strip --strip-unneeded "$root/bin/$(basename "$b")"

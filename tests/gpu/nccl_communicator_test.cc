@@ -23,49 +23,12 @@
 
 #include "kernels/ops.h"
 #include "parallel/communicator.h"
+#include "parallel/solo_communicator.h"
 
 namespace fp8rt::parallel {
 namespace {
 
 using ::testing::HasSubstr;
-
-// A one-rank group on host memory: the bootstrap of a single-process world. Reductions over
-// one rank are the identity, gathers and all-to-all copy.
-class SoloCommunicator : public Communicator {
- public:
-  SoloCommunicator() : Communicator("bootstrap", 0, 1) {}
-
- protected:
-  absl::Status DoAllReduce(void*, int64_t, DType, ReduceOp) override { return absl::OkStatus(); }
-  absl::Status DoAllGather(const void* send, int64_t count, void* recv, DType dtype) override {
-    Copy(recv, send, Bytes(count, dtype));
-    return absl::OkStatus();
-  }
-  absl::Status DoReduceScatter(const void* send, void* recv, int64_t recv_count, DType dtype,
-                               ReduceOp) override {
-    Copy(recv, send, Bytes(recv_count, dtype));
-    return absl::OkStatus();
-  }
-  absl::Status DoAllToAllV(const void* send, std::span<const int64_t> send_counts,
-                           std::span<const int64_t> send_displs, void* recv,
-                           std::span<const int64_t> recv_counts,
-                           std::span<const int64_t> recv_displs, DType dtype) override {
-    if (send_counts[0] != recv_counts[0]) {
-      return absl::InvalidArgumentError("one rank must receive what it sends");
-    }
-    const int64_t elem = Bytes(1, dtype);
-    Copy(static_cast<char*>(recv) + recv_displs[0] * elem,
-         static_cast<const char*>(send) + send_displs[0] * elem, Bytes(send_counts[0], dtype));
-    return absl::OkStatus();
-  }
-  absl::Status DoBroadcast(void*, int64_t, DType, int) override { return absl::OkStatus(); }
-  absl::Status DoBarrier() override { return absl::OkStatus(); }
-
- private:
-  static void Copy(void* dst, const void* src, int64_t bytes) {
-    if (bytes > 0) std::memcpy(dst, src, static_cast<size_t>(bytes));
-  }
-};
 
 // --- device memory ---------------------------------------------------------------------------
 

@@ -42,7 +42,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -56,106 +55,37 @@
 #include "kernels/gemm.h"
 #include "kernels/ops.h"
 #include "kernels/quantize.h"
+#include "tests/gpu/gpu_test_support.h"
 
 namespace fp8rt::kernels {
 namespace {
 
-// --- device memory -----------------------------------------------------------------------------
-
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (cudaMalloc(&ptr_, std::max<size_t>(bytes, 1)) != cudaSuccess) {
-      ADD_FAILURE() << "cudaMalloc of " << bytes << " bytes failed";
-      ptr_ = nullptr;
-    } else {
-      // Poison: an output element a kernel forgot to write shows up.
-      (void)cudaMemset(ptr_, 0xA5, std::max<size_t>(bytes, 1));
-    }
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
-  ~DeviceBuffer() {
-    if (ptr_ != nullptr) (void)cudaFree(ptr_);
-  }
-  template <class T = void>
-  T* as() const {
-    return static_cast<T*>(ptr_);
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-template <class T>
-DeviceBuffer Upload(const std::vector<T>& host) {
-  DeviceBuffer d(host.size() * sizeof(T));
-  if (d.as() != nullptr && !host.empty()) {
-    EXPECT_EQ(cudaMemcpy(d.as(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-              cudaSuccess);
-  }
-  return d;
-}
-
-template <class T>
-std::vector<T> Download(const DeviceBuffer& d, size_t count) {
-  std::vector<T> host(count);
-  if (count > 0) {
-    EXPECT_EQ(cudaMemcpy(host.data(), d.as(), count * sizeof(T), cudaMemcpyDeviceToHost),
-              cudaSuccess);
-  }
-  return host;
-}
+using gpu_test::CudaStreamTest;
+using gpu_test::DeviceBuffer;
+using gpu_test::Download;
+using gpu_test::Upload;
 
 uint32_t Bits(float x) { return std::bit_cast<uint32_t>(x); }
 
 // --- fixture -----------------------------------------------------------------------------------
 
-// Set by tests/gpu/run.sh: on a machine that is supposed to have a GPU, a missing device is a
-// failure, not a reason to skip.
-bool GpuRequired() {
-  const char* v = std::getenv("FP8RT_REQUIRE_GPU");
-  return v != nullptr && std::string(v) == "1";
-}
-
 // Skips without a usable device, with the CUDA runtime's reason (fails instead under
 // FP8RT_REQUIRE_GPU=1); runs the ops on a stream of its own (not the default stream) and
 // synchronises after each.
-class CudaTest : public ::testing::Test {
+class CudaTest : public CudaStreamTest {
  protected:
   void SetUp() override {
-    std::string why;
-    if (CudaDeviceCount(&why) == 0) {
-      if (GpuRequired()) FAIL() << "FP8RT_REQUIRE_GPU=1 but there is no CUDA device: " << why;
-      GTEST_SKIP() << "no CUDA device: " << why;
-    }
-    absl::StatusOr<const OpTable*> ops = CudaOps();
-    if (!ops.ok()) {
-      if (GpuRequired()) FAIL() << ops.status();
-      GTEST_SKIP() << ops.status();
-    }
-    gpu_ = *ops;
-    ASSERT_EQ(cudaStreamCreate(&stream_), cudaSuccess);
+    CudaStreamTest::SetUp();
+    if (Stopped()) return;
+    gpu_ = cuda_ops_;
   }
   void TearDown() override {
     cuda_testing::ForceGemmFallback(false);
-    if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
-  }
-  Stream stream() const { return Stream{stream_}; }
-  // Waits for the stream and fails the test on any CUDA error (sticky errors included).
-  void Sync() {
-    ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess)
-        << cudaGetErrorString(cudaGetLastError());
-    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    CudaStreamTest::TearDown();
   }
 
   const OpTable& cpu_ = CpuOps();
   const OpTable* gpu_ = nullptr;
-  cudaStream_t stream_ = nullptr;
 };
 
 // --- data --------------------------------------------------------------------------------------

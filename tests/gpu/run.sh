@@ -12,18 +12,27 @@
 #      but not abseil, gRPC, Highway, oneDNN, Open MPI and the rest, and no network: there the
 #      bundle is the way. FP8RT_GPU_MODE=build|bundle forces one.
 #   3. Runs the GPU tests with FP8RT_REQUIRE_GPU=1 (a missing device fails instead of skipping):
-#      ops_cuda_test (every CUDA op against the CPU backend) and nccl_communicator_test (NCCL on
-#      one GPU), through `ctest -L gpu` in build mode and directly in bundle mode; and
-#      device_math_host_test. gtest/JUnit XML for each.
-#   4. Runs the GPU benchmarks: `fp8rt bench quantize --device cuda` and
-#      `fp8rt bench gemm --device cuda --size 8192`, JSON to OUT_DIR.
-#   5. Writes OUT_DIR/summary.txt (tests passed or not, each ratio against its target) and exits
+#      ops_cuda_test (every CUDA op against the CPU backend), layer_ops_cuda_test and
+#      attention_cuda_test (the CUDA layer ops, attention and cross-entropy against the CPU ones),
+#      nccl_communicator_test (NCCL on one GPU) and train_cuda_test (8 training steps on the GPU
+#      against the CPU run, every precision mode), through `ctest -L gpu` in build mode and
+#      directly in bundle mode; and the host-only device_math_host_test and layer_math_host_test.
+#      gtest/JUnit XML for each, packed into one tarball.
+#   4. Runs the GPU benchmarks: `fp8rt bench quantize --device cuda`,
+#      `fp8rt bench gemm --device cuda --size 8192` and `fp8rt bench step --device cuda` (one
+#      training step in fp8, bf16 and fp32 on one GPU), JSON to OUT_DIR.
+#   5. Writes OUT_DIR/summary.txt (tests passed or not: each XML's test and failure counts, in
+#      build mode also ctest's line for each GPU test; each ratio against its target) and exits
 #      non-zero if a step failed. A benchmark below its target is reported, not a failure.
 # Budget: under 8 minutes on 16 cores (the build is most of it; bundle mode takes 1-2 minutes).
 #
 # Output files (at most 8: what the device tool brings back): run.log, summary.txt,
-# nvidia-smi.txt, device_math_host_test.xml, bench_quantize.json, bench_gemm.json, and
-# ops_cuda_test.xml + nccl_communicator_test.xml (bundle mode) or ctest_gpu.xml (build mode).
+# nvidia-smi.txt, bench_quantize.json, bench_gemm.json, bench_step.json and test_xml.tar.gz,
+# which holds xml/NAME.xml for device_math_host_test and layer_math_host_test, and for
+# ops_cuda_test, layer_ops_cuda_test, attention_cuda_test, nccl_communicator_test and
+# train_cuda_test (bundle mode) or ctest_gpu.xml (build mode). Until the tests end the XML files
+# lie loose in OUT_DIR/xml/ (at most 7: a run cut short mid-test brings back the first 8 files
+# only); if neither tar nor Python can pack them they stay there, and some may not come back.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$(pwd)
@@ -32,12 +41,19 @@ mkdir -p "$OUT_DIR"
 OUT_DIR=$(cd "$OUT_DIR" && pwd)
 LOG="$OUT_DIR/run.log"
 : > "$LOG"
+# This run's XML files, loose in XML_DIR until step 3 packs them into XML_TAR; an earlier run's
+# are removed, so the summary reports this run's alone.
+XML_DIR="$OUT_DIR/xml"
+XML_TAR="$OUT_DIR/test_xml.tar.gz"
+rm -rf "$XML_DIR" "$XML_TAR"
+mkdir -p "$XML_DIR"
 START=$(date +%s)
 FAILED=()
 
 log() { echo "[run.sh +$(($(date +%s) - START))s] $*" | tee -a "$LOG"; }
 die() {
   log "FATAL: $*"
+  rmdir "${XML_DIR:-/nonexistent}" 2> /dev/null
   echo "FATAL: $*" > "$OUT_DIR/summary.txt"
   exit 1
 }
@@ -65,15 +81,20 @@ BUILD=${FP8RT_GPU_BUILD_DIR:-build-gpu}
 BUNDLE_TAR=${FP8RT_GPU_BUNDLE:-build-gpu-bundle/fp8rt-gpu-bundle.tar.xz}
 BIN=""
 GEN=()
+# The tests: the GPU ones (ctest label gpu; tests/gpu/CMakeLists.txt) and the host-only ones.
+GPU_TESTS=(ops_cuda_test layer_ops_cuda_test attention_cuda_test nccl_communicator_test
+  train_cuda_test)
+HOST_TESTS=(device_math_host_test layer_math_host_test)
 command -v ninja > /dev/null 2>&1 && GEN=(-G Ninja)
 
 try_build() {
   log "build mode: configuring $BUILD (Release, FP8RT_CUDA=ON)"
   run cmake -S . -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DFP8RT_CUDA=ON \
     -DFP8RT_WERROR=OFF -DFP8RT_TESTS=ON || return 1
-  log "building ops_cuda_test nccl_communicator_test device_math_host_test fp8rt-bench"
-  run cmake --build "$BUILD" -j"$NPROC" --target ops_cuda_test nccl_communicator_test \
-    device_math_host_test fp8rt-bench || return 2
+  # Every test labeled gpu must be built here: `ctest -L gpu` runs them all.
+  log "building ${GPU_TESTS[*]} ${HOST_TESTS[*]} fp8rt-bench fp8rt-bench-step"
+  run cmake --build "$BUILD" -j"$NPROC" --target "${GPU_TESTS[@]}" "${HOST_TESTS[@]}" \
+    fp8rt-bench fp8rt-bench-step || return 2
   BIN="$ROOT/$BUILD"
   return 0
 }
@@ -138,22 +159,15 @@ case "$MODE" in
     ;;
   *) die "FP8RT_GPU_MODE must be build, bundle or auto, not $MODE" ;;
 esac
-# Paths of the binaries in either layout.
-if [ -x "$BIN/bin/ops_cuda_test" ]; then
-  T_OPS="$BIN/bin/ops_cuda_test"
-  T_NCCL="$BIN/bin/nccl_communicator_test"
-  T_HOST="$BIN/bin/device_math_host_test"
-else
-  T_OPS="$BIN/tests/gpu/ops_cuda_test"
-  T_NCCL="$BIN/tests/gpu/nccl_communicator_test"
-  T_HOST="$BIN/tests/gpu/device_math_host_test"
-fi
+# The test binaries lie in bin/ in the bundle and in tests/gpu/ in a build.
+if [ -x "$BIN/bin/ops_cuda_test" ]; then TEST_BIN="$BIN/bin"; else TEST_BIN="$BIN/tests/gpu"; fi
 BENCH="$BIN/bin/fp8rt-bench"
 log "binaries ready after $(($(date +%s) - START))s"
 
 # --- 3. tests -------------------------------------------------------------------------------------
-# A GPU test that skipped for want of a device hides a problem here: ops_cuda_test fails instead
-# under FP8RT_REQUIRE_GPU=1; the NCCL test skips, so its output is searched.
+# A GPU test that skipped for want of a device hides a problem here: ops_cuda_test,
+# layer_ops_cuda_test and attention_cuda_test fail instead under FP8RT_REQUIRE_GPU=1; the NCCL
+# test skips, so every test's output is searched.
 check_no_device_skips() {
   local name=$1 output=$2
   if grep -q 'no CUDA device' "$output"; then
@@ -165,7 +179,13 @@ run_gtest() {
   local name=$1 binary=$2 output
   output=$(mktemp)
   log "test $name"
-  "$binary" --gtest_output="xml:$OUT_DIR/$name.xml" > "$output" 2>&1
+  if [ ! -x "$binary" ]; then
+    FAILED+=("$name (no binary)")
+    log "FAILED: $name: no binary at $binary"
+    rm -f "$output"
+    return
+  fi
+  "$binary" --gtest_output="xml:$XML_DIR/$name.xml" > "$output" 2>&1
   local status=$?
   cat "$output" >> "$LOG"
   grep -E '^\[  (PASSED|FAILED|SKIPPED) +\]|tests? from .* ran' "$output" | tail -5 | tee -a "$LOG"
@@ -176,21 +196,55 @@ run_gtest() {
   check_no_device_skips "$name" "$output"
   rm -f "$output"
 }
-run_gtest device_math_host_test "$T_HOST"
+for t in "${HOST_TESTS[@]}"; do run_gtest "$t" "$TEST_BIN/$t"; done
+CTEST_LINES=""
 if [ -f "$BIN/CTestTestfile.cmake" ]; then
-  # Build mode: the GPU suite through its ctest label (ops_cuda_test, nccl_communicator_test).
+  # Build mode: the GPU suite through its ctest label (GPU_TESTS).
   output=$(mktemp)
   log "ctest -L gpu"
-  (cd "$BIN" && ctest -L gpu -V --timeout 600 --output-junit "$OUT_DIR/ctest_gpu.xml") > "$output" 2>&1
+  (cd "$BIN" && ctest -L gpu -V --timeout 600 --output-junit "$XML_DIR/ctest_gpu.xml") > "$output" 2>&1
   status=$?
   cat "$output" >> "$LOG"
   grep -E 'tests passed|Test +#' "$output" | tee -a "$LOG"
+  # One line per test for the summary ("1/4 Test #2: ops_cuda_test ....   Passed  12.3 sec").
+  CTEST_LINES=$(grep -E '^ *[0-9]+/[0-9]+ Test +#' "$output")
   [ $status -eq 0 ] || { FAILED+=("ctest -L gpu"); log "FAILED: ctest -L gpu"; }
   check_no_device_skips "ctest -L gpu" "$output"
   rm -f "$output"
 else
-  run_gtest ops_cuda_test "$T_OPS"
-  run_gtest nccl_communicator_test "$T_NCCL"
+  for t in "${GPU_TESTS[@]}"; do run_gtest "$t" "$TEST_BIN/$t"; done
+fi
+
+# The summary's test lines, read now: the XML files are packed next.
+xml_summary() {
+  local t f
+  for t in "$@"; do
+    f="$XML_DIR/$t.xml"
+    if [ ! -f "$f" ]; then
+      echo "$t: no XML (it did not run, or crashed before writing it)"
+      continue
+    fi
+    # The first tests= and failures= attributes (gtest puts them on one line, ctest on several).
+    echo "$t: $(head -c 2000 "$f" | tr '\n\t' '  ' | grep -o 'tests="[0-9]*"' | head -1)" \
+      "$(head -c 2000 "$f" | tr '\n\t' '  ' | grep -o 'failures="[0-9]*"' | head -1)"
+  done
+}
+if [ -f "$BIN/CTestTestfile.cmake" ]; then
+  TEST_LINES=$(xml_summary "${HOST_TESTS[@]}" ctest_gpu)
+  [ -n "$CTEST_LINES" ] && TEST_LINES+=$'\n'"$CTEST_LINES"
+else
+  TEST_LINES=$(xml_summary "${HOST_TESTS[@]}" "${GPU_TESTS[@]}")
+fi
+# One file for all the XML (the device tool brings back at most 8 files).
+log "packing $(cd "$XML_DIR" && echo *.xml) into $XML_TAR"
+if tar -C "$OUT_DIR" -czf "$XML_TAR" xml >> "$LOG" 2>&1 ||
+  python3 -c 'import sys, tarfile
+with tarfile.open(sys.argv[1], "w:gz") as t: t.add(sys.argv[2], "xml")' "$XML_TAR" "$XML_DIR" \
+    >> "$LOG" 2>&1; then
+  rm -rf "$XML_DIR"
+else
+  rm -f "$XML_TAR"
+  log "could not pack the XML files; they stay loose in $XML_DIR"
 fi
 
 # --- 4. benchmarks --------------------------------------------------------------------------------
@@ -209,18 +263,14 @@ bench() {
 }
 bench quantize quantize --device cuda
 bench gemm gemm --device cuda --size 8192
+bench step step --device cuda --rounds 3
 
 # --- 5. summary -----------------------------------------------------------------------------------
 {
   echo "fp8rt GPU run, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(nvidia-smi -L | head -1)"
   echo "mode: $([ -f "$BIN/CTestTestfile.cmake" ] && echo build || echo bundle), $(($(date +%s) - START)) s"
-  for t in device_math_host_test ops_cuda_test nccl_communicator_test ctest_gpu; do
-    [ -f "$OUT_DIR/$t.xml" ] || continue
-    # The first tests= and failures= attributes (gtest puts them on one line, ctest on several).
-    echo "$t: $(head -c 2000 "$OUT_DIR/$t.xml" | tr '\n\t' '  ' | grep -o 'tests="[0-9]*"' | head -1)" \
-      "$(head -c 2000 "$OUT_DIR/$t.xml" | tr '\n\t' '  ' | grep -o 'failures="[0-9]*"' | head -1)"
-  done
-  for b in quantize gemm; do
+  echo "$TEST_LINES"
+  for b in quantize gemm step; do
     f="$OUT_DIR/bench_$b.json"
     if [ -s "$f" ]; then
       python3 - "$f" <<'PY' 2>/dev/null || echo "bench: $(head -c 300 "$f")"
@@ -232,6 +282,11 @@ if j["benchmark"] == "gemm":
     t = j["tflops"]
     extra = " (fp8 %.0f, bf16 %.0f, fp8 block %.0f TFLOP/s; paths %s)" % (
         t["fp8"], t["bf16"], t["fp8_block"], j["paths"])
+elif j["benchmark"] == "step":
+    m = j["modes"]
+    extra = " (fp8 %.1f ms, bf16 %.1f ms, fp32 %.1f ms per step of %d tokens)" % (
+        1e3 * m["fp8"]["best_s"], 1e3 * m["bf16"]["best_s"], 1e3 * m["fp32"]["best_s"],
+        j["tokens_per_step"])
 else:
     extra = " (quantize %.0f GB/s, memcpy %.0f GB/s)" % (
         j["quantize_gb_per_s"], j["memcpy_gb_per_s"])

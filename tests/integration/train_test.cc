@@ -10,6 +10,8 @@
 //   NanGradientSkipsStepOnEveryRank  a NaN on one rank skips the step everywhere, state untouched
 //   Fp8TracksBf16OnTinyYaml          the example run learns, and FP8 tracks BF16
 //   BadSpecsFailNamingTheField       bad input exits 2 naming the field; a used folder is refused
+//   CudaWithoutAGpuFailsFast         device: cuda without a usable GPU: exit 2 at once, one line
+//                                    naming device: cuda and the reason
 //   LaunchTrainsTinyModel            `fp8rt launch` runs the real worker to the end
 //
 // Every spec is examples/tiny.yaml with an absolute data path, changed with --set as a user would.
@@ -40,6 +42,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/ops.h"
 #include "nlohmann/json.hpp"
 #include "runtime/core/checkpoint_io.h"
 
@@ -623,6 +626,36 @@ TEST_F(TrainTest, BadSpecsFailNamingTheField) {
   EXPECT_THAT(again.err, HasSubstr("--resume"));
   EXPECT_THAT(again.err, HasSubstr(run_dir.string()));
   EXPECT_EQ(ReadFile(run_dir / "metrics.jsonl"), metrics) << "the earlier run was changed";
+}
+
+// `device: cuda` where there is no usable GPU (no driver, no device, or a build without CUDA):
+// both ranks stop before training with exit 2 (bad input: `fp8rt launch` does not restart it), in
+// seconds rather than at a collective timeout, with one line naming the spec field and the reason
+// this test process itself gets from the CUDA runtime. Skipped where a GPU is present (tests/gpu
+// covers that machine).
+TEST_F(TrainTest, CudaWithoutAGpuFailsFast) {
+  std::string why;
+  if (kernels::CudaDeviceCount(&why) > 0) {
+    GTEST_SKIP() << "a CUDA device is present: this test is for machines without one";
+  }
+  const fs::path run_dir = dir_ / "cuda";
+  const auto start = std::chrono::steady_clock::now();
+  const Result r = Worker(2, Short(2, {"device=cuda"}), run_dir);
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("fp8rt-worker: device: cuda: no CUDA device: " + why)) << r.err;
+  // One line from the job (every rank failed alike: no rank named), nothing trained.
+  size_t lines = 0;
+  for (size_t at = r.err.find("fp8rt-worker:"); at != std::string::npos;
+       at = r.err.find("fp8rt-worker:", at + 1)) {
+    ++lines;
+  }
+  EXPECT_EQ(lines, 1u) << r.err;
+  EXPECT_THAT(r.err, ::testing::Not(HasSubstr("rank 0:"))) << r.err;
+  EXPECT_FALSE(fs::exists(run_dir / "metrics.jsonl"));
+  // mpirun and two ranks start in about a second here; a hang would wait for the collective
+  // timeout (300 s) or the test's deadline.
+  EXPECT_LT(elapsed, std::chrono::seconds(60));
 }
 
 // ---------------------------------------------------------------------------------------------

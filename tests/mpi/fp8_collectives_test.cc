@@ -10,7 +10,7 @@
 //
 // Index:
 //   SyncAmaxesTest          MAX over ranks, bit exact; NaN/Inf on one rank reach every rank and
-//                           are reported; one i32 all-reduce; subgroups
+//                           are reported; one i32 all-reduce; subgroups (through the op table)
 //   GatherFp8WeightTest     (TEST_P) format x {tensor-given, tensor-current, 128x128 blocks} x
 //                           shape: codes and scales equal to quantizing the unsharded weight,
 //                           identical on every rank; statistics; bytes sent
@@ -51,6 +51,7 @@
 
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
+#include "kernels/device_array.h"
 #include "kernels/formats.h"
 #include "kernels/ops.h"
 #include "kernels/quantize.h"
@@ -134,6 +135,15 @@ template <typename T>
 template <typename T>
 ::testing::AssertionResult SameBits(const std::vector<T>& got, const std::vector<T>& want) {
   return SameBits(std::span<const T>(got), std::span<const T>(want));
+}
+
+// A host copy of an array the collectives returned, read after its backend's synchronize (as the
+// collectives' contract asks; a no-op for the CPU ops these tests use).
+template <typename T>
+std::vector<T> Host(const kernels::DeviceArray<T>& a) {
+  const absl::Status s = a.ops().layer->synchronize(kernels::Stream{});
+  EXPECT_TRUE(s.ok()) << s;
+  return std::vector<T>(a.begin(), a.end());
 }
 
 // The weight every rank can regenerate: values in (-2^e, 2^e) with e depending on the 128x128
@@ -306,7 +316,8 @@ TEST(SyncAmaxesTest, SubgroupsReduceOverTheirMembersOnly) {
 
   std::vector<float> amaxes(5);
   for (int i = 0; i < 5; ++i) amaxes[i] = RankAmax(rank, i);
-  absl::StatusOr<std::vector<int>> bad = SyncAmaxes(g, amaxes);
+  // The overload with an op table (staging in its memory), as GPU ranks call it.
+  absl::StatusOr<std::vector<int>> bad = SyncAmaxes(g, Ops(), amaxes);
   ASSERT_TRUE(AllOk(bad.status()));
   for (int i = 0; i < 5; ++i) {
     float want = 0.0f;
@@ -325,8 +336,8 @@ TEST(SyncAmaxesTest, SubgroupsReduceOverTheirMembersOnly) {
   ASSERT_TRUE(AllOk(w.status()));
   const Quantized ref = QuantizeWhole(full, kShardRows * g.size(), kCols, options.format,
                                       Granularity::kTensor, false, 1.0f, 0);
-  EXPECT_TRUE(SameBits(w->codes, ref.codes));
-  EXPECT_TRUE(SameBits(w->scale_inv, ref.scale_inv));
+  EXPECT_TRUE(SameBits(Host(w->codes), ref.codes));
+  EXPECT_TRUE(SameBits(Host(w->scale_inv), ref.scale_inv));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -387,8 +398,8 @@ TEST_P(GatherFp8WeightTest, EveryRankHoldsTheUnshardedWeightQuantizedWithTheSame
   const Quantized ref = QuantizeWhole(full, rows, c.cols, c.format, g,
                                       /*has_scale=*/c.scaling == WeightScaling::kTensorGiven,
                                       options.scale, options.margin);
-  EXPECT_TRUE(SameBits(w->codes, ref.codes)) << "codes";
-  EXPECT_TRUE(SameBits(w->scale_inv, ref.scale_inv)) << "scale_inv";
+  EXPECT_TRUE(SameBits(Host(w->codes), ref.codes)) << "codes";
+  EXPECT_TRUE(SameBits(Host(w->scale_inv), ref.scale_inv)) << "scale_inv";
 
   // Reference 2: the spec, scale by scale and value by value with the scalar encoder.
   const kernels::ScaleGrid grid = kernels::GetScaleGrid(g, rows, c.cols);
@@ -413,7 +424,7 @@ TEST_P(GatherFp8WeightTest, EveryRankHoldsTheUnshardedWeightQuantizedWithTheSame
   }
   std::vector<float> spec_scale_inv(spec_scale.size());
   for (size_t b = 0; b < spec_scale.size(); ++b) spec_scale_inv[b] = 1.0f / spec_scale[b];
-  EXPECT_TRUE(SameBits(w->scale_inv, spec_scale_inv)) << "scale_inv vs the spec";
+  EXPECT_TRUE(SameBits(Host(w->scale_inv), spec_scale_inv)) << "scale_inv vs the spec";
   std::vector<uint8_t> spec_codes(full.size());
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t col = 0; col < c.cols; ++col) {
@@ -422,7 +433,7 @@ TEST_P(GatherFp8WeightTest, EveryRankHoldsTheUnshardedWeightQuantizedWithTheSame
           kernels::EncodeFp8(full[r * c.cols + col] * spec_scale[b], c.format);
     }
   }
-  EXPECT_TRUE(SameBits(w->codes, spec_codes)) << "codes vs the spec";
+  EXPECT_TRUE(SameBits(Host(w->codes), spec_codes)) << "codes vs the spec";
   if (c.scaling == WeightScaling::kTensorGiven) {
     // Saturation (quantize.h): x * scale rounds past the largest finite value, i.e.
     // |x * scale| > 464 for E4M3 (the midpoint of 448 and 480 rounds to even 448) and
@@ -445,8 +456,9 @@ TEST_P(GatherFp8WeightTest, EveryRankHoldsTheUnshardedWeightQuantizedWithTheSame
   EXPECT_EQ(w->amax, c.scaling == WeightScaling::kTensorCurrent ? full_amax : shard_amax);
 
   // Identical bytes on every rank.
-  EXPECT_TRUE(SameBits(FromRank0(w->codes, DType::kU8), w->codes)) << "codes differ from rank 0";
-  EXPECT_TRUE(SameBits(FromRank0(w->scale_inv, DType::kF32), w->scale_inv))
+  EXPECT_TRUE(SameBits(FromRank0(Host(w->codes), DType::kU8), Host(w->codes)))
+      << "codes differ from rank 0";
+  EXPECT_TRUE(SameBits(FromRank0(Host(w->scale_inv), DType::kF32), Host(w->scale_inv)))
       << "scales differ from rank 0";
 
   // What travelled: this shard's FP8 bytes, its block scales, and one i32 amax for current.
@@ -491,7 +503,7 @@ TEST(GatherFp8WeightMiscTest, NonFiniteValueInOneShardPoisonsTheSharedAmaxOnEver
       EXPECT_EQ(w->amax, poison) << "rank " << rank;
     }
     // No usable scale: ComputeScale's fallback of 1, the same on every rank.
-    EXPECT_EQ(w->scale_inv, std::vector<float>{1.0f});
+    EXPECT_EQ(Host(w->scale_inv), std::vector<float>{1.0f});
     EXPECT_EQ(w->codes[(n - 1) * kShardRows * kCols + 5],
               kernels::EncodeFp8(poison, options.format));
     EXPECT_EQ(w->shard_stats.nonfinite, rank == n - 1 ? 1 : 0);
@@ -792,11 +804,11 @@ TEST_P(TokenAllToAllTest, Fp8DispatchThenBf16CombineReturnsEveryTokenToItsOrigin
   // The received FP8 codes and 1x128 scales are the senders' tokens quantized by 1x128 tiles.
   const Quantized ref = QuantizeWhole(expected_rows, recv_tokens, hidden, c.format,
                                       Granularity::kTile1x128, false, 1.0f, 0);
-  EXPECT_TRUE(SameBits(got->codes, ref.codes)) << "codes";
-  EXPECT_TRUE(SameBits(got->scale_inv, ref.scale_inv)) << "scale_inv";
+  EXPECT_TRUE(SameBits(Host(got->codes), ref.codes)) << "codes";
+  EXPECT_TRUE(SameBits(Host(got->scale_inv), ref.scale_inv)) << "scale_inv";
   // By construction each tile's scale_inv is 2^p and its first element decodes to +-amax.
-  std::vector<float> deq = Dequantize(got->codes, got->scale_inv, recv_tokens, hidden, c.format,
-                                      Granularity::kTile1x128);
+  std::vector<float> deq = Dequantize(Host(got->codes), Host(got->scale_inv), recv_tokens, hidden,
+                                      c.format, Granularity::kTile1x128);
   for (int64_t t = 0; t < recv_tokens; ++t) {
     for (int64_t e = 0; e < 5; ++e) {
       EXPECT_EQ(deq[t * hidden + e], expected_rows[t * hidden + e])

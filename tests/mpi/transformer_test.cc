@@ -65,7 +65,7 @@ TEST(TransformerTest, Fp32GradientsMatchFiniteDifferences) {
   ASSERT_TRUE(s.model->BeginStep().ok());
   Loss(s);  // fills full_grad with dL/dw (dloss 1)
   std::vector<std::vector<float>> grads;
-  for (Param& p : s.model->params()) grads.push_back(p.full_grad);
+  for (Param& p : s.model->params()) grads.emplace_back(p.full_grad.begin(), p.full_grad.end());
 
   const int rank = s.mesh->world().rank(), world = s.mesh->world().size();
   std::mt19937 pick(11);
@@ -152,7 +152,8 @@ TEST_P(Fp8GradientTest, GradientsFollowFp32) {
   for (size_t i = 0; i < a.model->params().size(); ++i) {
     const Param& pa = a.model->params()[i];
     const Param& pb = b.model->params()[i];
-    const double cos = Cosine(pa.full_grad, pb.full_grad);
+    const double cos = Cosine({pa.full_grad.begin(), pa.full_grad.end()},
+                              {pb.full_grad.begin(), pb.full_grad.end()});
     if (!(cos > 0.98)) {
       ok = false;
       ADD_FAILURE() << pa.name << ": cosine of FP8 and FP32 gradients " << cos;
@@ -252,7 +253,7 @@ TEST(MoeTest, Fp32GradientsMatchFiniteDifferences) {
   GlobalLoss(s);
   // Gradients of that one backward (the finite differences below run more of them).
   std::vector<std::vector<float>> grads;
-  for (Param& p : s.model->params()) grads.push_back(p.full_grad);
+  for (Param& p : s.model->params()) grads.emplace_back(p.full_grad.begin(), p.full_grad.end());
   const int rank = s.mesh->world().rank();
   std::mt19937 pick(23);
   size_t index = 0;

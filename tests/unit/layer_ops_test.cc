@@ -1,4 +1,4 @@
-// Tests of the FP32 layer ops (runtime/model/layer_ops.h) against references written here in
+// Tests of the FP32 layer ops (kernels/layer_ops.h) against references written here in
 // double precision straight from the formulas, independent of the code under test: forwards are
 // compared with the double evaluation, backwards with central finite differences of the double
 // forward (of the scalar sum(out * dout) for a fixed random dout).
@@ -11,7 +11,7 @@
 //   ExpectGradNear           FP32 backward vs double finite differences (kGradTol)
 //   ExpectAccumulates        backward twice onto pre-filled gradients adds twice the gradient
 //   EmbeddingTest, RmsNormTest, AttentionTest, GeluTest, ResidualTest, CrossEntropyTest
-#include "runtime/model/layer_ops.h"
+#include "kernels/layer_ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,7 +26,7 @@
 
 #include "gtest/gtest.h"
 
-namespace fp8rt::model {
+namespace fp8rt::kernels {
 namespace {
 
 using Vec = std::vector<float>;
@@ -582,4 +582,4 @@ TEST(CrossEntropyTest, BackwardAccumulates) {
 }
 
 }  // namespace
-}  // namespace fp8rt::model
+}  // namespace fp8rt::kernels

@@ -96,6 +96,7 @@ checkpoint:
 metrics:
   every: 10
   per_rank_fp8_stats: true
+device: cuda
 )");
 }
 
@@ -158,6 +159,7 @@ TEST(RunSpecTest, FullSpecReadsEveryValue) {
   EXPECT_EQ(spec->checkpoint().keep(), 5);
   EXPECT_EQ(spec->metrics().every(), 10);
   EXPECT_TRUE(spec->metrics().per_rank_fp8_stats());
+  EXPECT_EQ(spec->device(), v1::RunSpec::DEVICE_CUDA);
 }
 
 TEST(RunSpecTest, FullSpecValidates) {
@@ -200,6 +202,7 @@ TEST(RunSpecTest, AbsentKeysTakeTheDocumentedDefaults) {
   EXPECT_EQ(spec->checkpoint().keep(), 3);
   EXPECT_EQ(spec->metrics().every(), 1);
   EXPECT_FALSE(spec->metrics().per_rank_fp8_stats());
+  EXPECT_EQ(spec->device(), v1::RunSpec::DEVICE_CPU);
   EXPECT_TRUE(ValidateRunSpec(*spec, 1).ok()) << ValidateRunSpec(*spec, 1);
 }
 
@@ -444,6 +447,69 @@ TEST(RunSpecTest, UnspecifiedEnumFromAnotherSourceIsRefused) {
   ASSERT_TRUE(spec.ok()) << spec.status();
   spec->mutable_precision()->set_grad_reduce(Precision::GRAD_REDUCE_UNSPECIFIED);
   ExpectInvalid(ValidateRunSpec(*spec, 1), {"precision.grad_reduce: not set"});
+}
+
+// `device` is a top-level key: cpu (the default) or cuda, from the file or an override.
+TEST(RunSpecTest, DeviceIsCpuOrCuda) {
+  TempDir dir;
+  const std::string minimal = MinimalSpec(dir.DataFile());
+  const absl::StatusOr<v1::RunSpec> cuda = Parse(minimal + "device: cuda\n");
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  EXPECT_EQ(cuda->device(), v1::RunSpec::DEVICE_CUDA);
+  EXPECT_TRUE(ValidateRunSpec(*cuda, 1).ok()) << ValidateRunSpec(*cuda, 1);
+  const absl::StatusOr<v1::RunSpec> cpu = Parse(minimal + "device: cpu\n");
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  EXPECT_EQ(cpu->device(), v1::RunSpec::DEVICE_CPU);
+  EXPECT_TRUE(ValidateRunSpec(*cpu, 1).ok()) << ValidateRunSpec(*cpu, 1);
+  // Absent: cpu.
+  const absl::StatusOr<v1::RunSpec> absent = Parse(minimal);
+  ASSERT_TRUE(absent.ok()) << absent.status();
+  EXPECT_EQ(absent->device(), v1::RunSpec::DEVICE_CPU);
+  // Overrides, both ways.
+  const absl::StatusOr<v1::RunSpec> set = Parse(minimal + "device: cpu\n", {"device=cuda"});
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->device(), v1::RunSpec::DEVICE_CUDA);
+  const absl::StatusOr<v1::RunSpec> back = Parse(minimal + "device: cuda\n", {"device=cpu"});
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->device(), v1::RunSpec::DEVICE_CPU);
+  // A RunSpec whose device was never set (one stored before the field existed) means cpu: the
+  // one enum whose zero value is not refused as "not set".
+  v1::RunSpec unset = *absent;
+  unset.clear_device();
+  EXPECT_TRUE(ValidateRunSpec(unset, 1).ok()) << ValidateRunSpec(unset, 1);
+  unset.mutable_moe()->set_experts(4);
+  EXPECT_TRUE(ValidateRunSpec(unset, 1).ok()) << ValidateRunSpec(unset, 1);
+}
+
+TEST(RunSpecTest, BadDeviceIsRefusedNamingDevice) {
+  TempDir dir;
+  const std::string minimal = MinimalSpec(dir.DataFile());
+  ExpectInvalid(Parse("device: gpu\n").status(),
+                {"run.yaml:1:9: device: expected one of cpu, cuda, got 'gpu'"});
+  ExpectInvalid(Parse(minimal + "device: unspecified\n").status(),
+                {"device: expected one of cpu, cuda, got 'unspecified'"});
+  ExpectInvalid(Parse(minimal + "device: [cuda]\n").status(), {"device: ", "a list"});
+  ExpectInvalid(Parse(minimal, {"device=tpu"}).status(),
+                {"override 'device=tpu': device: expected one of cpu, cuda, got 'tpu'"});
+  // A value from the wire that the schema does not know.
+  absl::StatusOr<v1::RunSpec> spec = Parse(minimal);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  spec->set_device(static_cast<v1::RunSpec::Device>(7));
+  ExpectInvalid(ValidateRunSpec(*spec, 1), {"device: unknown value 7 (expected cpu or cuda)"});
+}
+
+// MoE routing is host code: cuda runs refuse MoE blocks, cpu runs keep them.
+TEST(RunSpecTest, CudaRefusesMoeBlocks) {
+  TempDir dir;
+  const absl::Status moe_on_cuda = ValidateWith(dir, {"device=cuda", "moe.experts=4"}, 1);
+  ExpectInvalid(moe_on_cuda, {"device: cuda does not support MoE blocks yet (moe.experts): expert "
+                              "routing runs on the host"});
+  EXPECT_THAT(Message(moe_on_cuda), StartsWith("device: "));
+  ExpectInvalid(
+      ValidateWith(dir, {"device=cuda", "parallel.dp=2", "parallel.ep=2", "moe.experts=4"}, 2),
+      {"device: cuda does not support MoE blocks"});
+  EXPECT_TRUE(ValidateWith(dir, {"device=cpu", "moe.experts=4"}, 1).ok());
+  EXPECT_TRUE(ValidateWith(dir, {"device=cuda", "moe.experts=0"}, 1).ok());
 }
 
 TEST(RunSpecTest, MissingRequiredKeyIsNamed) {

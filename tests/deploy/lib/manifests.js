@@ -583,6 +583,16 @@ function checkFlavor(objects, flavor, { imageTag = true } = {}) {
     for (const name of ["NCCL_DEBUG", "NCCL_SOCKET_IFNAME"]) {
       if (!envValue(launcher, name)) errors.push(`${jw}: ${name} is not set on the Launcher`);
     }
+    // GPU pods must also run the ranks on their GPUs: --set device=cuda, or device: cuda in the
+    // spec a ConfigMap carries.
+    const args = launcher.args || [];
+    const setsCuda = args.some((a, i) => a === "--set" && args[i + 1] === "device=cuda");
+    const specCuda = ofKind(objects, "ConfigMap").some((cm) =>
+      Object.values(cm.data || {}).some((v) => /^device:\s*cuda\s*(#.*)?$/m.test(String(v))));
+    if (!setsCuda && !specCuda) {
+      errors.push(`${jw}: the ranks run on CPU in GPU pods: add --set device=cuda to the ` +
+                  `fp8rt-worker arguments (or device: cuda to the spec)`);
+    }
     if (imageTag && !/:cuda/.test(image)) {
       errors.push(`${jw}: expected a :cuda* image, got ${image}`);
     }

@@ -1,0 +1,564 @@
+// FP32 CPU reference of the non-GEMM layer ops and the CPU backend's LayerOps entries; formulas
+// and conventions in kernels/layer_ops.h.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <numbers>
+#include <span>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/cpu_ops.h"
+#include "kernels/layer_ops.h"
+#include "kernels/ops.h"
+#include "runtime/core/check.h"
+#include "runtime/core/status.h"
+
+namespace fp8rt::kernels {
+namespace {
+
+// Aborts unless `s` holds exactly `expected` elements; `what` names the buffer.
+template <typename T>
+void CheckSize(std::span<T> s, int64_t expected, const char* what) {
+  FP8RT_CHECK(expected >= 0 && static_cast<int64_t>(s.size()) == expected)
+      << what << " has " << s.size() << " elements, expected " << expected;
+}
+
+// sqrt(2/pi), the GELU tanh-approximation constant.
+constexpr float kGeluScale = static_cast<float>(std::numbers::sqrt2 * std::numbers::inv_sqrtpi);
+constexpr float kGeluCubic = 0.044715f;
+
+}  // namespace
+
+// ---- Embedding ----
+
+void EmbeddingForward(std::span<float> out, std::span<const int32_t> tokens,
+                      std::span<const float> table, int64_t n, int64_t v, int64_t c) {
+  CheckSize(out, n * c, "embedding out");
+  CheckSize(tokens, n, "embedding tokens");
+  CheckSize(table, v * c, "embedding table");
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t tok = tokens[i];
+    FP8RT_CHECK(tok >= 0 && tok < v)
+        << "token " << tok << " at " << i << " outside [0, " << v << ")";
+    std::copy_n(table.begin() + tok * c, c, out.begin() + i * c);
+  }
+}
+
+void EmbeddingBackward(std::span<float> dtable, std::span<const float> dout,
+                       std::span<const int32_t> tokens, int64_t n, int64_t v, int64_t c) {
+  CheckSize(dtable, v * c, "embedding dtable");
+  CheckSize(dout, n * c, "embedding dout");
+  CheckSize(tokens, n, "embedding tokens");
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t tok = tokens[i];
+    FP8RT_CHECK(tok >= 0 && tok < v)
+        << "token " << tok << " at " << i << " outside [0, " << v << ")";
+    for (int64_t j = 0; j < c; ++j) dtable[tok * c + j] += dout[i * c + j];
+  }
+}
+
+// ---- RMSNorm ----
+
+void RmsNormForward(std::span<float> out, std::span<float> rstd, std::span<const float> x,
+                    std::span<const float> weight, int64_t n, int64_t c, float eps) {
+  CheckSize(out, n * c, "rmsnorm out");
+  CheckSize(rstd, n, "rmsnorm rstd");
+  CheckSize(x, n * c, "rmsnorm x");
+  CheckSize(weight, c, "rmsnorm weight");
+  FP8RT_CHECK(c > 0) << "rmsnorm over 0 channels";
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x.data() + i * c;
+    float sum_sq = 0.0f;
+    for (int64_t j = 0; j < c; ++j) sum_sq += xi[j] * xi[j];
+    const float r = 1.0f / std::sqrt(sum_sq / static_cast<float>(c) + eps);
+    rstd[i] = r;
+    for (int64_t j = 0; j < c; ++j) out[i * c + j] = xi[j] * r * weight[j];
+  }
+}
+
+void RmsNormBackward(std::span<float> dx, std::span<float> dweight, std::span<const float> dout,
+                     std::span<const float> x, std::span<const float> weight,
+                     std::span<const float> rstd, int64_t n, int64_t c) {
+  CheckSize(dx, n * c, "rmsnorm dx");
+  CheckSize(dweight, c, "rmsnorm dweight");
+  CheckSize(dout, n * c, "rmsnorm dout");
+  CheckSize(x, n * c, "rmsnorm x");
+  CheckSize(weight, c, "rmsnorm weight");
+  CheckSize(rstd, n, "rmsnorm rstd");
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x.data() + i * c;
+    const float* dyi = dout.data() + i * c;
+    const float r = rstd[i];
+    // mean_c(g * x) with g = dout * weight: the part of the gradient through rstd.
+    float gx = 0.0f;
+    for (int64_t j = 0; j < c; ++j) gx += dyi[j] * weight[j] * xi[j];
+    const float coef = r * r * r * gx / static_cast<float>(c);
+    for (int64_t j = 0; j < c; ++j) {
+      dx[i * c + j] += r * dyi[j] * weight[j] - coef * xi[j];
+      dweight[j] += dyi[j] * xi[j] * r;
+    }
+  }
+}
+
+// ---- Causal multi-head attention core ----
+
+void AttentionForward(std::span<float> out, std::span<float> probs, std::span<const float> q,
+                      std::span<const float> k, std::span<const float> v, int64_t b, int64_t t,
+                      int64_t h, int64_t dh) {
+  const int64_t size = b * t * h * dh;
+  CheckSize(out, size, "attention out");
+  CheckSize(probs, b * h * t * t, "attention probs");
+  CheckSize(q, size, "attention q");
+  CheckSize(k, size, "attention k");
+  CheckSize(v, size, "attention v");
+  FP8RT_CHECK(dh > 0) << "attention head dim " << dh;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+  // Offset of token `pos` of head `hh` in batch row `bb` of a [B, T, H, Dh] tensor.
+  auto at = [&](int64_t bb, int64_t pos, int64_t hh) { return ((bb * t + pos) * h + hh) * dh; };
+  for (int64_t bb = 0; bb < b; ++bb) {
+    for (int64_t hh = 0; hh < h; ++hh) {
+      for (int64_t i = 0; i < t; ++i) {
+        float* p = probs.data() + ((bb * h + hh) * t + i) * t;
+        const float* qi = q.data() + at(bb, i, hh);
+        // Scores over the visible keys j <= i, then a max-subtracted softmax.
+        float max_score = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j <= i; ++j) {
+          const float* kj = k.data() + at(bb, j, hh);
+          float s = 0.0f;
+          for (int64_t d = 0; d < dh; ++d) s += qi[d] * kj[d];
+          p[j] = s * scale;
+          max_score = std::max(max_score, p[j]);
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j <= i; ++j) {
+          p[j] = std::exp(p[j] - max_score);
+          sum += p[j];
+        }
+        const float inv_sum = 1.0f / sum;
+        for (int64_t j = 0; j <= i; ++j) p[j] *= inv_sum;
+        for (int64_t j = i + 1; j < t; ++j) p[j] = 0.0f;  // masked: future keys
+        float* oi = out.data() + at(bb, i, hh);
+        std::fill_n(oi, dh, 0.0f);
+        for (int64_t j = 0; j <= i; ++j) {
+          const float* vj = v.data() + at(bb, j, hh);
+          for (int64_t d = 0; d < dh; ++d) oi[d] += p[j] * vj[d];
+        }
+      }
+    }
+  }
+}
+
+void AttentionBackward(std::span<float> dq, std::span<float> dk, std::span<float> dv,
+                       std::span<const float> dout, std::span<const float> q,
+                       std::span<const float> k, std::span<const float> v,
+                       std::span<const float> probs, int64_t b, int64_t t, int64_t h, int64_t dh) {
+  const int64_t size = b * t * h * dh;
+  CheckSize(dq, size, "attention dq");
+  CheckSize(dk, size, "attention dk");
+  CheckSize(dv, size, "attention dv");
+  CheckSize(dout, size, "attention dout");
+  CheckSize(q, size, "attention q");
+  CheckSize(k, size, "attention k");
+  CheckSize(v, size, "attention v");
+  CheckSize(probs, b * h * t * t, "attention probs");
+  FP8RT_CHECK(dh > 0) << "attention head dim " << dh;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+  auto at = [&](int64_t bb, int64_t pos, int64_t hh) { return ((bb * t + pos) * h + hh) * dh; };
+  for (int64_t bb = 0; bb < b; ++bb) {
+    for (int64_t hh = 0; hh < h; ++hh) {
+      for (int64_t i = 0; i < t; ++i) {
+        const float* p = probs.data() + ((bb * h + hh) * t + i) * t;
+        const float* doi = dout.data() + at(bb, i, hh);
+        const float* qi = q.data() + at(bb, i, hh);
+        float* dqi = dq.data() + at(bb, i, hh);
+        // sum_j p[i, j] dp[i, j], the softmax Jacobian's rank-one term.
+        float p_dot_dp = 0.0f;
+        for (int64_t j = 0; j <= i; ++j) {
+          const float* vj = v.data() + at(bb, j, hh);
+          float dp = 0.0f;
+          for (int64_t d = 0; d < dh; ++d) dp += doi[d] * vj[d];
+          p_dot_dp += p[j] * dp;
+        }
+        for (int64_t j = 0; j <= i; ++j) {
+          const float* kj = k.data() + at(bb, j, hh);
+          const float* vj = v.data() + at(bb, j, hh);
+          float* dkj = dk.data() + at(bb, j, hh);
+          float* dvj = dv.data() + at(bb, j, hh);
+          float dp = 0.0f;
+          for (int64_t d = 0; d < dh; ++d) dp += doi[d] * vj[d];
+          const float ds = p[j] * (dp - p_dot_dp) * scale;
+          for (int64_t d = 0; d < dh; ++d) {
+            dqi[d] += ds * kj[d];
+            dkj[d] += ds * qi[d];
+            dvj[d] += p[j] * doi[d];
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- GELU ----
+
+void GeluForward(std::span<float> out, std::span<const float> x, int64_t n) {
+  CheckSize(out, n, "gelu out");
+  CheckSize(x, n, "gelu x");
+  for (int64_t i = 0; i < n; ++i) {
+    const float xi = x[i];
+    const float u = kGeluScale * (xi + kGeluCubic * xi * xi * xi);
+    out[i] = 0.5f * xi * (1.0f + std::tanh(u));
+  }
+}
+
+void GeluBackward(std::span<float> dx, std::span<const float> dout, std::span<const float> x,
+                  int64_t n) {
+  CheckSize(dx, n, "gelu dx");
+  CheckSize(dout, n, "gelu dout");
+  CheckSize(x, n, "gelu x");
+  for (int64_t i = 0; i < n; ++i) {
+    const float xi = x[i];
+    const float u = kGeluScale * (xi + kGeluCubic * xi * xi * xi);
+    const float th = std::tanh(u);
+    const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * xi * xi);
+    const float grad = 0.5f * (1.0f + th) + 0.5f * xi * (1.0f - th * th) * du;
+    dx[i] += dout[i] * grad;
+  }
+}
+
+// ---- Residual add ----
+
+void ResidualForward(std::span<float> out, std::span<const float> a, std::span<const float> b,
+                     int64_t n) {
+  CheckSize(out, n, "residual out");
+  CheckSize(a, n, "residual a");
+  CheckSize(b, n, "residual b");
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+void ResidualBackward(std::span<float> da, std::span<float> db, std::span<const float> dout,
+                      int64_t n) {
+  CheckSize(da, n, "residual da");
+  CheckSize(db, n, "residual db");
+  CheckSize(dout, n, "residual dout");
+  for (int64_t i = 0; i < n; ++i) {
+    da[i] += dout[i];
+    db[i] += dout[i];
+  }
+}
+
+// ---- Cross-entropy ----
+
+float CrossEntropyForward(std::span<float> probs, std::span<const float> logits,
+                          std::span<const int32_t> targets, int64_t n, int64_t v) {
+  CheckSize(probs, n * v, "cross-entropy probs");
+  CheckSize(logits, n * v, "cross-entropy logits");
+  CheckSize(targets, n, "cross-entropy targets");
+  FP8RT_CHECK(n > 0 && v > 0) << "cross-entropy over " << n << " x " << v;
+  float loss_sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t target = targets[i];
+    FP8RT_CHECK(target >= 0 && target < v)
+        << "target " << target << " at " << i << " outside [0, " << v << ")";
+    const float* li = logits.data() + i * v;
+    float* pi = probs.data() + i * v;
+    const float max_logit = *std::max_element(li, li + v);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < v; ++j) {
+      pi[j] = std::exp(li[j] - max_logit);
+      sum += pi[j];
+    }
+    const float inv_sum = 1.0f / sum;
+    for (int64_t j = 0; j < v; ++j) pi[j] *= inv_sum;
+    // logsumexp - logit[target], which stays finite where probs[target] underflows to 0.
+    loss_sum += max_logit + std::log(sum) - li[target];
+  }
+  return loss_sum / static_cast<float>(n);
+}
+
+void CrossEntropyBackward(std::span<float> dlogits, std::span<const float> probs,
+                          std::span<const int32_t> targets, int64_t n, int64_t v, float dloss) {
+  CheckSize(dlogits, n * v, "cross-entropy dlogits");
+  CheckSize(probs, n * v, "cross-entropy probs");
+  CheckSize(targets, n, "cross-entropy targets");
+  FP8RT_CHECK(n > 0) << "cross-entropy over " << n << " rows";
+  const float row_scale = dloss / static_cast<float>(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t target = targets[i];
+    FP8RT_CHECK(target >= 0 && target < v)
+        << "target " << target << " at " << i << " outside [0, " << v << ")";
+    for (int64_t j = 0; j < v; ++j) {
+      const float indicator = j == target ? 1.0f : 0.0f;
+      dlogits[i * v + j] += row_scale * (probs[i * v + j] - indicator);
+    }
+  }
+}
+
+// ---- AdamW and the gradient norm ----
+
+void AdamWUpdate(const AdamWArgs& k) {
+  for (int64_t i = 0; i < k.count; ++i) {
+    const float g = k.grad[i] * k.clip_scale;
+    float p = k.master[i];
+    p -= k.decay * p;  // decoupled weight decay, on the weight before this step's update
+    const float m = k.beta1 * k.m[i] + k.one_minus_beta1 * g;
+    const float v = k.beta2 * k.v[i] + k.one_minus_beta2 * (g * g);
+    const float m_hat = m / k.bias1;
+    const float v_hat = v / k.bias2;
+    p -= k.lr * m_hat / (std::sqrt(v_hat) + k.eps);
+    k.m[i] = m;
+    k.v[i] = v;
+    k.master[i] = p;
+  }
+}
+
+double SumOfSquares(const float* x, int64_t count) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < count; ++i) {
+    const double g = x[i];
+    sum += g * g;
+  }
+  return sum;
+}
+
+// ---- The CPU backend's LayerOps entries ----
+
+namespace cpu_internal {
+namespace {
+
+// InvalidArgument naming the first negative size.
+absl::Status CheckSizes(const char* op, std::initializer_list<std::pair<const char*, int64_t>> s) {
+  for (const auto& [name, value] : s) {
+    if (value < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is ", value, " (< 0)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+std::span<T> Span(T* p, int64_t n) {
+  return std::span<T>(p, static_cast<size_t>(n));
+}
+
+absl::Status EmbeddingForwardEntry(float* out, const int32_t* tokens, const float* table, int64_t n,
+                                   int64_t v, int64_t c, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("embedding_forward", {{"n", n}, {"v", v}, {"c", c}}));
+  EmbeddingForward(Span(out, n * c), Span(tokens, n), Span(table, v * c), n, v, c);
+  return absl::OkStatus();
+}
+absl::Status EmbeddingBackwardEntry(float* dtable, const float* dout, const int32_t* tokens,
+                                    int64_t n, int64_t v, int64_t c, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("embedding_backward", {{"n", n}, {"v", v}, {"c", c}}));
+  EmbeddingBackward(Span(dtable, v * c), Span(dout, n * c), Span(tokens, n), n, v, c);
+  return absl::OkStatus();
+}
+absl::Status RmsNormForwardEntry(float* out, float* rstd, const float* x, const float* weight,
+                                 int64_t n, int64_t c, float eps, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("rmsnorm_forward", {{"n", n}, {"c", c}}));
+  if (n == 0) return absl::OkStatus();
+  if (c == 0) return absl::InvalidArgumentError("rmsnorm_forward: c is 0 with rows to normalise");
+  RmsNormForward(Span(out, n * c), Span(rstd, n), Span(x, n * c), Span(weight, c), n, c, eps);
+  return absl::OkStatus();
+}
+absl::Status RmsNormBackwardEntry(float* dx, float* dweight, const float* dout, const float* x,
+                                  const float* weight, const float* rstd, int64_t n, int64_t c,
+                                  Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("rmsnorm_backward", {{"n", n}, {"c", c}}));
+  if (n == 0) return absl::OkStatus();
+  if (c == 0) return absl::InvalidArgumentError("rmsnorm_backward: c is 0 with rows to normalise");
+  RmsNormBackward(Span(dx, n * c), Span(dweight, c), Span(dout, n * c), Span(x, n * c),
+                  Span(weight, c), Span(rstd, n), n, c);
+  return absl::OkStatus();
+}
+absl::Status AttentionForwardEntry(float* out, float* probs, const float* q, const float* k,
+                                   const float* v, int64_t b, int64_t t, int64_t h, int64_t dh,
+                                   Stream) {
+  FP8RT_RETURN_IF_ERROR(
+      CheckSizes("attention_forward", {{"b", b}, {"t", t}, {"h", h}, {"dh", dh}}));
+  if (b == 0 || t == 0 || h == 0) return absl::OkStatus();
+  if (dh == 0) return absl::InvalidArgumentError("attention_forward: dh is 0");
+  const int64_t size = b * t * h * dh;
+  AttentionForward(Span(out, size), Span(probs, b * h * t * t), Span(q, size), Span(k, size),
+                   Span(v, size), b, t, h, dh);
+  return absl::OkStatus();
+}
+absl::Status AttentionBackwardEntry(float* dq, float* dk, float* dv, const float* dout,
+                                    const float* q, const float* k, const float* v,
+                                    const float* probs, int64_t b, int64_t t, int64_t h, int64_t dh,
+                                    Stream) {
+  FP8RT_RETURN_IF_ERROR(
+      CheckSizes("attention_backward", {{"b", b}, {"t", t}, {"h", h}, {"dh", dh}}));
+  if (b == 0 || t == 0 || h == 0) return absl::OkStatus();
+  if (dh == 0) return absl::InvalidArgumentError("attention_backward: dh is 0");
+  const int64_t size = b * t * h * dh;
+  AttentionBackward(Span(dq, size), Span(dk, size), Span(dv, size), Span(dout, size), Span(q, size),
+                    Span(k, size), Span(v, size), Span(probs, b * h * t * t), b, t, h, dh);
+  return absl::OkStatus();
+}
+absl::Status GeluForwardEntry(float* out, const float* x, int64_t n, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("gelu_forward", {{"n", n}}));
+  GeluForward(Span(out, n), Span(x, n), n);
+  return absl::OkStatus();
+}
+absl::Status GeluBackwardEntry(float* dx, const float* dout, const float* x, int64_t n, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("gelu_backward", {{"n", n}}));
+  GeluBackward(Span(dx, n), Span(dout, n), Span(x, n), n);
+  return absl::OkStatus();
+}
+absl::Status ResidualForwardEntry(float* out, const float* a, const float* b, int64_t n, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("residual_forward", {{"n", n}}));
+  ResidualForward(Span(out, n), Span(a, n), Span(b, n), n);
+  return absl::OkStatus();
+}
+absl::Status ResidualBackwardEntry(float* da, float* db, const float* dout, int64_t n, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("residual_backward", {{"n", n}}));
+  ResidualBackward(Span(da, n), Span(db, n), Span(dout, n), n);
+  return absl::OkStatus();
+}
+absl::Status CrossEntropyForwardEntry(float* probs, float* losses, const float* logits,
+                                      const int32_t* targets, int64_t n, int64_t v, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("cross_entropy_forward", {{"n", n}, {"v", v}}));
+  if (n == 0) return absl::OkStatus();
+  if (v == 0) return absl::InvalidArgumentError("cross_entropy_forward: v is 0 with rows");
+  for (int64_t i = 0; i < n; ++i) {
+    // One row at a time through the reference, whose mean over one row is that row's loss.
+    losses[i] = CrossEntropyForward(Span(probs + i * v, v), Span(logits + i * v, v),
+                                    Span(targets + i, 1), 1, v);
+  }
+  return absl::OkStatus();
+}
+absl::Status CrossEntropyBackwardEntry(float* dlogits, const float* probs, const int32_t* targets,
+                                       int64_t n, int64_t v, float dloss, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("cross_entropy_backward", {{"n", n}, {"v", v}}));
+  if (n == 0) return absl::OkStatus();
+  if (v == 0) return absl::InvalidArgumentError("cross_entropy_backward: v is 0 with rows");
+  CrossEntropyBackward(Span(dlogits, n * v), Span(probs, n * v), Span(targets, n), n, v, dloss);
+  return absl::OkStatus();
+}
+absl::Status FillEntry(float* x, float value, int64_t n, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("fill", {{"n", n}}));
+  std::fill_n(x, n, value);
+  return absl::OkStatus();
+}
+absl::Status CopyEntry(float* dst, const float* src, int64_t n, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("copy", {{"n", n}}));
+  if (n > 0) std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+  return absl::OkStatus();
+}
+template <typename T>
+absl::Status TransposeOf(const char* op, T* dst, const T* src, int64_t rows, int64_t cols) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes(op, {{"rows", rows}, {"cols", cols}}));
+  constexpr int64_t kB = 32;  // cache blocks
+  for (int64_t r0 = 0; r0 < rows; r0 += kB) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kB) {
+      const int64_t r1 = std::min(rows, r0 + kB), c1 = std::min(cols, c0 + kB);
+      for (int64_t c = c0; c < c1; ++c) {
+        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * cols + c];
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+absl::Status TransposeEntry(float* dst, const float* src, int64_t rows, int64_t cols, Stream) {
+  return TransposeOf("transpose", dst, src, rows, cols);
+}
+absl::Status TransposeBytesEntry(uint8_t* dst, const uint8_t* src, int64_t rows, int64_t cols,
+                                 Stream) {
+  return TransposeOf("transpose_bytes", dst, src, rows, cols);
+}
+// Copies the q, k, v pieces of every head between the fused layout and the three tensors.
+template <bool kSplit>
+void MoveHeads(float* q, float* k, float* v, float* qkv, int64_t n, int64_t heads, int64_t dh) {
+  const size_t bytes = static_cast<size_t>(dh) * sizeof(float);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t j = 0; j < heads; ++j) {
+      float* fused = qkv + (r * heads + j) * 3 * dh;
+      const int64_t at = (r * heads + j) * dh;
+      float* parts[3] = {q + at, k + at, v + at};
+      for (int i = 0; i < 3; ++i) {
+        if constexpr (kSplit) {
+          std::memcpy(parts[i], fused + i * dh, bytes);
+        } else {
+          std::memcpy(fused + i * dh, parts[i], bytes);
+        }
+      }
+    }
+  }
+}
+absl::Status SplitHeadsEntry(float* q, float* k, float* v, const float* qkv, int64_t n,
+                             int64_t heads, int64_t dh, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("split_heads", {{"n", n}, {"heads", heads}, {"dh", dh}}));
+  MoveHeads<true>(q, k, v, const_cast<float*>(qkv), n, heads, dh);  // only read when splitting
+  return absl::OkStatus();
+}
+absl::Status JoinHeadsEntry(float* qkv, const float* q, const float* k, const float* v, int64_t n,
+                            int64_t heads, int64_t dh, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("join_heads", {{"n", n}, {"heads", heads}, {"dh", dh}}));
+  // Only read when joining.
+  MoveHeads<false>(const_cast<float*>(q), const_cast<float*>(k), const_cast<float*>(v), qkv, n,
+                   heads, dh);
+  return absl::OkStatus();
+}
+absl::Status SumSquaresEntry(const float* x, int64_t count, double* out, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("sum_squares", {{"count", count}}));
+  *out = SumOfSquares(x, count);
+  return absl::OkStatus();
+}
+absl::Status AdamWEntry(const AdamWArgs& args, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("adamw", {{"count", args.count}}));
+  if (args.count > 0 &&
+      (args.master == nullptr || args.grad == nullptr || args.m == nullptr || args.v == nullptr)) {
+    return absl::InvalidArgumentError("adamw: a null master, grad, m or v pointer");
+  }
+  AdamWUpdate(args);
+  return absl::OkStatus();
+}
+absl::Status SynchronizeEntry(Stream) { return absl::OkStatus(); }
+absl::StatusOr<void*> AllocateEntry(size_t bytes) {
+  constexpr size_t kAlign = 64;
+  void* p =
+      bytes > std::numeric_limits<size_t>::max() - (kAlign - 1)
+          ? nullptr  // the rounding up would wrap around
+          : std::aligned_alloc(kAlign, std::max(kAlign, (bytes + kAlign - 1) / kAlign * kAlign));
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("allocating ", bytes, " bytes of host memory"));
+  }
+  return p;
+}
+void DeallocateEntry(void* p) { std::free(p); }
+
+}  // namespace
+
+const LayerOps kLayerOps = {
+    .embedding_forward = &EmbeddingForwardEntry,
+    .embedding_backward = &EmbeddingBackwardEntry,
+    .rmsnorm_forward = &RmsNormForwardEntry,
+    .rmsnorm_backward = &RmsNormBackwardEntry,
+    .attention_forward = &AttentionForwardEntry,
+    .attention_backward = &AttentionBackwardEntry,
+    .gelu_forward = &GeluForwardEntry,
+    .gelu_backward = &GeluBackwardEntry,
+    .residual_forward = &ResidualForwardEntry,
+    .residual_backward = &ResidualBackwardEntry,
+    .cross_entropy_forward = &CrossEntropyForwardEntry,
+    .cross_entropy_backward = &CrossEntropyBackwardEntry,
+    .fill = &FillEntry,
+    .copy = &CopyEntry,
+    .transpose = &TransposeEntry,
+    .transpose_bytes = &TransposeBytesEntry,
+    .split_heads = &SplitHeadsEntry,
+    .join_heads = &JoinHeadsEntry,
+    .sum_squares = &SumSquaresEntry,
+    .adamw = &AdamWEntry,
+    .synchronize = &SynchronizeEntry,
+    .allocate = &AllocateEntry,
+    .deallocate = &DeallocateEntry,
+};
+
+}  // namespace cpu_internal
+
+}  // namespace fp8rt::kernels

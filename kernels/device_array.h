@@ -1,0 +1,113 @@
+// DeviceArray<T>: an owned array of trivially copyable T in memory a backend's ops can use
+// (LayerOps::allocate: host memory for the CPU, managed memory for CUDA), with the parts of the
+// std::vector interface the model and the optimizer need. Element access from the host
+// (operator[], begin/end, assign) is plain memory access: on CUDA it is valid only after the
+// stream that last wrote the array has been synchronised (LayerOps::synchronize). Movable, not
+// copyable (copies go through LayerOps::copy or an explicit loop), not thread-safe.
+//
+// Allocation failures abort with the size and backend named (FP8RT_CHECK): the model sizes its
+// arrays once, at start-up or when the micro-batch changes, and cannot continue without them.
+#ifndef FP8RT_KERNELS_DEVICE_ARRAY_H_
+#define FP8RT_KERNELS_DEVICE_ARRAY_H_
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+
+#include "kernels/ops.h"
+#include "runtime/core/check.h"
+
+namespace fp8rt::kernels {
+
+template <typename T>
+class DeviceArray {
+  static_assert(std::is_trivially_copyable_v<T>);
+
+ public:
+  // An empty array of the CPU backend; assign a backend's array to it to change that.
+  DeviceArray() : ops_(&CpuOps()) {}
+  explicit DeviceArray(const OpTable& ops, size_t count = 0, T value = T{}) : ops_(&ops) {
+    assign(count, value);
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& o) noexcept
+      : ops_(o.ops_), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+  DeviceArray& operator=(DeviceArray&& o) noexcept {
+    if (this != &o) {
+      Release();
+      ops_ = o.ops_;
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+    }
+    return *this;
+  }
+  ~DeviceArray() { Release(); }
+
+  const OpTable& ops() const { return *ops_; }
+  T* data() { return data_; }
+  const T* data() const { return data_; }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  T* begin() { return data_; }
+  T* end() { return data_ + size_; }
+  const T* begin() const { return data_; }
+  const T* end() const { return data_ + size_; }
+  T& operator[](size_t i) { return data_[i]; }
+  const T& operator[](size_t i) const { return data_[i]; }
+
+  // `count` elements of `ops`'s backend, of unspecified value: the memory is kept when backend
+  // and size are unchanged (a buffer reused every step), otherwise replaced.
+  void Reset(const OpTable& ops, size_t count) {
+    if (ops_ != &ops) {
+      Release();
+      ops_ = &ops;
+    }
+    resize_uninitialized(count);
+  }
+  // `count` elements, each `value` (written by the host).
+  void assign(size_t count, T value) {
+    resize_uninitialized(count);
+    std::fill_n(data_, count, value);
+  }
+  // `count` elements; the first min(size(), count) keep their values, the rest are T{}.
+  void resize(size_t count) {
+    if (count == size_) return;
+    DeviceArray next(*ops_);
+    next.resize_uninitialized(count);
+    const size_t kept = std::min(size_, count);
+    if (kept > 0) std::memcpy(next.data_, data_, kept * sizeof(T));
+    std::fill(next.data_ + kept, next.data_ + count, T{});
+    *this = std::move(next);
+  }
+
+ private:
+  // `count` elements of unspecified value (keeps the memory when the size is unchanged).
+  void resize_uninitialized(size_t count) {
+    if (count == size_ && data_ != nullptr) return;
+    Release();
+    FP8RT_CHECK(count <= std::numeric_limits<size_t>::max() / sizeof(T))
+        << "DeviceArray of " << count << " elements of " << sizeof(T) << " bytes overflows";
+    absl::StatusOr<void*> p = ops_->layer->allocate(std::max<size_t>(count, 1) * sizeof(T));
+    FP8RT_CHECK(p.ok()) << "DeviceArray of " << count << " elements on the " << ops_->name
+                        << " backend: " << p.status();
+    data_ = static_cast<T*>(*p);
+    size_ = count;
+  }
+  void Release() {
+    if (data_ != nullptr) ops_->layer->deallocate(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+
+  const OpTable* ops_;
+  T* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace fp8rt::kernels
+
+#endif  // FP8RT_KERNELS_DEVICE_ARRAY_H_

@@ -1,0 +1,832 @@
+// The CUDA layer-op table (CudaOps()->layer, kernels/cuda/layer_ops_cuda.cu) against the CPU
+// table's entries (CpuOps().layer, the reference of kernels/layer_ops.h) on the same inputs. The
+// attention and cross-entropy entries are not covered here (kernels/cuda/attention_cuda.cu).
+//
+// Index:
+//   EmbeddingTest (TEST_P)   n x V x C incl. few distinct tokens (long runs of repeats): forward
+//                            and backward onto a pre-filled dtable, bit for bit
+//   RmsNormTest (TEST_P)     N x C: forward (out, rstd), backward onto pre-filled dx and dweight,
+//                            within the bounds below; backward reruns are bit for bit
+//   GeluTest (TEST_P)        sizes: forward, backward onto pre-filled dx, within the bounds below
+//   ElementwiseTest (TEST_P) sizes: residual forward (also in place, out = a and out = b) and
+//                            backward, fill, copy, adamw: bit for bit
+//   SumSquaresTest (TEST_P)  counts incl. 0: within the bounds below; reruns bit for bit
+//   SumSquaresSpecialsTest   a NaN or an Inf anywhere gives a non-finite sum
+//   TransposeTest, HeadsTest (TEST_P)  random bit patterns (NaN payloads included), bit for bit
+//   ArgumentTest             host pointers refused with InvalidArgument naming the buffer, nothing
+//                            launched (outputs keep their poison), the context still healthy
+//   AllocateTest             allocate gives memory the ops accept and the host reads after
+//                            synchronize (0 bytes too); a failure is ResourceExhausted naming the
+//                            size and is not reported again by the next launch
+//   NoDeviceArgumentTest     needs no GPU, runs everywhere: negative sizes and null pointers are
+//                            refused naming the argument before any CUDA call; empty ops succeed;
+//                            every entry of the table is set
+//
+// Element sizes go past the kernels' persistent grids (at most 8 blocks of 256 threads per SM,
+// ~270k threads on an H200), and shapes are odd and not multiples of the 32-wide tiles or of the
+// 256-thread blocks. Every op runs on a stream of the test's own.
+//
+// Tolerances (u = 2^-24, the FP32 unit roundoff; gamma_k <= 1.01 k u for the k used here, Higham,
+// "Accuracy and Stability of Numerical Algorithms", section 3.1). "Bit for bit" treats two NaNs as
+// equal where arithmetic makes them (the GPU writes the canonical NaN, the host keeps a payload);
+// pure moves (embedding, copy, fill, transpose, heads) must keep every bit, payloads included.
+//   rmsnorm_forward: the row sum of squares adds the same rounded squares in another order. The
+//     CPU adds them in index order (error <= gamma_{C-1} S), the GPU in ceil(C/256) strided terms
+//     per thread then an 8-level tree (gamma_{ceil(C/256)+8} S), so the two sums differ by at most
+//     d = 1.01 (C + ceil(C/256) + 8) u relative. rstd = 1/sqrt(S/C + eps) halves a relative error
+//     in S, and each of its four roundings may go another way: |rstd_gpu - rstd_cpu| <=
+//     (d/2 + 6u) rstd. out = (x rstd) w adds two roundings: (d/2 + 8u) |x w rstd|.
+//   rmsnorm_backward (both sides given the same rstd): gx = sum_c dout w x is signed, so with
+//     G = sum_c |dout w x| its two sums differ by at most 1.01 (C + ceil(C/256) + 8) u G; that
+//     moves coef = rstd^3 gx / C by rstd^3 of it / C, and dx by |x| times that, plus a rounding of
+//     each of dx's three terms that may go another way (4u of their magnitudes). dweight: the CPU
+//     adds the N terms dout x rstd onto dweight in row order (gamma_N), the GPU 32 lane sums of
+//     ceil(N/32) terms, then the lanes in order and dweight (gamma_{ceil(N/32)+33}): at most
+//     1.01 (N + ceil(N/32) + 33) u (|dweight_0| + sum_n |dout x rstd|).
+//   gelu: the same operations but tanhf, whose CUDA version is within 2 ulp of tanh (CUDA Math API,
+//     tanhf) and glibc's within 2-3 ulp: |dtanh| <= 8 ulp <= 2^-20 |tanh u| (+ 2^-146 near 0).
+//     Forward: 0.5 |x| dtanh plus 2 roundings of the (possibly different) result, 2^-22
+//     0.5 |x| (1 + |tanh|). Backward: the gradient moves by 0.5 dtanh + |x tanh du| dtanh
+//     (through tanh^2) plus 4 roundings of its terms' magnitudes A = 0.5 (1 + |tanh|),
+//     B = 0.5 |x| (1 + tanh^2) |du|; dx by |dout| times that plus 2 roundings of |dx_0| +
+//     |dout| (A + B).
+//   sum_squares (FP64, U = 2^-53): the squares are exact in FP64 and all >= 0, so against the
+//     exact sum S (long double, compensated) the GPU is within 1.01 (ceil(count/1024) + 10) U S
+//     (per-thread sums, then a 10-level tree) and the CPU within 1.01 (count - 1) U S: the GPU is
+//     checked against S with its own bound and against the CPU with the sum of both.
+//     kernels/layer_ops.h promises "within 1e-15 relative of the CPU"; that cannot hold for large
+//     counts, because the CPU's own index-order sum is off by up to (count - 1) U (typically
+//     ~sqrt(count) U / 3, 3e-14 at a million values), so this test holds it to the bound instead.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_ops_internal.h"
+#include "kernels/layer_ops.h"
+#include "kernels/ops.h"
+#include "tests/gpu/gpu_test_support.h"
+
+namespace fp8rt::kernels {
+namespace {
+
+constexpr double kU = 0x1p-24;  // FP32 unit roundoff
+constexpr double kU64 = 0x1p-53;
+
+using gpu_test::CudaStreamTest;
+using gpu_test::DeviceBuffer;
+using gpu_test::Download;
+using gpu_test::Upload;
+
+uint32_t Bits(float x) { return std::bit_cast<uint32_t>(x); }
+float FromBits(uint32_t b) { return std::bit_cast<float>(b); }
+
+// --- comparisons ---------------------------------------------------------------------------------
+
+// Every bit, NaN payloads included (pure data movement).
+void ExpectBitsEqual(const std::vector<float>& gpu, const std::vector<float>& cpu,
+                     const std::string& what) {
+  ASSERT_EQ(gpu.size(), cpu.size()) << what;
+  int64_t bad = 0;
+  std::string first;
+  for (size_t i = 0; i < gpu.size(); ++i) {
+    if (Bits(gpu[i]) != Bits(cpu[i]) && bad++ == 0) {
+      first = absl::StrCat("first at ", i, ": gpu ", gpu[i], " (bits ", Bits(gpu[i]), "), cpu ",
+                           cpu[i], " (bits ", Bits(cpu[i]), ")");
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << gpu.size() << " differ; " << first;
+}
+
+// Every bit, except that any NaN equals any NaN (arithmetic results).
+void ExpectSameValues(const std::vector<float>& gpu, const std::vector<float>& cpu,
+                      const std::string& what) {
+  ASSERT_EQ(gpu.size(), cpu.size()) << what;
+  int64_t bad = 0;
+  std::string first;
+  for (size_t i = 0; i < gpu.size(); ++i) {
+    const bool same = Bits(gpu[i]) == Bits(cpu[i]) || (std::isnan(gpu[i]) && std::isnan(cpu[i]));
+    if (!same && bad++ == 0) {
+      first = absl::StrCat("first at ", i, ": gpu ", gpu[i], " (bits ", Bits(gpu[i]), "), cpu ",
+                           cpu[i], " (bits ", Bits(cpu[i]), ")");
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << gpu.size() << " differ; " << first;
+}
+
+// |gpu - cpu| <= tol[i] for finite values; Inf and NaN must be the same on both sides.
+void ExpectWithin(const std::vector<float>& gpu, const std::vector<float>& cpu,
+                  const std::vector<double>& tol, const std::string& what) {
+  ASSERT_EQ(gpu.size(), cpu.size()) << what;
+  int64_t bad = 0;
+  std::string first;
+  for (size_t i = 0; i < gpu.size(); ++i) {
+    // Non-finite values must match exactly (any NaN matching any NaN).
+    const bool finite = std::isfinite(gpu[i]) && std::isfinite(cpu[i]);
+    const bool ok = finite ? std::abs(static_cast<double>(gpu[i]) - cpu[i]) <= tol[i]
+                           : gpu[i] == cpu[i] || (std::isnan(gpu[i]) && std::isnan(cpu[i]));
+    if (!ok && bad++ == 0) {
+      first = absl::StrCat("first at ", i, ": gpu ", gpu[i], ", cpu ", cpu[i], ", |diff| ",
+                           std::abs(static_cast<double>(gpu[i]) - cpu[i]), " > tol ", tol[i]);
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << gpu.size() << " out of bounds; " << first;
+}
+
+// --- data ----------------------------------------------------------------------------------------
+
+std::vector<float> Normal(int64_t n, uint32_t seed, float scale) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) v = normal(rng);
+  return x;
+}
+
+// Any 32-bit pattern: every class of float, NaNs with payloads.
+std::vector<float> RandomBits(int64_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<float> x(static_cast<size_t>(n));
+  for (float& v : x) v = FromBits(rng());
+  return x;
+}
+
+// Mostly normal values, one in `special_every` a special (signed zero, denormal, huge, Inf, NaN).
+std::vector<float> WithSpecials(std::vector<float> x, uint32_t seed, int special_every) {
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            std::numeric_limits<float>::denorm_min(),
+                            -FromBits(0x00345678u),
+                            3e38f,
+                            -3e38f,
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN()};
+  std::mt19937 rng(seed);
+  for (float& v : x) {
+    if (static_cast<int>(rng() % static_cast<uint32_t>(special_every)) == 0) {
+      v = specials[rng() % std::size(specials)];
+    }
+  }
+  return x;
+}
+
+std::vector<int32_t> Tokens(int64_t n, int64_t v, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int32_t& x : t) x = static_cast<int32_t>(rng() % static_cast<uint32_t>(v));
+  return t;
+}
+
+// --- fixture -------------------------------------------------------------------------------------
+
+// Skips without a usable device, with the reason (fails instead under FP8RT_REQUIRE_GPU=1); runs
+// the ops on a stream of its own.
+class LayerOpsCudaTest : public CudaStreamTest {
+ protected:
+  void SetUp() override {
+    CudaStreamTest::SetUp();
+    if (Stopped()) return;
+    gpu_ = cuda_ops_->layer;
+  }
+  // Waits through the table's synchronize entry (not CudaStreamTest's cudaStreamSynchronize: the
+  // entry is under test too) and fails on any CUDA error (sticky included).
+  void Sync() {
+    const absl::Status s = gpu_->synchronize(stream());
+    ASSERT_TRUE(s.ok()) << s;
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  }
+  void ExpectOk(const absl::Status& s) { EXPECT_TRUE(s.ok()) << s; }
+
+  const LayerOps& cpu_ = *CpuOps().layer;
+  const LayerOps* gpu_ = nullptr;
+};
+
+// --- embedding -----------------------------------------------------------------------------------
+
+struct EmbeddingShape {
+  int64_t n, v, c;
+};
+
+class EmbeddingTest : public LayerOpsCudaTest,
+                      public ::testing::WithParamInterface<EmbeddingShape> {};
+
+TEST_P(EmbeddingTest, ForwardAndBackwardAreBitForBit) {
+  const auto [n, v, c] = GetParam();
+  const std::vector<int32_t> tokens = Tokens(n, v, 1);
+  const std::vector<float> table = Normal(v * c, 2, 1.0f);
+  const std::vector<float> dout = Normal(n * c, 3, 1.0f);
+  const std::vector<float> dtable0 = Normal(v * c, 4, 0.1f);  // accumulated onto
+
+  std::vector<float> out(static_cast<size_t>(n * c)), dtable = dtable0;
+  ExpectOk(cpu_.embedding_forward(out.data(), tokens.data(), table.data(), n, v, c, {}));
+  ExpectOk(cpu_.embedding_backward(dtable.data(), dout.data(), tokens.data(), n, v, c, {}));
+
+  auto d_tokens = Upload(tokens);
+  auto d_table = Upload(table);
+  auto d_dout = Upload(dout);
+  auto d_dtable = Upload(dtable0);
+  DeviceBuffer d_out(out.size() * sizeof(float));
+  ExpectOk(
+      gpu_->embedding_forward(d_out.f(), d_tokens.as<int32_t>(), d_table.f(), n, v, c, stream()));
+  ExpectOk(gpu_->embedding_backward(d_dtable.f(), d_dout.f(), d_tokens.as<int32_t>(), n, v, c,
+                                    stream()));
+  Sync();
+  ExpectBitsEqual(Download<float>(d_out, out.size()), out, "forward out");
+  // Same bits as the CPU's row-order scatter-add: the order of every element's additions is n.
+  ExpectBitsEqual(Download<float>(d_dtable, dtable.size()), dtable, "backward dtable");
+}
+
+// Few distinct tokens make long runs of repeats (the order of additions matters); V > n leaves
+// rows of the table untouched (they must keep the pre-filled values).
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, EmbeddingTest,
+    ::testing::Values(EmbeddingShape{1, 1, 1}, EmbeddingShape{5, 2, 3}, EmbeddingShape{37, 11, 257},
+                      EmbeddingShape{300, 50, 768}, EmbeddingShape{2049, 7, 65},
+                      EmbeddingShape{4000, 3001, 129}, EmbeddingShape{3000, 1, 300}));
+
+// --- RMSNorm -------------------------------------------------------------------------------------
+
+struct RowShape {
+  int64_t n, c;
+};
+
+class RmsNormTest : public LayerOpsCudaTest, public ::testing::WithParamInterface<RowShape> {};
+
+TEST_P(RmsNormTest, WithinTheSumOrderBounds) {
+  const auto [n, c] = GetParam();
+  constexpr float kEps = 1e-5f;
+  const size_t nc = static_cast<size_t>(n * c);
+  const std::vector<float> x = Normal(n * c, 11, 2.0f);
+  const std::vector<float> w = Normal(c, 12, 1.0f);
+  const std::vector<float> dout = Normal(n * c, 13, 1.0f);
+  const std::vector<float> dx0 = Normal(n * c, 14, 0.5f);
+  const std::vector<float> dw0 = Normal(c, 15, 0.5f);
+
+  std::vector<float> out(nc), rstd(static_cast<size_t>(n)), dx = dx0, dw = dw0;
+  ExpectOk(cpu_.rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), n, c, kEps, {}));
+  ExpectOk(cpu_.rmsnorm_backward(dx.data(), dw.data(), dout.data(), x.data(), w.data(), rstd.data(),
+                                 n, c, {}));
+
+  auto d_x = Upload(x);
+  auto d_w = Upload(w);
+  auto d_dout = Upload(dout);
+  auto d_rstd_cpu = Upload(rstd);  // the backward of both sides runs on the same rstd
+  DeviceBuffer d_out(nc * sizeof(float)), d_rstd(rstd.size() * sizeof(float));
+  ExpectOk(gpu_->rmsnorm_forward(d_out.f(), d_rstd.f(), d_x.f(), d_w.f(), n, c, kEps, stream()));
+  std::vector<float> gpu_dx[2], gpu_dw[2];
+  for (int run = 0; run < 2; ++run) {
+    auto d_dx = Upload(dx0);
+    auto d_dw = Upload(dw0);
+    ExpectOk(gpu_->rmsnorm_backward(d_dx.f(), d_dw.f(), d_dout.f(), d_x.f(), d_w.f(),
+                                    d_rstd_cpu.f(), n, c, stream()));
+    Sync();
+    gpu_dx[run] = Download<float>(d_dx, nc);
+    gpu_dw[run] = Download<float>(d_dw, dw.size());
+  }
+  // A fixed order of additions: reruns are identical.
+  ExpectBitsEqual(gpu_dx[1], gpu_dx[0], "dx rerun");
+  ExpectBitsEqual(gpu_dw[1], gpu_dw[0], "dweight rerun");
+
+  // Forward bounds (header).
+  const double d = 1.01 * static_cast<double>(c + (c + 255) / 256 + 8) * kU;
+  std::vector<double> tol_rstd(rstd.size()), tol_out(nc);
+  for (int64_t r = 0; r < n; ++r) {
+    tol_rstd[r] = (d / 2 + 6 * kU) * rstd[r];
+    for (int64_t j = 0; j < c; ++j) {
+      const double mag = std::abs(static_cast<double>(x[r * c + j]) * w[j] * rstd[r]);
+      tol_out[r * c + j] = (d / 2 + 8 * kU) * mag + 0x1p-148;
+    }
+  }
+  ExpectWithin(Download<float>(d_rstd, rstd.size()), rstd, tol_rstd, "forward rstd");
+  ExpectWithin(Download<float>(d_out, nc), out, tol_out, "forward out");
+
+  // Backward bounds (header).
+  std::vector<double> tol_dx(nc), tol_dw(dw.size());
+  std::vector<double> dw_mag(dw.size());
+  for (size_t j = 0; j < dw.size(); ++j) dw_mag[j] = std::abs(static_cast<double>(dw0[j]));
+  for (int64_t r = 0; r < n; ++r) {
+    const double rs = rstd[r];
+    double g_abs = 0.0, gx = 0.0;
+    for (int64_t j = 0; j < c; ++j) {
+      const double t = static_cast<double>(dout[r * c + j]) * w[j] * x[r * c + j];
+      g_abs += std::abs(t);
+      gx += t;
+      dw_mag[j] += std::abs(static_cast<double>(dout[r * c + j]) * x[r * c + j] * rs);
+    }
+    const double dgx = d * g_abs;
+    const double coef = rs * rs * rs * gx / static_cast<double>(c);
+    for (int64_t j = 0; j < c; ++j) {
+      const size_t i = static_cast<size_t>(r * c + j);
+      const double terms = std::abs(static_cast<double>(dx0[i])) + std::abs(rs * dout[i] * w[j]) +
+                           std::abs(coef * x[i]);
+      tol_dx[i] =
+          rs * rs * rs * std::abs(static_cast<double>(x[i])) * dgx / c + 4 * kU * terms + 0x1p-148;
+    }
+  }
+  for (size_t j = 0; j < dw.size(); ++j) {
+    tol_dw[j] = 1.01 * static_cast<double>(n + (n + 31) / 32 + 33) * kU * dw_mag[j] + 0x1p-148;
+  }
+  ExpectWithin(gpu_dx[0], dx, tol_dx, "backward dx");
+  ExpectWithin(gpu_dw[0], dw, tol_dw, "backward dweight");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormTest,
+                         ::testing::Values(RowShape{1, 1}, RowShape{3, 7}, RowShape{37, 255},
+                                           RowShape{64, 256}, RowShape{129, 257},
+                                           RowShape{1000, 768}, RowShape{7, 4099},
+                                           RowShape{5000, 33}));
+
+// --- element-wise --------------------------------------------------------------------------------
+
+class SizeTest : public LayerOpsCudaTest, public ::testing::WithParamInterface<int64_t> {};
+
+using GeluTest = SizeTest;
+
+TEST_P(GeluTest, WithinTheTanhBounds) {
+  const int64_t n = GetParam();
+  const size_t sz = static_cast<size_t>(n);
+  // N(0, 3) covers both tails of tanh; a few specials (NaN, Inf, huge, denormals) ride along.
+  const std::vector<float> x = WithSpecials(Normal(n, 21, 3.0f), 22, 997);
+  const std::vector<float> dout = Normal(n, 23, 1.0f);
+  const std::vector<float> dx0 = Normal(n, 24, 1.0f);
+  std::vector<float> out(sz), dx = dx0;
+  ExpectOk(cpu_.gelu_forward(out.data(), x.data(), n, {}));
+  ExpectOk(cpu_.gelu_backward(dx.data(), dout.data(), x.data(), n, {}));
+
+  auto d_x = Upload(x);
+  auto d_dout = Upload(dout);
+  auto d_dx = Upload(dx0);
+  DeviceBuffer d_out(sz * sizeof(float));
+  ExpectOk(gpu_->gelu_forward(d_out.f(), d_x.f(), n, stream()));
+  ExpectOk(gpu_->gelu_backward(d_dx.f(), d_dout.f(), d_x.f(), n, stream()));
+  Sync();
+
+  const double scale = std::sqrt(2.0 / 3.14159265358979323846);
+  std::vector<double> tol_out(sz), tol_dx(sz);
+  for (size_t i = 0; i < sz; ++i) {
+    const double xi = x[i];
+    const double th = std::tanh(scale * (xi + 0.044715 * xi * xi * xi));
+    const double du = scale * (1.0 + 3.0 * 0.044715 * xi * xi);
+    const double dth = 0x1p-20 * std::abs(th) + 0x1p-146;
+    tol_out[i] =
+        0.5 * std::abs(xi) * dth + 0x1p-22 * 0.5 * std::abs(xi) * (1 + std::abs(th)) + 0x1p-148;
+    const double a = 0.5 * (1 + std::abs(th));
+    const double b = 0.5 * std::abs(xi) * (1 + th * th) * std::abs(du);
+    const double dgrad = 0.5 * dth + std::abs(xi * th * du) * dth + 4 * kU * (a + b);
+    tol_dx[i] = std::abs(static_cast<double>(dout[i])) * dgrad +
+                2 * kU * (std::abs(static_cast<double>(dx0[i])) + std::abs(dout[i]) * (a + b)) +
+                0x1p-148;
+  }
+  ExpectWithin(Download<float>(d_out, sz), out, tol_out, "gelu forward");
+  ExpectWithin(Download<float>(d_dx, sz), dx, tol_dx, "gelu backward");
+}
+
+using ElementwiseTest = SizeTest;
+
+TEST_P(ElementwiseTest, ResidualIsBitForBitAlsoInPlace) {
+  const int64_t n = GetParam();
+  const size_t sz = static_cast<size_t>(n);
+  const std::vector<float> a = WithSpecials(Normal(n, 31, 2.0f), 32, 101);
+  const std::vector<float> b = WithSpecials(Normal(n, 33, 2.0f), 34, 103);
+  const std::vector<float> dout = WithSpecials(Normal(n, 35, 1.0f), 36, 107);
+  std::vector<float> out(sz), da = a, db = b;  // the backward accumulates onto a and b's values
+  ExpectOk(cpu_.residual_forward(out.data(), a.data(), b.data(), n, {}));
+  ExpectOk(cpu_.residual_backward(da.data(), db.data(), dout.data(), n, {}));
+
+  auto d_a = Upload(a);
+  auto d_b = Upload(b);
+  auto d_dout = Upload(dout);
+  DeviceBuffer d_out(sz * sizeof(float));
+  ExpectOk(gpu_->residual_forward(d_out.f(), d_a.f(), d_b.f(), n, stream()));
+  Sync();
+  ExpectSameValues(Download<float>(d_out, sz), out, "forward");
+  // In place: out = a, then (on fresh copies) out = b.
+  auto d_a2 = Upload(a);
+  auto d_b2 = Upload(b);
+  ExpectOk(gpu_->residual_forward(d_a2.f(), d_a2.f(), d_b.f(), n, stream()));
+  ExpectOk(gpu_->residual_forward(d_b2.f(), d_a.f(), d_b2.f(), n, stream()));
+  Sync();
+  ExpectSameValues(Download<float>(d_a2, sz), out, "forward, out = a");
+  ExpectSameValues(Download<float>(d_b2, sz), out, "forward, out = b");
+
+  ExpectOk(gpu_->residual_backward(d_a.f(), d_b.f(), d_dout.f(), n, stream()));
+  Sync();
+  ExpectSameValues(Download<float>(d_a, sz), da, "backward da");
+  ExpectSameValues(Download<float>(d_b, sz), db, "backward db");
+}
+
+TEST_P(ElementwiseTest, FillAndCopyKeepEveryBit) {
+  const int64_t n = GetParam();
+  const size_t sz = static_cast<size_t>(n);
+  DeviceBuffer d_x(sz * sizeof(float));
+  for (float value : {0.0f, -0.0f, 1.5f, std::numeric_limits<float>::denorm_min(),
+                      -std::numeric_limits<float>::infinity(), FromBits(0x7FC12345u)}) {
+    ExpectOk(gpu_->fill(d_x.f(), value, n, stream()));
+    Sync();
+    ExpectBitsEqual(Download<float>(d_x, sz), std::vector<float>(sz, value),
+                    absl::StrCat("fill with bits ", Bits(value)));
+  }
+  const std::vector<float> src = RandomBits(n, 41);
+  auto d_src = Upload(src);
+  ExpectOk(gpu_->copy(d_x.f(), d_src.f(), n, stream()));
+  Sync();
+  std::vector<float> cpu_dst(sz);
+  ExpectOk(cpu_.copy(cpu_dst.data(), src.data(), n, {}));
+  ExpectBitsEqual(Download<float>(d_x, sz), cpu_dst, "copy");
+}
+
+TEST_P(ElementwiseTest, AdamWIsBitForBit) {
+  const int64_t n = GetParam();
+  const size_t sz = static_cast<size_t>(n);
+  const std::vector<float> master = WithSpecials(Normal(n, 51, 0.05f), 52, 1009);
+  const std::vector<float> grad = WithSpecials(Normal(n, 53, 1e-3f), 54, 211);
+  const std::vector<float> m = Normal(n, 55, 1e-3f);
+  std::vector<float> v = Normal(n, 56, 1e-3f);
+  for (float& x : v) x = x * x;
+  // Step 10 of lr 3e-4, weight decay 0.1, betas (0.9, 0.95), clipped by 0.7; the scalars as the
+  // optimizer computes them (FP64 on the host, rounded once).
+  AdamWArgs k;
+  k.count = n;
+  k.lr = 3e-4f;
+  k.decay = static_cast<float>(3e-4 * 0.1);
+  k.clip_scale = 0.7f;
+  k.beta1 = 0.9f;
+  k.one_minus_beta1 = static_cast<float>(1.0 - 0.9);
+  k.beta2 = 0.95f;
+  k.one_minus_beta2 = static_cast<float>(1.0 - 0.95);
+  k.bias1 = static_cast<float>(1.0 - std::pow(0.9, 10));
+  k.bias2 = static_cast<float>(1.0 - std::pow(0.95, 10));
+  k.eps = 1e-8f;
+
+  std::vector<float> c_master = master, c_m = m, c_v = v;
+  AdamWArgs ck = k;
+  ck.master = c_master.data();
+  ck.grad = grad.data();
+  ck.m = c_m.data();
+  ck.v = c_v.data();
+  ExpectOk(cpu_.adamw(ck, {}));
+
+  auto d_master = Upload(master);
+  auto d_grad = Upload(grad);
+  auto d_m = Upload(m);
+  auto d_v = Upload(v);
+  AdamWArgs gk = k;
+  gk.master = d_master.f();
+  gk.grad = d_grad.f();
+  gk.m = d_m.f();
+  gk.v = d_v.f();
+  ExpectOk(gpu_->adamw(gk, stream()));
+  Sync();
+  ExpectSameValues(Download<float>(d_master, sz), c_master, "master");
+  ExpectSameValues(Download<float>(d_m, sz), c_m, "m");
+  ExpectSameValues(Download<float>(d_v, sz), c_v, "v");
+  ExpectBitsEqual(Download<float>(d_grad, sz), grad, "grad (read only)");
+}
+
+// 1, a warp, a block and its neighbours, more than one wave of the persistent grid.
+INSTANTIATE_TEST_SUITE_P(Sizes, GeluTest, ::testing::Values(1, 7, 255, 256, 257, 100003, 3000001));
+INSTANTIATE_TEST_SUITE_P(Sizes, ElementwiseTest,
+                         ::testing::Values(1, 7, 255, 256, 257, 100003, 3000001));
+
+// --- sum of squares ------------------------------------------------------------------------------
+
+// The exact sum of squares (each square exact in double; compensated long double sum).
+double ExactSumOfSquares(const std::vector<float>& x) {
+  long double sum = 0.0L, comp = 0.0L;
+  for (float f : x) {
+    const long double t = static_cast<long double>(static_cast<double>(f) * f);
+    const long double s = sum + t;
+    comp += std::abs(sum) >= t ? (sum - s) + t : (t - s) + sum;
+    sum = s;
+  }
+  return static_cast<double>(sum + comp);
+}
+
+using SumSquaresTest = SizeTest;
+
+TEST_P(SumSquaresTest, WithinTheSumOrderBounds) {
+  const int64_t count = GetParam();
+  // Half N(0, 3), half log-uniform over 2^-30..2^30: squares across many binades.
+  std::vector<float> x = Normal(count, 61, 3.0f);
+  std::mt19937 rng(62);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  for (size_t i = 1; i < x.size(); i += 2) x[i] = std::exp2(unit(rng) * 60.0f - 30.0f);
+  double cpu = -1.0;
+  ExpectOk(cpu_.sum_squares(x.data(), count, &cpu, {}));
+  const double exact = ExactSumOfSquares(x);
+
+  auto d_x = Upload(x);
+  DeviceBuffer d_out(sizeof(double));  // poisoned: count 0 must still write 0
+  double gpu[2];
+  for (double& g : gpu) {
+    ExpectOk(gpu_->sum_squares(d_x.f(), count, d_out.as<double>(), stream()));
+    Sync();
+    g = Download<double>(d_out, 1)[0];
+  }
+  EXPECT_EQ(std::bit_cast<uint64_t>(gpu[0]), std::bit_cast<uint64_t>(gpu[1])) << "rerun";
+  if (count == 0) {
+    EXPECT_EQ(std::bit_cast<uint64_t>(gpu[0]), 0u) << gpu[0];
+    EXPECT_EQ(cpu, 0.0);
+    return;
+  }
+  const double gpu_bound = 1.01 * static_cast<double>((count + 1023) / 1024 + 10) * kU64 * exact;
+  const double cpu_bound = 1.01 * static_cast<double>(count - 1) * kU64 * exact;
+  EXPECT_LE(std::abs(gpu[0] - exact), gpu_bound) << "gpu " << gpu[0] << " exact " << exact;
+  EXPECT_LE(std::abs(gpu[0] - cpu), gpu_bound + cpu_bound) << "gpu " << gpu[0] << " cpu " << cpu;
+}
+
+INSTANTIATE_TEST_SUITE_P(Counts, SumSquaresTest,
+                         ::testing::Values(0, 1, 1023, 1024, 1025, 4097, 3000001));
+
+class SumSquaresSpecialsTest : public LayerOpsCudaTest {};
+
+TEST_F(SumSquaresSpecialsTest, NanOrInfAnywhereGivesANonFiniteSum) {
+  constexpr int64_t kCount = 100003;
+  DeviceBuffer d_out(sizeof(double));
+  for (float special :
+       {std::numeric_limits<float>::quiet_NaN(), FromBits(0xFFC00123u),
+        std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
+    for (int64_t at : {int64_t{0}, int64_t{1023}, int64_t{50000}, kCount - 1}) {
+      std::vector<float> x = Normal(kCount, 71, 1.0f);
+      x[static_cast<size_t>(at)] = special;
+      auto d_x = Upload(x);
+      ExpectOk(gpu_->sum_squares(d_x.f(), kCount, d_out.as<double>(), stream()));
+      Sync();
+      const double gpu = Download<double>(d_out, 1)[0];
+      EXPECT_FALSE(std::isfinite(gpu)) << special << " at " << at << ": " << gpu;
+      if (std::isnan(special)) {
+        EXPECT_TRUE(std::isnan(gpu)) << "at " << at << ": " << gpu;
+      }
+    }
+  }
+  // And finite data well below the FP64 range stays finite: the largest floats square to 1e77.
+  std::vector<float> big(kCount, std::numeric_limits<float>::max());
+  auto d_big = Upload(big);
+  ExpectOk(gpu_->sum_squares(d_big.f(), kCount, d_out.as<double>(), stream()));
+  Sync();
+  EXPECT_TRUE(std::isfinite(Download<double>(d_out, 1)[0]));
+}
+
+// --- layout --------------------------------------------------------------------------------------
+
+class TransposeTest : public LayerOpsCudaTest, public ::testing::WithParamInterface<RowShape> {};
+
+TEST_P(TransposeTest, KeepsEveryBit) {
+  const auto [rows, cols] = GetParam();
+  const size_t sz = static_cast<size_t>(rows * cols);
+  const std::vector<float> src = RandomBits(rows * cols, 81);
+  std::vector<float> dst(sz);
+  ExpectOk(cpu_.transpose(dst.data(), src.data(), rows, cols, {}));
+  auto d_src = Upload(src);
+  DeviceBuffer d_dst(sz * sizeof(float));
+  ExpectOk(gpu_->transpose(d_dst.f(), d_src.f(), rows, cols, stream()));
+  Sync();
+  ExpectBitsEqual(Download<float>(d_dst, sz), dst, "transpose");
+}
+
+TEST_P(TransposeTest, BytesKeepEveryBit) {
+  const auto [rows, cols] = GetParam();
+  const size_t sz = static_cast<size_t>(rows * cols);
+  std::vector<uint8_t> src(sz);
+  std::mt19937 rng(83);
+  for (uint8_t& b : src) b = static_cast<uint8_t>(rng());
+  std::vector<uint8_t> dst(sz);
+  ExpectOk(cpu_.transpose_bytes(dst.data(), src.data(), rows, cols, {}));
+  auto d_src = Upload(src);
+  DeviceBuffer d_dst(sz);
+  ExpectOk(gpu_->transpose_bytes(d_dst.as<uint8_t>(), d_src.as<uint8_t>(), rows, cols, stream()));
+  Sync();
+  EXPECT_EQ(Download<uint8_t>(d_dst, sz), dst) << "transpose_bytes " << rows << " x " << cols;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, TransposeTest,
+                         ::testing::Values(RowShape{1, 1}, RowShape{1, 77}, RowShape{77, 1},
+                                           RowShape{31, 33}, RowShape{32, 32}, RowShape{257, 1023},
+                                           RowShape{2000, 3001}));
+
+struct HeadsShape {
+  int64_t n, heads, dh;
+};
+
+class HeadsTest : public LayerOpsCudaTest, public ::testing::WithParamInterface<HeadsShape> {};
+
+TEST_P(HeadsTest, SplitAndJoinKeepEveryBit) {
+  const auto [n, heads, dh] = GetParam();
+  const size_t part = static_cast<size_t>(n * heads * dh);
+  const std::vector<float> qkv = RandomBits(n * heads * 3 * dh, 91);
+  std::vector<float> q(part), k(part), v(part);
+  ExpectOk(cpu_.split_heads(q.data(), k.data(), v.data(), qkv.data(), n, heads, dh, {}));
+  auto d_qkv = Upload(qkv);
+  DeviceBuffer d_q(part * sizeof(float)), d_k(part * sizeof(float)), d_v(part * sizeof(float));
+  ExpectOk(gpu_->split_heads(d_q.f(), d_k.f(), d_v.f(), d_qkv.f(), n, heads, dh, stream()));
+  Sync();
+  ExpectBitsEqual(Download<float>(d_q, part), q, "split q");
+  ExpectBitsEqual(Download<float>(d_k, part), k, "split k");
+  ExpectBitsEqual(Download<float>(d_v, part), v, "split v");
+
+  // Join from independent parts (not the split's output, so that a swapped q/k/v shows).
+  const std::vector<float> q2 = RandomBits(static_cast<int64_t>(part), 92);
+  const std::vector<float> k2 = RandomBits(static_cast<int64_t>(part), 93);
+  const std::vector<float> v2 = RandomBits(static_cast<int64_t>(part), 94);
+  std::vector<float> joined(qkv.size());
+  ExpectOk(cpu_.join_heads(joined.data(), q2.data(), k2.data(), v2.data(), n, heads, dh, {}));
+  auto d_q2 = Upload(q2);
+  auto d_k2 = Upload(k2);
+  auto d_v2 = Upload(v2);
+  DeviceBuffer d_joined(qkv.size() * sizeof(float));
+  ExpectOk(gpu_->join_heads(d_joined.f(), d_q2.f(), d_k2.f(), d_v2.f(), n, heads, dh, stream()));
+  Sync();
+  ExpectBitsEqual(Download<float>(d_joined, qkv.size()), joined, "join");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, HeadsTest,
+                         ::testing::Values(HeadsShape{1, 1, 1}, HeadsShape{3, 2, 5},
+                                           HeadsShape{17, 12, 64}, HeadsShape{513, 3, 33},
+                                           HeadsShape{1000, 16, 128}));
+
+// --- arguments -----------------------------------------------------------------------------------
+
+class ArgumentTest : public LayerOpsCudaTest {};
+
+// Expects InvalidArgument whose message names `field`.
+void ExpectRefused(const absl::Status& s, const std::string& field) {
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find(field), std::string::npos) << s;
+}
+
+TEST_F(ArgumentTest, HostPointersAreRefusedBeforeAnyLaunch) {
+  constexpr int64_t kN = 64;
+  std::vector<float> host(kN, 1.0f);
+  std::vector<int32_t> host_tokens(kN, 0);
+  DeviceBuffer out(kN * sizeof(float)), a(kN * sizeof(float)), table(kN * sizeof(float));
+  DeviceBuffer tokens(kN * sizeof(int32_t));
+  ASSERT_EQ(cudaMemset(tokens.as(), 0, kN * sizeof(int32_t)), cudaSuccess);
+  const std::vector<float> poison = Download<float>(out, kN);
+
+  ExpectRefused(gpu_->embedding_forward(out.f(), host_tokens.data(), table.f(), kN, 1, 1, stream()),
+                "tokens is not device memory");
+  ExpectRefused(
+      gpu_->embedding_backward(host.data(), out.f(), tokens.as<int32_t>(), kN, 1, 1, stream()),
+      "dtable is not device memory");
+  ExpectRefused(gpu_->residual_forward(out.f(), host.data(), a.f(), kN, stream()),
+                "a is not device memory");
+  ExpectRefused(gpu_->rmsnorm_forward(out.f(), a.f(), out.f(), host.data(), 1, kN, 1e-5f, stream()),
+                "weight is not device memory");
+  ExpectRefused(gpu_->transpose(out.f(), host.data(), 8, 8, stream()), "src is not device memory");
+  ExpectRefused(gpu_->copy(out.f(), host.data(), kN, stream()), "src is not device memory");
+  double host_sum = 0.0;
+  ExpectRefused(gpu_->sum_squares(a.f(), kN, &host_sum, stream()), "out is not device memory");
+  AdamWArgs k;
+  k.master = out.f();
+  k.grad = a.f();
+  k.m = host.data();
+  k.v = table.f();
+  k.count = kN;
+  ExpectRefused(gpu_->adamw(k, stream()), "m is not device memory");
+  Sync();
+  // Nothing ran: the output still holds its poison, and the context still works.
+  ExpectBitsEqual(Download<float>(out, kN), poison, "untouched output");
+  ExpectOk(gpu_->fill(out.f(), 2.0f, kN, stream()));
+  Sync();
+  ExpectBitsEqual(Download<float>(out, kN), std::vector<float>(kN, 2.0f), "fill after refusals");
+}
+
+// --- memory --------------------------------------------------------------------------------------
+
+class AllocateTest : public LayerOpsCudaTest {};
+
+TEST_F(AllocateTest, GivesMemoryTheOpsAcceptAndTheHostReadsAfterSynchronize) {
+  for (size_t count : {size_t{0}, size_t{1}, size_t{1000003}}) {
+    absl::StatusOr<void*> p = gpu_->allocate(count * sizeof(float));
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_NE(*p, nullptr) << count;
+    auto* x = static_cast<float*>(*p);
+    ExpectOk(gpu_->fill(x, 3.5f, static_cast<int64_t>(count), stream()));  // passes the check
+    Sync();
+    int64_t bad = 0;
+    for (size_t i = 0; i < count; ++i) bad += Bits(x[i]) != Bits(3.5f);  // host access
+    EXPECT_EQ(bad, 0) << count;
+    gpu_->deallocate(*p);
+  }
+  gpu_->deallocate(nullptr);
+}
+
+TEST_F(AllocateTest, FailureIsResourceExhaustedNamingTheSizeAndBlamesNoLaterLaunch) {
+  const size_t huge = size_t{1} << 52;  // beyond the 47-bit user address space of x86-64
+  absl::StatusOr<void*> p = gpu_->allocate(huge);
+  ASSERT_FALSE(p.ok());
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted) << p.status();
+  EXPECT_NE(std::string(p.status().message()).find(std::to_string(huge)), std::string::npos)
+      << p.status();
+  DeviceBuffer b(64 * sizeof(float));
+  ExpectOk(gpu_->fill(b.f(), 1.0f, 64, stream()));
+  Sync();
+}
+
+// These need no device: every check below runs before the first CUDA call. They go through the
+// CUDA table itself (cuda_internal::kLayerOps), which CudaOps() only hands out with a device.
+TEST(NoDeviceArgumentTest, EveryEntryIsSet) {
+  const LayerOps& t = cuda_internal::kLayerOps;
+  const void* entries[] = {
+      reinterpret_cast<const void*>(t.embedding_forward),
+      reinterpret_cast<const void*>(t.embedding_backward),
+      reinterpret_cast<const void*>(t.rmsnorm_forward),
+      reinterpret_cast<const void*>(t.rmsnorm_backward),
+      reinterpret_cast<const void*>(t.attention_forward),
+      reinterpret_cast<const void*>(t.attention_backward),
+      reinterpret_cast<const void*>(t.gelu_forward),
+      reinterpret_cast<const void*>(t.gelu_backward),
+      reinterpret_cast<const void*>(t.residual_forward),
+      reinterpret_cast<const void*>(t.residual_backward),
+      reinterpret_cast<const void*>(t.cross_entropy_forward),
+      reinterpret_cast<const void*>(t.cross_entropy_backward),
+      reinterpret_cast<const void*>(t.fill),
+      reinterpret_cast<const void*>(t.copy),
+      reinterpret_cast<const void*>(t.transpose),
+      reinterpret_cast<const void*>(t.transpose_bytes),
+      reinterpret_cast<const void*>(t.split_heads),
+      reinterpret_cast<const void*>(t.join_heads),
+      reinterpret_cast<const void*>(t.sum_squares),
+      reinterpret_cast<const void*>(t.adamw),
+      reinterpret_cast<const void*>(t.synchronize),
+      reinterpret_cast<const void*>(t.allocate),
+      reinterpret_cast<const void*>(t.deallocate),
+  };
+  static_assert(sizeof(LayerOps) == sizeof(entries), "a LayerOps entry is missing here");
+  for (size_t i = 0; i < std::size(entries); ++i) EXPECT_NE(entries[i], nullptr) << "entry " << i;
+}
+
+TEST(NoDeviceArgumentTest, NegativeSizesAreRefusedNamingTheArgument) {
+  const LayerOps& t = cuda_internal::kLayerOps;
+  const Stream s{};
+  ExpectRefused(t.embedding_forward(nullptr, nullptr, nullptr, -1, 1, 1, s), "n is -1");
+  ExpectRefused(t.embedding_forward(nullptr, nullptr, nullptr, 1, -2, 1, s), "v is -2");
+  ExpectRefused(t.embedding_backward(nullptr, nullptr, nullptr, 1, 1, -3, s), "c is -3");
+  ExpectRefused(t.rmsnorm_forward(nullptr, nullptr, nullptr, nullptr, -1, 4, 1e-5f, s), "n is -1");
+  ExpectRefused(t.rmsnorm_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 4, -5, s),
+                "c is -5");
+  ExpectRefused(t.gelu_forward(nullptr, nullptr, -1, s), "n is -1");
+  ExpectRefused(t.gelu_backward(nullptr, nullptr, nullptr, -1, s), "n is -1");
+  ExpectRefused(t.residual_forward(nullptr, nullptr, nullptr, -1, s), "n is -1");
+  ExpectRefused(t.residual_backward(nullptr, nullptr, nullptr, -1, s), "n is -1");
+  ExpectRefused(t.fill(nullptr, 0.0f, -7, s), "n is -7");
+  ExpectRefused(t.copy(nullptr, nullptr, -1, s), "n is -1");
+  ExpectRefused(t.transpose(nullptr, nullptr, 3, -4, s), "cols is -4");
+  ExpectRefused(t.split_heads(nullptr, nullptr, nullptr, nullptr, 2, -1, 4, s), "heads is -1");
+  ExpectRefused(t.join_heads(nullptr, nullptr, nullptr, nullptr, 2, 1, -4, s), "dh is -4");
+  ExpectRefused(t.sum_squares(nullptr, -1, nullptr, s), "count is -1");
+  AdamWArgs k;
+  k.count = -1;
+  ExpectRefused(t.adamw(k, s), "count is -1");
+  // rmsnorm_forward over no channels: the mean is 0 / 0 (the CPU aborts on it).
+  ExpectRefused(t.rmsnorm_forward(nullptr, nullptr, nullptr, nullptr, 2, 0, 1e-5f, s), "c is 0");
+}
+
+TEST(NoDeviceArgumentTest, NullPointersWithWorkAreRefusedNamingThem) {
+  const LayerOps& t = cuda_internal::kLayerOps;
+  const Stream s{};
+  float dummy = 0.0f;  // never dereferenced: the null check comes first
+  float* p = &dummy;
+  ExpectRefused(t.residual_forward(p, p, nullptr, 4, s), "b is null");
+  ExpectRefused(t.embedding_backward(p, p, nullptr, 4, 2, 2, s), "tokens is null");
+  ExpectRefused(t.sum_squares(p, 0, nullptr, s), "out is null");  // count 0 still writes *out
+  AdamWArgs k;
+  k.count = 3;
+  k.master = p;
+  k.grad = p;
+  k.m = p;
+  ExpectRefused(t.adamw(k, s), "v is null");
+}
+
+TEST(NoDeviceArgumentTest, EmptyOpsSucceedWithoutTouchingAnything) {
+  const LayerOps& t = cuda_internal::kLayerOps;
+  const Stream s{};
+  EXPECT_TRUE(t.embedding_forward(nullptr, nullptr, nullptr, 0, 5, 3, s).ok());
+  EXPECT_TRUE(t.embedding_backward(nullptr, nullptr, nullptr, 4, 5, 0, s).ok());
+  EXPECT_TRUE(t.rmsnorm_forward(nullptr, nullptr, nullptr, nullptr, 0, 8, 1e-5f, s).ok());
+  EXPECT_TRUE(
+      t.rmsnorm_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 8, s).ok());
+  EXPECT_TRUE(t.gelu_forward(nullptr, nullptr, 0, s).ok());
+  EXPECT_TRUE(t.gelu_backward(nullptr, nullptr, nullptr, 0, s).ok());
+  EXPECT_TRUE(t.residual_forward(nullptr, nullptr, nullptr, 0, s).ok());
+  EXPECT_TRUE(t.residual_backward(nullptr, nullptr, nullptr, 0, s).ok());
+  EXPECT_TRUE(t.fill(nullptr, 1.0f, 0, s).ok());
+  EXPECT_TRUE(t.copy(nullptr, nullptr, 0, s).ok());
+  EXPECT_TRUE(t.transpose(nullptr, nullptr, 0, 9, s).ok());
+  EXPECT_TRUE(t.split_heads(nullptr, nullptr, nullptr, nullptr, 3, 0, 4, s).ok());
+  EXPECT_TRUE(t.join_heads(nullptr, nullptr, nullptr, nullptr, 0, 2, 4, s).ok());
+  EXPECT_TRUE(t.adamw(AdamWArgs{}, s).ok());
+}
+
+}  // namespace
+}  // namespace fp8rt::kernels
