@@ -12,8 +12,10 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <span>
 #include <thread>
 #include <utility>
 
@@ -25,6 +27,64 @@ namespace fp8rt::parallel {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// A buffer of one collective, as the device sees it. Device-addressable memory (cudaMalloc,
+// managed, pinned) is used as it is; plain host memory (the step loop's control values: a loss,
+// a gradient norm, flags, checkpoint verdicts) is staged through stream-ordered device memory:
+// copied in before the collective when it is an input, copied back after it when it is an output
+// (both enqueued on the communicator's stream, so Finish waits for them), freed at destruction.
+class Staged {
+ public:
+  Staged() = default;
+  Staged(const Staged&) = delete;
+  Staged& operator=(const Staged&) = delete;
+  ~Staged() {
+    if (staged_ != nullptr) (void)cudaFreeAsync(staged_, stream_);
+  }
+
+  // `p` holds `bytes` bytes; `in`: the collective reads it (copied to the device first).
+  absl::Status Init(const void* p, size_t bytes, bool in, cudaStream_t stream) {
+    host_ = const_cast<void*>(p);
+    bytes_ = bytes;
+    stream_ = stream;
+    if (p == nullptr || bytes == 0 || DeviceAddressable(p)) return absl::OkStatus();
+    CUDA_RETURN_IF_ERROR(cudaMallocAsync(&staged_, bytes, stream));
+    if (in)
+      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged_, p, bytes, cudaMemcpyHostToDevice, stream));
+    return absl::OkStatus();
+  }
+  void* device() const { return staged_ != nullptr ? staged_ : host_; }
+  // For an output: enqueues the copy back to the host buffer (nothing when not staged).
+  absl::Status CopyOut() {
+    if (staged_ == nullptr) return absl::OkStatus();
+    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_, staged_, bytes_, cudaMemcpyDeviceToHost, stream_));
+    return absl::OkStatus();
+  }
+
+ private:
+  static bool DeviceAddressable(const void* p) {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();  // not a pointer CUDA knows: host memory
+      return false;
+    }
+    return a.type != cudaMemoryTypeUnregistered;
+  }
+
+  void* host_ = nullptr;
+  void* staged_ = nullptr;
+  size_t bytes_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
+// Bytes of the span [0, max_p(displs[p] + counts[p])) of an all-to-all buffer.
+size_t Extent(std::span<const int64_t> counts, std::span<const int64_t> displs, size_t elem) {
+  int64_t end = 0;
+  for (size_t p = 0; p < counts.size(); ++p) {
+    if (counts[p] > 0) end = std::max(end, displs[p] + counts[p]);
+  }
+  return static_cast<size_t>(end) * elem;
+}
 
 ncclDataType_t ToNccl(DType dtype) {
   switch (dtype) {
@@ -182,9 +242,14 @@ absl::Status NcclCommunicator::DoAllReduce(void* buf, int64_t count, DType dtype
   FP8RT_RETURN_IF_ERROR(Begin());
   if (count == 0) return absl::OkStatus();  // same count on every rank: all skip together
   const auto deadline = Clock::now() + options_.timeout;
-  return Finish(FP8RT_NCCL_ENQUEUE(ncclAllReduce(buf, buf, static_cast<size_t>(count),
-                                                 ToNccl(dtype), ToNccl(op), comm_, stream_)),
-                deadline, "ncclAllReduce");
+  Staged b;
+  absl::Status status = b.Init(buf, static_cast<size_t>(Bytes(count, dtype)), true, stream_);
+  if (status.ok()) {
+    status = FP8RT_NCCL_ENQUEUE(ncclAllReduce(b.device(), b.device(), static_cast<size_t>(count),
+                                              ToNccl(dtype), ToNccl(op), comm_, stream_));
+  }
+  if (status.ok()) status = b.CopyOut();
+  return Finish(status, deadline, "ncclAllReduce");
 }
 
 absl::Status NcclCommunicator::DoAllGather(const void* send, int64_t count, void* recv,
@@ -192,9 +257,16 @@ absl::Status NcclCommunicator::DoAllGather(const void* send, int64_t count, void
   FP8RT_RETURN_IF_ERROR(Begin());
   if (count == 0) return absl::OkStatus();
   const auto deadline = Clock::now() + options_.timeout;
-  return Finish(FP8RT_NCCL_ENQUEUE(ncclAllGather(send, recv, static_cast<size_t>(count),
-                                                 ToNccl(dtype), comm_, stream_)),
-                deadline, "ncclAllGather");
+  const size_t bytes = static_cast<size_t>(Bytes(count, dtype));
+  Staged s, r;
+  absl::Status status = s.Init(send, bytes, true, stream_);
+  if (status.ok()) status = r.Init(recv, bytes * static_cast<size_t>(size()), false, stream_);
+  if (status.ok()) {
+    status = FP8RT_NCCL_ENQUEUE(ncclAllGather(s.device(), r.device(), static_cast<size_t>(count),
+                                              ToNccl(dtype), comm_, stream_));
+  }
+  if (status.ok()) status = r.CopyOut();
+  return Finish(status, deadline, "ncclAllGather");
 }
 
 absl::Status NcclCommunicator::DoReduceScatter(const void* send, void* recv, int64_t recv_count,
@@ -202,9 +274,17 @@ absl::Status NcclCommunicator::DoReduceScatter(const void* send, void* recv, int
   FP8RT_RETURN_IF_ERROR(Begin());
   if (recv_count == 0) return absl::OkStatus();
   const auto deadline = Clock::now() + options_.timeout;
-  return Finish(FP8RT_NCCL_ENQUEUE(ncclReduceScatter(send, recv, static_cast<size_t>(recv_count),
-                                                     ToNccl(dtype), ToNccl(op), comm_, stream_)),
-                deadline, "ncclReduceScatter");
+  const size_t bytes = static_cast<size_t>(Bytes(recv_count, dtype));
+  Staged s, r;
+  absl::Status status = s.Init(send, bytes * static_cast<size_t>(size()), true, stream_);
+  if (status.ok()) status = r.Init(recv, bytes, false, stream_);
+  if (status.ok()) {
+    status = FP8RT_NCCL_ENQUEUE(ncclReduceScatter(s.device(), r.device(),
+                                                  static_cast<size_t>(recv_count), ToNccl(dtype),
+                                                  ToNccl(op), comm_, stream_));
+  }
+  if (status.ok()) status = r.CopyOut();
+  return Finish(status, deadline, "ncclReduceScatter");
 }
 
 absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int64_t> send_counts,
@@ -215,11 +295,15 @@ absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int
   const auto deadline = Clock::now() + options_.timeout;
   const size_t elem = DTypeSize(dtype);
   const ncclDataType_t type = ToNccl(dtype);
-  const auto* send_bytes = static_cast<const char*>(send);
-  auto* recv_bytes = static_cast<char*>(recv);
+  Staged s, r;
+  absl::Status status = s.Init(send, Extent(send_counts, send_displs, elem), true, stream_);
+  if (status.ok()) status = r.Init(recv, Extent(recv_counts, recv_displs, elem), false, stream_);
+  if (!status.ok()) return Finish(status, deadline, "staging host buffers");
+  const auto* send_bytes = static_cast<const char*>(s.device());
+  auto* recv_bytes = static_cast<char*>(r.device());
   // One group of point-to-point calls: NCCL schedules them together, so the order of peers
   // cannot deadlock. Empty transfers are skipped on both sides (counts agree pairwise).
-  absl::Status status = FP8RT_NCCL_ENQUEUE(ncclGroupStart());
+  status = FP8RT_NCCL_ENQUEUE(ncclGroupStart());
   if (status.ok()) {
     for (int peer = 0; peer < size() && status.ok(); ++peer) {
       const size_t p = static_cast<size_t>(peer);
@@ -238,6 +322,7 @@ absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int
     const absl::Status end = FP8RT_NCCL_ENQUEUE(ncclGroupEnd());
     if (status.ok()) status = end;
   }
+  if (status.ok()) status = r.CopyOut();
   return Finish(status, deadline, "ncclSend/ncclRecv group");
 }
 
@@ -245,9 +330,14 @@ absl::Status NcclCommunicator::DoBroadcast(void* buf, int64_t count, DType dtype
   FP8RT_RETURN_IF_ERROR(Begin());
   if (count == 0) return absl::OkStatus();
   const auto deadline = Clock::now() + options_.timeout;
-  return Finish(FP8RT_NCCL_ENQUEUE(ncclBroadcast(buf, buf, static_cast<size_t>(count),
-                                                 ToNccl(dtype), root, comm_, stream_)),
-                deadline, "ncclBroadcast");
+  Staged b;
+  absl::Status status = b.Init(buf, static_cast<size_t>(Bytes(count, dtype)), true, stream_);
+  if (status.ok()) {
+    status = FP8RT_NCCL_ENQUEUE(ncclBroadcast(b.device(), b.device(), static_cast<size_t>(count),
+                                              ToNccl(dtype), root, comm_, stream_));
+  }
+  if (status.ok()) status = b.CopyOut();
+  return Finish(status, deadline, "ncclBroadcast");
 }
 
 absl::Status NcclCommunicator::DoBarrier() {

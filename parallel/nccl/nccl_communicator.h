@@ -1,6 +1,8 @@
 // The NCCL backend of Communicator (GPU ranks, one CUDA device per process).
 //
-// Buffers passed to the collectives are device memory on the communicator's device. Each
+// Buffers passed to the collectives are device memory on the communicator's device (cudaMalloc,
+// managed or pinned); plain host memory is accepted too and staged through a temporary device
+// buffer (for the step loop's small control values: a loss, a norm, flags). Each
 // collective is enqueued on the communicator's own CUDA stream (stream()) and then waited for:
 // the call polls the stream and NCCL's asynchronous error state until the work is done, NCCL
 // reports an error, or the group's timeout passes. On a timeout or an asynchronous error the NCCL

@@ -186,6 +186,37 @@ TEST_P(NcclReduceTest, AllReduceOverOneRankIsTheInput) {
   EXPECT_EQ(world().stats().Calls(CollectiveOp::kAllReduce, dtype), 1);
 }
 
+// Plain host memory (the step loop's control values) is staged through device memory: every
+// collective gives the same result on host buffers, the guard elements after them untouched.
+TEST_F(NcclTest, HostBuffersAreStaged) {
+  const int64_t count = 37;
+  const std::vector<uint8_t> input = Values(DType::kF32, count, 5);
+  std::vector<uint8_t> buf = input;
+  ASSERT_TRUE(world().AllReduce(buf.data(), count, DType::kF32, ReduceOp::kSum).ok());
+  EXPECT_EQ(buf, input);
+  std::vector<uint8_t> recv = Sentinel(count + kGuard, DType::kF32);
+  ASSERT_TRUE(world().AllGather(input.data(), count, recv.data(), DType::kF32).ok());
+  std::vector<uint8_t> expected = input;
+  const std::vector<uint8_t> guard = Sentinel(kGuard, DType::kF32);
+  expected.insert(expected.end(), guard.begin(), guard.end());
+  EXPECT_EQ(recv, expected);
+  recv = Sentinel(count + kGuard, DType::kF32);
+  ASSERT_TRUE(
+      world().ReduceScatter(input.data(), recv.data(), count, DType::kF32, ReduceOp::kMax).ok());
+  EXPECT_EQ(recv, expected);
+  std::vector<uint8_t> root = input;
+  ASSERT_TRUE(world().Broadcast(root.data(), count, DType::kF32, 0).ok());
+  EXPECT_EQ(root, input);
+  // One buffer on the device, the other on the host.
+  DevicePtr dev = ToDevice(input);
+  ASSERT_NE(dev, nullptr);
+  recv = Sentinel(count + kGuard, DType::kF32);
+  const int64_t counts[1] = {count}, displs[1] = {0};
+  ASSERT_TRUE(
+      world().AllToAllV(dev.get(), counts, displs, recv.data(), counts, displs, DType::kF32).ok());
+  EXPECT_EQ(recv, expected);
+}
+
 TEST_P(NcclReduceTest, ReduceScatterOverOneRankCopiesItsBlockOnly) {
   const auto [dtype, op] = GetParam();
   const int64_t count = 777;
