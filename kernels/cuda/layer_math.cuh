@@ -8,6 +8,7 @@
 //   RmsNormSquare, RmsNormRstd, RmsNormOut               forward, per element and per row
 //   RmsNormGxTerm, RmsNormCoef, RmsNormDx, RmsNormDweightTerm   backward
 //   AdamWOne                       AdamWUpdate of one element
+//   kSumSquares*, SumSquaresBlocks, SumSquaresStrided   the grid and the order of sum_squares
 //
 // Every rounding is an explicit round-to-nearest intrinsic (__fadd_rn, __fsub_rn, __fmul_rn,
 // __fdiv_rn, __fsqrt_rn): nvcc never contracts those into a fused multiply-add, so each result is
@@ -17,6 +18,12 @@
 // around the RMSNorm functions add in another order on the GPU, and GELU calls the device tanhf,
 // which may differ from the host's by a few ulp (tests/gpu/layer_ops_cuda_test.cc bounds both).
 // A NaN result may carry another payload than on the host; it is a NaN on both.
+//
+// sum_squares is the exception to "mirror of the CPU": its FP64 sum runs in an order of its own,
+// defined below (the CPU adds in index order), the same on every GPU because the grid is a function
+// of the count alone. layer_math_host_test checks that order on the host: every element is added
+// exactly once, the chain and the trees are the documented ones, and the result is within the
+// order's error bound of the exact sum.
 //
 // These are __device__ functions (the _rn intrinsics are device-only in CUDA 13, so they could
 // not be __host__ __device__ without a second host body to keep in step). Like
@@ -121,6 +128,67 @@ __device__ __forceinline__ void AdamWOne(const AdamWArgs& k, float grad, float& 
   m = m_new;
   v = v_new;
   master = p;
+}
+
+// --- sum of squares (LayerOps::sum_squares) ------------------------------------------------------
+//
+// The order of the FP64 additions, fixed by the count alone (never by the device, so the result
+// has the same bits on every GPU), with T = kSumSquaresThreads and B = SumSquaresBlocks(count):
+//   pass 1  B blocks of T threads, G = B T threads in all. Global thread g = b T + t adds x[g]^2,
+//           x[g + G]^2, x[g + 2G]^2, ... in ascending order onto 0 (SumSquaresStrided). Block b
+//           then adds its T sums s[0..T) in a pairwise tree: for w = T/2, T/4, ..., 1, every
+//           t < w sets s[t] = s[t] + s[t + w]; s[0] is the block's partial p[b]. With B = 1 that is
+//           the result.
+//   pass 2  (B > 1) one block of T threads: thread t adds p[t], p[t + T], ... in ascending order
+//           onto 0, then the same tree; s[0] is the result.
+// Error: a square passes through at most h = ceil(count / G) + log2 T (+ ceil(B / T) + log2 T when
+// B > 1) additions, so the result is within gamma_h S of the exact sum S (all terms are >= 0;
+// Higham, "Accuracy and Stability of Numerical Algorithms", chapter 4): h is about count / 2^17,
+// against count - 1 for the CPU's index order.
+inline constexpr int kSumSquaresThreads = 256;  // threads per block, both passes; a power of two
+// Pass 1 never has more blocks than this: 512 blocks of 256 threads keep ~4 MB of loads in flight
+// (eight per thread), Little's law for an H200's ~4.8 TB/s at ~1 us of latency (sized, not
+// measured), and they are one wave on any GPU with 64 or more SMs that hold 8 such blocks each.
+inline constexpr int kSumSquaresMaxBlocks = 512;
+// One more block per this many elements, up to the cap: a small count pays for one block (and no
+// second pass), every thread of a multi-block grid has at least 8192 / 256 = 32 elements.
+inline constexpr int64_t kSumSquaresPerBlock = 8192;
+
+// B for `count` elements: ceil(count / kSumSquaresPerBlock), at least 1, at most
+// kSumSquaresMaxBlocks. Host code (the entry picks the grid with it).
+constexpr int SumSquaresBlocks(int64_t count) {
+  const int64_t blocks = count / kSumSquaresPerBlock + (count % kSumSquaresPerBlock > 0 ? 1 : 0);
+  if (blocks <= 1) return 1;
+  return blocks >= kSumSquaresMaxBlocks ? kSumSquaresMaxBlocks : static_cast<int>(blocks);
+}
+
+// x[first]^2 + x[first + stride]^2 + ... over the indices below count, added in ascending order
+// onto 0 in FP64: one thread's share of pass 1. Eight loads are in flight per step; the additions
+// stay in order. Each square of an FP32 value is exact in FP64 (at most 48 significant bits, and
+// 2^-298 <= x^2 < 2^256 for nonzero finite x), so whether the compiler fuses a multiply into its
+// add changes nothing. NaN and Inf propagate.
+__device__ __forceinline__ double SumSquaresStrided(const float* __restrict__ x, int64_t count,
+                                                    int64_t first, int64_t stride) {
+  double s = 0.0;
+  int64_t i = first;
+  for (; i + 7 * stride < count; i += 8 * stride) {
+    const double a0 = x[i], a1 = x[i + stride], a2 = x[i + 2 * stride], a3 = x[i + 3 * stride],
+                 a4 = x[i + 4 * stride], a5 = x[i + 5 * stride], a6 = x[i + 6 * stride],
+                 a7 = x[i + 7 * stride];
+    s += a0 * a0;
+    s += a1 * a1;
+    s += a2 * a2;
+    s += a3 * a3;
+    s += a4 * a4;
+    s += a5 * a5;
+    s += a6 * a6;
+    s += a7 * a7;
+  }
+  for (; i < count; i += stride) {
+    const double a = x[i];
+    s += a * a;
+  }
+  return s;
 }
 
 }  // namespace fp8rt::kernels::cuda_internal

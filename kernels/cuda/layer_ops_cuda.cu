@@ -1,13 +1,17 @@
 // The CUDA backend's layer-op table (LayerOps, kernels/layer_ops.h): every entry but attention and
 // cross-entropy, whose kernels live in kernels/cuda/attention_cuda.cu. Per-element arithmetic is
 // kernels/cuda/layer_math.cuh, a mirror of the CPU reference; what differs from the CPU is only
-// the order of the sums inside RMSNorm and sum_squares (fixed here, so reruns are bit for bit) and
+// the order of the sums inside RMSNorm (fixed here, so reruns are bit for bit), the order of
+// sum_squares (fixed by the count alone, layer_math.cuh, so its bits are the same on every GPU) and
 // the device tanhf in GELU. tests/gpu/layer_ops_cuda_test.cc compares every entry with the CPU.
 //
 // Index (kernels, then the entries that launch them):
 //   EmbeddingForwardKernel   flat copy of table rows
-//   EmbeddingBackwardKernel  one block per row of dout whose token occurs there first: it owns
-//                            that table row and adds every later row with the same token, in
+//   EmbeddingSortKeysKernel  embedding_backward, step 1: (token, row) pairs to sort, tokens
+//                            outside [0, V) mapped to one key past every valid one
+//   (cub::DeviceRadixSort)   step 2: a stable sort by token, so equal tokens keep ascending rows
+//   EmbeddingRunsKernel      step 3: one work item per run of equal tokens and 256-column tile:
+//                            it owns those columns of the table row and adds the run's rows in
 //                            ascending n (the CPU order: bit for bit, no atomics)
 //   RmsNormForwardKernel, RmsNormBackwardDxKernel   one block per row, block sum of the row
 //   RmsNormDweightKernel     32-column tiles, 32 row lanes each summing every 32nd row, lanes
@@ -16,20 +20,32 @@
 //   FillKernel, AdamWKernel  element-wise, grid-stride
 //   TransposeKernel          32 x 32 tiles through shared memory
 //   MoveHeadsKernel<split>   split_heads / join_heads, one thread per element of qkv
-//   SumSquaresKernel         one block of 1024 threads: FP64 strided partial sums, then a tree
+//   SumSquaresKernel         pass 1 of sum_squares: SumSquaresBlocks(count) blocks (at most 512,
+//                            fewer for small counts; the grid depends on the count alone) of 256
+//                            threads, FP64 grid-strided sums, a pairwise tree per block -> one
+//                            partial per block (or the result, with one block)
+//   SumPartialsKernel        pass 2: one block adds the partials in a fixed strided order and the
+//                            same tree. No atomics: the order is fixed (layer_math.cuh)
 //   allocate / deallocate    cudaMallocManaged / cudaFree (the table's memory, DeviceArray)
 //
 // Buffers: every pointer is device memory, checked before anything is launched (a null pointer
-// is refused when the op has work); nothing is allocated but by allocate, every launch goes on the
-// given stream, and no entry waits for it but synchronize (and deallocate: cudaFree waits). Token
-// ids outside [0, V) are the caller's to prevent: here they never make a kernel touch memory
-// outside the buffers (embedding_forward writes NaN rows for them, embedding_backward skips them),
-// so they cannot poison the context.
+// is refused when the op has work). Nothing is allocated but by allocate, except sum_squares'
+// block partials (at most 4 KB) and embedding_backward's sort buffers (24 bytes per token plus
+// CUB's scratch): stream-ordered scratch, cudaMallocAsync / cudaFreeAsync on the given stream
+// from the device's default pool, which neither waits nor races with the same op on other
+// streams. Every launch goes on the given stream, and no entry waits for it but synchronize
+// (and deallocate: cudaFree waits). Token ids outside [0, V) are the caller's to prevent: here
+// they never make a kernel touch memory outside the buffers (embedding_forward writes NaN rows for
+// them, embedding_backward skips them), so they cannot poison the context.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <bit>
+#include <cstddef>
 #include <cstdint>
+#include <cub/device/device_radix_sort.cuh>
 #include <initializer_list>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -46,9 +62,6 @@ namespace fp8rt::kernels::cuda_internal {
 namespace {
 
 constexpr int kThreads = 256;
-// sum_squares: one block of this many threads; its partial sums and their tree are the fixed
-// order of the FP64 reduction.
-constexpr int kSumThreads = 1024;
 // RmsNormDweightKernel: 32 columns x kDweightLanes row lanes per block.
 constexpr int kDweightLanes = 32;
 
@@ -94,39 +107,40 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Block b takes rows r = b, b + gridDim.x, ... of dout. Row r's token `tok` is owned by the block
-// of its first occurrence; that block adds the rows n >= r holding tok to dtable[tok, :] in
-// ascending n, each thread for its columns, with a read-modify-write of its own elements: exactly
-// the CPU's order of additions, and no other block writes that table row. Every warp scans the
-// tokens on its own, 32 at a time with a ballot, and reaches the same answers, so no barrier is
-// needed. Cost: O(n / 32) ballots per warp per row, fine for the tens of thousands of tokens of a
-// micro-batch.
+// keys[i] = tokens[i] where it is in [0, v), else `invalid` (> every valid token); rows[i] = i.
 __global__ void __launch_bounds__(kThreads)
-    EmbeddingBackwardKernel(float* __restrict__ dtable, const float* __restrict__ dout,
-                            const int32_t* __restrict__ tokens, int64_t n, int64_t v, int64_t c) {
-  const int lane = threadIdx.x & 31;
-  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
-    const int32_t tok = tokens[r];
-    if (tok < 0 || tok >= v) continue;
-    bool earlier = false;
-    for (int64_t base = 0; base < r && !earlier; base += 32) {
-      const int64_t i = base + lane;
-      earlier = __any_sync(0xFFFFFFFFu, i < r && tokens[i] == tok);
-    }
-    if (earlier) continue;
-    float* row = dtable + static_cast<int64_t>(tok) * c;
-    for (int64_t base = r; base < n; base += 32) {
-      const int64_t i = base + lane;
-      uint32_t hits = __ballot_sync(0xFFFFFFFFu, i < n && tokens[i] == tok);
-      while (hits != 0) {  // ascending n
-        const int64_t src = base + (__ffs(static_cast<int>(hits)) - 1);
-        hits &= hits - 1;
-        const float* d = dout + src * c;
-        for (int64_t col = threadIdx.x; col < c; col += blockDim.x) {
-          row[col] = AddF32(row[col], d[col]);
-        }
-      }
-    }
+    EmbeddingSortKeysKernel(uint32_t* __restrict__ keys, int64_t* __restrict__ rows,
+                            const int32_t* __restrict__ tokens, int64_t n, int64_t v,
+                            uint32_t invalid) {
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
+    const int64_t tok = tokens[i];
+    keys[i] = tok >= 0 && tok < v ? static_cast<uint32_t>(tok) : invalid;
+    rows[i] = i;
+  }
+}
+
+// keys, rows: the pairs sorted by key, stably, so a run of equal keys lists its rows of dout in
+// ascending order. Work item (i, tile), for i the first position of a run of a valid key tok,
+// owns columns [tile * kThreads, +kThreads) of dtable[tok, :]: each thread adds the run's rows to
+// its column in ascending n, exactly the CPU's order of additions, and no other item writes those
+// elements. Items at other positions return at once.
+__global__ void __launch_bounds__(kThreads)
+    EmbeddingRunsKernel(float* __restrict__ dtable, const float* __restrict__ dout,
+                        const uint32_t* __restrict__ keys, const int64_t* __restrict__ rows,
+                        int64_t n, int64_t c, uint32_t invalid) {
+  const int64_t tiles = (c + kThreads - 1) / kThreads;
+  for (int64_t item = blockIdx.x; item < n * tiles; item += gridDim.x) {
+    const int64_t i = item / tiles;
+    const uint32_t tok = keys[i];
+    if (tok == invalid || (i > 0 && keys[i - 1] == tok)) continue;
+    const int64_t col = (item - i * tiles) * kThreads + threadIdx.x;
+    if (col >= c) continue;
+    int64_t end = i + 1;
+    while (end < n && keys[end] == tok) ++end;
+    float* cell = dtable + static_cast<int64_t>(tok) * c + col;
+    float acc = *cell;
+    for (int64_t j = i; j < end; ++j) acc = AddF32(acc, dout[rows[j] * c + col]);
+    *cell = acc;
   }
 }
 
@@ -297,35 +311,37 @@ __global__ void __launch_bounds__(kThreads)
 
 // --- sum of squares ------------------------------------------------------------------------------
 
-// Thread t adds x[t], x[t + 1024], ... in ascending order (four loads in flight per step, the
-// additions still in that order), then a pairwise tree over the 1024 partial sums. Each square of
-// an FP32 value is exact in FP64 (48 significant bits), so whether the compiler fuses the
-// multiply into the add changes nothing. NaN and Inf propagate through every addition.
-__global__ void __launch_bounds__(kSumThreads)
-    SumSquaresKernel(const float* __restrict__ x, int64_t count, double* __restrict__ out) {
-  __shared__ double partial[kSumThreads];
-  const int t = threadIdx.x;
-  double s = 0.0;
-  int64_t i = t;
-  for (; i + 3 * kSumThreads < count; i += 4 * kSumThreads) {
-    const double a = x[i], b = x[i + kSumThreads], c = x[i + 2 * kSumThreads],
-                 d = x[i + 3 * kSumThreads];
-    s += a * a;
-    s += b * b;
-    s += c * c;
-    s += d * d;
-  }
-  for (; i < count; i += kSumThreads) {
-    const double a = x[i];
-    s += a * a;
-  }
-  partial[t] = s;
+// The pairwise tree of both passes over tree[0..kSumSquaresThreads), one value per thread written
+// before the call: for w = T/2, ..., 1, thread t < w adds tree[t + w] into tree[t]; returns with
+// the sum in tree[0]. Every thread must call it.
+__device__ __forceinline__ void PairwiseTreeF64(double* tree) {
   __syncthreads();
-  for (int width = kSumThreads / 2; width > 0; width >>= 1) {
-    if (t < width) partial[t] += partial[t + width];
+  for (int w = kSumSquaresThreads / 2; w > 0; w >>= 1) {
+    if (static_cast<int>(threadIdx.x) < w) tree[threadIdx.x] += tree[threadIdx.x + w];
     __syncthreads();
   }
-  if (t == 0) *out = partial[0];
+}
+
+// Pass 1 (layer_math.cuh): each thread its grid-strided elements, then the block's tree;
+// partial[blockIdx.x] = the block's sum (the result itself when the grid is one block).
+__global__ void __launch_bounds__(kSumSquaresThreads)
+    SumSquaresKernel(const float* __restrict__ x, int64_t count, double* __restrict__ partial) {
+  __shared__ double tree[kSumSquaresThreads];
+  tree[threadIdx.x] = SumSquaresStrided(x, count, GlobalThread(), GridThreads());
+  PairwiseTreeF64(tree);
+  if (threadIdx.x == 0) partial[blockIdx.x] = tree[0];
+}
+
+// Pass 2, one block: thread t adds partial[t], partial[t + T], ... in ascending order, then the
+// tree; *out = the sum.
+__global__ void __launch_bounds__(kSumSquaresThreads)
+    SumPartialsKernel(const double* __restrict__ partial, int blocks, double* __restrict__ out) {
+  __shared__ double tree[kSumSquaresThreads];
+  double s = 0.0;
+  for (int i = static_cast<int>(threadIdx.x); i < blocks; i += kSumSquaresThreads) s += partial[i];
+  tree[threadIdx.x] = s;
+  PairwiseTreeF64(tree);
+  if (threadIdx.x == 0) *out = tree[0];
 }
 
 // --- launch helpers ------------------------------------------------------------------------------
@@ -369,6 +385,23 @@ absl::StatusOr<dim3> GridOf(int64_t work_items, int threads = kThreads) {
 // One block per row (or item), kThreads threads each.
 absl::StatusOr<dim3> GridOfRows(int64_t rows) { return GridOf(rows * kThreads); }
 
+// Stream-ordered scratch for `op`: cudaMallocAsync of `bytes` on `stream`, from the device's
+// default pool, to be given back with cudaFreeAsync on the same stream once the work using it is
+// enqueued. ResourceExhausted when the device is out of memory, Internal for any other failure
+// (a device without memory pools); the error is cleared (it is not sticky) so that the next
+// launch's cudaGetLastError does not report it.
+absl::StatusOr<void*> AllocateOnStream(const char* op, size_t bytes, Stream stream) {
+  void* p = nullptr;
+  const cudaError_t err = cudaMallocAsync(&p, bytes, ToCuda(stream));
+  if (err == cudaSuccess) return p;
+  (void)cudaGetLastError();
+  const std::string what =
+      absl::StrCat(op, ": cudaMallocAsync of ", bytes, " bytes of scratch: ", cudaGetErrorName(err),
+                   " (", cudaGetErrorString(err), ")");
+  return err == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(what)
+                                          : absl::InternalError(what);
+}
+
 // --- entries -------------------------------------------------------------------------------------
 
 absl::Status EmbeddingForwardEntry(float* out, const int32_t* tokens, const float* table, int64_t n,
@@ -388,9 +421,47 @@ absl::Status EmbeddingBackwardEntry(float* dtable, const float* dout, const int3
   if (n == 0 || c == 0) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(
       CheckPointers(kOp, {{"dtable", dtable}, {"dout", dout}, {"tokens", tokens}}));
-  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOfRows(n));
-  return Launch(EmbeddingBackwardKernel, grid, dim3(kThreads), stream, dtable, dout, tokens, n, v,
-                c);
+  if (v == 0) return absl::OkStatus();  // no token is in [0, 0): nothing to add
+  // Valid tokens are int32 values below v, so below invalid = min(v, 2^31): that key sorts after
+  // every valid one and the sort needs only its bit width.
+  const auto invalid = static_cast<uint32_t>(std::min<int64_t>(v, int64_t{1} << 31));
+  const int end_bit = std::bit_width(invalid);
+  const cudaStream_t s = ToCuda(stream);
+  size_t sort_bytes = 0;  // a size query: no work is enqueued
+  CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
+      nullptr, sort_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+      static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr), n, 0, end_bit, s));
+  // One allocation, each part at a 256-byte boundary: keys and rows, before and after the sort,
+  // then CUB's scratch.
+  const auto aligned = [](size_t b) -> size_t { return (b + 255) / 256 * 256; };
+  const size_t key_bytes = aligned(static_cast<size_t>(n) * sizeof(uint32_t));
+  const size_t row_bytes = aligned(static_cast<size_t>(n) * sizeof(int64_t));
+  FP8RT_ASSIGN_OR_RETURN(
+      void* const scratch,
+      AllocateOnStream(kOp, 2 * key_bytes + 2 * row_bytes + aligned(sort_bytes), stream));
+  std::byte* const base = static_cast<std::byte*>(scratch);
+  auto* const keys_in = reinterpret_cast<uint32_t*>(base);
+  auto* const keys_out = reinterpret_cast<uint32_t*>(base + key_bytes);
+  auto* const rows_in = reinterpret_cast<int64_t*>(base + 2 * key_bytes);
+  auto* const rows_out = reinterpret_cast<int64_t*>(base + 2 * key_bytes + row_bytes);
+  void* const sort_scratch = base + 2 * key_bytes + 2 * row_bytes;
+  const absl::Status launched = [&]() -> absl::Status {
+    FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(n));
+    FP8RT_RETURN_IF_ERROR(Launch(EmbeddingSortKeysKernel, grid, dim3(kThreads), stream, keys_in,
+                                 rows_in, tokens, n, v, invalid));
+    size_t bytes = sort_bytes;
+    CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(sort_scratch, bytes, keys_in, keys_out,
+                                                         rows_in, rows_out, n, 0, end_bit, s));
+    FP8RT_ASSIGN_OR_RETURN(const dim3 runs_grid, GridOfRows(n * ((c + kThreads - 1) / kThreads)));
+    return Launch(EmbeddingRunsKernel, runs_grid, dim3(kThreads), stream, dtable, dout,
+                  static_cast<const uint32_t*>(keys_out), static_cast<const int64_t*>(rows_out), n,
+                  c, invalid);
+  }();
+  // Freed in stream order after whatever was enqueued, whether or not every step went through.
+  const cudaError_t freed = cudaFreeAsync(scratch, s);
+  FP8RT_RETURN_IF_ERROR(launched);
+  CUDA_RETURN_IF_ERROR(freed);
+  return absl::OkStatus();
 }
 
 absl::Status RmsNormForwardEntry(float* out, float* rstd, const float* x, const float* weight,
@@ -545,7 +616,26 @@ absl::Status SumSquaresEntry(const float* x, int64_t count, double* out, Stream 
     return absl::OkStatus();
   }
   FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"x", x}, {"out", out}}));
-  return Launch(SumSquaresKernel, dim3(1), dim3(kSumThreads), stream, x, count, out);
+  const int blocks = SumSquaresBlocks(count);
+  if (blocks == 1) {
+    return Launch(SumSquaresKernel, dim3(1), dim3(kSumSquaresThreads), stream, x, count, out);
+  }
+  // The partials live on the stream: allocated before pass 1, freed after pass 2 in stream order.
+  FP8RT_ASSIGN_OR_RETURN(
+      void* const scratch,
+      AllocateOnStream(kOp, static_cast<size_t>(blocks) * sizeof(double), stream));
+  auto* partial = static_cast<double*>(scratch);
+  const absl::Status launched = [&]() -> absl::Status {
+    FP8RT_RETURN_IF_ERROR(Launch(SumSquaresKernel, dim3(static_cast<unsigned>(blocks)),
+                                 dim3(kSumSquaresThreads), stream, x, count, partial));
+    return Launch(SumPartialsKernel, dim3(1), dim3(kSumSquaresThreads), stream,
+                  static_cast<const double*>(partial), blocks, out);
+  }();
+  // Freed in stream order after whatever was enqueued, whether or not both launches went through.
+  const cudaError_t freed = cudaFreeAsync(scratch, ToCuda(stream));
+  FP8RT_RETURN_IF_ERROR(launched);
+  CUDA_RETURN_IF_ERROR(freed);
+  return absl::OkStatus();
 }
 
 absl::Status AdamWEntry(const AdamWArgs& args, Stream stream) {

@@ -14,10 +14,14 @@
 // Index: AdamWOne over random elements and a grid of special values (zeros, denormals, huge
 // values, Inf, NaN) under several scalar sets; AddF32 as ResidualForward / ResidualBackward over
 // random bit patterns; GELU forward and backward over a dense range and random bit patterns;
-// RMSNorm forward and backward, the per-element functions driven in the CPU's order of sums.
-// Tolerances: none. NaN results are compared as "both NaN": which NaN payload an operation with
-// NaN operands returns depends on the order the compiler puts commutative operands in, which
-// neither backend promises.
+// RMSNorm forward and backward, the per-element functions driven in the CPU's order of sums;
+// sum_squares' grid and order (layer_math.cuh): the block count as a function of the count, each
+// thread's strided chain in ascending order, every element added exactly once, two sums derived by
+// hand from the documented order, and the order's error bound against the exact sum and the CPU.
+// Tolerances: none, but for the sum_squares bounds (derived where they are checked). NaN results
+// are compared as "both NaN": which NaN payload an operation with NaN operands returns depends on
+// the order the compiler puts commutative operands in, which neither backend promises.
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -293,6 +297,213 @@ TEST(LayerMathTest, RmsNormEqualsTheCpuReferenceInTheCpuSumOrder) {
     }
     for (int64_t j = 0; j < s.c; ++j) mm.Check(dev_dw[j], dw[j], "dweight " + std::to_string(j));
     EXPECT_EQ(mm.count, 0) << mm.first;
+  }
+}
+
+// --- sum of squares
+// ---------------------------------------------------------------------------------
+
+// tests/gpu/layer_ops_cuda_test.cc writes the documented order out with these constants (it
+// compiles against cuda_runtime.h and cannot include layer_math.cuh): change both together.
+static_assert(dev::kSumSquaresThreads == 256 && dev::kSumSquaresMaxBlocks == 512 &&
+                  dev::kSumSquaresPerBlock == 8192,
+              "update SumSquaresInTheDocumentedOrder in tests/gpu/layer_ops_cuda_test.cc");
+
+constexpr double kU64 = 0x1p-53;  // FP64 unit roundoff
+
+// The pairwise tree of PairwiseTreeF64 (kernels/cuda/layer_ops_cuda.cu), which synchronises a
+// block and so cannot run here: for w = T/2, ..., 1, s[t] = s[t] + s[t + w] for every t < w.
+double PairwiseTree(std::vector<double> s) {
+  for (size_t w = s.size() / 2; w > 0; w /= 2) {
+    for (size_t t = 0; t < w; ++t) s[t] = s[t] + s[t + w];
+  }
+  return s[0];
+}
+
+// sum_squares as the two kernels compute it: the kernel's own SumSquaresBlocks and
+// SumSquaresStrided for pass 1's chains, the documented trees and pass 2 around them.
+double KernelOrderSum(const float* x, int64_t count) {
+  const int64_t t_count = dev::kSumSquaresThreads;
+  const int64_t blocks = dev::SumSquaresBlocks(count);
+  const int64_t grid = blocks * t_count;
+  std::vector<double> partial(static_cast<size_t>(blocks));
+  std::vector<double> s(static_cast<size_t>(t_count));
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t t = 0; t < t_count; ++t) {
+      s[static_cast<size_t>(t)] = dev::SumSquaresStrided(x, count, b * t_count + t, grid);
+    }
+    partial[static_cast<size_t>(b)] = PairwiseTree(s);
+  }
+  if (blocks == 1) return partial[0];
+  for (int64_t t = 0; t < t_count; ++t) {
+    double chain = 0.0;
+    for (int64_t i = t; i < blocks; i += t_count) chain += partial[static_cast<size_t>(i)];
+    s[static_cast<size_t>(t)] = chain;
+  }
+  return PairwiseTree(s);
+}
+
+// The exact sum of squares (each square exact in double; compensated long double sum, whose
+// leftover error is far below one FP64 ulp of the sum).
+double ExactSumOfSquares(const float* x, int64_t count) {
+  long double sum = 0.0L, comp = 0.0L;
+  for (int64_t i = 0; i < count; ++i) {
+    const long double t = static_cast<long double>(static_cast<double>(x[i]) * x[i]);
+    const long double s = sum + t;
+    comp += std::abs(sum) >= t ? (sum - s) + t : (t - s) + sum;
+    sum = s;
+  }
+  return static_cast<double>(sum + comp);
+}
+
+// Additions a square passes through on its way to the result (layer_math.cuh): its chain in
+// pass 1, the block tree, and with more than one block the chain and tree of pass 2.
+int64_t KernelOrderDepth(int64_t count) {
+  const int64_t t_count = dev::kSumSquaresThreads;
+  const int64_t blocks = dev::SumSquaresBlocks(count);
+  const int64_t grid = blocks * t_count;
+  const int64_t tree = std::countr_zero(static_cast<uint64_t>(t_count));  // log2 T
+  int64_t depth = (count + grid - 1) / grid + tree;
+  if (blocks > 1) depth += (blocks + t_count - 1) / t_count + tree;
+  return depth;
+}
+
+// Counts on both sides of every change of the grid: one block up to 8192 elements, a block more
+// per 8192 up to 512 blocks (4194304 elements), then 512 blocks with ever longer chains; and
+// chains that end inside and after the eight-wide unrolled step.
+const int64_t kSumSquaresCounts[] = {
+    1,       7,      255,   256,    257,     2048,    2049,    8191,    8192,
+    8193,    16384,  16385, 262151, 1000003, 4194303, 4194304, 4194305, 4194304 + 131072 * 8,
+    5000011, 9000001};
+
+TEST(LayerMathTest, SumSquaresBlocksIsAFunctionOfTheCountAlone) {
+  // Written out from the rule: ceil(count / 8192), at least 1, at most 512.
+  struct Case {
+    int64_t count;
+    int blocks;
+  };
+  for (const Case& c : {Case{0, 1}, Case{1, 1}, Case{8191, 1}, Case{8192, 1}, Case{8193, 2},
+                        Case{16384, 2}, Case{16385, 3}, Case{262151, 33}, Case{4194303, 512},
+                        Case{4194304, 512}, Case{4194305, 512}, Case{int64_t{1} << 40, 512},
+                        Case{std::numeric_limits<int64_t>::max(), 512}}) {
+    EXPECT_EQ(dev::SumSquaresBlocks(c.count), c.blocks) << "count " << c.count;
+  }
+  static_assert(dev::SumSquaresBlocks(8193) == 2, "usable in constant expressions");
+  // Never fewer blocks for more elements, and never more than one block per 8192 elements (so a
+  // small count pays for a small grid).
+  int prev = 1;
+  for (int64_t count = 1; count <= 5000000; count += 997) {
+    const int b = dev::SumSquaresBlocks(count);
+    EXPECT_GE(b, prev) << count;
+    EXPECT_LE(static_cast<int64_t>(b - 1) * dev::kSumSquaresPerBlock, count) << count;
+    prev = b;
+  }
+}
+
+// One thread's chain equals x[first]^2 + x[first + stride]^2 + ... added one by one in
+// ascending order, for chains of every length around the eight-wide unrolled step, over values
+// whose squares span the FP64 range of FP32 squares (so any other order gives other bits). The
+// elements past `count` are NaN: reading one would show.
+TEST(LayerMathTest, SumSquaresStridedAddsItsChainInAscendingOrder) {
+  std::mt19937 rng(91);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  std::vector<float> x(40000);
+  for (float& v : x) v = std::exp2(unit(rng) * 120.0f - 60.0f) * (rng() % 2 ? 1.0f : -1.0f);
+  std::vector<float> guarded = x;
+  guarded.resize(x.size() + 4000, std::numeric_limits<float>::quiet_NaN());
+  int64_t differs_from_descending = 0;
+  for (int64_t stride : {int64_t{1}, int64_t{3}, int64_t{256}, int64_t{1000}}) {
+    for (int64_t len = 0; len <= 25; ++len) {
+      for (int64_t first : {int64_t{0}, int64_t{1}, stride - 1}) {
+        const int64_t count = first + (len - 1) * stride + 1;  // exactly `len` elements
+        if (count < 0 || count > static_cast<int64_t>(x.size())) continue;
+        double want = 0.0;
+        for (int64_t i = first; i < count; i += stride) {
+          const double a = x[static_cast<size_t>(i)];
+          want += a * a;
+        }
+        double descending = 0.0;
+        for (int64_t i = first + (len - 1) * stride; len > 0 && i >= first; i -= stride) {
+          const double a = x[static_cast<size_t>(i)];
+          descending += a * a;
+        }
+        differs_from_descending += descending != want;
+        const double got = dev::SumSquaresStrided(guarded.data(), count, first, stride);
+        EXPECT_EQ(std::bit_cast<uint64_t>(got), std::bit_cast<uint64_t>(want))
+            << "stride " << stride << ", first " << first << ", " << len << " elements: got " << got
+            << ", want " << want;
+      }
+    }
+  }
+  EXPECT_GT(differs_from_descending, 10) << "the data does not tell orders apart";
+}
+
+// Every element is added exactly once and nothing past `count` is read: all ones sum to the
+// count exactly (every partial sum is an integer below 2^53), a single one anywhere gives 1, and
+// NaNs past the end never show.
+TEST(LayerMathTest, SumSquaresOrderAddsEveryElementExactlyOnce) {
+  for (int64_t count : kSumSquaresCounts) {
+    std::vector<float> x(static_cast<size_t>(count), 1.0f);
+    x.resize(static_cast<size_t>(count) + 200000, std::numeric_limits<float>::quiet_NaN());
+    EXPECT_EQ(KernelOrderSum(x.data(), count), static_cast<double>(count)) << "count " << count;
+    std::fill(x.begin(), x.begin() + count, 0.0f);
+    for (int64_t at : {int64_t{0}, count / 3, count / 2, count - 1}) {
+      x[static_cast<size_t>(at)] = -1.0f;
+      EXPECT_EQ(KernelOrderSum(x.data(), count), 1.0) << "count " << count << ", one at " << at;
+      x[static_cast<size_t>(at)] = 0.0f;
+    }
+  }
+}
+
+// Two sums worked out by hand from the documented order, with x[0] = 2^27 (square 2^54, where
+// the FP64 spacing is 4) and every other element 1. The CPU adds the ones one at a time to 2^54:
+// each 2^54 + 1 rounds back to 2^54, so it returns 2^54.
+TEST(LayerMathTest, SumSquaresOrderGivesTheSumsWorkedOutByHand) {
+  constexpr double kBig = 0x1p54;
+  {
+    // 512 elements, one block of 256 threads, G = 256: thread 0 adds x[0]^2 + x[256]^2 = 2^54 + 1
+    // -> 2^54; threads 1..255 hold 2. Tree level w = 128: s[0] = 2^54 + 2, a tie, -> 2^54 (even);
+    // s[1..127] = 4. Each later level doubles s[w] and adds it exactly: s[0] gains 4 + 8 + ...
+    // + 256 = 508.
+    std::vector<float> x(512, 1.0f);
+    x[0] = 0x1p27f;
+    EXPECT_EQ(KernelOrderSum(x.data(), 512), kBig + 508.0);
+    EXPECT_EQ(SumOfSquares(x.data(), 512), kBig);
+  }
+  {
+    // 16384 elements, two blocks, G = 512, 32 elements per thread: thread 0's chain loses all 31
+    // of its ones (2^54 + 1 -> 2^54 each time); the other 255 threads of block 0 hold 32 each, and
+    // the tree adds multiples of 32 to 2^54 exactly: block 0 = 2^54 + 255 * 32. Block 1 = 8192.
+    // Pass 2 adds the two: 2^54 + 8160 + 8192 = 2^54 + 16352, exact.
+    std::vector<float> x(16384, 1.0f);
+    x[0] = 0x1p27f;
+    EXPECT_EQ(KernelOrderSum(x.data(), 16384), kBig + 16352.0);
+    EXPECT_EQ(SumOfSquares(x.data(), 16384), kBig);
+  }
+}
+
+// Error bound. All terms are >= 0 and exact in FP64, so a sum whose terms pass through at most h
+// additions is within gamma_h S <= 1.01 h U S of the exact sum S (U = 2^-53, h U < 0.01; Higham,
+// "Accuracy and Stability of Numerical Algorithms", chapter 4). The kernel order has h =
+// KernelOrderDepth(count) (about count / 2^17 + 18), the CPU's index order h = count - 1; the two
+// results are within the sum of both bounds of each other. Data: half N(0, 3), half log-uniform
+// over 2^-30..2^30 (squares across many binades).
+TEST(LayerMathTest, SumSquaresOrderIsWithinItsErrorBound) {
+  std::mt19937 rng(62);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
+  for (int64_t count : kSumSquaresCounts) {
+    std::vector<float> x(static_cast<size_t>(count));
+    for (size_t i = 0; i < x.size(); ++i) {
+      x[i] = i % 2 == 0 ? normal(rng) : std::exp2(unit(rng) * 60.0f - 30.0f);
+    }
+    const double exact = ExactSumOfSquares(x.data(), count);
+    const double got = KernelOrderSum(x.data(), count);
+    const double cpu = SumOfSquares(x.data(), count);
+    const double bound = 1.01 * static_cast<double>(KernelOrderDepth(count)) * kU64 * exact;
+    const double cpu_bound = 1.01 * static_cast<double>(count - 1) * kU64 * exact;
+    EXPECT_LE(std::abs(got - exact), bound) << "count " << count << ": got " << got;
+    EXPECT_LE(std::abs(got - cpu), bound + cpu_bound) << "count " << count << ": cpu " << cpu;
   }
 }
 
