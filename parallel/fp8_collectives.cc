@@ -3,8 +3,7 @@
 //
 // Index:
 //   AmaxBits, AmaxFromBits    |amax| <-> ordered int32 bits (NaN > Inf > finite)
-//   SizeFor, Synchronize, Accumulate
-//                             buffers in the op table's memory; host reads; `+=` through an op
+//   Synchronize, Accumulate   host reads of op results; `+=` through an op
 //   SyncAmaxes, ResizeFp8Weight
 //   GatherFp8Weight           validation, then tensor (given / current) or 128x128 block scaling
 //   GatherBf16, ReduceScatterGrad
@@ -125,17 +124,6 @@ absl::Status Convert(const kernels::OpTable& ops, kernels::InputType from, const
   return ops.convert(args, kernels::Stream{});
 }
 
-// `array` holds `count` elements in `ops`'s memory: resized in place (std::vector::resize) when
-// it already belongs to `ops`, replaced by a new zeroed array otherwise.
-template <typename T>
-void SizeFor(const kernels::OpTable& ops, size_t count, kernels::DeviceArray<T>& array) {
-  if (&array.ops() == &ops) {
-    array.resize(count);
-  } else {
-    array = kernels::DeviceArray<T>(ops, count);
-  }
-}
-
 // Waits for the ops enqueued on the default stream, before the host reads what they wrote.
 absl::Status Synchronize(const kernels::OpTable& ops) {
   return ops.layer->synchronize(kernels::Stream{});
@@ -154,19 +142,12 @@ absl::Status Accumulate(const kernels::OpTable& ops, float* sum, const float* ad
 }  // namespace
 
 absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, std::span<float> amaxes) {
-  return SyncAmaxes(group, kernels::CpuOps(), amaxes);
-}
-
-absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, const kernels::OpTable& ops,
-                                            std::span<float> amaxes) {
   std::vector<int> nonfinite;
   if (amaxes.empty()) return nonfinite;
-  // Written by the host before any op touches it, so no synchronisation is needed first.
-  kernels::DeviceArray<int32_t> bits(ops, amaxes.size());
+  std::vector<int32_t> bits(amaxes.size());
   for (size_t i = 0; i < amaxes.size(); ++i) bits[i] = AmaxBits(amaxes[i]);
   FP8RT_RETURN_IF_ERROR(
       group.AllReduce(bits.data(), static_cast<int64_t>(bits.size()), DType::kI32, ReduceOp::kMax));
-  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
   for (size_t i = 0; i < amaxes.size(); ++i) {
     amaxes[i] = AmaxFromBits(bits[i]);
     if (static_cast<uint32_t>(bits[i]) >= kFloatInfBits) nonfinite.push_back(static_cast<int>(i));
@@ -176,8 +157,8 @@ absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, const kernels::
 
 void ResizeFp8Weight(const kernels::OpTable& ops, size_t code_count, size_t scale_count,
                      Fp8Weight* weight) {
-  SizeFor(ops, code_count, weight->codes);
-  SizeFor(ops, scale_count, weight->scale_inv);
+  weight->codes.Reset(ops, code_count);
+  weight->scale_inv.Reset(ops, scale_count);
 }
 
 absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::OpTable& ops,
@@ -244,10 +225,10 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
   Fp8Weight& weight = *out;
   weight.rows = shard_rows * group.size();
   weight.cols = cols;
-  SizeFor(ops, static_cast<size_t>(shard_elems * group.size()), weight.codes);
+  weight.codes.Reset(ops, static_cast<size_t>(shard_elems * group.size()));
   uint8_t* my_codes = weight.codes.data() + rank * shard_elems;
   weight.shard_stats = kernels::QuantStats{};
-  kernels::DeviceArray<kernels::QuantStats> stats(ops, 1);  // QuantStats{}, as before quantizing
+  weight.stats_out.Reset(ops, 1);  // the quantize op writes every field
 
   kernels::QuantizeArgs q;
   q.format = options.format;
@@ -257,14 +238,14 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
   q.cols = cols;
   q.margin = options.margin;
   q.codes = my_codes;
-  q.stats = stats.data();
+  q.stats = weight.stats_out.data();
 
   // Tensor scaling: every rank must quantize with the same scale, agreed before quantizing.
   // Block scaling: each 128x128 block lies inside one shard, so its scale is local.
   int64_t shard_grid = 1;
   if (options.scaling == WeightScaling::kBlock128) {
     shard_grid = kernels::GetScaleGrid(Granularity::kBlock128x128, shard_rows, cols).size();
-    SizeFor(ops, static_cast<size_t>(shard_grid * group.size()), weight.scale_inv);
+    weight.scale_inv.Reset(ops, static_cast<size_t>(shard_grid * group.size()));
     q.granularity = Granularity::kBlock128x128;
     q.scale_inv = weight.scale_inv.data() + rank * shard_grid;
   } else {
@@ -274,23 +255,23 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
           !s.ok()) {
         return s;
       }
-      kernels::DeviceArray<float> shard_amax(ops, 1);
+      weight.amax_out.Reset(ops, 1);
       kernels::AmaxArgs a;
       a.input_type = kernels::InputType::kF32;
       a.input = shard;
       a.count = shard_elems;
-      a.amax = shard_amax.data();
+      a.amax = weight.amax_out.data();
       FP8RT_RETURN_IF_ERROR(ops.amax(a, kernels::Stream{}));
       FP8RT_RETURN_IF_ERROR(Synchronize(ops));
-      float amax = shard_amax[0];
+      float amax = weight.amax_out[0];
       // A non-finite synced amax gives scale 1 (ComputeScale) and stays visible in weight.amax.
-      absl::StatusOr<std::vector<int>> bad = SyncAmaxes(group, ops, std::span<float>(&amax, 1));
+      absl::StatusOr<std::vector<int>> bad = SyncAmaxes(group, std::span<float>(&amax, 1));
       if (!bad.ok()) return bad.status();
       weight.amax = amax;
       scale = kernels::ComputeScale(amax, options.format, options.margin,
                                     /*power_of_two=*/false);
     }
-    SizeFor(ops, 1, weight.scale_inv);  // the same on every rank: nothing to send
+    weight.scale_inv.Reset(ops, 1);  // the same on every rank: nothing to send
     q.granularity = Granularity::kTensor;
     q.has_scale = true;
     q.scale = scale;
@@ -298,7 +279,7 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
   }
   FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
   FP8RT_RETURN_IF_ERROR(Synchronize(ops));
-  weight.shard_stats = stats[0];
+  weight.shard_stats = weight.stats_out[0];
   if (options.scaling != WeightScaling::kTensorCurrent) weight.amax = weight.shard_stats.amax;
 
   if (absl::Status s = group.AllGather(my_codes, shard_elems, weight.codes.data(), DType::kU8);
@@ -335,7 +316,7 @@ absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const 
 
 absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
                                const float* full_grad, int64_t shard_count, GradReduceDType dtype,
-                               bool accumulate, float* shard_grad) {
+                               bool accumulate, float* shard_grad, GradReduceBuffers* buffers) {
   constexpr const char* kFn = "ReduceScatterGrad";
   if (shard_count < 0) {
     return absl::InvalidArgumentError(
@@ -348,31 +329,33 @@ absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
     return absl::InvalidArgumentError(absl::StrCat(kFn, ": shard_grad is null"));
   }
   const int64_t full_count = shard_count * group.size();
+  GradReduceBuffers local;  // without the caller's buffers: this call's, freed at return
+  GradReduceBuffers& b = buffers != nullptr ? *buffers : local;
   switch (dtype) {
     case GradReduceDType::kFP32: {
       if (!accumulate) {
         return group.ReduceScatter(full_grad, shard_grad, shard_count, DType::kF32, ReduceOp::kSum);
       }
-      kernels::DeviceArray<float> reduced(ops, static_cast<size_t>(shard_count));
-      FP8RT_RETURN_IF_ERROR(
-          group.ReduceScatter(full_grad, reduced.data(), shard_count, DType::kF32, ReduceOp::kSum));
-      return Accumulate(ops, shard_grad, reduced.data(), shard_count);
+      b.reduced_f32.Reset(ops, static_cast<size_t>(shard_count));
+      FP8RT_RETURN_IF_ERROR(group.ReduceScatter(full_grad, b.reduced_f32.data(), shard_count,
+                                                DType::kF32, ReduceOp::kSum));
+      return Accumulate(ops, shard_grad, b.reduced_f32.data(), shard_count);
     }
     case GradReduceDType::kBF16: {
-      kernels::DeviceArray<uint16_t> send(ops, static_cast<size_t>(full_count));
+      b.send_bf16.Reset(ops, static_cast<size_t>(full_count));
       FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kF32, full_grad,
-                                    kernels::InputType::kBF16, send.data(), full_count));
-      kernels::DeviceArray<uint16_t> reduced(ops, static_cast<size_t>(shard_count));
-      FP8RT_RETURN_IF_ERROR(group.ReduceScatter(send.data(), reduced.data(), shard_count,
-                                                DType::kBF16, ReduceOp::kSum));
+                                    kernels::InputType::kBF16, b.send_bf16.data(), full_count));
+      b.reduced_bf16.Reset(ops, static_cast<size_t>(shard_count));
+      FP8RT_RETURN_IF_ERROR(group.ReduceScatter(b.send_bf16.data(), b.reduced_bf16.data(),
+                                                shard_count, DType::kBF16, ReduceOp::kSum));
       if (!accumulate) {
-        return Convert(ops, kernels::InputType::kBF16, reduced.data(), kernels::InputType::kF32,
-                       shard_grad, shard_count);
+        return Convert(ops, kernels::InputType::kBF16, b.reduced_bf16.data(),
+                       kernels::InputType::kF32, shard_grad, shard_count);
       }
-      kernels::DeviceArray<float> widened(ops, static_cast<size_t>(shard_count));
-      FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kBF16, reduced.data(),
-                                    kernels::InputType::kF32, widened.data(), shard_count));
-      return Accumulate(ops, shard_grad, widened.data(), shard_count);
+      b.reduced_f32.Reset(ops, static_cast<size_t>(shard_count));
+      FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kBF16, b.reduced_bf16.data(),
+                                    kernels::InputType::kF32, b.reduced_f32.data(), shard_count));
+      return Accumulate(ops, shard_grad, b.reduced_f32.data(), shard_count);
     }
   }
   return absl::InvalidArgumentError(
@@ -380,12 +363,6 @@ absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
 }
 
 absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
-                                                         std::span<const int64_t> send_counts) {
-  return ExchangeTokenCounts(group, kernels::CpuOps(), send_counts);
-}
-
-absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
-                                                         const kernels::OpTable& ops,
                                                          std::span<const int64_t> send_counts) {
   int64_t total = 0;
   if (absl::Status s =
@@ -396,13 +373,9 @@ absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
   const auto n = static_cast<size_t>(group.size());
   std::vector<int64_t> ones(n, 1), displs(n);
   for (size_t r = 0; r < n; ++r) displs[r] = static_cast<int64_t>(r);
-  // The counts travel through the backend's memory; ones and displs are host metadata.
-  kernels::DeviceArray<int64_t> send(ops, n), recv(ops, n);
-  std::copy(send_counts.begin(), send_counts.end(), send.begin());
-  FP8RT_RETURN_IF_ERROR(
-      group.AllToAllV(send.data(), ones, displs, recv.data(), ones, displs, DType::kI64));
-  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
-  std::vector<int64_t> recv_counts(recv.begin(), recv.end());
+  std::vector<int64_t> recv_counts(n);
+  FP8RT_RETURN_IF_ERROR(group.AllToAllV(send_counts.data(), ones, displs, recv_counts.data(), ones,
+                                        displs, DType::kI64));
   for (size_t r = 0; r < n; ++r) {
     if (recv_counts[r] < 0) {
       return absl::DataLossError(absl::StrCat("ExchangeTokenCounts: rank ", r, " of group '",
@@ -435,7 +408,7 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
   }
 
   Fp8Tokens out;
-  absl::StatusOr<std::vector<int64_t>> recv_counts = ExchangeTokenCounts(group, ops, send_counts);
+  absl::StatusOr<std::vector<int64_t>> recv_counts = ExchangeTokenCounts(group, send_counts);
   if (!recv_counts.ok()) return recv_counts.status();
   out.recv_counts = *std::move(recv_counts);
   for (int64_t c : out.recv_counts) out.tokens += c;

@@ -15,17 +15,19 @@
 // every rank of it. They run kernels (quantization, FP32 <-> BF16 conversion) through the given
 // op table on its default stream (kernels::Stream{}).
 //
-// Memory: every buffer these calls hand to the communicator or to an op is memory of the op
+// Memory: every tensor these calls hand to the communicator or to an op is memory of the op
 // table's backend (kernels::DeviceArray: host memory on the CPU, CUDA managed memory on CUDA),
-// and so are the FP8 codes and scales they return; values the host reads back (amaxes,
-// statistics, counts) are read after ops.layer->synchronize. The same calls therefore work with
-// the CPU ops and the MPI communicator (host memory) and with the CUDA ops and the NCCL
-// communicator (device memory). The caller's pointers (shards, gradients, tokens, outputs) must be
-// memory of that backend which the communicator can use; spans of counts and the amaxes of
-// SyncAmaxes are host memory. Outputs that an op writes last (the BF16 -> FP32 conversions, the
-// accumulation of ReduceScatterGrad) may still be in flight on the op table's default stream
-// when a call returns: later ops on that stream see them, the host reads them after
-// ops.layer->synchronize. Returned host values (amaxes, statistics, counts) are final.
+// and so are the FP8 codes and scales they return; values the host reads back from an op
+// (statistics, an amax) are read after ops.layer->synchronize. The few host values that travel
+// (the amaxes of SyncAmaxes, token counts) go as host buffers, which every communicator takes
+// (NCCL stages them through device memory). The same calls therefore work with the CPU ops and
+// the MPI communicator and with the CUDA ops and the NCCL communicator. The caller's pointers
+// (shards, gradients, tokens, outputs) must be memory of that backend which the communicator can
+// use; spans of counts and the amaxes of SyncAmaxes are host memory. Outputs that an op writes
+// last (the BF16 -> FP32 conversions, the accumulation of ReduceScatterGrad) may still be in
+// flight on the op table's default stream when a call returns: later ops on that stream see them,
+// the host reads them after ops.layer->synchronize. Returned host values (amaxes, statistics,
+// counts) are final.
 #ifndef FP8RT_PARALLEL_FP8_COLLECTIVES_H_
 #define FP8RT_PARALLEL_FP8_COLLECTIVES_H_
 
@@ -45,11 +47,8 @@ namespace fp8rt::parallel {
 // rank makes that site NaN on every rank, whatever the backend's float MAX does with NaN.
 // Returns the indices of sites whose reduced amax is not finite (the step must be reported and
 // skipped by the caller).
-// `amaxes` is host memory; it travels through a buffer of `ops`'s backend, so this works with
-// any communicator whose buffers that backend's memory can be (NCCL with the CUDA ops).
-absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, const kernels::OpTable& ops,
-                                            std::span<float> amaxes);
-// The same through a host buffer (kernels::CpuOps()): for host-memory communicators only (MPI).
+// `amaxes` is host memory, and so is the buffer that travels: every communicator takes host
+// buffers (NCCL stages them through device memory).
 absl::StatusOr<std::vector<int>> SyncAmaxes(Communicator& group, std::span<float> amaxes);
 
 enum class WeightScaling : uint8_t {
@@ -76,12 +75,17 @@ struct Fp8Weight {
   kernels::DeviceArray<float> scale_inv;  // 1 value (tensor) or ceil(rows/128) x ceil(cols/128)
   kernels::QuantStats shard_stats;        // statistics of this rank's shard
   float amax = 0.0f;  // kTensorCurrent: the synced amax; otherwise this shard's amax
+
+  // Where the ops of a gather write the shard's statistics and amax before the host reads them:
+  // kept with the weight so that a gather every step allocates nothing.
+  kernels::DeviceArray<kernels::QuantStats> stats_out;
+  kernels::DeviceArray<float> amax_out;
 };
 
-// Sizes `weight`'s codes and scale_inv to `code_count` and `scale_count` elements in `ops`'s
-// memory: resized in place (kept values, new ones zero, as std::vector::resize) when they already
-// belong to `ops`, reallocated (zeros) otherwise. For callers that quantize into a weight
-// themselves; GatherFp8WeightInto does this.
+// Sizes `weight`'s codes and scale_inv to `code_count` and `scale_count` elements of `ops`'s
+// memory, of unspecified value (kernels::DeviceArray::Reset: the memory is kept when the backend
+// and the size are unchanged). For callers that quantize into a weight themselves;
+// GatherFp8WeightInto does this.
 void ResizeFp8Weight(const kernels::OpTable& ops, size_t code_count, size_t scale_count,
                      Fp8Weight* weight);
 
@@ -108,21 +112,27 @@ absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const 
 
 enum class GradReduceDType : uint8_t { kBF16, kFP32 };
 
+// The backend buffers ReduceScatterGrad needs besides its input and output, kept by a caller
+// that reduces the same gradient every step so that nothing is allocated per call.
+struct GradReduceBuffers {
+  kernels::DeviceArray<uint16_t> send_bf16;     // kBF16: the gradient rounded to BF16
+  kernels::DeviceArray<uint16_t> reduced_bf16;  // kBF16: the reduced shard
+  kernels::DeviceArray<float> reduced_f32;      // accumulate: the reduced shard in FP32
+};
+
 // Sums `full_grad` (size * shard_count FP32 values, this rank's contribution to every shard)
 // over the group and leaves shard `rank` in `shard_grad`, in FP32: `shard_grad` = the reduced
 // values, or += them with `accumulate` (micro-batch accumulation in FP32). With kBF16 the
 // gradient travels and is summed as BF16 (FP32 additions rounded once per step).
+// `buffers` (optional) holds the temporaries; without it they are allocated for the call.
 absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
                                const float* full_grad, int64_t shard_count, GradReduceDType dtype,
-                               bool accumulate, float* shard_grad);
+                               bool accumulate, float* shard_grad,
+                               GradReduceBuffers* buffers = nullptr);
 
 // MoE: every rank tells every other how many tokens it sends it. Returns recv_counts
-// (tokens this rank receives from each rank). Both are host memory; the counts travel through
-// buffers of `ops`'s backend.
-absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
-                                                         const kernels::OpTable& ops,
-                                                         std::span<const int64_t> send_counts);
-// The same through host buffers (kernels::CpuOps()): for host-memory communicators only (MPI).
+// (tokens this rank receives from each rank). Both are host memory, and so are the buffers that
+// travel (every communicator takes host buffers; NCCL stages them).
 absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,
                                                          std::span<const int64_t> send_counts);
 

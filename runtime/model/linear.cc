@@ -31,17 +31,18 @@ bool Linear::block_scaling() const {
   return weight_site_.state().config().strategy == train::ScalingStrategy::kBlock;
 }
 
-absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& site, const float* src,
-                                        int64_t rows, int64_t cols,
-                                        kernels::DeviceArray<uint8_t>* codes,
+absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& site,
+                                        PendingStats& pending, const float* src, int64_t rows,
+                                        int64_t cols, kernels::DeviceArray<uint8_t>* codes,
                                         kernels::DeviceArray<float>* scale_inv) {
   const train::ScalingState& state = site.state();
   const train::ScalingConfig& cfg = state.config();
   const kernels::OpTable& ops = *ctx.ops;
+  if (pending.pending) FP8RT_RETURN_IF_ERROR(FlushStats());  // the site's previous quantization
   codes->Reset(ops, static_cast<size_t>(rows * cols));
-  // The statistics (and a current-scaled amax) are written by the op in the backend's memory and
-  // read here once it has finished.
-  stats_out_.Reset(ops, 1);
+  // The statistics are written by the op in the backend's memory; FlushStats records them.
+  pending.stats.Reset(ops, 1);
+  pending.config = cfg;
   kernels::QuantizeArgs q;
   q.format = cfg.format;
   q.input = src;
@@ -50,18 +51,17 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
   q.margin = cfg.margin;
   q.power_of_two_scales = cfg.power_of_two;
   q.codes = codes->data();
-  q.stats = stats_out_.data();
-  float scale = 1.0f;
+  q.stats = pending.stats.data();
   if (cfg.strategy == train::ScalingStrategy::kBlock) {
     q.granularity = kernels::Granularity::kTile1x128;
     scale_inv->Reset(ops,
                      static_cast<size_t>(kernels::GetScaleGrid(q.granularity, rows, cols).size()));
     q.scale_inv = scale_inv->data();
-    FP8RT_RETURN_IF_ERROR(ops.quantize(q, {}));
-    FP8RT_RETURN_IF_ERROR(ops.layer->synchronize({}));
-    scale = kernels::ComputeScale(stats_out_[0].amax, cfg.format, cfg.margin, cfg.power_of_two);
+    pending.from_amax = true;
   } else {
+    float scale = state.scale();
     if (state.UsesCurrentScaling()) {
+      // The scale comes from this tensor's amax, max-reduced over TP: a host round trip.
       amax_out_.Reset(ops, 1);
       kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
                           .input = src,
@@ -71,22 +71,42 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
       FP8RT_RETURN_IF_ERROR(ops.layer->synchronize({}));
       float amax = amax_out_[0];
       if (ctx.tp != nullptr && ctx.tp->size() > 1) {
-        FP8RT_RETURN_IF_ERROR(
-            parallel::SyncAmaxes(*ctx.tp, ops, std::span<float>(&amax, 1)).status());
+        FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(*ctx.tp, std::span<float>(&amax, 1)).status());
       }
       scale = kernels::ComputeScale(amax, cfg.format, cfg.margin, cfg.power_of_two);
-    } else {
-      scale = state.scale();
     }
     scale_inv->Reset(ops, 1);
     q.granularity = kernels::Granularity::kTensor;
     q.has_scale = true;
     q.scale = scale;
     q.scale_inv = scale_inv->data();
-    FP8RT_RETURN_IF_ERROR(ops.quantize(q, {}));
-    FP8RT_RETURN_IF_ERROR(ops.layer->synchronize({}));
+    pending.scale = scale;
+    pending.from_amax = false;
   }
-  site.Record(stats_out_[0], scale);
+  FP8RT_RETURN_IF_ERROR(ops.quantize(q, {}));
+  pending.pending = true;
+  return absl::OkStatus();
+}
+
+void Linear::Flush(QuantSite& site, PendingStats& p) {
+  if (!p.pending) return;
+  const kernels::QuantStats stats = p.stats[0];
+  const train::ScalingConfig& cfg = p.config;
+  site.Record(stats, p.from_amax ? kernels::ComputeScale(stats.amax, cfg.format, cfg.margin,
+                                                         cfg.power_of_two)
+                                 : p.scale);
+  p.pending = false;
+}
+
+absl::Status Linear::FlushStats() {
+  for (PendingStats* p : {&input_pending_, &grad_pending_}) {
+    if (p->pending) {
+      FP8RT_RETURN_IF_ERROR(p->stats.ops().layer->synchronize({}));
+      break;
+    }
+  }
+  Flush(input_site_, input_pending_);
+  Flush(grad_site_, grad_pending_);
   return absl::OkStatus();
 }
 
@@ -106,7 +126,7 @@ absl::Status Linear::GemmHigh(const LinearContext& ctx, const float* a, const fl
   g.d = d;
   g.accumulate = accumulate;
   g.workspace_bytes = ctx.ops->bf16_gemm_workspace_bytes(g);
-  g.workspace = ctx.scratch->Get(Scratch::kGemm, g.workspace_bytes);
+  FP8RT_ASSIGN_OR_RETURN(g.workspace, ctx.scratch->Get(Scratch::kGemm, g.workspace_bytes));
   return ctx.ops->gemm_bf16(g, {});
 }
 
@@ -126,15 +146,15 @@ absl::Status Linear::Backward(const LinearContext& ctx, const float* dy, int64_t
   }
   if (precision_ == GemmPrecision::kFp8) return BackwardFp8(ctx, dy, n, dx, dw);
   if (dx != nullptr) {
-    auto* wt = static_cast<float*>(
-        ctx.scratch->Get(Scratch::kTransposeB, static_cast<size_t>(in_ * out_) * sizeof(float)));
+    FP8RT_ASSIGN_OR_RETURN(
+        float* wt, ctx.scratch->Get<float>(Scratch::kTransposeB, static_cast<size_t>(in_ * out_)));
     FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(wt, w_f32_, out_, in_, {}));
     FP8RT_RETURN_IF_ERROR(GemmHigh(ctx, dy, wt, n, in_, out_, dx, true));
   }
-  auto* dyt = static_cast<float*>(
-      ctx.scratch->Get(Scratch::kTransposeA, static_cast<size_t>(out_ * n) * sizeof(float)));
-  auto* xt = static_cast<float*>(
-      ctx.scratch->Get(Scratch::kTransposeB, static_cast<size_t>(in_ * n) * sizeof(float)));
+  FP8RT_ASSIGN_OR_RETURN(
+      float* dyt, ctx.scratch->Get<float>(Scratch::kTransposeA, static_cast<size_t>(out_ * n)));
+  FP8RT_ASSIGN_OR_RETURN(
+      float* xt, ctx.scratch->Get<float>(Scratch::kTransposeB, static_cast<size_t>(in_ * n)));
   FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(dyt, dy, n, out_, {}));
   FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(xt, x_, n, in_, {}));
   return GemmHigh(ctx, dyt, xt, out_, in_, n, dw, true);
@@ -145,7 +165,7 @@ namespace {
 absl::Status RunFp8Gemm(const LinearContext& ctx, kernels::Fp8GemmArgs g) {
   g.out_type = kernels::OutputType::kF32;
   g.workspace_bytes = ctx.ops->fp8_gemm_workspace_bytes(g);
-  g.workspace = ctx.scratch->Get(Scratch::kGemm, g.workspace_bytes);
+  FP8RT_ASSIGN_OR_RETURN(g.workspace, ctx.scratch->Get(Scratch::kGemm, g.workspace_bytes));
   return ctx.ops->gemm_fp8(g, {});
 }
 
@@ -153,7 +173,8 @@ absl::Status RunFp8Gemm(const LinearContext& ctx, kernels::Fp8GemmArgs g) {
 
 absl::Status Linear::ForwardFp8(const LinearContext& ctx, const float* x, int64_t n, float* y) {
   if (w_fp8_ == nullptr) return absl::FailedPreconditionError(name_ + ": no FP8 weight set");
-  FP8RT_RETURN_IF_ERROR(QuantizeActivation(ctx, input_site_, x, n, in_, &x_codes_, &x_scale_inv_));
+  FP8RT_RETURN_IF_ERROR(
+      QuantizeActivation(ctx, input_site_, input_pending_, x, n, in_, &x_codes_, &x_scale_inv_));
   kernels::Fp8GemmArgs g;
   g.m = n;
   g.n = out_;
@@ -172,7 +193,7 @@ absl::Status Linear::ForwardFp8(const LinearContext& ctx, const float* x, int64_
 absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
                                  float* dw) {
   FP8RT_RETURN_IF_ERROR(
-      QuantizeActivation(ctx, grad_site_, dy, n, out_, &dy_codes_, &dy_scale_inv_));
+      QuantizeActivation(ctx, grad_site_, grad_pending_, dy, n, out_, &dy_codes_, &dy_scale_inv_));
   const bool block = block_scaling();
   const kernels::Fp8Format grad_format = grad_site_.state().config().format;
   const kernels::Fp8Format input_format = input_site_.state().config().format;
@@ -182,15 +203,15 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
 
   // dx[n, in] += dy[n, out] (W^T)[in, out]^T: W^T is W's codes (and block grid) transposed.
   if (dx != nullptr) {
-    auto* wt =
-        static_cast<uint8_t*>(ctx.scratch->Get(Scratch::kCodesB, static_cast<size_t>(in_ * out_)));
+    FP8RT_ASSIGN_OR_RETURN(
+        uint8_t * wt, ctx.scratch->Get<uint8_t>(Scratch::kCodesB, static_cast<size_t>(in_ * out_)));
     FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose_bytes(wt, w_fp8_->codes.data(), out_, in_, {}));
     const float* wt_scale = w_fp8_->scale_inv.data();
     if (block) {
       const kernels::ScaleGrid grid =
           kernels::GetScaleGrid(kernels::Granularity::kBlock128x128, out_, in_);
-      auto* s = static_cast<float*>(
-          ctx.scratch->Get(Scratch::kScalesB, static_cast<size_t>(grid.size()) * sizeof(float)));
+      FP8RT_ASSIGN_OR_RETURN(
+          float* s, ctx.scratch->Get<float>(Scratch::kScalesB, static_cast<size_t>(grid.size())));
       FP8RT_RETURN_IF_ERROR(
           ctx.ops->layer->transpose(s, w_fp8_->scale_inv.data(), grid.rows, grid.cols, {}));
       wt_scale = s;
@@ -210,10 +231,10 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
   }
 
   // dw[out, in] += (dy^T)[out, n] (x^T)[in, n]^T.
-  auto* dyt =
-      static_cast<uint8_t*>(ctx.scratch->Get(Scratch::kCodesA, static_cast<size_t>(out_ * n)));
-  auto* xt =
-      static_cast<uint8_t*>(ctx.scratch->Get(Scratch::kCodesB, static_cast<size_t>(in_ * n)));
+  FP8RT_ASSIGN_OR_RETURN(
+      uint8_t * dyt, ctx.scratch->Get<uint8_t>(Scratch::kCodesA, static_cast<size_t>(out_ * n)));
+  FP8RT_ASSIGN_OR_RETURN(uint8_t * xt,
+                         ctx.scratch->Get<uint8_t>(Scratch::kCodesB, static_cast<size_t>(in_ * n)));
   const float* dyt_scale = dy_scale_inv_.data();
   const float* xt_scale = x_scale_inv_.data();
   if (!block) {
@@ -223,20 +244,20 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
     // New tiles along the token dimension, quantized from the FP32 transposes.
     const train::ScalingConfig& gcfg = grad_site_.state().config();
     const train::ScalingConfig& icfg = input_site_.state().config();
-    auto* dyt32 = static_cast<float*>(
-        ctx.scratch->Get(Scratch::kTransposeA, static_cast<size_t>(out_ * n) * sizeof(float)));
-    auto* xt32 = static_cast<float*>(
-        ctx.scratch->Get(Scratch::kTransposeB, static_cast<size_t>(in_ * n) * sizeof(float)));
+    FP8RT_ASSIGN_OR_RETURN(
+        float* dyt32, ctx.scratch->Get<float>(Scratch::kTransposeA, static_cast<size_t>(out_ * n)));
+    FP8RT_ASSIGN_OR_RETURN(
+        float* xt32, ctx.scratch->Get<float>(Scratch::kTransposeB, static_cast<size_t>(in_ * n)));
     FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(dyt32, dy, n, out_, {}));
     FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(xt32, x_, n, in_, {}));
     const kernels::ScaleGrid agrid =
         kernels::GetScaleGrid(kernels::Granularity::kTile1x128, out_, n);
     const kernels::ScaleGrid bgrid =
         kernels::GetScaleGrid(kernels::Granularity::kBlock128x128, in_, n);
-    auto* as = static_cast<float*>(
-        ctx.scratch->Get(Scratch::kScalesA, static_cast<size_t>(agrid.size()) * sizeof(float)));
-    auto* bs = static_cast<float*>(
-        ctx.scratch->Get(Scratch::kScalesB, static_cast<size_t>(bgrid.size()) * sizeof(float)));
+    FP8RT_ASSIGN_OR_RETURN(
+        float* as, ctx.scratch->Get<float>(Scratch::kScalesA, static_cast<size_t>(agrid.size())));
+    FP8RT_ASSIGN_OR_RETURN(
+        float* bs, ctx.scratch->Get<float>(Scratch::kScalesB, static_cast<size_t>(bgrid.size())));
     kernels::QuantizeArgs q;
     q.format = gcfg.format;
     q.granularity = kernels::Granularity::kTile1x128;

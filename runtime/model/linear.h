@@ -27,11 +27,13 @@
 #ifndef FP8RT_RUNTIME_MODEL_LINEAR_H_
 #define FP8RT_RUNTIME_MODEL_LINEAR_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/device_array.h"
 #include "kernels/ops.h"
 #include "parallel/communicator.h"
@@ -86,19 +88,23 @@ class QuantSite {
 
 // A growing scratch arena for GEMM workspaces and temporary operands, in memory of the model's
 // backend. Slots are distinct buffers; Get may move a slot's storage, so pointers are valid until
-// the next Get of that slot.
+// the next Get of that slot. Work queued on a slot may still run when Get hands it out again:
+// ops on the one stream run in order, and a slot grows only after the backend has finished.
 class Scratch {
  public:
   enum Slot : int { kGemm, kTransposeA, kTransposeB, kCodesA, kCodesB, kScalesA, kScalesB, kCount };
   explicit Scratch(const kernels::OpTable& ops) : ops_(ops) {}
-  void* Get(Slot slot, size_t bytes) {
+  // `count` elements of T in `slot`, of unspecified value (the allocation is 64-byte aligned).
+  // Growing a slot (to 5/4 of the request) first waits for the backend, whose error it returns.
+  template <typename T = std::byte>
+  absl::StatusOr<T*> Get(Slot slot, size_t count) {
     kernels::DeviceArray<std::byte>& buf = buffers_[slot];
+    const size_t bytes = count * sizeof(T);
     if (buf.size() < bytes) {
-      // The old contents are not kept; on CUDA, work still queued on them must finish first.
-      (void)ops_.layer->synchronize({});
-      buf = kernels::DeviceArray<std::byte>(ops_, bytes + bytes / 4);
+      if (absl::Status s = ops_.layer->synchronize({}); !s.ok()) return s;
+      buf.Reset(ops_, bytes + bytes / 4);
     }
-    return buf.data();
+    return reinterpret_cast<T*>(buf.data());
   }
 
  private:
@@ -152,12 +158,34 @@ class Linear {
   // dx[n, in] += dy W;  dw[out, in] += dy^T x  (accumulates). dx may be null (no input gradient).
   absl::Status Backward(const LinearContext& ctx, const float* dy, int64_t n, float* dx, float* dw);
 
+  // The statistics of the FP8 quantizations of Forward and Backward stay in the backend's memory
+  // (the host does not wait for each quantization) until this records them into the sites,
+  // after waiting for the backend. The model calls it once its pass has synchronised; a site
+  // quantized twice before it is flushed flushes itself first.
+  absl::Status FlushStats();
+  // Forgets statistics not yet recorded (a step that failed part-way, before a new one).
+  void DropPendingStats() {
+    input_pending_.pending = false;
+    grad_pending_.pending = false;
+  }
+
  private:
+  // The statistics of a site's last quantization, not yet recorded into the site.
+  struct PendingStats {
+    kernels::DeviceArray<kernels::QuantStats> stats;  // backend memory, written by the op
+    train::ScalingConfig config;                      // the site's config when it quantized
+    float scale = 1.0f;                               // tensor scaling: the scale it quantized with
+    bool from_amax = false;  // block scaling: the site's scale is ComputeScale(stats.amax)
+    bool pending = false;
+  };
+  static void Flush(QuantSite& site, PendingStats& p);
+
   // Quantizes a rows x cols FP32 tensor for `site` (tensor or 1x128 granularity) into codes and
   // scale_inv, recording the statistics. Synchronises the amax over TP when the scale comes
   // from the tensor.
-  absl::Status QuantizeActivation(const LinearContext& ctx, QuantSite& site, const float* src,
-                                  int64_t rows, int64_t cols, kernels::DeviceArray<uint8_t>* codes,
+  absl::Status QuantizeActivation(const LinearContext& ctx, QuantSite& site, PendingStats& pending,
+                                  const float* src, int64_t rows, int64_t cols,
+                                  kernels::DeviceArray<uint8_t>* codes,
                                   kernels::DeviceArray<float>* scale_inv);
   absl::Status ForwardFp8(const LinearContext& ctx, const float* x, int64_t n, float* y);
   absl::Status BackwardFp8(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
@@ -182,9 +210,8 @@ class Linear {
   // Backward temporaries kept to avoid reallocation.
   kernels::DeviceArray<uint8_t> dy_codes_;
   kernels::DeviceArray<float> dy_scale_inv_;
-  // What a quantization reports (its QuantStats, a current-scaled amax), in the backend's memory.
-  kernels::DeviceArray<kernels::QuantStats> stats_out_;
-  kernels::DeviceArray<float> amax_out_;
+  PendingStats input_pending_, grad_pending_;
+  kernels::DeviceArray<float> amax_out_;  // a current-scaled amax, in the backend's memory
 };
 
 }  // namespace fp8rt::model

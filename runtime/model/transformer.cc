@@ -401,7 +401,8 @@ absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
                                                         p.local_cols, opts, &p.fp8));
   } else {
     // BF16 on the wire, then every rank quantizes the whole piece with the same scale(s).
-    kernels::DeviceArray<uint16_t> bf16(ops_, p.full.size());
+    kernels::DeviceArray<uint16_t>& bf16 = p.gather_bf16;
+    bf16.Reset(ops_, p.full.size());
     FP8RT_RETURN_IF_ERROR(
         parallel::GatherBf16(*p.group, ops_, p.master.data(), p.shard_count, bf16.data()));
     kernels::ConvertArgs conv{.from = kernels::InputType::kBF16,
@@ -426,11 +427,11 @@ absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
         static_cast<size_t>(kernels::GetScaleGrid(q.granularity, q.rows, q.cols).size()), &p.fp8);
     q.codes = p.fp8.codes.data();
     q.scale_inv = p.fp8.scale_inv.data();
-    kernels::DeviceArray<kernels::QuantStats> stats(ops_, 1);
-    q.stats = stats.data();
+    p.fp8.stats_out.Reset(ops_, 1);
+    q.stats = p.fp8.stats_out.data();
     FP8RT_RETURN_IF_ERROR(ops_.quantize(q, {}));
     FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
-    p.fp8.shard_stats = stats[0];
+    p.fp8.shard_stats = p.fp8.stats_out[0];
     p.fp8.amax = p.fp8.shard_stats.amax;
   }
   p.linear->weight_site().Record(p.fp8.shard_stats,
@@ -442,6 +443,7 @@ absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
 }
 
 absl::Status Transformer::BeginStep() {
+  for (Linear* lin : all_linears_) lin->DropPendingStats();  // left by a pass that failed
   for (QuantSite* s : sites_) s->BeginStep();
   for (MoeBlockStats& m : moe_stats_) {
     std::fill(m.tokens_per_expert.begin(), m.tokens_per_expert.end(), 0);
@@ -479,7 +481,7 @@ absl::Status Transformer::BeginStep() {
   std::vector<float> amaxes(current.size(), 0.0f);
   for (const size_t i : held) amaxes[i] = weight_amaxes_[i];
   if (!amaxes.empty()) {
-    FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), ops_, amaxes).status());
+    FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), amaxes).status());
   }
   for (Param& p : params_) {
     float scale = 1.0f;
@@ -625,8 +627,10 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
   }
   FP8RT_RETURN_IF_ERROR(
       L.embedding_backward(G(embedding_), a.dx.data(), a.inputs.data(), N, V, C, st));
-  // The mean loss over the rows, summed in row order on the host.
+  // The mean loss over the rows, summed in row order on the host, and the statistics of the
+  // pass's FP8 quantizations recorded into their sites, once the backend has finished.
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
+  for (Linear* lin : all_linears_) FP8RT_RETURN_IF_ERROR(lin->FlushStats());
   float loss_sum = 0.0f;
   for (const float row_loss : a.losses) loss_sum += row_loss;
   return loss_sum / static_cast<float>(N) + aux_loss;
@@ -641,9 +645,9 @@ void Transformer::ArmActivationFault(int64_t block, float value) {
 
 absl::Status Transformer::ReduceGrads() {
   for (Param& p : params_) {
-    FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(*p.group, ops_, p.full_grad.data(),
-                                                      p.shard_count, recipe_.grad_reduce,
-                                                      /*accumulate=*/false, p.grad.data()));
+    FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(
+        *p.group, ops_, p.full_grad.data(), p.shard_count, recipe_.grad_reduce,
+        /*accumulate=*/false, p.grad.data(), &p.reduce_buffers));
   }
   return absl::OkStatus();
 }
@@ -654,7 +658,7 @@ absl::StatusOr<std::vector<SiteReport>> Transformer::SyncScaling() {
     if (sites_[i]->used_this_step()) amaxes[i] = sites_[i]->step_stats().amax;
   }
   if (!amaxes.empty()) {
-    FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), ops_, amaxes).status());
+    FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), amaxes).status());
   }
   std::vector<SiteReport> reports(sites_.size());
   for (size_t i = 0; i < sites_.size(); ++i) {

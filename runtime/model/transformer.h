@@ -109,6 +109,10 @@ struct Param {
   // The step's gathered TP piece (FP32, dp * shard_count with the padding) and its gradient.
   kernels::DeviceArray<float> full, full_grad;
   parallel::Fp8Weight fp8;  // the step's gathered FP8 weight (FP8 GEMM weights)
+  // Reused every step: the BF16 wire buffer of a BF16 FSDP gather of an FP8 weight, and the
+  // temporaries of the gradient reduce-scatter.
+  kernels::DeviceArray<uint16_t> gather_bf16;
+  parallel::GradReduceBuffers reduce_buffers;
 
   int64_t local_count() const { return local_rows * local_cols; }
 };

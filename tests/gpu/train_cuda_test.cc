@@ -40,6 +40,7 @@
 #include "parallel/solo_communicator.h"
 #include "runtime/core/run_spec.h"
 #include "runtime/worker/trainer.h"
+#include "tests/gpu/gpu_test_support.h"
 
 namespace fp8rt {
 namespace {
@@ -47,11 +48,6 @@ namespace {
 namespace fs = std::filesystem;
 
 constexpr int kSteps = 8;
-
-bool GpuRequired() {
-  const char* v = std::getenv("FP8RT_REQUIRE_GPU");
-  return v != nullptr && std::string(v) == "1";
-}
 
 struct Mode {
   std::string name;
@@ -77,26 +73,22 @@ std::string MakeText() {
   return text;
 }
 
-class TrainCudaTest : public ::testing::TestWithParam<Mode> {
+// The device check (skip with the reason, or fail under FP8RT_REQUIRE_GPU=1) is the shared
+// fixture's; the run itself uses the CUDA op table's default stream, not the fixture's.
+class TrainCudaTest : public kernels::gpu_test::CudaStreamTest,
+                      public ::testing::WithParamInterface<Mode> {
  protected:
   void SetUp() override {
-    std::string why;
-    if (kernels::CudaDeviceCount(&why) == 0) {
-      if (GpuRequired()) FAIL() << "FP8RT_REQUIRE_GPU=1 but there is no CUDA device: " << why;
-      GTEST_SKIP() << "no CUDA device: " << why;
-    }
-    absl::StatusOr<const kernels::OpTable*> cuda = kernels::CudaOps();
-    if (!cuda.ok()) {
-      if (GpuRequired()) FAIL() << cuda.status();
-      GTEST_SKIP() << cuda.status();
-    }
-    cuda_ = *cuda;
+    CudaStreamTest::SetUp();
+    if (Stopped()) return;
+    cuda_ = cuda_ops_;
     std::string tmpl = (fs::temp_directory_path() / "fp8rt_train_cuda_XXXXXX").string();
     ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
     dir_ = tmpl;
     std::ofstream(dir_ / "text.txt", std::ios::binary) << MakeText();
   }
   void TearDown() override {
+    CudaStreamTest::TearDown();
     if (dir_.empty()) return;
     if (HasFailure()) {
       std::printf("kept for inspection: %s\n", dir_.c_str());

@@ -316,8 +316,7 @@ TEST(SyncAmaxesTest, SubgroupsReduceOverTheirMembersOnly) {
 
   std::vector<float> amaxes(5);
   for (int i = 0; i < 5; ++i) amaxes[i] = RankAmax(rank, i);
-  // The overload with an op table (staging in its memory), as GPU ranks call it.
-  absl::StatusOr<std::vector<int>> bad = SyncAmaxes(g, Ops(), amaxes);
+  absl::StatusOr<std::vector<int>> bad = SyncAmaxes(g, amaxes);
   ASSERT_TRUE(AllOk(bad.status()));
   for (int i = 0; i < 5; ++i) {
     float want = 0.0f;
@@ -682,17 +681,23 @@ TEST(ReduceScatterGradTest, ExactForIntegersAccumulateAddsAndOverwriteReplaces) 
     for (int64_t i = 0; i < kShard; ++i) want[i] = static_cast<float>(ref.sum[i]);
     EXPECT_TRUE(SameBits(got, want)) << name << " overwrite";
 
-    // Micro-batch accumulation: start from 0.5 * i, add the reduced gradient twice.
+    // Micro-batch accumulation: start from 0.5 * i, add the reduced gradient twice, the
+    // temporaries in the caller's buffers (reused by the second call, as in a training loop).
     std::vector<float> acc(kShard), want_acc(kShard);
     for (int64_t i = 0; i < kShard; ++i) {
       acc[i] = 0.5f * static_cast<float>(i);
       want_acc[i] = acc[i] + 2.0f * want[i];
     }
+    GradReduceBuffers kept;
     for (int step = 0; step < 2; ++step) {
       ASSERT_TRUE(AllOk(ReduceScatterGrad(World(), Ops(), mine.data(), kShard, dtype,
-                                          /*accumulate=*/true, acc.data())));
+                                          /*accumulate=*/true, acc.data(), &kept)));
     }
     EXPECT_TRUE(SameBits(acc, want_acc)) << name << " accumulate";
+    EXPECT_EQ(kept.reduced_f32.size(), static_cast<size_t>(kShard)) << name;
+    EXPECT_EQ(kept.send_bf16.size(),
+              dtype == GradReduceDType::kBF16 ? static_cast<size_t>(kShard * n) : 0u)
+        << name;
   }
 }
 
