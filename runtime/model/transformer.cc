@@ -652,7 +652,7 @@ absl::Status Transformer::ReduceGrads() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<SiteReport>> Transformer::SyncScaling() {
+absl::StatusOr<std::vector<SiteReport>> Transformer::SyncScaling(ScalingUpdate update) {
   std::vector<float> amaxes(sites_.size(), 0.0f);
   for (size_t i = 0; i < sites_.size(); ++i) {
     if (sites_[i]->used_this_step()) amaxes[i] = sites_[i]->step_stats().amax;
@@ -676,7 +676,7 @@ absl::StatusOr<std::vector<SiteReport>> Transformer::SyncScaling() {
       r.underflow_ratio = static_cast<double>(st.underflow) / static_cast<double>(st.count);
       r.saturation_ratio = static_cast<double>(st.saturated) / static_cast<double>(st.count);
     }
-    s.state().Update(amaxes[i]);
+    if (update == ScalingUpdate::kCommit) s.state().Update(amaxes[i]);
   }
   return reports;
 }

@@ -179,8 +179,12 @@ class Transformer {
   void ArmActivationFault(int64_t block, float value);
 
   // Ends the step's scaling: every site's amax of the step, MAX-reduced over all ranks in one
-  // collective, is recorded in its scaling state. Returns what each site did (before the update).
-  absl::StatusOr<std::vector<SiteReport>> SyncScaling();
+  // collective, is recorded in its scaling state (kCommit), or the states stay as they were
+  // (kReportOnly: a skipped step, whose amaxes come from NaN or Inf values). Returns what each
+  // site did (before any update).
+  enum class ScalingUpdate : uint8_t { kCommit, kReportOnly };
+  absl::StatusOr<std::vector<SiteReport>> SyncScaling(
+      ScalingUpdate update = ScalingUpdate::kCommit);
 
  private:
   struct Block;

@@ -469,14 +469,12 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   // A skipped step leaves the scaling states as they were: its amaxes come from a step that made
   // NaN or Inf (a NaN or Inf amax is refused by ScalingState anyway, but finite amaxes of such a
   // step, e.g. of values saturated from an Inf, would distort the scales for a whole history).
-  std::vector<train::ScalingState> kept_scaling;
-  if (result.skipped) {
-    for (const model::QuantSite* s : model_->sites()) kept_scaling.push_back(s->state());
-  }
-  FP8RT_ASSIGN_OR_RETURN(const std::vector<model::SiteReport> sites, model_->SyncScaling());
+  using Update = model::Transformer::ScalingUpdate;
+  FP8RT_ASSIGN_OR_RETURN(
+      const std::vector<model::SiteReport> sites,
+      model_->SyncScaling(result.skipped ? Update::kReportOnly : Update::kCommit));
   std::vector<int> nonfinite_ranks;
   if (result.skipped) {
-    for (size_t i = 0; i < kept_scaling.size(); ++i) model_->sites()[i]->state() = kept_scaling[i];
     // Which ranks saw the NaN/Inf (every rank agrees the step is skipped: this collective is
     // made by all of them, on skipped steps only).
     parallel::Communicator& world = mesh_->world();
@@ -778,8 +776,7 @@ std::pair<absl::StatusCode, std::string> DescribeFailures(
   for (size_t r = 0; r < outcomes.size(); ++r) {
     if (outcomes[r].ok()) continue;
     if (code == absl::StatusCode::kOk) code = outcomes[r].code();
-    absl::StrAppend(&text, text.empty() ? "" : "; ", "rank ", r, " (", outcomes[r].ToString(),
-                    ")");
+    absl::StrAppend(&text, text.empty() ? "" : "; ", "rank ", r, " (", outcomes[r].ToString(), ")");
   }
   return {code, text};
 }
@@ -860,7 +857,8 @@ absl::Status Trainer::SaveCheckpoint() {
         abandon.set_error(why);
         absl::StatusOr<bool> told = controller_->AckShard(abandon);
         if (!told.ok()) {
-          std::fprintf(stderr, "fp8rt-worker: cannot tell the controller to abandon step %lld: %s\n",
+          std::fprintf(stderr,
+                       "fp8rt-worker: cannot tell the controller to abandon step %lld: %s\n",
                        static_cast<long long>(step_), told.status().ToString().c_str());
         }
       } else {
