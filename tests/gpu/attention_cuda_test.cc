@@ -158,6 +158,21 @@ struct AttnData {
   size_t P(int64_t bb, int64_t hh, int64_t i, int64_t j) const {
     return static_cast<size_t>(((bb * s.h + hh) * s.t + i) * s.t + j);
   }
+  // sum_d a_id b_jd and sum_d |a_id b_jd| over head hh of batch row bb, in FP64; a and b are
+  // [B, T, H, Dh] like q.
+  struct Dot {
+    double value, abs;
+  };
+  Dot HeadDot(const std::vector<float>& a, const std::vector<float>& b, int64_t bb, int64_t hh,
+              int64_t i, int64_t j) const {
+    Dot dot{0.0, 0.0};
+    for (int64_t d = 0; d < s.dh; ++d) {
+      const double prod = double{a[At(bb, i, hh, d)]} * b[At(bb, j, hh, d)];
+      dot.value += prod;
+      dot.abs += std::fabs(prod);
+    }
+    return dot;
+  }
 
   AttnShape s;
   size_t size, probs_size;
@@ -178,15 +193,10 @@ void ForwardBounds(const AttnData& x, const std::vector<float>& probs, std::vect
       for (int64_t i = 0; i < s.t; ++i) {
         double e_max = 0.0, max_score = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j <= i; ++j) {
-          double dot = 0.0, abs_dot = 0.0;
-          for (int64_t d = 0; d < s.dh; ++d) {
-            const double prod = double{x.q[x.At(bb, i, hh, d)]} * x.k[x.At(bb, j, hh, d)];
-            dot += prod;
-            abs_dot += std::fabs(prod);
-          }
-          score[j] = dot * x.scale;
+          const AttnData::Dot qk = x.HeadDot(x.q, x.k, bb, hh, i, j);
+          score[j] = qk.value * x.scale;
           e_max = std::max(
-              e_max, 2.0 * (s.dh + 8) * kU * abs_dot * x.scale + 2.0 * kU * std::fabs(score[j]));
+              e_max, 2.0 * (s.dh + 8) * kU * qk.abs * x.scale + 2.0 * kU * std::fabs(score[j]));
           max_score = std::max(max_score, score[j]);
         }
         double r_max = 0.0;
@@ -226,17 +236,12 @@ void BackwardBounds(const AttnData& x, const std::vector<float>& probs,
       for (int64_t i = 0; i < s.t; ++i) {
         double d_row = 0.0, a_row = 0.0;
         for (int64_t j = 0; j <= i; ++j) {
-          double dot = 0.0, abs_dot = 0.0;
-          for (int64_t d = 0; d < s.dh; ++d) {
-            const double prod = double{x.dout[x.At(bb, i, hh, d)]} * x.v[x.At(bb, j, hh, d)];
-            dot += prod;
-            abs_dot += std::fabs(prod);
-          }
+          const AttnData::Dot dout_v = x.HeadDot(x.dout, x.v, bb, hh, i, j);
           const double p = probs[x.P(bb, hh, i, j)];
-          dp[i * s.t + j] = dot;
-          a[i * s.t + j] = abs_dot;
-          d_row += p * dot;
-          a_row += p * abs_dot;
+          dp[i * s.t + j] = dout_v.value;
+          a[i * s.t + j] = dout_v.abs;
+          d_row += p * dout_v.value;
+          a_row += p * dout_v.abs;
         }
         for (int64_t j = 0; j <= i; ++j) {
           const double p = probs[x.P(bb, hh, i, j)];
@@ -290,6 +295,65 @@ std::string OutOfBounds(const char* what, const std::vector<float>& got,
                   : absl::StrCat(bad, " elements of ", what, " out of bounds", first);
 }
 
+// The CPU forward on x's inputs, into out and probs (resized to fit).
+absl::Status CpuAttentionForward(const LayerOps& cpu, const AttnData& x, std::vector<float>* out,
+                                 std::vector<float>* probs) {
+  out->resize(x.size);
+  probs->resize(x.probs_size);
+  return cpu.attention_forward(out->data(), probs->data(), x.q.data(), x.k.data(), x.v.data(),
+                               x.s.b, x.s.t, x.s.h, x.s.dh, Stream{});
+}
+
+// The CPU backward on x's inputs with `probs`, onto dq, dk and dv (it adds to them).
+absl::Status CpuAttentionBackward(const LayerOps& cpu, const AttnData& x,
+                                  const std::vector<float>& probs, std::vector<float>* dq,
+                                  std::vector<float>* dk, std::vector<float>* dv) {
+  return cpu.attention_backward(dq->data(), dk->data(), dv->data(), x.dout.data(), x.q.data(),
+                                x.k.data(), x.v.data(), probs.data(), x.s.b, x.s.t, x.s.h, x.s.dh,
+                                Stream{});
+}
+
+// One shape's device buffers for both directions: the inputs q, k, v and dout copied from x; the
+// probabilities (the forward's output, the backward's input: PutProbs); the outputs out, dq, dk
+// and dv (PutGrads pre-fills the gradients). Everything not copied is poisoned (DeviceBuffer).
+struct AttnBuffers {
+  explicit AttnBuffers(const AttnData& x)
+      : s(x.s),
+        q(x.size * 4),
+        k(x.size * 4),
+        v(x.size * 4),
+        dout(x.size * 4),
+        probs(x.probs_size * 4),
+        out(x.size * 4),
+        dq(x.size * 4),
+        dk(x.size * 4),
+        dv(x.size * 4) {
+    Put(q, x.q);
+    Put(k, x.k);
+    Put(v, x.v);
+    Put(dout, x.dout);
+  }
+  void PutProbs(const std::vector<float>& p) const { Put(probs, p); }
+  void PutGrads(const std::vector<float>& dq0, const std::vector<float>& dk0,
+                const std::vector<float>& dv0) const {
+    Put(dq, dq0);
+    Put(dk, dk0);
+    Put(dv, dv0);
+  }
+  // The CUDA entries on these buffers, on `stream`.
+  absl::Status Forward(const LayerOps& gpu, Stream stream) const {
+    return gpu.attention_forward(out.f(), probs.f(), q.f(), k.f(), v.f(), s.b, s.t, s.h, s.dh,
+                                 stream);
+  }
+  absl::Status Backward(const LayerOps& gpu, Stream stream) const {
+    return gpu.attention_backward(dq.f(), dk.f(), dv.f(), dout.f(), q.f(), k.f(), v.f(), probs.f(),
+                                  s.b, s.t, s.h, s.dh, stream);
+  }
+
+  const AttnShape s;
+  DeviceBuffer q, k, v, dout, probs, out, dq, dk, dv;
+};
+
 const AttnShape kAttnShapes[] = {
     {1, 1, 1, 1},      // T = 1, Dh = 1
     {2, 1, 3, 64},     // T = 1
@@ -307,22 +371,14 @@ class AttentionForwardTest : public CudaLayerTest,
 TEST_P(AttentionForwardTest, MatchesCpuWithinBoundsMasksExactlyAndReruns) {
   const AttnData x(GetParam(), 1000);
   const AttnShape& s = x.s;
-  std::vector<float> out(x.size), probs(x.probs_size);
-  ASSERT_TRUE(cpu_.attention_forward(out.data(), probs.data(), x.q.data(), x.k.data(), x.v.data(),
-                                     s.b, s.t, s.h, s.dh, Stream{})
-                  .ok());
+  std::vector<float> out, probs;
+  ASSERT_TRUE(CpuAttentionForward(cpu_, x, &out, &probs).ok());
 
-  DeviceBuffer q(x.size * 4), k(x.size * 4), v(x.size * 4), d_out(x.size * 4),
-      d_probs(x.probs_size * 4);
-  Put(q, x.q);
-  Put(k, x.k);
-  Put(v, x.v);
-  ASSERT_TRUE(gpu_->attention_forward(d_out.f(), d_probs.f(), q.f(), k.f(), v.f(), s.b, s.t, s.h,
-                                      s.dh, stream())
-                  .ok());
+  const AttnBuffers d(x);
+  ASSERT_TRUE(d.Forward(*gpu_, stream()).ok());
   Sync();
-  const std::vector<float> g_out = Download<float>(d_out, x.size);
-  const std::vector<float> g_probs = Download<float>(d_probs, x.probs_size);
+  const std::vector<float> g_out = Download<float>(d.out, x.size);
+  const std::vector<float> g_probs = Download<float>(d.probs, x.probs_size);
 
   // Masked entries (j > i) are +0 exactly, as the CPU writes them.
   int64_t masked_wrong = 0;
@@ -343,14 +399,12 @@ TEST_P(AttentionForwardTest, MatchesCpuWithinBoundsMasksExactlyAndReruns) {
   EXPECT_TRUE(err.empty()) << err;
 
   // A second run over the same inputs (outputs poisoned again) gives the same bits.
-  ASSERT_EQ(cudaMemset(d_out.f(), 0xA5, x.size * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemset(d_probs.f(), 0xA5, x.probs_size * 4), cudaSuccess);
-  ASSERT_TRUE(gpu_->attention_forward(d_out.f(), d_probs.f(), q.f(), k.f(), v.f(), s.b, s.t, s.h,
-                                      s.dh, stream())
-                  .ok());
+  ASSERT_EQ(cudaMemset(d.out.f(), 0xA5, x.size * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(d.probs.f(), 0xA5, x.probs_size * 4), cudaSuccess);
+  ASSERT_TRUE(d.Forward(*gpu_, stream()).ok());
   Sync();
-  EXPECT_TRUE(SameBits(Download<float>(d_out, x.size), g_out)) << "out differs between runs";
-  EXPECT_TRUE(SameBits(Download<float>(d_probs, x.probs_size), g_probs))
+  EXPECT_TRUE(SameBits(Download<float>(d.out, x.size), g_out)) << "out differs between runs";
+  EXPECT_TRUE(SameBits(Download<float>(d.probs, x.probs_size), g_probs))
       << "probs differ between runs";
 }
 
@@ -359,10 +413,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionForwardTest, ::testing::ValuesIn(kAttn
 
 // The CPU forward's probabilities for x: the backward's input on both backends.
 std::vector<float> CpuProbs(const LayerOps& cpu, const AttnData& x) {
-  std::vector<float> out(x.size), probs(x.probs_size);
-  EXPECT_TRUE(cpu.attention_forward(out.data(), probs.data(), x.q.data(), x.k.data(), x.v.data(),
-                                    x.s.b, x.s.t, x.s.h, x.s.dh, Stream{})
-                  .ok());
+  std::vector<float> out, probs;
+  EXPECT_TRUE(CpuAttentionForward(cpu, x, &out, &probs).ok());
   return probs;
 }
 
@@ -371,33 +423,20 @@ class AttentionBackwardTest : public CudaLayerTest,
 
 TEST_P(AttentionBackwardTest, AccumulatesLikeCpuWithinBoundsAndReruns) {
   const AttnData x(GetParam(), 2000);
-  const AttnShape& s = x.s;
   const std::vector<float> probs = CpuProbs(cpu_, x);
   std::vector<float> dq = x.dq0, dk = x.dk0, dv = x.dv0;
-  ASSERT_TRUE(cpu_.attention_backward(dq.data(), dk.data(), dv.data(), x.dout.data(), x.q.data(),
-                                      x.k.data(), x.v.data(), probs.data(), s.b, s.t, s.h, s.dh,
-                                      Stream{})
-                  .ok());
+  ASSERT_TRUE(CpuAttentionBackward(cpu_, x, probs, &dq, &dk, &dv).ok());
 
-  DeviceBuffer q(x.size * 4), k(x.size * 4), v(x.size * 4), dout(x.size * 4),
-      d_probs(x.probs_size * 4), d_dq(x.size * 4), d_dk(x.size * 4), d_dv(x.size * 4);
-  Put(q, x.q);
-  Put(k, x.k);
-  Put(v, x.v);
-  Put(dout, x.dout);
-  Put(d_probs, probs);
+  const AttnBuffers d(x);
+  d.PutProbs(probs);
   std::vector<float> runs[2][3];
   for (auto& run : runs) {
-    Put(d_dq, x.dq0);  // pre-filled: the backward must add to them
-    Put(d_dk, x.dk0);
-    Put(d_dv, x.dv0);
-    ASSERT_TRUE(gpu_->attention_backward(d_dq.f(), d_dk.f(), d_dv.f(), dout.f(), q.f(), k.f(),
-                                         v.f(), d_probs.f(), s.b, s.t, s.h, s.dh, stream())
-                    .ok());
+    d.PutGrads(x.dq0, x.dk0, x.dv0);  // pre-filled: the backward must add to them
+    ASSERT_TRUE(d.Backward(*gpu_, stream()).ok());
     Sync();
-    run[0] = Download<float>(d_dq, x.size);
-    run[1] = Download<float>(d_dk, x.size);
-    run[2] = Download<float>(d_dv, x.size);
+    run[0] = Download<float>(d.dq, x.size);
+    run[1] = Download<float>(d.dk, x.size);
+    run[2] = Download<float>(d.dv, x.size);
   }
 
   std::vector<double> dq_bound, dk_bound;
@@ -419,37 +458,24 @@ class AttentionAccumulateTest : public CudaLayerTest {};
 
 TEST_F(AttentionAccumulateTest, TwoCallsAddTwice) {
   const AttnData x({2, 50, 3, 24}, 3000);
-  const AttnShape& s = x.s;
   const std::vector<float> probs = CpuProbs(cpu_, x);
   // CPU: zero gradients, two calls.
-  std::vector<float> dq(x.size, 0.0f), dk(x.size, 0.0f), dv(x.size, 0.0f);
-  for (int call = 0; call < 2; ++call) {
-    ASSERT_TRUE(cpu_.attention_backward(dq.data(), dk.data(), dv.data(), x.dout.data(), x.q.data(),
-                                        x.k.data(), x.v.data(), probs.data(), s.b, s.t, s.h, s.dh,
-                                        Stream{})
-                    .ok());
-  }
-  DeviceBuffer q(x.size * 4), k(x.size * 4), v(x.size * 4), dout(x.size * 4),
-      d_probs(x.probs_size * 4), d_dq(x.size * 4), d_dk(x.size * 4), d_dv(x.size * 4);
-  Put(q, x.q);
-  Put(k, x.k);
-  Put(v, x.v);
-  Put(dout, x.dout);
-  Put(d_probs, probs);
   const std::vector<float> zeros(x.size, 0.0f);
-  Put(d_dq, zeros);
-  Put(d_dk, zeros);
-  Put(d_dv, zeros);
+  std::vector<float> dq = zeros, dk = zeros, dv = zeros;
   for (int call = 0; call < 2; ++call) {
-    ASSERT_TRUE(gpu_->attention_backward(d_dq.f(), d_dk.f(), d_dv.f(), dout.f(), q.f(), k.f(),
-                                         v.f(), d_probs.f(), s.b, s.t, s.h, s.dh, stream())
-                    .ok());
+    ASSERT_TRUE(CpuAttentionBackward(cpu_, x, probs, &dq, &dk, &dv).ok());
+  }
+  const AttnBuffers d(x);
+  d.PutProbs(probs);
+  d.PutGrads(zeros, zeros, zeros);
+  for (int call = 0; call < 2; ++call) {
+    ASSERT_TRUE(d.Backward(*gpu_, stream()).ok());
   }
   Sync();
   // dv: the same additions on both sides. dq, dk: the first call's difference carries over (one
   // single-call bound), the second call adds its own (one more, and one for its rounding errors
   // relative to the first call's result, which is at most the sum of the terms' magnitudes).
-  EXPECT_TRUE(SameBits(Download<float>(d_dv, x.size), dv)) << "dv is not bit for bit the CPU's";
+  EXPECT_TRUE(SameBits(Download<float>(d.dv, x.size), dv)) << "dv is not bit for bit the CPU's";
   AttnData once = x;
   std::fill(once.dq0.begin(), once.dq0.end(), 0.0f);
   std::fill(once.dk0.begin(), once.dk0.end(), 0.0f);
@@ -459,9 +485,9 @@ TEST_F(AttentionAccumulateTest, TwoCallsAddTwice) {
     dq_bound[n] *= 3.0;
     dk_bound[n] *= 3.0;
   }
-  std::string err = OutOfBounds("dq", Download<float>(d_dq, x.size), dq, dq_bound);
+  std::string err = OutOfBounds("dq", Download<float>(d.dq, x.size), dq, dq_bound);
   EXPECT_TRUE(err.empty()) << err;
-  err = OutOfBounds("dk", Download<float>(d_dk, x.size), dk, dk_bound);
+  err = OutOfBounds("dk", Download<float>(d.dk, x.size), dk, dk_bound);
   EXPECT_TRUE(err.empty()) << err;
 }
 
@@ -493,6 +519,41 @@ struct CeData {
   std::vector<int32_t> targets;
 };
 
+// The CPU forward on x, into probs and losses (resized to fit).
+absl::Status CpuCrossEntropyForward(const LayerOps& cpu, const CeData& x, std::vector<float>* probs,
+                                    std::vector<float>* losses) {
+  probs->resize(static_cast<size_t>(x.s.n * x.s.v));
+  losses->resize(static_cast<size_t>(x.s.n));
+  return cpu.cross_entropy_forward(probs->data(), losses->data(), x.logits.data(), x.targets.data(),
+                                   x.s.n, x.s.v, Stream{});
+}
+
+// One cross-entropy forward's device buffers: n rows of v logits and n targets copied from the
+// host; probs and losses poisoned (DeviceBuffer).
+struct CeForwardBuffers {
+  CeForwardBuffers(const std::vector<float>& host_logits, const std::vector<int32_t>& host_targets,
+                   int64_t rows, int64_t classes)
+      : n(rows),
+        v(classes),
+        logits(static_cast<size_t>(n * v) * 4),
+        targets(static_cast<size_t>(n) * 4),
+        probs(static_cast<size_t>(n * v) * 4),
+        losses(static_cast<size_t>(n) * 4) {
+    Put(logits, host_logits);
+    Put(targets, host_targets);
+  }
+  // The CUDA entry on these buffers, on `stream`.
+  absl::Status Forward(const LayerOps& gpu, Stream stream) const {
+    return gpu.cross_entropy_forward(probs.f(), losses.f(), logits.f(), targets.as<int32_t>(), n, v,
+                                     stream);
+  }
+  std::vector<float> Probs() const { return Download<float>(probs, static_cast<size_t>(n * v)); }
+  std::vector<float> Losses() const { return Download<float>(losses, static_cast<size_t>(n)); }
+
+  const int64_t n, v;
+  DeviceBuffer logits, targets, probs, losses;
+};
+
 class CrossEntropyForwardTest : public CudaLayerTest,
                                 public ::testing::WithParamInterface<CeShape> {};
 
@@ -500,23 +561,15 @@ TEST_P(CrossEntropyForwardTest, MatchesCpuAndFp64WithinBoundsAndReruns) {
   const CeData x(GetParam(), 4000);
   const int64_t n = x.s.n, v = x.s.v;
   const size_t nv = static_cast<size_t>(n * v);
-  std::vector<float> probs(nv), losses(static_cast<size_t>(n));
-  ASSERT_TRUE(cpu_.cross_entropy_forward(probs.data(), losses.data(), x.logits.data(),
-                                         x.targets.data(), n, v, Stream{})
-                  .ok());
-  DeviceBuffer logits(nv * 4), targets(static_cast<size_t>(n) * 4), d_probs(nv * 4),
-      d_losses(static_cast<size_t>(n) * 4);
-  Put(logits, x.logits);
-  Put(targets, x.targets);
+  std::vector<float> probs, losses;
+  ASSERT_TRUE(CpuCrossEntropyForward(cpu_, x, &probs, &losses).ok());
+  const CeForwardBuffers d(x.logits, x.targets, n, v);
   std::vector<float> g_probs, g_losses;
   for (int run = 0; run < 2; ++run) {
-    ASSERT_EQ(cudaMemset(d_probs.f(), 0xA5, nv * 4), cudaSuccess);
-    ASSERT_TRUE(gpu_->cross_entropy_forward(d_probs.f(), d_losses.f(), logits.f(),
-                                            targets.as<int32_t>(), n, v, stream())
-                    .ok());
+    ASSERT_EQ(cudaMemset(d.probs.f(), 0xA5, nv * 4), cudaSuccess);
+    ASSERT_TRUE(d.Forward(*gpu_, stream()).ok());
     Sync();
-    std::vector<float> p = Download<float>(d_probs, nv),
-                       l = Download<float>(d_losses, static_cast<size_t>(n));
+    std::vector<float> p = d.Probs(), l = d.Losses();
     if (run == 0) {
       g_probs = std::move(p);
       g_losses = std::move(l);
@@ -587,10 +640,8 @@ TEST_P(CrossEntropyBackwardTest, AccumulatesBitForBitLikeCpu) {
   const float dloss = GetParam().dloss;
   const int64_t n = x.s.n, v = x.s.v;
   const size_t nv = static_cast<size_t>(n * v);
-  std::vector<float> probs(nv), losses(static_cast<size_t>(n));
-  ASSERT_TRUE(cpu_.cross_entropy_forward(probs.data(), losses.data(), x.logits.data(),
-                                         x.targets.data(), n, v, Stream{})
-                  .ok());
+  std::vector<float> probs, losses;
+  ASSERT_TRUE(CpuCrossEntropyForward(cpu_, x, &probs, &losses).ok());
   const std::vector<float> dlogits0 = Normal(nv, 1e-3f, 5001);  // pre-filled: must accumulate
   std::vector<float> dlogits = dlogits0;
   ASSERT_TRUE(cpu_.cross_entropy_backward(dlogits.data(), probs.data(), x.targets.data(), n, v,
@@ -645,15 +696,11 @@ TEST_F(CrossEntropyTest, HugeLogitsDoNotOverflow) {
     logits[r * v + r] = kHuge;
     targets[r] = static_cast<int32_t>(r % 2 == 0 ? r : r + 1);
   }
-  DeviceBuffer d_logits(n * v * 4), d_targets(n * 4), d_probs(n * v * 4), d_losses(n * 4);
-  Put(d_logits, logits);
-  Put(d_targets, targets);
-  ASSERT_TRUE(gpu_->cross_entropy_forward(d_probs.f(), d_losses.f(), d_logits.f(),
-                                          d_targets.as<int32_t>(), n, v, stream())
-                  .ok());
+  const CeForwardBuffers d(logits, targets, n, v);
+  ASSERT_TRUE(d.Forward(*gpu_, stream()).ok());
   Sync();
-  const std::vector<float> probs = Download<float>(d_probs, n * v);
-  const std::vector<float> losses = Download<float>(d_losses, n);
+  const std::vector<float> probs = d.Probs();
+  const std::vector<float> losses = d.Losses();
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t j = 0; j < v; ++j) {
       EXPECT_EQ(probs[r * v + j], j == r ? 1.0f : 0.0f) << "row " << r << " column " << j;
@@ -678,17 +725,11 @@ TEST_F(CrossEntropyTest, EveryLogitCountsExactValues) {
       logits[static_cast<size_t>(r * v + r)] = big;
       targets[static_cast<size_t>(r)] = static_cast<int32_t>((r * 7) % v);
     }
-    const size_t nv = static_cast<size_t>(n * v);
-    DeviceBuffer d_logits(nv * 4), d_targets(static_cast<size_t>(n) * 4), d_probs(nv * 4),
-        d_losses(static_cast<size_t>(n) * 4);
-    Put(d_logits, logits);
-    Put(d_targets, targets);
-    ASSERT_TRUE(gpu_->cross_entropy_forward(d_probs.f(), d_losses.f(), d_logits.f(),
-                                            d_targets.as<int32_t>(), n, v, stream())
-                    .ok());
+    const CeForwardBuffers d(logits, targets, n, v);
+    ASSERT_TRUE(d.Forward(*gpu_, stream()).ok());
     Sync();
-    const std::vector<float> probs = Download<float>(d_probs, nv);
-    const std::vector<float> losses = Download<float>(d_losses, static_cast<size_t>(n));
+    const std::vector<float> probs = d.Probs();
+    const std::vector<float> losses = d.Losses();
     // Row sums: exp(0 - big) (V - 1) + 1 (x_j = -big and 0, exact in FP32).
     const double e_small = std::exp(-static_cast<double>(big));
     const double sum = 1.0 + static_cast<double>(v - 1) * e_small;

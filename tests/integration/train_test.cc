@@ -3,7 +3,7 @@
 //
 // What a user relies on, and the test that checks it:
 //   LayoutInvariance                 1 rank, tp=2, dp=2, dp=2 x tp=2 train the same model
-//   ScaleConsistency                 FP8 amax and scale agree on every rank (per TP group at step 1)
+//   ScaleConsistency                 FP8 amax and scale agree on every rank (by TP group at step 1)
 //   RerunIsBitIdentical              a run is reproducible to the bit
 //   ResumeIsBitIdentical             a killed run, resumed, ends exactly where an uninterrupted one
 //   CorruptNewestCheckpointFallsBack a corrupt newest checkpoint is refused, the previous one used
@@ -310,6 +310,25 @@ class TrainTest : public ::testing::Test {
     std::vector<std::string> argv = {std::string(FP8RT_BIN_DIR) + "/fp8rt", "launch"};
     argv.insert(argv.end(), args.begin(), args.end());
     return RunCommand(argv, fault, NextLog("launch"));
+  }
+
+  // The arguments of `fp8rt launch` for tiny.yaml on 2 ranks: `steps` steps, warmup 2, a
+  // checkpoint every `checkpoint_every` steps, into `run_dir`, then `more`.
+  std::vector<std::string> LaunchArgs(int steps, int checkpoint_every, const fs::path& run_dir,
+                                      const std::vector<std::string>& more = {}) const {
+    std::vector<std::string> args = {spec_.string(),
+                                     "--np",
+                                     "2",
+                                     "--set",
+                                     "train.steps=" + std::to_string(steps),
+                                     "--set",
+                                     "train.warmup=2",
+                                     "--set",
+                                     "checkpoint.every=" + std::to_string(checkpoint_every),
+                                     "--run-dir",
+                                     run_dir.string()};
+    args.insert(args.end(), more.begin(), more.end());
+    return args;
   }
 
   fs::path dir_;           // the test's temp folder
@@ -663,9 +682,7 @@ TEST_F(TrainTest, CudaWithoutAGpuFailsFast) {
 
 TEST_F(TrainTest, LaunchTrainsTinyModel) {
   const fs::path run_dir = dir_ / "run";
-  const Result r =
-      Launch({spec_.string(), "--np", "2", "--set", "train.steps=10", "--set", "train.warmup=2",
-              "--set", "checkpoint.every=5", "--run-dir", run_dir.string()});
+  const Result r = Launch(LaunchArgs(/*steps=*/10, /*checkpoint_every=*/5, run_dir));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_THAT(r.err, HasSubstr("step 10/10"));
   EXPECT_THAT(r.err, HasSubstr("done, 10 steps"));
@@ -683,15 +700,8 @@ TEST_F(TrainTest, LaunchTrainsTinyModel) {
 // committed checkpoint (step 5, through the controller it started), and the run ends with the
 // loss curve of a run that was never interrupted, bit for bit.
 TEST_F(TrainTest, LaunchRestartsAfterAKilledRankWithTheSameLossCurve) {
-  const std::vector<std::string> common = {
-      spec_.string(),   "--np",           "2",
-      "--set",          "train.steps=12", "--set",
-      "train.warmup=2", "--set",          "checkpoint.every=5"};
-  auto with = [&](const fs::path& run_dir, std::vector<std::string> more) {
-    std::vector<std::string> args = common;
-    args.insert(args.end(), {"--run-dir", run_dir.string()});
-    args.insert(args.end(), more.begin(), more.end());
-    return args;
+  auto with = [&](const fs::path& run_dir, const std::vector<std::string>& more) {
+    return LaunchArgs(/*steps=*/12, /*checkpoint_every=*/5, run_dir, more);
   };
   const fs::path straight = dir_ / "straight", restarted = dir_ / "restarted";
   const Result a = Launch(with(straight, {}));
@@ -773,15 +783,9 @@ TEST_F(TrainTest, TinyMoeTrains) {
 // it tears the job down, and `fp8rt launch --max-restarts 1` restarts from the newest checkpoint
 // with the uninterrupted loss curve; no process of the first attempt is left behind.
 TEST_F(TrainTest, LaunchRestartsAfterAHungRank) {
-  const std::vector<std::string> common = {spec_.string(),   "--np",          "2",
-                                           "--set",          "train.steps=8", "--set",
-                                           "train.warmup=2", "--set",         "checkpoint.every=4",
-                                           "--no-controller"};
   auto with = [&](const fs::path& run_dir, std::vector<std::string> more) {
-    std::vector<std::string> args = common;
-    args.insert(args.end(), {"--run-dir", run_dir.string()});
-    args.insert(args.end(), more.begin(), more.end());
-    return args;
+    more.insert(more.begin(), "--no-controller");
+    return LaunchArgs(/*steps=*/8, /*checkpoint_every=*/4, run_dir, more);
   };
   const fs::path straight = dir_ / "straight", restarted = dir_ / "restarted";
   const Result a = Launch(with(straight, {}));

@@ -4,8 +4,10 @@
 // formats) against the FP32 gradients of the same weights and tokens.
 #include "runtime/model/transformer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -22,6 +24,19 @@ namespace {
 using parallel::testing::AllRanksOk;
 using parallel::testing::Factory;
 
+// The tests' models: 4 heads, bytes as tokens, and an MoE MLP in every block when moe.experts > 0.
+ModelShape Shape(int64_t layers, int64_t d_model, int64_t d_ff, int64_t seq_len,
+                 const MoeConfig& moe = {}) {
+  return {.layers = layers,
+          .d_model = d_model,
+          .heads = 4,
+          .d_ff = d_ff,
+          .seq_len = seq_len,
+          .vocab = 256,
+          .moe = moe,
+          .moe_every = 1};
+}
+
 struct ModelUnderTest {
   std::unique_ptr<parallel::Mesh> mesh;
   std::unique_ptr<Transformer> model;
@@ -29,19 +44,27 @@ struct ModelUnderTest {
   int64_t micro_batch = 2;
 };
 
-ModelUnderTest Make(const ModelShape& shape, const ModelRecipe& recipe) {
+// A model of `shape` on a mesh of `layout` over all ranks (CPU ops, weights from `seed`), fed
+// micro_batch sequences of tokens drawn from `token_seed`.
+ModelUnderTest Build(const parallel::MeshConfig& layout, const ModelShape& shape,
+                     const ModelRecipe& recipe, uint64_t seed, uint32_t token_seed) {
   ModelUnderTest s;
-  const int world = Factory().World().size();
-  auto mesh = parallel::Mesh::Create({.dp = 1, .tp = world, .ep = 1}, Factory());
+  auto mesh = parallel::Mesh::Create(layout, Factory());
   EXPECT_TRUE(mesh.ok()) << mesh.status();
   s.mesh = std::move(*mesh);
-  auto model = Transformer::Create(shape, recipe, /*seed=*/7, *s.mesh, kernels::CpuOps());
+  auto model = Transformer::Create(shape, recipe, seed, *s.mesh, kernels::CpuOps());
   EXPECT_TRUE(model.ok()) << model.status();
   s.model = std::move(*model);
-  std::mt19937 rng(3);  // the same tokens on every rank
+  std::mt19937 rng(token_seed);
   s.tokens.resize(static_cast<size_t>(s.micro_batch * (shape.seq_len + 1)));
   for (int32_t& t : s.tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(shape.vocab));
   return s;
+}
+
+// Tensor-parallel over all ranks, the same tokens on every rank.
+ModelUnderTest Make(const ModelShape& shape, const ModelRecipe& recipe) {
+  const int world = Factory().World().size();
+  return Build({.dp = 1, .tp = world, .ep = 1}, shape, recipe, /*seed=*/7, /*token_seed=*/3);
 }
 
 double Loss(ModelUnderTest& s) {
@@ -50,22 +73,52 @@ double Loss(ModelUnderTest& s) {
   return loss.ok() ? *loss : NAN;
 }
 
-TEST(TransformerTest, Fp32GradientsMatchFiniteDifferences) {
-  const ModelShape shape{.layers = 2,
-                         .d_model = 32,
-                         .heads = 4,
-                         .d_ff = 64,
-                         .seq_len = 8,
-                         .vocab = 256,
-                         .moe = {},
-                         .moe_every = 1};
+ModelRecipe Fp32Recipe() {
   ModelRecipe recipe;
   recipe.precision = GemmPrecision::kFp32;
-  ModelUnderTest s = Make(shape, recipe);
+  return recipe;
+}
+
+// Each parameter's full_grad, as the last backward left it.
+std::vector<std::vector<float>> Grads(Transformer& model) {
+  std::vector<std::vector<float>> grads;
+  for (Param& p : model.params()) grads.emplace_back(p.full_grad.begin(), p.full_grad.end());
+  return grads;
+}
+
+// The central finite difference of `loss` in p.full[j], with h = 1e-2 max(1, |w|). Every rank
+// evaluates the loss twice (it may run collectives); the weight moves only where `mine`, and the
+// result means something only there.
+double FiniteDifference(Param& p, size_t j, bool mine, const std::function<double()>& loss) {
+  const float w0 = p.full[j];
+  const float h = 1e-2f * std::max(1.0f, std::fabs(w0));
+  if (mine) p.full[j] = w0 + h;
+  const double up = loss();
+  if (mine) p.full[j] = w0 - h;
+  const double down = loss();
+  if (mine) p.full[j] = w0;
+  return (up - down) / (2.0 * static_cast<double>(h));
+}
+
+// Whether the analytic gradient g of p.full[j] agrees with the finite difference fd; a failure of
+// the test, naming the weight and rank, if not. FP32 loss differences over 2h: ~1e-7 * |L| / h of
+// rounding, plus O(h^2) curvature.
+bool MatchesFiniteDifference(const Param& p, size_t j, int rank, double g, double fd) {
+  const double tol = 2e-3 + 2e-2 * std::fabs(g);
+  if (std::fabs(fd - g) > tol) {
+    ADD_FAILURE() << p.name << "[" << j << "] on rank " << rank << ": analytic " << g
+                  << ", finite difference " << fd;
+    return false;
+  }
+  return true;
+}
+
+TEST(TransformerTest, Fp32GradientsMatchFiniteDifferences) {
+  ModelUnderTest s =
+      Make(Shape(/*layers=*/2, /*d_model=*/32, /*d_ff=*/64, /*seq_len=*/8), Fp32Recipe());
   ASSERT_TRUE(s.model->BeginStep().ok());
   Loss(s);  // fills full_grad with dL/dw (dloss 1)
-  std::vector<std::vector<float>> grads;
-  for (Param& p : s.model->params()) grads.emplace_back(p.full_grad.begin(), p.full_grad.end());
+  const std::vector<std::vector<float>> grads = Grads(*s.model);
 
   const int rank = s.mesh->world().rank(), world = s.mesh->world().size();
   std::mt19937 pick(11);
@@ -79,23 +132,9 @@ TEST(TransformerTest, Fp32GradientsMatchFiniteDifferences) {
       for (int trial = 0; trial < 3; ++trial) {
         const size_t j = pick() % static_cast<size_t>(p.local_count());
         const bool mine = p.split == TpSplit::kNone || owner == rank;
-        const float w0 = p.full[j];
-        const float h = 1e-2f * std::max(1.0f, std::fabs(w0));
-        if (mine) p.full[j] = w0 + h;
-        const double up = Loss(s);
-        if (mine) p.full[j] = w0 - h;
-        const double down = Loss(s);
-        if (mine) p.full[j] = w0;
+        const double fd = FiniteDifference(p, j, mine, [&] { return Loss(s); });
         if (!mine) continue;
-        const double fd = (up - down) / (2.0 * static_cast<double>(h));
-        const double g = grads[i][j];
-        // FP32 loss differences over 2h: ~1e-7 * |L| / h of rounding, plus O(h^2) curvature.
-        const double tol = 2e-3 + 2e-2 * std::fabs(g);
-        if (std::fabs(fd - g) > tol) {
-          ok = false;
-          ADD_FAILURE() << p.name << "[" << j << "] on rank " << rank << ": analytic " << g
-                        << ", finite difference " << fd;
-        }
+        if (!MatchesFiniteDifference(p, j, rank, grads[i][j], fd)) ok = false;
         ++checked;
       }
     }
@@ -126,23 +165,14 @@ class Fp8GradientTest : public ::testing::TestWithParam<Fp8Case> {};
 // products the errors average out, so each weight gradient must point the same way as the FP32
 // one (cosine > 0.98) and the loss must agree to 1%.
 TEST_P(Fp8GradientTest, GradientsFollowFp32) {
-  const ModelShape shape{.layers = 2,
-                         .d_model = 256,
-                         .heads = 4,
-                         .d_ff = 512,
-                         .seq_len = 16,
-                         .vocab = 256,
-                         .moe = {},
-                         .moe_every = 1};
-  ModelRecipe fp32;
-  fp32.precision = GemmPrecision::kFp32;
+  const ModelShape shape = Shape(/*layers=*/2, /*d_model=*/256, /*d_ff=*/512, /*seq_len=*/16);
   ModelRecipe fp8;
   fp8.precision = GemmPrecision::kFp8;
   for (train::ScalingConfig* c : {&fp8.sites.input, &fp8.sites.weight, &fp8.sites.grad_output}) {
     c->strategy = GetParam().strategy;
   }
   fp8.sites.grad_output.format = GetParam().grad_format;
-  ModelUnderTest a = Make(shape, fp32);
+  ModelUnderTest a = Make(shape, Fp32Recipe());
   ModelUnderTest b = Make(shape, fp8);
   ASSERT_TRUE(a.model->BeginStep().ok());
   ASSERT_TRUE(b.model->BeginStep().ok());
@@ -177,14 +207,7 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Fp8Case>& info) { return std::string(info.param.name); });
 
 TEST(TransformerTest, UnknownExcludedLayerIsNamed) {
-  const ModelShape shape{.layers = 1,
-                         .d_model = 32,
-                         .heads = 4,
-                         .d_ff = 64,
-                         .seq_len = 8,
-                         .vocab = 256,
-                         .moe = {},
-                         .moe_every = 1};
+  const ModelShape shape = Shape(/*layers=*/1, /*d_model=*/32, /*d_ff=*/64, /*seq_len=*/8);
   ModelRecipe recipe;
   recipe.exclude = {"blocks.0.mlp.fc1", "blocks.3.mlp.fc1"};
   auto mesh = parallel::Mesh::Create({.dp = 1, .tp = Factory().World().size(), .ep = 1}, Factory());
@@ -206,19 +229,11 @@ TEST(TransformerTest, UnknownExcludedLayerIsNamed) {
 
 // ---- Mixture of experts (every rank is one DP rank and one EP rank: dp = ep = world) ----
 
+// Each rank its own tokens.
 ModelUnderTest MakeMoe(const ModelShape& shape, const ModelRecipe& recipe) {
-  ModelUnderTest s;
-  const int world = Factory().World().size();
-  auto mesh = parallel::Mesh::Create({.dp = world, .tp = 1, .ep = world}, Factory());
-  EXPECT_TRUE(mesh.ok()) << mesh.status();
-  s.mesh = std::move(*mesh);
-  auto model = Transformer::Create(shape, recipe, /*seed=*/5, *s.mesh, kernels::CpuOps());
-  EXPECT_TRUE(model.ok()) << model.status();
-  s.model = std::move(*model);
-  std::mt19937 rng(17 + static_cast<uint32_t>(s.mesh->world().rank()));  // each rank its tokens
-  s.tokens.resize(static_cast<size_t>(s.micro_batch * (shape.seq_len + 1)));
-  for (int32_t& t : s.tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(shape.vocab));
-  return s;
+  parallel::Communicator& world = Factory().World();
+  return Build({.dp = world.size(), .tp = 1, .ep = world.size()}, shape, recipe, /*seed=*/5,
+               /*token_seed=*/17 + static_cast<uint32_t>(world.rank()));
 }
 
 // The loss of all ranks' tokens (each rank's backward adds its tokens' share to the experts it
@@ -234,26 +249,17 @@ double GlobalLoss(ModelUnderTest& s) {
 // differences of the FP32 model. top_k = experts and no capacity keep the loss smooth in the
 // weights (no routing decision flips under a perturbation).
 TEST(MoeTest, Fp32GradientsMatchFiniteDifferences) {
-  const ModelShape shape{.layers = 1,
-                         .d_model = 32,
-                         .heads = 4,
-                         .d_ff = 48,
-                         .seq_len = 8,
-                         .vocab = 256,
-                         .moe = {.experts = 4,
-                                 .top_k = 4,
-                                 .capacity_factor = 1.0,
-                                 .aux_loss_coef = 0.1,
-                                 .drop_tokens = false},
-                         .moe_every = 1};
-  ModelRecipe recipe;
-  recipe.precision = GemmPrecision::kFp32;
-  ModelUnderTest s = MakeMoe(shape, recipe);
+  const ModelShape shape = Shape(/*layers=*/1, /*d_model=*/32, /*d_ff=*/48, /*seq_len=*/8,
+                                 {.experts = 4,
+                                  .top_k = 4,
+                                  .capacity_factor = 1.0,
+                                  .aux_loss_coef = 0.1,
+                                  .drop_tokens = false});
+  ModelUnderTest s = MakeMoe(shape, Fp32Recipe());
   ASSERT_TRUE(s.model->BeginStep().ok());
   GlobalLoss(s);
   // Gradients of that one backward (the finite differences below run more of them).
-  std::vector<std::vector<float>> grads;
-  for (Param& p : s.model->params()) grads.emplace_back(p.full_grad.begin(), p.full_grad.end());
+  const std::vector<std::vector<float>> grads = Grads(*s.model);
   const int rank = s.mesh->world().rank();
   std::mt19937 pick(23);
   size_t index = 0;
@@ -279,20 +285,9 @@ TEST(MoeTest, Fp32GradientsMatchFiniteDifferences) {
     for (int trial = 0; trial < 4 * owners; ++trial) {
       const size_t j = pick() % static_cast<size_t>(p.local_count());
       const bool mine = router || trial % owners == rank;
-      const float w0 = p.full[j];
-      const float h = 1e-2f * std::max(1.0f, std::fabs(w0));
-      if (mine) p.full[j] = w0 + h;
-      const double up = GlobalLoss(s);
-      if (mine) p.full[j] = w0 - h;
-      const double down = GlobalLoss(s);
-      if (mine) p.full[j] = w0;
+      const double fd = FiniteDifference(p, j, mine, [&] { return GlobalLoss(s); });
       if (!mine) continue;
-      const double fd = (up - down) / (2.0 * static_cast<double>(h));
-      if (std::fabs(fd - grad[j]) > 2e-3 + 2e-2 * std::fabs(grad[j])) {
-        ok = false;
-        ADD_FAILURE() << p.name << "[" << j << "] on rank " << rank << ": analytic " << grad[j]
-                      << ", finite difference " << fd;
-      }
+      if (!MatchesFiniteDifference(p, j, rank, grad[j], fd)) ok = false;
       ++checked;
     }
   }
@@ -304,18 +299,12 @@ TEST(MoeTest, Fp32GradientsMatchFiniteDifferences) {
 // amax of 0 after the MAX over ranks, and their state records no zero (a known failure of
 // delayed scaling elsewhere: a zero amax turns into an infinite scale).
 TEST(MoeTest, ExpertsWithoutTokensKeepValidScalingState) {
-  const ModelShape shape{.layers = 1,
-                         .d_model = 32,
-                         .heads = 4,
-                         .d_ff = 48,
-                         .seq_len = 2,
-                         .vocab = 256,
-                         .moe = {.experts = 8,
-                                 .top_k = 1,
-                                 .capacity_factor = 8.0,
-                                 .aux_loss_coef = 0.01,
-                                 .drop_tokens = true},
-                         .moe_every = 1};
+  const ModelShape shape = Shape(/*layers=*/1, /*d_model=*/32, /*d_ff=*/48, /*seq_len=*/2,
+                                 {.experts = 8,
+                                  .top_k = 1,
+                                  .capacity_factor = 8.0,
+                                  .aux_loss_coef = 0.01,
+                                  .drop_tokens = true});
   ModelRecipe recipe;  // fp8, delayed scaling
   ModelUnderTest s = MakeMoe(shape, recipe);
   s.micro_batch = 1;
