@@ -12,7 +12,9 @@
 // restart the controller from its state folder and register with --resume, ...).
 //
 // Every call must return OK or an error with a message, never crash, trip a sanitizer, hang or
-// grow memory without bound.
+// grow memory without bound. Every run token CreateRunToken hands out must name its run, before
+// and after a restart (fewer than max_run_tokens_per_run per input: none is revoked), and an
+// arbitrary string (the request bytes) must not be taken for a token.
 //
 // The harness keeps the fuzzer inside its sandbox (a temp folder): an absolute run_dir in a
 // Register request is replaced by the sandbox's run folder (relative and empty ones are kept:
@@ -29,8 +31,11 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <system_error>
+#include <utility>
+#include <vector>
 
 #include "fp8rt/v1/control.pb.h"
 #include "runtime/controller/controller.h"
@@ -134,6 +139,16 @@ class Harness {
     controller_.reset();  // Shutdown writes every run record
     metrics_.reset();
     Open();
+    CheckTokens();
+  }
+
+  // Every token handed out in this input still names its run.
+  void CheckTokens() const {
+    for (const auto& [token, run_id] : tokens_) {
+      const std::optional<std::string> run = controller_->RunOfToken(token);
+      FUZZ_CHECK(run.has_value() && *run == run_id, "run token of '%s' names '%s'", run_id.c_str(),
+                 run.has_value() ? run->c_str() : "(no run)");
+    }
   }
 
   // Calls method `selector` with the request in `bytes`.
@@ -165,6 +180,7 @@ class Harness {
   Sandbox& sandbox_;
   std::unique_ptr<ControllerMetrics> metrics_;  // outlives controller_ (declared first)
   std::unique_ptr<Controller> controller_;
+  std::vector<std::pair<std::string, std::string>> tokens_;  // (token, run id) handed out
 };
 
 template <typename Request>
@@ -174,7 +190,7 @@ bool Parse(const std::string& bytes, Request* request) {
 
 void Harness::Call(uint8_t selector, const std::string& bytes) {
   Controller& c = *controller_;
-  switch (selector % 15) {
+  switch (selector % 16) {
     case 0: {
       v1::RegisterRequest r;
       if (!Parse(bytes, &r)) return;
@@ -274,6 +290,19 @@ void Harness::Call(uint8_t selector, const std::string& bytes) {
     case 14:
       Restart();
       return;
+    case 15: {
+      // The bytes themselves are no token: tokens are 64 random hex digits, only hashes kept.
+      FUZZ_CHECK(!c.RunOfToken(bytes).has_value(), "a %zu-byte request was taken for a token",
+                 bytes.size());
+      v1::CreateRunTokenRequest r;
+      if (!Parse(bytes, &r)) return;
+      const absl::StatusOr<std::string> token = c.CreateRunToken(r.run_id());
+      CheckStatus(token.status(), "CreateRunToken");
+      if (!token.ok()) return;
+      tokens_.emplace_back(*token, r.run_id());
+      CheckTokens();
+      return;
+    }
   }
 }
 

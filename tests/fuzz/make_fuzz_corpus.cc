@@ -204,6 +204,7 @@ enum Method : uint8_t {
   kWatchEvents = 12,
   kListRuns = 13,
   kRestart = 14,
+  kCreateRunToken = 15,
 };
 
 class Requests {
@@ -301,7 +302,7 @@ void MakeRequests(const fs::path& dir) {
   resume.set_rank(0);
   resume.set_world_size(2);
   *resume.mutable_spec() = SmallRunSpec();  // the controller target's ValidSpec, less health
-  resume.set_run_dir("/run");  // absolute: the harness puts it in its sandbox
+  resume.set_run_dir("/run");               // absolute: the harness puts it in its sandbox
   resume.set_hostname("node-0");
   resume.set_pid(4242);
   resume.set_resume(true);
@@ -326,6 +327,17 @@ void MakeRequests(const fs::path& dir) {
   other.set_rank(1);
   other.set_world_size(2);
   WriteSeed(dir, "register-rank-1", Requests().Add(kRegister, other).bytes());
+
+  // Tokens for the registered run and for one not registered yet, kept across a restart.
+  WriteSeed(dir, "run-tokens-restart",
+            Requests()
+                .Add(kCreateRunToken, WithRun<v1::CreateRunTokenRequest>("fuzz"))
+                .Add(kCreateRunToken, WithRun<v1::CreateRunTokenRequest>("later-run"))
+                .Add(kRestart)
+                .Add(kCreateRunToken, WithRun<v1::CreateRunTokenRequest>("fuzz"))
+                .bytes());
+  WriteSeed(dir, "run-token-bad-id",
+            Requests().Add(kCreateRunToken, WithRun<v1::CreateRunTokenRequest>("../x")).bytes());
 
   v1::UpdateRecipeRequest update = WithRun<v1::UpdateRecipeRequest>("fuzz");
   v1::Recipe* recipe = update.mutable_recipe();
