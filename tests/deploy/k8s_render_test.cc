@@ -16,10 +16,8 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <span>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -28,27 +26,20 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "runtime/core/run_spec.h"
+#include "tests/support/test_support.h"
 #include "yaml-cpp/yaml.h"
 
 namespace fp8rt {
 namespace {
 
 namespace fs = std::filesystem;
+using test::ReadFile;
+using test::TempDir;
+using test::WriteFile;
 using ::testing::HasSubstr;
 
 const std::string kBin = FP8RT_BIN_DIR;
 const std::string kSource = FP8RT_SOURCE_DIR;
-
-std::string ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void WriteFile(const fs::path& path, const std::string& text) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
-}
 
 std::string Quote(const std::string& s) {
   std::string out = "'";
@@ -82,22 +73,6 @@ Result Render(const std::vector<std::string>& args) {
   argv.insert(argv.end(), args.begin(), args.end());
   return RunCommand(argv);
 }
-
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "fp8rt-k8s-render-XXXXXX").string();
-    path_ = mkdtemp(pattern.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
 
 int World(const std::string& spec_path) {
   absl::StatusOr<v1::RunSpec> spec = LoadRunSpec(spec_path, std::span<const std::string>());
@@ -169,7 +144,7 @@ Result KustomizeAndValidate(const fs::path& dir, const std::vector<std::string>&
 }
 
 TEST(K8sRenderTest, CpuFolderCarriesTheSpecAndItsWorldSize) {
-  TempDir tmp;
+  TempDir tmp("fp8rt-k8s-render");
   const fs::path out = tmp / "tiny-k8s";
   const std::string spec = kSource + "/examples/tiny.yaml";
   const Result r = Render(
@@ -229,7 +204,7 @@ fs::path CudaTiny(const TempDir& dir) {
 }
 
 TEST(K8sRenderTest, GpuFolderHasOneRankPerGpuInTheNamespace) {
-  TempDir tmp;
+  TempDir tmp("fp8rt-k8s-render");
   const fs::path spec = CudaTiny(tmp);
   const fs::path out = tmp / "out";
   const Result r = Render({spec.string(), "--image", "fp8rt:cuda13.0", "--gpu", "--name",
@@ -263,7 +238,7 @@ TEST(K8sRenderTest, GpuFolderHasOneRankPerGpuInTheNamespace) {
 }
 
 TEST(K8sRenderTest, WorkersSplitALargerWorld) {
-  TempDir tmp;
+  TempDir tmp("fp8rt-k8s-render");
   // tiny.yaml on dp 8 x tp 2 = 16 ranks; its data.path exists only in the pods.
   std::string text = ReadFile(kSource + "/examples/tiny.yaml");
   for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
@@ -310,7 +285,7 @@ TEST(K8sRenderTest, WorkersSplitALargerWorld) {
 }
 
 TEST(K8sRenderTest, BadFlagsAndSpecsExit2NamingTheProblem) {
-  TempDir tmp;
+  TempDir tmp("fp8rt-k8s-render");
   const fs::path typo = tmp / "typo.yaml";
   std::string text = ReadFile(kSource + "/examples/tiny.yaml");
   text.replace(text.find("  scaling: delayed"), 18, "  scalng: delayed");

@@ -11,9 +11,9 @@
 // reported. Commands reach the controller through FP8RT_CONTROLLER / FP8RT_TOKEN_FILE, except
 // where a test gives the flags instead.
 //
-// Index: process helpers (RunProcess, ClosedPort), the fake worker's values (Loss, Site*), the
-// fixture (controller, CreateRun, Fp8rt), then the tests: runs, layers, recipe, checkpoints,
-// stop, connection errors.
+// Index: process helpers (RunProcess; files and ports come from tests/support), the fake
+// worker's values (Loss, Site*), the fixture (controller, CreateRun, Fp8rt), then the tests: runs,
+// layers, recipe, checkpoints, stop, connection errors.
 #include <arpa/inet.h>
 #include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
@@ -42,6 +42,7 @@
 #include "runtime/core/checkpoint_dir.h"
 #include "runtime/core/checkpoint_io.h"
 #include "runtime/core/run_spec.h"
+#include "tests/support/test_support.h"
 
 namespace fp8rt {
 namespace {
@@ -51,21 +52,12 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 using Clock = std::chrono::steady_clock;
 using Json = nlohmann::json;
+using test::FreePort;
+using test::ReadFile;
+using test::WriteFile;
 
 // ---------------------------------------------------------------------------------------------
 // Processes
-
-std::string ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-void WriteFile(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  out << text;
-}
 
 struct Result {
   int exit_code = -1;  // -1: killed by a signal or timed out
@@ -110,23 +102,6 @@ Result RunProcess(const std::vector<std::string>& argv,
   result.out = ReadFile(out_path);
   result.err = ReadFile(err_path);
   return result;
-}
-
-// A loopback port nobody listens on: bound by the kernel's choice, then closed.
-int ClosedPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
-    close(fd);
-    return -1;
-  }
-  close(fd);
-  return ntohs(addr.sin_port);
 }
 
 // Lines of `text` whose whitespace-separated cells start with `prefix`.
@@ -800,7 +775,7 @@ TEST_F(CliControlTest, FlagsWorkWithoutTheEnvironment) {
 }
 
 TEST_F(CliControlTest, UnreachableControllerNamesTheAddressWithinTheTimeout) {
-  const int port = ClosedPort();
+  const int port = FreePort();  // bound by the kernel's choice, then closed: nobody listens
   ASSERT_GT(port, 0);
   const std::string address = "127.0.0.1:" + std::to_string(port);
   const Result r = Fp8rt({"runs", "list", "--timeout-s", "3"}, {{"FP8RT_CONTROLLER", address}},

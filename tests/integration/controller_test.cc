@@ -24,7 +24,6 @@
 #include <functional>
 #include <future>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -45,42 +44,15 @@ namespace fp8rt {
 namespace {
 
 namespace fs = std::filesystem;
+using test::ReadFile;
+using test::TempDir;
+using test::WriteFile;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::Not;
 
 constexpr char kToken[] = "controller-test-token-0123456789";
 const std::string kBinary = std::string(FP8RT_BIN_DIR) + "/fp8rt-controller";
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void WriteFile(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-}
-
-// A fresh folder under the system temp folder, removed at destruction.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "fp8rt-controller-test-XXXXXX").string();
-    path_ = mkdtemp(pattern.data());
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-  std::string operator/(const std::string& name) const { return (fs::path(path_) / name).string(); }
-
- private:
-  std::string path_;
-};
 
 // Runs the binary with `args`, stderr to `log`; returns the child's pid.
 pid_t Spawn(const std::vector<std::string>& args, const std::string& log) {
@@ -431,7 +403,7 @@ std::string Scrape(const std::string& address) {
 class ControllerTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    tmp_ = new TempDir();
+    tmp_ = new TempDir("fp8rt-controller-test");
     controller_ = ControllerProcess::Start(*tmp_, *tmp_ / "state").release();
   }
   static void TearDownTestSuite() {
@@ -877,7 +849,7 @@ TEST_F(ControllerTest, MetricsScrapePassesPromtool) {
 // Tests with a controller of their own.
 
 TEST(ControllerProcessTest, RestartKeepsRunsRecipesAndCheckpoints) {
-  TempDir tmp;
+  TempDir tmp("fp8rt-controller-test");
   const std::string state = tmp / "state";
   const std::string run = "restart-a";
   const std::string run_dir = tmp / "run";
@@ -954,7 +926,7 @@ TEST(ControllerProcessTest, RestartKeepsRunsRecipesAndCheckpoints) {
 }
 
 TEST(ControllerProcessTest, SilentWorkersAreLostAndTheRunFails) {
-  TempDir tmp;
+  TempDir tmp("fp8rt-controller-test");
   auto c = ControllerProcess::Start(tmp, tmp / "state", {"--heartbeat-timeout-s", "2"});
   ASSERT_NE(c, nullptr);
   const std::string run = "lost-a";
@@ -995,7 +967,7 @@ TEST(ControllerProcessTest, SilentWorkersAreLostAndTheRunFails) {
 }
 
 TEST(ControllerProcessTest, RanksOfARunningRunMustReturnAfterARestart) {
-  TempDir tmp;
+  TempDir tmp("fp8rt-controller-test");
   const std::string state = tmp / "state";
   const std::string run = "lost-b";
   const std::vector<std::string> flags = {"--heartbeat-timeout-s", "2"};
@@ -1020,7 +992,7 @@ TEST(ControllerProcessTest, RanksOfARunningRunMustReturnAfterARestart) {
 }
 
 TEST(ControllerProcessTest, TlsWithClientCertificates) {
-  TempDir tmp;
+  TempDir tmp("fp8rt-controller-test");
   const std::string cert = tmp / "cert.pem", key = tmp / "key.pem";
   const std::string openssl =
       "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost -addext "
@@ -1052,7 +1024,7 @@ TEST(ControllerProcessTest, TlsWithClientCertificates) {
 }
 
 TEST(ControllerProcessTest, CorruptStateFileStopsTheStart) {
-  TempDir tmp;
+  TempDir tmp("fp8rt-controller-test");
   const std::string state = tmp / "state";
   {
     auto c = ControllerProcess::Start(tmp, state);
@@ -1076,7 +1048,7 @@ TEST(ControllerProcessTest, CorruptStateFileStopsTheStart) {
 }
 
 TEST(ControllerProcessTest, BadFlagsExitTwoNamingTheFlag) {
-  TempDir tmp;
+  TempDir tmp("fp8rt-controller-test");
   WriteFile(tmp / "token", kToken);
   WriteFile(tmp / "short", "  short-token \n");
   struct Case {

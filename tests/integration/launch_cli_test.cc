@@ -16,19 +16,20 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/test_support.h"
 
 namespace fp8rt {
 namespace {
 
 namespace fs = std::filesystem;
+using test::ReadFile;
+using test::WriteFile;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
@@ -51,19 +52,6 @@ std::string SpecYaml(const SpecText& s) {
          "\n  micro_batch: 8\n  lr: 1.0e-3\n  warmup: 2\n"
          "data:\n  path: " +
          s.data_path + "\n  format: text\n";
-}
-
-std::string ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-void WriteFile(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary);
-  out << text;
-  ASSERT_TRUE(out.good()) << path;
 }
 
 struct Result {

@@ -29,12 +29,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <set>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -45,6 +43,7 @@
 #include "kernels/ops.h"
 #include "nlohmann/json.hpp"
 #include "runtime/core/checkpoint_io.h"
+#include "tests/support/test_support.h"
 
 namespace fp8rt {
 namespace {
@@ -52,22 +51,12 @@ namespace {
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
 using Json = nlohmann::json;
+using test::ReadFile;
+using test::ReadJsonl;
+using test::WriteFile;
 
 // ---------------------------------------------------------------------------------------------
 // Files
-
-std::string ReadFile(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-void WriteFile(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-  ASSERT_TRUE(out.good()) << path;
-}
 
 // `text` with its one occurrence of `from` replaced by `to` (a test spec edit that must apply).
 std::string ReplaceOnce(const std::string& text, const std::string& from, const std::string& to) {
@@ -155,19 +144,6 @@ Result RunCommand(const std::vector<std::string>& argv, const std::string& fault
 
 // ---------------------------------------------------------------------------------------------
 // Reading what a run wrote
-
-std::vector<Json> ReadJsonl(const fs::path& path) {
-  std::vector<Json> lines;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    Json j = Json::parse(line, nullptr, /*allow_exceptions=*/false);
-    EXPECT_FALSE(j.is_discarded()) << path << ": not JSON: " << line;
-    if (!j.is_discarded()) lines.push_back(std::move(j));
-  }
-  return lines;
-}
 
 // The "step" of each line, in file order.
 std::vector<int64_t> Steps(const std::vector<Json>& metrics) {

@@ -49,6 +49,8 @@ namespace fp8rt::test {
 
 namespace support_fs = std::filesystem;
 
+// The file's bytes (binary mode); empty if it is missing or unreadable, which is not a failure:
+// tests read logs that may not exist yet and compare contents, so a missing file shows there.
 inline std::string ReadFile(const support_fs::path& path) {
   std::ifstream in(path, std::ios::binary);
   std::ostringstream ss;
@@ -56,9 +58,13 @@ inline std::string ReadFile(const support_fs::path& path) {
   return ss.str();
 }
 
+// Replaces the file's contents with `text`; a write that fails fails the test (a fatal failure
+// in this function, as ASSERT_* makes it: wrap the call in ASSERT_NO_FATAL_FAILURE to stop there).
 inline void WriteFile(const support_fs::path& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out << text;
+  out.flush();
+  ASSERT_TRUE(out.good()) << "cannot write " << path;
 }
 
 // Every non-empty line of a JSON-lines file, parsed (a line that does not parse fails the test).
@@ -77,17 +83,22 @@ inline std::vector<nlohmann::json> ReadJsonl(const support_fs::path& path) {
   return out;
 }
 
+// A loopback port bound by the kernel's choice, then closed: free a moment ago, and nobody
+// listens on it. -1 (and a test failure) if the kernel gave none.
 inline int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  const int port = ntohs(addr.sin_port);
+  if (fd < 0 || bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    if (fd >= 0) close(fd);
+    ADD_FAILURE() << "no free loopback port";
+    return -1;
+  }
   close(fd);
-  return port;
+  return ntohs(addr.sin_port);
 }
 
 // A fresh folder under the system temp folder, removed at destruction unless FP8RT_KEEP_TEST_DIRS
@@ -118,8 +129,8 @@ class TempDir {
 };
 
 // A child process: argv[0] is run through PATH (execvp), stdout and stderr appended to `log`,
-// with `env` set (an empty value unsets the variable); it gets SIGTERM if the test process dies. Stopped (SIGTERM, then SIGKILL after 5 s)
-// at destruction if still running.
+// with `env` set (an empty value unsets the variable); it gets SIGTERM if the test process dies.
+// Stopped (SIGTERM, then SIGKILL after 5 s) at destruction if still running.
 class ChildProcess {
  public:
   ChildProcess(const std::vector<std::string>& argv, const support_fs::path& log,
@@ -252,9 +263,9 @@ inline v1::RunSpec TinyModelSpec() {
 class ControllerProcess {
  public:
   struct Options {
-    std::string binary;             // path of fp8rt-controller
-    support_fs::path dir;           // token file, ready file and log go here
-    support_fs::path state_dir;     // --state-dir
+    std::string binary;          // path of fp8rt-controller
+    support_fs::path dir;        // token file, ready file and log go here
+    support_fs::path state_dir;  // --state-dir
     std::string token = "0123456789abcdef0123456789abcdef";
     std::vector<std::string> extra;  // more flags
     std::map<std::string, std::string> env;
@@ -318,10 +329,12 @@ class ControllerProcess {
                             support_fs::perms::owner_read | support_fs::perms::owner_write);
     const support_fs::path ready = options_.dir / ("controller-ready-" + tag + ".json");
     log_ = options_.dir / ("controller-" + tag + ".log");
-    std::vector<std::string> argv = {options_.binary,   "--token-file",     token_file_.string(),
-                                     "--state-dir",     options_.state_dir.string(),
-                                     "--listen",        "127.0.0.1:0",      "--metrics-listen",
-                                     "127.0.0.1:0",     "--ready-file",     ready.string()};
+    std::vector<std::string> argv = {options_.binary,                                  //
+                                     "--token-file",     token_file_.string(),         //
+                                     "--state-dir",      options_.state_dir.string(),  //
+                                     "--listen",         "127.0.0.1:0",                //
+                                     "--metrics-listen", "127.0.0.1:0",                //
+                                     "--ready-file",     ready.string()};
     argv.insert(argv.end(), options_.extra.begin(), options_.extra.end());
     process_ = std::make_unique<ChildProcess>(argv, log_, options_.env);
     const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);

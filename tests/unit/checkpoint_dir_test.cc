@@ -19,9 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <functional>
-#include <iterator>
 #include <memory>
 #include <random>
 #include <span>
@@ -32,6 +30,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "runtime/core/checkpoint_io.h"
+#include "tests/support/test_support.h"
 
 namespace fp8rt {
 namespace {
@@ -42,17 +41,8 @@ using ::testing::IsEmpty;
 using ::testing::SizeIs;
 
 namespace fs = std::filesystem;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-void WriteFile(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out.good()) << path;
-}
+using test::ReadFile;
+using test::WriteFile;
 
 void FlipByte(const std::string& path, size_t offset) {
   std::string bytes = ReadFile(path);

@@ -49,6 +49,8 @@ Bytes FromString(const std::string& s) {
   return out;
 }
 
+// Not tests/support's ReadFile/WriteFile: these carry std::byte vectors, the type ShardWriter and
+// ShardReader take and give, so expected and actual bytes compare directly.
 Bytes ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
