@@ -675,8 +675,10 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
   if (moe.experts() < 0) return FieldError("moe.experts", "must be >= 0 (0 = no MoE)");
   if (moe.experts() > 0) {
     if (moe.experts() % par.ep() != 0) {
-      return FieldError("moe.experts", absl::StrCat(moe.experts(), " experts cannot be split over "
-                                                    "parallel.ep ", par.ep()));
+      return FieldError("moe.experts", absl::StrCat(moe.experts(),
+                                                    " experts cannot be split over "
+                                                    "parallel.ep ",
+                                                    par.ep()));
     }
     if (moe.top_k() < 1 || moe.top_k() > moe.experts()) {
       return FieldError("moe.top_k", absl::StrCat("must be in [1, moe.experts = ", moe.experts(),
@@ -689,16 +691,19 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
     }
     FP8RT_RETURN_IF_ERROR(CheckNonNegative("moe.aux_loss_coef", moe.aux_loss_coef()));
     if (par.tp() != 1) {
-      return FieldError("parallel.tp", "MoE blocks need parallel.tp 1 (experts are not "
-                                       "tensor-parallel; shard them over parallel.ep)");
+      return FieldError("parallel.tp",
+                        "MoE blocks need parallel.tp 1 (experts are not "
+                        "tensor-parallel; shard them over parallel.ep)");
     }
     // Expert weights are FSDP-sharded over the expert-data-parallel group (dp / ep ranks).
     const int64_t edp = par.dp() / par.ep();
     if (pr.mode() == v1::RunSpec::Precision::MODE_FP8 &&
         (m.d_ff() % edp != 0 || m.d_model() % edp != 0)) {
-      return FieldError("parallel.ep", absl::StrCat("expert weights (", m.d_ff(), " and ",
-                                                    m.d_model(), " rows) cannot be cut into dp / "
-                                                    "ep = ", edp, " FSDP shards of whole rows"));
+      return FieldError("parallel.ep",
+                        absl::StrCat("expert weights (", m.d_ff(), " and ", m.d_model(),
+                                     " rows) cannot be cut into dp / "
+                                     "ep = ",
+                                     edp, " FSDP shards of whole rows"));
     }
   } else if (par.ep() != 1) {
     return FieldError("parallel.ep", "expert parallelism needs MoE blocks (moe.experts > 0)");
@@ -709,12 +714,6 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
     case v1::RunSpec::DEVICE_CPU:
       break;
     case v1::RunSpec::DEVICE_CUDA:
-      if (moe.experts() > 0) {
-        // FieldError's prefix makes "device: cuda does not support ...".
-        return FieldError("device",
-                          "cuda does not support MoE blocks yet (moe.experts): expert routing "
-                          "runs on the host");
-      }
       break;
     default:  // a number from the wire that this schema does not know
       return FieldError("device", absl::StrCat("unknown value ", static_cast<int>(spec.device()),

@@ -84,8 +84,8 @@ v1::RunSpec RunSpecDefaults();
 //   - moe: experts a multiple of parallel.ep, top_k in [1, experts], every >= 1, capacity_factor
 //     > 0, aux_loss_coef >= 0, tp 1 with MoE, ep 1 without; expert rows divisible by dp / ep
 //   - health thresholds in [0, 1], health.intervals positive
-//   - device: a known value (cpu or cuda); cuda without MoE blocks (moe.experts 0): expert
-//     routing runs on the host. Whether a GPU is there is checked by the worker, not here.
+//   - device: a known value (cpu or cuda). Whether a GPU is there is checked by the worker, not
+//     here.
 //   - precision.mode fp8: the FP8 weights' rows per tensor-parallel rank (3 d_model / tp,
 //     d_model, d_ff / tp) divisible by parallel.dp (by 128 * dp with block scaling): FSDP
 //     gathers whole rows / blocks

@@ -20,6 +20,25 @@ std::vector<int64_t> Displacements(const std::vector<int64_t>& counts, int64_t u
   return d;
 }
 
+// Waits for the ops queued on the default stream: before the host reads what they wrote, or
+// writes what they may still read.
+absl::Status Sync(const LinearContext& ctx) { return ctx.ops->layer->synchronize({}); }
+
+// `a` holds max(1, count) elements of the backend (its memory kept when the size is unchanged),
+// of unspecified value.
+float* Sized(const LinearContext& ctx, kernels::DeviceArray<float>& a, int64_t count) {
+  a.Reset(*ctx.ops, static_cast<size_t>(std::max<int64_t>(1, count)));
+  return a.data();
+}
+
+// `a` as Sized, zero-filled by an op (no host access).
+absl::StatusOr<float*> Zeroed(const LinearContext& ctx, kernels::DeviceArray<float>& a,
+                              int64_t count) {
+  float* p = Sized(ctx, a, count);
+  FP8RT_RETURN_IF_ERROR(ctx.ops->layer->fill(p, 0.0f, count, {}));
+  return p;
+}
+
 }  // namespace
 
 MoeLayer::MoeLayer(std::string name, const MoeConfig& config, int64_t d_model, int64_t d_ff,
@@ -35,9 +54,9 @@ MoeLayer::MoeLayer(std::string name, const MoeConfig& config, int64_t d_model, i
     fc1_.push_back(std::make_unique<Linear>(expert + ".fc1", c_, f_, expert_precision, sites));
     fc2_.push_back(std::make_unique<Linear>(expert + ".fc2", f_, c_, expert_precision, sites));
   }
-  xe_.resize(static_cast<size_t>(local_));
-  he_.resize(static_cast<size_t>(local_));
-  ge_.resize(static_cast<size_t>(local_));
+  for (std::vector<Array>* v : {&xe_, &he_, &ge_}) {
+    for (int64_t le = 0; le < local_; ++le) v->emplace_back();
+  }
   rows_of_.resize(static_cast<size_t>(local_));
 }
 
@@ -56,16 +75,17 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
   MoeStats stats;
   stats.tokens_per_expert.assign(static_cast<size_t>(E), 0);
 
-  // ---- Router: FP32 logits, softmax, top-k, renormalised gates ----
-  std::vector<float> logits(static_cast<size_t>(n * E));
-  FP8RT_RETURN_IF_ERROR(router_->Forward(ctx, x, n, logits.data()));
+  // ---- Router: FP32 logits, softmax, top-k, renormalised gates (on the host) ----
+  float* logits = Sized(ctx, logits_, n * E);
+  FP8RT_RETURN_IF_ERROR(router_->Forward(ctx, x, n, logits));
+  FP8RT_RETURN_IF_ERROR(Sync(ctx));  // logits, and x (written by the model's ops), on the host
   probs_.assign(static_cast<size_t>(n * E), 0.0f);
   expert_.assign(static_cast<size_t>(n * K), 0);
   gate_.assign(static_cast<size_t>(n * K), 0.0f);
   kept_.assign(static_cast<size_t>(n * K), 1);
   std::vector<int64_t> order(static_cast<size_t>(E));
   for (int64_t t = 0; t < n; ++t) {
-    const float* l = logits.data() + t * E;
+    const float* l = logits + t * E;
     float* p = probs_.data() + t * E;
     const float mx = *std::max_element(l, l + E);
     float sum = 0.0f;
@@ -119,23 +139,23 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     }
   }
   const int64_t sent = static_cast<int64_t>(send_order_.size());
-  std::vector<float> send_rows(static_cast<size_t>(std::max<int64_t>(1, sent * C)));
+  float* send_rows = Sized(ctx, send_rows_, sent * C);
   std::vector<int32_t> send_ids(static_cast<size_t>(std::max<int64_t>(1, sent)));
   for (int64_t i = 0; i < sent; ++i) {
     const int64_t a = send_order_[static_cast<size_t>(i)];
-    std::memcpy(send_rows.data() + i * C, x + (a / K) * C, static_cast<size_t>(C) * sizeof(float));
+    std::memcpy(send_rows + i * C, x + (a / K) * C, static_cast<size_t>(C) * sizeof(float));
     send_ids[static_cast<size_t>(i)] = expert_[static_cast<size_t>(a)];
   }
   FP8RT_ASSIGN_OR_RETURN(parallel::Fp8Tokens recv,
-                         parallel::AllToAllFp8Tokens(*ep_, *ctx.ops, send_rows.data(), C,
-                                                     send_counts_, kernels::Fp8Format::kE4M3));
+                         parallel::AllToAllFp8Tokens(*ep_, *ctx.ops, send_rows, C, send_counts_,
+                                                     kernels::Fp8Format::kE4M3));
   recv_counts_ = recv.recv_counts;
   const int64_t received = recv.tokens;
   recv_expert_.assign(static_cast<size_t>(std::max<int64_t>(1, received)), 0);
   FP8RT_RETURN_IF_ERROR(ep_->AllToAllV(
       send_ids.data(), send_counts_, Displacements(send_counts_, 1), recv_expert_.data(),
       recv_counts_, Displacements(recv_counts_, 1), parallel::DType::kI32));
-  std::vector<float> recv_x(static_cast<size_t>(std::max<int64_t>(1, received * C)));
+  float* recv_x = Sized(ctx, recv_x_, received * C);
   if (received > 0) {
     kernels::DequantizeArgs dq;
     dq.format = kernels::Fp8Format::kE4M3;
@@ -144,12 +164,16 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     dq.rows = received;
     dq.cols = C;
     dq.scale_inv = recv.scale_inv.data();
-    dq.output = recv_x.data();
+    dq.output = recv_x;
     FP8RT_RETURN_IF_ERROR(ctx.ops->dequantize(dq, {}));
+    FP8RT_RETURN_IF_ERROR(Sync(ctx));
   }
 
   // ---- Local experts: fc1, GELU, fc2 on the rows each received ----
-  std::vector<float> recv_y(static_cast<size_t>(std::max<int64_t>(1, received * C)), 0.0f);
+  // Every received row belongs to a local expert, so each row of recv_y is written below; the
+  // zeros are for a rank that received none (the one-element buffer).
+  float* recv_y = Sized(ctx, recv_y_, received * C);
+  std::fill(recv_y, recv_y + std::max<int64_t>(1, received * C), 0.0f);
   for (int64_t le = 0; le < local_; ++le) {
     const int64_t e = first_local_ + le;
     std::vector<int64_t>& rows = rows_of_[static_cast<size_t>(le)];
@@ -159,30 +183,31 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     }
     const int64_t ne = static_cast<int64_t>(rows.size());
     if (ne == 0) continue;  // an expert without tokens: its sites stay unused this micro-batch
-    std::vector<float>& xe = xe_[static_cast<size_t>(le)];
-    std::vector<float>& he = he_[static_cast<size_t>(le)];
-    std::vector<float>& ge = ge_[static_cast<size_t>(le)];
-    xe.resize(static_cast<size_t>(ne * C));
-    he.resize(static_cast<size_t>(ne * F));
-    ge.resize(static_cast<size_t>(ne * F));
+    // The host is in step with the backend here (synchronised above or at the end of the
+    // previous expert), so it may fill xe and read ye.
+    float* xe = Sized(ctx, xe_[static_cast<size_t>(le)], ne * C);
+    float* he = Sized(ctx, he_[static_cast<size_t>(le)], ne * F);
+    float* ge = Sized(ctx, ge_[static_cast<size_t>(le)], ne * F);
     for (int64_t i = 0; i < ne; ++i) {
-      std::memcpy(xe.data() + i * C, recv_x.data() + rows[static_cast<size_t>(i)] * C,
+      std::memcpy(xe + i * C, recv_x + rows[static_cast<size_t>(i)] * C,
                   static_cast<size_t>(C) * sizeof(float));
     }
-    std::vector<float> ye(static_cast<size_t>(ne * C));
-    FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Forward(ctx, xe.data(), ne, he.data()));
-    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->gelu_forward(ge.data(), he.data(), ne * F, {}));
-    FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Forward(ctx, ge.data(), ne, ye.data()));
+    float* ye = Sized(ctx, ye_, ne * C);
+    FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Forward(ctx, xe, ne, he));
+    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->gelu_forward(ge, he, ne * F, {}));
+    FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Forward(ctx, ge, ne, ye));
+    FP8RT_RETURN_IF_ERROR(Sync(ctx));
     for (int64_t i = 0; i < ne; ++i) {
-      std::memcpy(recv_y.data() + rows[static_cast<size_t>(i)] * C, ye.data() + i * C,
+      std::memcpy(recv_y + rows[static_cast<size_t>(i)] * C, ye + i * C,
                   static_cast<size_t>(C) * sizeof(float));
     }
   }
 
   // ---- Combine in BF16: outputs back to the source ranks, weighted by the gates ----
-  y_back_.assign(static_cast<size_t>(std::max<int64_t>(1, sent * C)), 0.0f);
-  FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, recv_y.data(), C, recv_counts_,
+  Sized(ctx, y_back_, sent * C);
+  FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, recv_y, C, recv_counts_,
                                                      send_counts_, y_back_.data()));
+  FP8RT_RETURN_IF_ERROR(Sync(ctx));  // y_back_ (converted by an op) and `out` on the host
   std::fill(out, out + n * C, 0.0f);
   for (int64_t i = 0; i < sent; ++i) {
     const int64_t a = send_order_[static_cast<size_t>(i)];
@@ -204,9 +229,11 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
   int64_t received = 0;
   for (int64_t c : recv_counts_) received += c;
 
-  // Gate gradients, and the output gradients (times the gates) for the experts.
+  // Gate gradients, and the output gradients (times the gates) for the experts, on the host:
+  // dout and dx were written by the model's ops.
+  FP8RT_RETURN_IF_ERROR(Sync(ctx));
   std::vector<float> dgate(static_cast<size_t>(n * K), 0.0f);
-  std::vector<float> dy_send(static_cast<size_t>(std::max<int64_t>(1, sent * C)));
+  float* dy_send = Sized(ctx, dy_send_, sent * C);
   for (int64_t i = 0; i < sent; ++i) {
     const int64_t a = send_order_[static_cast<size_t>(i)];
     const float* d = dout + (a / K) * C;
@@ -214,51 +241,57 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
     const float g = gate_[static_cast<size_t>(a)];
     float dot = 0.0f;
     for (int64_t c = 0; c < C; ++c) {
-      dy_send[static_cast<size_t>(i * C + c)] = g * d[c];
+      dy_send[i * C + c] = g * d[c];
       dot += d[c] * y[c];
     }
     dgate[static_cast<size_t>(a)] = dot;
   }
-  std::vector<float> dy_recv(static_cast<size_t>(std::max<int64_t>(1, received * C)));
-  FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, dy_send.data(), C,
-                                                     send_counts_, recv_counts_, dy_recv.data()));
-  // Local experts, reversed.
-  std::vector<float> dx_recv(static_cast<size_t>(std::max<int64_t>(1, received * C)), 0.0f);
+  float* dy_recv = Sized(ctx, dy_recv_, received * C);
+  FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, dy_send, C, send_counts_,
+                                                     recv_counts_, dy_recv));
+  FP8RT_RETURN_IF_ERROR(Sync(ctx));
+  // Local experts, reversed; each ends in step with the host (it copies dxe out).
+  float* dx_recv = Sized(ctx, dx_recv_, received * C);
+  std::fill(dx_recv, dx_recv + std::max<int64_t>(1, received * C), 0.0f);
   for (int64_t le = 0; le < local_; ++le) {
     const int64_t e = first_local_ + le;
     const std::vector<int64_t>& rows = rows_of_[static_cast<size_t>(le)];
     const int64_t ne = static_cast<int64_t>(rows.size());
     if (ne == 0) continue;
-    std::vector<float> dye(static_cast<size_t>(ne * C)), dge(static_cast<size_t>(ne * F), 0.0f),
-        dhe(static_cast<size_t>(ne * F), 0.0f), dxe(static_cast<size_t>(ne * C), 0.0f);
+    float* dye = Sized(ctx, dye_, ne * C);
     for (int64_t i = 0; i < ne; ++i) {
-      std::memcpy(dye.data() + i * C, dy_recv.data() + rows[static_cast<size_t>(i)] * C,
+      std::memcpy(dye + i * C, dy_recv + rows[static_cast<size_t>(i)] * C,
                   static_cast<size_t>(C) * sizeof(float));
     }
+    FP8RT_ASSIGN_OR_RETURN(float* const dge, Zeroed(ctx, dge_, ne * F));
+    FP8RT_ASSIGN_OR_RETURN(float* const dhe, Zeroed(ctx, dhe_, ne * F));
+    FP8RT_ASSIGN_OR_RETURN(float* const dxe, Zeroed(ctx, dxe_, ne * C));
     FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Backward(
-        ctx, dye.data(), ne, dge.data(), fc2_grad_[static_cast<size_t>(le)]));
-    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->gelu_backward(
-        dhe.data(), dge.data(), he_[static_cast<size_t>(le)].data(), ne * F, {}));
+        ctx, dye, ne, dge, fc2_grad_[static_cast<size_t>(le)]));
+    FP8RT_RETURN_IF_ERROR(
+        ctx.ops->layer->gelu_backward(dhe, dge, he_[static_cast<size_t>(le)].data(), ne * F, {}));
     FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Backward(
-        ctx, dhe.data(), ne, dxe.data(), fc1_grad_[static_cast<size_t>(le)]));
+        ctx, dhe, ne, dxe, fc1_grad_[static_cast<size_t>(le)]));
+    FP8RT_RETURN_IF_ERROR(Sync(ctx));
     for (int64_t i = 0; i < ne; ++i) {
-      std::memcpy(dx_recv.data() + rows[static_cast<size_t>(i)] * C, dxe.data() + i * C,
+      std::memcpy(dx_recv + rows[static_cast<size_t>(i)] * C, dxe + i * C,
                   static_cast<size_t>(C) * sizeof(float));
     }
   }
-  std::vector<float> dx_send(static_cast<size_t>(std::max<int64_t>(1, sent * C)));
-  FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, dx_recv.data(), C,
-                                                     recv_counts_, send_counts_, dx_send.data()));
+  float* dx_send = Sized(ctx, dx_send_, sent * C);
+  FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, dx_recv, C, recv_counts_,
+                                                     send_counts_, dx_send));
+  FP8RT_RETURN_IF_ERROR(Sync(ctx));
   for (int64_t i = 0; i < sent; ++i) {
     const int64_t a = send_order_[static_cast<size_t>(i)];
     float* d = dx + (a / K) * C;
-    const float* s = dx_send.data() + i * C;
+    const float* s = dx_send + i * C;
     for (int64_t c = 0; c < C; ++c) d[c] += s[c];
   }
 
   // Router: gates g_j = p_j / S over the token's top-k; the aux loss adds
   // dloss * coef * E * f_e / N to dL/dp_e. Then softmax backward and the FP32 GEMM's.
-  std::vector<float> dlogits(static_cast<size_t>(n * E), 0.0f);
+  float* dlogits = Sized(ctx, dlogits_, n * E);
   std::vector<float> dp(static_cast<size_t>(E));
   const float aux_scale = dloss * static_cast<float>(config_.aux_loss_coef) *
                           static_cast<float>(E) / static_cast<float>(n);
@@ -278,10 +311,10 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
     float pdp = 0.0f;
     for (int64_t e = 0; e < E; ++e) pdp += p[e] * dp[static_cast<size_t>(e)];
     for (int64_t e = 0; e < E; ++e) {
-      dlogits[static_cast<size_t>(t * E + e)] = p[e] * (dp[static_cast<size_t>(e)] - pdp);
+      dlogits[t * E + e] = p[e] * (dp[static_cast<size_t>(e)] - pdp);
     }
   }
-  return router_->Backward(ctx, dlogits.data(), n, dx, router_grad_);
+  return router_->Backward(ctx, dlogits, n, dx, router_grad_);
 }
 
 }  // namespace fp8rt::model

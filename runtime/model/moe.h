@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/device_array.h"
 #include "runtime/model/linear.h"
 
 namespace fp8rt::model {
@@ -94,21 +95,30 @@ class MoeLayer {
   float* router_grad_ = nullptr;
   std::vector<float*> fc1_grad_, fc2_grad_;
 
-  // Saved by Forward for Backward.
+  // Saved by Forward for Backward. Routing runs on the host (probs_ ... recv_expert_, rows_of_);
+  // every buffer an op or a token all-to-all reads or writes is memory of the model's backend
+  // (kernels::DeviceArray), kept across micro-batches, and touched by the host only after the
+  // backend has been synchronised.
+  using Array = kernels::DeviceArray<float>;
   const float* x_ = nullptr;
   int64_t n_ = 0;
-  std::vector<float> probs_;                      // [N, E]
-  std::vector<int32_t> expert_;                   // [N, k]
-  std::vector<float> gate_;                       // [N, k]
-  std::vector<uint8_t> kept_;                     // [N, k]
-  std::vector<float> frac_;                       // [E] fraction of assignments (aux loss)
-  std::vector<int64_t> send_order_;               // assignment (n * k + j) of each sent row
-  std::vector<int64_t> send_counts_;              // rows to each ep rank
-  std::vector<int64_t> recv_counts_;              // rows from each ep rank
-  std::vector<int32_t> recv_expert_;              // expert of each received row
-  std::vector<std::vector<int64_t>> rows_of_;     // per local expert: received row indices
-  std::vector<std::vector<float>> xe_, he_, ge_;  // per local expert: inputs, fc1 out, GELU out
-  std::vector<float> y_back_;                     // [sent, C] expert outputs back at this rank
+  std::vector<float> probs_;                   // [N, E]
+  std::vector<int32_t> expert_;                // [N, k]
+  std::vector<float> gate_;                    // [N, k]
+  std::vector<uint8_t> kept_;                  // [N, k]
+  std::vector<float> frac_;                    // [E] fraction of assignments (aux loss)
+  std::vector<int64_t> send_order_;            // assignment (n * k + j) of each sent row
+  std::vector<int64_t> send_counts_;           // rows to each ep rank
+  std::vector<int64_t> recv_counts_;           // rows from each ep rank
+  std::vector<int32_t> recv_expert_;           // expert of each received row
+  std::vector<std::vector<int64_t>> rows_of_;  // per local expert: received row indices
+  std::vector<Array> xe_, he_, ge_;            // per local expert: inputs, fc1 out, GELU out
+  Array y_back_;                               // [sent, C] expert outputs back at this rank
+
+  // Reused temporaries (backend memory).
+  Array logits_, send_rows_, recv_x_, recv_y_, ye_;  // forward
+  Array dy_send_, dy_recv_, dye_, dge_, dhe_, dxe_;  // backward, to the experts and through
+  Array dx_recv_, dx_send_, dlogits_;                // backward, back and into the router
 };
 
 }  // namespace fp8rt::model

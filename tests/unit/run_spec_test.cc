@@ -435,8 +435,9 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
       ValidateWith(dir, {"model.d_model=256", "precision.scaling=block", "parallel.tp=2"}, 2).ok());
   EXPECT_TRUE(ValidateWith(dir, {"train.warmup=10", "train.min_lr=3e-4"}, 1).ok());
   // Outside fp8 mode nothing is gathered in FP8.
-  EXPECT_TRUE(ValidateWith(dir, {"model.d_model=66", "model.heads=2", "model.d_ff=64",
-                                 "parallel.dp=4", "parallel.tp=2", "precision.mode=bf16"},
+  EXPECT_TRUE(ValidateWith(dir,
+                           {"model.d_model=66", "model.heads=2", "model.d_ff=64", "parallel.dp=4",
+                            "parallel.tp=2", "precision.mode=bf16"},
                            8)
                   .ok());
 }
@@ -498,18 +499,17 @@ TEST(RunSpecTest, BadDeviceIsRefusedNamingDevice) {
   ExpectInvalid(ValidateRunSpec(*spec, 1), {"device: unknown value 7 (expected cpu or cuda)"});
 }
 
-// MoE routing is host code: cuda runs refuse MoE blocks, cpu runs keep them.
-TEST(RunSpecTest, CudaRefusesMoeBlocks) {
+// Both devices take the same specs, MoE blocks included (MoE routing runs on the host with
+// either; the GPU's buffers are managed memory).
+TEST(RunSpecTest, CudaTakesTheSameSpecsAsCpu) {
   TempDir dir;
-  const absl::Status moe_on_cuda = ValidateWith(dir, {"device=cuda", "moe.experts=4"}, 1);
-  ExpectInvalid(moe_on_cuda, {"device: cuda does not support MoE blocks yet (moe.experts): expert "
-                              "routing runs on the host"});
-  EXPECT_THAT(Message(moe_on_cuda), StartsWith("device: "));
-  ExpectInvalid(
-      ValidateWith(dir, {"device=cuda", "parallel.dp=2", "parallel.ep=2", "moe.experts=4"}, 2),
-      {"device: cuda does not support MoE blocks"});
-  EXPECT_TRUE(ValidateWith(dir, {"device=cpu", "moe.experts=4"}, 1).ok());
-  EXPECT_TRUE(ValidateWith(dir, {"device=cuda", "moe.experts=0"}, 1).ok());
+  for (const char* device : {"device=cpu", "device=cuda"}) {
+    EXPECT_TRUE(ValidateWith(dir, {device, "moe.experts=4"}, 1).ok()) << device;
+    EXPECT_TRUE(
+        ValidateWith(dir, {device, "parallel.dp=2", "parallel.ep=2", "moe.experts=4"}, 2).ok())
+        << device;
+    EXPECT_TRUE(ValidateWith(dir, {device, "moe.experts=0"}, 1).ok()) << device;
+  }
 }
 
 TEST(RunSpecTest, MissingRequiredKeyIsNamed) {
