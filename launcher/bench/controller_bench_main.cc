@@ -64,11 +64,11 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
 #include "fp8rt/v1/control.grpc.pb.h"
 #include "fp8rt/v1/control.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
+#include "runtime/core/program.h"
 #include "runtime/core/run_spec.h"
 #include "runtime/core/status.h"
 
@@ -863,9 +863,7 @@ void PrintHuman(const nlohmann::ordered_json& j) {
 
 int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
-  // As fp8rt-controller: no Abseil deadlock detection (on in Debian's build) in gRPC's mutexes,
-  // so that the client spends as little of the shared CPUs as it can.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  fp8rt::DisableMutexDeadlockDetection();
   fp8rt::bench::Options o;
   CLI::App app{
       "controller load: simulated workers heartbeating and reporting FP8 statistics to "
@@ -903,14 +901,7 @@ int main(int argc, char** argv) {
   app.add_option("--controller-bin", o.controller_bin,
                  "fp8rt-controller to start (default: next to this program)");
   app.add_flag("--json", o.json, "print one JSON object");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    app.exit(e);
-    return 2;
-  }
+  if (std::optional<int> exit_code = fp8rt::ParseCommandLine(app, argc, argv)) return *exit_code;
   if (!o.controller.empty() && o.token_file.empty()) {
     std::fprintf(stderr, "fp8rt bench controller: --controller needs --token-file\n");
     return 2;

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "absl/strings/str_format.h"
 #include "launcher/bench/bench_cuda.h"
 #include "launcher/bench/bench_kernels.h"
+#include "runtime/core/program.h"
 
 namespace {
 
@@ -227,14 +229,7 @@ int main(int argc, char** argv) {
   app.add_subcommand("controller",
                      "load on fp8rt-controller from simulated workers: p99 RPC latency, RSS "
                      "(`fp8rt bench controller --help`)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    app.exit(e);
-    return 2;
-  }
+  if (std::optional<int> exit_code = fp8rt::ParseCommandLine(app, argc, argv)) return *exit_code;
   absl::StatusOr<nlohmann::ordered_json> result;
   if (quantize->parsed() && device == "cuda") {
     // The CPU defaults do not carry over: the GPU input must be several times its L2.

@@ -10,10 +10,12 @@
 // Exit codes: 0 written; 2 bad options or spec (the message names the flag or the field);
 // 1 the folder could not be written.
 #include <cstdio>
+#include <optional>
 #include <string>
 
 #include "CLI/CLI.hpp"
 #include "launcher/k8s/render.h"
+#include "runtime/core/program.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"Kubernetes manifests for fp8rt runs", "fp8rt k8s"};
@@ -33,14 +35,7 @@ int main(int argc, char** argv) {
   render->add_option("--workers", options.workers,
                      "worker pods (default: one rank per pod on CPU; up to 8 GPUs per pod)");
   render->add_option("--out", out, "output folder (default: <name>-k8s)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    app.exit(e);
-    return 2;
-  }
+  if (std::optional<int> exit_code = fp8rt::ParseCommandLine(app, argc, argv)) return *exit_code;
 
   absl::StatusOr<fp8rt::k8s::Rendered> rendered = fp8rt::k8s::Render(options);
   if (!rendered.ok()) {

@@ -2,10 +2,12 @@
 // Exit codes: 0 done, 2 bad input or options (the message names the file or option).
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <string>
 
 #include "CLI/CLI.hpp"
 #include "launcher/quantize/inspect.h"
+#include "runtime/core/program.h"
 
 int main(int argc, char** argv) {
   using namespace fp8rt;
@@ -23,14 +25,7 @@ int main(int argc, char** argv) {
   app.add_option("--out", options.out_path, "write the dequantized values (float32 .npy)");
   app.add_option("--codes", options.codes_path, "write the FP8 codes (uint8 .npy)");
   app.add_flag("--json", json, "print one JSON object instead of the report");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    app.exit(e);
-    return 2;
-  }
+  if (std::optional<int> exit_code = fp8rt::ParseCommandLine(app, argc, argv)) return *exit_code;
   auto fail = [](const std::string& message) {
     std::fprintf(stderr, "fp8rt quantize: %s\n", message.c_str());
     return 2;

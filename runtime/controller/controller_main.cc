@@ -38,7 +38,6 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -47,6 +46,7 @@
 #include "runtime/controller/controller.h"
 #include "runtime/controller/metrics.h"
 #include "runtime/controller/service.h"
+#include "runtime/core/program.h"
 
 namespace fp8rt::controller {
 namespace {
@@ -307,11 +307,7 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
-  // Debian's Abseil is built without NDEBUG, which leaves Mutex deadlock detection on: a global
-  // lock and a graph update in every Lock, ours and gRPC's (GraphCycles was the controller's
-  // hottest user-space code under `fp8rt bench controller`). The thread annotations check our
-  // lock order instead.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  fp8rt::DisableMutexDeadlockDetection();
 
   fp8rt::controller::Flags flags;
   CLI::App app{
@@ -349,14 +345,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-streams-per-token", flags.max_streams_per_token,
                  "concurrent WatchEvents streams at most per caller (the admin, or one run)")
       ->capture_default_str();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    app.exit(e);
-    return 2;
-  }
+  if (std::optional<int> exit_code = fp8rt::ParseCommandLine(app, argc, argv)) return *exit_code;
   try {
     return fp8rt::controller::Run(flags);
   } catch (const fp8rt::controller::FlagError& e) {

@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -35,6 +36,7 @@
 #include "parallel/mpi/mpi_communicator.h"
 #include "parallel/nccl/nccl_communicator.h"
 #include "runtime/core/memory.h"
+#include "runtime/core/program.h"
 #include "runtime/core/run_spec.h"
 #include "runtime/worker/trainer.h"
 
@@ -83,14 +85,7 @@ int main(int argc, char** argv) {
                  "bearer token for the controller (default: $FP8RT_TOKEN_FILE)");
   app.add_option("--run-id", run_id, "run id at the controller (default: the run folder's name)");
   app.add_option("--tls-ca", tls_ca, "PEM root certificate: talk TLS to the controller");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
-  } catch (const CLI::ParseError& e) {
-    app.exit(e);
-    return 2;
-  }
+  if (std::optional<int> exit_code = fp8rt::ParseCommandLine(app, argc, argv)) return *exit_code;
 
   absl::StatusOr<int> world_size = parallel::InitMpi(&argc, &argv);
   if (!world_size.ok()) {
