@@ -2,12 +2,12 @@
 // reductions as user-defined MPI_Ops.
 #include "parallel/mpi/mpi_communicator.h"
 
-#include <cstdlib>
 #include <mpi.h>
 
 #include <bit>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <thread>
@@ -313,7 +313,18 @@ void FinalizeMpi() {
   if (g_we_initialized && !finalized) MPI_Finalize();
 }
 
-void AbortMpi(int code) {
+void AbortMpi(int code, std::chrono::milliseconds grace) {
+  if (grace.count() > 0) {
+    MPI_Request barrier = MPI_REQUEST_NULL;
+    if (MPI_Ibarrier(MPI_COMM_WORLD, &barrier) == MPI_SUCCESS) {
+      const auto deadline = std::chrono::steady_clock::now() + grace;
+      int done = 0;
+      while (MPI_Test(&barrier, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done == 0 &&
+             std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+  }
   MPI_Abort(MPI_COMM_WORLD, code);
   std::_Exit(code);  // MPI_Abort should not return
 }

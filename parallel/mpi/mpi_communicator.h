@@ -47,8 +47,13 @@ absl::StatusOr<int> InitMpi(int* argc, char*** argv);
 // Finalizes MPI if InitMpi initialised it (call it after destroying every communicator).
 void FinalizeMpi();
 // Tears the whole job down (MPI_Abort on MPI_COMM_WORLD) with `code`: for a rank that fails while
-// its peers may be waiting in a collective. Does not return.
-[[noreturn]] void AbortMpi(int code);
+// its peers may be waiting in a collective. Does not return. With a `grace` > 0 it first waits, up
+// to `grace`, for every rank to reach AbortMpi as well (a non-blocking barrier on MPI_COMM_WORLD,
+// which fp8rt's communicators never use: they work on duplicates), so that ranks failing on one
+// agreed verdict have all reported it before the job goes; a rank failing alone waits the grace.
+// Flush what must be seen before calling it.
+[[noreturn]] void AbortMpi(int code,
+                           std::chrono::milliseconds grace = std::chrono::milliseconds(0));
 
 }  // namespace fp8rt::parallel
 

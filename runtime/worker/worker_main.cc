@@ -15,10 +15,12 @@
 // Exit codes: 0 done; 2 bad input (spec, options, run folder, and device: cuda on a rank without
 // a usable CUDA device or in a build without CUDA): every rank reaches the same verdict and exits
 // without a collective left pending; 1 a failure during the run (NCCL set-up included), after
-// which the rank tears the job down (MPI_Abort) so that no peer waits in a collective.
+// which the rank tears the job down (MPI_Abort) so that no peer waits in a collective, once its
+// peers have reported the same failure or after kReportGrace (2 s).
 // Environment: FP8RT_FAULT (test faults, runtime/worker/trainer.h), FP8RT_COLLECTIVE_TIMEOUT_S
 // (a collective that does not complete within it fails the run; default 300).
 #include <charconv>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -41,6 +43,11 @@
 #include "runtime/worker/trainer.h"
 
 namespace {
+
+// How long a rank whose run failed waits for its peers to fail too before it tears the job down:
+// a failure every rank agrees on (a checkpoint that could not be written, a bad data file) is then
+// reported by each of them, not only by the first one to abort. A rank failing alone waits it out.
+constexpr std::chrono::milliseconds kReportGrace(2000);
 
 // device: cuda on this rank: picks and makes current its CUDA device (*device), then returns the
 // CUDA op table for it. The errors say why there is none (no CUDA in the build, no driver, no
@@ -202,13 +209,14 @@ int main(int argc, char** argv) {
       return bad_input(trainer.status());
     }
     std::fprintf(stderr, "fp8rt-worker: rank %d: %s\n", rank, trainer.status().ToString().c_str());
-    parallel::AbortMpi(1);
+    std::fflush(nullptr);
+    parallel::AbortMpi(1, kReportGrace);
   }
   if (absl::Status s = (*trainer)->Run(); !s.ok()) {
     std::fprintf(stderr, "fp8rt-worker: rank %d: step %lld: %s\n", rank,
                  static_cast<long long>((*trainer)->step() + 1), s.ToString().c_str());
     std::fflush(nullptr);
-    parallel::AbortMpi(1);
+    parallel::AbortMpi(1, kReportGrace);
   }
   trainer->reset();
   nccl.reset();
