@@ -5,6 +5,10 @@
 // stream that last wrote the array has been synchronised (LayerOps::synchronize). Movable, not
 // copyable (copies go through LayerOps::copy or an explicit loop), not thread-safe.
 //
+// Every allocation is counted by category (kernels/memory_stats.h): an array is kOther until
+// its owner says what it is for (set_category, or the constructor), and a moved-from array's
+// bytes move with it.
+//
 // Allocation failures abort with the size and backend named (FP8RT_CHECK): the model sizes its
 // arrays once, at start-up or when the micro-batch changes, and cannot continue without them.
 #ifndef FP8RT_KERNELS_DEVICE_ARRAY_H_
@@ -17,6 +21,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "kernels/memory_stats.h"
 #include "kernels/ops.h"
 #include "runtime/core/check.h"
 
@@ -32,14 +37,20 @@ class DeviceArray {
   explicit DeviceArray(const OpTable& ops, size_t count = 0, T value = T{}) : ops_(&ops) {
     assign(count, value);
   }
+  // An empty array of `ops` whose allocations count as `category`.
+  DeviceArray(const OpTable& ops, MemCategory category) : ops_(&ops), category_(category) {}
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
   DeviceArray(DeviceArray&& o) noexcept
-      : ops_(o.ops_), data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+      : ops_(o.ops_),
+        category_(o.category_),
+        data_(std::exchange(o.data_, nullptr)),
+        size_(std::exchange(o.size_, 0)) {}
   DeviceArray& operator=(DeviceArray&& o) noexcept {
     if (this != &o) {
       Release();
       ops_ = o.ops_;
+      category_ = o.category_;
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
     }
@@ -48,6 +59,17 @@ class DeviceArray {
   ~DeviceArray() { Release(); }
 
   const OpTable& ops() const { return *ops_; }
+  MemCategory category() const { return category_; }
+  // What the array's memory counts as from now on (its current bytes move to `category`).
+  void set_category(MemCategory category) {
+    if (data_ != nullptr) {
+      TrackFree(category_, bytes());
+      TrackAlloc(category, bytes());
+    }
+    category_ = category;
+  }
+  // Frees the memory (size 0); the backend and category stay.
+  void clear() { Release(); }
   T* data() { return data_; }
   const T* data() const { return data_; }
   size_t size() const { return size_; }
@@ -76,7 +98,7 @@ class DeviceArray {
   // `count` elements; the first min(size(), count) keep their values, the rest are T{}.
   void resize(size_t count) {
     if (count == size_) return;
-    DeviceArray next(*ops_);
+    DeviceArray next(*ops_, category_);
     next.resize_uninitialized(count);
     const size_t kept = std::min(size_, count);
     if (kept > 0) std::memcpy(next.data_, data_, kept * sizeof(T));
@@ -96,14 +118,20 @@ class DeviceArray {
                         << " backend: " << p.status();
     data_ = static_cast<T*>(*p);
     size_ = count;
+    TrackAlloc(category_, bytes());
   }
+  int64_t bytes() const { return static_cast<int64_t>(std::max<size_t>(size_, 1) * sizeof(T)); }
   void Release() {
-    if (data_ != nullptr) ops_->layer->deallocate(data_);
+    if (data_ != nullptr) {
+      TrackFree(category_, bytes());
+      ops_->layer->deallocate(data_);
+    }
     data_ = nullptr;
     size_ = 0;
   }
 
   const OpTable* ops_;
+  MemCategory category_ = MemCategory::kOther;
   T* data_ = nullptr;
   size_t size_ = 0;
 };
