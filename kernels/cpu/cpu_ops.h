@@ -39,6 +39,11 @@ void PackFp8AmxLayout(const uint8_t* b, int64_t n, int64_t k, Fp8Format format, 
 // Tests only: pack B through the generic blocked-layout path even where the AMX layout has a
 // direct loop, so that both paths are checked on this machine.
 void ForceGenericPackingForTesting(bool force);
+// Tests only: run every BF16/FP8 GEMM on the FP32-matmul path (gemm_cpu.cc), as on a CPU without
+// oneDNN BF16 matmul kernels. Set it before sizing a workspace (GemmWorkspaceBytes follows it).
+void ForceF32MatmulForTesting(bool force);
+// True when the GEMMs run on the FP32-matmul path (no BF16 kernels here, or forced).
+bool UsesF32Matmul();
 
 }  // namespace fp8rt::kernels::cpu_internal
 

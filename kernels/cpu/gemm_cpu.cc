@@ -6,6 +6,11 @@
 // are applied by oneDNN as one multiplication by sa*sb of the FP32 accumulator. Block scales are
 // applied per 128-wide slice of K: the slice's partial product is computed in FP32, multiplied by
 // sa(m, kb) * sb(n/128, kb) and added to an FP32 accumulator (the promotion DeepGEMM does).
+// On a CPU without BF16 matmul kernels in oneDNN (no AVX512-BF16 or AMX: oneDNN 2.6 has no BF16
+// matmul for AVX2, e.g. on AMD EPYC before Zen 4), the same GEMMs run on oneDNN's FP32 matmul:
+// the operands are widened from BF16 (or decoded from FP8) to FP32 exactly, the product of two
+// BF16 values is exact in FP32 (8 + 8 significand bits), and the accumulation is FP32, so the
+// contract is the same; only the summation order differs. Bf16MatmulAvailable() decides, once.
 // oneDNN reports errors by exception; they are turned into Status here and never escape.
 #include <omp.h>
 
@@ -15,6 +20,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -36,6 +42,7 @@ size_t PackedBBytes(int64_t n, int64_t k) {
 namespace {
 
 bool g_force_generic_packing = false;  // tests only: see ForceGenericPackingForTesting
+bool g_force_f32_matmul = false;       // tests only: see ForceF32MatmulForTesting
 
 dnnl::engine& CpuEngine() {
   static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
@@ -143,6 +150,39 @@ absl::Status Execute(const Matmul& mm, const void* a, const void* b, void* d, fl
   return absl::OkStatus();
 }
 
+// Whether this CPU has oneDNN BF16 matmul kernels: a tiny BF16 primitive is created once.
+bool Bf16MatmulAvailable() {
+  static const bool available = [] {
+    try {
+      using dt = dnnl::memory::data_type;
+      dnnl::memory::desc a({8, 8}, dt::bf16, {8, 1}), b({8, 8}, dt::bf16, {1, 8}),
+          d({8, 8}, dt::f32, {8, 1});
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, d), CpuEngine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return available && !g_force_f32_matmul;
+}
+
+void Bf16ToF32(const uint16_t* in, int64_t n, float* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(in[i]);
+}
+
+void Fp8ToF32(const uint8_t* codes, int64_t n, Fp8Format format, float* out) {
+  const std::array<uint16_t, 256>& lut = Fp8ToBf16Table(format);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(lut[codes[i]]);
+}
+
+// D (m x n, FP32 or BF16) [+]= alpha * A B^T on the FP32 matmul, A and B FP32 (B n x k plain).
+// BF16 output goes through the FP32 accumulator `acc` (m x n) and is rounded once, as the BF16
+// matmul's sum post-op does.
+absl::Status F32Matmul(int64_t m, int64_t n, int64_t k, const float* a, const float* b,
+                       OutputType out_type, bool accumulate, void* d, float alpha, float* acc);
+
 // Offset of element (k, n) of the k x n weights in a blocked oneDNN layout, from its blocking
 // descriptor: outer block indices times their strides, plus the position inside the nested
 // inner blocks (listed outermost first).
@@ -209,9 +249,28 @@ absl::Status PackB(const dnnl::memory::desc& md, int64_t n, int64_t k, Load load
   return absl::OkStatus();
 }
 
+absl::Status F32Matmul(int64_t m, int64_t n, int64_t k, const float* a, const float* b,
+                       OutputType out_type, bool accumulate, void* d, float alpha, float* acc) {
+  if (out_type == OutputType::kF32) {
+    FP8RT_ASSIGN_OR_RETURN(
+        std::shared_ptr<const Matmul> mm,
+        Cache().Get({m, n, k, k, k, BLayout::kPlain, accumulate, OutputType::kF32, true}));
+    return Execute(*mm, a, b, d, alpha);
+  }
+  auto* d16 = static_cast<uint16_t*>(d);
+  if (accumulate) Bf16ToF32(d16, m * n, acc);
+  FP8RT_ASSIGN_OR_RETURN(
+      std::shared_ptr<const Matmul> mm,
+      Cache().Get({m, n, k, k, k, BLayout::kPlain, accumulate, OutputType::kF32, true}));
+  FP8RT_RETURN_IF_ERROR(Execute(*mm, a, b, acc, alpha));
+  RoundToBf16(acc, m * n, d16);
+  return absl::OkStatus();
+}
+
 // Block-scaled product: acc (m x n, FP32) [+]= sum_kb sa(m, kb) sb(n/128, kb) A_kb B_kb^T.
-absl::Status BlockScaledGemm(const Fp8GemmArgs& args, const uint16_t* a, const uint16_t* b,
-                             float* partial, float* acc, bool accumulate) {
+// A and B are BF16, or FP32 with `f32` (the FP32-matmul path).
+absl::Status BlockScaledGemm(const Fp8GemmArgs& args, const void* a, const void* b,
+                             float* partial, float* acc, bool accumulate, bool f32) {
   const int64_t m = args.m, n = args.n, k = args.k;
   const int64_t kblocks = (k + 127) / 128;
   const int64_t nblocks = (n + 127) / 128;
@@ -223,8 +282,10 @@ absl::Status BlockScaledGemm(const Fp8GemmArgs& args, const uint16_t* a, const u
       const int64_t klen = std::min<int64_t>(128, k - k0);
       FP8RT_ASSIGN_OR_RETURN(
           std::shared_ptr<const Matmul> mm,
-          Cache().Get({rows, n, klen, k, k, BLayout::kPlain, false, OutputType::kF32, false}));
-      FP8RT_RETURN_IF_ERROR(Execute(*mm, a + m0 * k + k0, b + k0, partial, 1.0f));
+          Cache().Get({rows, n, klen, k, k, BLayout::kPlain, false, OutputType::kF32, f32}));
+      const size_t es = f32 ? 4 : 2;
+      FP8RT_RETURN_IF_ERROR(Execute(*mm, static_cast<const char*>(a) + (m0 * k + k0) * es,
+                                    static_cast<const char*>(b) + k0 * es, partial, 1.0f));
       const bool first = kb == 0 && !accumulate;
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
@@ -264,10 +325,64 @@ class Carver {
 }  // namespace
 
 void ForceGenericPackingForTesting(bool force) { g_force_generic_packing = force; }
+void ForceF32MatmulForTesting(bool force) { g_force_f32_matmul = force; }
+bool UsesF32Matmul() { return !Bf16MatmulAvailable(); }
+
+namespace {
+
+// The FP32-matmul path of GemmFp8Cpu (see the file comment); workspace as GemmWorkspaceBytes.
+absl::Status GemmFp8CpuF32(const Fp8GemmArgs& args) {
+  const int64_t m = args.m, n = args.n, k = args.k;
+  Carver ws(args.workspace);
+  auto* a32 = ws.Take<float>(static_cast<size_t>(m * k) * 4);
+  auto* b32 = ws.Take<float>(static_cast<size_t>(n * k) * 4);
+  Fp8ToF32(args.a, m * k, args.a_format, a32);
+  Fp8ToF32(args.b, n * k, args.b_format, b32);
+  if (args.scaling == GemmScaling::kTensor) {
+    float* acc = args.out_type == OutputType::kBF16 ? ws.Take<float>(static_cast<size_t>(m * n) * 4)
+                                                     : nullptr;
+    return F32Matmul(m, n, k, a32, b32, args.out_type, args.accumulate, args.d,
+                     args.a_scale_inv[0] * args.b_scale_inv[0], acc);
+  }
+  auto* partial = ws.Take<float>(static_cast<size_t>(std::min<int64_t>(m, 256) * n) * 4);
+  if (args.out_type == OutputType::kF32) {
+    return BlockScaledGemm(args, a32, b32, partial, static_cast<float*>(args.d), args.accumulate,
+                           true);
+  }
+  auto* acc = ws.Take<float>(static_cast<size_t>(m * n) * 4);
+  FP8RT_RETURN_IF_ERROR(BlockScaledGemm(args, a32, b32, partial, acc, false, true));
+  RoundToBf16(acc, m * n, static_cast<uint16_t*>(args.d));
+  return absl::OkStatus();
+}
+
+// The FP32-matmul path of GemmBf16Cpu: operands rounded to BF16 as the BF16 path does, then
+// widened back exactly.
+absl::Status GemmBf16CpuF32(const Bf16GemmArgs& args) {
+  const int64_t m = args.m, n = args.n, k = args.k;
+  Carver ws(args.workspace);
+  auto* a32 = ws.Take<float>(static_cast<size_t>(m * k) * 4);
+  auto* b32 = ws.Take<float>(static_cast<size_t>(n * k) * 4);
+  for (auto [in, type, count, out] : {std::tuple{args.a, args.a_type, m * k, a32},
+                                      std::tuple{args.b, args.b_type, n * k, b32}}) {
+    if (type == InputType::kF32) {
+      const float* f = static_cast<const float*>(in);
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < count; ++i) out[i] = Bf16ToFloat(FloatToBf16(f[i]));
+    } else {
+      Bf16ToF32(static_cast<const uint16_t*>(in), count, out);
+    }
+  }
+  float* acc =
+      args.out_type == OutputType::kBF16 ? ws.Take<float>(static_cast<size_t>(m * n) * 4) : nullptr;
+  return F32Matmul(m, n, k, a32, b32, args.out_type, args.accumulate, args.d, 1.0f, acc);
+}
+
+}  // namespace
 
 absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream) {
   const size_t required = GemmWorkspaceBytes(args);
   FP8RT_RETURN_IF_ERROR(ValidateGemmArgs(args, required));
+  if (!Bf16MatmulAvailable()) return GemmFp8CpuF32(args);
   const int64_t m = args.m, n = args.n, k = args.k;
   Carver ws(args.workspace);
   auto* a16 = ws.Take<uint16_t>(static_cast<size_t>(m * k) * 2);
@@ -299,10 +414,11 @@ absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream) {
   DecodeFp8ToBf16(args.b, n * k, args.b_format, b16);
   auto* partial = ws.Take<float>(static_cast<size_t>(std::min<int64_t>(m, 256) * n) * 4);
   if (args.out_type == OutputType::kF32) {
-    return BlockScaledGemm(args, a16, b16, partial, static_cast<float*>(args.d), args.accumulate);
+    return BlockScaledGemm(args, a16, b16, partial, static_cast<float*>(args.d), args.accumulate,
+                           false);
   }
   auto* acc = ws.Take<float>(static_cast<size_t>(m * n) * 4);
-  FP8RT_RETURN_IF_ERROR(BlockScaledGemm(args, a16, b16, partial, acc, false));
+  FP8RT_RETURN_IF_ERROR(BlockScaledGemm(args, a16, b16, partial, acc, false, false));
   RoundToBf16(acc, m * n, static_cast<uint16_t*>(args.d));
   return absl::OkStatus();
 }
@@ -310,6 +426,7 @@ absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream) {
 absl::Status GemmBf16Cpu(const Bf16GemmArgs& args, Stream) {
   const size_t required = GemmWorkspaceBytes(args);
   FP8RT_RETURN_IF_ERROR(ValidateGemmArgs(args, required));
+  if (!Bf16MatmulAvailable()) return GemmBf16CpuF32(args);
   const int64_t m = args.m, n = args.n, k = args.k;
   Carver ws(args.workspace);
   const uint16_t* a16 = static_cast<const uint16_t*>(args.a);
@@ -356,9 +473,17 @@ namespace fp8rt::kernels {
 //   block scaling:  [A as BF16][B as BF16][partial product of one 256-row tile][FP32 accumulator
 //                   for BF16 output]
 //   bf16 GEMM:      [A as BF16 when given FP32][B packed]
+//   without BF16 matmul kernels (cpu_internal::UsesF32Matmul): [A as FP32][B as FP32], then for
+//   block scaling the partial product, and the FP32 accumulator for BF16 output
 size_t GemmWorkspaceBytes(const Fp8GemmArgs& args) {
   const size_t m = static_cast<size_t>(args.m), n = static_cast<size_t>(args.n),
                k = static_cast<size_t>(args.k);
+  if (cpu_internal::UsesF32Matmul()) {
+    size_t f32 = cpu_internal::Padded(m * k * 4) + cpu_internal::Padded(n * k * 4);
+    if (args.scaling != GemmScaling::kTensor) f32 += cpu_internal::Padded((m < 256 ? m : 256) * n * 4);
+    if (args.out_type == OutputType::kBF16) f32 += cpu_internal::Padded(m * n * 4);
+    return f32;
+  }
   size_t bytes = cpu_internal::Padded(m * k * 2);
   if (args.scaling == GemmScaling::kTensor) {
     return bytes + cpu_internal::PackedBBytes(args.n, args.k);
@@ -371,6 +496,12 @@ size_t GemmWorkspaceBytes(const Fp8GemmArgs& args) {
 }
 
 size_t GemmWorkspaceBytes(const Bf16GemmArgs& args) {
+  if (cpu_internal::UsesF32Matmul()) {
+    const size_t m = static_cast<size_t>(args.m), n = static_cast<size_t>(args.n),
+                 k = static_cast<size_t>(args.k);
+    return cpu_internal::Padded(m * k * 4) + cpu_internal::Padded(n * k * 4) +
+           (args.out_type == OutputType::kBF16 ? cpu_internal::Padded(m * n * 4) : 0);
+  }
   const size_t a_bytes = static_cast<size_t>(args.m) * static_cast<size_t>(args.k) * 2;
   return (args.a_type == InputType::kF32 ? cpu_internal::Padded(a_bytes) : 0) +
          cpu_internal::PackedBBytes(args.n, args.k);
