@@ -69,10 +69,14 @@ void Communicator::Count(CollectiveOp op, DType dtype, int64_t bytes) {
   stats_.calls[static_cast<int>(op)][static_cast<int>(dtype)] += 1;
 }
 
+std::string Communicator::AnnotationPrefix(CollectiveOp op) const {
+  return absl::StrCat(std::string(CollectiveOpName(op)), " on group '", name_, "' (rank ", rank_,
+                      " of ", size_, "): ");
+}
+
 absl::Status Communicator::Annotate(CollectiveOp op, absl::Status status) const {
   if (status.ok()) return status;
-  const std::string prefix = absl::StrCat(std::string(CollectiveOpName(op)), " on group '", name_,
-                                          "' (rank ", rank_, " of ", size_, "): ");
+  const std::string prefix = AnnotationPrefix(op);
   // A wrapper (FaultInjectingCommunicator) calls an inner communicator that annotated already.
   if (absl::StartsWith(status.message(), prefix)) return status;
   return absl::Status(status.code(), absl::StrCat(prefix, status.message()));
@@ -112,6 +116,57 @@ absl::Status Communicator::AllGather(const void* send, int64_t count, void* recv
   if (!s.ok()) return Annotate(CollectiveOp::kAllGather, s);
   Count(CollectiveOp::kAllGather, dtype, Bytes(count, dtype));
   return Annotate(CollectiveOp::kAllGather, DoAllGather(send, count, recv, dtype));
+}
+
+namespace {
+
+// A collective that completed (or failed) when it was started.
+class DonePending : public PendingCollective {
+ public:
+  explicit DonePending(absl::Status status) : status_(std::move(status)) {}
+  absl::Status Wait() override { return status_; }
+
+ private:
+  const absl::Status status_;
+};
+
+// Annotates the status of the wrapped handle's Wait like a blocking call.
+class AnnotatedPending : public PendingCollective {
+ public:
+  AnnotatedPending(std::unique_ptr<PendingCollective> inner, std::string prefix)
+      : inner_(std::move(inner)), prefix_(std::move(prefix)) {}
+  absl::Status Wait() override {
+    absl::Status s = inner_->Wait();
+    if (s.ok() || absl::StartsWith(s.message(), prefix_)) return s;
+    return absl::Status(s.code(), absl::StrCat(prefix_, s.message()));
+  }
+
+ private:
+  std::unique_ptr<PendingCollective> inner_;
+  const std::string prefix_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PendingCollective>> Communicator::StartAllGather(const void* send,
+                                                                                int64_t count,
+                                                                                void* recv,
+                                                                                DType dtype) {
+  absl::Status s = CheckCount(count, send, "send");
+  if (s.ok()) s = CheckCount(count, recv, "recv");
+  if (!s.ok()) return Annotate(CollectiveOp::kAllGather, s);
+  Count(CollectiveOp::kAllGather, dtype, Bytes(count, dtype));
+  absl::StatusOr<std::unique_ptr<PendingCollective>> started =
+      DoStartAllGather(send, count, recv, dtype);
+  if (!started.ok()) return Annotate(CollectiveOp::kAllGather, started.status());
+  return std::unique_ptr<PendingCollective>(std::make_unique<AnnotatedPending>(
+      *std::move(started), AnnotationPrefix(CollectiveOp::kAllGather)));
+}
+
+absl::StatusOr<std::unique_ptr<PendingCollective>> Communicator::DoStartAllGather(
+    const void* send, int64_t count, void* recv, DType dtype) {
+  return std::unique_ptr<PendingCollective>(
+      std::make_unique<DonePending>(DoAllGather(send, count, recv, dtype)));
 }
 
 absl::Status Communicator::ReduceScatter(const void* send, void* recv, int64_t recv_count,

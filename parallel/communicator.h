@@ -4,7 +4,9 @@
 // call the backend's Do* method (MPI for CPU ranks in parallel/mpi/, NCCL for GPU ranks in
 // parallel/nccl/). Buffers are host memory for MPI and device memory for NCCL; the interface is
 // the same. Collectives are blocking and must be called in the same order on every rank of the
-// group. A backend never hangs forever: a collective that does not complete within the group's
+// group, except StartAllGather, which starts an all-gather and returns a PendingCollective to
+// wait on later (FSDP prefetches the next layer's weight with it while the current layer
+// computes); it counts, in that order, as the call that started it. A backend never hangs forever: a collective that does not complete within the group's
 // timeout returns DeadlineExceeded naming the op and group, after which the communicator is
 // unusable (the job is expected to tear down and restart from a checkpoint).
 //
@@ -61,6 +63,16 @@ struct CommStats {
   int64_t TotalBytes() const;
 };
 
+// An all-gather in flight (Communicator::StartAllGather). Wait() completes it, within the group's
+// deadline counted from the start, and returns its status; the receive buffer may be read only
+// after an OK Wait(). A handle destroyed without Wait() waits (and drops the error). The
+// communicator must outlive the handle.
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  [[nodiscard]] virtual absl::Status Wait() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -76,6 +88,13 @@ class Communicator {
   // recv (size() * count elements) receives every rank's `count` elements, in rank order.
   // In place when send is recv + rank() * count elements (this rank's block already there).
   absl::Status AllGather(const void* send, int64_t count, void* recv, DType dtype);
+  // The same all-gather, started: returns at once (MPI: MPI_Iallgather) and completes in Wait().
+  // Neither buffer may be touched until then. Backends without a nonblocking form (NCCL for
+  // now, the fault-injecting wrapper, one-rank groups) run it to completion here and hand back a
+  // completed handle, so callers need not care which they got.
+  absl::StatusOr<std::unique_ptr<PendingCollective>> StartAllGather(const void* send,
+                                                                    int64_t count, void* recv,
+                                                                    DType dtype);
   // send holds size() * recv_count elements; rank r receives the reduction of block r.
   absl::Status ReduceScatter(const void* send, void* recv, int64_t recv_count, DType dtype,
                              ReduceOp op);
@@ -108,11 +127,17 @@ class Communicator {
                                    std::span<const int64_t> recv_displs, DType dtype) = 0;
   virtual absl::Status DoBroadcast(void* buf, int64_t count, DType dtype, int root) = 0;
   virtual absl::Status DoBarrier() = 0;
+  // Default: DoAllGather now, and a completed handle.
+  virtual absl::StatusOr<std::unique_ptr<PendingCollective>> DoStartAllGather(const void* send,
+                                                                              int64_t count,
+                                                                              void* recv,
+                                                                              DType dtype);
 
  private:
   void Count(CollectiveOp op, DType dtype, int64_t bytes);
   // Prefixes a backend error with the op and group so that every failure names both.
   absl::Status Annotate(CollectiveOp op, absl::Status status) const;
+  std::string AnnotationPrefix(CollectiveOp op) const;  // "all_gather on group 'dp' (rank 0 of 2): "
 
   const std::string name_;  // fixed after construction
   const int rank_;

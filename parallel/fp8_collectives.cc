@@ -294,6 +294,100 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
   return absl::OkStatus();
 }
 
+absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
+                              int64_t cols, kernels::Fp8Format format, bool block, float scale,
+                              int margin, Fp8Shard* out) {
+  constexpr const char* kFn = "QuantizeFp8Shard";
+  if (out == nullptr) return absl::InvalidArgumentError(absl::StrCat(kFn, ": out is null"));
+  if (rows <= 0 || cols <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kFn, ": rows and cols must be > 0, got ", rows, " x ", cols));
+  }
+  if (shard == nullptr) return absl::InvalidArgumentError(absl::StrCat(kFn, ": shard is null"));
+  if (absl::Status s = CheckFormat(format, kFn); !s.ok()) return s;
+  if (margin < 0 || margin > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kFn, ": margin must be in [0, 64], got ", margin));
+  }
+  if (block && rows % kTileCols != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kFn, ": rows must be a multiple of 128 with 128x128 block scaling, got ", rows));
+  }
+  if (!block && !(std::isfinite(scale) && scale > 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kFn, ": scale must be finite and > 0, got ", scale));
+  }
+  if (absl::Status s = CheckOp(reinterpret_cast<const void*>(ops.quantize), ops, "quantize", kFn);
+      !s.ok()) {
+    return s;
+  }
+  const Granularity g = block ? Granularity::kBlock128x128 : Granularity::kTensor;
+  out->rows = rows;
+  out->cols = cols;
+  out->block = block;
+  out->scale = block ? 1.0f : scale;
+  out->codes.Reset(ops, static_cast<size_t>(rows * cols));
+  out->scale_inv.Reset(ops, static_cast<size_t>(kernels::GetScaleGrid(g, rows, cols).size()));
+  out->stats_out.Reset(ops, 1);
+  kernels::QuantizeArgs q;
+  q.format = format;
+  q.input_type = kernels::InputType::kF32;
+  q.granularity = g;
+  q.input = shard;
+  q.rows = rows;
+  q.cols = cols;
+  q.has_scale = !block;
+  q.scale = scale;
+  q.margin = margin;
+  q.codes = out->codes.data();
+  q.scale_inv = out->scale_inv.data();
+  q.stats = out->stats_out.data();
+  FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
+  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+  out->stats = out->stats_out[0];
+  return absl::OkStatus();
+}
+
+absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& ops,
+                                 const Fp8Shard& shard, Fp8Weight* out,
+                                 std::vector<std::unique_ptr<PendingCollective>>* pending) {
+  if (out == nullptr || pending == nullptr) {
+    return absl::InvalidArgumentError("StartGatherFp8Shard: out and pending must not be null");
+  }
+  if (shard.codes.size() != static_cast<size_t>(shard.rows * shard.cols) || shard.rows <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "StartGatherFp8Shard: the shard holds ", shard.codes.size(), " codes for ", shard.rows,
+        " x ", shard.cols, " (quantize it first)"));
+  }
+  const int64_t n = group.size();
+  out->rows = shard.rows * n;
+  out->cols = shard.cols;
+  out->shard_stats = shard.stats;
+  out->amax = shard.stats.amax;
+  out->codes.Reset(ops, shard.codes.size() * static_cast<size_t>(n));
+  out->scale_inv.Reset(ops, shard.scale_inv.size() * static_cast<size_t>(shard.block ? n : 1));
+  if (!shard.block) {
+    FP8RT_RETURN_IF_ERROR(
+        ops.layer->copy(out->scale_inv.data(), shard.scale_inv.data(), 1, kernels::Stream{}));
+  }
+  // The device copy above and the host's view of the shard must be done before a backend that
+  // reads host-visible memory (MPI) sends it.
+  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<PendingCollective> codes,
+                         group.StartAllGather(shard.codes.data(),
+                                              static_cast<int64_t>(shard.codes.size()),
+                                              out->codes.data(), DType::kU8));
+  pending->push_back(std::move(codes));
+  if (shard.block) {
+    FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<PendingCollective> scales,
+                           group.StartAllGather(shard.scale_inv.data(),
+                                                static_cast<int64_t>(shard.scale_inv.size()),
+                                                out->scale_inv.data(), DType::kF32));
+    pending->push_back(std::move(scales));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const float* shard,
                         int64_t shard_count, uint16_t* full_bf16) {
   if (shard_count < 0) {

@@ -5,6 +5,9 @@
 //   SyncAmaxes            all amaxes of one step in one MAX all-reduce; NaN reaches every rank
 //   GatherFp8Weight       FSDP all-gather of a weight in FP8 (shared tensor scale or 128x128
 //                         block scales) straight from FP32 master shards
+//   Fp8Shard, QuantizeFp8Shard, StartGatherFp8Shard
+//                         FSDP with persistent FP8 shards: each rank quantizes its rows once
+//                         per step, and every gather of the step moves those bytes only
 //   GatherBf16            FSDP all-gather of a non-FP8 parameter in BF16
 //   ReduceScatterGrad     gradient reduce-scatter in BF16 or FP32 into FP32 shards
 //   ExchangeTokenCounts, AllToAllFp8Tokens, AllToAllBf16Tokens
@@ -32,6 +35,7 @@
 #define FP8RT_PARALLEL_FP8_COLLECTIVES_H_
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -104,6 +108,37 @@ absl::StatusOr<Fp8Weight> GatherFp8Weight(Communicator& group, const kernels::Op
 absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& ops,
                                  const float* shard, int64_t shard_rows, int64_t cols,
                                  const Fp8GatherOptions& options, Fp8Weight* out);
+
+// This rank's FP8 shard of an FSDP-sharded FP8 weight: its rows x cols FP32 master rows quantized
+// (tensor scale, or 128x128 blocks: rows a multiple of 128). Kept across the step, so that the
+// weight's gathers for the forward and the backward of every micro-batch move FP8 bytes and
+// quantize nothing. codes and scale_inv are memory of the op table that filled them.
+struct Fp8Shard {
+  int64_t rows = 0;
+  int64_t cols = 0;
+  bool block = false;
+  float scale = 1.0f;                     // tensor scaling: the scale of the codes
+  kernels::DeviceArray<uint8_t> codes;    // rows x cols
+  kernels::DeviceArray<float> scale_inv;  // 1 value (tensor) or the shard's 128x128 grid
+  kernels::QuantStats stats;              // of the quantization (host copy)
+  kernels::DeviceArray<kernels::QuantStats> stats_out;  // where the op writes them
+};
+
+// Quantizes `rows` x `cols` FP32 `shard` into `out` with tensor scale `scale` (block false) or
+// with 128x128 block scales (block true: rows % 128 == 0; scale unused). Waits for the backend:
+// out->stats is final on return. InvalidArgument for bad shapes, format, scale or margin.
+absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
+                              int64_t cols, kernels::Fp8Format format, bool block, float scale,
+                              int margin, Fp8Shard* out);
+
+// Starts the all-gather of every rank's `shard` (the same shape everywhere) into `out`: the FP8
+// codes and, with block scaling, the block scales (the shards are whole block rows, so the grids
+// in rank order are the full grid); tensor scaling copies the one scale_inv, which every rank
+// has alike. Appends the collectives to `pending`: `out` may be used once each has been waited
+// for. `shard` must stay unchanged until then. `out`'s buffers keep their memory category.
+absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& ops,
+                                 const Fp8Shard& shard, Fp8Weight* out,
+                                 std::vector<std::unique_ptr<PendingCollective>>* pending);
 
 // All-gathers `shard_count` FP32 values per rank as BF16 (rounded to nearest even) into
 // `full_bf16` (size * shard_count BF16 bits).

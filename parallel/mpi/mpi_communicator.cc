@@ -171,6 +171,22 @@ class MpiCommunicator : public Communicator {
     });
   }
 
+  absl::StatusOr<std::unique_ptr<PendingCollective>> DoStartAllGather(const void* send,
+                                                                      int64_t count, void* recv,
+                                                                      DType dtype) override {
+    auto n = ToInt(count, "count");
+    if (!n.ok()) return n.status();
+    auto total = ToInt(count * size(), "gathered size");
+    if (!total.ok()) return total.status();
+    if (broken_) return Unusable();
+    const bool in_place =
+        send == static_cast<const char*>(recv) + static_cast<int64_t>(rank()) * Bytes(count, dtype);
+    auto pending = std::make_unique<Pending>(this);
+    MPI_RETURN_IF_ERROR(MPI_Iallgather(in_place ? MPI_IN_PLACE : send, *n, ToMpi(dtype), recv, *n,
+                                       ToMpi(dtype), comm_, &pending->request));
+    return std::unique_ptr<PendingCollective>(std::move(pending));
+  }
+
   absl::Status DoReduceScatter(const void* send, void* recv, int64_t recv_count, DType dtype,
                                ReduceOp op) override {
     auto n = ToInt(recv_count, "recv_count");
@@ -218,13 +234,38 @@ class MpiCommunicator : public Communicator {
   // Spins first (the common case completes in microseconds), then backs off to short sleeps.
   template <class Start>
   absl::Status Run(Start start) {
-    if (broken_) {
-      return absl::FailedPreconditionError(
-          "communicator is unusable after an earlier collective failed or timed out");
-    }
+    if (broken_) return Unusable();
     MPI_Request request = MPI_REQUEST_NULL;
     MPI_RETURN_IF_ERROR(start(&request));
-    const auto begin = std::chrono::steady_clock::now();
+    return Poll(request, std::chrono::steady_clock::now());
+  }
+
+  static absl::Status Unusable() {
+    return absl::FailedPreconditionError(
+        "communicator is unusable after an earlier collective failed or timed out");
+  }
+
+  // A collective started by DoStartAllGather; Wait polls it like a blocking call, with the
+  // deadline counted from the start.
+  struct Pending : PendingCollective {
+    explicit Pending(MpiCommunicator* c) : comm(c), begin(std::chrono::steady_clock::now()) {}
+    ~Pending() override {
+      if (request != MPI_REQUEST_NULL) (void)Wait();
+    }
+    absl::Status Wait() override {
+      if (request == MPI_REQUEST_NULL) return status;
+      status = comm->Poll(request, begin);
+      request = MPI_REQUEST_NULL;  // completed, or abandoned with the communicator broken
+      return status;
+    }
+    MpiCommunicator* comm;
+    const std::chrono::steady_clock::time_point begin;
+    MPI_Request request = MPI_REQUEST_NULL;
+    absl::Status status;
+  };
+
+  // Polls `request` until it completes or the timeout after `begin` passes.
+  absl::Status Poll(MPI_Request& request, std::chrono::steady_clock::time_point begin) {
     const auto deadline = begin + options_.timeout;
     int done = 0;
     bool patient = false;  // after 20 ms of spinning, sleep between polls

@@ -18,7 +18,13 @@ Linear::Linear(std::string name, int64_t in, int64_t out, GemmPrecision precisio
       precision_(precision),
       input_site_(name_ + "/input", sites.input),
       weight_site_(name_ + "/weight", sites.weight),
-      grad_site_(name_ + "/grad_output", sites.grad_output) {}
+      grad_site_(name_ + "/grad_output", sites.grad_output) {
+  // The FP8 input is kept from the forward for the backward; the rest is scratch.
+  x_codes_.set_category(kernels::MemCategory::kSavedActivations);
+  x_scale_inv_.set_category(kernels::MemCategory::kSavedActivations);
+  dy_codes_.set_category(kernels::MemCategory::kScratch);
+  dy_scale_inv_.set_category(kernels::MemCategory::kScratch);
+}
 
 void Linear::Reconfigure(GemmPrecision precision, const Fp8SiteConfigs& sites) {
   precision_ = precision;

@@ -93,7 +93,9 @@ class QuantSite {
 class Scratch {
  public:
   enum Slot : int { kGemm, kTransposeA, kTransposeB, kCodesA, kCodesB, kScalesA, kScalesB, kCount };
-  explicit Scratch(const kernels::OpTable& ops) : ops_(ops) {}
+  explicit Scratch(const kernels::OpTable& ops) : ops_(ops) {
+    for (auto& b : buffers_) b = kernels::DeviceArray<std::byte>(ops, kernels::MemCategory::kScratch);
+  }
   // `count` elements of T in `slot`, of unspecified value (the allocation is 64-byte aligned).
   // Growing a slot (to 5/4 of the request) first waits for the backend, whose error it returns.
   template <typename T = std::byte>

@@ -1,6 +1,8 @@
-// The transformer: parameters, FSDP gathers, and the forward and backward of every layer (see
-// transformer.h). Index: initialisation (Normal), Create/Build, BeginStep and GatherParam,
-// ForwardBackward (forward top to bottom, then backward bottom to top), ReduceGrads, SyncScaling.
+// The transformer: parameters, FSDP units, and the forward and backward of every layer (see
+// transformer.h). Index: initialisation (Normal), Create/Build, the FSDP unit steps
+// (QuantizeWeightShard, StartUnshard, FinishUnshard, Reshard, BeginUnitGrads, ReduceUnitGrads),
+// BeginStep, ForwardBackward (forward top to bottom, then backward bottom to top), ReduceGrads,
+// SyncScaling.
 #include "runtime/model/transformer.h"
 
 #include <algorithm>
@@ -81,7 +83,7 @@ struct Transformer::Acts {
     for (Layer& l : layers) {
       for (Array* v : {&l.x, &l.ln1, &l.rstd1, &l.qkv, &l.q, &l.k, &l.v, &l.probs, &l.att, &l.proj,
                        &l.x2, &l.ln2, &l.rstd2, &l.h, &l.g, &l.fc2}) {
-        *v = Array(ops);
+        *v = Array(ops, kernels::MemCategory::kSavedActivations);
       }
       for (auto* v : {&l.x, &l.ln1, &l.proj, &l.x2, &l.ln2, &l.fc2}) v->assign(c, 0.0f);
       for (auto* v : {&l.q, &l.k, &l.v, &l.att}) v->assign(cl, 0.0f);
@@ -92,12 +94,14 @@ struct Transformer::Acts {
       l.rstd2.assign(rows, 0.0f);
     }
     const size_t logits_size = static_cast<size_t>(n * s.vocab);
-    for (Array* v : {&x_final, &lnf, &rstdf, &logits, &ce_probs, &losses, &dx, &dx2, &dln, &dg, &dh,
-                     &datt, &dq, &dk, &dv, &dqkv, &dlogits, &dlnf}) {
-      *v = Array(ops);
+    for (Array* v : {&x_final, &lnf, &rstdf, &logits, &ce_probs, &losses}) {
+      *v = Array(ops, kernels::MemCategory::kSavedActivations);
     }
-    inputs = kernels::DeviceArray<int32_t>(ops);
-    targets = kernels::DeviceArray<int32_t>(ops);
+    for (Array* v : {&dx, &dx2, &dln, &dg, &dh, &datt, &dq, &dk, &dv, &dqkv, &dlogits, &dlnf}) {
+      *v = Array(ops, kernels::MemCategory::kScratch);
+    }
+    inputs = kernels::DeviceArray<int32_t>(ops, kernels::MemCategory::kSavedActivations);
+    targets = kernels::DeviceArray<int32_t>(ops, kernels::MemCategory::kSavedActivations);
     for (auto* v : {&x_final, &lnf, &dx, &dx2, &dln, &dlnf}) v->assign(c, 0.0f);
     rstdf.assign(rows, 0.0f);
     losses.assign(rows, 0.0f);
@@ -231,15 +235,26 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
   p.decay = decay;
   p.linear = linear;
   const size_t shard = static_cast<size_t>(p.shard_count);
-  for (kernels::DeviceArray<float>* a : {&p.master, &p.grad, &p.m, &p.v, &p.full, &p.full_grad}) {
-    *a = kernels::DeviceArray<float>(ops_);
+  using kernels::MemCategory;
+  p.master = kernels::DeviceArray<float>(ops_, MemCategory::kParamShards);
+  p.grad = kernels::DeviceArray<float>(ops_, MemCategory::kGradients);
+  p.m = kernels::DeviceArray<float>(ops_, MemCategory::kOptimizerState);
+  p.v = kernels::DeviceArray<float>(ops_, MemCategory::kOptimizerState);
+  p.full = kernels::DeviceArray<float>(ops_, MemCategory::kGatheredWeights);
+  p.full_grad = kernels::DeviceArray<float>(ops_, MemCategory::kGradients);
+  p.fp8_shard.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kParamShards);
+  p.fp8_shard.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kParamShards);
+  p.fp8.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kGatheredWeights);
+  p.fp8.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kGatheredWeights);
+  p.gather_bf16 = kernels::DeviceArray<uint16_t>(ops_, MemCategory::kCommBuffers);
+  for (auto* b : {&p.reduce_buffers.send_bf16, &p.reduce_buffers.reduced_bf16}) {
+    *b = kernels::DeviceArray<uint16_t>(ops_, MemCategory::kCommBuffers);
   }
+  p.reduce_buffers.reduced_f32 = kernels::DeviceArray<float>(ops_, MemCategory::kCommBuffers);
   p.master.assign(shard, 0.0f);
   p.grad.assign(shard, 0.0f);
   p.m.assign(shard, 0.0f);
   p.v.assign(shard, 0.0f);
-  p.full.assign(shard * static_cast<size_t>(fsdp), 0.0f);
-  p.full_grad.assign(shard * static_cast<size_t>(fsdp), 0.0f);
   const uint64_t key = SplitMix64(seed) ^ Fnv1a(name);
   const int64_t row0 = split == TpSplit::kRows ? tp_rank_ * p.local_rows : 0;
   const int64_t col0 = split == TpSplit::kCols ? tp_rank_ * p.local_cols : 0;
@@ -333,6 +348,21 @@ absl::Status Transformer::Build(uint64_t seed) {
   all_linears_.push_back(lm_head_);
   lm_head_param_ = static_cast<int>(params_.size());
   AddParam("lm_head/weight", v, c, TpSplit::kNone, true, std_dev, seed, lm_head_);
+  // FSDP units: the embedding, each block (its parameters were added in a row), the head.
+  auto add_unit = [&](std::string name, std::vector<int> params) {
+    Unit& u = units_.emplace_back();
+    u.name = std::move(name);
+    u.params = std::move(params);
+  };
+  add_unit("embedding", {embedding_});
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const int first = blocks_[l]->attn_norm;
+    const int end = l + 1 < blocks_.size() ? blocks_[l + 1]->attn_norm : final_norm_;
+    std::vector<int> params;
+    for (int i = first; i < end; ++i) params.push_back(i);
+    add_unit(absl::StrCat("blocks.", l), std::move(params));
+  }
+  add_unit("head", {final_norm_, lm_head_param_});
   CollectSites();
   return absl::OkStatus();
 }
@@ -379,37 +409,56 @@ absl::Status Transformer::AllReduceTp(float* buf, int64_t count) {
   return mesh_.tp().AllReduce(buf, count, parallel::DType::kF32, parallel::ReduceOp::kSum);
 }
 
-absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
-  const bool fp8 = p.linear != nullptr && p.linear->precision() == GemmPrecision::kFp8;
-  if (!fp8) {
-    FP8RT_RETURN_IF_ERROR(
-        p.group->AllGather(p.master.data(), p.shard_count, p.full.data(), parallel::DType::kF32));
-    if (p.linear != nullptr) p.linear->SetWeight(p.full.data());
-    return absl::OkStatus();
-  }
+absl::Status Transformer::QuantizeWeightShard(Param& p, float weight_scale) {
   const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
   const bool block = cfg.strategy == train::ScalingStrategy::kBlock;
   const int64_t shard_rows = p.local_rows / p.group->size();
-  if (recipe_.fsdp_gather == FsdpGatherDType::kFp8) {
-    parallel::Fp8GatherOptions opts;
-    opts.format = cfg.format;
-    opts.scaling =
-        block ? parallel::WeightScaling::kBlock128 : parallel::WeightScaling::kTensorGiven;
-    opts.scale = weight_scale;
-    opts.margin = cfg.margin;
-    FP8RT_RETURN_IF_ERROR(parallel::GatherFp8WeightInto(*p.group, ops_, p.master.data(), shard_rows,
-                                                        p.local_cols, opts, &p.fp8));
-  } else {
-    // BF16 on the wire, then every rank quantizes the whole piece with the same scale(s).
-    kernels::DeviceArray<uint16_t>& bf16 = p.gather_bf16;
-    bf16.Reset(ops_, p.full.size());
-    FP8RT_RETURN_IF_ERROR(
-        parallel::GatherBf16(*p.group, ops_, p.master.data(), p.shard_count, bf16.data()));
+  FP8RT_RETURN_IF_ERROR(parallel::QuantizeFp8Shard(ops_, p.master.data(), shard_rows,
+                                                   p.local_cols, cfg.format, block, weight_scale,
+                                                   cfg.margin, &p.fp8_shard));
+  // The weight site's statistics of the step: this rank's shard, once per step (the amax is
+  // MAX-reduced over the ranks in SyncScaling).
+  p.linear->weight_site().Record(
+      p.fp8_shard.stats, block ? kernels::ComputeScale(p.fp8_shard.stats.amax, cfg.format,
+                                                       cfg.margin, cfg.power_of_two)
+                               : weight_scale);
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::StartUnshard(size_t unit) {
+  Unit& u = units_[unit];
+  if (u.gathered || u.started) return absl::OkStatus();
+  u.started = true;
+  for (const int i : u.params) {
+    Param& p = params_[static_cast<size_t>(i)];
+    const bool fp8 = p.linear != nullptr && p.linear->precision() == GemmPrecision::kFp8;
+    if (fp8 && recipe_.fsdp_gather == FsdpGatherDType::kFp8) {
+      // FP8 bytes of the shard quantized in BeginStep: nothing to compute on the gather path.
+      FP8RT_RETURN_IF_ERROR(
+          parallel::StartGatherFp8Shard(*p.group, ops_, p.fp8_shard, &p.fp8, &u.pending));
+      continue;
+    }
+    p.full.Reset(ops_, static_cast<size_t>(p.shard_count * p.group->size()));
+    if (!fp8) {
+      FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<parallel::PendingCollective> g,
+                             p.group->StartAllGather(p.master.data(), p.shard_count,
+                                                     p.full.data(), parallel::DType::kF32));
+      u.pending.push_back(std::move(g));
+      continue;
+    }
+    // fsdp_gather bf16 (the baseline FP8 gathers are measured against): BF16 on the wire, then
+    // every rank quantizes the whole piece with the same scale(s). Blocking: the quantization
+    // needs the gathered values.
+    const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
+    const bool block = cfg.strategy == train::ScalingStrategy::kBlock;
+    p.gather_bf16.Reset(ops_, p.full.size());
+    FP8RT_RETURN_IF_ERROR(parallel::GatherBf16(*p.group, ops_, p.master.data(), p.shard_count,
+                                               p.gather_bf16.data()));
     kernels::ConvertArgs conv{.from = kernels::InputType::kBF16,
                               .to = kernels::InputType::kF32,
-                              .input = bf16.data(),
+                              .input = p.gather_bf16.data(),
                               .output = p.full.data(),
-                              .count = static_cast<int64_t>(bf16.size())};
+                              .count = static_cast<int64_t>(p.gather_bf16.size())};
     FP8RT_RETURN_IF_ERROR(ops_.convert(conv, {}));
     kernels::QuantizeArgs q;
     q.format = cfg.format;
@@ -418,7 +467,7 @@ absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
     q.rows = p.local_rows;
     q.cols = p.local_cols;
     q.has_scale = !block;
-    q.scale = weight_scale;
+    q.scale = p.fp8_shard.scale;
     q.margin = cfg.margin;
     p.fp8.rows = p.local_rows;
     p.fp8.cols = p.local_cols;
@@ -431,14 +480,82 @@ absl::Status Transformer::GatherParam(Param& p, float weight_scale) {
     q.stats = p.fp8.stats_out.data();
     FP8RT_RETURN_IF_ERROR(ops_.quantize(q, {}));
     FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
-    p.fp8.shard_stats = p.fp8.stats_out[0];
-    p.fp8.amax = p.fp8.shard_stats.amax;
+    p.full.clear();  // only the FP8 weight is used
+    p.gather_bf16.clear();
   }
-  p.linear->weight_site().Record(p.fp8.shard_stats,
-                                 block ? kernels::ComputeScale(p.fp8.shard_stats.amax, cfg.format,
-                                                               cfg.margin, cfg.power_of_two)
-                                       : weight_scale);
-  p.linear->SetWeight(&p.fp8);
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::FinishUnshard(size_t unit) {
+  Unit& u = units_[unit];
+  if (u.gathered) return absl::OkStatus();
+  FP8RT_RETURN_IF_ERROR(StartUnshard(unit));
+  absl::Status status;
+  for (std::unique_ptr<parallel::PendingCollective>& g : u.pending) {
+    if (absl::Status s = g->Wait(); status.ok()) status = s;
+  }
+  u.pending.clear();
+  u.started = false;
+  FP8RT_RETURN_IF_ERROR(status);
+  for (const int i : u.params) {
+    Param& p = params_[static_cast<size_t>(i)];
+    if (p.linear == nullptr) continue;
+    if (p.linear->precision() == GemmPrecision::kFp8) {
+      p.linear->SetWeight(&p.fp8);
+    } else {
+      p.linear->SetWeight(p.full.data());
+    }
+  }
+  u.gathered = true;
+  return absl::OkStatus();
+}
+
+void Transformer::Reshard(size_t unit) {
+  Unit& u = units_[unit];
+  for (std::unique_ptr<parallel::PendingCollective>& g : u.pending) (void)g->Wait();
+  u.pending.clear();
+  u.started = false;
+  u.gathered = false;
+  for (const int i : u.params) {
+    Param& p = params_[static_cast<size_t>(i)];
+    p.full.clear();
+    p.fp8.codes.clear();
+    p.fp8.scale_inv.clear();
+  }
+}
+
+absl::Status Transformer::BeginUnitGrads(size_t unit) {
+  for (const int i : units_[unit].params) {
+    Param& p = params_[static_cast<size_t>(i)];
+    p.full_grad.Reset(ops_, static_cast<size_t>(p.shard_count * p.group->size()));
+    FP8RT_RETURN_IF_ERROR(
+        ops_.layer->fill(p.full_grad.data(), 0.0f, static_cast<int64_t>(p.full_grad.size()), {}));
+  }
+  // An MoE block's layer writes its gradients itself: hand it this backward's buffers.
+  if (unit >= 1 && unit <= blocks_.size()) {
+    const Block& blk = *blocks_[unit - 1];
+    if (blk.moe != nullptr) {
+      std::vector<float*> g1, g2;
+      for (const int i : units_[unit].params) {
+        Param& p = params_[static_cast<size_t>(i)];
+        if (p.name.find(".experts.") == std::string::npos) continue;
+        (p.name.ends_with(".fc1/weight") ? g1 : g2).push_back(p.full_grad.data());
+      }
+      blk.moe->SetGrads(params_[static_cast<size_t>(blk.router_w)].full_grad.data(), g1, g2);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::ReduceUnitGrads(size_t unit) {
+  for (const int i : units_[unit].params) {
+    Param& p = params_[static_cast<size_t>(i)];
+    FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(
+        *p.group, ops_, p.full_grad.data(), p.shard_count, recipe_.grad_reduce,
+        /*accumulate=*/true, p.grad.data(), &p.reduce_buffers));
+    p.full_grad.clear();
+  }
+  ++units_[unit].reduced;
   return absl::OkStatus();
 }
 
@@ -448,6 +565,16 @@ absl::Status Transformer::BeginStep() {
   for (MoeBlockStats& m : moe_stats_) {
     std::fill(m.tokens_per_expert.begin(), m.tokens_per_expert.end(), 0);
     m.dropped = 0;
+  }
+  for (size_t u = 0; u < units_.size(); ++u) {
+    Reshard(u);  // whatever a failed pass left
+    units_[u].reduced = 0;
+  }
+  passes_ = 0;
+  for (Param& p : params_) {
+    p.full_grad.clear();
+    FP8RT_RETURN_IF_ERROR(
+        ops_.layer->fill(p.grad.data(), 0.0f, static_cast<int64_t>(p.grad.size()), {}));
   }
   // Tensor-scaled FP8 weights whose scale comes from the weight itself (current scaling, or
   // delayed scaling without a history yet): one MAX over all ranks of every such weight's shard
@@ -483,19 +610,23 @@ absl::Status Transformer::BeginStep() {
   if (!amaxes.empty()) {
     FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), amaxes).status());
   }
+  // Each FP8 weight's shard, quantized once for the whole step (every gather of the step moves
+  // these bytes). With fsdp_gather bf16 every rank quantizes the gathered piece instead, with
+  // the same scale; its statistics are this rank's shard's all the same.
   for (Param& p : params_) {
-    float scale = 1.0f;
-    if (p.linear != nullptr) {
-      const auto it = std::find(current.begin(), current.end(), p.linear);
-      const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
-      scale = it != current.end()
-                  ? kernels::ComputeScale(amaxes[static_cast<size_t>(it - current.begin())],
-                                          cfg.format, cfg.margin, cfg.power_of_two)
-                  : p.linear->weight_site().state().scale();
+    if (p.linear == nullptr || p.linear->precision() != GemmPrecision::kFp8) continue;
+    const auto it = std::find(current.begin(), current.end(), p.linear);
+    const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
+    const float scale =
+        it != current.end()
+            ? kernels::ComputeScale(amaxes[static_cast<size_t>(it - current.begin())],
+                                    cfg.format, cfg.margin, cfg.power_of_two)
+            : p.linear->weight_site().state().scale();
+    FP8RT_RETURN_IF_ERROR(QuantizeWeightShard(p, scale));
+    if (recipe_.fsdp_gather == FsdpGatherDType::kBf16) {
+      p.fp8_shard.codes.clear();  // only the scale and the statistics are used
+      p.fp8_shard.scale_inv.clear();
     }
-    FP8RT_RETURN_IF_ERROR(GatherParam(p, scale));
-    FP8RT_RETURN_IF_ERROR(
-        ops_.layer->fill(p.full_grad.data(), 0.0f, static_cast<int64_t>(p.full_grad.size()), {}));
   }
   return absl::OkStatus();
 }
@@ -522,6 +653,8 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
   const kernels::Stream st{};
   auto P = [&](int i) -> Param& { return params_[static_cast<size_t>(i)]; };
   auto W = [&](int i) -> const float* { return P(i).full.data(); };
+  // FSDP units (see the file comment): 0 the embedding, 1 + l block l, head after the blocks.
+  const size_t head = blocks_.size() + 1;
   auto G = [&](int i) -> float* { return P(i).full_grad.data(); };
   auto zero = [&](Acts::Array& v) {
     return L.fill(v.data(), 0.0f, static_cast<int64_t>(v.size()), st);
@@ -529,11 +662,17 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
 
   // ---- Forward ----
   float aux_loss = 0.0f;  // MoE load-balancing losses
+  FP8RT_RETURN_IF_ERROR(FinishUnshard(0));
+  FP8RT_RETURN_IF_ERROR(StartUnshard(1));  // prefetch: the next unit's gathers run meanwhile
   FP8RT_RETURN_IF_ERROR(
       L.embedding_forward(a.layers[0].x.data(), a.inputs.data(), W(embedding_), N, V, C, st));
+  FP8RT_RETURN_IF_ERROR(L.synchronize(st));  // the weight is read before it is freed
+  Reshard(0);  // the embedding's backward needs no weight
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Block& blk = *blocks_[l];
     Acts::Layer& x = a.layers[l];
+    FP8RT_RETURN_IF_ERROR(FinishUnshard(l + 1));
+    FP8RT_RETURN_IF_ERROR(StartUnshard(l + 2));
     if (static_cast<int64_t>(l) == fault_block_) [[unlikely]] {
       // A test fault (ArmActivationFault), once.
       FP8RT_RETURN_IF_ERROR(L.fill(x.x.data(), fault_value_, 1, st));
@@ -569,7 +708,13 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
     }
     Acts::Array& next = l + 1 < blocks_.size() ? a.layers[l + 1].x : a.x_final;
     FP8RT_RETURN_IF_ERROR(L.residual_forward(next.data(), x.x2.data(), x.fc2.data(), N * C, st));
+    // The last block's backward comes right after the head: it stays gathered.
+    if (recipe_.reshard_after_forward && l + 1 < blocks_.size()) {
+      FP8RT_RETURN_IF_ERROR(L.synchronize(st));
+      Reshard(l + 1);
+    }
   }
+  FP8RT_RETURN_IF_ERROR(FinishUnshard(head));
   FP8RT_RETURN_IF_ERROR(L.rmsnorm_forward(a.lnf.data(), a.rstdf.data(), a.x_final.data(),
                                           W(final_norm_), N, C, kNormEps, st));
   FP8RT_RETURN_IF_ERROR(lm_head_->Forward(ctx, a.lnf.data(), N, a.logits.data()));
@@ -581,15 +726,22 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
   FP8RT_RETURN_IF_ERROR(L.cross_entropy_backward(a.dlogits.data(), a.ce_probs.data(),
                                                  a.targets.data(), N, V, dloss, st));
   FP8RT_RETURN_IF_ERROR(zero(a.dlnf));
+  FP8RT_RETURN_IF_ERROR(BeginUnitGrads(head));
   FP8RT_RETURN_IF_ERROR(
       lm_head_->Backward(ctx, a.dlogits.data(), N, a.dlnf.data(), G(lm_head_param_)));
   FP8RT_RETURN_IF_ERROR(zero(a.dx));
   FP8RT_RETURN_IF_ERROR(L.rmsnorm_backward(a.dx.data(), G(final_norm_), a.dlnf.data(),
                                            a.x_final.data(), W(final_norm_), a.rstdf.data(), N, C,
                                            st));
+  FP8RT_RETURN_IF_ERROR(L.synchronize(st));  // gradients complete before they travel
+  FP8RT_RETURN_IF_ERROR(ReduceUnitGrads(head));
+  Reshard(head);
   for (size_t l = blocks_.size(); l-- > 0;) {
     const Block& blk = *blocks_[l];
     Acts::Layer& x = a.layers[l];
+    FP8RT_RETURN_IF_ERROR(FinishUnshard(l + 1));
+    if (l > 0) FP8RT_RETURN_IF_ERROR(StartUnshard(l));  // the block below, for its backward
+    FP8RT_RETURN_IF_ERROR(BeginUnitGrads(l + 1));
     // out = x2 + fc2(gelu(fc1(norm(x2)))): the residual passes dx straight to x2.
     FP8RT_RETURN_IF_ERROR(zero(a.dln));
     if (blk.moe != nullptr) {
@@ -624,15 +776,22 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
     FP8RT_RETURN_IF_ERROR(L.rmsnorm_backward(a.dx.data(), G(blk.attn_norm), a.dln.data(),
                                              x.x.data(), W(blk.attn_norm), x.rstd1.data(), N, C,
                                              st));
+    FP8RT_RETURN_IF_ERROR(L.synchronize(st));
+    FP8RT_RETURN_IF_ERROR(ReduceUnitGrads(l + 1));
+    Reshard(l + 1);
   }
+  FP8RT_RETURN_IF_ERROR(BeginUnitGrads(0));
   FP8RT_RETURN_IF_ERROR(
       L.embedding_backward(G(embedding_), a.dx.data(), a.inputs.data(), N, V, C, st));
+  FP8RT_RETURN_IF_ERROR(L.synchronize(st));
+  FP8RT_RETURN_IF_ERROR(ReduceUnitGrads(0));
   // The mean loss over the rows, summed in row order on the host, and the statistics of the
   // pass's FP8 quantizations recorded into their sites, once the backend has finished.
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
   for (Linear* lin : all_linears_) FP8RT_RETURN_IF_ERROR(lin->FlushStats());
   float loss_sum = 0.0f;
   for (const float row_loss : a.losses) loss_sum += row_loss;
+  ++passes_;
   return loss_sum / static_cast<float>(N) + aux_loss;
 }
 
@@ -644,12 +803,16 @@ void Transformer::ArmActivationFault(int64_t block, float value) {
 }
 
 absl::Status Transformer::ReduceGrads() {
-  for (Param& p : params_) {
-    FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(
-        *p.group, ops_, p.full_grad.data(), p.shard_count, recipe_.grad_reduce,
-        /*accumulate=*/false, p.grad.data(), &p.reduce_buffers));
+  absl::Status status;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (status.ok() && (passes_ == 0 || units_[u].reduced != passes_)) {
+      status = absl::FailedPreconditionError(absl::StrCat(
+          "unit '", units_[u].name, "' reduced its gradient ", units_[u].reduced, " times in ",
+          passes_, " completed forward-backward passes of the step"));
+    }
+    Reshard(u);
   }
-  return absl::OkStatus();
+  return status;
 }
 
 absl::StatusOr<std::vector<SiteReport>> Transformer::SyncScaling(ScalingUpdate update) {

@@ -28,10 +28,19 @@
 // are summed over the TP group (all-reduce, FP32) and so are the input gradients of the
 // column-parallel layers. Embedding, norms and LM head are replicated on the TP ranks (their
 // gradients are identical there, and only TP rank 0's copy counts in the gradient norm).
-// FSDP: each parameter's TP piece, flattened, is cut into dp shards (the last one zero-padded);
-// FP8 GEMM weights are all-gathered as FP8 codes plus scales (fsdp_gather fp8) or as BF16 then
-// quantized (fsdp_gather bf16); every other parameter is all-gathered in FP32. Gradients of the
-// micro-batches accumulate in FP32 and are reduce-scattered once per step (grad_reduce).
+// FSDP (ZeRO-3, DESIGN.md section 4): each parameter's TP piece, flattened, is cut into dp shards
+// (the last one zero-padded). A rank keeps only its shards: FP32 master, FP32 gradient, Adam
+// moments and, for FP8 GEMM weights with fsdp_gather fp8, the FP8 shard (its rows quantized once
+// per step in BeginStep). Parameters are gathered and freed by FSDP unit: the embedding, each
+// block (its norms, GEMM weights, router and local experts), and the head (final norm and LM
+// head). A unit's full weights exist only while it runs: gathered just before its forward (the
+// next unit's gather started, nonblocking, while the current one computes), freed after it
+// (recipe.reshard_after_forward; the last block stays gathered, its backward comes next),
+// gathered again for its backward; its full gradient is allocated for its backward and
+// reduce-scattered (grad_reduce dtype) into the FP32 shard gradients (+= across micro-batches) as
+// soon as that backward is done, then freed. FP8 weights travel as FP8 codes plus scales
+// (fsdp_gather fp8) or as BF16 quantized by every rank after the gather (fsdp_gather bf16); every
+// other parameter travels in FP32.
 //
 // Initialisation is a pure function of (seed, parameter name, logical index), so every layout
 // starts from the same logical weights: N(0, 0.02), the residual-output layers (attn.proj,
@@ -86,6 +95,10 @@ struct ModelRecipe {
   std::vector<std::string> exclude;               // layers kept out of FP8 (run in BF16)
   FsdpGatherDType fsdp_gather = FsdpGatherDType::kFp8;
   parallel::GradReduceDType grad_reduce = parallel::GradReduceDType::kFP32;
+  // parallel.reshard_after_forward: free a unit's gathered weights after its forward and gather
+  // them again for its backward (ZeRO-3); false keeps them from forward to backward (more
+  // memory, half the gathers).
+  bool reshard_after_forward = true;
 };
 
 enum class TpSplit : uint8_t { kNone, kRows, kCols };
@@ -103,12 +116,17 @@ struct Param {
   // FSDP group: the DP group, or the expert-data-parallel group for MoE expert weights.
   parallel::Communicator* group = nullptr;
 
-  // This rank's FSDP shard: flattened TP-piece elements [dp_rank * shard_count, +shard_count).
-  // Every array is memory of the model's backend (kernels/device_array.h).
+  // This rank's FSDP shard: flattened TP-piece elements [dp_rank * shard_count, +shard_count),
+  // kept for the whole run. Every array is memory of the model's backend
+  // (kernels/device_array.h), counted by memory category (kernels/memory_stats.h). `grad` holds
+  // the step's reduced gradient: zeroed in BeginStep, += by each micro-batch's reduce-scatter.
   kernels::DeviceArray<float> master, grad, m, v;
-  // The step's gathered TP piece (FP32, dp * shard_count with the padding) and its gradient.
+  // FP8 GEMM weights with fsdp_gather fp8: this rank's rows in FP8, quantized once per step.
+  parallel::Fp8Shard fp8_shard;
+  // Only while the parameter's unit runs (empty otherwise): the gathered TP piece (FP32,
+  // dp * shard_count with the padding) or FP8 weight, and the full gradient of a backward.
   kernels::DeviceArray<float> full, full_grad;
-  parallel::Fp8Weight fp8;  // the step's gathered FP8 weight (FP8 GEMM weights)
+  parallel::Fp8Weight fp8;
   // Reused every step: the BF16 wire buffer of a BF16 FSDP gather of an FP8 weight, and the
   // temporaries of the gradient reduce-scatter.
   kernels::DeviceArray<uint16_t> gather_bf16;
@@ -158,18 +176,24 @@ class Transformer {
   // MoE routing of the current step, one entry per MoE block (empty for a dense model).
   const std::vector<MoeBlockStats>& moe_stats() const { return moe_stats_; }
 
-  // Starts an optimizer step: resets the sites' step statistics, gathers every parameter for the
-  // step (FP8 weights with their scales) and zeroes the accumulated gradients.
+  // Starts an optimizer step: resets the sites' step statistics, agrees on the scale of every
+  // tensor-scaled FP8 weight (one MAX over all ranks for the current-scaled ones), quantizes each
+  // FP8 weight's shard once for the step (recording its weight-site statistics), and zeroes the
+  // gradient shards. Must precede ForwardBackward.
   absl::Status BeginStep();
 
   // One micro-batch: `tokens` holds micro_batch rows of seq_len + 1 token ids (inputs and
-  // next-token targets). Runs forward and backward, accumulating parameter gradients scaled by
-  // `dloss` (1 / (grad_accum * dp) for the mean over the global batch). Returns the micro-batch's
-  // mean loss.
+  // next-token targets). Runs forward and backward unit by unit (gathering and freeing weights,
+  // reduce-scattering each unit's gradient into the shards as its backward ends), accumulating
+  // parameter gradients scaled by `dloss` (1 / (grad_accum * dp) for the mean over the global
+  // batch). Returns the micro-batch's mean loss.
   absl::StatusOr<float> ForwardBackward(std::span<const int32_t> tokens, int64_t micro_batch,
                                         float dloss);
 
-  // Reduce-scatters the accumulated gradients over DP into each Param::grad (FP32 shards).
+  // Ends the step's gradient reduction. Each unit's gradient was reduce-scattered into its
+  // Param::grad shards inside ForwardBackward; this checks that every micro-batch of the step
+  // reduced every unit (FailedPrecondition naming the unit otherwise, e.g. a pass that failed
+  // part-way) and frees whatever a failed pass left gathered.
   absl::Status ReduceGrads();
 
   // Fault injection for tests (FP8RT_FAULT nan_act / inf_act): the next ForwardBackward writes
@@ -194,7 +218,22 @@ class Transformer {
   absl::Status Build(uint64_t seed);
   Param& AddParam(const std::string& name, int64_t rows, int64_t cols, TpSplit split, bool decay,
                   float std_dev, uint64_t seed, Linear* linear, bool expert = false);
-  absl::Status GatherParam(Param& p, float weight_scale);
+  // FSDP units (see the file comment): unit 0 the embedding, 1..layers the blocks, layers + 1
+  // the head.
+  struct Unit {
+    std::string name;          // "embedding", "blocks.3", "head": for errors
+    std::vector<int> params;   // indices into params_
+    bool gathered = false;     // full weights present (Finish done, not yet resharded)
+    bool started = false;      // gathers started (StartUnshard)
+    std::vector<std::unique_ptr<parallel::PendingCollective>> pending;
+    int64_t reduced = 0;       // backward reductions this step (one per micro-batch)
+  };
+  absl::Status StartUnshard(size_t unit);   // starts the unit's gathers (nonblocking where it can)
+  absl::Status FinishUnshard(size_t unit);  // waits for them, hands the weights to the layers
+  void Reshard(size_t unit);                // frees the gathered weights
+  absl::Status BeginUnitGrads(size_t unit);   // zeroed full gradients for the unit's backward
+  absl::Status ReduceUnitGrads(size_t unit);  // reduce-scatter into the shards, then free
+  absl::Status QuantizeWeightShard(Param& p, float weight_scale);
   absl::Status AllReduceTp(float* buf, int64_t count);
   LinearContext Ctx();
 
@@ -215,6 +254,8 @@ class Transformer {
   std::vector<Param> params_;  // stable order; reserved up front (Linear points into it)
   std::vector<QuantSite*> sites_;
   std::vector<std::unique_ptr<Block>> blocks_;
+  std::vector<Unit> units_;
+  int64_t passes_ = 0;  // ForwardBackward calls that completed this step
   std::unique_ptr<Acts> acts_;
   Scratch scratch_;
   // BeginStep: the shard amax of each current-scaled FP8 weight, written by the amax op.

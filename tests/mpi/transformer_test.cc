@@ -79,28 +79,41 @@ ModelRecipe Fp32Recipe() {
   return recipe;
 }
 
-// Each parameter's full_grad, as the last backward left it.
+// Each parameter's gradient (its TP piece, with the FSDP padding) after the backwards run since
+// BeginStep, reduced over the parameter's FSDP group: the shards of every rank gathered.
 std::vector<std::vector<float>> Grads(Transformer& model) {
   std::vector<std::vector<float>> grads;
-  for (Param& p : model.params()) grads.emplace_back(p.full_grad.begin(), p.full_grad.end());
+  for (Param& p : model.params()) {
+    std::vector<float> full(static_cast<size_t>(p.shard_count * p.group->size()));
+    EXPECT_TRUE(
+        p.group->AllGather(p.grad.data(), p.shard_count, full.data(), parallel::DType::kF32).ok());
+    grads.push_back(std::move(full));
+  }
   return grads;
 }
 
-// The central finite difference of `loss` in p.full[j], with h = 1e-2 max(1, |w|). Every rank
-// evaluates the loss twice (it may run collectives); the weight moves only where `mine`, and the
-// result means something only there.
+// The central finite difference of `loss` in element j of p's TP piece, with h = 1e-2 max(1, |w|).
+// The weight lives in the FP32 master shard of one rank of p's FSDP group (every gather reads
+// it); it moves there, and only where `mine`. Every rank evaluates the loss twice (it may run
+// collectives); the result means something only where `mine`.
 double FiniteDifference(Param& p, size_t j, bool mine, const std::function<double()>& loss) {
-  const float w0 = p.full[j];
+  const int64_t owner = static_cast<int64_t>(j) / p.shard_count;
+  const size_t local = static_cast<size_t>(static_cast<int64_t>(j) % p.shard_count);
+  const bool held = owner == p.group->rank();
+  float w0 = held ? p.master[local] : 0.0f;
+  // Every rank of the group takes the owner's value for h.
+  EXPECT_TRUE(p.group->Broadcast(&w0, 1, parallel::DType::kF32, static_cast<int>(owner)).ok());
   const float h = 1e-2f * std::max(1.0f, std::fabs(w0));
-  if (mine) p.full[j] = w0 + h;
+  const bool move = mine && held;
+  if (move) p.master[local] = w0 + h;
   const double up = loss();
-  if (mine) p.full[j] = w0 - h;
+  if (move) p.master[local] = w0 - h;
   const double down = loss();
-  if (mine) p.full[j] = w0;
+  if (move) p.master[local] = w0;
   return (up - down) / (2.0 * static_cast<double>(h));
 }
 
-// Whether the analytic gradient g of p.full[j] agrees with the finite difference fd; a failure of
+// Whether the analytic gradient g of element j agrees with the finite difference fd; a failure of
 // the test, naming the weight and rank, if not. FP32 loss differences over 2h: ~1e-7 * |L| / h of
 // rounding, plus O(h^2) curvature.
 bool MatchesFiniteDifference(const Param& p, size_t j, int rank, double g, double fd) {
@@ -117,7 +130,7 @@ TEST(TransformerTest, Fp32GradientsMatchFiniteDifferences) {
   ModelUnderTest s =
       Make(Shape(/*layers=*/2, /*d_model=*/32, /*d_ff=*/64, /*seq_len=*/8), Fp32Recipe());
   ASSERT_TRUE(s.model->BeginStep().ok());
-  Loss(s);  // fills full_grad with dL/dw (dloss 1)
+  Loss(s);  // accumulates dL/dw (dloss 1) into the gradient shards
   const std::vector<std::vector<float>> grads = Grads(*s.model);
 
   const int rank = s.mesh->world().rank(), world = s.mesh->world().size();
@@ -178,12 +191,11 @@ TEST_P(Fp8GradientTest, GradientsFollowFp32) {
   ASSERT_TRUE(b.model->BeginStep().ok());
   const double la = Loss(a), lb = Loss(b);
   EXPECT_NEAR(lb, la, 0.01 * la);
+  const std::vector<std::vector<float>> ga = Grads(*a.model), gb = Grads(*b.model);
   bool ok = true;
   for (size_t i = 0; i < a.model->params().size(); ++i) {
     const Param& pa = a.model->params()[i];
-    const Param& pb = b.model->params()[i];
-    const double cos = Cosine({pa.full_grad.begin(), pa.full_grad.end()},
-                              {pb.full_grad.begin(), pb.full_grad.end()});
+    const double cos = Cosine(ga[i], gb[i]);
     if (!(cos > 0.98)) {
       ok = false;
       ADD_FAILURE() << pa.name << ": cosine of FP8 and FP32 gradients " << cos;
@@ -266,19 +278,14 @@ TEST(MoeTest, Fp32GradientsMatchFiniteDifferences) {
   bool ok = true;
   int checked = 0;
   for (Param& p : s.model->params()) {
-    const std::vector<float>& full_grad = grads[index++];
+    const std::vector<float>& reduced = grads[index++];
     const bool expert = p.name.find(".experts.") != std::string::npos;
     const bool router = p.name.find(".router") != std::string::npos;
     if (!expert && !router) continue;
-    // A router is replicated: perturbed on every rank; its gradient is the sum of the ranks'.
-    // An expert lives on one rank, whose gradient already holds every rank's tokens.
-    std::vector<float> grad(full_grad.begin(), full_grad.begin() + p.local_count());
-    if (router) {
-      ASSERT_TRUE(s.mesh->world()
-                      .AllReduce(grad.data(), static_cast<int64_t>(grad.size()),
-                                 parallel::DType::kF32, parallel::ReduceOp::kSum)
-                      .ok());
-    }
+    // A router is replicated over DP (its master sharded): perturbed through its owner's shard;
+    // its reduced gradient is the sum of the ranks'. An expert lives on one rank, whose gradient
+    // already holds every rank's tokens.
+    std::vector<float> grad(reduced.begin(), reduced.begin() + p.local_count());
     // Every rank holds its own experts at the same positions of its parameter list: perturb one
     // rank's at a time, so that the global loss sees one change.
     const int owners = router ? 1 : s.mesh->world().size();
