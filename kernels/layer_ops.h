@@ -127,13 +127,23 @@ struct AdamWArgs {
   float beta2 = 0.0f, one_minus_beta2 = 1.0f;
   float bias1 = 1.0f, bias2 = 1.0f;  // 1 - beta^t
   float eps = 0.0f;
+  // Optional, FSDP's FP8 weight shard written in the same pass (fp8_codes null: none): each
+  // updated master value is quantized with tensor scale fp8_scale, fp8_codes[i] =
+  // EncodeFp8(master[i] * fp8_scale), and *fp8_stats receives what a tensor quantize of the
+  // updated master would report (kernels/quantize.h; bit for bit the same codes and statistics).
+  uint8_t* fp8_codes = nullptr;
+  float* fp8_scale_inv = nullptr;  // required with fp8_codes: receives 1 / fp8_scale
+  float fp8_scale = 1.0f;
+  Fp8Format fp8_format = Fp8Format::kE4M3;
+  QuantStats* fp8_stats = nullptr;  // required with fp8_codes (backend memory, like the codes)
 };
 
 // The FP32 AdamW update of AdamWArgs on the CPU (the reference): per element, in this order,
 //   g = grad * clip_scale;  p = master - decay * master;
 //   m = beta1 * m + one_minus_beta1 * g;  v = beta2 * v + one_minus_beta2 * (g * g);
 //   master = p - lr * (m / bias1) / (sqrt(v / bias2) + eps)
-// with every operation rounded to FP32 (no fused multiply-add).
+// with every operation rounded to FP32 (no fused multiply-add); then, with args.fp8_codes, the
+// FP8 code of the new master value and its statistics.
 void AdamWUpdate(const AdamWArgs& args);
 
 // Sum of x[i]^2 over count FP32 values, accumulated in FP64 in index order (the CPU reference).

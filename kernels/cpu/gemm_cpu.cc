@@ -68,6 +68,7 @@ struct MatmulKey {
 struct Matmul {
   dnnl::matmul primitive;
   dnnl::memory::desc a_md, b_md, d_md;
+  bool output_scale = false;  // alpha as a run-time output scale instead of a post-op
 };
 
 dnnl::memory::desc ScalarDesc() {
@@ -85,13 +86,21 @@ absl::StatusOr<std::shared_ptr<const Matmul>> CreateMatmul(const MatmulKey& key)
           : dnnl::memory::desc({key.k, key.n}, in_type, {1, key.ldb});
   dnnl::memory::desc d_md({key.m, key.n}, key.out_type == OutputType::kF32 ? dt::f32 : dt::bf16,
                           {key.n, 1});
+  // FP32 inputs: alpha as a run-time output scale. oneDNN 2.6's FP32 kernels accept it with the
+  // sum post-op, while a binary-multiply post-op followed by sum sends them to the reference
+  // kernel (ref:any, ~100x slower; seen on AVX2).
   dnnl::post_ops ops;
-  ops.append_binary(dnnl::algorithm::binary_mul, ScalarDesc());
-  if (key.accumulate) ops.append_sum(1.0f);
   dnnl::primitive_attr attr;
+  if (key.f32_inputs) {
+    attr.set_output_scales(0, {DNNL_RUNTIME_F32_VAL});
+  } else {
+    ops.append_binary(dnnl::algorithm::binary_mul, ScalarDesc());
+  }
+  if (key.accumulate) ops.append_sum(1.0f);
   attr.set_post_ops(ops);
   dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, d_md), attr, CpuEngine());
   auto mm = std::make_shared<Matmul>();
+  mm->output_scale = key.f32_inputs;
   mm->primitive = dnnl::matmul(pd);
   mm->a_md = a_md;
   mm->b_md = pd.weights_desc();
@@ -136,12 +145,17 @@ absl::Status Execute(const Matmul& mm, const void* a, const void* b, void* d, fl
     dnnl::memory a_mem(mm.a_md, engine, const_cast<void*>(a));
     dnnl::memory b_mem(mm.b_md, engine, const_cast<void*>(b));
     dnnl::memory d_mem(mm.d_md, engine, d);
-    dnnl::memory alpha_mem(ScalarDesc(), engine, &alpha);
+    dnnl::memory alpha_mem(
+        mm.output_scale ? dnnl::memory::desc({1}, dnnl::memory::data_type::f32, {1}) : ScalarDesc(),
+        engine, &alpha);
     dnnl::stream stream(engine);
-    mm.primitive.execute(stream, {{DNNL_ARG_SRC, a_mem},
-                                  {DNNL_ARG_WEIGHTS, b_mem},
-                                  {DNNL_ARG_DST, d_mem},
-                                  {DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1, alpha_mem}});
+    mm.primitive.execute(
+        stream, {{DNNL_ARG_SRC, a_mem},
+                 {DNNL_ARG_WEIGHTS, b_mem},
+                 {DNNL_ARG_DST, d_mem},
+                 {mm.output_scale ? DNNL_ARG_ATTR_OUTPUT_SCALES
+                                  : DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1,
+                  alpha_mem}});
     stream.wait();
   } catch (const dnnl::error& e) {
     return absl::InternalError(

@@ -1,6 +1,7 @@
 // FP32 CPU reference of the non-GEMM layer ops and the CPU backend's LayerOps entries; formulas
 // and conventions in kernels/layer_ops.h.
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -11,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_ops.h"
+#include "kernels/cpu/quantize_one.h"
 #include "kernels/layer_ops.h"
 #include "kernels/ops.h"
 #include "runtime/core/check.h"
@@ -298,20 +300,55 @@ void CrossEntropyBackward(std::span<float> dlogits, std::span<const float> probs
 
 // ---- AdamW and the gradient norm ----
 
-void AdamWUpdate(const AdamWArgs& k) {
+namespace {
+
+// The AdamW update of element i (AdamWUpdate's formula); returns the new master value.
+inline float AdamWOne(const AdamWArgs& k, int64_t i) {
+  const float g = k.grad[i] * k.clip_scale;
+  float p = k.master[i];
+  p -= k.decay * p;  // decoupled weight decay, on the weight before this step's update
+  const float m = k.beta1 * k.m[i] + k.one_minus_beta1 * g;
+  const float v = k.beta2 * k.v[i] + k.one_minus_beta2 * (g * g);
+  const float m_hat = m / k.bias1;
+  const float v_hat = v / k.bias2;
+  p -= k.lr * m_hat / (std::sqrt(v_hat) + k.eps);
+  k.m[i] = m;
+  k.v[i] = v;
+  k.master[i] = p;
+  return p;
+}
+
+// The update fused with the FP8 shard's quantization: one pass over master, grad, m, v.
+template <Fp8Format F>
+void AdamWFp8(const AdamWArgs& k) {
+  cpu_internal::SpanStats s;
   for (int64_t i = 0; i < k.count; ++i) {
-    const float g = k.grad[i] * k.clip_scale;
-    float p = k.master[i];
-    p -= k.decay * p;  // decoupled weight decay, on the weight before this step's update
-    const float m = k.beta1 * k.m[i] + k.one_minus_beta1 * g;
-    const float v = k.beta2 * k.v[i] + k.one_minus_beta2 * (g * g);
-    const float m_hat = m / k.bias1;
-    const float v_hat = v / k.bias2;
-    p -= k.lr * m_hat / (std::sqrt(v_hat) + k.eps);
-    k.m[i] = m;
-    k.v[i] = v;
-    k.master[i] = p;
+    k.fp8_codes[i] = cpu_internal::QuantizeOne<F>(AdamWOne(k, i), k.fp8_scale, s);
   }
+  *k.fp8_scale_inv = 1.0f / k.fp8_scale;  // as the tensor quantize writes it
+  QuantStats& out = *k.fp8_stats;
+  out = QuantStats{};
+  out.amax = s.amax_bits > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN()
+                                       : std::bit_cast<float>(s.amax_bits);
+  out.count = k.count;
+  out.underflow = s.underflow;
+  out.subnormal = s.subnormal;
+  out.saturated = s.saturated;
+  out.nonfinite = s.nonfinite;
+}
+
+}  // namespace
+
+void AdamWUpdate(const AdamWArgs& k) {
+  if (k.fp8_codes != nullptr) {
+    if (k.fp8_format == Fp8Format::kE5M2) {
+      AdamWFp8<Fp8Format::kE5M2>(k);
+    } else {
+      AdamWFp8<Fp8Format::kE4M3>(k);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < k.count; ++i) AdamWOne(k, i);
 }
 
 double SumOfSquares(const float* x, int64_t count) {
@@ -512,6 +549,18 @@ absl::Status AdamWEntry(const AdamWArgs& args, Stream) {
   if (args.count > 0 &&
       (args.master == nullptr || args.grad == nullptr || args.m == nullptr || args.v == nullptr)) {
     return absl::InvalidArgumentError("adamw: a null master, grad, m or v pointer");
+  }
+  if (args.fp8_codes != nullptr) {
+    if (args.fp8_stats == nullptr || args.fp8_scale_inv == nullptr) {
+      return absl::InvalidArgumentError("adamw: fp8_stats or fp8_scale_inv is null");
+    }
+    if (args.fp8_format != Fp8Format::kE4M3 && args.fp8_format != Fp8Format::kE5M2) {
+      return absl::InvalidArgumentError("adamw: fp8_format must be e4m3 or e5m2");
+    }
+    if (!(std::isfinite(args.fp8_scale) && args.fp8_scale > 0.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("adamw: fp8_scale must be finite and > 0, got ", args.fp8_scale));
+    }
   }
   AdamWUpdate(args);
   return absl::OkStatus();

@@ -39,6 +39,7 @@ v1::RunSpec RunSpecDefaults() {
   parallel->set_dp(1);
   parallel->set_tp(1);
   parallel->set_ep(1);
+  parallel->set_reshard_after_forward(true);
   auto* precision = spec.mutable_precision();
   precision->set_mode(P::MODE_FP8);
   precision->set_format(P::FORMAT_HYBRID);
@@ -48,6 +49,7 @@ v1::RunSpec RunSpecDefaults() {
   precision->set_margin(0);
   precision->set_fsdp_gather(P::FSDP_GATHER_FP8);
   precision->set_grad_reduce(P::GRAD_REDUCE_FP32);
+  precision->set_save_fp8_activations(true);
   auto* train = spec.mutable_train();
   train->set_micro_batch(1);
   train->set_grad_accum(1);

@@ -137,7 +137,7 @@ absl::Status Linear::GemmHigh(const LinearContext& ctx, const float* a, const fl
 }
 
 absl::Status Linear::Forward(const LinearContext& ctx, const float* x, int64_t n, float* y) {
-  x_ = x;
+  x_ = saves_fp8_input_only() ? nullptr : x;  // not read again: the FP8 codes are kept
   n_ = n;
   if (precision_ == GemmPrecision::kFp8) return ForwardFp8(ctx, x, n, y);
   if (w_f32_ == nullptr) return absl::FailedPreconditionError(name_ + ": no FP32 weight set");
@@ -146,7 +146,7 @@ absl::Status Linear::Forward(const LinearContext& ctx, const float* x, int64_t n
 
 absl::Status Linear::Backward(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
                               float* dw) {
-  if (n != n_ || x_ == nullptr) {
+  if (n != n_ || (x_ == nullptr && !saves_fp8_input_only())) {
     return absl::FailedPreconditionError(
         absl::StrCat(name_, ": backward of ", n, " rows without a matching forward"));
   }
@@ -255,7 +255,23 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
     FP8RT_ASSIGN_OR_RETURN(
         float* xt32, ctx.scratch->Get<float>(Scratch::kTransposeB, static_cast<size_t>(in_ * n)));
     FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(dyt32, dy, n, out_, {}));
-    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(xt32, x_, n, in_, {}));
+    const float* x = x_;
+    if (x == nullptr) {
+      // FP8-saved input: x as the forward's 1x128-tile codes decode it (x_q, not x).
+      FP8RT_ASSIGN_OR_RETURN(
+          float* xq, ctx.scratch->Get<float>(Scratch::kDequant, static_cast<size_t>(n * in_)));
+      kernels::DequantizeArgs d;
+      d.format = icfg.format;
+      d.granularity = kernels::Granularity::kTile1x128;
+      d.codes = x_codes_.data();
+      d.rows = n;
+      d.cols = in_;
+      d.scale_inv = x_scale_inv_.data();
+      d.output = xq;
+      FP8RT_RETURN_IF_ERROR(ctx.ops->dequantize(d, {}));
+      x = xq;
+    }
+    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(xt32, x, n, in_, {}));
     const kernels::ScaleGrid agrid =
         kernels::GetScaleGrid(kernels::Granularity::kTile1x128, out_, n);
     const kernels::ScaleGrid bgrid =

@@ -92,7 +92,17 @@ class QuantSite {
 // ops on the one stream run in order, and a slot grows only after the backend has finished.
 class Scratch {
  public:
-  enum Slot : int { kGemm, kTransposeA, kTransposeB, kCodesA, kCodesB, kScalesA, kScalesB, kCount };
+  enum Slot : int {
+    kGemm,
+    kTransposeA,
+    kTransposeB,
+    kCodesA,
+    kCodesB,
+    kScalesA,
+    kScalesB,
+    kDequant,
+    kCount
+  };
   explicit Scratch(const kernels::OpTable& ops) : ops_(ops) {
     for (auto& b : buffers_) b = kernels::DeviceArray<std::byte>(ops, kernels::MemCategory::kScratch);
   }
@@ -143,6 +153,17 @@ class Linear {
   // the sites' scaling configs (histories carried over). Takes effect at the next Forward.
   void Reconfigure(GemmPrecision precision, const Fp8SiteConfigs& sites);
 
+  // precision.save_fp8_activations: in FP8, Backward reads only the FP8 codes and scales the
+  // forward made of x, never x itself, so the caller need not keep x (Forward's `x` may be
+  // overwritten after it returns). With tensor scaling the backward is unchanged (it uses the
+  // codes transposed either way); with block scaling x^T is requantized in 128x128 blocks from
+  // the dequantized 1x128-tile codes instead of from x. No effect outside FP8.
+  void set_save_fp8_input(bool on) { save_fp8_input_ = on; }
+  // True when Backward will not read Forward's FP32 input.
+  bool saves_fp8_input_only() const {
+    return save_fp8_input_ && precision_ == GemmPrecision::kFp8;
+  }
+
   // The weight for this step: FP32 [out, in] (fp32 and bf16 precision) or FP8 (fp8 precision,
   // codes [out, in] with one scale_inv or 128x128 block scales). The caller keeps it alive.
   void SetWeight(const float* w) { w_f32_ = w; }
@@ -155,7 +176,8 @@ class Linear {
   const QuantSite& weight_site() const { return weight_site_; }
   QuantSite& grad_site() { return grad_site_; }
 
-  // y[n, out] = x[n, in] W^T. `x` must stay valid and unchanged until Backward.
+  // y[n, out] = x[n, in] W^T. `x` must stay valid and unchanged until Backward unless
+  // saves_fp8_input_only().
   absl::Status Forward(const LinearContext& ctx, const float* x, int64_t n, float* y);
   // dx[n, in] += dy W;  dw[out, in] += dy^T x  (accumulates). dx may be null (no input gradient).
   absl::Status Backward(const LinearContext& ctx, const float* dy, int64_t n, float* dx, float* dw);
@@ -199,6 +221,7 @@ class Linear {
   const std::string name_;
   const int64_t in_, out_;
   GemmPrecision precision_;
+  bool save_fp8_input_ = false;
 
   QuantSite input_site_, weight_site_, grad_site_;
   const float* w_f32_ = nullptr;

@@ -61,7 +61,7 @@ struct Transformer::Acts {
   const kernels::OpTable& ops;
   int64_t b = 0, n = 0;
   struct Layer {
-    Array x, ln1, rstd1, qkv, q, k, v, probs, att, proj, x2, ln2, rstd2, h, g, fc2;
+    Array x, ln1, rstd1, q, k, v, probs, att, x2, ln2, rstd2, h, g;  // empty ln1/att/ln2/g: shared
   };
   std::vector<Layer> layers;
   Array x_final, lnf, rstdf, logits, ce_probs, losses;
@@ -69,9 +69,25 @@ struct Transformer::Acts {
   // Backward temporaries.
   Array dx, dx2, dln, dg, dh, datt, dq, dk, dv, dqkv, dlogits, dlnf;
 
-  void Resize(const ModelShape& s, int64_t tp, int64_t micro_batch) {
-    if (micro_batch == b) return;
+  // Which FP32 GEMM inputs block l keeps for its backward (ln1, att, ln2, g): not those whose
+  // FP8 layer keeps only its FP8 codes (precision.save_fp8_activations); those are written into
+  // one shared buffer per kind instead. The GEMM outputs qkv, proj and fc2 are never read by a
+  // backward and are always shared.
+  struct Keep {
+    bool ln1 = true, att = true, ln2 = true, g = true;
+    auto operator<=>(const Keep&) const = default;
+  };
+  Array t_ln1{ops, kernels::MemCategory::kScratch}, t_att{ops, kernels::MemCategory::kScratch},
+      t_ln2{ops, kernels::MemCategory::kScratch}, t_g{ops, kernels::MemCategory::kScratch},
+      t_qkv{ops, kernels::MemCategory::kScratch}, t_proj{ops, kernels::MemCategory::kScratch},
+      t_fc2{ops, kernels::MemCategory::kScratch};
+  std::vector<Keep> kept;
+  static float* In(Array& own, Array& shared) { return own.empty() ? shared.data() : own.data(); }
+
+  void Resize(const ModelShape& s, int64_t tp, int64_t micro_batch, const std::vector<Keep>& keep) {
+    if (micro_batch == b && keep == kept) return;
     b = micro_batch;
+    kept = keep;
     n = micro_batch * s.seq_len;
     const size_t c = static_cast<size_t>(n * s.d_model);
     const size_t cl = c / static_cast<size_t>(tp);
@@ -80,19 +96,27 @@ struct Transformer::Acts {
     const size_t rows = static_cast<size_t>(n);
     layers.clear();
     layers.resize(static_cast<size_t>(s.layers));
-    for (Layer& l : layers) {
-      for (Array* v : {&l.x, &l.ln1, &l.rstd1, &l.qkv, &l.q, &l.k, &l.v, &l.probs, &l.att, &l.proj,
-                       &l.x2, &l.ln2, &l.rstd2, &l.h, &l.g, &l.fc2}) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      Layer& l = layers[i];
+      for (Array* v : {&l.x, &l.ln1, &l.rstd1, &l.q, &l.k, &l.v, &l.probs, &l.att, &l.x2, &l.ln2,
+                       &l.rstd2, &l.h, &l.g}) {
         *v = Array(ops, kernels::MemCategory::kSavedActivations);
       }
-      for (auto* v : {&l.x, &l.ln1, &l.proj, &l.x2, &l.ln2, &l.fc2}) v->assign(c, 0.0f);
-      for (auto* v : {&l.q, &l.k, &l.v, &l.att}) v->assign(cl, 0.0f);
-      for (auto* v : {&l.h, &l.g}) v->assign(fl, 0.0f);
-      l.qkv.assign(3 * cl, 0.0f);
+      for (auto* v : {&l.x, &l.x2}) v->assign(c, 0.0f);
+      if (keep[i].ln1) l.ln1.assign(c, 0.0f);
+      if (keep[i].ln2) l.ln2.assign(c, 0.0f);
+      if (keep[i].att) l.att.assign(cl, 0.0f);
+      if (keep[i].g) l.g.assign(fl, 0.0f);
+      for (auto* v : {&l.q, &l.k, &l.v}) v->assign(cl, 0.0f);
+      l.h.assign(fl, 0.0f);
       l.probs.assign(probs, 0.0f);
       l.rstd1.assign(rows, 0.0f);
       l.rstd2.assign(rows, 0.0f);
     }
+    for (auto* v : {&t_ln1, &t_ln2, &t_proj, &t_fc2}) v->assign(c, 0.0f);
+    t_att.assign(cl, 0.0f);
+    t_g.assign(fl, 0.0f);
+    t_qkv.assign(3 * cl, 0.0f);
     const size_t logits_size = static_cast<size_t>(n * s.vocab);
     for (Array* v : {&x_final, &lnf, &rstdf, &logits, &ce_probs, &losses}) {
       *v = Array(ops, kernels::MemCategory::kSavedActivations);
@@ -276,6 +300,7 @@ absl::Status Transformer::Build(uint64_t seed) {
   auto make_linear = [&](const std::string& name, int64_t in, int64_t out) {
     linears_.push_back(
         std::make_unique<Linear>(name, in, out, LayerPrecision(name), recipe_.sites));
+    linears_.back()->set_save_fp8_input(recipe_.save_fp8_activations);
     all_linears_.push_back(linears_.back().get());
     return linears_.back().get();
   };
@@ -391,10 +416,14 @@ absl::Status Transformer::ApplyRecipe(const ModelRecipe& recipe) {
   }
   FP8RT_RETURN_IF_ERROR(CheckRecipe(shape_, recipe, tp_, dp_, LayerNames()));
   recipe_ = recipe;
+  for (Param& p : params_) p.fp8_shard_fresh = false;  // made with the old recipe's format
   for (Linear* lin : all_linears_) {
     if (lin == lm_head_ || lin->precision() == GemmPrecision::kFp32) continue;  // never FP8
     if (lin->name().ends_with(".router")) continue;                             // FP32 always
     lin->Reconfigure(LayerPrecision(lin->name()), recipe_.sites);
+  }
+  for (const std::unique_ptr<Linear>& lin : linears_) {
+    if (lin.get() != lm_head_) lin->set_save_fp8_input(recipe_.save_fp8_activations);
   }
   CollectSites();
   return absl::OkStatus();
@@ -559,6 +588,36 @@ absl::Status Transformer::ReduceUnitGrads(size_t unit) {
   return absl::OkStatus();
 }
 
+void Transformer::AttachFp8Shards(std::span<train::ParamShard> shards) {
+  FP8RT_CHECK(shards.size() == params_.size())
+      << shards.size() << " shards for " << params_.size() << " parameters";
+  if (recipe_.fsdp_gather != FsdpGatherDType::kFp8) return;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Param& p = params_[i];
+    p.fp8_shard_fresh = false;
+    if (p.linear == nullptr || p.linear->precision() != GemmPrecision::kFp8) continue;
+    const train::ScalingState& st = p.linear->weight_site().state();
+    if (st.config().strategy == train::ScalingStrategy::kBlock || st.UsesCurrentScaling()) {
+      continue;
+    }
+    parallel::Fp8Shard& f = p.fp8_shard;
+    f.rows = p.local_rows / p.group->size();
+    f.cols = p.local_cols;
+    f.block = false;
+    f.scale = st.scale();
+    f.codes.Reset(ops_, static_cast<size_t>(p.shard_count));
+    f.scale_inv.Reset(ops_, 1);
+    f.stats_out.Reset(ops_, 1);
+    train::ParamShard& s = shards[i];
+    s.fp8_codes = f.codes.data();
+    s.fp8_scale_inv = f.scale_inv.data();
+    s.fp8_stats = f.stats_out.data();
+    s.fp8_scale = f.scale;
+    s.fp8_format = st.config().format;
+    p.fp8_shard_fresh = true;
+  }
+}
+
 absl::Status Transformer::BeginStep() {
   for (Linear* lin : all_linears_) lin->DropPendingStats();  // left by a pass that failed
   for (QuantSite* s : sites_) s->BeginStep();
@@ -622,7 +681,14 @@ absl::Status Transformer::BeginStep() {
             ? kernels::ComputeScale(amaxes[static_cast<size_t>(it - current.begin())],
                                     cfg.format, cfg.margin, cfg.power_of_two)
             : p.linear->weight_site().state().scale();
-    FP8RT_RETURN_IF_ERROR(QuantizeWeightShard(p, scale));
+    if (p.fp8_shard_fresh && !p.fp8_shard.block && p.fp8_shard.scale == scale) {
+      // Written by the optimizer's update pass with this very scale (AttachFp8Shards).
+      p.fp8_shard.stats = p.fp8_shard.stats_out[0];
+      p.linear->weight_site().Record(p.fp8_shard.stats, scale);
+    } else {
+      FP8RT_RETURN_IF_ERROR(QuantizeWeightShard(p, scale));
+    }
+    p.fp8_shard_fresh = false;
     if (recipe_.fsdp_gather == FsdpGatherDType::kBf16) {
       p.fp8_shard.codes.clear();  // only the scale and the statistics are used
       p.fp8_shard.scale_inv.clear();
@@ -640,7 +706,15 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
                                                    " tokens, expected ", micro_batch * (T + 1)));
   }
   Acts& a = *acts_;
-  a.Resize(shape_, tp_, micro_batch);
+  std::vector<Acts::Keep> keep(blocks_.size());
+  for (size_t l = 0; l < blocks_.size(); ++l) {
+    const Block& blk = *blocks_[l];
+    keep[l].ln1 = !blk.qkv->saves_fp8_input_only();
+    keep[l].att = !blk.proj->saves_fp8_input_only();
+    keep[l].ln2 = blk.moe != nullptr || !blk.fc1->saves_fp8_input_only();  // MoE keeps its input
+    keep[l].g = blk.moe != nullptr || !blk.fc2->saves_fp8_input_only();
+  }
+  a.Resize(shape_, tp_, micro_batch, keep);
   const int64_t B = micro_batch, N = a.n;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t t = 0; t < T; ++t) {
@@ -678,22 +752,29 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
       FP8RT_RETURN_IF_ERROR(L.fill(x.x.data(), fault_value_, 1, st));
       fault_block_ = -1;
     }
-    FP8RT_RETURN_IF_ERROR(L.rmsnorm_forward(x.ln1.data(), x.rstd1.data(), x.x.data(),
+    float* ln1 = Acts::In(x.ln1, a.t_ln1);
+    float* att = Acts::In(x.att, a.t_att);
+    float* ln2 = Acts::In(x.ln2, a.t_ln2);
+    float* g = Acts::In(x.g, a.t_g);
+    float* qkv = a.t_qkv.data();
+    float* proj = a.t_proj.data();
+    float* fc2 = a.t_fc2.data();
+    FP8RT_RETURN_IF_ERROR(L.rmsnorm_forward(ln1, x.rstd1.data(), x.x.data(),
                                             W(blk.attn_norm), N, C, kNormEps, st));
-    FP8RT_RETURN_IF_ERROR(blk.qkv->Forward(ctx, x.ln1.data(), N, x.qkv.data()));
+    FP8RT_RETURN_IF_ERROR(blk.qkv->Forward(ctx, ln1, N, qkv));
     // Head-major QKV columns of this rank: head h holds [q | k | v], Dh each.
     FP8RT_RETURN_IF_ERROR(
-        L.split_heads(x.q.data(), x.k.data(), x.v.data(), x.qkv.data(), N, Hl, Dh, st));
-    FP8RT_RETURN_IF_ERROR(L.attention_forward(x.att.data(), x.probs.data(), x.q.data(), x.k.data(),
+        L.split_heads(x.q.data(), x.k.data(), x.v.data(), qkv, N, Hl, Dh, st));
+    FP8RT_RETURN_IF_ERROR(L.attention_forward(att, x.probs.data(), x.q.data(), x.k.data(),
                                               x.v.data(), B, T, Hl, Dh, st));
-    FP8RT_RETURN_IF_ERROR(blk.proj->Forward(ctx, x.att.data(), N, x.proj.data()));
-    FP8RT_RETURN_IF_ERROR(AllReduceTp(x.proj.data(), N * C));
-    FP8RT_RETURN_IF_ERROR(L.residual_forward(x.x2.data(), x.x.data(), x.proj.data(), N * C, st));
-    FP8RT_RETURN_IF_ERROR(L.rmsnorm_forward(x.ln2.data(), x.rstd2.data(), x.x2.data(),
+    FP8RT_RETURN_IF_ERROR(blk.proj->Forward(ctx, att, N, proj));
+    FP8RT_RETURN_IF_ERROR(AllReduceTp(proj, N * C));
+    FP8RT_RETURN_IF_ERROR(L.residual_forward(x.x2.data(), x.x.data(), proj, N * C, st));
+    FP8RT_RETURN_IF_ERROR(L.rmsnorm_forward(ln2, x.rstd2.data(), x.x2.data(),
                                             W(blk.mlp_norm), N, C, kNormEps, st));
     if (blk.moe != nullptr) {
       FP8RT_ASSIGN_OR_RETURN(const MoeStats ms,
-                             blk.moe->Forward(ctx, x.ln2.data(), N, x.fc2.data()));
+                             blk.moe->Forward(ctx, ln2, N, fc2));
       aux_loss += ms.aux_loss;
       MoeBlockStats& acc = moe_stats_[static_cast<size_t>(blk.moe_stats)];
       for (size_t e = 0; e < ms.tokens_per_expert.size(); ++e) {
@@ -701,13 +782,13 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
       }
       acc.dropped += ms.dropped;
     } else {
-      FP8RT_RETURN_IF_ERROR(blk.fc1->Forward(ctx, x.ln2.data(), N, x.h.data()));
-      FP8RT_RETURN_IF_ERROR(L.gelu_forward(x.g.data(), x.h.data(), N * Fl, st));
-      FP8RT_RETURN_IF_ERROR(blk.fc2->Forward(ctx, x.g.data(), N, x.fc2.data()));
-      FP8RT_RETURN_IF_ERROR(AllReduceTp(x.fc2.data(), N * C));
+      FP8RT_RETURN_IF_ERROR(blk.fc1->Forward(ctx, ln2, N, x.h.data()));
+      FP8RT_RETURN_IF_ERROR(L.gelu_forward(g, x.h.data(), N * Fl, st));
+      FP8RT_RETURN_IF_ERROR(blk.fc2->Forward(ctx, g, N, fc2));
+      FP8RT_RETURN_IF_ERROR(AllReduceTp(fc2, N * C));
     }
     Acts::Array& next = l + 1 < blocks_.size() ? a.layers[l + 1].x : a.x_final;
-    FP8RT_RETURN_IF_ERROR(L.residual_forward(next.data(), x.x2.data(), x.fc2.data(), N * C, st));
+    FP8RT_RETURN_IF_ERROR(L.residual_forward(next.data(), x.x2.data(), fc2, N * C, st));
     // The last block's backward comes right after the head: it stays gathered.
     if (recipe_.reshard_after_forward && l + 1 < blocks_.size()) {
       FP8RT_RETURN_IF_ERROR(L.synchronize(st));

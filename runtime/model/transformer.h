@@ -65,6 +65,7 @@
 #include "parallel/mesh.h"
 #include "runtime/model/linear.h"
 #include "runtime/model/moe.h"
+#include "runtime/train/optimizer.h"
 #include "runtime/train/scaling.h"
 
 namespace fp8rt::model {
@@ -99,6 +100,9 @@ struct ModelRecipe {
   // them again for its backward (ZeRO-3); false keeps them from forward to backward (more
   // memory, half the gathers).
   bool reshard_after_forward = true;
+  // precision.save_fp8_activations: an FP8 GEMM keeps its input for the backward only as the FP8
+  // codes and scales its forward made (DESIGN.md section 3), not also in FP32.
+  bool save_fp8_activations = true;
 };
 
 enum class TpSplit : uint8_t { kNone, kRows, kCols };
@@ -121,8 +125,10 @@ struct Param {
   // (kernels/device_array.h), counted by memory category (kernels/memory_stats.h). `grad` holds
   // the step's reduced gradient: zeroed in BeginStep, += by each micro-batch's reduce-scatter.
   kernels::DeviceArray<float> master, grad, m, v;
-  // FP8 GEMM weights with fsdp_gather fp8: this rank's rows in FP8, quantized once per step.
+  // FP8 GEMM weights with fsdp_gather fp8: this rank's rows in FP8, quantized once per step
+  // (by the optimizer's update pass when fp8_shard_fresh, see AttachFp8Shards).
   parallel::Fp8Shard fp8_shard;
+  bool fp8_shard_fresh = false;
   // Only while the parameter's unit runs (empty otherwise): the gathered TP piece (FP32,
   // dp * shard_count with the padding) or FP8 weight, and the full gradient of a backward.
   kernels::DeviceArray<float> full, full_grad;
@@ -189,6 +195,15 @@ class Transformer {
   // batch). Returns the micro-batch's mean loss.
   absl::StatusOr<float> ForwardBackward(std::span<const int32_t> tokens, int64_t micro_batch,
                                         float dloss);
+
+  // Between the optimizer's skip decision and its update (after SyncScaling has set the next
+  // step's scales): points the FP8 fields of shards[i] (params()[i]'s shard) at the FP8 shard of
+  // every tensor-scaled FP8 weight whose next scale is already known (delayed scaling with a
+  // history), so that the optimizer writes it in its update pass; BeginStep then uses those
+  // bytes as they are instead of quantizing again. Current and block scaling need the updated
+  // weight's amax first: BeginStep quantizes those (one pass over the shard, no gather).
+  // Call it only for a step the optimizer will apply.
+  void AttachFp8Shards(std::span<train::ParamShard> shards);
 
   // Ends the step's gradient reduction. Each unit's gradient was reduce-scattered into its
   // Param::grad shards inside ForwardBackward; this checks that every micro-batch of the step

@@ -34,6 +34,10 @@ absl::Status ValidateShard(const ParamShard& s) {
         absl::StrCat("parameter shard '", s.name, "': ", s.count,
                      " elements but a null master, grad, m or v pointer"));
   }
+  if (s.fp8_codes != nullptr && (s.fp8_scale_inv == nullptr || s.fp8_stats == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parameter shard '", s.name, "': FP8 codes without their scale_inv or statistics"));
+  }
   return absl::OkStatus();
 }
 
@@ -101,6 +105,12 @@ void AdamW::set_applied_steps(int64_t n) {
 
 absl::StatusOr<StepResult> AdamW::Step(std::span<ParamShard> shards, int64_t step,
                                        parallel::Communicator* norm_group) {
+  FP8RT_ASSIGN_OR_RETURN(const StepResult norm, ComputeNorm(shards, step, norm_group));
+  return Apply(shards, norm);
+}
+
+absl::StatusOr<StepResult> AdamW::ComputeNorm(std::span<const ParamShard> shards, int64_t step,
+                                              parallel::Communicator* norm_group) {
   if (step < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("optimizer step is ", step, "; steps are 1-based"));
@@ -109,7 +119,10 @@ absl::StatusOr<StepResult> AdamW::Step(std::span<ParamShard> shards, int64_t ste
 
   // Each shard's sum of squares on the backend, then their sum on the host, in shard order.
   const kernels::LayerOps& ops = *ops_->layer;
-  if (sums_.size() < shards.size()) sums_ = kernels::DeviceArray<double>(*ops_, shards.size());
+  if (sums_.size() < shards.size()) {
+    sums_ = kernels::DeviceArray<double>(*ops_, kernels::MemCategory::kOptimizerState);
+    sums_.assign(shards.size(), 0.0);
+  }
   for (size_t i = 0; i < shards.size(); ++i) {
     FP8RT_RETURN_IF_ERROR(ops.sum_squares(shards[i].grad, shards[i].count, &sums_[i], {}));
   }
@@ -133,6 +146,19 @@ absl::StatusOr<StepResult> AdamW::Step(std::span<ParamShard> shards, int64_t ste
     result.clip_scale =
         static_cast<float>(std::min(1.0, config_.clip / (result.grad_norm + kClipNormEps)));
   }
+  result.applied_steps = applied_steps_;
+  return result;
+}
+
+absl::StatusOr<StepResult> AdamW::Apply(std::span<const ParamShard> shards,
+                                        const StepResult& norm) {
+  StepResult result = norm;
+  if (result.skipped) {
+    result.applied_steps = applied_steps_;
+    return result;
+  }
+  for (const ParamShard& s : shards) FP8RT_RETURN_IF_ERROR(ValidateShard(s));
+  const kernels::LayerOps& ops = *ops_->layer;
 
   // Per-step scalars in FP64, rounded once to FP32; the per-element update is FP32.
   const int64_t t = applied_steps_ + 1;
@@ -155,6 +181,11 @@ absl::StatusOr<StepResult> AdamW::Step(std::span<ParamShard> shards, int64_t ste
     k.v = s.v;
     k.count = s.count;
     k.decay = s.decay ? decay : 0.0f;
+    k.fp8_codes = s.fp8_codes;
+    k.fp8_scale_inv = s.fp8_scale_inv;
+    k.fp8_stats = s.fp8_stats;
+    k.fp8_scale = s.fp8_scale;
+    k.fp8_format = s.fp8_format;
     FP8RT_RETURN_IF_ERROR(ops.adamw(k, {}));
   }
   // The caller reads the master weights next (checkpoints, the FSDP gather's host side).

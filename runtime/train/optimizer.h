@@ -75,6 +75,14 @@ struct ParamShard {
   // counted (a parameter replicated over tensor parallelism); a NaN or Inf in it still makes the
   // norm non-finite, so the step is still skipped everywhere.
   bool in_norm = true;
+  // Optional: this shard's FP8 copy (an FSDP FP8 weight shard), written in the same pass as the
+  // update (kernels::AdamWArgs): codes (count values), scale_inv (1 value) and the statistics of
+  // quantizing the updated master with tensor scale fp8_scale; backend memory. Null: none.
+  uint8_t* fp8_codes = nullptr;
+  float* fp8_scale_inv = nullptr;
+  kernels::QuantStats* fp8_stats = nullptr;
+  float fp8_scale = 1.0f;
+  kernels::Fp8Format fp8_format = kernels::Fp8Format::kE4M3;
 };
 
 // What one Step() did.
@@ -115,6 +123,15 @@ class AdamW {
   // may hold no parameters) and still takes part in the norm collective.
   [[nodiscard]] absl::StatusOr<StepResult> Step(std::span<ParamShard> shards, int64_t step,
                                                 parallel::Communicator* norm_group);
+  // Step in two halves, for a caller that decides something between the skip decision and the
+  // update (the step loop updates the FP8 scaling states there, so that the update can write the
+  // FP8 weight shards with the next step's scales). ComputeNorm does 1-3 and changes nothing;
+  // Apply does 4 with its result (nothing when it says skipped) and returns the final result.
+  [[nodiscard]] absl::StatusOr<StepResult> ComputeNorm(std::span<const ParamShard> shards,
+                                                       int64_t step,
+                                                       parallel::Communicator* norm_group);
+  [[nodiscard]] absl::StatusOr<StepResult> Apply(std::span<const ParamShard> shards,
+                                                 const StepResult& norm);
 
   // Applied (not skipped) steps so far: the t of the bias corrections. Saved in checkpoints.
   int64_t applied_steps() const { return applied_steps_; }

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "parallel/fault_injection.h"
 #include "parallel/mpi/mpi_communicator.h"
@@ -30,6 +31,21 @@ int main(int argc, char** argv) {
       MPI_Abort(MPI_COMM_WORLD, 2);
     }
     faults.push_back(*f);
+  }
+  if (std::getenv("FP8RT_TEST_STARTED_GATHER") != nullptr) {
+    // A started (nonblocking) all-gather whose last rank never joins: the others' Wait returns
+    // DEADLINE_EXCEEDED naming the op and group, within the timeout counted from the start.
+    absl::Status status;
+    if (world.rank() != world.size() - 1) {
+      float mine = 1.0f;
+      std::vector<float> all(static_cast<size_t>(world.size()));
+      auto started = world.StartAllGather(&mine, 1, all.data(), DType::kF32);
+      status = started.ok() ? (*started)->Wait() : started.status();
+    }
+    std::printf("rank %d: started gather: %s\n", world.rank(), status.ToString().c_str());
+    std::fflush(stdout);
+    MPI_Barrier(MPI_COMM_WORLD);
+    MPI_Abort(MPI_COMM_WORLD, status.ok() ? 0 : 3);
   }
   FaultInjectingCommunicator comm(world, faults);
   absl::Status status;

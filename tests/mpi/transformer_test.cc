@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/memory_stats.h"
 #include "kernels/ops.h"
 #include "parallel/mesh.h"
 #include "tests/mpi/mpi_test_env.h"
@@ -217,6 +218,68 @@ INSTANTIATE_TEST_SUITE_P(
         Fp8Case{"current_e4m3", train::ScalingStrategy::kCurrent, kernels::Fp8Format::kE4M3},
         Fp8Case{"block_hybrid", train::ScalingStrategy::kBlock, kernels::Fp8Format::kE5M2}),
     [](const ::testing::TestParamInfo<Fp8Case>& info) { return std::string(info.param.name); });
+
+// precision.save_fp8_activations keeps an FP8 GEMM's input for the backward only as its FP8
+// codes. With tensor scaling the backward reads the codes (transposed) either way, so every
+// gradient must be bit-identical to the FP32-saving path, and so must the loss. With block
+// scaling x^T is requantized in 128x128 blocks from the dequantized 1x128-tile codes instead of
+// from x: the weight gradients' B operand is rounded twice (x -> tile FP8 -> block FP8), so
+// they differ by at most that second rounding (they must still point the same way: cosine >
+// 0.999), while the input gradients and the loss, which never read x^T, stay bit-identical.
+// The saved-activation bytes must fall by at least the FP32 copies it no longer keeps.
+class SaveFp8Test : public ::testing::TestWithParam<train::ScalingStrategy> {};
+
+TEST_P(SaveFp8Test, GradientsMatchTheFp32SavingPath) {
+  const ModelShape shape = Shape(/*layers=*/2, /*d_model=*/256, /*d_ff=*/512, /*seq_len=*/16);
+  ModelRecipe recipe;  // fp8
+  for (train::ScalingConfig* c : {&recipe.sites.input, &recipe.sites.weight,
+                                  &recipe.sites.grad_output}) {
+    c->strategy = GetParam();
+  }
+  recipe.save_fp8_activations = false;
+  ModelUnderTest a = Make(shape, recipe);
+  recipe.save_fp8_activations = true;
+  ModelUnderTest b = Make(shape, recipe);
+  ASSERT_TRUE(a.model->BeginStep().ok());
+  ASSERT_TRUE(b.model->BeginStep().ok());
+  const int64_t a_saved = kernels::GetMemoryStats().Live(kernels::MemCategory::kSavedActivations);
+  const double la = Loss(a);
+  const int64_t ab_saved = kernels::GetMemoryStats().Live(kernels::MemCategory::kSavedActivations);
+  const double lb = Loss(b);
+  const int64_t b_saved = kernels::GetMemoryStats().Live(kernels::MemCategory::kSavedActivations) -
+                          ab_saved;
+  EXPECT_EQ(la, lb);
+  const std::vector<std::vector<float>> ga = Grads(*a.model), gb = Grads(*b.model);
+  const bool block = GetParam() == train::ScalingStrategy::kBlock;
+  bool ok = true;
+  for (size_t i = 0; i < ga.size(); ++i) {
+    const Param& p = a.model->params()[i];
+    const bool gemm_weight = p.linear != nullptr && p.name.find("lm_head") == std::string::npos;
+    if (block && gemm_weight) {
+      const double cos = Cosine(ga[i], gb[i]);
+      if (!(cos > 0.999)) {
+        ok = false;
+        ADD_FAILURE() << p.name << ": cosine " << cos;
+      }
+    } else if (ga[i] != gb[i]) {
+      ok = false;
+      ADD_FAILURE() << p.name << ": gradients differ with FP8-saved inputs";
+    }
+  }
+  EXPECT_TRUE(AllRanksOk(ok));
+  // a's activations (allocated by its first pass) hold per layer the FP32 ln1, att, ln2 and g
+  // (n x (3 d_model / tp + d_ff / tp)) that b does not keep.
+  const int64_t tp = a.mesh->world().size(), n = a.micro_batch * shape.seq_len;
+  const int64_t fp32_inputs =
+      shape.layers * n * (2 * shape.d_model + shape.d_model / tp + shape.d_ff / tp) * 4;
+  const int64_t a_acts = ab_saved - a_saved;
+  EXPECT_GE(a_acts - b_saved, fp32_inputs) << "saved bytes: " << a_acts << " vs " << b_saved;
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, SaveFp8Test,
+                         ::testing::Values(train::ScalingStrategy::kDelayed,
+                                           train::ScalingStrategy::kCurrent,
+                                           train::ScalingStrategy::kBlock));
 
 TEST(TransformerTest, UnknownExcludedLayerIsNamed) {
   const ModelShape shape = Shape(/*layers=*/1, /*d_model=*/32, /*d_ff=*/64, /*seq_len=*/8);

@@ -26,6 +26,8 @@
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/ops.h"
+#include "kernels/quantize.h"
 
 namespace fp8rt::train {
 namespace {
@@ -219,6 +221,99 @@ TEST(WeightDecayTest, AppliedToDecayShardsOnly) {
     EXPECT_GT(std::abs(set.master(1)[i] - with_decay.theta[i]), 1e-3) << i;
   }
   ExpectNear(set.master(0), decayed0.theta, kRelTol, "decay shard");
+}
+
+// The FP8 copy written in the update's pass (FSDP's FP8 weight shard) is, bit for bit, what the
+// tensor quantize op (itself tested against cuda_fp8.h's conversion) makes of the updated master:
+// codes, scale_inv and every statistic, for both formats, with a scale at which some values
+// saturate and some underflow. Split into ComputeNorm and Apply, the step is the same as Step.
+TEST(Fp8ShardTest, WrittenCodesEqualQuantizingTheUpdatedMaster) {
+  for (const kernels::Fp8Format format : {kernels::Fp8Format::kE4M3, kernels::Fp8Format::kE5M2}) {
+    const int n = 4096;
+    std::vector<float> master(n), grad(n), m(n, 0.0f), v(n, 0.0f);
+    for (int i = 0; i < n; ++i) {
+      // Magnitudes from 2^-30 to 2^6: below FP8's subnormals and above its max once scaled.
+      master[i] = ((i % 2) ? -1.0f : 1.0f) * std::ldexp(1.0f + (i % 7) / 8.0f, (i % 37) - 30);
+      grad[i] = TestGrad(0, 1, i);
+    }
+    std::vector<float> master2 = master, m2 = m, v2 = v;
+    std::vector<uint8_t> codes(n, 0);
+    float scale_inv = 0.0f;
+    kernels::QuantStats stats;
+    // E4M3 (max 448, subnormals from 2^-9): 120 * 64 saturates, 2^-14 * 64 is subnormal;
+    // E5M2 (max 57344, subnormals from 2^-16): 120 * 1024 saturates, 2^-25 * 1024 is subnormal;
+    // the smallest magnitudes underflow in both. lr 1e-10 keeps the update from moving them
+    // out of those ranges.
+    const float scale = format == kernels::Fp8Format::kE4M3 ? 64.0f : 1024.0f;
+    ParamShard s{.name = "w", .master = master.data(), .grad = grad.data(), .m = m.data(),
+                 .v = v.data(), .count = n};
+    s.fp8_codes = codes.data();
+    s.fp8_scale_inv = &scale_inv;
+    s.fp8_stats = &stats;
+    s.fp8_scale = scale;
+    s.fp8_format = format;
+    ParamShard plain{.name = "w", .master = master2.data(), .grad = grad.data(), .m = m2.data(),
+                     .v = v2.data(), .count = n};
+    AdamW fused(ConstantLr(1e-10, 0.1)), reference(ConstantLr(1e-10, 0.1));
+    auto norm = fused.ComputeNorm(std::span<const ParamShard>(&s, 1), 1, nullptr);
+    ASSERT_TRUE(norm.ok()) << norm.status();
+    ASSERT_TRUE(fused.Apply(std::span<const ParamShard>(&s, 1), *norm).ok());
+    ASSERT_TRUE(reference.Step(std::span<ParamShard>(&plain, 1), 1, nullptr).ok());
+    for (int i = 0; i < n; ++i) ASSERT_EQ(Bits(master[i]), Bits(master2[i])) << i;
+
+    std::vector<uint8_t> want(n, 0);
+    float want_scale_inv = 0.0f;
+    kernels::QuantStats want_stats;
+    kernels::QuantizeArgs q;
+    q.format = format;
+    q.granularity = kernels::Granularity::kTensor;
+    q.input = master.data();
+    q.rows = 1;
+    q.cols = n;
+    q.has_scale = true;
+    q.scale = scale;
+    q.codes = want.data();
+    q.scale_inv = &want_scale_inv;
+    q.stats = &want_stats;
+    ASSERT_TRUE(kernels::CpuOps().quantize(q, {}).ok());
+    EXPECT_EQ(codes, want);
+    EXPECT_EQ(Bits(scale_inv), Bits(want_scale_inv));
+    EXPECT_EQ(Bits(stats.amax), Bits(want_stats.amax));
+    EXPECT_EQ(stats.count, want_stats.count);
+    EXPECT_EQ(stats.underflow, want_stats.underflow);
+    EXPECT_EQ(stats.subnormal, want_stats.subnormal);
+    EXPECT_EQ(stats.saturated, want_stats.saturated);
+    EXPECT_EQ(stats.nonfinite, want_stats.nonfinite);
+    // The chosen values do exercise the counters.
+    EXPECT_GT(want_stats.underflow, 0);
+    EXPECT_GT(want_stats.saturated, 0);
+    EXPECT_GT(want_stats.subnormal, 0);
+  }
+  // FP8 codes without their statistics are refused, naming the shard.
+  float x = 1.0f, g = 1.0f, mm = 0.0f, vv = 0.0f;
+  uint8_t c = 0;
+  ParamShard bad{.name = "blocks.0.mlp.fc1/weight", .master = &x, .grad = &g, .m = &mm, .v = &vv,
+                 .count = 1};
+  bad.fp8_codes = &c;
+  AdamW opt(ConstantLr(1e-3, 0.0));
+  const absl::StatusOr<StepResult> r = opt.Step(std::span<ParamShard>(&bad, 1), 1, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("blocks.0.mlp.fc1/weight"));
+}
+
+// Apply with a skipped norm result changes nothing and counts no step.
+TEST(Fp8ShardTest, ApplyOfASkippedStepChangesNothing) {
+  float x = 0.5f, g = kNaN, mm = 0.0f, vv = 0.0f;
+  ParamShard s{.name = "w", .master = &x, .grad = &g, .m = &mm, .v = &vv, .count = 1};
+  AdamW opt(ConstantLr(1e-3, 0.0));
+  auto norm = opt.ComputeNorm(std::span<const ParamShard>(&s, 1), 1, nullptr);
+  ASSERT_TRUE(norm.ok());
+  EXPECT_TRUE(norm->skipped);
+  auto r = opt.Apply(std::span<const ParamShard>(&s, 1), *norm);
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->skipped);
+  EXPECT_EQ(x, 0.5f);
+  EXPECT_EQ(opt.applied_steps(), 0);
 }
 
 TEST(LearningRateTest, WarmupThenCosine) {
