@@ -6,6 +6,10 @@
 //   fp8rt bench step [--json] [--spec RUN.yaml] [--device cpu|cuda]   (fp8 vs bf16 vs fp32
 //                                                 training step: one rank of fp8rt-bench-step
 //                                                 through mpirun; cuda: one process on GPU 0)
+//   fp8rt bench memory --np N [--spec RUN.yaml] [--set KEY=VALUE ...] [--steps K] [--no-baseline]
+//                      [--json]   (per-rank tracked peak bytes by category and peak RSS of a
+//                                  training run: N MPI ranks of fp8rt-bench-memory, and a one-rank
+//                                  baseline with the ratios against it)
 //   fp8rt bench controller [--workers N] [--duration S] [--json] ...   (load on fp8rt-controller:
 //                                                 runs fp8rt-bench-controller, which needs no
 //                                                 kernels; its options: --help)
@@ -13,6 +17,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -20,6 +25,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"
@@ -70,13 +76,134 @@ absl::StatusOr<nlohmann::ordered_json> MpiBench(const std::string& program, int 
     return absl::InternalError("the MPI job failed (status " + std::to_string(status) +
                                "); its output: " + out);
   }
-  const size_t start = out.rfind('{');
+  const size_t start = out.rfind("{\"benchmark\"");
   if (start == std::string::npos)
     return absl::InternalError("no JSON in the MPI job's output: " + out);
   try {
-    return nlohmann::ordered_json::parse(out.substr(out.rfind("{\"benchmark\"")));
+    return nlohmann::ordered_json::parse(out.substr(start));
   } catch (const nlohmann::json::exception& e) {
     return absl::InternalError(std::string("bad JSON from the MPI job: ") + e.what());
+  }
+}
+
+// `text` as one word for the shell (single quotes; a quote inside becomes '\'').
+std::string ShellQuote(const std::string& text) {
+  std::string out = "'";
+  for (char c : text) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+struct MemoryBenchOptions {
+  int np = 0;                          // MPI ranks, in [1, 16]; parallel.dp = np / parallel.tp
+  int steps = 3;                       // optimizer steps per rank
+  std::string spec;                    // run spec file; empty: the built-in GPT-2-small shape
+  std::vector<std::string> overrides;  // --set KEY=VALUE, in order
+  bool baseline = true;                // with np > 1, also run np 1 and report the ratios
+};
+
+// The figure at np ranks (its max over ranks) over the one-rank baseline's; null without a
+// baseline figure (a category nothing is attributed to).
+nlohmann::ordered_json Ratio(const nlohmann::ordered_json& max, const nlohmann::ordered_json& base,
+                             const std::string& field, const std::string& category = "") {
+  const int64_t a =
+      category.empty() ? max[field].get<int64_t>() : max[field][category].get<int64_t>();
+  const int64_t b =
+      category.empty() ? base[field].get<int64_t>() : base[field][category].get<int64_t>();
+  if (b <= 0) return nullptr;
+  return static_cast<double>(a) / static_cast<double>(b);
+}
+
+// `fp8rt bench memory`: the np-rank job and, with np > 1, the one-rank baseline of the same spec
+// (memory figures are deterministic enough that two jobs compare; the ratios are issue 16's).
+absl::StatusOr<nlohmann::ordered_json> MemoryBench(const MemoryBenchOptions& o) {
+  if (o.np < 1 || o.np > 16) {
+    return absl::InvalidArgumentError("--np must be in [1, 16] (got " + std::to_string(o.np) + ")");
+  }
+  if (o.steps < 1) return absl::InvalidArgumentError("--steps must be >= 1");
+  std::string args = "--steps " + std::to_string(o.steps);
+  if (!o.spec.empty()) {
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(o.spec, ec)) {
+      return absl::NotFoundError("--spec: no such file: " + o.spec);
+    }
+    args += " --spec " + ShellQuote(std::filesystem::absolute(o.spec, ec).string());
+  }
+  for (const std::string& kv : o.overrides) args += " --set " + ShellQuote(kv);
+  std::optional<nlohmann::ordered_json> base;
+  if (o.baseline && o.np > 1) {
+    absl::StatusOr<nlohmann::ordered_json> b = MpiBench("fp8rt-bench-memory", 1, args);
+    if (!b.ok()) {
+      return absl::Status(b.status().code(), "the one-rank baseline (--no-baseline skips it): " +
+                                                 std::string(b.status().message()));
+    }
+    base = *std::move(b);
+  }
+  absl::StatusOr<nlohmann::ordered_json> j = MpiBench("fp8rt-bench-memory", o.np, args);
+  if (!j.ok() || !base) return j;
+  const nlohmann::ordered_json& max = (*j)["max"];
+  const nlohmann::ordered_json& b = (*base)["max"];
+  (*j)["baseline"] = {{"np", 1}, {"max", b}};
+  (*j)["ratios"] = {{"state", Ratio(max, b, "state_peak_bytes")},
+                    {"param_shards", Ratio(max, b, "peak_bytes", "param_shards")},
+                    {"peak_without_activations", Ratio(max, b, "peak_without_activations_bytes")},
+                    {"total_peak", Ratio(max, b, "total_peak_bytes")},
+                    {"vm_hwm", Ratio(max, b, "vm_hwm_bytes")}};
+  (*j)["ratio_definition"] =
+      "each: the largest rank's figure at np ranks over the same figure at np 1 (same spec, "
+      "parallel.dp = np / tp); state = param_shards + gradients + optimizer_state peaks; null "
+      "where the baseline figure is 0";
+  return j;
+}
+
+double MiB(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+
+void PrintMemory(const nlohmann::ordered_json& j) {
+  const auto& md = j["model"];
+  std::cout << absl::StrFormat(
+      "memory per rank, %d MPI ranks (dp %d, tp %d), after %d optimizer steps: %d layers, d_model "
+      "%d, d_ff %d, "
+      "seq_len %d, micro_batch %d, %s, %d parameters\n"
+      "  tracked peaks of backend memory by category, and the process's peak RSS (MiB)\n",
+      j["np"].get<int>(), md["dp"].get<int>(), md["tp"].get<int>(), j["steps"].get<int>(),
+      md["layers"].get<int>(), md["d_model"].get<int>(), md["d_ff"].get<int>(),
+      md["seq_len"].get<int>(), md["micro_batch"].get<int>(), md["precision"].get<std::string>(),
+      j["params"].get<int64_t>());
+  // Columns: every rank, the max over ranks, and the one-rank baseline when there is one.
+  std::vector<std::pair<std::string, const nlohmann::ordered_json*>> cols;
+  for (const auto& r : j["ranks"])
+    cols.push_back({"rank " + std::to_string(r["rank"].get<int>()), &r});
+  if (cols.size() > 1) cols.push_back({"max", &j["max"]});
+  if (j.contains("baseline")) cols.push_back({"np 1", &j["baseline"]["max"]});
+  std::cout << absl::StrFormat("  %-26s", "");
+  for (const auto& [name, _] : cols) std::cout << absl::StrFormat(" %10s", name);
+  std::cout << "\n";
+  auto row = [&](const std::string& label, const std::string& field, const std::string& category) {
+    std::cout << absl::StrFormat("  %-26s", label);
+    for (const auto& [_, c] : cols) {
+      const int64_t v =
+          category.empty() ? (*c)[field].get<int64_t>() : (*c)[field][category].get<int64_t>();
+      std::cout << absl::StrFormat(" %10.1f", MiB(v));
+    }
+    std::cout << "\n";
+  };
+  for (const auto& [category, _] : j["max"]["peak_bytes"].items()) {
+    row(category, "peak_bytes", category);
+  }
+  row("total (peak)", "total_peak_bytes", "");
+  row("without activations (peak)", "peak_without_activations_bytes", "");
+  row("state (shards+grads+optim)", "state_peak_bytes", "");
+  row("VmHWM (peak RSS)", "vm_hwm_bytes", "");
+  if (j.contains("ratios")) {
+    auto text = [](const nlohmann::ordered_json& v) {
+      return v.is_null() ? std::string("n/a (nothing attributed)")
+                         : absl::StrFormat("%.3f", v.get<double>());
+    };
+    const auto& r = j["ratios"];
+    std::cout << absl::StrFormat(
+        "  np %d vs np 1 (largest rank): state %s, param_shards %s, without activations %s, "
+        "total %s, VmHWM %s\n",
+        j["np"].get<int>(), text(r["state"]), text(r["param_shards"]),
+        text(r["peak_without_activations"]), text(r["total_peak"]), text(r["vm_hwm"]));
   }
 }
 
@@ -107,7 +234,9 @@ void PrintHuman(const nlohmann::ordered_json& j) {
     }
     return;
   }
-  if (name == "comm") {
+  if (name == "memory") {
+    PrintMemory(j);
+  } else if (name == "comm") {
     const auto& g = j["fsdp_gather"];
     const auto& m = j["moe_dispatch"];
     const auto& r = j["grad_reduce_scatter"];
@@ -225,6 +354,19 @@ int main(int argc, char** argv) {
   step->add_option("--device", device, "cpu (default; the spec's device with --spec) or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   step->add_flag("--json", json, "print one JSON object");
+  MemoryBenchOptions mopt;
+  bool no_baseline = false;
+  auto* memory = app.add_subcommand(
+      "memory", "per-rank peak memory of a training run by category, and peak RSS (N MPI ranks)");
+  memory->add_option("--np", mopt.np, "MPI ranks, 1 to 16 (parallel.dp = np / parallel.tp)")
+      ->required();
+  memory->add_option("--spec", mopt.spec,
+                     "run spec (default: GPT-2-small shape, 12 layers, d_model 768, seq_len 256)");
+  memory->add_option("--set", mopt.overrides,
+                     "override a spec key: --set train.micro_batch=2 (repeatable)");
+  memory->add_option("--steps", mopt.steps, "optimizer steps per rank (default 3)");
+  memory->add_flag("--no-baseline", no_baseline, "with --np > 1: skip the one-rank baseline run");
+  memory->add_flag("--json", json, "print one JSON object");
   // Listed for --help only (dispatched above).
   app.add_subcommand("controller",
                      "load on fp8rt-controller from simulated workers: p99 RPC latency, RSS "
@@ -249,6 +391,9 @@ int main(int argc, char** argv) {
   } else if (comm->parsed()) {
     result = np < 1 ? absl::InvalidArgumentError("--np must be in [1, 16]")
                     : MpiBench("fp8rt-bench-comm", np, "--repeats " + std::to_string(comm_repeats));
+  } else if (memory->parsed()) {
+    mopt.baseline = !no_baseline;
+    result = MemoryBench(mopt);
   } else {
     std::string args = "--rounds " + std::to_string(step_rounds);
     if (!step_spec.empty()) {
