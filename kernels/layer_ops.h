@@ -38,6 +38,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/formats.h"
+#include "kernels/quantize.h"
 
 namespace fp8rt::kernels {
 

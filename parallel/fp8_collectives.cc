@@ -408,6 +408,18 @@ absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const 
   return group.AllGather(mine, shard_count, full_bf16, DType::kBF16);
 }
 
+namespace {
+
+// At least `count` elements of `ops`'s memory in `a`: kept when already that large (buffers
+// shared by parameters of different sizes are sized by the largest), replaced otherwise.
+template <typename T>
+void Grow(const kernels::OpTable& ops, size_t count, kernels::DeviceArray<T>* a) {
+  if (&a->ops() == &ops && a->size() >= count) return;
+  a->Reset(ops, count);
+}
+
+}  // namespace
+
 absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
                                const float* full_grad, int64_t shard_count, GradReduceDType dtype,
                                bool accumulate, float* shard_grad, GradReduceBuffers* buffers) {
@@ -430,23 +442,23 @@ absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
       if (!accumulate) {
         return group.ReduceScatter(full_grad, shard_grad, shard_count, DType::kF32, ReduceOp::kSum);
       }
-      b.reduced_f32.Reset(ops, static_cast<size_t>(shard_count));
+      Grow(ops, static_cast<size_t>(shard_count), &b.reduced_f32);
       FP8RT_RETURN_IF_ERROR(group.ReduceScatter(full_grad, b.reduced_f32.data(), shard_count,
                                                 DType::kF32, ReduceOp::kSum));
       return Accumulate(ops, shard_grad, b.reduced_f32.data(), shard_count);
     }
     case GradReduceDType::kBF16: {
-      b.send_bf16.Reset(ops, static_cast<size_t>(full_count));
+      Grow(ops, static_cast<size_t>(full_count), &b.send_bf16);
       FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kF32, full_grad,
                                     kernels::InputType::kBF16, b.send_bf16.data(), full_count));
-      b.reduced_bf16.Reset(ops, static_cast<size_t>(shard_count));
+      Grow(ops, static_cast<size_t>(shard_count), &b.reduced_bf16);
       FP8RT_RETURN_IF_ERROR(group.ReduceScatter(b.send_bf16.data(), b.reduced_bf16.data(),
                                                 shard_count, DType::kBF16, ReduceOp::kSum));
       if (!accumulate) {
         return Convert(ops, kernels::InputType::kBF16, b.reduced_bf16.data(),
                        kernels::InputType::kF32, shard_grad, shard_count);
       }
-      b.reduced_f32.Reset(ops, static_cast<size_t>(shard_count));
+      Grow(ops, static_cast<size_t>(shard_count), &b.reduced_f32);
       FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kBF16, b.reduced_bf16.data(),
                                     kernels::InputType::kF32, b.reduced_f32.data(), shard_count));
       return Accumulate(ops, shard_grad, b.reduced_f32.data(), shard_count);

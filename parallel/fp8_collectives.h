@@ -148,7 +148,8 @@ absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const 
 enum class GradReduceDType : uint8_t { kBF16, kFP32 };
 
 // The backend buffers ReduceScatterGrad needs besides its input and output, kept by a caller
-// that reduces the same gradient every step so that nothing is allocated per call.
+// that reduces gradients every step so that nothing is allocated per call. They only grow: one
+// set serves gradients of different sizes (the model shares one set among all parameters).
 struct GradReduceBuffers {
   kernels::DeviceArray<uint16_t> send_bf16;     // kBF16: the gradient rounded to BF16
   kernels::DeviceArray<uint16_t> reduced_bf16;  // kBF16: the reduced shard

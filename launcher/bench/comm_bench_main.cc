@@ -1,7 +1,9 @@
 // fp8rt-bench-comm: the MPI side of `fp8rt bench comm --np N`. Every rank runs the same
 // collectives; rank 0 prints one JSON object. Measured in one run, per DESIGN.md section 8:
 //   FSDP gather of a 64M-parameter model (16 weights of 2048 x 2048): FP8 (tensor and 128x128
-//     block scales, quantization of the shard included) vs BF16 (rounding included);
+//     block scales, quantization of the shard included) vs BF16 (rounding included); and the
+//     training step's gather (fsdp_gather_step): persistent FP8 shards quantized once per step
+//     outside the gather, FP8 bytes only on the gather path, nonblocking gathers of one unit;
 //   MoE dispatch of 8192 tokens x 1024 per rank: FP8 with 1x128 scales vs BF16;
 //   gradient reduce-scatter of the same 64M parameters: BF16 vs FP32.
 // Bytes are what this rank sent into the collectives (Communicator::stats()); times are the
@@ -10,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -132,6 +135,39 @@ absl::StatusOr<nlohmann::ordered_json> Run(Communicator& world, int repeats) {
       static_cast<double>(fp8_block->bytes) / static_cast<double>(bf16->bytes);
   out["fsdp_gather"]["fp8_block_s"] = fp8_block->seconds;
   out["fsdp_gather"]["fp8_block_time_ratio"] = fp8_block->seconds / bf16->seconds;
+
+  // The training step's gather (ZeRO-3 with persistent FP8 shards): each shard is quantized once
+  // per step outside the gather (by the optimizer's update pass or BeginStep), and each of the
+  // step's gathers moves FP8 bytes only; the 16 weights' gathers are started together and then
+  // waited for, as one FSDP unit's are. Against the same BF16 gather (rounding included).
+  std::vector<parallel::Fp8Shard> fp8_shards(kWeights);
+  std::vector<parallel::Fp8Weight> unit(kWeights);
+  for (int w = 0; w < kWeights; ++w) {
+    if (absl::Status st = parallel::QuantizeFp8Shard(ops, shards[static_cast<size_t>(w)].data(),
+                                                     shard_rows, kCols, kernels::Fp8Format::kE4M3,
+                                                     /*block=*/false, 448.0f / 0.1f, 0,
+                                                     &fp8_shards[static_cast<size_t>(w)]);
+        !st.ok()) {
+      return st;
+    }
+  }
+  auto fp8_shard = Measure(world, world, repeats, [&]() -> absl::Status {
+    std::vector<std::unique_ptr<parallel::PendingCollective>> pending;
+    for (int w = 0; w < kWeights; ++w) {
+      if (absl::Status st = parallel::StartGatherFp8Shard(
+              world, ops, fp8_shards[static_cast<size_t>(w)], &unit[static_cast<size_t>(w)],
+              &pending);
+          !st.ok()) {
+        return st;
+      }
+    }
+    for (auto& g : pending) {
+      if (absl::Status st = g->Wait(); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  });
+  if (!fp8_shard.ok()) return fp8_shard.status();
+  out["fsdp_gather_step"] = Pair("fp8_shard", *fp8_shard, "bf16", *bf16);
 
   // MoE dispatch: tokens spread evenly over the ranks.
   constexpr int64_t kTokens = 8192, kHidden = 1024;

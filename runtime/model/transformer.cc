@@ -150,7 +150,12 @@ Transformer::Transformer(const ModelShape& shape, const ModelRecipe& recipe, par
       dp_rank_(mesh.layout().dp_rank),
       acts_(std::make_unique<Acts>(ops)),
       scratch_(ops),
-      weight_amaxes_(ops) {}
+      weight_amaxes_(ops) {
+  for (auto* b : {&reduce_buffers_.send_bf16, &reduce_buffers_.reduced_bf16}) {
+    *b = kernels::DeviceArray<uint16_t>(ops, kernels::MemCategory::kCommBuffers);
+  }
+  reduce_buffers_.reduced_f32 = kernels::DeviceArray<float>(ops, kernels::MemCategory::kCommBuffers);
+}
 
 Transformer::~Transformer() = default;
 
@@ -271,10 +276,6 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
   p.fp8.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kGatheredWeights);
   p.fp8.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kGatheredWeights);
   p.gather_bf16 = kernels::DeviceArray<uint16_t>(ops_, MemCategory::kCommBuffers);
-  for (auto* b : {&p.reduce_buffers.send_bf16, &p.reduce_buffers.reduced_bf16}) {
-    *b = kernels::DeviceArray<uint16_t>(ops_, MemCategory::kCommBuffers);
-  }
-  p.reduce_buffers.reduced_f32 = kernels::DeviceArray<float>(ops_, MemCategory::kCommBuffers);
   p.master.assign(shard, 0.0f);
   p.grad.assign(shard, 0.0f);
   p.m.assign(shard, 0.0f);
@@ -581,7 +582,7 @@ absl::Status Transformer::ReduceUnitGrads(size_t unit) {
     Param& p = params_[static_cast<size_t>(i)];
     FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(
         *p.group, ops_, p.full_grad.data(), p.shard_count, recipe_.grad_reduce,
-        /*accumulate=*/true, p.grad.data(), &p.reduce_buffers));
+        /*accumulate=*/true, p.grad.data(), &reduce_buffers_));
     p.full_grad.clear();
   }
   ++units_[unit].reduced;

@@ -133,10 +133,9 @@ struct Param {
   // dp * shard_count with the padding) or FP8 weight, and the full gradient of a backward.
   kernels::DeviceArray<float> full, full_grad;
   parallel::Fp8Weight fp8;
-  // Reused every step: the BF16 wire buffer of a BF16 FSDP gather of an FP8 weight, and the
-  // temporaries of the gradient reduce-scatter.
+  // The BF16 wire buffer of a BF16 FSDP gather of an FP8 weight (fsdp_gather bf16), only while
+  // its unit is being gathered.
   kernels::DeviceArray<uint16_t> gather_bf16;
-  parallel::GradReduceBuffers reduce_buffers;
 
   int64_t local_count() const { return local_rows * local_cols; }
 };
@@ -273,6 +272,9 @@ class Transformer {
   int64_t passes_ = 0;  // ForwardBackward calls that completed this step
   std::unique_ptr<Acts> acts_;
   Scratch scratch_;
+  // The temporaries of the gradient reduce-scatters: one set for all parameters (they reduce
+  // one after another), sized by the largest.
+  parallel::GradReduceBuffers reduce_buffers_;
   // BeginStep: the shard amax of each current-scaled FP8 weight, written by the amax op.
   kernels::DeviceArray<float> weight_amaxes_;
   // Indices of the non-block parameters and layers.
