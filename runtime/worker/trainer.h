@@ -1,34 +1,46 @@
 // The training step loop of one rank (DESIGN.md section 5), standalone under mpirun.
 //
 // Index:
-//   TrainerOptions   run folder, resume, progress printing
-//   FaultSpec        test faults from FP8RT_FAULT (NaN/Inf in gradients or activations, kill,
-//                    hang), parsed once
+//   TrainerOptions   run folder, resume, progress printing, the controller to report to
+//   FP8RT_FAULT      the test faults (parsed and fired by step_faults.h)
 //   Trainer          Create (model, data, optimizer, resume), Run (the steps), Step (one step)
+// The step loop's other concerns have files of their own: run_records.h (StepRecord,
+// metrics.jsonl, fp8_stats), controller_link.cc (registration, directives, the step report),
+// trainer_checkpoint.cc (save, restore), step_faults.h (FP8RT_FAULT), recipe.h (spec -> recipe).
 //
-// One optimizer step reads, top to bottom:
-//   model.BeginStep()                       FSDP gathers (FP8 weights with their scales)
-//   for each micro-batch:                   loader.Next, model.ForwardBackward (grads +=)
+// One optimizer step (Trainer::Step) reads, top to bottom:
+//   faults.BeforeStep                       FP8RT_FAULT kill / hang
+//   ShareDirectives()                       under a controller: stop, save, a due recipe version
+//   model.BeginStep()                       FSDP: FP8 weight shards for the step, zeroed grads
+//   faults.BeforeForward                    FP8RT_FAULT nan_act / inf_act
+//   ForwardBackward()                       each micro-batch: loader.Next, model.ForwardBackward
+//                                           (layer by layer: gather, forward, backward,
+//                                           reduce-scatter into the FP32 grad shards, +=)
+//   model.ReduceGrads()                     the gradient shards are complete (BF16 or FP32
+//                                           reduction per recipe)
+//   faults.AfterReduceGrads                 FP8RT_FAULT nan_grad / inf_grad
 //   (non-finite check)                      a rank whose loss or FP8 amaxes of the step are NaN or
-//                                           Inf puts a NaN into its local gradient, so that
-//   model.ReduceGrads()                     reduce-scatter over DP (BF16 or FP32 per recipe)
-//   optimizer.Step()                        global norm, non-finite skip, clip, AdamW: skips the
-//                                           step on every rank
+//                                           Inf puts a NaN into its gradient shard
+//                                           (PoisonGradShard), so that
+//   optimizer.Step()                        global norm over every rank's shards, non-finite
+//                                           skip, clip, AdamW: skips the step on every rank
 //   model.SyncScaling()                     one MAX all-reduce of every site's amax, states updated
 //                                           (a skipped step leaves every scaling state as it was:
 //                                           its amaxes come from non-finite values)
-//   metrics, per-rank FP8 stats, checkpoint
+//   NonFiniteRanks(), MeanLoss(), MoeDropped()   the step's record, reduced over the ranks
+//   records.Write(), ReportToController()   metrics.jsonl, per-rank FP8 stats, the controller
+// Run() adds the progress line and the checkpoint after each step (SaveCheckpoint).
 // A skipped step changes nothing but the step counter and the data position: weights, Adam
 // moments, applied_steps and scaling states are bitwise as before it.
 //
 // Outputs in the run folder (rank 0 unless noted):
 //   metrics.jsonl                 one object per optimizer step: step (1-based), loss (mean over
-//   the
-//                                 global batch), grad_norm (null when skipped), lr, tokens_per_s,
-//                                 skipped, nonfinite_ranks (skipped steps only: the ranks that
-//                                 saw a NaN/Inf), step_time_s, recipe_version (the live recipe
-//                                 version the step ran with; 1 = the spec's), moe_dropped (MoE
-//                                 runs: assignments over capacity, all ranks)
+//                                 the global batch), grad_norm (null when skipped), lr,
+//                                 tokens_per_s, skipped, nonfinite_ranks (skipped steps only: the
+//                                 ranks that saw a NaN/Inf, see NonFiniteRanks), step_time_s,
+//                                 recipe_version (the live recipe version the step ran with; 1 =
+//                                 the spec's), moe_dropped (MoE runs: assignments over capacity,
+//                                 all ranks)
 //   fp8_stats/rank-NNNNN.jsonl    every rank, every metrics.every steps when
 //                                 metrics.per_rank_fp8_stats: one object per FP8 site
 //                                 {step, site, amax, scale, underflow_ratio, saturation_ratio}
@@ -56,6 +68,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -67,6 +80,8 @@
 #include "runtime/train/data_loader.h"
 #include "runtime/train/optimizer.h"
 #include "runtime/worker/controller_client.h"
+#include "runtime/worker/run_records.h"
+#include "runtime/worker/step_faults.h"
 
 namespace fp8rt::worker {
 
@@ -81,10 +96,10 @@ struct TrainerOptions {
   ControllerOptions controller;
 };
 
-// Faults for tests, from the environment variable FP8RT_FAULT (documented in docs/operations.md):
-//   nan_grad:rank=R:step=S           rank R puts a NaN into its local gradient (the first
-//   inf_grad:rank=R:step=S           parameter's, before the DP reduction) at step S; inf_grad an
-//                                    +Inf
+// FP8RT_FAULT: faults for tests (also in docs/operations.md; parsed and fired by step_faults.h):
+//   nan_grad:rank=R:step=S           rank R puts a NaN into its gradient shard after the DP
+//   inf_grad:rank=R:step=S           reduction (element 0 of its first parameter's shard) at
+//                                    step S; inf_grad an +Inf
 //   nan_act:rank=R:step=S[:block=B]  rank R puts a NaN (inf_act: +Inf) into one element of the
 //   inf_act:rank=R:step=S[:block=B]  activation entering block B (default 0) in the forward of
 //                                    its first micro-batch of step S
@@ -101,40 +116,6 @@ struct TrainerOptions {
 // the save on every rank: the temp folder is removed (by rank 0, or by the controller that rank 0
 // tells), every rank's error names the step and the failing ranks, the previous checkpoint is
 // kept, and the run fails (exit 1), so that `fp8rt launch --max-restarts` resumes from it.
-struct FaultSpec {
-  enum class Kind : uint8_t {
-    kNone,
-    kNanGrad,
-    kInfGrad,
-    kNanAct,
-    kInfAct,
-    kKill,
-    kHang
-  } kind = Kind::kNone;
-  int rank = -1;
-  int64_t step = -1;
-  int64_t block = 0;  // nan_act / inf_act: the block whose input is poisoned
-  bool grad() const { return kind == Kind::kNanGrad || kind == Kind::kInfGrad; }
-  bool act() const { return kind == Kind::kNanAct || kind == Kind::kInfAct; }
-  // The value a nan_* / inf_* fault injects.
-  float value() const;
-  // InvalidArgument naming FP8RT_FAULT when `text` is not one of the forms above.
-  static absl::StatusOr<FaultSpec> Parse(const std::string& text);
-};
-
-// What one step did (also what metrics.jsonl records).
-struct StepRecord {
-  int64_t step = 0;
-  double loss = 0.0;
-  double grad_norm = 0.0;
-  double lr = 0.0;
-  double tokens_per_s = 0.0;
-  double step_time_s = 0.0;
-  bool skipped = false;
-  // Skipped steps: the ranks whose own loss, FP8 amaxes or local (pre-reduction) gradients held a
-  // NaN or Inf in the step (every rank has the list).
-  std::vector<int> nonfinite_ranks;
-};
 
 class Trainer {
  public:
@@ -157,43 +138,60 @@ class Trainer {
 
  private:
   Trainer(const v1::RunSpec& spec, const TrainerOptions& options, const kernels::OpTable& ops);
-  absl::Status RegisterWithController();
+  // Create's last part: the run folder checked (refused if it holds a run and this is no
+  // resume), the checkpoint restored with --resume, the record files opened after its step.
   absl::Status PrepareRunDir();
-  absl::Status Restore();
-  absl::Status LoadCheckpoint(int64_t step, const std::string& dir);
-  absl::Status SaveCheckpoint();
+
+  // The named parts of Step (trainer.cc).
+  // Every micro-batch of the step: forward and backward; this rank's summed micro-batch losses.
+  absl::StatusOr<float> ForwardBackward();
+  // A NaN into this rank's gradient shard (after ReduceGrads): every rank skips the step.
+  absl::Status PoisonGradShard();
+  std::vector<train::ParamShard> Shards();
+  // This rank's NaN/Inf checks of a step: an FP8 site's amax (forward or backward), and its
+  // gradient shards after the DP reduction (a full scan: skipped steps only).
+  bool AnySiteAmaxNonFinite() const;
+  absl::StatusOr<bool> GradShardNonFinite() const;
+  // Skipped steps (collective, every rank): the ranks that saw a NaN/Inf themselves (loss, FP8
+  // amaxes, an injected fault: `saw_nonfinite`); when none did, the ranks whose gradient shard
+  // holds one. Not skipped: empty, no collective.
+  absl::StatusOr<std::vector<int>> NonFiniteRanks(bool skipped, bool saw_nonfinite) const;
+  // The step's mean loss over the global batch (sum over DP).
+  absl::StatusOr<double> MeanLoss(float local_sum);
+  // MoE runs: assignments dropped over capacity in the step, summed over all ranks.
+  absl::StatusOr<std::optional<int64_t>> MoeDropped();
+  int64_t GlobalBatchTokens() const;
+
+  // The controller link (controller_link.cc); each returns OK at once when standalone.
+  absl::Status RegisterWithController();
   // Start of a step under a controller: rank 0's directives to every rank; applies a due recipe.
   absl::Status ShareDirectives();
   absl::Status ReportToController(const StepRecord& record,
                                   const std::vector<model::SiteReport>& sites);
-  absl::Status WriteRecords(const StepRecord& record, const std::vector<model::SiteReport>& sites);
-  std::vector<train::ParamShard> Shards();
-  // This rank's NaN/Inf checks of a step: an FP8 site's amax (forward or backward), the local
-  // gradients before the DP reduction (a full scan: skipped steps only).
-  bool AnySiteAmaxNonFinite() const;
-  bool LocalGradNonFinite() const;
+
+  // Checkpoints (trainer_checkpoint.cc).
+  absl::Status Restore();
+  absl::Status LoadCheckpoint(int64_t step, const std::string& dir);
+  absl::Status SaveCheckpoint();
 
   const v1::RunSpec spec_;
   const TrainerOptions options_;
   const kernels::OpTable& ops_;
-  FaultSpec fault_;
+  StepFaults faults_;  // set in Create
   std::unique_ptr<parallel::Mesh> mesh_;
   std::unique_ptr<model::Transformer> model_;
   std::unique_ptr<train::DataLoader> loader_;
   std::unique_ptr<train::AdamW> optimizer_;
   std::vector<int32_t> tokens_;
   int64_t step_ = 0;
-  bool resumed_ = false;  // started with --resume (the kill fault fires in a first attempt only)
   std::unique_ptr<ControllerClient> controller_;
   std::atomic<int64_t> progress_{0};  // steps done, read by the heartbeat thread
   int64_t resume_step_ = -1;          // from the controller's Register answer
-  int64_t recipe_version_ = 1;       // applied recipe version
-  int64_t recipe_applied_step_ = 0;  // the step a new version was applied at, for the report
-  int64_t moe_dropped_ = 0;          // MoE assignments dropped over capacity in the step, all ranks
+  int64_t recipe_version_ = 1;        // applied recipe version
+  int64_t recipe_applied_step_ = 0;   // the step a new version was applied at, for the report
   bool stop_requested_ = false;
   bool save_requested_ = false;
-  FILE* metrics_ = nullptr;    // rank 0
-  FILE* fp8_stats_ = nullptr;  // every rank, with per_rank_fp8_stats
+  std::unique_ptr<RunRecords> records_;  // metrics.jsonl, fp8_stats
 };
 
 }  // namespace fp8rt::worker

@@ -1,0 +1,29 @@
+// The worker's recipe conversions: the run spec's precision section and the controller's live
+// recipe (control.proto Recipe) onto model::ModelRecipe, and back for checkpoints and reports.
+//
+// Index:
+//   RecipeFromSpec  the spec's precision section as the model's recipe
+//   MergeRecipe     a live recipe update applied onto the model's recipe
+//   RecipeToProto   the live part of the model's recipe (saved in checkpoints)
+//   FormatFromSpec  the spec's data format as the loader's token format
+//
+// Pure functions; the enums are parsed here once, so nothing past the worker's start sees the
+// spec's strings or proto enums.
+#ifndef FP8RT_RUNTIME_WORKER_RECIPE_H_
+#define FP8RT_RUNTIME_WORKER_RECIPE_H_
+
+#include "fp8rt/v1/control.pb.h"
+#include "fp8rt/v1/run_spec.pb.h"
+#include "runtime/model/transformer.h"
+#include "runtime/train/data_loader.h"
+
+namespace fp8rt::worker {
+
+model::ModelRecipe RecipeFromSpec(const v1::RunSpec& spec);
+model::ModelRecipe MergeRecipe(model::ModelRecipe base, const v1::Recipe& r);
+v1::Recipe RecipeToProto(const model::ModelRecipe& m);
+train::TokenFormat FormatFromSpec(const v1::RunSpec& spec);
+
+}  // namespace fp8rt::worker
+
+#endif  // FP8RT_RUNTIME_WORKER_RECIPE_H_
