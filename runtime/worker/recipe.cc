@@ -49,6 +49,10 @@ model::ModelRecipe RecipeFromSpec(const RunSpec& spec) {
   recipe.grad_reduce = p.grad_reduce() == RunSpec::Precision::GRAD_REDUCE_BF16
                            ? parallel::GradReduceDType::kBF16
                            : parallel::GradReduceDType::kFP32;
+  // Absent (a spec built without RunSpecDefaults): the defaults, true.
+  recipe.save_fp8_activations = !p.has_save_fp8_activations() || p.save_fp8_activations();
+  recipe.reshard_after_forward =
+      !spec.parallel().has_reshard_after_forward() || spec.parallel().reshard_after_forward();
   return recipe;
 }
 

@@ -119,15 +119,19 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   const bool saw_nonfinite = !std::isfinite(loss_sum) || AnySiteAmaxNonFinite();
   if (saw_nonfinite) FP8RT_RETURN_IF_ERROR(PoisonGradShard());
   std::vector<train::ParamShard> shards = Shards();
-  FP8RT_ASSIGN_OR_RETURN(const train::StepResult result,
-                         optimizer_->Step(shards, step, &mesh_->world()));
+  // The global norm and the skip decision first, then the scaling states (so that the update
+  // knows the next step's weight scales), then the update, which writes the FP8 weight shards.
+  FP8RT_ASSIGN_OR_RETURN(const train::StepResult norm,
+                         optimizer_->ComputeNorm(shards, step, &mesh_->world()));
   // A skipped step leaves the scaling states as they were: its amaxes come from a step that made
   // NaN or Inf (a NaN or Inf amax is refused by ScalingState anyway, but finite amaxes of such a
   // step, e.g. of values saturated from an Inf, would distort the scales for a whole history).
   using Update = model::Transformer::ScalingUpdate;
   FP8RT_ASSIGN_OR_RETURN(
       const std::vector<model::SiteReport> sites,
-      model_->SyncScaling(result.skipped ? Update::kReportOnly : Update::kCommit));
+      model_->SyncScaling(norm.skipped ? Update::kReportOnly : Update::kCommit));
+  if (!norm.skipped) model_->AttachFp8Shards(shards);  // FSDP FP8 shards of the next step
+  FP8RT_ASSIGN_OR_RETURN(const train::StepResult result, optimizer_->Apply(shards, norm));
 
   StepRecord r;
   r.step = step;

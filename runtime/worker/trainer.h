@@ -22,11 +22,14 @@
 //   (non-finite check)                      a rank whose loss or FP8 amaxes of the step are NaN or
 //                                           Inf puts a NaN into its gradient shard
 //                                           (PoisonGradShard), so that
-//   optimizer.Step()                        global norm over every rank's shards, non-finite
-//                                           skip, clip, AdamW: skips the step on every rank
+//   optimizer.ComputeNorm()                 global norm over every rank's shards, non-finite
+//                                           skip, clip: skips the step on every rank
 //   model.SyncScaling()                     one MAX all-reduce of every site's amax, states updated
 //                                           (a skipped step leaves every scaling state as it was:
 //                                           its amaxes come from non-finite values)
+//   model.AttachFp8Shards(), optimizer.Apply()
+//                                           AdamW on the shards, writing each FP8 weight shard
+//                                           whose next scale is known in the same pass
 //   NonFiniteRanks(), MeanLoss(), MoeDropped()   the step's record, reduced over the ranks
 //   records.Write(), ReportToController()   metrics.jsonl, per-rank FP8 stats, the controller
 // Run() adds the progress line and the checkpoint after each step (SaveCheckpoint).
