@@ -578,11 +578,19 @@ absl::Status Transformer::BeginUnitGrads(size_t unit) {
 }
 
 absl::Status Transformer::ReduceUnitGrads(size_t unit) {
+  // The step's first reduction writes the shard gradients, later micro-batches add to them.
+  const bool first = units_[unit].reduced == 0;
   for (const int i : units_[unit].params) {
     Param& p = params_[static_cast<size_t>(i)];
-    FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(
-        *p.group, ops_, p.full_grad.data(), p.shard_count, recipe_.grad_reduce,
-        /*accumulate=*/true, p.grad.data(), &reduce_buffers_));
+    if (first && p.group->size() == 1 && recipe_.grad_reduce == parallel::GradReduceDType::kFP32) {
+      // A one-rank FSDP group: the full gradient is the shard's (same size, no padding): it
+      // becomes the shard gradient, with no copy.
+      std::swap(p.grad, p.full_grad);
+    } else {
+      FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(
+          *p.group, ops_, p.full_grad.data(), p.shard_count, recipe_.grad_reduce,
+          /*accumulate=*/!first, p.grad.data(), &reduce_buffers_));
+    }
     p.full_grad.clear();
   }
   ++units_[unit].reduced;
@@ -631,11 +639,9 @@ absl::Status Transformer::BeginStep() {
     units_[u].reduced = 0;
   }
   passes_ = 0;
-  for (Param& p : params_) {
-    p.full_grad.clear();
-    FP8RT_RETURN_IF_ERROR(
-        ops_.layer->fill(p.grad.data(), 0.0f, static_cast<int64_t>(p.grad.size()), {}));
-  }
+  // The shard gradients are written by each unit's first reduction of the step (ReduceGrads
+  // checks that every unit had one); nothing to zero here.
+  for (Param& p : params_) p.full_grad.clear();
   // Tensor-scaled FP8 weights whose scale comes from the weight itself (current scaling, or
   // delayed scaling without a history yet): one MAX over all ranks of every such weight's shard
   // amax, so every rank (and every layout) quantizes a weight with the same scale. The list runs

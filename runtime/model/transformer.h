@@ -123,7 +123,8 @@ struct Param {
   // This rank's FSDP shard: flattened TP-piece elements [dp_rank * shard_count, +shard_count),
   // kept for the whole run. Every array is memory of the model's backend
   // (kernels/device_array.h), counted by memory category (kernels/memory_stats.h). `grad` holds
-  // the step's reduced gradient: zeroed in BeginStep, += by each micro-batch's reduce-scatter.
+  // the step's reduced gradient: written by the step's first micro-batch (its reduce-scatter, or
+  // in a one-rank group the full gradient buffer itself), += by the later ones.
   kernels::DeviceArray<float> master, grad, m, v;
   // FP8 GEMM weights with fsdp_gather fp8: this rank's rows in FP8, quantized once per step
   // (by the optimizer's update pass when fp8_shard_fresh, see AttachFp8Shards).
@@ -183,8 +184,8 @@ class Transformer {
 
   // Starts an optimizer step: resets the sites' step statistics, agrees on the scale of every
   // tensor-scaled FP8 weight (one MAX over all ranks for the current-scaled ones), quantizes each
-  // FP8 weight's shard once for the step (recording its weight-site statistics), and zeroes the
-  // gradient shards. Must precede ForwardBackward.
+  // FP8 weight's shard once for the step (recording its weight-site statistics). Must precede
+  // ForwardBackward, whose first pass writes the gradient shards (later passes add to them).
   absl::Status BeginStep();
 
   // One micro-batch: `tokens` holds micro_batch rows of seq_len + 1 token ids (inputs and

@@ -108,7 +108,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   faults_.BeforeStep(step);  // FP8RT_FAULT kill / hang
   const auto t0 = std::chrono::steady_clock::now();
   FP8RT_RETURN_IF_ERROR(ShareDirectives());    // controller: stop, save, a due recipe
-  FP8RT_RETURN_IF_ERROR(model_->BeginStep());  // FSDP: the step's FP8 weights, zeroed grads
+  FP8RT_RETURN_IF_ERROR(model_->BeginStep());  // FSDP: scales and FP8 weight shards
   faults_.BeforeForward(step, *model_);        // FP8RT_FAULT nan_act / inf_act
   FP8RT_ASSIGN_OR_RETURN(const float loss_sum, ForwardBackward());  // every micro-batch
   FP8RT_RETURN_IF_ERROR(model_->ReduceGrads());  // the gradient shards are complete
