@@ -14,11 +14,11 @@
 //   - every rank: one Heartbeat per period (the worker's heartbeat thread; the controller asks
 //     for heartbeat_interval_ms = 1000 with its default 30 s timeout);
 //   - rank 0 of each run, per step: one more Heartbeat (Trainer::ShareDirectives at the start of
-//     the step) and one ReportStep with the step metrics, 3 communication counters and the FP8
-//     statistics of every site (metrics.every = 1, the most the spec allows): the sites are
-//     reduced over all ranks by the workers, so only rank 0 reports them, and their number is
-//     that of the model, not of the world: (4 linears x layers + lm_head) x 3 tensors, 387 for
-//     the default 32-layer model.
+//     the step) and one ReportStep with the step metrics, 3 communication counters, 8 memory
+//     peaks and the FP8 statistics of every site (metrics.every = 1, the most the spec allows):
+//     the sites are reduced over all ranks by the workers, so only rank 0 reports them, and their
+//     number is that of the model, not of the world: (4 linears x layers + lm_head) x 3 tensors,
+//     387 for the default 32-layer model.
 //   Start times are spread evenly across the period (rank g of all `workers` at g/workers of it;
 //   rank 0's step heartbeat and report a quarter and a half period after its own heartbeat).
 //   Every simulated worker has its own channel (TCP connection) unless --channels says fewer, as
@@ -325,6 +325,15 @@ v1::ReportStepRequest StepReport(const std::string& run_id, const std::vector<st
     b->set_op(c.op);
     b->set_dtype(c.dtype);
     b->set_bytes(c.per_step * step);
+  }
+  // The memory peak of every category (kernels/memory_stats.h's names; this program links no
+  // kernels), as Trainer::MemoryPeaksOverRanks reports them each step.
+  for (const char* category :
+       {"other", "param_shards", "gradients", "optimizer_state", "gathered_weights",
+        "saved_activations", "comm_buffers", "scratch"}) {
+    v1::MemoryPeak* p = r.add_memory();
+    p->set_category(category);
+    p->set_peak_bytes(3LL << 30);
   }
   return r;
 }

@@ -577,6 +577,7 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
   FP8RT_RETURN_IF_ERROR(CheckCount("sites", request.sites_size(), kMaxSitesPerReport));
   FP8RT_RETURN_IF_ERROR(CheckCount("comm", request.comm_size(), kMaxCommPerReport));
   FP8RT_RETURN_IF_ERROR(CheckCount("experts", request.experts_size(), kMaxExpertsPerReport));
+  FP8RT_RETURN_IF_ERROR(CheckCount("memory", request.memory_size(), kMaxMemoryPerReport));
   FP8RT_RETURN_IF_ERROR(
       CheckCount("metrics.nonfinite_ranks", m.nonfinite_ranks_size(), kMaxWorldSize));
   for (int i = 0; i < m.nonfinite_ranks_size(); ++i) {
@@ -625,6 +626,18 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
     FP8RT_RETURN_IF_ERROR(
         CheckLength(absl::StrCat("experts[", i, "].layer"), e.layer(), kMaxNameBytes));
   }
+  for (int i = 0; i < request.memory_size(); ++i) {
+    const v1::MemoryPeak& p = request.memory(i);
+    if (p.category().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("memory[", i, "].category: empty"));
+    }
+    FP8RT_RETURN_IF_ERROR(CheckLength(absl::StrCat("memory[", i, "].category"), p.category(),
+                                      kMaxMemoryCategoryBytes));
+    if (p.peak_bytes() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("memory[", i, "].peak_bytes: must be >= 0, got ", p.peak_bytes()));
+    }
+  }
   if (request.recipe_applied_step() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("recipe_applied_step: must be >= 0, got ", request.recipe_applied_step()));
@@ -659,6 +672,9 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
       ApplyHealthPolicyLocked(run, request);
     }
     for (const v1::ExpertLoad& e : request.experts()) metrics_->SetExpertLoad(id, e);
+    if (!request.memory().empty()) {
+      metrics_->SetMemoryPeaks(id, {request.memory().begin(), request.memory().end()});
+    }
     for (const v1::CommBytes& c : request.comm()) {
       int64_t& last = run->comm_last[{c.op(), c.dtype()}];
       // Cumulative since the workers (re)started: a drop means they restarted.

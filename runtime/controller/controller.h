@@ -87,12 +87,14 @@ struct ControllerOptions {
 // so that a client cannot make the controller store or export unbounded data. Chosen far above
 // what production runs send: the largest MoE configurations report about 100 layers x 256
 // experts x 2 linears x 3 tensors = 153,600 sites per step and 25,600 expert loads.
-inline constexpr int kMaxSitesPerReport = 1 << 18;    // ReportStep.sites (262,144)
-inline constexpr int kMaxExpertsPerReport = 1 << 17;  // ReportStep.experts (131,072)
-inline constexpr int kMaxCommPerReport = 1024;        // ReportStep.comm
-inline constexpr int kMaxRecipeExcludes = 16384;      // Recipe.exclude (UpdateRecipe)
-inline constexpr size_t kMaxNameBytes = 256;          // a layer, op, dtype or hostname
-inline constexpr size_t kMaxPathBytes = 4096;         // RegisterRequest.run_dir
+inline constexpr int kMaxSitesPerReport = 1 << 18;     // ReportStep.sites (262,144)
+inline constexpr int kMaxExpertsPerReport = 1 << 17;   // ReportStep.experts (131,072)
+inline constexpr int kMaxCommPerReport = 1024;         // ReportStep.comm
+inline constexpr int kMaxMemoryPerReport = 16;         // ReportStep.memory (8 categories today)
+inline constexpr size_t kMaxMemoryCategoryBytes = 32;  // ReportStep.memory[].category
+inline constexpr int kMaxRecipeExcludes = 16384;       // Recipe.exclude (UpdateRecipe)
+inline constexpr size_t kMaxNameBytes = 256;           // a layer, op, dtype or hostname
+inline constexpr size_t kMaxPathBytes = 4096;          // RegisterRequest.run_dir
 
 // What the controller keeps per run and rank (internal; guarded by Controller::mu_).
 namespace internal {

@@ -109,6 +109,9 @@ ControllerMetrics::ControllerMetrics() : registry_(std::make_shared<prometheus::
   moe_dropped_ = NewGauge(r, "fp8rt_moe_dropped_tokens",
                           "Token assignments an MoE block dropped over capacity in the last "
                           "reported step, summed over ranks.");
+  memory_peak_ = NewGauge(r, "fp8rt_memory_peak_bytes",
+                          "Most backend memory one rank has held at once since the workers "
+                          "started, by category (max over ranks).");
 }
 
 Gauge& ControllerMetrics::RunGauge(Family<Gauge>* family, const std::string& run) {
@@ -198,6 +201,27 @@ void ControllerMetrics::SetExpertLoad(const std::string& run, const v1::ExpertLo
       .Set(static_cast<double>(load.tokens()));
   moe_dropped_->Add({{"run", run}, {"layer", load.layer()}})
       .Set(static_cast<double>(load.dropped()));
+}
+
+void ControllerMetrics::SetMemoryPeaks(const std::string& run,
+                                       const std::vector<v1::MemoryPeak>& peaks) {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, Gauge*>& series = memory_[run];
+  std::set<std::string> present;
+  for (const v1::MemoryPeak& p : peaks) {
+    present.insert(p.category());
+    Gauge*& gauge = series[p.category()];
+    if (gauge == nullptr) gauge = &memory_peak_->Add({{"run", run}, {"category", p.category()}});
+    gauge->Set(static_cast<double>(p.peak_bytes()));
+  }
+  for (auto it = series.begin(); it != series.end();) {
+    if (present.contains(it->first)) {
+      ++it;
+      continue;
+    }
+    memory_peak_->Remove(it->second);
+    it = series.erase(it);
+  }
 }
 
 void ControllerMetrics::CountEvent(const std::string& run, const std::string& kind) {

@@ -3,7 +3,8 @@
 // change both together.
 //
 // Labels: `run` on every series; per-site FP8 series add `layer`, `tensor` (input, weight,
-// grad_output) and `expert` (only for sites of an MoE expert, expert >= 0).
+// grad_output) and `expert` (only for sites of an MoE expert, expert >= 0); memory peaks add
+// `category`.
 //
 // Threads: every method may be called from any thread (prometheus-cpp metrics are atomic; the
 // per-site label bookkeeping has its own mutex).
@@ -60,6 +61,9 @@ class ControllerMetrics {
   void CountEvent(const std::string& run, const std::string& kind);
   // MoE: the tokens an expert processed in the reported step, and dropped assignments.
   void SetExpertLoad(const std::string& run, const v1::ExpertLoad& load);
+  // Replaces the fp8rt_memory_peak_bytes{run,category} series of `run` by `peaks` (categories not
+  // listed are removed, so a run has at most one report's worth of series).
+  void SetMemoryPeaks(const std::string& run, const std::vector<v1::MemoryPeak>& peaks);
 
  private:
   prometheus::Gauge& RunGauge(prometheus::Family<prometheus::Gauge>* family,
@@ -89,6 +93,7 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Counter>* events_;
   prometheus::Family<prometheus::Gauge>* expert_tokens_;
   prometheus::Family<prometheus::Gauge>* moe_dropped_;
+  prometheus::Family<prometheus::Gauge>* memory_peak_;
 
   // The four gauges of one FP8 site.
   struct SiteSeries {
@@ -100,6 +105,8 @@ class ControllerMetrics {
   absl::Mutex mu_;
   // run -> (site key -> its series), to remove the series of sites that disappear.
   std::map<std::string, std::map<std::string, SiteSeries>> sites_ ABSL_GUARDED_BY(mu_);
+  // run -> (category -> its fp8rt_memory_peak_bytes series).
+  std::map<std::string, std::map<std::string, prometheus::Gauge*>> memory_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace fp8rt::controller

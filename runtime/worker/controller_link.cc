@@ -1,7 +1,8 @@
 // The step loop's link to fp8rt-controller (see trainer.h): registration and heartbeats, the
 // directives rank 0 receives and shares at the start of each step (stop, save, recipe updates),
-// and the step report (metrics, FP8 site statistics, MoE load and communication bytes, reduced
-// over all ranks). Standalone runs (no --controller) make none of these calls or collectives.
+// and the step report (metrics, FP8 site statistics, MoE load, communication bytes and memory
+// peaks, reduced over all ranks). Standalone runs (no --controller) make none of these calls or
+// collectives.
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 
 #include "absl/strings/numbers.h"
 #include "fp8rt/v1/control.pb.h"
+#include "kernels/memory_stats.h"
 #include "runtime/core/status.h"
 #include "runtime/worker/recipe.h"
 #include "runtime/worker/trainer.h"  // the Trainer members defined here
@@ -186,6 +188,11 @@ absl::Status Trainer::ReportToController(const StepRecord& r,
   m->set_step_time_s(r.step_time_s);
   m->set_recipe_version(recipe_version_);
   if (recipe_applied_step_ == r.step) request.set_recipe_applied_step(r.step);
+  for (int c = 0; c < kernels::kNumMemCategories; ++c) {
+    v1::MemoryPeak* peak = request.add_memory();
+    peak->set_category(std::string(kernels::MemCategoryName(static_cast<kernels::MemCategory>(c))));
+    peak->set_peak_bytes(r.memory.category[static_cast<size_t>(c)]);
+  }
   if (stats_step) {
     for (size_t i = 0; i < sites.size(); ++i) {
       v1::SiteStats* out = request.add_sites();

@@ -115,6 +115,7 @@ absl::Status RunRecords::Write(const StepRecord& r, const std::vector<model::Sit
     j["skipped"] = r.skipped;
     if (r.skipped) j["nonfinite_ranks"] = r.nonfinite_ranks;
     j["step_time_s"] = r.step_time_s;
+    j["mem_peak_bytes"] = r.memory.total;
     j["recipe_version"] = r.recipe_version;
     if (r.moe_dropped.has_value()) j["moe_dropped"] = *r.moe_dropped;
     const std::string line = j.dump() + "\n";

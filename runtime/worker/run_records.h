@@ -1,6 +1,7 @@
 // The run folder's record files, written by the step loop (formats: runtime/worker/trainer.h).
 //
 // Index:
+//   MemoryPeaks       the most backend memory a rank has held at once, max over ranks
 //   StepRecord        what one step did: what metrics.jsonl records and the controller receives
 //   PrepareRunFolder  creates the run folder, refuses one that already holds a run (collective)
 //   RunRecords        metrics.jsonl (rank 0) and fp8_stats/rank-NNNNN.jsonl (every rank, with
@@ -12,6 +13,7 @@
 #ifndef FP8RT_RUNTIME_WORKER_RUN_RECORDS_H_
 #define FP8RT_RUNTIME_WORKER_RUN_RECORDS_H_
 
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -22,10 +24,18 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/memory_stats.h"
 #include "parallel/communicator.h"
 #include "runtime/model/transformer.h"
 
 namespace fp8rt::worker {
+
+// Peak bytes of backend memory (kernels::DeviceArray, kernels/memory_stats.h) since the rank
+// started, each the maximum over ranks (the total and each category may peak on different ranks).
+struct MemoryPeaks {
+  int64_t total = 0;                                           // all categories at once
+  std::array<int64_t, kernels::kNumMemCategories> category{};  // indexed by kernels::MemCategory
+};
 
 // What one step did (also what metrics.jsonl records).
 struct StepRecord {
@@ -41,6 +51,7 @@ struct StepRecord {
   std::vector<int> nonfinite_ranks;
   int64_t recipe_version = 1;          // the live recipe version the step ran with
   std::optional<int64_t> moe_dropped;  // MoE runs: assignments over capacity, all ranks
+  MemoryPeaks memory;                  // after the step
 };
 
 // Rank 0 creates `run_dir` (and its fp8_stats/) and, unless `resume`, refuses a folder that

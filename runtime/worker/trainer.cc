@@ -1,11 +1,13 @@
 // The step loop (see trainer.h). Index: Create, PrepareRunDir, Step and the named steps it calls
-// (ForwardBackward, PoisonGradShard, NonFiniteRanks, MeanLoss, MoeDropped), Run. Elsewhere:
-// controller_link.cc (RegisterWithController, ShareDirectives, ReportToController),
-// trainer_checkpoint.cc (SaveCheckpoint, Restore, LoadCheckpoint), run_records.cc (the run
-// folder's files), step_faults.cc (FP8RT_FAULT), recipe.cc (spec and recipe conversions).
+// (ForwardBackward, PoisonGradShard, NonFiniteRanks, MeanLoss, MoeDropped, MemoryPeaksOverRanks),
+// Run. Elsewhere: controller_link.cc (RegisterWithController, ShareDirectives,
+// ReportToController), trainer_checkpoint.cc (SaveCheckpoint, Restore, LoadCheckpoint),
+// run_records.cc (the run folder's files), step_faults.cc (FP8RT_FAULT), recipe.cc (spec and
+// recipe conversions).
 #include "runtime/worker/trainer.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -14,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/memory_stats.h"
 #include "runtime/core/status.h"
 #include "runtime/worker/recipe.h"
 
@@ -142,6 +145,7 @@ absl::StatusOr<StepRecord> Trainer::Step() {
                          NonFiniteRanks(result.skipped, saw_nonfinite || injected));
   FP8RT_ASSIGN_OR_RETURN(r.loss, MeanLoss(loss_sum));
   FP8RT_ASSIGN_OR_RETURN(r.moe_dropped, MoeDropped());
+  FP8RT_ASSIGN_OR_RETURN(r.memory, MemoryPeaksOverRanks());
   r.recipe_version = recipe_version_;
   step_ = step;
   r.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -226,6 +230,20 @@ absl::StatusOr<std::optional<int64_t>> Trainer::MoeDropped() {
   FP8RT_RETURN_IF_ERROR(
       mesh_->world().AllReduce(&dropped, 1, parallel::DType::kI64, parallel::ReduceOp::kSum));
   return dropped;
+}
+
+absl::StatusOr<MemoryPeaks> Trainer::MemoryPeaksOverRanks() {
+  // [total, each category]: one MAX all-reduce of a few integers per step.
+  const kernels::MemoryStats mine = kernels::GetMemoryStats();
+  std::array<int64_t, 1 + kernels::kNumMemCategories> peaks{};
+  peaks[0] = mine.total_peak;
+  std::copy(mine.peak.begin(), mine.peak.end(), peaks.begin() + 1);
+  FP8RT_RETURN_IF_ERROR(mesh_->world().AllReduce(peaks.data(), static_cast<int64_t>(peaks.size()),
+                                                 parallel::DType::kI64, parallel::ReduceOp::kMax));
+  MemoryPeaks out;
+  out.total = peaks[0];
+  std::copy(peaks.begin() + 1, peaks.end(), out.category.begin());
+  return out;
 }
 
 int64_t Trainer::GlobalBatchTokens() const {

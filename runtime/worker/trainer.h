@@ -30,7 +30,8 @@
 //   model.AttachFp8Shards(), optimizer.Apply()
 //                                           AdamW on the shards, writing each FP8 weight shard
 //                                           whose next scale is known in the same pass
-//   NonFiniteRanks(), MeanLoss(), MoeDropped()   the step's record, reduced over the ranks
+//   NonFiniteRanks(), MeanLoss(), MoeDropped(), MemoryPeaksOverRanks()
+//                                           the step's record, reduced over the ranks
 //   records.Write(), ReportToController()   metrics.jsonl, per-rank FP8 stats, the controller
 // Run() adds the progress line and the checkpoint after each step (SaveCheckpoint).
 // A skipped step changes nothing but the step counter and the data position: weights, Adam
@@ -42,8 +43,10 @@
 //                                 tokens_per_s, skipped, nonfinite_ranks (skipped steps only: the
 //                                 ranks that saw a NaN/Inf, see NonFiniteRanks), step_time_s,
 //                                 recipe_version (the live recipe version the step ran with; 1 =
-//                                 the spec's), moe_dropped (MoE runs: assignments over capacity,
-//                                 all ranks)
+//                                 the spec's), mem_peak_bytes (the most backend memory a rank
+//                                 has held at once since it started, max over ranks:
+//                                 kernels/memory_stats.h), moe_dropped (MoE runs: assignments
+//                                 over capacity, all ranks)
 //   fp8_stats/rank-NNNNN.jsonl    every rank, every metrics.every steps when
 //                                 metrics.per_rank_fp8_stats: one object per FP8 site
 //                                 {step, site, amax, scale, underflow_ratio, saturation_ratio}
@@ -163,6 +166,8 @@ class Trainer {
   absl::StatusOr<double> MeanLoss(float local_sum);
   // MoE runs: assignments dropped over capacity in the step, summed over all ranks.
   absl::StatusOr<std::optional<int64_t>> MoeDropped();
+  // This rank's peak backend memory (kernels/memory_stats.h), max over all ranks (collective).
+  absl::StatusOr<MemoryPeaks> MemoryPeaksOverRanks();
   int64_t GlobalBatchTokens() const;
 
   // The controller link (controller_link.cc); each returns OK at once when standalone.

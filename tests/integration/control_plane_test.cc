@@ -289,6 +289,15 @@ TEST_F(ControlPlaneTest, MoeRunReportsPerExpertMetrics) {
             std::string::npos);
   EXPECT_NE(scrape.find("fp8rt_moe_dropped_tokens{layer=\"blocks.1.mlp\",run=\"tiny-moe\"}"),
             std::string::npos);
+  // The workers' memory peaks (max over ranks) reach the controller, one series per category;
+  // a rank's persistent state (parameter shards, gradient shards, Adam moments) is in them.
+  for (const std::string category : {"param_shards", "gradients", "optimizer_state"}) {
+    const std::string series =
+        "fp8rt_memory_peak_bytes{category=\"" + category + "\",run=\"tiny-moe\"} ";
+    const size_t at = scrape.find(series);
+    ASSERT_NE(at, std::string::npos) << series << "\n" << scrape.substr(0, 2000);
+    EXPECT_GT(std::stod(scrape.substr(at + series.size())), 0.0) << series;
+  }
   const std::string layers = Capture(kBin + "/fp8rt layers tiny-moe --controller " + address_ +
                                      " --token-file " + token_file_.string());
   EXPECT_NE(layers.find("blocks.1.mlp.experts.2.fc1"), std::string::npos) << layers;

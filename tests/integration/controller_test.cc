@@ -792,6 +792,67 @@ TEST_F(ControllerTest, HealthPolicyDemotesASaturatingLayerOnce) {
   EXPECT_TRUE(lm_head_health);  // reported, but lm_head is not demoted
 }
 
+// A step's memory peaks (one per category, max over ranks) become fp8rt_memory_peak_bytes{run,
+// category}; the next report replaces them (a category it leaves out disappears); oversized
+// reports are refused naming the field.
+TEST_F(ControllerTest, MemoryPeaksAreServedByCategory) {
+  const std::string run = "memory-a";
+  RegisterAll(c(), run, RunDir(run), SmallSpec());
+  auto report = [&](int64_t step, const std::vector<std::pair<std::string, int64_t>>& peaks) {
+    v1::ReportStepRequest req;
+    req.set_run_id(run);
+    req.mutable_metrics()->set_step(step);
+    for (const auto& [category, bytes] : peaks) {
+      v1::MemoryPeak* p = req.add_memory();
+      p->set_category(category);
+      p->set_peak_bytes(bytes);
+    }
+    v1::ReportStepResponse resp;
+    return c().control().ReportStep(Ctx().get(), req, &resp);
+  };
+  auto series = [&](const std::string& category) {
+    return "fp8rt_memory_peak_bytes{category=\"" + category + "\",run=\"" + run + "\"} ";
+  };
+
+  ASSERT_TRUE(report(1, {{"param_shards", 1 << 20}, {"gradients", 3 << 20}, {"scratch", 0}}).ok());
+  std::string body = Scrape(c().metrics_address());
+  EXPECT_THAT(body, HasSubstr(series("param_shards") + "1048576\n"));
+  EXPECT_THAT(body, HasSubstr(series("gradients") + "3145728\n"));
+  EXPECT_THAT(body, HasSubstr(series("scratch") + "0\n"));
+
+  // A report without memory leaves the gauges; the next one with memory replaces them.
+  ASSERT_TRUE(report(2, {}).ok());
+  EXPECT_THAT(Scrape(c().metrics_address()), HasSubstr(series("gradients") + "3145728\n"));
+  ASSERT_TRUE(report(3, {{"gradients", 5 << 20}, {"saved_activations", 7}}).ok());
+  body = Scrape(c().metrics_address());
+  EXPECT_THAT(body, HasSubstr(series("gradients") + "5242880\n"));
+  EXPECT_THAT(body, HasSubstr(series("saved_activations") + "7\n"));
+  EXPECT_THAT(body, Not(HasSubstr(series("param_shards"))));
+
+  // Bounds: at most 16 categories of at most 32 bytes, no empty name, no negative peak.
+  std::vector<std::pair<std::string, int64_t>> many;
+  for (int i = 0; i < 17; ++i) many.emplace_back("c" + std::to_string(i), 1);
+  grpc::Status s = report(4, many);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("memory: at most 16 entries, got 17"));
+  many.pop_back();
+  EXPECT_TRUE(report(4, many).ok()) << "16 categories are allowed";
+  s = report(5, {{"gradients", 1}, {std::string(33, 'x'), 1}});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("memory[1].category: at most 32 bytes, got 33"));
+  EXPECT_TRUE(report(5, {{std::string(32, 'x'), 1}}).ok()) << "a 32-byte category is allowed";
+  s = report(6, {{"", 1}});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("memory[0].category: empty"));
+  s = report(6, {{"gradients", -1}});
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("memory[0].peak_bytes: must be >= 0, got -1"));
+  // A refused report changes nothing.
+  body = Scrape(c().metrics_address());
+  EXPECT_THAT(body, HasSubstr(series(std::string(32, 'x')) + "1\n"));
+  EXPECT_THAT(body, Not(HasSubstr(series("gradients"))));
+}
+
 TEST_F(ControllerTest, MetricsScrapePassesPromtool) {
   const std::string run = "metrics-a";
   RegisterAll(c(), run, RunDir(run), SmallSpec());
@@ -808,6 +869,9 @@ TEST_F(ControllerTest, MetricsScrapePassesPromtool) {
     comm->set_op("all_reduce");
     comm->set_dtype("bf16");
     comm->set_bytes(bytes);
+    v1::MemoryPeak* peak = req.add_memory();
+    peak->set_category("gradients");
+    peak->set_peak_bytes(4096);
     v1::ReportStepResponse resp;
     ASSERT_TRUE(c().control().ReportStep(Ctx().get(), req, &resp).ok());
   }
@@ -825,7 +889,7 @@ TEST_F(ControllerTest, MetricsScrapePassesPromtool) {
        {"fp8rt_train_step", "fp8rt_train_loss", "fp8rt_tokens_per_second", "fp8rt_grad_norm",
         "fp8rt_skipped_steps_total", "fp8rt_fp8_scale", "fp8rt_fp8_underflow_ratio",
         "fp8rt_recipe_version", "fp8rt_checkpoint_last_committed_step",
-        "fp8rt_checkpoint_last_committed_timestamp_seconds"}) {
+        "fp8rt_checkpoint_last_committed_timestamp_seconds", "fp8rt_memory_peak_bytes"}) {
     EXPECT_THAT(body, HasSubstr(std::string("# HELP ") + family + " ")) << family;
   }
 

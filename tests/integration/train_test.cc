@@ -2,7 +2,8 @@
 // on the byte-level KJV model of examples/tiny.yaml, checked through what the run folder holds.
 //
 // What a user relies on, and the test that checks it:
-//   LayoutInvariance                 1 rank, tp=2, dp=2, dp=2 x tp=2 train the same model
+//   LayoutInvariance                 1 rank, tp=2, dp=2, dp=2 x tp=2 train the same model; each
+//                                    records mem_peak_bytes, at least its share of the FP32 state
 //   ScaleConsistency                 FP8 amax and scale agree on every rank (by TP group at step 1)
 //   RerunIsBitIdentical              a run is reproducible to the bit
 //   ResumeIsBitIdentical             a killed run, resumed, ends exactly where an uninterrupted one
@@ -162,6 +163,35 @@ std::vector<double> Losses(const std::vector<Json>& metrics) {
   std::vector<double> losses;
   for (const Json& m : metrics) losses.push_back(m.at("loss").get<double>());
   return losses;
+}
+
+// At least the parameters of examples/tiny.yaml's model (2 blocks, d_model 128, d_ff 512, vocab
+// 256), counted from DESIGN.md section 5's decoder: the token embedding; per block two norm gains,
+// the fused QKV (3 d x d), the attention output (d x d) and an MLP of at least an up (d_ff x d)
+// and a down (d x d_ff) projection; the final norm and the untied LM head (vocab x d). A lower
+// bound: gated MLPs or biases only add to it.
+constexpr int64_t kTinyLayers = 2, kTinyD = 128, kTinyFf = 512, kTinyVocab = 256;
+constexpr int64_t kTinyParameters =
+    kTinyVocab * kTinyD +
+    kTinyLayers * (2 * kTinyD + 3 * kTinyD * kTinyD + kTinyD * kTinyD + 2 * kTinyFf * kTinyD) +
+    kTinyD + kTinyVocab * kTinyD;
+
+// metrics.jsonl's mem_peak_bytes (the most backend memory a rank held at once since it started,
+// max over ranks): on every line, never falling within one run, and at least the FP32 master
+// weights, gradient shards and both Adam moments (16 bytes per parameter) of a rank's
+// 1 / (dp x tp) of kTinyParameters.
+void ExpectMemoryPeaks(const std::vector<Json>& metrics, int ranks, const std::string& what) {
+  const int64_t floor = 16 * kTinyParameters / ranks;
+  int64_t previous = 0;
+  for (const Json& m : metrics) {
+    ASSERT_TRUE(m.contains("mem_peak_bytes") && m.at("mem_peak_bytes").is_number_integer())
+        << what << ": " << m.dump();
+    const int64_t peak = m.at("mem_peak_bytes").get<int64_t>();
+    EXPECT_GE(peak, floor) << what << ": step " << m.at("step");
+    EXPECT_GE(peak, previous) << what << ": a peak since the start cannot fall, step "
+                              << m.at("step");
+    previous = peak;
+  }
 }
 
 double Mean(const std::vector<double>& v, size_t begin, size_t end) {
@@ -355,6 +385,7 @@ TEST_F(TrainTest, LayoutInvariance) {
     const std::vector<Json> metrics = ReadJsonl(run_dir / "metrics.jsonl");
     ASSERT_EQ(Steps(metrics), OneTo(kSteps)) << l.name;
     losses.push_back(Losses(metrics));
+    ExpectMemoryPeaks(metrics, l.np, l.name);
     for (double loss : losses.back()) EXPECT_TRUE(std::isfinite(loss)) << l.name;
     EXPECT_LT(losses.back()[kSteps - 1], losses.back()[0]) << l.name << ": the loss must fall";
   }
@@ -520,6 +551,7 @@ TEST_F(TrainTest, NanGradientSkipsStepOnEveryRank) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::vector<Json> metrics = ReadJsonl(run_dir / "metrics.jsonl");
   ASSERT_EQ(Steps(metrics), OneTo(kSteps));
+  ExpectMemoryPeaks(metrics, 2, "dp=2, the skipped step included");
   for (const Json& m : metrics) {
     const bool bad = m.at("step").get<int64_t>() == kBad;
     EXPECT_EQ(m.at("skipped").get<bool>(), bad) << m.dump();
