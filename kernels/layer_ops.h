@@ -116,6 +116,27 @@ void CrossEntropyBackward(std::span<float> dlogits, std::span<const float> probs
 
 // The FP32 AdamW update of one shard, element by element (runtime/train/optimizer.h has the
 // formula); the per-step scalars are computed on the host, in FP64, and rounded once to FP32.
+// FSDP's FP8 weight shard, written by the AdamW op in the same pass as the update (codes null:
+// none). The codes and statistics are bit for bit what the quantize op (kernels/quantize.h) gives
+// for the updated master:
+//   - tensor scaling (block false): a tensor quantize with the given `scale`; scale_inv
+//     receives 1 / scale (one value);
+//   - 128x128 block scaling (block true; `scale` unused): a kBlock128x128 quantize of the
+//     updated master as a rows x cols matrix (rows * cols == count) with `margin`; scale_inv
+//     receives GetScaleGrid(kBlock128x128, rows, cols).size() values. Each block's scale needs
+//     the block's updated amax, so the CPU updates 128 rows at a time and quantizes them while
+//     they are in cache.
+struct AdamWFp8Output {
+  uint8_t* codes = nullptr;      // count FP8 codes
+  float* scale_inv = nullptr;    // required with codes
+  QuantStats* stats = nullptr;   // required with codes (backend memory, like the codes)
+  Fp8Format format = Fp8Format::kE4M3;
+  bool block = false;
+  float scale = 1.0f;            // tensor scaling: finite and > 0
+  int64_t rows = 0, cols = 0;    // block scaling: the shard's shape
+  int margin = 0;                // block scaling: scale = fp8_max / amax / 2^margin, in [0, 64]
+};
+
 struct AdamWArgs {
   float* master = nullptr;      // count values, updated in place
   const float* grad = nullptr;  // count values, read only
@@ -129,24 +150,21 @@ struct AdamWArgs {
   float beta2 = 0.0f, one_minus_beta2 = 1.0f;
   float bias1 = 1.0f, bias2 = 1.0f;  // 1 - beta^t
   float eps = 0.0f;
-  // Optional, FSDP's FP8 weight shard written in the same pass (fp8_codes null: none): each
-  // updated master value is quantized with tensor scale fp8_scale, fp8_codes[i] =
-  // EncodeFp8(master[i] * fp8_scale), and *fp8_stats receives what a tensor quantize of the
-  // updated master would report (kernels/quantize.h; bit for bit the same codes and statistics).
-  uint8_t* fp8_codes = nullptr;
-  float* fp8_scale_inv = nullptr;  // required with fp8_codes: receives 1 / fp8_scale
-  float fp8_scale = 1.0f;
-  Fp8Format fp8_format = Fp8Format::kE4M3;
-  QuantStats* fp8_stats = nullptr;  // required with fp8_codes (backend memory, like the codes)
+  AdamWFp8Output fp8{};  // optional: the FP8 shard of the updated master
 };
+
+// Checks an AdamWFp8Output against `count` elements (InvalidArgument naming the field and the op
+// `op`); OK when codes is null.
+absl::Status ValidateAdamWFp8Output(const AdamWFp8Output& out, int64_t count, const char* op);
 
 // The FP32 AdamW update of AdamWArgs on the CPU (the reference): per element, in this order,
 //   g = grad * clip_scale;  p = master - decay * master;
 //   m = beta1 * m + one_minus_beta1 * g;  v = beta2 * v + one_minus_beta2 * (g * g);
 //   master = p - lr * (m / bias1) / (sqrt(v / bias2) + eps)
-// with every operation rounded to FP32 (no fused multiply-add); then, with args.fp8_codes, the
-// FP8 code of the new master value and its statistics.
-void AdamWUpdate(const AdamWArgs& args);
+// with every operation rounded to FP32 (no fused multiply-add); then, with args.fp8.codes, the
+// FP8 shard of the new master values (AdamWFp8Output). Returns the quantize op's error, if any,
+// of a block-scaled shard (the arguments are checked by the adamw entry, not here).
+absl::Status AdamWUpdate(const AdamWArgs& args);
 
 // Sum of x[i]^2 over count FP32 values, accumulated in FP64 in index order (the CPU reference).
 double SumOfSquares(const float* x, int64_t count);

@@ -88,10 +88,11 @@ class Communicator {
   // recv (size() * count elements) receives every rank's `count` elements, in rank order.
   // In place when send is recv + rank() * count elements (this rank's block already there).
   absl::Status AllGather(const void* send, int64_t count, void* recv, DType dtype);
-  // The same all-gather, started: returns at once (MPI: MPI_Iallgather) and completes in Wait().
-  // Neither buffer may be touched until then. Backends without a nonblocking form (NCCL for
-  // now, the fault-injecting wrapper, one-rank groups) run it to completion here and hand back a
-  // completed handle, so callers need not care which they got.
+  // The same all-gather, started: returns at once (MPI: MPI_Iallgather; NCCL: on a side stream
+  // that the model's compute does not wait for, with device buffers) and completes in Wait().
+  // Neither buffer may be touched until then. Backends without a nonblocking form (the
+  // fault-injecting wrapper, one-rank groups, NCCL with host buffers) run it to completion here
+  // and hand back a completed handle, so callers need not care which they got.
   absl::StatusOr<std::unique_ptr<PendingCollective>> StartAllGather(const void* send,
                                                                     int64_t count, void* recv,
                                                                     DType dtype);

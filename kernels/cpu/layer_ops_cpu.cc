@@ -318,15 +318,17 @@ inline float AdamWOne(const AdamWArgs& k, int64_t i) {
   return p;
 }
 
-// The update fused with the FP8 shard's quantization: one pass over master, grad, m, v.
+// The update fused with the tensor-scaled FP8 shard's quantization: one pass over master, grad,
+// m, v.
 template <Fp8Format F>
-void AdamWFp8(const AdamWArgs& k) {
+void AdamWFp8Tensor(const AdamWArgs& k) {
+  const AdamWFp8Output& o = k.fp8;
   cpu_internal::SpanStats s;
   for (int64_t i = 0; i < k.count; ++i) {
-    k.fp8_codes[i] = cpu_internal::QuantizeOne<F>(AdamWOne(k, i), k.fp8_scale, s);
+    o.codes[i] = cpu_internal::QuantizeOne<F>(AdamWOne(k, i), o.scale, s);
   }
-  *k.fp8_scale_inv = 1.0f / k.fp8_scale;  // as the tensor quantize writes it
-  QuantStats& out = *k.fp8_stats;
+  *o.scale_inv = 1.0f / o.scale;  // as the tensor quantize writes it
+  QuantStats& out = *o.stats;
   out = QuantStats{};
   out.amax = s.amax_bits > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN()
                                        : std::bit_cast<float>(s.amax_bits);
@@ -337,18 +339,81 @@ void AdamWFp8(const AdamWArgs& k) {
   out.nonfinite = s.nonfinite;
 }
 
+// The update fused with the 128x128 block-scaled shard's quantization: each strip of 128 rows is
+// updated, then quantized by the quantize op while it is still in cache (a block's scale needs
+// its updated amax). The strips are whole rows of the block grid, so the codes, scales and
+// merged statistics are the quantize op's over the whole shard.
+absl::Status AdamWFp8Block(const AdamWArgs& k) {
+  const AdamWFp8Output& o = k.fp8;
+  const ScaleGrid grid = GetScaleGrid(Granularity::kBlock128x128, o.rows, o.cols);
+  QuantStats total;
+  for (int64_t r0 = 0; r0 < o.rows; r0 += grid.block_rows) {
+    const int64_t strip_rows = std::min(grid.block_rows, o.rows - r0);
+    const int64_t begin = r0 * o.cols, end = begin + strip_rows * o.cols;
+    for (int64_t i = begin; i < end; ++i) AdamWOne(k, i);
+    QuantizeArgs q;
+    q.format = o.format;
+    q.granularity = Granularity::kBlock128x128;
+    q.input = k.master + begin;
+    q.rows = strip_rows;
+    q.cols = o.cols;
+    q.margin = o.margin;
+    q.codes = o.codes + begin;
+    q.scale_inv = o.scale_inv + (r0 / grid.block_rows) * grid.cols;
+    QuantStats strip;
+    q.stats = &strip;
+    FP8RT_RETURN_IF_ERROR(cpu_internal::QuantizeCpu(q, Stream{}));
+    if (r0 == 0) {
+      total = strip;
+    } else {
+      total.Merge(strip);
+    }
+  }
+  *o.stats = total;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-void AdamWUpdate(const AdamWArgs& k) {
-  if (k.fp8_codes != nullptr) {
-    if (k.fp8_format == Fp8Format::kE5M2) {
-      AdamWFp8<Fp8Format::kE5M2>(k);
-    } else {
-      AdamWFp8<Fp8Format::kE4M3>(k);
-    }
-    return;
+absl::Status ValidateAdamWFp8Output(const AdamWFp8Output& o, int64_t count, const char* op) {
+  if (o.codes == nullptr) return absl::OkStatus();
+  if (o.stats == nullptr || o.scale_inv == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": fp8.stats or fp8.scale_inv is null"));
   }
-  for (int64_t i = 0; i < k.count; ++i) AdamWOne(k, i);
+  if (o.format != Fp8Format::kE4M3 && o.format != Fp8Format::kE5M2) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": fp8.format must be e4m3 or e5m2"));
+  }
+  if (!o.block) {
+    if (!(std::isfinite(o.scale) && o.scale > 0.0f)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(op, ": fp8.scale must be finite and > 0, got ", o.scale));
+    }
+    return absl::OkStatus();
+  }
+  if (o.rows <= 0 || o.cols <= 0 || o.rows > count / o.cols || o.rows * o.cols != count) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": fp8.rows x fp8.cols (", o.rows, " x ",
+                                                   o.cols, ") must be > 0 and equal count ",
+                                                   count, " with block scaling"));
+  }
+  if (o.margin < 0 || o.margin > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": fp8.margin must be in [0, 64], got ", o.margin));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AdamWUpdate(const AdamWArgs& k) {
+  if (k.fp8.codes == nullptr) {
+    for (int64_t i = 0; i < k.count; ++i) AdamWOne(k, i);
+    return absl::OkStatus();
+  }
+  if (k.fp8.block) return AdamWFp8Block(k);
+  if (k.fp8.format == Fp8Format::kE5M2) {
+    AdamWFp8Tensor<Fp8Format::kE5M2>(k);
+  } else {
+    AdamWFp8Tensor<Fp8Format::kE4M3>(k);
+  }
+  return absl::OkStatus();
 }
 
 double SumOfSquares(const float* x, int64_t count) {
@@ -550,20 +615,8 @@ absl::Status AdamWEntry(const AdamWArgs& args, Stream) {
       (args.master == nullptr || args.grad == nullptr || args.m == nullptr || args.v == nullptr)) {
     return absl::InvalidArgumentError("adamw: a null master, grad, m or v pointer");
   }
-  if (args.fp8_codes != nullptr) {
-    if (args.fp8_stats == nullptr || args.fp8_scale_inv == nullptr) {
-      return absl::InvalidArgumentError("adamw: fp8_stats or fp8_scale_inv is null");
-    }
-    if (args.fp8_format != Fp8Format::kE4M3 && args.fp8_format != Fp8Format::kE5M2) {
-      return absl::InvalidArgumentError("adamw: fp8_format must be e4m3 or e5m2");
-    }
-    if (!(std::isfinite(args.fp8_scale) && args.fp8_scale > 0.0f)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("adamw: fp8_scale must be finite and > 0, got ", args.fp8_scale));
-    }
-  }
-  AdamWUpdate(args);
-  return absl::OkStatus();
+  FP8RT_RETURN_IF_ERROR(ValidateAdamWFp8Output(args.fp8, args.count, "adamw"));
+  return AdamWUpdate(args);
 }
 absl::Status SynchronizeEntry(Stream) { return absl::OkStatus(); }
 absl::StatusOr<void*> AllocateEntry(size_t bytes) {

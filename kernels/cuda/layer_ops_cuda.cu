@@ -644,26 +644,27 @@ absl::Status AdamWEntry(const AdamWArgs& args, Stream stream) {
   if (args.count == 0) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(CheckPointers(
       kOp, {{"master", args.master}, {"grad", args.grad}, {"m", args.m}, {"v", args.v}}));
-  if (args.fp8_codes != nullptr && (args.fp8_stats == nullptr || args.fp8_scale_inv == nullptr)) {
-    return absl::InvalidArgumentError("adamw: fp8_stats or fp8_scale_inv is null");
-  }
+  FP8RT_RETURN_IF_ERROR(ValidateAdamWFp8Output(args.fp8, args.count, kOp));
   FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(args.count));
   FP8RT_RETURN_IF_ERROR(Launch(AdamWKernel, grid, dim3(kThreads), stream, args));
-  if (args.fp8_codes == nullptr) return absl::OkStatus();
-  // The FP8 shard: on the GPU a second kernel (the tensor quantize) over the updated master,
-  // queued on the same stream; not yet one fused pass as on the CPU. Same codes and statistics.
+  const AdamWFp8Output& o = args.fp8;
+  if (o.codes == nullptr) return absl::OkStatus();
+  // The FP8 shard: on the GPU a second kernel (the tensor or 128x128 block quantize) over the
+  // updated master, queued on the same stream; not yet one fused pass as on the CPU. Same codes,
+  // scales and statistics.
   QuantizeArgs q;
-  q.format = args.fp8_format;
+  q.format = o.format;
   q.input_type = InputType::kF32;
-  q.granularity = Granularity::kTensor;
+  q.granularity = o.block ? Granularity::kBlock128x128 : Granularity::kTensor;
   q.input = args.master;
-  q.rows = 1;
-  q.cols = args.count;
-  q.has_scale = true;
-  q.scale = args.fp8_scale;
-  q.codes = args.fp8_codes;
-  q.scale_inv = args.fp8_scale_inv;
-  q.stats = args.fp8_stats;
+  q.rows = o.block ? o.rows : 1;
+  q.cols = o.block ? o.cols : args.count;
+  q.has_scale = !o.block;
+  q.scale = o.scale;
+  q.margin = o.margin;
+  q.codes = o.codes;
+  q.scale_inv = o.scale_inv;
+  q.stats = o.stats;
   return QuantizeCuda(q, stream);
 }
 

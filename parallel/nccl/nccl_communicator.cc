@@ -4,7 +4,9 @@
 // Index:
 //   ToNccl                  DType / ReduceOp -> NCCL enums
 //   WaitState               polls a communicator out of ncclInProgress (init, split, finalize)
-//   NcclCommunicator        Do* collectives, Finish (the deadline), Break (abort), teardown
+//   NcclCommunicator        Do* collectives, Finish and Poll (the deadline), Break (abort),
+//                           teardown
+//   NcclPendingAllGather    StartAllGather's handle: the side stream's all-gather
 //   NcclCommunicatorFactory Create (unique id over the bootstrap), Split (ncclCommSplit)
 //   CreateNcclCommunicatorFactory  Create as the interface (a stub without CUDA)
 #include "parallel/nccl/nccl_communicator.h"
@@ -61,8 +63,7 @@ class Staged {
     return absl::OkStatus();
   }
 
- private:
-  static bool DeviceAddressable(const void* p) {
+ static bool DeviceAddressable(const void* p) {
     cudaPointerAttributes a{};
     if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
       (void)cudaGetLastError();  // not a pointer CUDA knows: host memory
@@ -71,6 +72,7 @@ class Staged {
     return a.type != cudaMemoryTypeUnregistered;
   }
 
+ private:
   void* host_ = nullptr;
   void* staged_ = nullptr;
   size_t bytes_ = 0;
@@ -189,6 +191,8 @@ NcclCommunicator::~NcclCommunicator() {
     comm_ = nullptr;
   }
   if (barrier_buf_ != nullptr) (void)cudaFree(barrier_buf_);
+  if (side_done_ != nullptr) (void)cudaEventDestroy(side_done_);
+  if (side_ != nullptr) (void)cudaStreamDestroy(side_);
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
 }
 
@@ -209,6 +213,8 @@ absl::Status NcclCommunicator::Begin() {
         absl::StrCat("communicator is unusable after an earlier failure: ", broken_.message()));
   }
   CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  // After the side stream's last all-gather: one collective at a time, in call order.
+  if (side_done_ != nullptr) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, side_done_, 0));
   return absl::OkStatus();
 }
 
@@ -216,7 +222,13 @@ absl::Status NcclCommunicator::Finish(absl::Status enqueued, Clock::time_point d
                                       const char* what) {
   // A failed enqueue leaves a non-blocking communicator in an error state: it is not reusable.
   if (!enqueued.ok()) return Break(enqueued);
+  return Poll(nullptr, deadline, what);
+}
+
+absl::Status NcclCommunicator::Poll(CUevent_st* done, Clock::time_point deadline,
+                                    const char* what) {
   for (int64_t polls = 0;; ++polls) {
+    if (comm_ == nullptr) return broken_;  // aborted meanwhile (another handle's failure)
     ncclResult_t state = ncclInProgress;
     const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
     if (rc != ncclSuccess) {
@@ -225,17 +237,88 @@ absl::Status NcclCommunicator::Finish(absl::Status enqueued, Clock::time_point d
     if (state != ncclSuccess && state != ncclInProgress) {
       return Break(internal::NcclErrorStatus(state, what, __FILE__, __LINE__));
     }
-    // Only once NCCL has finished enqueueing (state ncclSuccess) does an idle stream mean done.
+    // Only once NCCL has finished enqueueing (state ncclSuccess) does an idle stream, or a
+    // completed event, mean done.
     if (state == ncclSuccess) {
-      const cudaError_t q = cudaStreamQuery(stream_);
+      const cudaError_t q = done != nullptr ? cudaEventQuery(done) : cudaStreamQuery(stream_);
       if (q == cudaSuccess) return absl::OkStatus();
       if (q != cudaErrorNotReady) {
-        return Break(internal::CudaErrorStatus(q, "cudaStreamQuery(stream_)", __FILE__, __LINE__));
+        return Break(internal::CudaErrorStatus(
+            q, done != nullptr ? "cudaEventQuery" : "cudaStreamQuery(stream_)", __FILE__,
+            __LINE__));
       }
     }
     if (Clock::now() >= deadline) return Break(Timeout(what, options_.timeout));
     Pause(polls);
   }
+}
+
+// StartAllGather's handle: owns the event recorded after the side stream's all-gather.
+class NcclPendingAllGather final : public PendingCollective {
+ public:
+  NcclPendingAllGather(NcclCommunicator* comm, cudaEvent_t done, Clock::time_point deadline)
+      : comm_(comm), done_(done), deadline_(deadline) {}
+  NcclPendingAllGather(const NcclPendingAllGather&) = delete;
+  NcclPendingAllGather& operator=(const NcclPendingAllGather&) = delete;
+  ~NcclPendingAllGather() override {
+    if (!waited_) (void)Wait();
+    (void)cudaEventDestroy(done_);
+  }
+  absl::Status Wait() override {
+    if (!waited_) {
+      waited_ = true;
+      status_ = comm_->Poll(done_, deadline_, "ncclAllGather (started)");
+    }
+    return status_;
+  }
+
+ private:
+  NcclCommunicator* const comm_;
+  const cudaEvent_t done_;
+  const Clock::time_point deadline_;
+  bool waited_ = false;
+  absl::Status status_;
+};
+
+absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllGather(
+    const void* send, int64_t count, void* recv, DType dtype) {
+  if (count == 0 || !Staged::DeviceAddressable(send) || !Staged::DeviceAddressable(recv)) {
+    return Communicator::DoStartAllGather(send, count, recv, dtype);  // blocking, staged
+  }
+  FP8RT_RETURN_IF_ERROR(Begin());
+  const auto deadline = Clock::now() + options_.timeout;
+  cudaEvent_t done = nullptr;
+  absl::Status status = [&]() -> absl::Status {
+    if (side_ == nullptr) {
+      CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&side_done_, cudaEventDisableTiming));
+    }
+    CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    // After the compute enqueued so far (legacy default stream) and this communicator's
+    // earlier collectives (main stream; the main stream already waits for the side stream's).
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(done, cudaStreamLegacy));
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, done, 0));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(done, stream_));
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, done, 0));
+    return absl::OkStatus();
+  }();
+  if (status.ok()) {
+    status = FP8RT_NCCL_ENQUEUE(ncclAllGather(send, recv, static_cast<size_t>(count),
+                                              ToNccl(dtype), comm_, side_));
+  }
+  if (status.ok()) {
+    status = [&]() -> absl::Status {
+      CUDA_RETURN_IF_ERROR(cudaEventRecord(done, side_));
+      CUDA_RETURN_IF_ERROR(cudaEventRecord(side_done_, side_));
+      return absl::OkStatus();
+    }();
+  }
+  if (!status.ok()) {
+    if (done != nullptr) (void)cudaEventDestroy(done);
+    return Break(status);
+  }
+  return std::unique_ptr<PendingCollective>(
+      std::make_unique<NcclPendingAllGather>(this, done, deadline));
 }
 
 absl::Status NcclCommunicator::DoAllReduce(void* buf, int64_t count, DType dtype, ReduceOp op) {

@@ -43,6 +43,7 @@
 // ncclComm_t is `ncclComm*` and cudaStream_t is `CUstream_st*`.
 struct ncclComm;
 struct CUstream_st;
+struct CUevent_st;
 
 namespace fp8rt::parallel {
 
@@ -76,9 +77,20 @@ class NcclCommunicator : public Communicator {
                            std::span<const int64_t> recv_displs, DType dtype) override;
   absl::Status DoBroadcast(void* buf, int64_t count, DType dtype, int root) override;
   absl::Status DoBarrier() override;
+  // FSDP's prefetch: the all-gather runs on the communicator's side stream, a non-blocking
+  // stream, so that the compute on the legacy default stream (the model's ops) overlaps it. It
+  // starts after the compute enqueued so far (the FP8 shard the optimizer wrote) and after this
+  // communicator's earlier collectives; the next collective on the main stream waits for it, so
+  // the communicator's collectives still run one at a time in the order they were called (the
+  // same on every rank). Wait() polls its completion event against the deadline, like Finish.
+  // Buffers that need staging (plain host memory) take the blocking path.
+  absl::StatusOr<std::unique_ptr<PendingCollective>> DoStartAllGather(const void* send,
+                                                                      int64_t count, void* recv,
+                                                                      DType dtype) override;
 
  private:
   friend class NcclCommunicatorFactory;
+  friend class NcclPendingAllGather;
 
   // Takes ownership of `comm`, an initialised NCCL communicator on `device`; on error aborts it.
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Wrap(std::string name, int device,
@@ -94,6 +106,10 @@ class NcclCommunicator : public Communicator {
   // `what` names the NCCL call in errors.
   absl::Status Finish(absl::Status enqueued, std::chrono::steady_clock::time_point deadline,
                       const char* what);
+  // Polls until `done` (an event; null: the main stream) has completed, NCCL reports an error or
+  // the deadline passes; aborts the communicator on any failure.
+  absl::Status Poll(CUevent_st* done, std::chrono::steady_clock::time_point deadline,
+                    const char* what);
   // Aborts the NCCL communicator and remembers why.
   absl::Status Break(absl::Status why);
   // The NCCL communicator, for ncclCommSplit; null once aborted.
@@ -103,6 +119,8 @@ class NcclCommunicator : public Communicator {
   const NcclOptions options_;      // fixed after construction
   ncclComm* comm_;                 // owned; null once aborted
   CUstream_st* stream_ = nullptr;  // owned
+  CUstream_st* side_ = nullptr;    // owned, non-blocking; created by the first StartAllGather
+  CUevent_st* side_done_ = nullptr;  // owned: recorded after the side stream's last collective
   void* barrier_buf_ = nullptr;    // owned device memory, one int32 for Barrier()
   absl::Status broken_;            // OK until the communicator is aborted
 };

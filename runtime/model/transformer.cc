@@ -446,13 +446,20 @@ absl::Status Transformer::QuantizeWeightShard(Param& p, float weight_scale) {
   FP8RT_RETURN_IF_ERROR(parallel::QuantizeFp8Shard(ops_, p.master.data(), shard_rows,
                                                    p.local_cols, cfg.format, block, weight_scale,
                                                    cfg.margin, &p.fp8_shard));
-  // The weight site's statistics of the step: this rank's shard, once per step (the amax is
-  // MAX-reduced over the ranks in SyncScaling).
-  p.linear->weight_site().Record(
-      p.fp8_shard.stats, block ? kernels::ComputeScale(p.fp8_shard.stats.amax, cfg.format,
-                                                       cfg.margin, cfg.power_of_two)
-                               : weight_scale);
+  RecordWeightShard(p, weight_scale);
   return absl::OkStatus();
+}
+
+// The weight site's statistics of the step: this rank's shard, once per step (the amax is
+// MAX-reduced over the ranks in SyncScaling). A block-scaled site records the scale its amax
+// gives.
+void Transformer::RecordWeightShard(Param& p, float weight_scale) {
+  const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
+  p.linear->weight_site().Record(
+      p.fp8_shard.stats, p.fp8_shard.block ? kernels::ComputeScale(p.fp8_shard.stats.amax,
+                                                                    cfg.format, cfg.margin,
+                                                                    cfg.power_of_two)
+                                            : weight_scale);
 }
 
 absl::Status Transformer::StartUnshard(size_t unit) {
@@ -606,23 +613,30 @@ void Transformer::AttachFp8Shards(std::span<train::ParamShard> shards) {
     p.fp8_shard_fresh = false;
     if (p.linear == nullptr || p.linear->precision() != GemmPrecision::kFp8) continue;
     const train::ScalingState& st = p.linear->weight_site().state();
-    if (st.config().strategy == train::ScalingStrategy::kBlock || st.UsesCurrentScaling()) {
-      continue;
-    }
+    const bool block = st.config().strategy == train::ScalingStrategy::kBlock;
+    if (!block && st.UsesCurrentScaling()) continue;  // BeginStep quantizes it
     parallel::Fp8Shard& f = p.fp8_shard;
     f.rows = p.local_rows / p.group->size();
     f.cols = p.local_cols;
-    f.block = false;
-    f.scale = st.scale();
+    f.block = block;
+    f.scale = block ? 1.0f : st.scale();
     f.codes.Reset(ops_, static_cast<size_t>(p.shard_count));
-    f.scale_inv.Reset(ops_, 1);
+    f.scale_inv.Reset(ops_, static_cast<size_t>(
+                                block ? kernels::GetScaleGrid(kernels::Granularity::kBlock128x128,
+                                                              f.rows, f.cols)
+                                            .size()
+                                      : 1));
     f.stats_out.Reset(ops_, 1);
-    train::ParamShard& s = shards[i];
-    s.fp8_codes = f.codes.data();
-    s.fp8_scale_inv = f.scale_inv.data();
-    s.fp8_stats = f.stats_out.data();
-    s.fp8_scale = f.scale;
-    s.fp8_format = st.config().format;
+    kernels::AdamWFp8Output& o = shards[i].fp8;
+    o.codes = f.codes.data();
+    o.scale_inv = f.scale_inv.data();
+    o.stats = f.stats_out.data();
+    o.format = st.config().format;
+    o.block = block;
+    o.scale = f.scale;
+    o.rows = f.rows;
+    o.cols = f.cols;
+    o.margin = st.config().margin;
     p.fp8_shard_fresh = true;
   }
 }
@@ -688,10 +702,11 @@ absl::Status Transformer::BeginStep() {
             ? kernels::ComputeScale(amaxes[static_cast<size_t>(it - current.begin())],
                                     cfg.format, cfg.margin, cfg.power_of_two)
             : p.linear->weight_site().state().scale();
-    if (p.fp8_shard_fresh && !p.fp8_shard.block && p.fp8_shard.scale == scale) {
-      // Written by the optimizer's update pass with this very scale (AttachFp8Shards).
+    if (p.fp8_shard_fresh && (p.fp8_shard.block || p.fp8_shard.scale == scale)) {
+      // Written by the optimizer's update pass (AttachFp8Shards): with its own block scales, or
+      // with this very tensor scale.
       p.fp8_shard.stats = p.fp8_shard.stats_out[0];
-      p.linear->weight_site().Record(p.fp8_shard.stats, scale);
+      RecordWeightShard(p, scale);
     } else {
       FP8RT_RETURN_IF_ERROR(QuantizeWeightShard(p, scale));
     }

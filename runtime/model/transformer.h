@@ -198,10 +198,13 @@ class Transformer {
 
   // Between the optimizer's skip decision and its update (after SyncScaling has set the next
   // step's scales): points the FP8 fields of shards[i] (params()[i]'s shard) at the FP8 shard of
-  // every tensor-scaled FP8 weight whose next scale is already known (delayed scaling with a
-  // history), so that the optimizer writes it in its update pass; BeginStep then uses those
-  // bytes as they are instead of quantizing again. Current and block scaling need the updated
-  // weight's amax first: BeginStep quantizes those (one pass over the shard, no gather).
+  // every FP8 weight whose scales the update pass can know: tensor scaling whose next scale is
+  // already known (delayed scaling with a history), and 128x128 block scaling (each block's
+  // scale comes from its own updated amax, inside the pass). The optimizer writes those shards
+  // in its update pass; BeginStep then uses the bytes as they are instead of quantizing again.
+  // Current tensor scaling needs the amax of the whole updated weight over every rank first:
+  // BeginStep quantizes those (one MAX over the world, then one pass over each shard, no
+  // gather).
   // Call it only for a step the optimizer will apply.
   void AttachFp8Shards(std::span<train::ParamShard> shards);
 
@@ -249,6 +252,7 @@ class Transformer {
   absl::Status BeginUnitGrads(size_t unit);   // zeroed full gradients for the unit's backward
   absl::Status ReduceUnitGrads(size_t unit);  // reduce-scatter into the shards, then free
   absl::Status QuantizeWeightShard(Param& p, float weight_scale);
+  void RecordWeightShard(Param& p, float weight_scale);  // the weight site's statistics
   absl::Status AllReduceTp(float* buf, int64_t count);
   LinearContext Ctx();
 

@@ -34,9 +34,9 @@ absl::Status ValidateShard(const ParamShard& s) {
         absl::StrCat("parameter shard '", s.name, "': ", s.count,
                      " elements but a null master, grad, m or v pointer"));
   }
-  if (s.fp8_codes != nullptr && (s.fp8_scale_inv == nullptr || s.fp8_stats == nullptr)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parameter shard '", s.name, "': FP8 codes without their scale_inv or statistics"));
+  if (absl::Status st = kernels::ValidateAdamWFp8Output(s.fp8, s.count, "adamw"); !st.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("parameter shard '", s.name, "': ", st.message()));
   }
   return absl::OkStatus();
 }
@@ -181,11 +181,7 @@ absl::StatusOr<StepResult> AdamW::Apply(std::span<const ParamShard> shards,
     k.v = s.v;
     k.count = s.count;
     k.decay = s.decay ? decay : 0.0f;
-    k.fp8_codes = s.fp8_codes;
-    k.fp8_scale_inv = s.fp8_scale_inv;
-    k.fp8_stats = s.fp8_stats;
-    k.fp8_scale = s.fp8_scale;
-    k.fp8_format = s.fp8_format;
+    k.fp8 = s.fp8;
     FP8RT_RETURN_IF_ERROR(ops.adamw(k, {}));
   }
   // The caller reads the master weights next (checkpoints, the FSDP gather's host side).

@@ -30,6 +30,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/device_array.h"
+#include "kernels/layer_ops.h"
 #include "kernels/ops.h"
 #include "parallel/communicator.h"
 
@@ -75,14 +76,10 @@ struct ParamShard {
   // counted (a parameter replicated over tensor parallelism); a NaN or Inf in it still makes the
   // norm non-finite, so the step is still skipped everywhere.
   bool in_norm = true;
-  // Optional: this shard's FP8 copy (an FSDP FP8 weight shard), written in the same pass as the
-  // update (kernels::AdamWArgs): codes (count values), scale_inv (1 value) and the statistics of
-  // quantizing the updated master with tensor scale fp8_scale; backend memory. Null: none.
-  uint8_t* fp8_codes = nullptr;
-  float* fp8_scale_inv = nullptr;
-  kernels::QuantStats* fp8_stats = nullptr;
-  float fp8_scale = 1.0f;
-  kernels::Fp8Format fp8_format = kernels::Fp8Format::kE4M3;
+  // Optional: this shard's FP8 copy (an FSDP FP8 weight shard, tensor or 128x128 block scaled),
+  // written in the same pass as the update (kernels::AdamWFp8Output); backend memory. codes
+  // null: none.
+  kernels::AdamWFp8Output fp8{};
 };
 
 // What one Step() did.

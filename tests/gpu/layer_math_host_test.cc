@@ -133,7 +133,7 @@ void CheckAdamW(AdamWArgs k, std::vector<float> master, const std::vector<float>
   k.m = cpu_m.data();
   k.v = cpu_v.data();
   k.count = static_cast<int64_t>(grad.size());
-  AdamWUpdate(k);
+  ASSERT_TRUE(AdamWUpdate(k).ok());
   Mismatches mm;
   for (size_t i = 0; i < grad.size(); ++i) {
     dev::AdamWOne(k, grad[i], master[i], m[i], v[i]);

@@ -555,49 +555,64 @@ TEST_P(ElementwiseTest, AdamWIsBitForBit) {
   ExpectSameValues(Download<float>(d_v, sz), c_v, "v");
   ExpectBitsEqual(Download<float>(d_grad, sz), grad, "grad (read only)");
 
-  // With the FP8 shard written in the same step (E4M3 at a scale where the tails saturate and
-  // underflow): the codes, 1 / scale and the statistics match the CPU's exactly.
-  std::vector<float> f_master = master, f_m = m, f_v = v;
-  std::vector<uint8_t> c_codes(sz, 0);
-  float c_scale_inv = 0.0f;
-  kernels::QuantStats c_stats;
-  AdamWArgs fk = ck;
-  fk.master = f_master.data();
-  fk.m = f_m.data();
-  fk.v = f_v.data();
-  fk.fp8_codes = c_codes.data();
-  fk.fp8_scale_inv = &c_scale_inv;
-  fk.fp8_stats = &c_stats;
-  fk.fp8_scale = 4096.0f;
-  fk.fp8_format = kernels::Fp8Format::kE4M3;
-  ExpectOk(cpu_.adamw(fk, {}));
-  auto e_master = Upload(master);
-  auto e_m = Upload(m);
-  auto e_v = Upload(v);
-  auto e_codes = Upload(std::vector<uint8_t>(sz, 0));
-  auto e_scale_inv = Upload(std::vector<float>(1, 0.0f));
-  auto e_stats = Upload(std::vector<kernels::QuantStats>(1));
-  AdamWArgs ek = gk;
-  ek.master = e_master.f();
-  ek.m = e_m.f();
-  ek.v = e_v.f();
-  ek.fp8_codes = e_codes.as<uint8_t>();
-  ek.fp8_scale_inv = e_scale_inv.f();
-  ek.fp8_stats = e_stats.as<kernels::QuantStats>();
-  ek.fp8_scale = fk.fp8_scale;
-  ek.fp8_format = fk.fp8_format;
-  ExpectOk(gpu_->adamw(ek, stream()));
-  Sync();
-  ExpectSameValues(Download<float>(e_master, sz), f_master, "master (with FP8 shard)");
-  EXPECT_EQ(Download<uint8_t>(e_codes, sz), c_codes) << "FP8 shard codes";
-  ExpectBitsEqual(Download<float>(e_scale_inv, 1), std::vector<float>{c_scale_inv}, "scale_inv");
-  const kernels::QuantStats g_stats = Download<kernels::QuantStats>(e_stats, 1)[0];
-  EXPECT_EQ(std::bit_cast<uint32_t>(g_stats.amax), std::bit_cast<uint32_t>(c_stats.amax));
-  EXPECT_EQ(g_stats.count, c_stats.count);
-  EXPECT_EQ(g_stats.underflow, c_stats.underflow);
-  EXPECT_EQ(g_stats.subnormal, c_stats.subnormal);
-  EXPECT_EQ(g_stats.saturated, c_stats.saturated);
-  EXPECT_EQ(g_stats.nonfinite, c_stats.nonfinite);
+  // With the FP8 shard written in the same step: E4M3 at a tensor scale where the tails saturate
+  // and underflow, and 128x128 block scaling (the shard as rows x cols, a partial last strip
+  // where the size allows): the codes, the scale_inv values and the statistics match the CPU's
+  // exactly.
+  for (const bool block : {false, true}) {
+    SCOPED_TRACE(block ? "block scaling" : "tensor scaling");
+    kernels::AdamWFp8Output out{.format = kernels::Fp8Format::kE4M3, .block = block,
+                                .scale = 4096.0f};
+    if (block) {
+      out.rows = sz % 200 == 0 ? 200 : 1;
+      out.cols = static_cast<int64_t>(sz) / out.rows;
+      out.margin = 1;
+    }
+    const size_t n_scales =
+        block ? static_cast<size_t>(
+                    kernels::GetScaleGrid(kernels::Granularity::kBlock128x128, out.rows, out.cols)
+                        .size())
+              : 1;
+    std::vector<float> f_master = master, f_m = m, f_v = v;
+    std::vector<uint8_t> c_codes(sz, 0);
+    std::vector<float> c_scale_inv(n_scales, 0.0f);
+    kernels::QuantStats c_stats;
+    AdamWArgs fk = ck;
+    fk.master = f_master.data();
+    fk.m = f_m.data();
+    fk.v = f_v.data();
+    fk.fp8 = out;
+    fk.fp8.codes = c_codes.data();
+    fk.fp8.scale_inv = c_scale_inv.data();
+    fk.fp8.stats = &c_stats;
+    ExpectOk(cpu_.adamw(fk, {}));
+    auto e_master = Upload(master);
+    auto e_m = Upload(m);
+    auto e_v = Upload(v);
+    auto e_codes = Upload(std::vector<uint8_t>(sz, 0));
+    auto e_scale_inv = Upload(std::vector<float>(n_scales, 0.0f));
+    auto e_stats = Upload(std::vector<kernels::QuantStats>(1));
+    AdamWArgs ek = gk;
+    ek.master = e_master.f();
+    ek.m = e_m.f();
+    ek.v = e_v.f();
+    ek.fp8 = out;
+    ek.fp8.codes = e_codes.as<uint8_t>();
+    ek.fp8.scale_inv = e_scale_inv.f();
+    ek.fp8.stats = e_stats.as<kernels::QuantStats>();
+    ExpectOk(gpu_->adamw(ek, stream()));
+    Sync();
+    ExpectSameValues(Download<float>(e_master, sz), f_master, "master (with FP8 shard)");
+    EXPECT_EQ(Download<uint8_t>(e_codes, sz), c_codes) << "FP8 shard codes";
+    ExpectBitsEqual(Download<float>(e_scale_inv, n_scales), c_scale_inv, "scale_inv");
+    const kernels::QuantStats g_stats = Download<kernels::QuantStats>(e_stats, 1)[0];
+    EXPECT_EQ(std::bit_cast<uint32_t>(g_stats.amax), std::bit_cast<uint32_t>(c_stats.amax));
+    EXPECT_EQ(g_stats.count, c_stats.count);
+    EXPECT_EQ(g_stats.underflow, c_stats.underflow);
+    EXPECT_EQ(g_stats.subnormal, c_stats.subnormal);
+    EXPECT_EQ(g_stats.saturated, c_stats.saturated);
+    EXPECT_EQ(g_stats.nonfinite, c_stats.nonfinite);
+  }
 }
 
 // 1, a warp, a block and its neighbours, more than one wave of the persistent grid.

@@ -273,6 +273,46 @@ TEST_P(NcclMoveTest, AllGatherPlacesTheRankBlockUnchanged) {
             Communicator::Bytes(count, dtype));
 }
 
+// StartAllGather on device buffers runs on the side stream: it must see what the legacy default
+// stream wrote before it started (a memset enqueued just before), the main stream's next
+// collective must wait for it, and Wait() completes it. Two gathers in flight at once, then an
+// all-reduce on the main stream, then both waits: every result as its definition says. Host
+// buffers take the blocking path and give the same bytes.
+TEST_P(NcclMoveTest, StartedAllGatherIsOrderedAfterEarlierDeviceWork) {
+  const DType dtype = GetParam();
+  const int64_t count = 1 << 20;  // large enough that the memset is still running
+  const int64_t bytes = Communicator::Bytes(count, dtype);
+  DevicePtr send = ToDevice(Values(dtype, count, 8));
+  DevicePtr send2 = ToDevice(Values(dtype, count, 9));
+  DevicePtr recv = ToDevice(Sentinel(count, dtype));
+  DevicePtr recv2 = ToDevice(Sentinel(count, dtype));
+  ASSERT_NE(send, nullptr);
+  ASSERT_NE(recv2, nullptr);
+  ASSERT_EQ(cudaMemsetAsync(send.get(), 0x3C, static_cast<size_t>(bytes), cudaStreamLegacy),
+            cudaSuccess);
+  auto first = world().StartAllGather(send.get(), count, recv.get(), dtype);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = world().StartAllGather(send2.get(), count, recv2.get(), dtype);
+  ASSERT_TRUE(second.ok()) << second.status();
+  int32_t flag = 5;
+  ASSERT_TRUE(world().AllReduce(&flag, 1, DType::kI32, ReduceOp::kMax).ok());
+  EXPECT_EQ(flag, 5);
+  ASSERT_TRUE((*first)->Wait().ok());
+  ASSERT_TRUE((*second)->Wait().ok());
+  EXPECT_EQ(ToHost(recv, static_cast<size_t>(bytes)),
+            std::vector<uint8_t>(static_cast<size_t>(bytes), 0x3C));
+  EXPECT_EQ(ToHost(recv2, static_cast<size_t>(bytes)), Values(dtype, count, 9));
+  // Host buffers: staged, blocking, the same bytes.
+  const std::vector<uint8_t> input = Values(dtype, 300, 10);
+  std::vector<uint8_t> out = Sentinel(300, dtype);
+  auto host = world().StartAllGather(input.data(), 300, out.data(), dtype);
+  ASSERT_TRUE(host.ok()) << host.status();
+  ASSERT_TRUE((*host)->Wait().ok());
+  EXPECT_EQ(out, input);
+  EXPECT_EQ(world().stats().Bytes(CollectiveOp::kAllGather, dtype),
+            2 * bytes + Communicator::Bytes(300, dtype));
+}
+
 TEST_P(NcclMoveTest, AllToAllVHonoursDisplacements) {
   const DType dtype = GetParam();
   const int64_t send_total = 40, recv_total = 50, n = 25, send_displ = 9, recv_displ = 17;

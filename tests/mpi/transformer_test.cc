@@ -5,6 +5,7 @@
 #include "runtime/model/transformer.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -16,7 +17,9 @@
 #include "gtest/gtest.h"
 #include "kernels/memory_stats.h"
 #include "kernels/ops.h"
+#include "parallel/fp8_collectives.h"
 #include "parallel/mesh.h"
+#include "runtime/train/optimizer.h"
 #include "tests/mpi/mpi_test_env.h"
 
 namespace fp8rt::model {
@@ -277,6 +280,110 @@ TEST_P(SaveFp8Test, GradientsMatchTheFp32SavingPath) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, SaveFp8Test,
+                         ::testing::Values(train::ScalingStrategy::kDelayed,
+                                           train::ScalingStrategy::kCurrent,
+                                           train::ScalingStrategy::kBlock));
+
+// FSDP's FP8 weight shards come from the optimizer's update pass (AttachFp8Shards): with delayed
+// tensor scaling once the weight site has a history (step 2 on), with 128x128 block scaling from
+// the first step. Each shard written there must be, bit for bit, what quantizing the updated
+// master shard with the same scale (or the same blocks) gives: the codes, the scales and the
+// statistics. The next BeginStep uses those bytes (no second quantization) and the gathered
+// weights feed a pass with a finite loss. Current scaling is never written there (it needs the
+// updated weight's amax over every rank first).
+class OptimizerWrittenShardTest : public ::testing::TestWithParam<train::ScalingStrategy> {};
+
+TEST_P(OptimizerWrittenShardTest, EqualQuantizingTheUpdatedMaster) {
+  // d_model 256, d_ff 512: every FP8 weight's shard is whole 128-row blocks at dp 1 and 2.
+  const ModelShape shape = Shape(/*layers=*/2, /*d_model=*/256, /*d_ff=*/512, /*seq_len=*/16);
+  ModelRecipe recipe;  // fp8, fsdp_gather fp8
+  for (train::ScalingConfig* c : {&recipe.sites.input, &recipe.sites.weight,
+                                  &recipe.sites.grad_output}) {
+    c->strategy = GetParam();
+  }
+  const int world = Factory().World().size();
+  ModelUnderTest s = Build({.dp = world, .tp = 1, .ep = 1}, shape, recipe, /*seed=*/7,
+                           /*token_seed=*/3);
+  train::AdamW opt(train::AdamWConfig{.lr = 1e-2, .warmup = 0, .steps = 10});
+  const bool block = GetParam() == train::ScalingStrategy::kBlock;
+  bool ok = true;
+  for (int64_t step = 1; step <= 3; ++step) {
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    ASSERT_TRUE(s.model->BeginStep().ok());
+    const double loss = Loss(s);
+    EXPECT_TRUE(std::isfinite(loss));
+    ASSERT_TRUE(s.model->ReduceGrads().ok());
+    std::vector<train::ParamShard> shards;
+    for (Param& p : s.model->params()) {
+      shards.push_back(train::ParamShard{.name = p.name, .master = p.master.data(),
+                                         .grad = p.grad.data(), .m = p.m.data(),
+                                         .v = p.v.data(), .count = p.shard_count,
+                                         .decay = p.decay});
+    }
+    absl::StatusOr<train::StepResult> norm = opt.ComputeNorm(shards, step, &s.mesh->world());
+    ASSERT_TRUE(norm.ok()) << norm.status();
+    ASSERT_FALSE(norm->skipped);
+    ASSERT_TRUE(s.model->SyncScaling(Transformer::ScalingUpdate::kCommit).ok());
+    s.model->AttachFp8Shards(shards);
+    ASSERT_TRUE(opt.Apply(shards, *norm).ok());
+    int64_t written = 0, fp8_weights = 0;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      Param& p = s.model->params()[i];
+      if (p.linear == nullptr || p.linear->precision() != GemmPrecision::kFp8) continue;
+      ++fp8_weights;
+      if (shards[i].fp8.codes == nullptr) continue;
+      ++written;
+      const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
+      const parallel::Fp8Shard& got = p.fp8_shard;
+      parallel::Fp8Shard want;
+      ASSERT_TRUE(parallel::QuantizeFp8Shard(kernels::CpuOps(), p.master.data(), got.rows,
+                                             got.cols, cfg.format, block, got.scale, cfg.margin,
+                                             &want)
+                      .ok());
+      const bool same = std::equal(got.codes.begin(), got.codes.end(), want.codes.begin(),
+                                   want.codes.end()) &&
+                        std::equal(got.scale_inv.begin(), got.scale_inv.end(),
+                                   want.scale_inv.begin(), want.scale_inv.end(),
+                                   [](float a, float b) {
+                                     return std::bit_cast<uint32_t>(a) ==
+                                            std::bit_cast<uint32_t>(b);
+                                   });
+      const kernels::QuantStats& gs = got.stats_out[0];
+      const kernels::QuantStats& ws = want.stats;
+      const bool same_stats = std::bit_cast<uint32_t>(gs.amax) ==
+                                  std::bit_cast<uint32_t>(ws.amax) &&
+                              gs.count == ws.count && gs.underflow == ws.underflow &&
+                              gs.subnormal == ws.subnormal && gs.saturated == ws.saturated &&
+                              gs.nonfinite == ws.nonfinite;
+      if (!same || !same_stats) {
+        ok = false;
+        ADD_FAILURE() << p.name << ": the optimizer's FP8 shard differs from quantizing the "
+                      << "updated master (codes/scales " << same << ", stats " << same_stats
+                      << ")";
+      }
+      if (block) {
+        EXPECT_EQ(got.scale_inv.size(),
+                  static_cast<size_t>((got.rows / 128) * ((got.cols + 127) / 128)));
+      }
+    }
+    ASSERT_GT(fp8_weights, 0);
+    // Block scaling: every FP8 weight from step 1. Delayed: from step 2 (step 1's scales came
+    // from the weights themselves, with no history yet) -- or at least once a history exists.
+    if (block) {
+      EXPECT_EQ(written, fp8_weights);
+    } else if (GetParam() == train::ScalingStrategy::kCurrent) {
+      EXPECT_EQ(written, 0);
+    } else if (step >= 2) {
+      EXPECT_EQ(written, fp8_weights);
+    }
+  }
+  // The next step runs on the written shards.
+  ASSERT_TRUE(s.model->BeginStep().ok());
+  EXPECT_TRUE(std::isfinite(Loss(s)));
+  EXPECT_TRUE(AllRanksOk(ok));
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, OptimizerWrittenShardTest,
                          ::testing::Values(train::ScalingStrategy::kDelayed,
                                            train::ScalingStrategy::kCurrent,
                                            train::ScalingStrategy::kBlock));

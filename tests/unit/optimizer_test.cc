@@ -223,6 +223,15 @@ TEST(WeightDecayTest, AppliedToDecayShardsOnly) {
   ExpectNear(set.master(0), decayed0.theta, kRelTol, "decay shard");
 }
 
+void ExpectSameStats(const kernels::QuantStats& got, const kernels::QuantStats& want) {
+  EXPECT_EQ(Bits(got.amax), Bits(want.amax));
+  EXPECT_EQ(got.count, want.count);
+  EXPECT_EQ(got.underflow, want.underflow);
+  EXPECT_EQ(got.subnormal, want.subnormal);
+  EXPECT_EQ(got.saturated, want.saturated);
+  EXPECT_EQ(got.nonfinite, want.nonfinite);
+}
+
 // The FP8 copy written in the update's pass (FSDP's FP8 weight shard) is, bit for bit, what the
 // tensor quantize op (itself tested against cuda_fp8.h's conversion) makes of the updated master:
 // codes, scale_inv and every statistic, for both formats, with a scale at which some values
@@ -247,11 +256,8 @@ TEST(Fp8ShardTest, WrittenCodesEqualQuantizingTheUpdatedMaster) {
     const float scale = format == kernels::Fp8Format::kE4M3 ? 64.0f : 1024.0f;
     ParamShard s{.name = "w", .master = master.data(), .grad = grad.data(), .m = m.data(),
                  .v = v.data(), .count = n};
-    s.fp8_codes = codes.data();
-    s.fp8_scale_inv = &scale_inv;
-    s.fp8_stats = &stats;
-    s.fp8_scale = scale;
-    s.fp8_format = format;
+    s.fp8 = {.codes = codes.data(), .scale_inv = &scale_inv, .stats = &stats, .format = format,
+             .scale = scale};
     ParamShard plain{.name = "w", .master = master2.data(), .grad = grad.data(), .m = m2.data(),
                      .v = v2.data(), .count = n};
     AdamW fused(ConstantLr(1e-10, 0.1)), reference(ConstantLr(1e-10, 0.1));
@@ -278,12 +284,7 @@ TEST(Fp8ShardTest, WrittenCodesEqualQuantizingTheUpdatedMaster) {
     ASSERT_TRUE(kernels::CpuOps().quantize(q, {}).ok());
     EXPECT_EQ(codes, want);
     EXPECT_EQ(Bits(scale_inv), Bits(want_scale_inv));
-    EXPECT_EQ(Bits(stats.amax), Bits(want_stats.amax));
-    EXPECT_EQ(stats.count, want_stats.count);
-    EXPECT_EQ(stats.underflow, want_stats.underflow);
-    EXPECT_EQ(stats.subnormal, want_stats.subnormal);
-    EXPECT_EQ(stats.saturated, want_stats.saturated);
-    EXPECT_EQ(stats.nonfinite, want_stats.nonfinite);
+    ExpectSameStats(stats, want_stats);
     // The chosen values do exercise the counters.
     EXPECT_GT(want_stats.underflow, 0);
     EXPECT_GT(want_stats.saturated, 0);
@@ -294,11 +295,96 @@ TEST(Fp8ShardTest, WrittenCodesEqualQuantizingTheUpdatedMaster) {
   uint8_t c = 0;
   ParamShard bad{.name = "blocks.0.mlp.fc1/weight", .master = &x, .grad = &g, .m = &mm, .v = &vv,
                  .count = 1};
-  bad.fp8_codes = &c;
+  bad.fp8.codes = &c;
   AdamW opt(ConstantLr(1e-3, 0.0));
   const absl::StatusOr<StepResult> r = opt.Step(std::span<ParamShard>(&bad, 1), 1, nullptr);
   ASSERT_FALSE(r.ok());
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("blocks.0.mlp.fc1/weight"));
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("fp8.stats"));
+  EXPECT_EQ(x, 1.0f) << "a refused step changed the master";
+}
+
+// With 128x128 block scaling the update pass writes the codes, every block's scale_inv and the
+// statistics that the block quantize op makes of the updated master as a rows x cols matrix. The
+// shape has a partial last strip of rows (320 = 2.5 x 128) and a partial last column block
+// (200 = 128 + 72); the blocks' magnitudes differ by powers of two so that their scales differ,
+// one block is all zero (scale 1), and some values underflow within their block.
+TEST(Fp8ShardTest, BlockScaledCodesEqualBlockQuantizingTheUpdatedMaster) {
+  const int64_t rows = 320, cols = 200, n = rows * cols;
+  const kernels::ScaleGrid grid =
+      kernels::GetScaleGrid(kernels::Granularity::kBlock128x128, rows, cols);
+  for (const kernels::Fp8Format format : {kernels::Fp8Format::kE4M3, kernels::Fp8Format::kE5M2}) {
+    std::vector<float> master(n), grad(n), m(n, 0.0f), v(n, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t i = r * cols + c, b = (r / 128) * grid.cols + c / 128;
+        const bool zero_block = b == 1;
+        master[i] = zero_block ? 0.0f
+                               : ((i % 2) ? -1.0f : 1.0f) *
+                                     std::ldexp(1.0f + (i % 7) / 8.0f,
+                                                static_cast<int>(3 * b) - (i % 29 == 0 ? 40 : 4));
+        grad[i] = zero_block ? 0.0f : TestGrad(0, 1, static_cast<int>(i));
+      }
+    }
+    std::vector<float> master2 = master, m2 = m, v2 = v;
+    std::vector<uint8_t> codes(static_cast<size_t>(n), 0);
+    std::vector<float> scale_inv(static_cast<size_t>(grid.size()), 0.0f);
+    kernels::QuantStats stats;
+    ParamShard s{.name = "w", .master = master.data(), .grad = grad.data(), .m = m.data(),
+                 .v = v.data(), .count = n, .decay = false};
+    s.fp8 = {.codes = codes.data(), .scale_inv = scale_inv.data(), .stats = &stats,
+             .format = format, .block = true, .rows = rows, .cols = cols, .margin = 1};
+    ParamShard plain{.name = "w", .master = master2.data(), .grad = grad.data(), .m = m2.data(),
+                     .v = v2.data(), .count = n, .decay = false};
+    AdamW fused(ConstantLr(1e-12, 0.0)), reference(ConstantLr(1e-12, 0.0));
+    ASSERT_TRUE(fused.Step(std::span<ParamShard>(&s, 1), 1, nullptr).ok());
+    ASSERT_TRUE(reference.Step(std::span<ParamShard>(&plain, 1), 1, nullptr).ok());
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(Bits(master[i]), Bits(master2[i])) << i;
+
+    std::vector<uint8_t> want(static_cast<size_t>(n), 0);
+    std::vector<float> want_scale_inv(static_cast<size_t>(grid.size()), 0.0f);
+    kernels::QuantStats want_stats;
+    kernels::QuantizeArgs q;
+    q.format = format;
+    q.granularity = kernels::Granularity::kBlock128x128;
+    q.input = master.data();
+    q.rows = rows;
+    q.cols = cols;
+    q.margin = 1;
+    q.codes = want.data();
+    q.scale_inv = want_scale_inv.data();
+    q.stats = &want_stats;
+    ASSERT_TRUE(kernels::CpuOps().quantize(q, {}).ok());
+    EXPECT_EQ(codes, want);
+    for (int64_t b = 0; b < grid.size(); ++b) {
+      EXPECT_EQ(Bits(scale_inv[b]), Bits(want_scale_inv[b])) << "block " << b;
+    }
+    ExpectSameStats(stats, want_stats);
+    // The blocks' scales do differ, the zero block has scale 1, and something underflowed.
+    EXPECT_NE(Bits(want_scale_inv[0]), Bits(want_scale_inv[2]));
+    EXPECT_EQ(want_scale_inv[1], 1.0f);
+    EXPECT_GT(want_stats.underflow, 0);
+  }
+}
+
+// A block-scaled FP8 output whose shape does not match the shard is refused, naming the field and
+// the shard, before anything is written.
+TEST(Fp8ShardTest, BlockShapeMismatchIsRefused) {
+  std::vector<float> x(256, 1.0f), g(256, 1.0f), mm(256, 0.0f), vv(256, 0.0f);
+  std::vector<uint8_t> codes(256, 0);
+  std::vector<float> scale_inv(4, 0.0f);
+  kernels::QuantStats stats;
+  ParamShard s{.name = "blocks.3.attn.qkv/weight", .master = x.data(), .grad = g.data(),
+               .m = mm.data(), .v = vv.data(), .count = 256};
+  s.fp8 = {.codes = codes.data(), .scale_inv = scale_inv.data(), .stats = &stats,
+           .block = true, .rows = 128, .cols = 3};
+  AdamW opt(ConstantLr(1e-3, 0.0));
+  const absl::StatusOr<StepResult> r = opt.Step(std::span<ParamShard>(&s, 1), 1, nullptr);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("blocks.3.attn.qkv/weight"));
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("fp8.rows x fp8.cols (128 x 3)"));
+  EXPECT_EQ(x[0], 1.0f) << "a refused step changed the master";
+  EXPECT_EQ(opt.applied_steps(), 0);
 }
 
 // Apply with a skipped norm result changes nothing and counts no step.
