@@ -746,10 +746,13 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
                                                   "vocab >= 256, got ",
                                                   m.vocab()));
   }
-  if (d.format() == v1::RunSpec::Data::FORMAT_U16 && m.vocab() > 65536) {
-    return FieldError(
-        "model.vocab",
-        absl::StrCat("data.format u16 holds token ids < 65536, got vocab ", m.vocab()));
+  if ((d.format() == v1::RunSpec::Data::FORMAT_U16 ||
+       d.format() == v1::RunSpec::Data::FORMAT_LLMC) &&
+      m.vocab() > 65536) {
+    return FieldError("model.vocab",
+                      absl::StrCat("data.format ",
+                                   d.format() == v1::RunSpec::Data::FORMAT_U16 ? "u16" : "llmc",
+                                   " holds token ids < 65536, got vocab ", m.vocab()));
   }
 
   FP8RT_RETURN_IF_ERROR(

@@ -92,7 +92,8 @@ v1::RunSpec RunSpecDefaults();
 //   - train.warmup <= train.steps, train.min_lr <= train.lr
 //   - precision.margin in [0, 32], precision.amax_history_len in [1, 4096], exclude names
 //     non-empty
-//   - data.format text (byte-level tokens) needs model.vocab >= 256; u16 needs vocab <= 65536
+//   - data.format text (byte-level tokens) needs model.vocab >= 256; u16 and llmc need
+//     vocab <= 65536
 //   - data.path names an existing, readable regular file (the message names the path), unless
 //     `data_file` is kSkip (a process that never reads the data, such as the controller, which
 //     still requires data.path to be non-empty)

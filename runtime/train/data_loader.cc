@@ -23,6 +23,7 @@ inline uint32_t LoadToken(const uint8_t* p, TokenFormat format) {
     case TokenFormat::kText:
       return p[0];
     case TokenFormat::kU16:
+    case TokenFormat::kLlmc:
       return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8;
     case TokenFormat::kU32:
       return static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
@@ -45,6 +46,47 @@ uint64_t FirstTokenOutOfRange(const uint8_t* data, uint64_t count, TokenFormat f
 
 std::string ErrnoText(int err) { return std::strerror(err); }
 
+int32_t LoadInt32(const uint8_t* p) {
+  return static_cast<int32_t>(LoadToken(p, TokenFormat::kU32));
+}
+
+// llm.c's header (kLlmcMagic): read with pread before the mapping, so that a file that is not a
+// token file is refused before anything else is read. DataLoss naming the file and the field.
+absl::Status CheckLlmcHeader(int fd, size_t bytes, const std::string& what) {
+  if (bytes < kLlmcHeaderBytes) {
+    return absl::DataLossError(absl::StrCat(what, ": llmc header: the file is ", bytes,
+                                            " bytes, shorter than the ", kLlmcHeaderBytes,
+                                            "-byte header"));
+  }
+  uint8_t head[12];
+  if (::pread(fd, head, sizeof(head), 0) != static_cast<ssize_t>(sizeof(head))) {
+    return absl::DataLossError(
+        absl::StrCat(what, ": llmc header: cannot read it: ", ErrnoText(errno)));
+  }
+  const int32_t magic = LoadInt32(head), version = LoadInt32(head + 4),
+                count = LoadInt32(head + 8);
+  if (magic != kLlmcMagic) {
+    return absl::DataLossError(absl::StrCat(what, ": llmc header: magic is ", magic,
+                                            ", expected ", kLlmcMagic,
+                                            " (not an llm.c token file?)"));
+  }
+  if (version != kLlmcVersion) {
+    return absl::DataLossError(absl::StrCat(what, ": llmc header: version is ", version,
+                                            ", expected ", kLlmcVersion, " (uint16 tokens)"));
+  }
+  const size_t body = bytes - kLlmcHeaderBytes;
+  if (count < 0 || static_cast<uint64_t>(count) * 2 != body) {
+    return absl::DataLossError(absl::StrCat(
+        what, ": llmc header: token count is ", count, ", but the ", body,
+        " bytes after the header hold ", body / 2, " uint16 tokens",
+        body % 2 != 0 ? " and a partial one" : ""));
+  }
+  if (count == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": llmc file holds no tokens"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 std::string_view TokenFormatName(TokenFormat format) {
@@ -55,16 +97,20 @@ std::string_view TokenFormatName(TokenFormat format) {
       return "u16";
     case TokenFormat::kU32:
       return "u32";
+    case TokenFormat::kLlmc:
+      return "llmc";
   }
   return "?";
 }
 
 absl::StatusOr<TokenFormat> ParseTokenFormat(std::string_view name) {
-  for (TokenFormat f : {TokenFormat::kText, TokenFormat::kU16, TokenFormat::kU32}) {
+  for (TokenFormat f :
+       {TokenFormat::kText, TokenFormat::kU16, TokenFormat::kU32, TokenFormat::kLlmc}) {
     if (name == TokenFormatName(f)) return f;
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown data format '", std::string(name), "' (expected text, u16 or u32)"));
+  return absl::InvalidArgumentError(absl::StrCat("unknown data format '",
+                                                 std::string(name.substr(0, 64)),
+                                                 "' (expected text, u16, u32 or llmc)"));
 }
 
 size_t TokenBytes(TokenFormat format) {
@@ -72,6 +118,7 @@ size_t TokenBytes(TokenFormat format) {
     case TokenFormat::kText:
       return 1;
     case TokenFormat::kU16:
+    case TokenFormat::kLlmc:
       return 2;
     case TokenFormat::kU32:
       return 4;
@@ -112,7 +159,15 @@ absl::StatusOr<std::unique_ptr<TokenDataset>> TokenDataset::Open(const std::stri
     ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat(what, ": file is empty"));
   }
-  if (bytes % width != 0) {
+  const size_t header = format == TokenFormat::kLlmc ? kLlmcHeaderBytes : 0;
+  if (header > 0) {
+    absl::Status checked = CheckLlmcHeader(fd, bytes, what);
+    if (!checked.ok()) {
+      ::close(fd);
+      return checked;
+    }
+  }
+  if ((bytes - header) % width != 0) {
     ::close(fd);
     return absl::DataLossError(
         absl::StrCat(what, ": size ", bytes, " bytes is not a multiple of the ", width, "-byte ",
@@ -134,21 +189,23 @@ absl::StatusOr<std::unique_ptr<TokenDataset>> TokenDataset::Open(const std::stri
   if (bad != dataset->size_) {
     return absl::DataLossError(absl::StrCat(
         what, ": token ", LoadToken(dataset->data_ + bad * width, format), " at byte offset ",
-        bad * width, " (token ", bad, ") is not below vocab ", vocab));
+        header + bad * width, " (token ", bad, ") is not below vocab ", vocab));
   }
   return dataset;
 }
 
-TokenDataset::TokenDataset(std::string path, TokenFormat format, int32_t vocab, const uint8_t* data,
+TokenDataset::TokenDataset(std::string path, TokenFormat format, int32_t vocab, const uint8_t* map,
                            size_t bytes)
     : path_(std::move(path)),
       format_(format),
       vocab_(vocab),
-      data_(data),
+      map_(map),
       bytes_(bytes),
-      size_(bytes / TokenBytes(format)) {}
+      data_(map + (format == TokenFormat::kLlmc ? kLlmcHeaderBytes : 0)),
+      size_((bytes - (format == TokenFormat::kLlmc ? kLlmcHeaderBytes : 0)) /
+            TokenBytes(format)) {}
 
-TokenDataset::~TokenDataset() { ::munmap(const_cast<uint8_t*>(data_), bytes_); }
+TokenDataset::~TokenDataset() { ::munmap(const_cast<uint8_t*>(map_), bytes_); }
 
 int32_t TokenDataset::token(uint64_t i) const {
   FP8RT_CHECK(i < size_) << "token " << i << " past the end of " << path_ << " (" << size_
@@ -168,6 +225,7 @@ void TokenDataset::Read(uint64_t begin, std::span<int32_t> out) const {
       for (size_t i = 0; i < out.size(); ++i) out[i] = p[i];
       break;
     case TokenFormat::kU16:
+    case TokenFormat::kLlmc:
       for (size_t i = 0; i < out.size(); ++i) {
         out[i] = static_cast<int32_t>(LoadToken(p + 2 * i, TokenFormat::kU16));
       }

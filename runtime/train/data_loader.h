@@ -2,7 +2,8 @@
 //
 // Defines:
 //   TokenFormat        kText (one token per byte, 0..255), kU16 / kU32 (flat little-endian token
-//                      files with no header: the nanoGPT / llm.c convention).
+//                      files with no header, as nanoGPT's .bin files), kLlmc (llm.c's token
+//                      file: a 1024-byte header, then uint16 tokens; see kLlmcMagic).
 //   TokenDataset       an opened, validated corpus, memory-mapped read-only.
 //   DataLoaderOptions  seq_len, micro_batch and the DP layout.
 //   DataLoader         hands rank r its micro-batches, deterministically, from a uint64 position
@@ -40,16 +41,26 @@
 
 namespace fp8rt::train {
 
-enum class TokenFormat : uint8_t { kText, kU16, kU32 };
+enum class TokenFormat : uint8_t { kText, kU16, kU32, kLlmc };
 
-std::string_view TokenFormatName(TokenFormat format);  // "text", "u16", "u32"
+std::string_view TokenFormatName(TokenFormat format);  // "text", "u16", "u32", "llmc"
 absl::StatusOr<TokenFormat> ParseTokenFormat(std::string_view name);
-size_t TokenBytes(TokenFormat format);  // bytes per token on disk: 1, 2, 4
+size_t TokenBytes(TokenFormat format);  // bytes per token on disk: 1, 2, 4, 2
+
+// llm.c's token file (its dev/data scripts write it; its dataloader reads it): a header of 256
+// little-endian int32 values -- [0] the magic 20240520, [1] the version 1 (uint16 tokens), [2]
+// the token count, the rest unused -- then exactly that many little-endian uint16 tokens.
+inline constexpr int32_t kLlmcMagic = 20240520;
+inline constexpr int32_t kLlmcVersion = 1;
+inline constexpr size_t kLlmcHeaderBytes = 256 * 4;
 
 class TokenDataset {
  public:
   // Maps `path` and checks it: a non-empty regular file whose size is a multiple of the token
   // size, every token < vocab (vocab in [1, 2^31 - 1]). Reads the whole file once to validate.
+  // kLlmc: the header is checked first (DataLoss naming the file and the field: magic, version,
+  // token count, which must match the bytes after the header, or a file shorter than the header)
+  // and the tokens follow it.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<TokenDataset>> Open(const std::string& path,
                                                                           TokenFormat format,
                                                                           int32_t vocab);
@@ -69,15 +80,16 @@ class TokenDataset {
   void Read(uint64_t begin, std::span<int32_t> out) const;
 
  private:
-  TokenDataset(std::string path, TokenFormat format, int32_t vocab, const uint8_t* data,
+  TokenDataset(std::string path, TokenFormat format, int32_t vocab, const uint8_t* map,
                size_t bytes);
 
   // All fixed at Open.
   const std::string path_;
   const TokenFormat format_;
   const int32_t vocab_;
-  const uint8_t* const data_;  // the mapping, bytes_ long; unmapped by the destructor
+  const uint8_t* const map_;   // the mapping, bytes_ long; unmapped by the destructor
   const size_t bytes_;
+  const uint8_t* const data_;  // the first token: map_ past the header (kLlmc), else map_
   const uint64_t size_;  // tokens
 };
 

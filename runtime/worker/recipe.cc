@@ -62,6 +62,8 @@ train::TokenFormat FormatFromSpec(const RunSpec& spec) {
       return train::TokenFormat::kU16;
     case RunSpec::Data::FORMAT_U32:
       return train::TokenFormat::kU32;
+    case RunSpec::Data::FORMAT_LLMC:
+      return train::TokenFormat::kLlmc;
     default:
       return train::TokenFormat::kText;
   }

@@ -1,6 +1,9 @@
 // Tests of runtime/train/data_loader.h. Every corpus is written here byte by byte, so each
 // expected token, window and error offset is known from the test's own arithmetic:
 //   - text, u16 and u32 files read back as the tokens written (little-endian, no header);
+//   - llm.c token files (llmc): the header written here from llm.c's definition (256 int32:
+//     magic 20240520, version 1, token count) is checked field by field, and the tokens after it
+//     read back as written;
 //   - a micro-batch is B rows of T + 1 consecutive tokens; targets are inputs shifted by one;
 //   - DP ranks read distinct windows at each position, cover the windows without overlap, and
 //     an epoch visits every window once;
@@ -63,6 +66,26 @@ class DataLoaderTest : public ::testing::Test {
       for (int s = 0; s < 32; s += 8) bytes.push_back(static_cast<char>((t >> s) & 0xff));
     }
     return WriteBytes(name, bytes);
+  }
+  // llm.c's token file: int32 header[256] = {magic, version, count, 0...}, little-endian, then
+  // the uint16 tokens; `extra` bytes appended after them (a corrupt file).
+  std::string WriteLlmc(const std::string& name, const std::vector<uint32_t>& tokens,
+                        int32_t magic = 20240520, int32_t version = 1, int64_t count = -1,
+                        const std::string& extra = "") {
+    std::string bytes;
+    int32_t header[256] = {};
+    header[0] = magic;
+    header[1] = version;
+    header[2] = static_cast<int32_t>(count >= 0 ? count : static_cast<int64_t>(tokens.size()));
+    for (int32_t h : header) {
+      const uint32_t u = static_cast<uint32_t>(h);
+      for (int s = 0; s < 32; s += 8) bytes.push_back(static_cast<char>((u >> s) & 0xff));
+    }
+    for (uint32_t t : tokens) {
+      bytes.push_back(static_cast<char>(t & 0xff));
+      bytes.push_back(static_cast<char>((t >> 8) & 0xff));
+    }
+    return WriteBytes(name, bytes + extra);
   }
   // A u32 corpus whose token i is i: a batch's first token names its window.
   std::string WriteIota(const std::string& name, uint32_t n) {
@@ -141,8 +164,59 @@ TEST_F(DataLoaderTest, U32FileGivesTheTokensWritten) {
   EXPECT_EQ(dataset->token(3), 16909060);
 }
 
+TEST_F(DataLoaderTest, LlmcFileGivesTheTokensAfterItsHeader) {
+  const std::vector<uint32_t> tokens = {0, 1, 50256, 0x1234, 65535, 7, 8, 9};
+  auto dataset = OpenOrDie(WriteLlmc("train.bin", tokens), TokenFormat::kLlmc, 65536);
+  ASSERT_NE(dataset, nullptr);
+  EXPECT_EQ(dataset->size(), 8u);
+  EXPECT_THAT(Tokens(*dataset), ElementsAre(0, 1, 50256, 0x1234, 65535, 7, 8, 9));
+  EXPECT_EQ(dataset->token(3), 0x1234);
+  // Batches come from the tokens, never from the header.
+  DataLoader loader = LoaderOrDie(dataset, /*seq_len=*/3, /*micro_batch=*/1, 1, 0);
+  EXPECT_THAT(Next(loader), ElementsAre(0, 1, 50256, 0x1234));
+  // A token >= vocab is named by its byte offset in the file (past the 1024-byte header).
+  auto small = TokenDataset::Open(WriteLlmc("v.bin", tokens), TokenFormat::kLlmc, 50000);
+  ASSERT_FALSE(small.ok());
+  EXPECT_THAT(small.status().message(), HasSubstr("token 50256 at byte offset 1028 (token 2)"));
+}
+
+TEST_F(DataLoaderTest, LlmcHeaderErrorsNameTheFileAndTheField) {
+  const std::vector<uint32_t> tokens = {1, 2, 3, 4};
+  struct Case {
+    std::string name, path, want;
+  };
+  const std::vector<Case> cases = {
+      {"magic", WriteLlmc("magic.bin", tokens, 20240521),
+       "llmc header: magic is 20240521, expected 20240520"},
+      {"version", WriteLlmc("version.bin", tokens, 20240520, 2),
+       "llmc header: version is 2, expected 1"},
+      {"count too large", WriteLlmc("count.bin", tokens, 20240520, 1, 5),
+       "llmc header: token count is 5, but the 8 bytes after the header hold 4 uint16 tokens"},
+      {"negative count", WriteLlmc("neg.bin", tokens, 20240520, 1, 0x80000000LL),
+       "llmc header: token count is -2147483648"},
+      {"partial token", WriteLlmc("odd.bin", tokens, 20240520, 1, 4, "x"),
+       "4 uint16 tokens and a partial one"},
+      {"short", WriteBytes("short.bin", std::string(1000, '\1')),
+       "llmc header: the file is 1000 bytes, shorter than the 1024-byte header"},
+      // A headerless u16 file given as llmc: its first tokens are read as the magic.
+      {"headerless", WriteU16("plain.bin", std::vector<uint32_t>(600, 7)),
+       "llmc header: magic is 458759"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto dataset = TokenDataset::Open(c.path, TokenFormat::kLlmc, 65536);
+    ASSERT_FALSE(dataset.ok());
+    EXPECT_EQ(dataset.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(dataset.status().message(), AllOf(HasSubstr(c.path), HasSubstr(c.want)));
+  }
+  auto empty = TokenDataset::Open(WriteLlmc("empty.bin", {}), TokenFormat::kLlmc, 65536);
+  ASSERT_FALSE(empty.ok());
+  EXPECT_THAT(empty.status().message(), HasSubstr("holds no tokens"));
+}
+
 TEST_F(DataLoaderTest, FormatNamesRoundTrip) {
-  for (TokenFormat f : {TokenFormat::kText, TokenFormat::kU16, TokenFormat::kU32}) {
+  for (TokenFormat f :
+       {TokenFormat::kText, TokenFormat::kU16, TokenFormat::kU32, TokenFormat::kLlmc}) {
     auto parsed = ParseTokenFormat(TokenFormatName(f));
     ASSERT_TRUE(parsed.ok());
     EXPECT_EQ(*parsed, f);
@@ -150,6 +224,8 @@ TEST_F(DataLoaderTest, FormatNamesRoundTrip) {
   EXPECT_EQ(TokenBytes(TokenFormat::kText), 1u);
   EXPECT_EQ(TokenBytes(TokenFormat::kU16), 2u);
   EXPECT_EQ(TokenBytes(TokenFormat::kU32), 4u);
+  EXPECT_EQ(TokenBytes(TokenFormat::kLlmc), 2u);
+  EXPECT_EQ(TokenFormatName(TokenFormat::kLlmc), "llmc");
   auto bad = ParseTokenFormat("u8");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(bad.status().message(), HasSubstr("'u8'"));

@@ -301,7 +301,7 @@ TEST(RunSpecTest, BadEnumListsTheChoices) {
   ExpectInvalid(Parse("precision:\n  amax_compute_algo: mean\n").status(),
                 {"precision.amax_compute_algo: expected one of max, most_recent, got 'mean'"});
   ExpectInvalid(Parse("data:\n  format: u8\n").status(),
-                {"data.format: expected one of text, u16, u32, got 'u8'"});
+                {"data.format: expected one of text, u16, u32, llmc, got 'u8'"});
   // The proto's zero value is not a choice.
   ExpectInvalid(Parse("precision:\n  scaling: unspecified\n").status(),
                 {"precision.scaling: expected one of delayed, current, block"});
@@ -416,6 +416,8 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
       {{"precision.amax_history_len=0"}, 1, {"precision.amax_history_len: must be in [1, 4096]"}},
       {{"precision.amax_history_len=4097"}, 1, {"precision.amax_history_len"}},
       {{"model.vocab=100"}, 1, {"model.vocab", "vocab >= 256"}},
+      {{"data.format=u16", "model.vocab=65537"}, 1, {"model.vocab", "u16 holds token ids"}},
+      {{"data.format=llmc", "model.vocab=65537"}, 1, {"model.vocab", "llmc holds token ids"}},
       {{"metrics.every=0"}, 1, {"metrics.every: must be positive"}},
       {{"data.path=" + dir.Path("missing.txt")}, 1, {"data.path", dir.Path("missing.txt")}},
       {{"data.path=" + dir.Path("")}, 1, {"data.path", "is a directory"}},
@@ -434,6 +436,7 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
   EXPECT_TRUE(
       ValidateWith(dir, {"model.d_model=256", "precision.scaling=block", "parallel.tp=2"}, 2).ok());
   EXPECT_TRUE(ValidateWith(dir, {"train.warmup=10", "train.min_lr=3e-4"}, 1).ok());
+  EXPECT_TRUE(ValidateWith(dir, {"data.format=llmc", "model.vocab=50257"}, 1).ok());
   // Outside fp8 mode nothing is gathered in FP8.
   EXPECT_TRUE(ValidateWith(dir,
                            {"model.d_model=66", "model.heads=2", "model.d_ff=64", "parallel.dp=4",
