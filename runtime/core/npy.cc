@@ -27,6 +27,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/string_view.h"
 #include "runtime/core/check.h"
+#include "runtime/core/file_io.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt {
@@ -445,66 +446,12 @@ absl::Status CheckDataSize(const Header& header, uint64_t available, absl::strin
   return absl::OkStatus();
 }
 
-// Closes a file descriptor on scope exit.
-class FdCloser {
- public:
-  explicit FdCloser(int fd) : fd_(fd) {}
-  ~FdCloser() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FdCloser(const FdCloser&) = delete;
-  FdCloser& operator=(const FdCloser&) = delete;
-  // Closes now and reports close()'s errno (0 on success).
-  int Close() {
-    if (fd_ < 0) return 0;
-    const int rc = ::close(fd_);
-    fd_ = -1;
-    return rc == 0 ? 0 : errno;
-  }
-
- private:
-  int fd_;
-};
-
-// Reads exactly `size` bytes at `offset`. Returns false with errno set on an I/O error, or with
-// errno == 0 when the file ended early (it shrank while being read).
-bool PreadFully(int fd, uint64_t offset, void* dst, size_t size) {
-  auto* out = static_cast<char*>(dst);
-  while (size > 0) {
-    const ssize_t n = ::pread(fd, out, size, static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      if (n == 0) errno = 0;
-      return false;
-    }
-    out += n;
-    offset += static_cast<uint64_t>(n);
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
 absl::Status ReadError(const std::string& path, absl::string_view what) {
   if (errno == 0) {
     return Invalid(path, absl::StrCat("truncated ", what, ": the file shrank while being read"));
   }
   const int error = errno;
   return absl::ErrnoToStatus(error, absl::StrCat(path, ": reading the ", what, " failed"));
-}
-
-bool WriteFully(int fd, const void* src, size_t size) {
-  const auto* in = static_cast<const char*>(src);
-  while (size > 0) {
-    const ssize_t n = ::write(fd, in, size);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      if (n == 0) errno = EIO;
-      return false;
-    }
-    in += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
 }
 
 // The version 1.0 preamble and header for an array, padded so that the data starts at a
@@ -655,33 +602,10 @@ absl::Status WriteNpy(const std::string& path, NpyDtype dtype, std::span<const i
   auto header = BuildHeader(dtype, shape);
   if (!header.ok()) return Invalid(path, header.status().message());
 
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat(path, ": cannot create ", tmp));
-  }
-  FdCloser closer(fd);
-  // Removes the temporary file and reports the errno of the step that failed.
-  const auto fail = [&](absl::string_view step) {
-    const int error = errno;
-    closer.Close();
-    ::unlink(tmp.c_str());
-    return absl::ErrnoToStatus(error, absl::StrCat(path, ": ", step, " failed"));
-  };
-  if (!WriteFully(fd, header->data(), header->size())) return fail("writing the header");
-  if (num_bytes > 0 && !WriteFully(fd, data, num_bytes)) return fail("writing the data");
-  // fsync before rename, so that after a crash the path holds either the old or the new file.
-  if (::fsync(fd) != 0) return fail("fsync");
-  if (const int error = closer.Close(); error != 0) {
-    ::unlink(tmp.c_str());
-    return absl::ErrnoToStatus(error, absl::StrCat(path, ": close failed"));
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    const int error = errno;
-    ::unlink(tmp.c_str());
-    return absl::ErrnoToStatus(error, absl::StrCat(path, ": renaming ", tmp, " into place failed"));
-  }
-  return absl::OkStatus();
+  const std::span<const std::byte> parts[] = {
+      std::as_bytes(std::span(header->data(), header->size())),
+      std::span(static_cast<const std::byte*>(data), num_bytes)};
+  return WriteFileAtomically(path, parts, path);
 }
 
 }  // namespace fp8rt
