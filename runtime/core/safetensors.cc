@@ -205,6 +205,9 @@ absl::Status ParseHeader(std::string_view text, uint64_t buffer_bytes, const std
     header = nlohmann::json::parse(text, cb);
   } catch (const nlohmann::json::parse_error& e) {
     return Invalid(file, absl::StrCat("the header is not valid JSON (at byte ", e.byte, ")"));
+  } catch (const nlohmann::json::exception& e) {
+    // out_of_range: a number that overflows (found by safetensors_fuzzer).
+    return Invalid(file, absl::StrCat("the header is not valid JSON (error ", e.id, ")"));
   }
   if (!duplicate.empty()) {
     return Invalid(file, absl::StrCat("the header has the key ", Quote(duplicate), " twice"));
