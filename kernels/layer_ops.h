@@ -7,9 +7,16 @@
 // Index (CPU reference):
 //   EmbeddingForward / EmbeddingBackward        token ids -> table rows; scatter-add of gradients
 //   RmsNormForward / RmsNormBackward            y = x * rstd * w; forward saves rstd per row
-//   AttentionForward / AttentionBackward        causal multi-head softmax(q k^T / sqrt(Dh)) v;
+//   LayerNormForward / LayerNormBackward        y = (x - mean) * rstd * w + b; forward saves mean
+//                                               and rstd per row
+//   BiasForward / BiasBackward                  out[n, :] += bias; column sums of the gradient
+//   RopeForward / RopeBackward                  rotary position embedding (Hugging Face rotate-half
+//                                               pairing), in place allowed; backward = transpose
+//   AttentionForward / AttentionBackward        causal grouped-query softmax(q k^T / sqrt(Dh)) v
+//                                               (Hkv kv heads shared by groups of query heads);
 //                                               forward saves the probabilities [B, H, T, T]
 //   GeluForward / GeluBackward                  tanh approximation
+//   SwigluForward / SwigluBackward              out = silu(gate) * up
 //   ResidualForward / ResidualBackward          out = a + b
 //   CrossEntropyForward / CrossEntropyBackward  mean over rows of -log softmax(logits)[target];
 //                                               forward saves the probabilities [N, V]
@@ -22,7 +29,9 @@
 // Numerics: all arithmetic in FP32 (DESIGN.md section 3 keeps embedding, norms, softmax and loss
 // out of FP8); softmaxes subtract the row maximum before exp. Sizes that do not match the spans,
 // and token ids or targets out of [0, V), are programming errors and abort (FP8RT_CHECK).
-// Outputs must not alias inputs, except ResidualForward's out, which may be a or b.
+// Outputs must not alias inputs, except ResidualForward's out, which may be a or b, and
+// RopeForward's out, which may be x. Positions: row n of an [N, ...] activation is at position
+// n % T (each micro-batch row is a sequence of T tokens starting at position 0).
 //
 // LayerOps (end of file) are the same ops as table entries taking raw pointers and a stream,
 // plus what the model and the optimizer need besides: fill, copy, transpose, the head split of
@@ -65,20 +74,64 @@ void RmsNormBackward(std::span<float> dx, std::span<float> dweight, std::span<co
                      std::span<const float> x, std::span<const float> weight,
                      std::span<const float> rstd, int64_t n, int64_t c);
 
-// ---- Causal multi-head attention core: q, k, v, out [B, T, H, Dh], probs [B, H, T, T] ----
+// ---- LayerNorm with bias: x, out [N, C], weight, bias [C], mean, rstd [N] ----
+
+// mean[n] = mean_c x[n, c];  rstd[n] = 1 / sqrt(mean_c (x[n, c] - mean[n])^2 + eps);
+// out[n, c] = (x[n, c] - mean[n]) * rstd[n] * weight[c] + bias[c]. mean and rstd are saved for
+// the backward. Both row sums run in c ascending.
+void LayerNormForward(std::span<float> out, std::span<float> mean, std::span<float> rstd,
+                      std::span<const float> x, std::span<const float> weight,
+                      std::span<const float> bias, int64_t n, int64_t c, float eps);
+// With xhat = (x - mean) * rstd and g = dout * weight:
+// dx += (g - mean_c(g) - xhat * mean_c(g * xhat)) * rstd;
+// dweight[c] += sum_n dout[n, c] * xhat[n, c];  dbias[c] += sum_n dout[n, c]  (n ascending;
+// accumulates into dx, dweight and dbias)
+void LayerNormBackward(std::span<float> dx, std::span<float> dweight, std::span<float> dbias,
+                       std::span<const float> dout, std::span<const float> x,
+                       std::span<const float> weight, std::span<const float> mean,
+                       std::span<const float> rstd, int64_t n, int64_t c);
+
+// ---- Bias: out, dout [N, C], bias [C] ----
+
+// out[n, c] += bias[c]  (in place: the bias of a GEMM's output)
+void BiasForward(std::span<float> out, std::span<const float> bias, int64_t n, int64_t c);
+// dbias[c] += dout[n, c] for n ascending  (accumulates into dbias)
+void BiasBackward(std::span<float> dbias, std::span<const float> dout, int64_t n, int64_t c);
+
+// ---- Rotary position embedding (RoPE): x, out [N, H, Dh], Dh even ----
+
+// Hugging Face's rotate-half pairing: channel i of a head is rotated with channel i + Dh/2. Row n
+// is at position p = n % t. For i in [0, Dh/2): inv_freq_i = theta^(-2i/Dh) and angle = p *
+// inv_freq_i are computed in double, cos(angle) and sin(angle) in double and then rounded to FP32;
+//   out[i] = x[i] * cos - x[i + Dh/2] * sin;  out[i + Dh/2] = x[i + Dh/2] * cos + x[i] * sin
+// in FP32 arithmetic. out may be x (in place). Position 0 is the identity.
+void RopeForward(std::span<float> out, std::span<const float> x, int64_t n, int64_t t, int64_t h,
+                 int64_t dh, float theta);
+// The transpose rotation of dout (the same cos and sin), accumulated:
+//   dx[i] += dout[i] * cos + dout[i + Dh/2] * sin;  dx[i + Dh/2] += dout[i + Dh/2] * cos -
+//   dout[i] * sin  (accumulates into dx, which must not alias dout)
+void RopeBackward(std::span<float> dx, std::span<const float> dout, int64_t n, int64_t t, int64_t h,
+                  int64_t dh, float theta);
+
+// ---- Causal grouped-query attention core: q, out [B, T, H, Dh], k, v [B, T, Hkv, Dh],
+//      probs [B, H, T, T] ----
+// Query head j attends with kv head j / (H / Hkv) (H % Hkv == 0): Hkv == H is multi-head
+// attention, Hkv == 1 multi-query attention.
 
 // For each (b, h) and query i:  p[i, j] = softmax_{j <= i}(q_i . k_j / sqrt(Dh)) (0 for j > i);
 // out_i = sum_{j <= i} p[i, j] v_j.  probs is saved for the backward.
 void AttentionForward(std::span<float> out, std::span<float> probs, std::span<const float> q,
                       std::span<const float> k, std::span<const float> v, int64_t b, int64_t t,
-                      int64_t h, int64_t dh);
+                      int64_t h, int64_t hkv, int64_t dh);
 // dp[i, j] = dout_i . v_j;  ds[i, j] = p[i, j] * (dp[i, j] - sum_j' p[i, j'] dp[i, j']);
 // dq_i += sum_j ds[i, j] k_j / sqrt(Dh);  dk_j += sum_i ds[i, j] q_i / sqrt(Dh);
-// dv_j += sum_i p[i, j] dout_i  (accumulates into dq, dk and dv)
+// dv_j += sum_i p[i, j] dout_i  (accumulates into dq, dk and dv). A kv head's dk and dv add the
+// contributions of its query heads in ascending order of the query head, each over i ascending.
 void AttentionBackward(std::span<float> dq, std::span<float> dk, std::span<float> dv,
                        std::span<const float> dout, std::span<const float> q,
                        std::span<const float> k, std::span<const float> v,
-                       std::span<const float> probs, int64_t b, int64_t t, int64_t h, int64_t dh);
+                       std::span<const float> probs, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                       int64_t dh);
 
 // ---- GELU, tanh approximation: x, out [N] ----
 
@@ -89,6 +142,16 @@ void GeluForward(std::span<float> out, std::span<const float> x, int64_t n);
 // (accumulates into dx)
 void GeluBackward(std::span<float> dx, std::span<const float> dout, std::span<const float> x,
                   int64_t n);
+
+// ---- SwiGLU: gate, up, out [N] ----
+
+// With s = sigmoid(gate) = 1 / (1 + exp(-gate)):  out = (gate * s) * up = silu(gate) * up
+void SwigluForward(std::span<float> out, std::span<const float> gate, std::span<const float> up,
+                   int64_t n);
+// dgate += (dout * up) * (s * (1 + gate * (1 - s)));  dup += dout * (gate * s)
+// (accumulates into dgate and dup)
+void SwigluBackward(std::span<float> dgate, std::span<float> dup, std::span<const float> dout,
+                    std::span<const float> gate, std::span<const float> up, int64_t n);
 
 // ---- Residual add: a, b, out [N] ----
 
@@ -170,10 +233,11 @@ absl::Status AdamWUpdate(const AdamWArgs& args);
 double SumOfSquares(const float* x, int64_t count);
 
 // Every entry checks its sizes (InvalidArgument naming the argument: negative sizes; a zero
-// channel count c, head size dh or vocabulary v with rows to process) and, on CUDA, that every
-// pointer is device memory, before anything runs. Zero rows (n, or b * t * h) is a valid call that
-// does nothing. Then it enqueues its work on `stream` (CPU:
-// runs it). Token ids and targets out of [0, V) are the caller's to prevent (the data loader
+// channel count c, head size dh or vocabulary v with rows to process; an odd RoPE dh, t <= 0 for
+// RoPE, a kv head count hkv that does not divide h) and its scalars (eps finite and >= 0, theta
+// finite and > 0) and, on CUDA, that every pointer is device memory, before anything runs. Zero
+// rows (n, or b * t * h) is a valid call that does nothing. Then it enqueues its work on `stream`
+// (CPU: runs it). Token ids and targets out of [0, V) are the caller's to prevent (the data loader
 // checks them against the vocabulary): the CPU entries abort on them, the CUDA entries' results
 // are unspecified. Reductions on CUDA use a fixed order (no floating-point atomics), so a result
 // depends only on the inputs and the device type: reruns and resumed runs are bit for bit the
@@ -195,16 +259,42 @@ struct LayerOps {
   absl::Status (*rmsnorm_backward)(float* dx, float* dweight, const float* dout, const float* x,
                                    const float* weight, const float* rstd, int64_t n, int64_t c,
                                    Stream stream);
+  // q, out, dq [B, T, H, Dh]; k, v, dk, dv [B, T, Hkv, Dh]; probs [B, H, T, T]. dk and dv
+  // accumulate a group's query heads in ascending order on both backends.
   absl::Status (*attention_forward)(float* out, float* probs, const float* q, const float* k,
-                                    const float* v, int64_t b, int64_t t, int64_t h, int64_t dh,
-                                    Stream stream);
+                                    const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                    int64_t dh, Stream stream);
   absl::Status (*attention_backward)(float* dq, float* dk, float* dv, const float* dout,
                                      const float* q, const float* k, const float* v,
                                      const float* probs, int64_t b, int64_t t, int64_t h,
-                                     int64_t dh, Stream stream);
+                                     int64_t hkv, int64_t dh, Stream stream);
   absl::Status (*gelu_forward)(float* out, const float* x, int64_t n, Stream stream);
   absl::Status (*gelu_backward)(float* dx, const float* dout, const float* x, int64_t n,
                                 Stream stream);
+  // LayerNormForward (mean and rstd saved per row). LayerNormBackward: dweight and dbias
+  // accumulate over the rows in a fixed order.
+  absl::Status (*layernorm_forward)(float* out, float* mean, float* rstd, const float* x,
+                                    const float* weight, const float* bias, int64_t n, int64_t c,
+                                    float eps, Stream stream);
+  absl::Status (*layernorm_backward)(float* dx, float* dweight, float* dbias, const float* dout,
+                                     const float* x, const float* weight, const float* mean,
+                                     const float* rstd, int64_t n, int64_t c, Stream stream);
+  // BiasForward (bit for bit on CUDA); BiasBackward: dbias accumulates over the rows in a fixed
+  // order. c == 0 is a valid empty call.
+  absl::Status (*bias_forward)(float* out, const float* bias, int64_t n, int64_t c, Stream stream);
+  absl::Status (*bias_backward)(float* dbias, const float* dout, int64_t n, int64_t c,
+                                Stream stream);
+  // RopeForward (out may be x) / RopeBackward on x, dx [n, h, dh], row r at position r % t. On
+  // CUDA cos and sin are computed in double on the device (the CPU's within an FP32 ulp).
+  absl::Status (*rope_forward)(float* out, const float* x, int64_t n, int64_t t, int64_t h,
+                               int64_t dh, float theta, Stream stream);
+  absl::Status (*rope_backward)(float* dx, const float* dout, int64_t n, int64_t t, int64_t h,
+                                int64_t dh, float theta, Stream stream);
+  // SwigluForward / SwigluBackward over n values (CUDA: the device expf).
+  absl::Status (*swiglu_forward)(float* out, const float* gate, const float* up, int64_t n,
+                                 Stream stream);
+  absl::Status (*swiglu_backward)(float* dgate, float* dup, const float* dout, const float* gate,
+                                  const float* up, int64_t n, Stream stream);
   // Bit for bit on CUDA.
   absl::Status (*residual_forward)(float* out, const float* a, const float* b, int64_t n,
                                    Stream stream);
@@ -227,13 +317,16 @@ struct LayerOps {
   // The same for bytes (FP8 codes: the transposed GEMM operands of the backward). Bit for bit.
   absl::Status (*transpose_bytes)(uint8_t* dst, const uint8_t* src, int64_t rows, int64_t cols,
                                   Stream stream);
-  // The fused QKV projection's columns are grouped by head: row r of qkv [n, heads * 3 * dh]
-  // holds, for head j, q (dh values), k, v. split_heads copies them into q, k, v [n, heads * dh]
-  // (head j at columns [j * dh, +dh)); join_heads is its inverse. Bit for bit on CUDA.
+  // The fused QKV projection's columns are grouped by kv head: row r of qkv
+  // [n, kv_heads * (q_per_kv + 2) * dh] holds, for kv head g, the q_per_kv query heads
+  // g * q_per_kv, ... (dh values each), then k_g (dh), then v_g (dh). split_heads copies them into
+  // q [n, kv_heads * q_per_kv * dh] (query head j at columns [j * dh, +dh)) and k, v
+  // [n, kv_heads * dh] (kv head g at [g * dh, +dh)); join_heads is its inverse. q_per_kv = 1 is
+  // the multi-head layout (q, k, v of each head). Bit for bit on CUDA.
   absl::Status (*split_heads)(float* q, float* k, float* v, const float* qkv, int64_t n,
-                              int64_t heads, int64_t dh, Stream stream);
+                              int64_t kv_heads, int64_t q_per_kv, int64_t dh, Stream stream);
   absl::Status (*join_heads)(float* qkv, const float* q, const float* k, const float* v, int64_t n,
-                             int64_t heads, int64_t dh, Stream stream);
+                             int64_t kv_heads, int64_t q_per_kv, int64_t dh, Stream stream);
 
   // *out = sum of x[i]^2 in FP64 (one double; device memory on CUDA). Non-finite exactly when
   // some x[i] is NaN or Inf. CUDA sums in a fixed tree order: both are within (count - 1) 2^-53

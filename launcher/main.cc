@@ -41,6 +41,16 @@ constexpr const char* kUsageHead =
     "                  [--out DIR]\n"
     "                  Kubernetes manifests (kustomization: controller, volume, token, spec,\n"
     "                  MPIJob) for the run, sized from its parallel.dp x parallel.tp\n";
+constexpr const char* kUsageModel =
+    "  export RUN_DIR [--step N] --out DIR [--dtype f32|bf16]\n"
+    "                  Hugging Face model.safetensors + config.json (GPT2LMHeadModel,\n"
+    "                  LlamaForCausalLM) from a checkpoint written at any layout\n"
+    "  eval (--run-dir DIR [--step N] | --weights F.safetensors --spec S) [--data F]\n"
+    "       [--format text|u16|u32|llmc] [--batches N] [--json]\n"
+    "                  mean loss over non-overlapping windows of seq_len + 1 tokens\n"
+    "  generate (--run-dir DIR | --weights F --spec S) --prompt TEXT --tokens N\n"
+    "           [--temperature T] [--top-k K] [--seed S]\n"
+    "                  sample a byte-level model; the same seed gives the same text\n";
 constexpr const char* kUsageTail =
     "  help            this text\n"
     "\n"
@@ -48,6 +58,7 @@ constexpr const char* kUsageTail =
 
 void PrintUsage(std::FILE* out) {
   std::fputs(kUsageHead, out);
+  std::fputs(kUsageModel, out);
   std::fputs(fp8rt::cli::kControlCommandsUsage, out);
   std::fputs(kUsageTail, out);
 }
@@ -59,11 +70,12 @@ std::filesystem::path SelfDir() {
   return ec ? std::filesystem::path() : self.parent_path();
 }
 
-int ExecSibling(const std::string& command, int argc, char** argv) {
+// Runs fp8rt-<command> with argv[first..] as its arguments.
+int ExecSibling(const std::string& command, int argc, char** argv, int first = 2) {
   const std::string program = "fp8rt-" + command;
   std::vector<char*> args;
   args.push_back(const_cast<char*>(program.c_str()));
-  for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+  for (int i = first; i < argc; ++i) args.push_back(argv[i]);
   args.push_back(nullptr);
   const std::filesystem::path sibling = SelfDir() / program;
   if (!sibling.empty() && access(sibling.c_str(), X_OK) == 0) {
@@ -90,6 +102,10 @@ int main(int argc, char** argv) {
   }
   if (command == "quantize" || command == "bench" || command == "launch" || command == "k8s") {
     return ExecSibling(command, argc, argv);
+  }
+  if (command == "export" || command == "eval" || command == "generate") {
+    // One program for the three (fp8rt-model), which takes the command as its first argument.
+    return ExecSibling("model", argc, argv, /*first=*/1);
   }
   if (fp8rt::cli::IsControlCommand(command)) return fp8rt::cli::RunControlCommand(argc, argv);
   std::fprintf(stderr, "fp8rt: unknown command '%s'\n\n", command.c_str());

@@ -105,21 +105,176 @@ void RmsNormBackward(std::span<float> dx, std::span<float> dweight, std::span<co
   }
 }
 
-// ---- Causal multi-head attention core ----
+// ---- LayerNorm ----
+
+void LayerNormForward(std::span<float> out, std::span<float> mean, std::span<float> rstd,
+                      std::span<const float> x, std::span<const float> weight,
+                      std::span<const float> bias, int64_t n, int64_t c, float eps) {
+  CheckSize(out, n * c, "layernorm out");
+  CheckSize(mean, n, "layernorm mean");
+  CheckSize(rstd, n, "layernorm rstd");
+  CheckSize(x, n * c, "layernorm x");
+  CheckSize(weight, c, "layernorm weight");
+  CheckSize(bias, c, "layernorm bias");
+  FP8RT_CHECK(c > 0) << "layernorm over 0 channels";
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x.data() + i * c;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < c; ++j) sum += xi[j];
+    const float m = sum / static_cast<float>(c);
+    // The variance about the mean already computed (two passes: no cancellation of E[x^2] - m^2).
+    float sum_sq = 0.0f;
+    for (int64_t j = 0; j < c; ++j) {
+      const float d = xi[j] - m;
+      sum_sq += d * d;
+    }
+    const float r = 1.0f / std::sqrt(sum_sq / static_cast<float>(c) + eps);
+    mean[i] = m;
+    rstd[i] = r;
+    for (int64_t j = 0; j < c; ++j) out[i * c + j] = (xi[j] - m) * r * weight[j] + bias[j];
+  }
+}
+
+void LayerNormBackward(std::span<float> dx, std::span<float> dweight, std::span<float> dbias,
+                       std::span<const float> dout, std::span<const float> x,
+                       std::span<const float> weight, std::span<const float> mean,
+                       std::span<const float> rstd, int64_t n, int64_t c) {
+  CheckSize(dx, n * c, "layernorm dx");
+  CheckSize(dweight, c, "layernorm dweight");
+  CheckSize(dbias, c, "layernorm dbias");
+  CheckSize(dout, n * c, "layernorm dout");
+  CheckSize(x, n * c, "layernorm x");
+  CheckSize(weight, c, "layernorm weight");
+  CheckSize(mean, n, "layernorm mean");
+  CheckSize(rstd, n, "layernorm rstd");
+  for (int64_t i = 0; i < n; ++i) {
+    const float* xi = x.data() + i * c;
+    const float* dyi = dout.data() + i * c;
+    const float m = mean[i];
+    const float r = rstd[i];
+    // mean_c(g) and mean_c(g * xhat), g = dout * weight: the gradient through mean and rstd.
+    float g_sum = 0.0f;
+    float gx_sum = 0.0f;
+    for (int64_t j = 0; j < c; ++j) {
+      const float xhat = (xi[j] - m) * r;
+      const float g = dyi[j] * weight[j];
+      g_sum += g;
+      gx_sum += g * xhat;
+    }
+    const float g_mean = g_sum / static_cast<float>(c);
+    const float gx_mean = gx_sum / static_cast<float>(c);
+    for (int64_t j = 0; j < c; ++j) {
+      const float xhat = (xi[j] - m) * r;
+      const float g = dyi[j] * weight[j];
+      dx[i * c + j] += (g - g_mean - xhat * gx_mean) * r;
+      dweight[j] += dyi[j] * xhat;
+      dbias[j] += dyi[j];
+    }
+  }
+}
+
+// ---- Bias ----
+
+void BiasForward(std::span<float> out, std::span<const float> bias, int64_t n, int64_t c) {
+  CheckSize(out, n * c, "bias out");
+  CheckSize(bias, c, "bias bias");
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < c; ++j) out[i * c + j] += bias[j];
+  }
+}
+
+void BiasBackward(std::span<float> dbias, std::span<const float> dout, int64_t n, int64_t c) {
+  CheckSize(dbias, c, "bias dbias");
+  CheckSize(dout, n * c, "bias dout");
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < c; ++j) dbias[j] += dout[i * c + j];
+  }
+}
+
+// ---- RoPE ----
+
+namespace {
+
+// cos and sin of position `pos` at frequency index i of a head of dh channels (kernels/layer_ops.h:
+// double, rounded once to FP32). kernels/cuda/layer_math.cuh's RopeCosSin is the same expression.
+void RopeCosSin(int64_t pos, int64_t i, int64_t dh, float theta, float& cos_out, float& sin_out) {
+  const double inv_freq =
+      std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(dh));
+  const double angle = static_cast<double>(pos) * inv_freq;
+  cos_out = static_cast<float>(std::cos(angle));
+  sin_out = static_cast<float>(std::sin(angle));
+}
+
+// The rotation of every head of every row, by (cos, sin) (kForward) or its transpose accumulated
+// into `out` (backward). In place is safe forward: each pair is read before it is written.
+template <bool kForward>
+void RopeRows(float* out, const float* in, int64_t n, int64_t t, int64_t h, int64_t dh,
+              float theta) {
+  const int64_t half = dh / 2;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t pos = r % t;
+    for (int64_t i = 0; i < half; ++i) {
+      float c, s;
+      RopeCosSin(pos, i, dh, theta, c, s);
+      for (int64_t hh = 0; hh < h; ++hh) {
+        const int64_t at = (r * h + hh) * dh + i;
+        const float a = in[at];
+        const float b = in[at + half];
+        if constexpr (kForward) {
+          out[at] = a * c - b * s;
+          out[at + half] = b * c + a * s;
+        } else {
+          out[at] += a * c + b * s;
+          out[at + half] += b * c - a * s;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void RopeForward(std::span<float> out, std::span<const float> x, int64_t n, int64_t t, int64_t h,
+                 int64_t dh, float theta) {
+  CheckSize(out, n * h * dh, "rope out");
+  CheckSize(x, n * h * dh, "rope x");
+  FP8RT_CHECK(dh % 2 == 0) << "rope head dim " << dh << " is odd";
+  FP8RT_CHECK(n == 0 || t > 0) << "rope sequence length " << t;
+  RopeRows<true>(out.data(), x.data(), n, t, h, dh, theta);
+}
+
+void RopeBackward(std::span<float> dx, std::span<const float> dout, int64_t n, int64_t t, int64_t h,
+                  int64_t dh, float theta) {
+  CheckSize(dx, n * h * dh, "rope dx");
+  CheckSize(dout, n * h * dh, "rope dout");
+  FP8RT_CHECK(dh % 2 == 0) << "rope head dim " << dh << " is odd";
+  FP8RT_CHECK(n == 0 || t > 0) << "rope sequence length " << t;
+  FP8RT_CHECK(dx.empty() || dx.data() != dout.data()) << "rope_backward: dx aliases dout";
+  RopeRows<false>(dx.data(), dout.data(), n, t, h, dh, theta);
+}
+
+// ---- Causal grouped-query attention core ----
 
 void AttentionForward(std::span<float> out, std::span<float> probs, std::span<const float> q,
                       std::span<const float> k, std::span<const float> v, int64_t b, int64_t t,
-                      int64_t h, int64_t dh) {
+                      int64_t h, int64_t hkv, int64_t dh) {
   const int64_t size = b * t * h * dh;
+  const int64_t kv_size = b * t * hkv * dh;
   CheckSize(out, size, "attention out");
   CheckSize(probs, b * h * t * t, "attention probs");
   CheckSize(q, size, "attention q");
-  CheckSize(k, size, "attention k");
-  CheckSize(v, size, "attention v");
+  CheckSize(k, kv_size, "attention k");
+  CheckSize(v, kv_size, "attention v");
   FP8RT_CHECK(dh > 0) << "attention head dim " << dh;
+  FP8RT_CHECK(hkv > 0 && h % hkv == 0) << "attention: " << hkv << " kv heads for " << h << " heads";
+  const int64_t group = h / hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-  // Offset of token `pos` of head `hh` in batch row `bb` of a [B, T, H, Dh] tensor.
+  // Offset of token `pos` of query head `hh` in batch row `bb` of a [B, T, H, Dh] tensor, and of
+  // its kv head in a [B, T, Hkv, Dh] one.
   auto at = [&](int64_t bb, int64_t pos, int64_t hh) { return ((bb * t + pos) * h + hh) * dh; };
+  auto kv_at = [&](int64_t bb, int64_t pos, int64_t hh) {
+    return ((bb * t + pos) * hkv + hh / group) * dh;
+  };
   for (int64_t bb = 0; bb < b; ++bb) {
     for (int64_t hh = 0; hh < h; ++hh) {
       for (int64_t i = 0; i < t; ++i) {
@@ -128,7 +283,7 @@ void AttentionForward(std::span<float> out, std::span<float> probs, std::span<co
         // Scores over the visible keys j <= i, then a max-subtracted softmax.
         float max_score = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j <= i; ++j) {
-          const float* kj = k.data() + at(bb, j, hh);
+          const float* kj = k.data() + kv_at(bb, j, hh);
           float s = 0.0f;
           for (int64_t d = 0; d < dh; ++d) s += qi[d] * kj[d];
           p[j] = s * scale;
@@ -145,7 +300,7 @@ void AttentionForward(std::span<float> out, std::span<float> probs, std::span<co
         float* oi = out.data() + at(bb, i, hh);
         std::fill_n(oi, dh, 0.0f);
         for (int64_t j = 0; j <= i; ++j) {
-          const float* vj = v.data() + at(bb, j, hh);
+          const float* vj = v.data() + kv_at(bb, j, hh);
           for (int64_t d = 0; d < dh; ++d) oi[d] += p[j] * vj[d];
         }
       }
@@ -156,19 +311,28 @@ void AttentionForward(std::span<float> out, std::span<float> probs, std::span<co
 void AttentionBackward(std::span<float> dq, std::span<float> dk, std::span<float> dv,
                        std::span<const float> dout, std::span<const float> q,
                        std::span<const float> k, std::span<const float> v,
-                       std::span<const float> probs, int64_t b, int64_t t, int64_t h, int64_t dh) {
+                       std::span<const float> probs, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                       int64_t dh) {
   const int64_t size = b * t * h * dh;
+  const int64_t kv_size = b * t * hkv * dh;
   CheckSize(dq, size, "attention dq");
-  CheckSize(dk, size, "attention dk");
-  CheckSize(dv, size, "attention dv");
+  CheckSize(dk, kv_size, "attention dk");
+  CheckSize(dv, kv_size, "attention dv");
   CheckSize(dout, size, "attention dout");
   CheckSize(q, size, "attention q");
-  CheckSize(k, size, "attention k");
-  CheckSize(v, size, "attention v");
+  CheckSize(k, kv_size, "attention k");
+  CheckSize(v, kv_size, "attention v");
   CheckSize(probs, b * h * t * t, "attention probs");
   FP8RT_CHECK(dh > 0) << "attention head dim " << dh;
+  FP8RT_CHECK(hkv > 0 && h % hkv == 0) << "attention: " << hkv << " kv heads for " << h << " heads";
+  const int64_t group = h / hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
   auto at = [&](int64_t bb, int64_t pos, int64_t hh) { return ((bb * t + pos) * h + hh) * dh; };
+  auto kv_at = [&](int64_t bb, int64_t pos, int64_t hh) {
+    return ((bb * t + pos) * hkv + hh / group) * dh;
+  };
+  // Query heads ascending (outer loop), so each kv head's dk and dv add its group's query heads
+  // in ascending order, each over i ascending.
   for (int64_t bb = 0; bb < b; ++bb) {
     for (int64_t hh = 0; hh < h; ++hh) {
       for (int64_t i = 0; i < t; ++i) {
@@ -179,16 +343,16 @@ void AttentionBackward(std::span<float> dq, std::span<float> dk, std::span<float
         // sum_j p[i, j] dp[i, j], the softmax Jacobian's rank-one term.
         float p_dot_dp = 0.0f;
         for (int64_t j = 0; j <= i; ++j) {
-          const float* vj = v.data() + at(bb, j, hh);
+          const float* vj = v.data() + kv_at(bb, j, hh);
           float dp = 0.0f;
           for (int64_t d = 0; d < dh; ++d) dp += doi[d] * vj[d];
           p_dot_dp += p[j] * dp;
         }
         for (int64_t j = 0; j <= i; ++j) {
-          const float* kj = k.data() + at(bb, j, hh);
-          const float* vj = v.data() + at(bb, j, hh);
-          float* dkj = dk.data() + at(bb, j, hh);
-          float* dvj = dv.data() + at(bb, j, hh);
+          const float* kj = k.data() + kv_at(bb, j, hh);
+          const float* vj = v.data() + kv_at(bb, j, hh);
+          float* dkj = dk.data() + kv_at(bb, j, hh);
+          float* dvj = dv.data() + kv_at(bb, j, hh);
           float dp = 0.0f;
           for (int64_t d = 0; d < dh; ++d) dp += doi[d] * vj[d];
           const float ds = p[j] * (dp - p_dot_dp) * scale;
@@ -227,6 +391,37 @@ void GeluBackward(std::span<float> dx, std::span<const float> dout, std::span<co
     const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * xi * xi);
     const float grad = 0.5f * (1.0f + th) + 0.5f * xi * (1.0f - th * th) * du;
     dx[i] += dout[i] * grad;
+  }
+}
+
+// ---- SwiGLU ----
+
+void SwigluForward(std::span<float> out, std::span<const float> gate, std::span<const float> up,
+                   int64_t n) {
+  CheckSize(out, n, "swiglu out");
+  CheckSize(gate, n, "swiglu gate");
+  CheckSize(up, n, "swiglu up");
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    const float s = 1.0f / (1.0f + std::exp(-g));
+    out[i] = g * s * up[i];
+  }
+}
+
+void SwigluBackward(std::span<float> dgate, std::span<float> dup, std::span<const float> dout,
+                    std::span<const float> gate, std::span<const float> up, int64_t n) {
+  CheckSize(dgate, n, "swiglu dgate");
+  CheckSize(dup, n, "swiglu dup");
+  CheckSize(dout, n, "swiglu dout");
+  CheckSize(gate, n, "swiglu gate");
+  CheckSize(up, n, "swiglu up");
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    const float s = 1.0f / (1.0f + std::exp(-g));
+    // d silu / d gate = s + g s (1 - s) = s (1 + g (1 - s)).
+    const float dsilu = s * (1.0f + g * (1.0f - s));
+    dgate[i] += dout[i] * up[i] * dsilu;
+    dup[i] += dout[i] * (g * s);
   }
 }
 
@@ -475,29 +670,40 @@ absl::Status RmsNormBackwardEntry(float* dx, float* dweight, const float* dout, 
                   Span(weight, c), Span(rstd, n), n, c);
   return absl::OkStatus();
 }
+// InvalidArgument unless `hkv` kv heads can serve `h` query heads (called with rows to process).
+absl::Status CheckKvHeads(const char* op, int64_t h, int64_t hkv) {
+  if (hkv == 0 || h % hkv != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": hkv is ", hkv, ", which does not divide h = ", h));
+  }
+  return absl::OkStatus();
+}
 absl::Status AttentionForwardEntry(float* out, float* probs, const float* q, const float* k,
-                                   const float* v, int64_t b, int64_t t, int64_t h, int64_t dh,
-                                   Stream) {
+                                   const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                   int64_t dh, Stream) {
   FP8RT_RETURN_IF_ERROR(
-      CheckSizes("attention_forward", {{"b", b}, {"t", t}, {"h", h}, {"dh", dh}}));
+      CheckSizes("attention_forward", {{"b", b}, {"t", t}, {"h", h}, {"hkv", hkv}, {"dh", dh}}));
   if (b == 0 || t == 0 || h == 0) return absl::OkStatus();
   if (dh == 0) return absl::InvalidArgumentError("attention_forward: dh is 0");
-  const int64_t size = b * t * h * dh;
-  AttentionForward(Span(out, size), Span(probs, b * h * t * t), Span(q, size), Span(k, size),
-                   Span(v, size), b, t, h, dh);
+  FP8RT_RETURN_IF_ERROR(CheckKvHeads("attention_forward", h, hkv));
+  const int64_t size = b * t * h * dh, kv_size = b * t * hkv * dh;
+  AttentionForward(Span(out, size), Span(probs, b * h * t * t), Span(q, size), Span(k, kv_size),
+                   Span(v, kv_size), b, t, h, hkv, dh);
   return absl::OkStatus();
 }
 absl::Status AttentionBackwardEntry(float* dq, float* dk, float* dv, const float* dout,
                                     const float* q, const float* k, const float* v,
-                                    const float* probs, int64_t b, int64_t t, int64_t h, int64_t dh,
-                                    Stream) {
+                                    const float* probs, int64_t b, int64_t t, int64_t h,
+                                    int64_t hkv, int64_t dh, Stream) {
   FP8RT_RETURN_IF_ERROR(
-      CheckSizes("attention_backward", {{"b", b}, {"t", t}, {"h", h}, {"dh", dh}}));
+      CheckSizes("attention_backward", {{"b", b}, {"t", t}, {"h", h}, {"hkv", hkv}, {"dh", dh}}));
   if (b == 0 || t == 0 || h == 0) return absl::OkStatus();
   if (dh == 0) return absl::InvalidArgumentError("attention_backward: dh is 0");
-  const int64_t size = b * t * h * dh;
-  AttentionBackward(Span(dq, size), Span(dk, size), Span(dv, size), Span(dout, size), Span(q, size),
-                    Span(k, size), Span(v, size), Span(probs, b * h * t * t), b, t, h, dh);
+  FP8RT_RETURN_IF_ERROR(CheckKvHeads("attention_backward", h, hkv));
+  const int64_t size = b * t * h * dh, kv_size = b * t * hkv * dh;
+  AttentionBackward(Span(dq, size), Span(dk, kv_size), Span(dv, kv_size), Span(dout, size),
+                    Span(q, size), Span(k, kv_size), Span(v, kv_size), Span(probs, b * h * t * t),
+                    b, t, h, hkv, dh);
   return absl::OkStatus();
 }
 absl::Status GeluForwardEntry(float* out, const float* x, int64_t n, Stream) {
@@ -508,6 +714,92 @@ absl::Status GeluForwardEntry(float* out, const float* x, int64_t n, Stream) {
 absl::Status GeluBackwardEntry(float* dx, const float* dout, const float* x, int64_t n, Stream) {
   FP8RT_RETURN_IF_ERROR(CheckSizes("gelu_backward", {{"n", n}}));
   GeluBackward(Span(dx, n), Span(dout, n), Span(x, n), n);
+  return absl::OkStatus();
+}
+// InvalidArgument naming `eps` unless it is finite and >= 0.
+absl::Status CheckEps(const char* op, float eps) {
+  if (!(std::isfinite(eps) && eps >= 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": eps is ", eps, " (must be finite, >= 0)"));
+  }
+  return absl::OkStatus();
+}
+absl::Status LayerNormForwardEntry(float* out, float* mean, float* rstd, const float* x,
+                                   const float* weight, const float* bias, int64_t n, int64_t c,
+                                   float eps, Stream) {
+  constexpr const char* kOp = "layernorm_forward";
+  FP8RT_RETURN_IF_ERROR(CheckSizes(kOp, {{"n", n}, {"c", c}}));
+  FP8RT_RETURN_IF_ERROR(CheckEps(kOp, eps));
+  if (n == 0) return absl::OkStatus();
+  if (c == 0) return absl::InvalidArgumentError("layernorm_forward: c is 0 with rows to normalise");
+  LayerNormForward(Span(out, n * c), Span(mean, n), Span(rstd, n), Span(x, n * c), Span(weight, c),
+                   Span(bias, c), n, c, eps);
+  return absl::OkStatus();
+}
+absl::Status LayerNormBackwardEntry(float* dx, float* dweight, float* dbias, const float* dout,
+                                    const float* x, const float* weight, const float* mean,
+                                    const float* rstd, int64_t n, int64_t c, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("layernorm_backward", {{"n", n}, {"c", c}}));
+  if (n == 0) return absl::OkStatus();
+  if (c == 0) {
+    return absl::InvalidArgumentError("layernorm_backward: c is 0 with rows to normalise");
+  }
+  LayerNormBackward(Span(dx, n * c), Span(dweight, c), Span(dbias, c), Span(dout, n * c),
+                    Span(x, n * c), Span(weight, c), Span(mean, n), Span(rstd, n), n, c);
+  return absl::OkStatus();
+}
+absl::Status BiasForwardEntry(float* out, const float* bias, int64_t n, int64_t c, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("bias_forward", {{"n", n}, {"c", c}}));
+  BiasForward(Span(out, n * c), Span(bias, c), n, c);
+  return absl::OkStatus();
+}
+absl::Status BiasBackwardEntry(float* dbias, const float* dout, int64_t n, int64_t c, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("bias_backward", {{"n", n}, {"c", c}}));
+  BiasBackward(Span(dbias, c), Span(dout, n * c), n, c);
+  return absl::OkStatus();
+}
+// The checks shared by rope_forward and rope_backward; *work is false when there is nothing to do.
+absl::Status CheckRope(const char* op, int64_t n, int64_t t, int64_t h, int64_t dh, float theta,
+                       bool* work) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes(op, {{"n", n}, {"t", t}, {"h", h}, {"dh", dh}}));
+  if (!(std::isfinite(theta) && theta > 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": theta is ", theta, " (must be finite, > 0)"));
+  }
+  *work = n > 0 && h > 0;
+  if (!*work) return absl::OkStatus();
+  if (dh == 0 || dh % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": dh is ", dh, " (must be even, > 0)"));
+  }
+  if (t == 0) return absl::InvalidArgumentError(absl::StrCat(op, ": t is 0 with rows to rotate"));
+  return absl::OkStatus();
+}
+absl::Status RopeForwardEntry(float* out, const float* x, int64_t n, int64_t t, int64_t h,
+                              int64_t dh, float theta, Stream) {
+  bool work = false;
+  FP8RT_RETURN_IF_ERROR(CheckRope("rope_forward", n, t, h, dh, theta, &work));
+  if (!work) return absl::OkStatus();
+  RopeForward(Span(out, n * h * dh), Span(x, n * h * dh), n, t, h, dh, theta);
+  return absl::OkStatus();
+}
+absl::Status RopeBackwardEntry(float* dx, const float* dout, int64_t n, int64_t t, int64_t h,
+                               int64_t dh, float theta, Stream) {
+  bool work = false;
+  FP8RT_RETURN_IF_ERROR(CheckRope("rope_backward", n, t, h, dh, theta, &work));
+  if (!work) return absl::OkStatus();
+  if (dx == dout) return absl::InvalidArgumentError("rope_backward: dx aliases dout");
+  RopeBackward(Span(dx, n * h * dh), Span(dout, n * h * dh), n, t, h, dh, theta);
+  return absl::OkStatus();
+}
+absl::Status SwigluForwardEntry(float* out, const float* gate, const float* up, int64_t n, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("swiglu_forward", {{"n", n}}));
+  SwigluForward(Span(out, n), Span(gate, n), Span(up, n), n);
+  return absl::OkStatus();
+}
+absl::Status SwigluBackwardEntry(float* dgate, float* dup, const float* dout, const float* gate,
+                                 const float* up, int64_t n, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes("swiglu_backward", {{"n", n}}));
+  SwigluBackward(Span(dgate, n), Span(dup, n), Span(dout, n), Span(gate, n), Span(up, n), n);
   return absl::OkStatus();
 }
 absl::Status ResidualForwardEntry(float* out, const float* a, const float* b, int64_t n, Stream) {
@@ -571,37 +863,44 @@ absl::Status TransposeBytesEntry(uint8_t* dst, const uint8_t* src, int64_t rows,
                                  Stream) {
   return TransposeOf("transpose_bytes", dst, src, rows, cols);
 }
-// Copies the q, k, v pieces of every head between the fused layout and the three tensors.
+// Copies the q, k, v pieces of every kv head's group between the fused layout and the three
+// tensors (kernels/layer_ops.h: split_heads).
 template <bool kSplit>
-void MoveHeads(float* q, float* k, float* v, float* qkv, int64_t n, int64_t heads, int64_t dh) {
+void MoveHeads(float* q, float* k, float* v, float* qkv, int64_t n, int64_t kv_heads,
+               int64_t q_per_kv, int64_t dh) {
   const size_t bytes = static_cast<size_t>(dh) * sizeof(float);
+  const auto move = [&](float* part, float* fused) {
+    if constexpr (kSplit) {
+      std::memcpy(part, fused, bytes);
+    } else {
+      std::memcpy(fused, part, bytes);
+    }
+  };
   for (int64_t r = 0; r < n; ++r) {
-    for (int64_t j = 0; j < heads; ++j) {
-      float* fused = qkv + (r * heads + j) * 3 * dh;
-      const int64_t at = (r * heads + j) * dh;
-      float* parts[3] = {q + at, k + at, v + at};
-      for (int i = 0; i < 3; ++i) {
-        if constexpr (kSplit) {
-          std::memcpy(parts[i], fused + i * dh, bytes);
-        } else {
-          std::memcpy(fused + i * dh, parts[i], bytes);
-        }
-      }
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      const int64_t pair = r * kv_heads + g;  // (row, kv head)
+      float* fused = qkv + pair * (q_per_kv + 2) * dh;
+      for (int64_t j = 0; j < q_per_kv; ++j) move(q + (pair * q_per_kv + j) * dh, fused + j * dh);
+      move(k + pair * dh, fused + q_per_kv * dh);
+      move(v + pair * dh, fused + (q_per_kv + 1) * dh);
     }
   }
 }
 absl::Status SplitHeadsEntry(float* q, float* k, float* v, const float* qkv, int64_t n,
-                             int64_t heads, int64_t dh, Stream) {
-  FP8RT_RETURN_IF_ERROR(CheckSizes("split_heads", {{"n", n}, {"heads", heads}, {"dh", dh}}));
-  MoveHeads<true>(q, k, v, const_cast<float*>(qkv), n, heads, dh);  // only read when splitting
+                             int64_t kv_heads, int64_t q_per_kv, int64_t dh, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes(
+      "split_heads", {{"n", n}, {"kv_heads", kv_heads}, {"q_per_kv", q_per_kv}, {"dh", dh}}));
+  // Only read when splitting.
+  MoveHeads<true>(q, k, v, const_cast<float*>(qkv), n, kv_heads, q_per_kv, dh);
   return absl::OkStatus();
 }
 absl::Status JoinHeadsEntry(float* qkv, const float* q, const float* k, const float* v, int64_t n,
-                            int64_t heads, int64_t dh, Stream) {
-  FP8RT_RETURN_IF_ERROR(CheckSizes("join_heads", {{"n", n}, {"heads", heads}, {"dh", dh}}));
+                            int64_t kv_heads, int64_t q_per_kv, int64_t dh, Stream) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes(
+      "join_heads", {{"n", n}, {"kv_heads", kv_heads}, {"q_per_kv", q_per_kv}, {"dh", dh}}));
   // Only read when joining.
   MoveHeads<false>(const_cast<float*>(q), const_cast<float*>(k), const_cast<float*>(v), qkv, n,
-                   heads, dh);
+                   kv_heads, q_per_kv, dh);
   return absl::OkStatus();
 }
 absl::Status SumSquaresEntry(const float* x, int64_t count, double* out, Stream) {
@@ -644,6 +943,14 @@ const LayerOps kLayerOps = {
     .attention_backward = &AttentionBackwardEntry,
     .gelu_forward = &GeluForwardEntry,
     .gelu_backward = &GeluBackwardEntry,
+    .layernorm_forward = &LayerNormForwardEntry,
+    .layernorm_backward = &LayerNormBackwardEntry,
+    .bias_forward = &BiasForwardEntry,
+    .bias_backward = &BiasBackwardEntry,
+    .rope_forward = &RopeForwardEntry,
+    .rope_backward = &RopeBackwardEntry,
+    .swiglu_forward = &SwigluForwardEntry,
+    .swiglu_backward = &SwigluBackwardEntry,
     .residual_forward = &ResidualForwardEntry,
     .residual_backward = &ResidualBackwardEntry,
     .cross_entropy_forward = &CrossEntropyForwardEntry,

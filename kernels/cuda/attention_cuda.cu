@@ -9,8 +9,11 @@
 //   AttentionForwardKernel     one warp per query row (b, h, i): scores into the probs row,
 //                              softmax in place, out_i = sum_j p_ij v_j
 //   AttentionDqKernel          one warp per query row: dq_i += sum_{j<=i} ds_ij k_j
-//   AttentionDkDvKernel        one block per (b, h, range of keys), one warp per key j:
+//   AttentionDkDvKernel        one block per (b, kv head, range of keys), one warp per key j:
+//                              for each query head of the group, ascending,
 //                              dk_j += sum_{i>=j} ds_ij q_i,  dv_j += sum_{i>=j} p_ij dout_i
+// Grouped-query attention: query head hh reads kv head hh / (H / Hkv) (ViewOf / KvViewOf); the
+// kv gradients add their group's query heads in ascending order, as the CPU does.
 //   CrossEntropyForwardKernel  one block per row: softmax and the row's loss
 //   CrossEntropyBackwardKernel element-wise, bit for bit the CPU's
 //
@@ -118,13 +121,22 @@ __device__ __forceinline__ float BlockAllMax(float v, float* scratch) {
 // rows of positions 0, 1, ... of one head are `stride` = H * Dh floats apart.
 struct HeadView {
   int64_t bh;      // b * H + h
-  int64_t offset;  // of position 0 of this head in q, k, v, out and their gradients
+  int64_t offset;  // of position 0 of this head in q, out and their gradients (or in k, v)
   int64_t stride;  // between consecutive positions
 };
 
 __device__ __forceinline__ HeadView ViewOf(int64_t bh, int64_t t, int64_t h, int64_t dh) {
   const int64_t b = bh / h, hh = bh - b * h;
   return {bh, (b * t * h + hh) * dh, h * dh};
+}
+
+// The kv head of query pair bh = b * H + hh in k, v, dk, dv [B, T, Hkv, Dh]: kv head
+// hh / (H / Hkv), rows Hkv * Dh apart.
+__device__ __forceinline__ HeadView KvViewOf(int64_t bh, int64_t t, int64_t h, int64_t hkv,
+                                             int64_t dh) {
+  const int64_t b = bh / h, hh = bh - b * h;
+  const int64_t g = hh / (h / hkv);
+  return {b * hkv + g, (b * t * hkv + g) * dh, hkv * dh};
 }
 
 // a . b over n values by one warp: each lane FMAs every 32nd product, then the butterfly. Every
@@ -171,19 +183,20 @@ __global__ void __launch_bounds__(kThreads)
     AttentionForwardKernel(float* __restrict__ out, float* __restrict__ probs,
                            const float* __restrict__ q, const float* __restrict__ k,
                            const float* __restrict__ v, int64_t rows, int64_t t, int64_t h,
-                           int64_t dh, float scale) {
+                           int64_t hkv, int64_t dh, float scale) {
   const int lane = threadIdx.x & 31;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   for (int64_t row = first; row < rows; row += warps) {  // uniform across the warp
     const int64_t bh = row / t, i = row - bh * t;
     const HeadView hv = ViewOf(bh, t, h, dh);
+    const HeadView kv = KvViewOf(bh, t, h, hkv, dh);
     const float* qi = q + hv.offset + i * hv.stride;
     float* p = probs + row * t;
     // Scores of the visible keys; lane j % 32 stores score j and is the one that reads it back.
     float max_score = -INFINITY;
     for (int64_t j = 0; j <= i; ++j) {
-      const float s = __fmul_rn(WarpDot(qi, k + hv.offset + j * hv.stride, dh, lane), scale);
+      const float s = __fmul_rn(WarpDot(qi, k + kv.offset + j * kv.stride, dh, lane), scale);
       if (lane == (j & 31)) p[j] = s;
       max_score = fmaxf(max_score, s);
     }
@@ -201,7 +214,7 @@ __global__ void __launch_bounds__(kThreads)
       float o[kRegs] = {};
       for (int64_t j = 0; j <= i; ++j) {
         const float pj = p[j];
-        const float* vj = v + hv.offset + j * hv.stride;
+        const float* vj = v + kv.offset + j * kv.stride;
 #pragma unroll
         for (int r = 0; r < kRegs; ++r) {
           const int64_t d = d0 + lane + 32 * r;
@@ -223,17 +236,18 @@ __global__ void __launch_bounds__(kThreads)
     AttentionDqKernel(float* __restrict__ dq, const float* __restrict__ dout,
                       const float* __restrict__ k, const float* __restrict__ v,
                       const float* __restrict__ probs, int64_t rows, int64_t t, int64_t h,
-                      int64_t dh, float scale) {
+                      int64_t hkv, int64_t dh, float scale) {
   const int lane = threadIdx.x & 31;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int64_t warps = (static_cast<int64_t>(gridDim.x) * blockDim.x) >> 5;
   for (int64_t row = first; row < rows; row += warps) {
     const int64_t bh = row / t, i = row - bh * t;
     const HeadView hv = ViewOf(bh, t, h, dh);
+    const HeadView kv = KvViewOf(bh, t, h, hkv, dh);
     const float* p = probs + row * t;
     const float* doi = dout + hv.offset + i * hv.stride;
-    const float* v0 = v + hv.offset;
-    const float row_term = RowTerm(p, doi, v0, hv.stride, i, dh, lane);
+    const float* v0 = v + kv.offset;
+    const float row_term = RowTerm(p, doi, v0, kv.stride, i, dh, lane);
     float* dqi = dq + hv.offset + i * hv.stride;
     for (int64_t d0 = 0; d0 < dh; d0 += kDhPerPass) {
       float acc[kRegs];
@@ -244,8 +258,8 @@ __global__ void __launch_bounds__(kThreads)
       }
       for (int64_t j = 0; j <= i; ++j) {
         const float ds =
-            ScoreGrad(p[j], WarpDot(doi, v0 + j * hv.stride, dh, lane), row_term, scale);
-        const float* kj = k + hv.offset + j * hv.stride;
+            ScoreGrad(p[j], WarpDot(doi, v0 + j * kv.stride, dh, lane), row_term, scale);
+        const float* kj = k + kv.offset + j * kv.stride;
 #pragma unroll
         for (int r = 0; r < kRegs; ++r) {
           const int64_t d = d0 + lane + 32 * r;
@@ -261,68 +275,75 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One block per (b, h, range of key_range keys), block-stride over them; within a block one warp
-// per key j (warp w takes keys j0 + w, j0 + w + kWarps, ...). The query rows i >= j0 go in chunks
-// of kRowTermChunk: the block computes their row terms into shared memory, then each warp adds
-// the chunk's rows, i ascending, to its keys' dk and dv (kept in global memory between chunks:
-// the same sequence of roundings as one pass).
+// One block per (b, kv head g, range of key_range keys), block-stride over them; within a block
+// one warp per key j (warp w takes keys j0 + w, j0 + w + kWarps, ...). For each query head of
+// g's group in ascending order, the query rows i >= j0 go in chunks of kRowTermChunk: the block
+// computes their row terms into shared memory, then each warp adds the chunk's rows, i
+// ascending, to its keys' dk and dv (kept in global memory between chunks and heads: the same
+// sequence of roundings as one pass over (query head, i) ascending, the CPU's order).
 __global__ void __launch_bounds__(kThreads)
     AttentionDkDvKernel(float* __restrict__ dk, float* __restrict__ dv,
                         const float* __restrict__ dout, const float* __restrict__ q,
-                        const float* __restrict__ v, const float* __restrict__ probs, int64_t heads,
-                        int64_t ranges, int64_t key_range, int64_t t, int64_t h, int64_t dh,
-                        float scale) {
+                        const float* __restrict__ v, const float* __restrict__ probs,
+                        int64_t kv_heads, int64_t ranges, int64_t key_range, int64_t t, int64_t h,
+                        int64_t hkv, int64_t dh, float scale) {
   __shared__ float row_terms[kRowTermChunk];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int64_t item = blockIdx.x; item < heads * ranges; item += gridDim.x) {
-    const int64_t bh = item / ranges;
-    const int64_t j0 = (item - bh * ranges) * key_range;
+  const int64_t group = h / hkv;
+  for (int64_t item = blockIdx.x; item < kv_heads * ranges; item += gridDim.x) {
+    const int64_t bg = item / ranges;  // b * Hkv + g
+    const int64_t j0 = (item - bg * ranges) * key_range;
     if (j0 >= t) continue;  // uniform across the block
     const int64_t j1 = min(t, j0 + key_range);
-    const HeadView hv = ViewOf(bh, t, h, dh);
-    const float* v0 = v + hv.offset;
-    const float* p0 = probs + bh * t * t;  // probs row i of this head: p0 + i * t
-    for (int64_t i0 = j0; i0 < t; i0 += kRowTermChunk) {
-      const int64_t i1 = min(t, i0 + kRowTermChunk);
-      __syncthreads();  // the previous chunk's row terms are no longer read
-      for (int64_t i = i0 + warp; i < i1; i += kWarps) {
-        const float d =
-            RowTerm(p0 + i * t, dout + hv.offset + i * hv.stride, v0, hv.stride, i, dh, lane);
-        if (lane == 0) row_terms[i - i0] = d;
-      }
-      __syncthreads();
-      for (int64_t j = j0 + warp; j < j1 && j < i1; j += kWarps) {
-        const float* vj = v0 + j * hv.stride;
-        float* dkj = dk + hv.offset + j * hv.stride;
-        float* dvj = dv + hv.offset + j * hv.stride;
-        for (int64_t d0 = 0; d0 < dh; d0 += kDhPerPass) {
-          float acc_k[kRegs], acc_v[kRegs];
+    const int64_t b = bg / hkv, g = bg - b * hkv;
+    for (int64_t hh = g * group; hh < (g + 1) * group; ++hh) {
+      const int64_t bh = b * h + hh;
+      const HeadView hv = ViewOf(bh, t, h, dh);
+      const HeadView kv = KvViewOf(bh, t, h, hkv, dh);
+      const float* v0 = v + kv.offset;
+      const float* p0 = probs + bh * t * t;  // probs row i of this head: p0 + i * t
+      for (int64_t i0 = j0; i0 < t; i0 += kRowTermChunk) {
+        const int64_t i1 = min(t, i0 + kRowTermChunk);
+        __syncthreads();  // the previous chunk's row terms are no longer read
+        for (int64_t i = i0 + warp; i < i1; i += kWarps) {
+          const float d =
+              RowTerm(p0 + i * t, dout + hv.offset + i * hv.stride, v0, kv.stride, i, dh, lane);
+          if (lane == 0) row_terms[i - i0] = d;
+        }
+        __syncthreads();
+        for (int64_t j = j0 + warp; j < j1 && j < i1; j += kWarps) {
+          const float* vj = v0 + j * kv.stride;
+          float* dkj = dk + kv.offset + j * kv.stride;
+          float* dvj = dv + kv.offset + j * kv.stride;
+          for (int64_t d0 = 0; d0 < dh; d0 += kDhPerPass) {
+            float acc_k[kRegs], acc_v[kRegs];
 #pragma unroll
-          for (int r = 0; r < kRegs; ++r) {
-            const int64_t d = d0 + lane + 32 * r;
-            acc_k[r] = d < dh ? dkj[d] : 0.0f;
-            acc_v[r] = d < dh ? dvj[d] : 0.0f;
-          }
-          for (int64_t i = max(i0, j); i < i1; ++i) {
-            const float pij = p0[i * t + j];
-            const float* doi = dout + hv.offset + i * hv.stride;
-            const float* qi = q + hv.offset + i * hv.stride;
-            const float ds = ScoreGrad(pij, WarpDot(doi, vj, dh, lane), row_terms[i - i0], scale);
+            for (int r = 0; r < kRegs; ++r) {
+              const int64_t d = d0 + lane + 32 * r;
+              acc_k[r] = d < dh ? dkj[d] : 0.0f;
+              acc_v[r] = d < dh ? dvj[d] : 0.0f;
+            }
+            for (int64_t i = max(i0, j); i < i1; ++i) {
+              const float pij = p0[i * t + j];
+              const float* doi = dout + hv.offset + i * hv.stride;
+              const float* qi = q + hv.offset + i * hv.stride;
+              const float ds = ScoreGrad(pij, WarpDot(doi, vj, dh, lane), row_terms[i - i0], scale);
+#pragma unroll
+              for (int r = 0; r < kRegs; ++r) {
+                const int64_t d = d0 + lane + 32 * r;
+                if (d < dh) {
+                  acc_k[r] = __fadd_rn(acc_k[r], __fmul_rn(ds, qi[d]));
+                  acc_v[r] = __fadd_rn(acc_v[r], __fmul_rn(pij, doi[d]));
+                }
+              }
+            }
 #pragma unroll
             for (int r = 0; r < kRegs; ++r) {
               const int64_t d = d0 + lane + 32 * r;
               if (d < dh) {
-                acc_k[r] = __fadd_rn(acc_k[r], __fmul_rn(ds, qi[d]));
-                acc_v[r] = __fadd_rn(acc_v[r], __fmul_rn(pij, doi[d]));
+                dkj[d] = acc_k[r];
+                dvj[d] = acc_v[r];
               }
-            }
-          }
-#pragma unroll
-          for (int r = 0; r < kRegs; ++r) {
-            const int64_t d = d0 + lane + 32 * r;
-            if (d < dh) {
-              dkj[d] = acc_k[r];
-              dvj[d] = acc_v[r];
             }
           }
         }
@@ -428,13 +449,19 @@ absl::Status Launch(Kernel kernel, dim3 grid, cudaStream_t stream, Args... args)
 }
 
 // Sizes of one attention call: rows = B * H * T query rows (0: nothing to do), after the checks
-// shared by the forward and the backward.
-absl::StatusOr<int64_t> AttentionRows(const char* op, int64_t b, int64_t t, int64_t h, int64_t dh) {
-  FP8RT_RETURN_IF_ERROR(CheckSizes(op, {{"b", b}, {"t", t}, {"h", h}, {"dh", dh}}));
+// shared by the forward and the backward (hkv must divide h when there are rows).
+absl::StatusOr<int64_t> AttentionRows(const char* op, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                      int64_t dh) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes(op, {{"b", b}, {"t", t}, {"h", h}, {"hkv", hkv}, {"dh", dh}}));
   if (dh == 0) return absl::InvalidArgumentError(absl::StrCat(op, ": dh is 0 (must be > 0)"));
   FP8RT_RETURN_IF_ERROR(Product(op, "b * t * h * dh", {b, t, h, dh}).status());
   FP8RT_RETURN_IF_ERROR(Product(op, "b * h * t * t (probs)", {b, h, t, t}).status());
-  return b * h * t;
+  const int64_t rows = b * h * t;
+  if (rows > 0 && (hkv == 0 || h % hkv != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": hkv is ", hkv, ", which does not divide h = ", h));
+  }
+  return rows;
 }
 
 // The CPU reference's 1 / sqrt(Dh), computed the same way on the host.
@@ -448,24 +475,24 @@ unsigned WarpPerRowGrid(int64_t rows, int sms) {
 }  // namespace
 
 absl::Status AttentionForwardCuda(float* out, float* probs, const float* q, const float* k,
-                                  const float* v, int64_t b, int64_t t, int64_t h, int64_t dh,
-                                  Stream stream) {
+                                  const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                  int64_t dh, Stream stream) {
   constexpr const char* kOp = "attention_forward";
-  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, dh));
+  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, hkv, dh));
   const Buffers buffers = {{"out", out}, {"probs", probs}, {"q", q}, {"k", k}, {"v", v}};
   if (rows == 0) return CheckDevicePointers(buffers);
   FP8RT_RETURN_IF_ERROR(CheckBuffers(kOp, buffers));
   FP8RT_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSmCount());
   return Launch(AttentionForwardKernel, dim3(WarpPerRowGrid(rows, sms)), ToCuda(stream), out, probs,
-                q, k, v, rows, t, h, dh, AttentionScale(dh));
+                q, k, v, rows, t, h, hkv, dh, AttentionScale(dh));
 }
 
 absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float* dout,
                                    const float* q, const float* k, const float* v,
-                                   const float* probs, int64_t b, int64_t t, int64_t h, int64_t dh,
-                                   Stream stream) {
+                                   const float* probs, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                   int64_t dh, Stream stream) {
   constexpr const char* kOp = "attention_backward";
-  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, dh));
+  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, hkv, dh));
   const Buffers buffers = {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dout", dout},
                            {"q", q},   {"k", k},   {"v", v},   {"probs", probs}};
   if (rows == 0) return CheckDevicePointers(buffers);
@@ -474,10 +501,10 @@ absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float*
   const cudaStream_t s = ToCuda(stream);
   const float scale = AttentionScale(dh);
   FP8RT_RETURN_IF_ERROR(Launch(AttentionDqKernel, dim3(WarpPerRowGrid(rows, sms)), s, dq, dout, k,
-                               v, probs, rows, t, h, dh, scale));
-  // Split each head's keys into enough ranges for about four blocks per SM, at most
+                               v, probs, rows, t, h, hkv, dh, scale));
+  // Split each kv head's keys into enough ranges for about four blocks per SM, at most
   // kMaxKeyRanges and at least one key per warp. The split changes only who computes a key.
-  const int64_t heads = b * h;
+  const int64_t heads = b * hkv;
   const int64_t wanted = (4 * static_cast<int64_t>(sms) + heads - 1) / heads;
   const int64_t most = std::clamp<int64_t>((t + kWarps - 1) / kWarps, 1, kMaxKeyRanges);
   const int64_t split = std::clamp<int64_t>(wanted, 1, most);
@@ -485,7 +512,7 @@ absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float*
   const int64_t ranges = (t + key_range - 1) / key_range;
   const unsigned grid = static_cast<unsigned>(GridFor(heads * ranges, 1, sms, 16));
   return Launch(AttentionDkDvKernel, dim3(grid), s, dk, dv, dout, q, v, probs, heads, ranges,
-                key_range, t, h, dh, scale);
+                key_range, t, h, hkv, dh, scale);
 }
 
 absl::Status CrossEntropyForwardCuda(float* probs, float* losses, const float* logits,

@@ -7,6 +7,10 @@
 //   GeluForwardOne, GeluBackwardOne  the tanh-approximation GELU and its accumulated gradient
 //   RmsNormSquare, RmsNormRstd, RmsNormOut               forward, per element and per row
 //   RmsNormGxTerm, RmsNormCoef, RmsNormDx, RmsNormDweightTerm   backward
+//   LayerNormMean, LayerNormCentered, LayerNormSquare, LayerNormRstd, LayerNormOut   forward
+//   LayerNormXhat, LayerNormG, LayerNormGxTerm, LayerNormDx, LayerNormDweightTerm    backward
+//   RopeCosSin, RopeForwardPair, RopeBackwardPair   RoPE's angles (FP64) and rotation of a pair
+//   SwigluSigmoid, SwigluForwardOne, SwigluBackwardOne   SwiGLU and its accumulated gradients
 //   AdamWOne                       AdamWUpdate of one element
 //   kSumSquares*, SumSquaresBlocks, SumSquaresStrided   the grid and the order of sum_squares
 //
@@ -14,9 +18,11 @@
 // __fdiv_rn, __fsqrt_rn): nvcc never contracts those into a fused multiply-add, so each result is
 // the IEEE FP32 result the host computes (the CPU reference is built with -std=c++20, which turns
 // contraction off in GCC). Denormals are kept (-ftz=false, kernels/CMakeLists.txt). So AddF32,
-// the RMSNorm functions and AdamWOne equal the CPU bit for bit on equal inputs; the reductions
-// around the RMSNorm functions add in another order on the GPU, and GELU calls the device tanhf,
-// which may differ from the host's by a few ulp (tests/gpu/layer_ops_cuda_test.cc bounds both).
+// the RMSNorm and LayerNorm functions, the RoPE pair rotations and AdamWOne equal the CPU bit for
+// bit on equal inputs; the reductions around the norm functions add in another order on the GPU,
+// GELU calls the device tanhf and SwiGLU the device expf, which may differ from the host's by a
+// few ulp, and RopeCosSin the device's FP64 pow, cos and sin, whose FP32 roundings may differ from
+// the host's by an ulp (tests/gpu/layer_ops_cuda_test.cc bounds all of these).
 // A NaN result may carry another payload than on the host; it is a NaN on both.
 //
 // sum_squares is the exception to "mirror of the CPU": its FP64 sum runs in an order of its own,
@@ -110,6 +116,107 @@ __device__ __forceinline__ float RmsNormDx(float dx, float rstd, float dout, flo
 // One term (dout * x) * rstd of dweight's column sum.
 __device__ __forceinline__ float RmsNormDweightTerm(float dout, float x, float rstd) {
   return __fmul_rn(__fmul_rn(dout, x), rstd);
+}
+
+// --- LayerNorm (kernels/layer_ops.h: LayerNormForward / LayerNormBackward) ---------------------
+
+// mean = sum / C.
+__device__ __forceinline__ float LayerNormMean(float sum, int64_t c) {
+  return __fdiv_rn(sum, static_cast<float>(c));
+}
+
+// x - mean.
+__device__ __forceinline__ float LayerNormCentered(float x, float mean) {
+  return __fsub_rn(x, mean);
+}
+
+// One term d^2 (d = x - mean) of the row's sum of squared deviations.
+__device__ __forceinline__ float LayerNormSquare(float d) { return __fmul_rn(d, d); }
+
+// rstd = 1 / sqrt(sum_sq / C + eps) (the same expression as RMSNorm's).
+__device__ __forceinline__ float LayerNormRstd(float sum_sq, int64_t c, float eps) {
+  return RmsNormRstd(sum_sq, c, eps);
+}
+
+// out = ((x - mean) * rstd) * weight + bias.
+__device__ __forceinline__ float LayerNormOut(float x, float mean, float rstd, float weight,
+                                              float bias) {
+  return __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(x, mean), rstd), weight), bias);
+}
+
+// xhat = (x - mean) * rstd.
+__device__ __forceinline__ float LayerNormXhat(float x, float mean, float rstd) {
+  return __fmul_rn(__fsub_rn(x, mean), rstd);
+}
+
+// g = dout * weight.
+__device__ __forceinline__ float LayerNormG(float dout, float weight) {
+  return __fmul_rn(dout, weight);
+}
+
+// One term g * xhat of the backward's second row sum.
+__device__ __forceinline__ float LayerNormGxTerm(float g, float xhat) { return __fmul_rn(g, xhat); }
+
+// dx + ((g - g_mean) - xhat * gx_mean) * rstd.
+__device__ __forceinline__ float LayerNormDx(float dx, float g, float g_mean, float xhat,
+                                             float gx_mean, float rstd) {
+  return __fadd_rn(dx, __fmul_rn(__fsub_rn(__fsub_rn(g, g_mean), __fmul_rn(xhat, gx_mean)), rstd));
+}
+
+// One term dout * xhat of dweight's column sum.
+__device__ __forceinline__ float LayerNormDweightTerm(float dout, float xhat) {
+  return __fmul_rn(dout, xhat);
+}
+
+// --- RoPE (kernels/layer_ops.h: RopeForward / RopeBackward) --------------------------------------
+
+// cos and sin at position `pos`, frequency index i of a head of dh channels: inv_freq =
+// theta^(-2i / dh) and the angle in FP64, cos and sin in FP64, each rounded once to FP32. The
+// FP64 functions are the device's here (pow within 2 ulp, cos and sin within 2 ulp of FP64, CUDA
+// Math API) and glibc's on the host: the FP32 results agree but where an FP64 value lies within a
+// few FP64 ulp of a rounding boundary, an ulp apart then.
+__device__ __forceinline__ void RopeCosSin(int64_t pos, int64_t i, int64_t dh, float theta,
+                                           float& cos_out, float& sin_out) {
+  const double inv_freq =
+      pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(dh));
+  const double angle = static_cast<double>(pos) * inv_freq;
+  cos_out = static_cast<float>(cos(angle));
+  sin_out = static_cast<float>(sin(angle));
+}
+
+// (a, b) = (x[i], x[i + Dh/2]) -> (a c - b s, b c + a s).
+__device__ __forceinline__ void RopeForwardPair(float a, float b, float c, float s, float& out_a,
+                                                float& out_b) {
+  out_a = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  out_b = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
+// The transpose, accumulated: dx_a + (a c + b s), dx_b + (b c - a s) for (a, b) of dout.
+__device__ __forceinline__ void RopeBackwardPair(float a, float b, float c, float s, float& dx_a,
+                                                 float& dx_b) {
+  dx_a = __fadd_rn(dx_a, __fadd_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
+  dx_b = __fadd_rn(dx_b, __fsub_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+}
+
+// --- SwiGLU (kernels/layer_ops.h: SwigluForward / SwigluBackward) --------------------------------
+
+// s = 1 / (1 + exp(-gate)) (negation is exact).
+__device__ __forceinline__ float SwigluSigmoid(float gate) {
+  return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-gate)));
+}
+
+// (gate * s) * up.
+__device__ __forceinline__ float SwigluForwardOne(float gate, float up) {
+  return __fmul_rn(__fmul_rn(gate, SwigluSigmoid(gate)), up);
+}
+
+// dgate + (dout * up) * (s * (1 + gate * (1 - s)));  dup + dout * (gate * s).
+__device__ __forceinline__ void SwigluBackwardOne(float dout, float gate, float up, float& dgate,
+                                                  float& dup) {
+  const float s = SwigluSigmoid(gate);
+  const float dsilu = __fmul_rn(s, __fadd_rn(1.0f, __fmul_rn(gate, __fsub_rn(1.0f, s))));
+  dgate = __fadd_rn(dgate, __fmul_rn(__fmul_rn(dout, up), dsilu));
+  dup = __fadd_rn(dup, __fmul_rn(dout, __fmul_rn(gate, s)));
 }
 
 // AdamWUpdate (kernels/layer_ops.h) of one element: reads master, m and v, writes the new values

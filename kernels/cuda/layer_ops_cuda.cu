@@ -1,9 +1,11 @@
 // The CUDA backend's layer-op table (LayerOps, kernels/layer_ops.h): every entry but attention and
 // cross-entropy, whose kernels live in kernels/cuda/attention_cuda.cu. Per-element arithmetic is
 // kernels/cuda/layer_math.cuh, a mirror of the CPU reference; what differs from the CPU is only
-// the order of the sums inside RMSNorm (fixed here, so reruns are bit for bit), the order of
-// sum_squares (fixed by the count alone, layer_math.cuh, so its bits are the same on every GPU) and
-// the device tanhf in GELU. tests/gpu/layer_ops_cuda_test.cc compares every entry with the CPU.
+// the order of the sums inside RMSNorm and LayerNorm and of the column sums of their weight and
+// bias gradients and of bias_backward (fixed here, so reruns are bit for bit), the order of
+// sum_squares (fixed by the count alone, layer_math.cuh, so its bits are the same on every GPU),
+// the device tanhf in GELU and expf in SwiGLU, and the device's FP64 pow, cos and sin in RoPE.
+// tests/gpu/layer_ops_cuda_test.cc compares every entry with the CPU.
 //
 // Index (kernels, then the entries that launch them):
 //   EmbeddingForwardKernel   flat copy of table rows
@@ -16,10 +18,19 @@
 //   RmsNormForwardKernel, RmsNormBackwardDxKernel   one block per row, block sum of the row
 //   RmsNormDweightKernel     32-column tiles, 32 row lanes each summing every 32nd row, lanes
 //                            combined in lane order: fixed, atomic-free
-//   GeluForwardKernel, GeluBackwardKernel, ResidualForwardKernel, ResidualBackwardKernel,
-//   FillKernel, AdamWKernel  element-wise, grid-stride
+//   LayerNormForwardKernel, LayerNormBackwardDxKernel   one block per row, block sums of the row
+//                            (the mean, then the squared deviations; the backward's two sums)
+//   ColumnSumsKernel<ln>     LayerNorm's dweight and dbias (ln) or the bias gradient: the
+//                            RmsNormDweightKernel's tiles and lanes, a fixed, atomic-free order
+//   BiasForwardKernel        element-wise, bit for bit
+//   RopeKernel<forward>      one thread per (row, frequency i): cos and sin in FP64, then the
+//                            pair (i, i + Dh/2) of every head of the row
+//   GeluForwardKernel, GeluBackwardKernel, SwigluForwardKernel, SwigluBackwardKernel,
+//   ResidualForwardKernel, ResidualBackwardKernel, FillKernel, AdamWKernel
+//                            element-wise, grid-stride
 //   TransposeKernel          32 x 32 tiles through shared memory
-//   MoveHeadsKernel<split>   split_heads / join_heads, one thread per element of qkv
+//   MoveHeadsKernel<split>   split_heads / join_heads (grouped by kv head), one thread per
+//                            element of qkv
 //   SumSquaresKernel         pass 1 of sum_squares: SumSquaresBlocks(count) blocks (at most 512,
 //                            fewer for small counts; the grid depends on the count alone) of 256
 //                            threads, FP64 grid-strided sums, a pairwise tree per block -> one
@@ -41,6 +52,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
@@ -216,7 +228,170 @@ __global__ void __launch_bounds__(32 * kDweightLanes)
   }
 }
 
+// --- LayerNorm ---------------------------------------------------------------------------------
+
+// One block per row: the mean (block sum of x), then rstd (block sum of the squared deviations
+// from that mean), then the row's outputs.
+__global__ void __launch_bounds__(kThreads)
+    LayerNormForwardKernel(float* __restrict__ out, float* __restrict__ mean,
+                           float* __restrict__ rstd, const float* __restrict__ x,
+                           const float* __restrict__ weight, const float* __restrict__ bias,
+                           int64_t n, int64_t c, float eps) {
+  __shared__ float scratch[kThreads / 32];
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const float* xr = x + r * c;
+    float sum = 0.0f;
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) sum = AddF32(sum, xr[j]);
+    const float m = LayerNormMean(BlockSum(sum, scratch), c);
+    float sum_sq = 0.0f;
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
+      sum_sq = AddF32(sum_sq, LayerNormSquare(LayerNormCentered(xr[j], m)));
+    }
+    const float rs = LayerNormRstd(BlockSum(sum_sq, scratch), c, eps);
+    if (threadIdx.x == 0) {
+      mean[r] = m;
+      rstd[r] = rs;
+    }
+    float* outr = out + r * c;
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
+      outr[j] = LayerNormOut(xr[j], m, rs, weight[j], bias[j]);
+    }
+  }
+}
+
+// dx of each row (accumulated): one block per row, two block sums (g and g * xhat).
+__global__ void __launch_bounds__(kThreads)
+    LayerNormBackwardDxKernel(float* __restrict__ dx, const float* __restrict__ dout,
+                              const float* __restrict__ x, const float* __restrict__ weight,
+                              const float* __restrict__ mean, const float* __restrict__ rstd,
+                              int64_t n, int64_t c) {
+  __shared__ float scratch[kThreads / 32];
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const float* xr = x + r * c;
+    const float* dyr = dout + r * c;
+    const float m = mean[r], rs = rstd[r];
+    float g_sum = 0.0f, gx_sum = 0.0f;
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
+      const float g = LayerNormG(dyr[j], weight[j]);
+      g_sum = AddF32(g_sum, g);
+      gx_sum = AddF32(gx_sum, LayerNormGxTerm(g, LayerNormXhat(xr[j], m, rs)));
+    }
+    const float g_mean = LayerNormMean(BlockSum(g_sum, scratch), c);
+    const float gx_mean = LayerNormMean(BlockSum(gx_sum, scratch), c);
+    float* dxr = dx + r * c;
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
+      dxr[j] = LayerNormDx(dxr[j], LayerNormG(dyr[j], weight[j]), g_mean,
+                           LayerNormXhat(xr[j], m, rs), gx_mean, rs);
+    }
+  }
+}
+
+// Column sums of dout (into dbias) and, with kLayerNorm, of dout * xhat (into dweight), both
+// accumulated: RmsNormDweightKernel's order (32-column tiles, lane y sums rows y,
+// y + kDweightLanes, ... ascending, then lane 0 adds the lanes in lane order onto the gradient).
+template <bool kLayerNorm>
+__global__ void __launch_bounds__(32 * kDweightLanes)
+    ColumnSumsKernel(float* __restrict__ dweight, float* __restrict__ dbias,
+                     const float* __restrict__ dout, const float* __restrict__ x,
+                     const float* __restrict__ mean, const float* __restrict__ rstd, int64_t n,
+                     int64_t c) {
+  __shared__ float partial_b[kDweightLanes][33];
+  __shared__ float partial_w[kDweightLanes][33];  // written, unused, without kLayerNorm
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t tiles = (c + 31) / 32;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t col = tile * 32 + tx;
+    float sum_b = 0.0f, sum_w = 0.0f;
+    if (col < c) {
+      for (int64_t r = ty; r < n; r += kDweightLanes) {
+        const float dy = dout[r * c + col];
+        sum_b = AddF32(sum_b, dy);
+        if constexpr (kLayerNorm) {
+          sum_w = AddF32(sum_w,
+                         LayerNormDweightTerm(dy, LayerNormXhat(x[r * c + col], mean[r], rstd[r])));
+        }
+      }
+    }
+    partial_b[ty][tx] = sum_b;
+    partial_w[ty][tx] = sum_w;
+    __syncthreads();
+    if (ty == 0 && col < c) {
+      float total_b = partial_b[0][tx];
+      for (int y = 1; y < kDweightLanes; ++y) total_b = AddF32(total_b, partial_b[y][tx]);
+      dbias[col] = AddF32(dbias[col], total_b);
+      if constexpr (kLayerNorm) {
+        float total_w = partial_w[0][tx];
+        for (int y = 1; y < kDweightLanes; ++y) total_w = AddF32(total_w, partial_w[y][tx]);
+        dweight[col] = AddF32(dweight[col], total_w);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// --- bias and RoPE -------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads)
+    BiasForwardKernel(float* __restrict__ out, const float* __restrict__ bias, int64_t n,
+                      int64_t c) {
+  for (int64_t i = GlobalThread(); i < n * c; i += GridThreads()) {
+    out[i] = AddF32(out[i], bias[i % c]);
+  }
+}
+
+// Work item (row r, frequency i < Dh/2): cos and sin of position r % t, then channel pair
+// (i, i + Dh/2) of each of the row's h heads. Forward: out = rotation of in (out may be in: each
+// pair is read, then written, by one thread; no __restrict__). Backward: out += transpose
+// rotation of in.
+template <bool kForward>
+__global__ void __launch_bounds__(kThreads)
+    RopeKernel(float* out, const float* in, int64_t n, int64_t t, int64_t h, int64_t dh,
+               float theta) {
+  const int64_t half = dh / 2;
+  for (int64_t item = GlobalThread(); item < n * half; item += GridThreads()) {
+    const int64_t r = item / half;
+    const int64_t i = item - r * half;
+    float c, s;
+    RopeCosSin(r % t, i, dh, theta, c, s);
+    for (int64_t hh = 0; hh < h; ++hh) {
+      const int64_t at = (r * h + hh) * dh + i;
+      const float a = in[at], b = in[at + half];
+      if constexpr (kForward) {
+        float oa, ob;
+        RopeForwardPair(a, b, c, s, oa, ob);
+        out[at] = oa;
+        out[at + half] = ob;
+      } else {
+        float da = out[at], db = out[at + half];
+        RopeBackwardPair(a, b, c, s, da, db);
+        out[at] = da;
+        out[at + half] = db;
+      }
+    }
+  }
+}
+
 // --- element-wise ------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kThreads)
+    SwigluForwardKernel(float* __restrict__ out, const float* __restrict__ gate,
+                        const float* __restrict__ up, int64_t n) {
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
+    out[i] = SwigluForwardOne(gate[i], up[i]);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    SwigluBackwardKernel(float* __restrict__ dgate, float* __restrict__ dup,
+                         const float* __restrict__ dout, const float* __restrict__ gate,
+                         const float* __restrict__ up, int64_t n) {
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
+    float dg = dgate[i], du = dup[i];
+    SwigluBackwardOne(dout[i], gate[i], up[i], dg, du);
+    dgate[i] = dg;
+    dup[i] = du;
+  }
+}
 
 __global__ void __launch_bounds__(kThreads)
     GeluForwardKernel(float* __restrict__ out, const float* __restrict__ x, int64_t n) {
@@ -290,21 +465,25 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Element i of qkv [n, heads, 3, dh] is part (i / dh) % 3 of (row, head) pair i / (3 dh), which
-// sits at pair * dh + i % dh of q, k or v. kSplit copies qkv -> parts, otherwise parts -> qkv.
+// Element i of qkv [n, kv_heads, q_per_kv + 2, dh] is part (i / dh) % (q_per_kv + 2) of (row,
+// kv head) pair i / ((q_per_kv + 2) dh): query head `part` of the pair's group (part < q_per_kv),
+// then k, then v. kSplit copies qkv -> parts, otherwise parts -> qkv.
 template <bool kSplit>
 __global__ void __launch_bounds__(kThreads)
-    MoveHeadsKernel(float* q, float* k, float* v, float* qkv, int64_t total, int64_t dh) {
+    MoveHeadsKernel(float* q, float* k, float* v, float* qkv, int64_t total, int64_t q_per_kv,
+                    int64_t dh) {
+  const int64_t pair_size = (q_per_kv + 2) * dh;
   for (int64_t i = GlobalThread(); i < total; i += GridThreads()) {
-    const int64_t pair = i / (3 * dh);
-    const int64_t within = i - pair * 3 * dh;
+    const int64_t pair = i / pair_size;
+    const int64_t within = i - pair * pair_size;
     const int64_t part = within / dh;
-    const int64_t at = pair * dh + (within - part * dh);
-    float* p = part == 0 ? q : (part == 1 ? k : v);
+    const int64_t d = within - part * dh;
+    float* p = part < q_per_kv ? q + (pair * q_per_kv + part) * dh + d
+                               : (part == q_per_kv ? k : v) + pair * dh + d;
     if constexpr (kSplit) {
-      p[at] = qkv[i];
+      *p = qkv[i];
     } else {
-      qkv[i] = p[at];
+      qkv[i] = *p;
     }
   }
 }
@@ -501,6 +680,144 @@ absl::Status RmsNormBackwardEntry(float* dx, float* dweight, const float* dout, 
                 rstd, n, c);
 }
 
+// InvalidArgument naming `eps` unless it is finite and >= 0 (the CPU entry's message).
+absl::Status CheckEps(const char* op, float eps) {
+  if (!(std::isfinite(eps) && eps >= 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": eps is ", eps, " (must be finite, >= 0)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LayerNormForwardEntry(float* out, float* mean, float* rstd, const float* x,
+                                   const float* weight, const float* bias, int64_t n, int64_t c,
+                                   float eps, Stream stream) {
+  constexpr const char* kOp = "layernorm_forward";
+  FP8RT_RETURN_IF_ERROR(CheckSizes(kOp, {{"n", n}, {"c", c}}));
+  FP8RT_RETURN_IF_ERROR(CheckEps(kOp, eps));
+  if (n == 0) return absl::OkStatus();
+  if (c == 0)
+    return absl::InvalidArgumentError(absl::StrCat(kOp, ": c is 0 with n = ", n, " rows"));
+  FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"out", out},
+                                            {"mean", mean},
+                                            {"rstd", rstd},
+                                            {"x", x},
+                                            {"weight", weight},
+                                            {"bias", bias}}));
+  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOfRows(n));
+  return Launch(LayerNormForwardKernel, grid, dim3(kThreads), stream, out, mean, rstd, x, weight,
+                bias, n, c, eps);
+}
+
+absl::Status LayerNormBackwardEntry(float* dx, float* dweight, float* dbias, const float* dout,
+                                    const float* x, const float* weight, const float* mean,
+                                    const float* rstd, int64_t n, int64_t c, Stream stream) {
+  constexpr const char* kOp = "layernorm_backward";
+  FP8RT_RETURN_IF_ERROR(CheckSizes(kOp, {{"n", n}, {"c", c}}));
+  if (n == 0) return absl::OkStatus();
+  if (c == 0)
+    return absl::InvalidArgumentError(absl::StrCat(kOp, ": c is 0 with n = ", n, " rows"));
+  FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"dx", dx},
+                                            {"dweight", dweight},
+                                            {"dbias", dbias},
+                                            {"dout", dout},
+                                            {"x", x},
+                                            {"weight", weight},
+                                            {"mean", mean},
+                                            {"rstd", rstd}}));
+  FP8RT_ASSIGN_OR_RETURN(const dim3 rows_grid, GridOfRows(n));
+  FP8RT_RETURN_IF_ERROR(Launch(LayerNormBackwardDxKernel, rows_grid, dim3(kThreads), stream, dx,
+                               dout, x, weight, mean, rstd, n, c));
+  FP8RT_ASSIGN_OR_RETURN(const dim3 tiles_grid,
+                         GridOf(((c + 31) / 32) * 32 * kDweightLanes, 32 * kDweightLanes));
+  return Launch(ColumnSumsKernel<true>, tiles_grid, dim3(32, kDweightLanes), stream, dweight, dbias,
+                dout, x, mean, rstd, n, c);
+}
+
+absl::Status BiasForwardEntry(float* out, const float* bias, int64_t n, int64_t c, Stream stream) {
+  constexpr const char* kOp = "bias_forward";
+  FP8RT_RETURN_IF_ERROR(CheckSizes(kOp, {{"n", n}, {"c", c}}));
+  if (n == 0 || c == 0) return absl::OkStatus();
+  FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"out", out}, {"bias", bias}}));
+  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(n * c));
+  return Launch(BiasForwardKernel, grid, dim3(kThreads), stream, out, bias, n, c);
+}
+
+absl::Status BiasBackwardEntry(float* dbias, const float* dout, int64_t n, int64_t c,
+                               Stream stream) {
+  constexpr const char* kOp = "bias_backward";
+  FP8RT_RETURN_IF_ERROR(CheckSizes(kOp, {{"n", n}, {"c", c}}));
+  if (n == 0 || c == 0) return absl::OkStatus();
+  FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"dbias", dbias}, {"dout", dout}}));
+  FP8RT_ASSIGN_OR_RETURN(const dim3 tiles_grid,
+                         GridOf(((c + 31) / 32) * 32 * kDweightLanes, 32 * kDweightLanes));
+  return Launch(ColumnSumsKernel<false>, tiles_grid, dim3(32, kDweightLanes), stream,
+                static_cast<float*>(nullptr), dbias, dout, static_cast<const float*>(nullptr),
+                static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), n, c);
+}
+
+// The checks shared by rope_forward and rope_backward (the CPU entries' messages); *work is false
+// when there is nothing to do.
+absl::Status CheckRope(const char* op, int64_t n, int64_t t, int64_t h, int64_t dh, float theta,
+                       bool* work) {
+  FP8RT_RETURN_IF_ERROR(CheckSizes(op, {{"n", n}, {"t", t}, {"h", h}, {"dh", dh}}));
+  if (!(std::isfinite(theta) && theta > 0.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(op, ": theta is ", theta, " (must be finite, > 0)"));
+  }
+  *work = n > 0 && h > 0;
+  if (!*work) return absl::OkStatus();
+  if (dh == 0 || dh % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(op, ": dh is ", dh, " (must be even, > 0)"));
+  }
+  if (t == 0) return absl::InvalidArgumentError(absl::StrCat(op, ": t is 0 with rows to rotate"));
+  return absl::OkStatus();
+}
+
+absl::Status RopeForwardEntry(float* out, const float* x, int64_t n, int64_t t, int64_t h,
+                              int64_t dh, float theta, Stream stream) {
+  constexpr const char* kOp = "rope_forward";
+  bool work = false;
+  FP8RT_RETURN_IF_ERROR(CheckRope(kOp, n, t, h, dh, theta, &work));
+  if (!work) return absl::OkStatus();
+  FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"out", out}, {"x", x}}));
+  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(n * (dh / 2)));
+  return Launch(RopeKernel<true>, grid, dim3(kThreads), stream, out, x, n, t, h, dh, theta);
+}
+
+absl::Status RopeBackwardEntry(float* dx, const float* dout, int64_t n, int64_t t, int64_t h,
+                               int64_t dh, float theta, Stream stream) {
+  constexpr const char* kOp = "rope_backward";
+  bool work = false;
+  FP8RT_RETURN_IF_ERROR(CheckRope(kOp, n, t, h, dh, theta, &work));
+  if (!work) return absl::OkStatus();
+  if (dx == dout) return absl::InvalidArgumentError(absl::StrCat(kOp, ": dx aliases dout"));
+  FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"dx", dx}, {"dout", dout}}));
+  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(n * (dh / 2)));
+  return Launch(RopeKernel<false>, grid, dim3(kThreads), stream, dx, dout, n, t, h, dh, theta);
+}
+
+absl::Status SwigluForwardEntry(float* out, const float* gate, const float* up, int64_t n,
+                                Stream stream) {
+  constexpr const char* kOp = "swiglu_forward";
+  FP8RT_RETURN_IF_ERROR(CheckSizes(kOp, {{"n", n}}));
+  if (n == 0) return absl::OkStatus();
+  FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"out", out}, {"gate", gate}, {"up", up}}));
+  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(n));
+  return Launch(SwigluForwardKernel, grid, dim3(kThreads), stream, out, gate, up, n);
+}
+
+absl::Status SwigluBackwardEntry(float* dgate, float* dup, const float* dout, const float* gate,
+                                 const float* up, int64_t n, Stream stream) {
+  constexpr const char* kOp = "swiglu_backward";
+  FP8RT_RETURN_IF_ERROR(CheckSizes(kOp, {{"n", n}}));
+  if (n == 0) return absl::OkStatus();
+  FP8RT_RETURN_IF_ERROR(CheckPointers(
+      kOp, {{"dgate", dgate}, {"dup", dup}, {"dout", dout}, {"gate", gate}, {"up", up}}));
+  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(n));
+  return Launch(SwigluBackwardKernel, grid, dim3(kThreads), stream, dgate, dup, dout, gate, up, n);
+}
+
 absl::Status GeluForwardEntry(float* out, const float* x, int64_t n, Stream stream) {
   constexpr const char* kOp = "gelu_forward";
   FP8RT_RETURN_IF_ERROR(CheckSizes(kOp, {{"n", n}}));
@@ -581,29 +898,31 @@ absl::Status TransposeBytesEntry(uint8_t* dst, const uint8_t* src, int64_t rows,
 }
 
 absl::Status SplitHeadsEntry(float* q, float* k, float* v, const float* qkv, int64_t n,
-                             int64_t heads, int64_t dh, Stream stream) {
+                             int64_t kv_heads, int64_t q_per_kv, int64_t dh, Stream stream) {
   constexpr const char* kOp = "split_heads";
-  FP8RT_RETURN_IF_ERROR(CheckSizes(kOp, {{"n", n}, {"heads", heads}, {"dh", dh}}));
-  const int64_t total = n * heads * 3 * dh;
+  FP8RT_RETURN_IF_ERROR(
+      CheckSizes(kOp, {{"n", n}, {"kv_heads", kv_heads}, {"q_per_kv", q_per_kv}, {"dh", dh}}));
+  const int64_t total = n * kv_heads * (q_per_kv + 2) * dh;
   if (total == 0) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"q", q}, {"k", k}, {"v", v}, {"qkv", qkv}}));
   FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(total));
   // Only read when splitting.
   return Launch(MoveHeadsKernel<true>, grid, dim3(kThreads), stream, q, k, v,
-                const_cast<float*>(qkv), total, dh);
+                const_cast<float*>(qkv), total, q_per_kv, dh);
 }
 
 absl::Status JoinHeadsEntry(float* qkv, const float* q, const float* k, const float* v, int64_t n,
-                            int64_t heads, int64_t dh, Stream stream) {
+                            int64_t kv_heads, int64_t q_per_kv, int64_t dh, Stream stream) {
   constexpr const char* kOp = "join_heads";
-  FP8RT_RETURN_IF_ERROR(CheckSizes(kOp, {{"n", n}, {"heads", heads}, {"dh", dh}}));
-  const int64_t total = n * heads * 3 * dh;
+  FP8RT_RETURN_IF_ERROR(
+      CheckSizes(kOp, {{"n", n}, {"kv_heads", kv_heads}, {"q_per_kv", q_per_kv}, {"dh", dh}}));
+  const int64_t total = n * kv_heads * (q_per_kv + 2) * dh;
   if (total == 0) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"qkv", qkv}, {"q", q}, {"k", k}, {"v", v}}));
   FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(total));
   // Only read when joining.
   return Launch(MoveHeadsKernel<false>, grid, dim3(kThreads), stream, const_cast<float*>(q),
-                const_cast<float*>(k), const_cast<float*>(v), qkv, total, dh);
+                const_cast<float*>(k), const_cast<float*>(v), qkv, total, q_per_kv, dh);
 }
 
 absl::Status SumSquaresEntry(const float* x, int64_t count, double* out, Stream stream) {
@@ -705,6 +1024,14 @@ const LayerOps kLayerOps = {
     .attention_backward = &AttentionBackwardCuda,
     .gelu_forward = &GeluForwardEntry,
     .gelu_backward = &GeluBackwardEntry,
+    .layernorm_forward = &LayerNormForwardEntry,
+    .layernorm_backward = &LayerNormBackwardEntry,
+    .bias_forward = &BiasForwardEntry,
+    .bias_backward = &BiasBackwardEntry,
+    .rope_forward = &RopeForwardEntry,
+    .rope_backward = &RopeBackwardEntry,
+    .swiglu_forward = &SwigluForwardEntry,
+    .swiglu_backward = &SwigluBackwardEntry,
     .residual_forward = &ResidualForwardEntry,
     .residual_backward = &ResidualBackwardEntry,
     .cross_entropy_forward = &CrossEntropyForwardCuda,

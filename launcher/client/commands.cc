@@ -142,6 +142,9 @@ void PrintRunDetails(const v1::Run& run) {
   row("step",
       absl::StrCat(last.step(), "/", spec.train().steps(), " (", run.skipped_steps(), " skipped)"));
   row("loss", LossText(last));
+  if (run.val_loss_step() != 0) {
+    row("val loss", absl::StrFormat("%.4f (step %d)", run.val_loss(), run.val_loss_step()));
+  }
   if (last.step() != 0) {
     row("grad norm", absl::StrFormat("%.4g", last.grad_norm()));
     row("lr", absl::StrFormat("%.4g", last.lr()));

@@ -377,7 +377,8 @@ struct StepRecord {
   int64_t step = 0;  // 1-based optimizer step
   double loss = NAN;
   double tokens_per_s = NAN;
-  bool skipped = false;  // the optimizer skipped the step (non-finite gradients)
+  bool skipped = false;            // the optimizer skipped the step (non-finite gradients)
+  std::optional<double> val_loss;  // eval steps (eval.every); NaN when written as null
 };
 
 // A record from one line; nullopt for a line that is not a JSON object with an integer "step".
@@ -392,6 +393,7 @@ std::optional<StepRecord> ParseRecord(const std::string& line) {
   record.loss = number("loss");
   record.tokens_per_s = number("tokens_per_s");
   record.skipped = j.contains("skipped") && j["skipped"].is_boolean() && j["skipped"].get<bool>();
+  if (j.contains("val_loss")) record.val_loss = number("val_loss");
   return record;
 }
 
@@ -497,6 +499,7 @@ class Progress {
     // The rate counts steps since the launcher started; a resumed run starts past step 0.
     if (!first_step_) first_step_ = record.step - 1;
     last_ = record;
+    if (record.val_loss.has_value()) val_loss_ = record.val_loss;
     changed_ = true;
     if (quiet_ || terminal_) return;
     if (record.step / every_ > last_printed_ / every_ || record.step == total_) {
@@ -532,6 +535,12 @@ class Progress {
                                               : "?";
   }
 
+  // The newest validation loss, after `gap`; empty before the first eval step.
+  std::string ValLossText(const char* gap) const {
+    if (!val_loss_.has_value()) return "";
+    return std::string(gap) + "val_loss " + FormatLoss(*val_loss_);
+  }
+
   void Redraw() {
     constexpr int kWidth = 20;
     const double fraction =
@@ -539,10 +548,10 @@ class Progress {
     const int filled = static_cast<int>(fraction * kWidth);
     const std::string bar = std::string(filled, '#') + std::string(kWidth - filled, '.');
     // \x1b[K clears what a longer previous line left behind.
-    std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %s  %s tok/s  ETA %s%s\x1b[K", bar.c_str(),
+    std::fprintf(stderr, "\r[%s] step %lld/%lld  loss %s%s  %s tok/s  ETA %s%s\x1b[K", bar.c_str(),
                  static_cast<long long>(last_->step), static_cast<long long>(total_),
-                 FormatLoss(last_->loss).c_str(), TokensPerSecond().c_str(),
-                 FormatEta(EtaSeconds(), /*clock_style=*/true).c_str(),
+                 FormatLoss(last_->loss).c_str(), ValLossText("  ").c_str(),
+                 TokensPerSecond().c_str(), FormatEta(EtaSeconds(), /*clock_style=*/true).c_str(),
                  last_->skipped ? "  (skipped)" : "");
     std::fflush(stderr);
     drawn_ = true;
@@ -552,9 +561,9 @@ class Progress {
     const std::string tokens = std::isfinite(last_->tokens_per_s)
                                    ? std::to_string(std::llround(last_->tokens_per_s))
                                    : "?";
-    std::fprintf(stderr, "step %lld/%lld loss %s tokens/s %s eta %s%s\n",
+    std::fprintf(stderr, "step %lld/%lld loss %s%s tokens/s %s eta %s%s\n",
                  static_cast<long long>(last_->step), static_cast<long long>(total_),
-                 FormatLoss(last_->loss).c_str(), tokens.c_str(),
+                 FormatLoss(last_->loss).c_str(), ValLossText(" ").c_str(), tokens.c_str(),
                  FormatEta(EtaSeconds(), /*clock_style=*/false).c_str(),
                  last_->skipped ? " (skipped)" : "");
     std::fflush(stderr);
@@ -567,6 +576,7 @@ class Progress {
   const Clock::time_point start_;      // when the launcher started mpirun
   std::optional<int64_t> first_step_;  // the step before the first record seen
   std::optional<StepRecord> last_;     // the newest record
+  std::optional<double> val_loss_;     // the newest record's with a val_loss
   int64_t last_printed_ = 0;           // plain lines: the step printed last
   bool changed_ = false;               // records arrived since the last Refresh
   bool drawn_ = false;                 // a redrawn line is on screen

@@ -309,6 +309,7 @@ void Controller::ExportRunLocked(const RunEntry& run) {
   metrics_->SetRecipeVersion(id, NewestRecipeLocked(run).version());
   metrics_->SetSkippedSteps(id, r.skipped_steps());
   if (r.last_step().step() > 0) metrics_->SetStep(id, r.last_step());
+  if (r.val_loss_step() > 0) metrics_->SetEvalLoss(id, r.val_loss());
   if (!run.record.checkpoints().empty()) {
     const v1::CheckpointInfo& newest = run.record.checkpoints().rbegin()->info();
     metrics_->SetCheckpoint(id, newest.step(), newest.created_unix_ms());
@@ -429,6 +430,8 @@ absl::StatusOr<v1::RegisterResponse> Controller::RegisterRank0(const v1::Registe
         // A fresh start: nothing of the previous incarnation's progress applies.
         run->record.set_latest_step(0);
         run->record.mutable_run()->clear_last_step();
+        run->record.mutable_run()->clear_val_loss();
+        run->record.mutable_run()->clear_val_loss_step();
         run->record.clear_layers();
         run->record.clear_demoted_layers();
         const v1::RecipeVersion& newest = NewestRecipeLocked(*run);
@@ -653,6 +656,11 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
     v1::Run* r = rec.mutable_run();
     *r->mutable_last_step() = m;
     rec.set_latest_step(std::max(rec.latest_step(), m.step()));
+    if (m.has_val_loss()) {
+      r->set_val_loss(m.val_loss());
+      r->set_val_loss_step(m.step());
+      metrics_->SetEvalLoss(id, m.val_loss());
+    }
     if (m.skipped()) {
       r->set_skipped_steps(r->skipped_steps() + 1);
       // The message names the ranks that saw the NaN/Inf (workers that do not say: none named).

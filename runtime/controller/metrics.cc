@@ -76,6 +76,9 @@ ControllerMetrics::ControllerMetrics() : registry_(std::make_shared<prometheus::
                                 "timeout.");
   train_step_ = NewGauge(r, "fp8rt_train_step", "Latest optimizer step reported (1-based).");
   train_loss_ = NewGauge(r, "fp8rt_train_loss", "Training loss of the latest step.");
+  eval_loss_ = NewGauge(r, "fp8rt_eval_loss",
+                        "Validation loss of the latest eval step (eval.every): the mean over the "
+                        "eval batches of every DP rank, before that step's update.");
   learning_rate_ = NewGauge(r, "fp8rt_train_learning_rate", "Learning rate of the latest step.");
   grad_norm_ = NewGauge(r, "fp8rt_grad_norm",
                         "Global gradient norm of the latest step (NaN when it was skipped).");
@@ -132,6 +135,10 @@ void ControllerMetrics::SetStep(const std::string& run, const v1::StepMetrics& s
   RunGauge(grad_norm_, run).Set(step.grad_norm());
   RunGauge(tokens_per_second_, run).Set(step.tokens_per_s());
   RunGauge(step_time_, run).Set(step.step_time_s());
+}
+
+void ControllerMetrics::SetEvalLoss(const std::string& run, double val_loss) {
+  RunGauge(eval_loss_, run).Set(val_loss);
 }
 
 void ControllerMetrics::SetSkippedSteps(const std::string& run, int64_t total) {

@@ -45,6 +45,8 @@ class ControllerMetrics {
   // fp8rt_train_step, _loss, _learning_rate, fp8rt_grad_norm, fp8rt_tokens_per_second,
   // fp8rt_step_time_seconds from the latest step.
   void SetStep(const std::string& run, const v1::StepMetrics& step);
+  // fp8rt_eval_loss: the validation loss of the newest eval step (eval.every).
+  void SetEvalLoss(const std::string& run, double val_loss);
   // fp8rt_skipped_steps_total raised to `total` (never lowered).
   void SetSkippedSteps(const std::string& run, int64_t total);
   // Replaces the per-site series of `run` by `sites` (series of sites not listed are removed)
@@ -76,6 +78,7 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Gauge>* workers_connected_;
   prometheus::Family<prometheus::Gauge>* train_step_;
   prometheus::Family<prometheus::Gauge>* train_loss_;
+  prometheus::Family<prometheus::Gauge>* eval_loss_;
   prometheus::Family<prometheus::Gauge>* learning_rate_;
   prometheus::Family<prometheus::Gauge>* grad_norm_;
   prometheus::Family<prometheus::Gauge>* tokens_per_second_;

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <string>
@@ -60,6 +61,10 @@ v1::RunSpec RunSpecDefaults() {
   train->set_weight_decay(0.1);
   train->set_clip(1.0);
   spec.mutable_data()->set_format(v1::RunSpec::Data::FORMAT_TEXT);
+  spec.mutable_data()->set_shuffle(true);
+  spec.mutable_data()->set_val_fraction(0.0);
+  spec.mutable_eval()->set_every(0);
+  spec.mutable_eval()->set_batches(8);
   spec.mutable_checkpoint()->set_every(0);
   spec.mutable_checkpoint()->set_keep(3);
   spec.mutable_metrics()->set_every(1);
@@ -447,7 +452,8 @@ std::string Join(const std::string& prefix, const std::string& name) {
 
 // Enums added after specs were first stored (controller state, programs building a RunSpec by
 // hand) whose zero value means their default instead of "not set".
-constexpr const char* kUnsetMeansDefault[] = {"device"};
+constexpr const char* kUnsetMeansDefault[] = {"device", "model.family", "model.norm", "model.mlp",
+                                               "model.positions"};
 
 bool UnsetMeansDefault(const std::string& path) {
   return std::any_of(std::begin(kUnsetMeansDefault), std::end(kUnsetMeansDefault),
@@ -523,7 +529,86 @@ absl::Status CheckReadableFile(const std::string& field, const std::string& path
   return absl::OkStatus();
 }
 
+// The tokens a data file of `format` holds, from its size alone (TokenDataset::Open checks the
+// contents later); nullopt when the size cannot be read or is not a whole number of tokens.
+std::optional<uint64_t> TokensInFile(const std::string& path, v1::RunSpec::Data::Format format) {
+  std::error_code ec;
+  const uintmax_t bytes = fs::file_size(path, ec);
+  if (ec) return std::nullopt;
+  switch (format) {
+    case v1::RunSpec::Data::FORMAT_TEXT:
+      return bytes;
+    case v1::RunSpec::Data::FORMAT_U16:
+      return bytes / 2;
+    case v1::RunSpec::Data::FORMAT_U32:
+      return bytes / 4;
+    case v1::RunSpec::Data::FORMAT_LLMC:  // a 256 x int32 header, then uint16 tokens
+      if (bytes < 1024) return std::nullopt;
+      return (bytes - 1024) / 2;
+    default:
+      return std::nullopt;
+  }
+}
+
+// data.shuffle / val_path / val_fraction and the eval section (see ValidateRunSpec).
+absl::Status ValidateEval(const v1::RunSpec& spec, DataFileCheck data_file) {
+  const v1::RunSpec::Data& d = spec.data();
+  const v1::RunSpec::Eval& e = spec.eval();
+  const bool fraction = d.val_fraction() != 0.0;
+  if (fraction && !(d.val_fraction() > 0.0 && d.val_fraction() < 1.0)) {
+    return FieldError(
+        "data.val_fraction",
+        absl::StrCat("must be in (0, 1) (the held-out tail of data.path), got ", d.val_fraction()));
+  }
+  if (fraction && !d.val_path().empty()) {
+    return FieldError("data.val_path",
+                      "set together with data.val_fraction: the validation data is either a file "
+                      "or the tail of data.path, not both");
+  }
+  FP8RT_RETURN_IF_ERROR(CheckNonNegative("eval.every", static_cast<double>(e.every())));
+  if (e.every() == 0) {
+    if (data_file == DataFileCheck::kCheck && !d.val_path().empty()) {
+      return CheckReadableFile("data.val_path", d.val_path());
+    }
+    return absl::OkStatus();
+  }
+  FP8RT_RETURN_IF_ERROR(CheckPositive("eval.batches", e.batches()));
+  if (!fraction && d.val_path().empty()) {
+    return FieldError("eval.every",
+                      absl::StrCat("evaluates every ", e.every(),
+                                   " steps but there is no validation data: set data.val_path "
+                                   "or data.val_fraction"));
+  }
+  if (data_file == DataFileCheck::kSkip) return absl::OkStatus();
+  const std::string field = fraction ? "data.val_fraction" : "data.val_path";
+  if (!fraction) FP8RT_RETURN_IF_ERROR(CheckReadableFile("data.val_path", d.val_path()));
+  const std::string& file = fraction ? d.path() : d.val_path();
+  const std::optional<uint64_t> total = TokensInFile(file, d.format());
+  if (!total.has_value()) return absl::OkStatus();  // the data loader names the problem
+  const uint64_t tokens = fraction ? *total - ValidationSplit(*total, d.val_fraction()) : *total;
+  const uint64_t row = static_cast<uint64_t>(std::max(1, spec.model().seq_len())) + 1;
+  const uint64_t windows = tokens / row;
+  const uint64_t need = static_cast<uint64_t>(e.batches()) *
+                        static_cast<uint64_t>(std::max(1, spec.train().micro_batch())) *
+                        static_cast<uint64_t>(std::max(1, spec.parallel().dp()));
+  if (windows < need) {
+    return FieldError(
+        field, absl::StrCat(fraction ? "the held-out tail of '" : "'", file, "' holds ", tokens,
+                            " tokens, ", windows, " windows of model.seq_len + 1 = ", row,
+                            " tokens; eval needs eval.batches * train.micro_batch * parallel.dp = ",
+                            e.batches(), " * ", spec.train().micro_batch(), " * ",
+                            spec.parallel().dp(), " = ", need, " windows"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+uint64_t ValidationSplit(uint64_t tokens, double val_fraction) {
+  if (!(val_fraction > 0.0 && val_fraction < 1.0)) return tokens;
+  const double split = std::floor(static_cast<double>(tokens) * (1.0 - val_fraction));
+  return std::min(tokens, static_cast<uint64_t>(split));
+}
 
 absl::StatusOr<v1::RunSpec> ParseRunSpec(const std::string& yaml_text,
                                          const std::string& source_name,
@@ -573,10 +658,29 @@ absl::StatusOr<v1::RunSpec> LoadRunSpec(const std::string& path,
   return ParseRunSpec(text.str(), path, overrides);
 }
 
+v1::RunSpec::Model ResolveModel(const v1::RunSpec::Model& spec_model) {
+  using M = v1::RunSpec::Model;
+  M m = spec_model;
+  if (m.family() == M::FAMILY_UNSPECIFIED) m.set_family(M::FAMILY_PLAIN);
+  const bool gpt2 = m.family() == M::FAMILY_GPT2, llama = m.family() == M::FAMILY_LLAMA;
+  if (m.norm() == M::NORM_UNSPECIFIED) m.set_norm(gpt2 ? M::NORM_LAYERNORM : M::NORM_RMSNORM);
+  if (m.mlp() == M::MLP_UNSPECIFIED) m.set_mlp(llama ? M::MLP_SWIGLU : M::MLP_GELU);
+  if (m.positions() == M::POSITIONS_UNSPECIFIED) {
+    m.set_positions(gpt2 ? M::POSITIONS_LEARNED : llama ? M::POSITIONS_ROPE : M::POSITIONS_NONE);
+  }
+  if (m.kv_heads() == 0) m.set_kv_heads(m.heads());
+  if (m.max_positions() == 0) m.set_max_positions(m.seq_len());
+  if (!m.has_rope_theta()) m.set_rope_theta(10000.0);
+  if (!m.has_norm_eps()) m.set_norm_eps(1e-5);
+  if (!m.has_bias()) m.set_bias(gpt2);
+  if (!m.has_tie_embeddings()) m.set_tie_embeddings(gpt2);
+  return m;
+}
+
 absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCheck data_file) {
   FP8RT_RETURN_IF_ERROR(CheckFieldsSet(spec, ""));
 
-  const auto& m = spec.model();
+  const v1::RunSpec::Model m = ResolveModel(spec.model());
   FP8RT_RETURN_IF_ERROR(CheckPositive("model.layers", m.layers()));
   FP8RT_RETURN_IF_ERROR(CheckPositive("model.d_model", m.d_model()));
   FP8RT_RETURN_IF_ERROR(CheckPositive("model.heads", m.heads()));
@@ -587,6 +691,32 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
     return FieldError(
         "model.d_model",
         absl::StrCat("d_model ", m.d_model(), " is not a multiple of model.heads ", m.heads()));
+  }
+  if (m.kv_heads() < 0 || m.heads() % m.kv_heads() != 0) {
+    return FieldError("model.kv_heads", absl::StrCat(m.kv_heads(), " key/value heads do not divide "
+                                                     "model.heads ",
+                                                     m.heads(), " (1 = multi-query attention)"));
+  }
+  if (m.positions() == v1::RunSpec::Model::POSITIONS_ROPE && (m.d_model() / m.heads()) % 2 != 0) {
+    return FieldError("model.positions", absl::StrCat("rope needs an even head size, got d_model / "
+                                                      "heads = ",
+                                                      m.d_model() / m.heads()));
+  }
+  if (!(m.rope_theta() > 0)) {
+    return FieldError("model.rope_theta", absl::StrCat("must be positive, got ", m.rope_theta()));
+  }
+  if (!(m.norm_eps() >= 0)) {
+    return FieldError("model.norm_eps", absl::StrCat("must be >= 0, got ", m.norm_eps()));
+  }
+  if (m.positions() == v1::RunSpec::Model::POSITIONS_LEARNED && m.max_positions() < m.seq_len()) {
+    return FieldError("model.max_positions",
+                      absl::StrCat(m.max_positions(), " learned positions cannot hold model.seq_len ",
+                                   m.seq_len()));
+  }
+  if (m.mlp() == v1::RunSpec::Model::MLP_SWIGLU && spec.moe().experts() > 0) {
+    return absl::UnimplementedError(
+        "moe.experts: MoE blocks with SwiGLU experts (model.mlp swiglu, the llama family) are not "
+        "built yet; use model.mlp gelu with MoE");
   }
 
   const auto& par = spec.parallel();
@@ -606,7 +736,10 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
     const char* field;
     int32_t value;
   } tp_split[] = {
-      {"model.d_model", m.d_model()}, {"model.d_ff", m.d_ff()}, {"model.heads", m.heads()}};
+      {"model.d_model", m.d_model()},
+      {"model.d_ff", m.d_ff()},
+      {"model.heads", m.heads()},
+      {"model.kv_heads", m.kv_heads()}};
   for (const auto& [field, value] : tp_split) {
     if (value % par.tp() != 0) {
       return FieldError(field, absl::StrCat(value, " is not divisible by parallel.tp ", par.tp()));
@@ -630,14 +763,15 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
   }
   if (pr.mode() == v1::RunSpec::Precision::MODE_FP8) {
     // FSDP gathers FP8 weights as whole rows (whole 128-row blocks with block scaling) of each
-    // tensor-parallel piece: attn.qkv has 3 d_model / tp rows, attn.proj d_model, mlp.fc1
-    // d_ff / tp, mlp.fc2 d_model.
+    // tensor-parallel piece: attn.qkv has (heads + 2 kv_heads) * head size / tp rows, attn.proj
+    // d_model, mlp.fc1 (mlp.gate, mlp.up) d_ff / tp, mlp.fc2 (mlp.down) d_model.
     const bool block = pr.scaling() == v1::RunSpec::Precision::SCALING_BLOCK;
     const int64_t unit = (block ? 128 : 1) * int64_t{par.dp()};
     const struct {
       const char* field;
       int64_t rows;
-    } pieces[] = {{"model.d_model", 3 * int64_t{m.d_model()} / par.tp()},
+    } pieces[] = {{"model.d_model", (int64_t{m.heads()} + 2 * m.kv_heads()) *
+                                        (m.d_model() / m.heads()) / par.tp()},
                   {"model.d_model", m.d_model()},
                   {"model.d_ff", int64_t{m.d_ff()} / par.tp()}};
     for (const auto& [field, rows] : pieces) {
@@ -749,16 +883,20 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
   if ((d.format() == v1::RunSpec::Data::FORMAT_U16 ||
        d.format() == v1::RunSpec::Data::FORMAT_LLMC) &&
       m.vocab() > 65536) {
-    return FieldError("model.vocab",
-                      absl::StrCat("data.format ",
-                                   d.format() == v1::RunSpec::Data::FORMAT_U16 ? "u16" : "llmc",
-                                   " holds token ids < 65536, got vocab ", m.vocab()));
+    return FieldError(
+        "model.vocab",
+        absl::StrCat("data.format ", d.format() == v1::RunSpec::Data::FORMAT_U16 ? "u16" : "llmc",
+                     " holds token ids < 65536, got vocab ", m.vocab()));
   }
 
   FP8RT_RETURN_IF_ERROR(
       CheckNonNegative("checkpoint.every", static_cast<double>(spec.checkpoint().every())));
   FP8RT_RETURN_IF_ERROR(CheckPositive("checkpoint.keep", spec.checkpoint().keep()));
   FP8RT_RETURN_IF_ERROR(CheckPositive("metrics.every", spec.metrics().every()));
+  FP8RT_RETURN_IF_ERROR(ValidateEval(spec, data_file));
+  if (!spec.init().from().empty() && data_file == DataFileCheck::kCheck) {
+    FP8RT_RETURN_IF_ERROR(CheckReadableFile("init.from", spec.init().from()));
+  }
 
   if (data_file == DataFileCheck::kSkip) {
     if (d.path().empty()) return FieldError("data.path", "is empty (a data file is required)");

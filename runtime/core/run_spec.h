@@ -24,7 +24,24 @@
 //               amax_compute_algo max, margin 0, exclude [], fsdp_gather fp8, grad_reduce fp32
 //   train:      micro_batch 1, grad_accum 1, seed 1, lr 3e-4, warmup 0, min_lr 0,
 //               weight_decay 0.1, clip 1.0 (0 disables clipping)
-//   data:       format text
+//   init:       from "" (the seeded initialisation; a safetensors path starts from its weights)
+//   model:      family plain (unset); the family sets the architecture fields (ResolveModel):
+//                 plain: norm rmsnorm, mlp gelu, positions none, bias false, tie_embeddings false
+//                 gpt2:  norm layernorm, mlp gelu, positions learned, bias true,
+//                        tie_embeddings true
+//                 llama: norm rmsnorm, mlp swiglu, positions rope, bias false,
+//                        tie_embeddings false
+//               and for every family: kv_heads = heads, max_positions = seq_len, rope_theta 10000,
+//               norm_eps 1e-5. A field written in the spec overrides its family's value.
+//   data:       format text, shuffle true (each epoch a seeded permutation of the sequences of
+//               model.seq_len + 1 tokens, from train.seed and the epoch; false: file order),
+//               val_path "" and val_fraction 0 (no validation data; set one of them for eval:
+//               val_path a token file in data.format, val_fraction in (0, 1) the held-out tail
+//               of data.path, see ValidationSplit)
+//   eval:       every 0 (off; N: the validation loss before the training of every step with
+//               step % N == 0 and of the last step), batches 8 (micro-batches of
+//               train.micro_batch sequences per DP rank: the mean over the first
+//               batches * micro_batch * dp sequences of the validation data, in file order)
 //   checkpoint: every 0 (off), keep 3
 //   metrics:    every 1, per_rank_fp8_stats false
 //   moe:        experts 0 (dense), top_k 2, every 1, capacity_factor 1.25, aux_loss_coef 0.01,
@@ -50,6 +67,7 @@
 #ifndef FP8RT_RUNTIME_CORE_RUN_SPEC_H_
 #define FP8RT_RUNTIME_CORE_RUN_SPEC_H_
 
+#include <cstdint>
 #include <span>
 #include <string>
 
@@ -78,7 +96,10 @@ v1::RunSpec RunSpecDefaults();
 //   - model.d_model % model.heads == 0
 //   - parallel.dp * parallel.tp == world_size (world_size 0 skips this check)
 //   - parallel.ep divides parallel.dp
-//   - model.heads, model.d_model and model.d_ff divisible by parallel.tp
+//   - model.heads, model.d_model, model.d_ff and model.kv_heads divisible by parallel.tp;
+//     model.kv_heads divides model.heads; rope needs an even head size; learned positions need
+//     max_positions >= seq_len; rope_theta > 0, norm_eps >= 0. SwiGLU MoE experts (mlp swiglu
+//     with moe.experts > 0) are not built yet: Unimplemented naming moe.experts.
 //   - precision.scaling block: d_model / tp and d_ff / tp multiples of 128 (whole 128x128
 //     blocks on every tensor-parallel shard; with tp 1, d_model and d_ff multiples of 128)
 //   - moe: experts a multiple of parallel.ep, top_k in [1, experts], every >= 1, capacity_factor
@@ -94,12 +115,30 @@ v1::RunSpec RunSpecDefaults();
 //     non-empty
 //   - data.format text (byte-level tokens) needs model.vocab >= 256; u16 and llmc need
 //     vocab <= 65536
+//   - data.val_fraction 0 or in (0, 1); data.val_path and data.val_fraction not both set;
+//     eval.every >= 0; with eval.every > 0: eval.batches >= 1, validation data set
+//     (data.val_path or data.val_fraction), and (with data_file kCheck) holding at least
+//     eval.batches * train.micro_batch * parallel.dp windows of model.seq_len + 1 tokens
+//     (counted from the file's size; the message gives both counts)
+//   - data.val_path, when set, names a readable regular file (with data_file kCheck)
+//   - init.from, when set, names an existing, readable regular file (with kCheck)
 //   - data.path names an existing, readable regular file (the message names the path), unless
 //     `data_file` is kSkip (a process that never reads the data, such as the controller, which
 //     still requires data.path to be non-empty)
 enum class DataFileCheck { kCheck, kSkip };
+
+// The model section with its family's defaults filled in (see the defaults above): every
+// architecture field explicit (family, norm, mlp, positions set; kv_heads, max_positions,
+// rope_theta, norm_eps, bias, tie_embeddings present). Fields the spec wrote are kept.
+v1::RunSpec::Model ResolveModel(const v1::RunSpec::Model& model);
+
 [[nodiscard]] absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size,
                                            DataFileCheck data_file = DataFileCheck::kCheck);
+
+// data.val_fraction's split of a corpus of `tokens` tokens: training reads tokens [0, split),
+// validation [split, tokens), split = floor(tokens * (1 - val_fraction)) (nanoGPT's
+// data[:int(n * 0.9)] for val_fraction 0.1). `tokens` when val_fraction is not in (0, 1).
+uint64_t ValidationSplit(uint64_t tokens, double val_fraction);
 
 }  // namespace fp8rt
 

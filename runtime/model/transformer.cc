@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <numbers>
 
@@ -17,8 +18,6 @@
 
 namespace fp8rt::model {
 namespace {
-
-constexpr float kNormEps = 1e-5f;
 
 uint64_t SplitMix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ULL;
@@ -44,30 +43,34 @@ float Normal(uint64_t key, uint64_t index) {
 
 }  // namespace
 
-// The parameters and layers of one block (indices into params_).
+// The parameters and layers of one block (indices into params_; -1: absent).
 struct Transformer::Block {
-  int attn_norm = -1, qkv_w = -1, proj_w = -1, mlp_norm = -1, fc1_w = -1, fc2_w = -1;
-  Linear *qkv = nullptr, *proj = nullptr, *fc1 = nullptr, *fc2 = nullptr;
+  int attn_norm = -1, attn_norm_b = -1, qkv_w = -1, qkv_b = -1, proj_w = -1, proj_b = -1;
+  int mlp_norm = -1, mlp_norm_b = -1, fc1_w = -1, fc1_b = -1, up_w = -1, fc2_w = -1, fc2_b = -1;
+  // fc1: mlp.fc1 (GELU) or mlp.gate (SwiGLU); up: mlp.up (SwiGLU only); fc2: mlp.fc2 or mlp.down.
+  Linear *qkv = nullptr, *proj = nullptr, *fc1 = nullptr, *up = nullptr, *fc2 = nullptr;
   std::unique_ptr<MoeLayer> moe;  // instead of fc1 / fc2 in MoE blocks
   int router_w = -1;
   int moe_stats = -1;  // index into moe_stats_
 };
 
 // Activations of one micro-batch (saved by the forward for the backward) and the backward's
-// temporaries. n = micro_batch * seq_len tokens; cl, fl: this rank's d_model and d_ff columns.
+// temporaries. n = micro_batch * seq_len tokens; cl, kvl, fl: this rank's query, key/value and
+// d_ff columns.
 struct Transformer::Acts {
   using Array = kernels::DeviceArray<float>;
   explicit Acts(const kernels::OpTable& ops) : ops(ops) {}
   const kernels::OpTable& ops;
   int64_t b = 0, n = 0;
   struct Layer {
-    Array x, ln1, rstd1, q, k, v, probs, att, x2, ln2, rstd2, h, g;  // empty ln1/att/ln2/g: shared
+    // Empty ln1/att/ln2/g: shared (Keep). mean1/mean2 only with LayerNorm, u only with SwiGLU.
+    Array x, ln1, mean1, rstd1, q, k, v, probs, att, x2, ln2, mean2, rstd2, h, u, g;
   };
   std::vector<Layer> layers;
-  Array x_final, lnf, rstdf, logits, ce_probs, losses;
-  kernels::DeviceArray<int32_t> inputs, targets;
+  Array x_final, lnf, meanf, rstdf, logits, ce_probs, losses, pos;
+  kernels::DeviceArray<int32_t> inputs, targets, positions;
   // Backward temporaries.
-  Array dx, dx2, dln, dg, dh, datt, dq, dk, dv, dqkv, dlogits, dlnf;
+  Array dx, dx2, dln, dg, dh, du, datt, dq, dk, dv, dqr, dkr, dqkv, dlogits, dlnf;
 
   // Which FP32 GEMM inputs block l keeps for its backward (ln1, att, ln2, g): not those whose
   // FP8 layer keeps only its FP8 codes (precision.save_fp8_activations); those are written into
@@ -89,8 +92,10 @@ struct Transformer::Acts {
     b = micro_batch;
     kept = keep;
     n = micro_batch * s.seq_len;
+    const bool layer_norm = s.norm == NormKind::kLayer, swiglu = s.mlp == MlpKind::kSwiglu;
     const size_t c = static_cast<size_t>(n * s.d_model);
     const size_t cl = c / static_cast<size_t>(tp);
+    const size_t kvl = static_cast<size_t>(n * s.kv() * s.head_dim() / tp);
     const size_t fl = static_cast<size_t>(n * s.d_ff / tp);
     const size_t probs = static_cast<size_t>(micro_batch * (s.heads / tp) * s.seq_len * s.seq_len);
     const size_t rows = static_cast<size_t>(n);
@@ -98,8 +103,8 @@ struct Transformer::Acts {
     layers.resize(static_cast<size_t>(s.layers));
     for (size_t i = 0; i < layers.size(); ++i) {
       Layer& l = layers[i];
-      for (Array* v : {&l.x, &l.ln1, &l.rstd1, &l.q, &l.k, &l.v, &l.probs, &l.att, &l.x2, &l.ln2,
-                       &l.rstd2, &l.h, &l.g}) {
+      for (Array* v : {&l.x, &l.ln1, &l.mean1, &l.rstd1, &l.q, &l.k, &l.v, &l.probs, &l.att, &l.x2,
+                       &l.ln2, &l.mean2, &l.rstd2, &l.h, &l.u, &l.g}) {
         *v = Array(ops, kernels::MemCategory::kSavedActivations);
       }
       for (auto* v : {&l.x, &l.x2}) v->assign(c, 0.0f);
@@ -107,34 +112,52 @@ struct Transformer::Acts {
       if (keep[i].ln2) l.ln2.assign(c, 0.0f);
       if (keep[i].att) l.att.assign(cl, 0.0f);
       if (keep[i].g) l.g.assign(fl, 0.0f);
-      for (auto* v : {&l.q, &l.k, &l.v}) v->assign(cl, 0.0f);
+      l.q.assign(cl, 0.0f);
+      for (auto* v : {&l.k, &l.v}) v->assign(kvl, 0.0f);
       l.h.assign(fl, 0.0f);
+      if (swiglu) l.u.assign(fl, 0.0f);
       l.probs.assign(probs, 0.0f);
-      l.rstd1.assign(rows, 0.0f);
-      l.rstd2.assign(rows, 0.0f);
+      for (auto* v : {&l.rstd1, &l.rstd2}) v->assign(rows, 0.0f);
+      if (layer_norm) {
+        for (auto* v : {&l.mean1, &l.mean2}) v->assign(rows, 0.0f);
+      }
     }
     for (auto* v : {&t_ln1, &t_ln2, &t_proj, &t_fc2}) v->assign(c, 0.0f);
     t_att.assign(cl, 0.0f);
     t_g.assign(fl, 0.0f);
-    t_qkv.assign(3 * cl, 0.0f);
+    t_qkv.assign(cl + 2 * kvl, 0.0f);
     const size_t logits_size = static_cast<size_t>(n * s.vocab);
-    for (Array* v : {&x_final, &lnf, &rstdf, &logits, &ce_probs, &losses}) {
+    for (Array* v : {&x_final, &lnf, &meanf, &rstdf, &logits, &ce_probs, &losses, &pos}) {
       *v = Array(ops, kernels::MemCategory::kSavedActivations);
     }
-    for (Array* v : {&dx, &dx2, &dln, &dg, &dh, &datt, &dq, &dk, &dv, &dqkv, &dlogits, &dlnf}) {
+    for (Array* v : {&dx, &dx2, &dln, &dg, &dh, &du, &datt, &dq, &dk, &dv, &dqr, &dkr, &dqkv,
+                     &dlogits, &dlnf}) {
       *v = Array(ops, kernels::MemCategory::kScratch);
     }
-    inputs = kernels::DeviceArray<int32_t>(ops, kernels::MemCategory::kSavedActivations);
-    targets = kernels::DeviceArray<int32_t>(ops, kernels::MemCategory::kSavedActivations);
+    for (auto* v : {&inputs, &targets, &positions}) {
+      *v = kernels::DeviceArray<int32_t>(ops, kernels::MemCategory::kSavedActivations);
+    }
     for (auto* v : {&x_final, &lnf, &dx, &dx2, &dln, &dlnf}) v->assign(c, 0.0f);
+    if (s.positions == PositionKind::kLearned) pos.assign(c, 0.0f);
     rstdf.assign(rows, 0.0f);
+    if (layer_norm) meanf.assign(rows, 0.0f);
     losses.assign(rows, 0.0f);
     for (auto* v : {&logits, &ce_probs, &dlogits}) v->assign(logits_size, 0.0f);
     for (auto* v : {&dg, &dh}) v->assign(fl, 0.0f);
-    for (auto* v : {&datt, &dq, &dk, &dv}) v->assign(cl, 0.0f);
-    dqkv.assign(3 * cl, 0.0f);
+    if (swiglu) du.assign(fl, 0.0f);
+    for (auto* v : {&datt, &dq}) v->assign(cl, 0.0f);
+    for (auto* v : {&dk, &dv}) v->assign(kvl, 0.0f);
+    if (s.positions == PositionKind::kRope) {
+      dqr.assign(cl, 0.0f);
+      dkr.assign(kvl, 0.0f);
+    }
+    dqkv.assign(cl + 2 * kvl, 0.0f);
     inputs.assign(rows, 0);
     targets.assign(rows, 0);
+    positions.assign(rows, 0);
+    for (size_t r = 0; r < rows; ++r) {
+      positions[r] = static_cast<int32_t>(static_cast<int64_t>(r) % s.seq_len);
+    }
   }
 };
 
@@ -159,15 +182,22 @@ Transformer::Transformer(const ModelShape& shape, const ModelRecipe& recipe, par
 
 Transformer::~Transformer() = default;
 
+
 std::vector<std::string> Transformer::LayerNames() const {
   std::vector<std::string> names;
+  const bool swiglu = shape_.mlp == MlpKind::kSwiglu;
   for (int64_t l = 0; l < shape_.layers; ++l) {
     const bool moe = shape_.moe.experts > 0 && (l + 1) % shape_.moe_every == 0;
     for (const char* s : {"attn.qkv", "attn.proj"})
       names.push_back(absl::StrCat("blocks.", l, ".", s));
     if (!moe) {
-      for (const char* s : {"mlp.fc1", "mlp.fc2"})
-        names.push_back(absl::StrCat("blocks.", l, ".", s));
+      if (swiglu) {
+        for (const char* s : {"mlp.gate", "mlp.up", "mlp.down"})
+          names.push_back(absl::StrCat("blocks.", l, ".", s));
+      } else {
+        for (const char* s : {"mlp.fc1", "mlp.fc2"})
+          names.push_back(absl::StrCat("blocks.", l, ".", s));
+      }
       continue;
     }
     for (int64_t e = 0; e < shape_.moe.experts; ++e) {
@@ -194,7 +224,7 @@ absl::Status Transformer::CheckRecipe(const ModelShape& shape, const ModelRecipe
     const struct {
       const char* field;
       int64_t rows;
-    } weights[] = {{"model.d_model", 3 * shape.d_model / tp},
+    } weights[] = {{"model.d_model", (shape.heads + 2 * shape.kv()) * shape.head_dim() / tp},
                    {"model.d_model", shape.d_model},
                    {"model.d_ff", shape.d_ff / tp}};
     for (const auto& w : weights) {
@@ -228,19 +258,41 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Create(const ModelShap
     return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
   };
   if (shape.layers < 1 || shape.d_model < 1 || shape.heads < 1 || shape.d_ff < 1 ||
-      shape.seq_len < 1 || shape.vocab < 1) {
+      shape.seq_len < 1 || shape.vocab < 1 || shape.kv_heads < 0) {
     return bad("model", "every size must be positive");
   }
   if (shape.d_model % shape.heads != 0) {
     return bad("model.d_model",
                absl::StrCat(shape.d_model, " is not a multiple of model.heads ", shape.heads));
   }
+  if (shape.heads % shape.kv() != 0) {
+    return bad("model.kv_heads", absl::StrCat(shape.kv(), " key/value heads do not divide "
+                                              "model.heads ",
+                                              shape.heads));
+  }
   if (shape.heads % tp != 0) {
     return bad("model.heads",
                absl::StrCat(shape.heads, " heads cannot be split over parallel.tp ", tp));
   }
+  if (shape.kv() % tp != 0) {
+    return bad("model.kv_heads",
+               absl::StrCat(shape.kv(), " key/value heads cannot be split over parallel.tp ", tp));
+  }
   if (shape.d_ff % tp != 0) {
     return bad("model.d_ff", absl::StrCat(shape.d_ff, " cannot be split over parallel.tp ", tp));
+  }
+  if (shape.positions == PositionKind::kRope && shape.head_dim() % 2 != 0) {
+    return bad("model.positions",
+               absl::StrCat("rope needs an even head size, got ", shape.head_dim()));
+  }
+  if (shape.positions == PositionKind::kLearned && shape.max_positions < shape.seq_len) {
+    return bad("model.max_positions", absl::StrCat(shape.max_positions, " positions cannot hold "
+                                                   "model.seq_len ",
+                                                   shape.seq_len));
+  }
+  if (shape.mlp == MlpKind::kSwiglu && shape.moe.experts > 0) {
+    return absl::UnimplementedError(
+        "moe.experts: MoE blocks with SwiGLU experts are not built yet");
   }
   std::unique_ptr<Transformer> model(new Transformer(shape, recipe, mesh, ops));
   FP8RT_RETURN_IF_ERROR(CheckRecipe(shape, recipe, tp, dp, model->LayerNames()));
@@ -253,7 +305,7 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
                              bool expert) {
   Param& p = params_.emplace_back();
   p.group = expert ? &mesh_.edp() : &mesh_.dp();
-  const int64_t fsdp = p.group->size(), fsdp_rank = p.group->rank();
+  const int64_t fsdp = p.group->size();
   p.name = name;
   p.rows = rows;
   p.cols = cols;
@@ -281,21 +333,61 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
   p.m.assign(shard, 0.0f);
   p.v.assign(shard, 0.0f);
   const uint64_t key = SplitMix64(seed) ^ Fnv1a(name);
-  const int64_t row0 = split == TpSplit::kRows ? tp_rank_ * p.local_rows : 0;
-  const int64_t col0 = split == TpSplit::kCols ? tp_rank_ * p.local_cols : 0;
+  ForEachShardElement(p, [&](size_t i, int64_t logical) {
+    p.master[i] = std_dev == kOnes    ? 1.0f
+                  : std_dev == kZeros ? 0.0f
+                                      : std_dev * Normal(key, static_cast<uint64_t>(logical));
+  });
+  return p;
+}
+
+void Transformer::ForEachShardElement(const Param& p,
+                                      const std::function<void(size_t, int64_t)>& fn) const {
+  const int64_t fsdp_rank = p.group->rank();
+  const int64_t row0 = p.split == TpSplit::kRows ? tp_rank_ * p.local_rows : 0;
+  const int64_t col0 = p.split == TpSplit::kCols ? tp_rank_ * p.local_cols : 0;
   for (int64_t i = 0; i < p.shard_count; ++i) {
     const int64_t li = fsdp_rank * p.shard_count + i;
     if (li >= p.local_count()) break;  // padding stays 0
     const int64_t r = row0 + li / p.local_cols, c = col0 + li % p.local_cols;
-    p.master[static_cast<size_t>(i)] =
-        std_dev == 0.0f ? 1.0f : std_dev * Normal(key, static_cast<uint64_t>(r * cols + c));
+    fn(static_cast<size_t>(i), r * p.cols + c);
   }
-  return p;
+}
+
+std::map<std::string, LogicalShape> Transformer::ParamShapes() const {
+  std::map<std::string, LogicalShape> shapes;
+  for (const Param& p : params_) shapes[p.name] = {p.rows, p.cols, p.split};
+  return shapes;
+}
+
+absl::Status Transformer::SetLogicalParams(const LogicalParams& params) {
+  for (const Param& p : params_) {
+    const auto it = params.find(p.name);
+    if (it == params.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("no values for parameter ", p.name));
+    }
+    if (static_cast<int64_t>(it->second.size()) != p.rows * p.cols) {
+      return absl::InvalidArgumentError(absl::StrCat("parameter ", p.name, ": ",
+                                                     it->second.size(), " values, expected ",
+                                                     p.rows, " x ", p.cols));
+    }
+  }
+  for (Param& p : params_) {
+    const std::vector<float>& v = params.at(p.name);
+    ForEachShardElement(p, [&](size_t i, int64_t logical) {
+      p.master[i] = v[static_cast<size_t>(logical)];
+    });
+    p.fp8_shard_fresh = false;
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Transformer::Build(uint64_t seed) {
   const int64_t c = shape_.d_model, f = shape_.d_ff, v = shape_.vocab, L = shape_.layers;
-  params_.reserve(static_cast<size_t>(L * (7 + 2 * shape_.moe.experts) + 3));
+  const int64_t qkv_rows = (shape_.heads + 2 * shape_.kv()) * shape_.head_dim();
+  const bool layer_norm = shape_.norm == NormKind::kLayer, swiglu = shape_.mlp == MlpKind::kSwiglu;
+  const bool bias = shape_.bias;
+  params_.reserve(static_cast<size_t>(L * (14 + 2 * shape_.moe.experts) + 5));
   const float std_dev = 0.02f;
   const float resid_std = std_dev / std::sqrt(2.0f * static_cast<float>(L));
   auto make_linear = [&](const std::string& name, int64_t in, int64_t out) {
@@ -305,41 +397,61 @@ absl::Status Transformer::Build(uint64_t seed) {
     all_linears_.push_back(linears_.back().get());
     return linears_.back().get();
   };
-  embedding_ = static_cast<int>(params_.size());
-  AddParam("embedding/weight", v, c, TpSplit::kNone, true, std_dev, seed, nullptr);
+  auto add = [&](const std::string& name, int64_t rows, int64_t cols, TpSplit split, bool decay,
+                 float init, Linear* linear = nullptr) {
+    const int index = static_cast<int>(params_.size());
+    AddParam(name, rows, cols, split, decay, init, seed, linear);
+    return index;
+  };
+  // A norm's gain (and LayerNorm's bias); a GEMM's weight and (shape.bias) bias: a
+  // column-parallel layer's bias is split like its output rows, a row-parallel layer's is
+  // replicated (added after the TP sum).
+  auto add_norm = [&](const std::string& name, int* w, int* b) {
+    *w = add(name + "/weight", 1, c, TpSplit::kNone, false, kOnes);
+    if (layer_norm) *b = add(name + "/bias", 1, c, TpSplit::kNone, false, kZeros);
+  };
+  auto add_gemm = [&](Linear* lin, int64_t out, int64_t in, TpSplit split, float init, int* w,
+                      int* b) {
+    *w = add(lin->name() + "/weight", out, in, split, true, init, lin);
+    if (!bias) return;
+    *b = split == TpSplit::kRows ? add(lin->name() + "/bias", out, 1, TpSplit::kRows, false, kZeros)
+                                 : add(lin->name() + "/bias", 1, out, TpSplit::kNone, false, kZeros);
+  };
+  embedding_ = add("embedding/weight", v, c, TpSplit::kNone, true, std_dev);
+  if (shape_.positions == PositionKind::kLearned) {
+    positions_ = add("positions/weight", shape_.max_positions, c, TpSplit::kNone, true, std_dev);
+  }
   for (int64_t l = 0; l < L; ++l) {
     const std::string p = absl::StrCat("blocks.", l, ".");
     auto block = std::make_unique<Block>();
-    block->qkv = make_linear(p + "attn.qkv", c, 3 * c / tp_);
-    block->proj = make_linear(p + "attn.proj", c / tp_, c);
+    Block& k = *block;
+    k.qkv = make_linear(p + "attn.qkv", c, qkv_rows / tp_);
+    k.proj = make_linear(p + "attn.proj", c / tp_, c);
     const bool moe = shape_.moe.experts > 0 && (l + 1) % shape_.moe_every == 0;
     if (!moe) {
-      block->fc1 = make_linear(p + "mlp.fc1", c, f / tp_);
-      block->fc2 = make_linear(p + "mlp.fc2", f / tp_, c);
+      k.fc1 = make_linear(p + (swiglu ? "mlp.gate" : "mlp.fc1"), c, f / tp_);
+      if (swiglu) k.up = make_linear(p + "mlp.up", c, f / tp_);
+      k.fc2 = make_linear(p + (swiglu ? "mlp.down" : "mlp.fc2"), f / tp_, c);
     }
-    block->attn_norm = static_cast<int>(params_.size());
-    AddParam(p + "attn_norm/weight", 1, c, TpSplit::kNone, false, 0.0f, seed, nullptr);
-    block->qkv_w = static_cast<int>(params_.size());
-    AddParam(p + "attn.qkv/weight", 3 * c, c, TpSplit::kRows, true, std_dev, seed, block->qkv);
-    block->proj_w = static_cast<int>(params_.size());
-    AddParam(p + "attn.proj/weight", c, c, TpSplit::kCols, true, resid_std, seed, block->proj);
-    block->mlp_norm = static_cast<int>(params_.size());
-    AddParam(p + "mlp_norm/weight", 1, c, TpSplit::kNone, false, 0.0f, seed, nullptr);
+    add_norm(p + "attn_norm", &k.attn_norm, &k.attn_norm_b);
+    add_gemm(k.qkv, qkv_rows, c, TpSplit::kRows, std_dev, &k.qkv_w, &k.qkv_b);
+    add_gemm(k.proj, c, c, TpSplit::kCols, resid_std, &k.proj_w, &k.proj_b);
+    add_norm(p + "mlp_norm", &k.mlp_norm, &k.mlp_norm_b);
     if (!moe) {
-      block->fc1_w = static_cast<int>(params_.size());
-      AddParam(p + "mlp.fc1/weight", f, c, TpSplit::kRows, true, std_dev, seed, block->fc1);
-      block->fc2_w = static_cast<int>(params_.size());
-      AddParam(p + "mlp.fc2/weight", c, f, TpSplit::kCols, true, resid_std, seed, block->fc2);
+      add_gemm(k.fc1, f, c, TpSplit::kRows, std_dev, &k.fc1_w, &k.fc1_b);
+      if (swiglu) {
+        k.up_w = add(k.up->name() + "/weight", f, c, TpSplit::kRows, true, std_dev, k.up);
+      }
+      add_gemm(k.fc2, c, f, TpSplit::kCols, resid_std, &k.fc2_w, &k.fc2_b);
     } else {
       // Router (FP32, replicated like a dense weight) and this rank's experts (FSDP over the
       // expert-data-parallel group). Every rank has every expert's layers (and sites).
-      block->moe = std::make_unique<MoeLayer>(p + "mlp", shape_.moe, c, f, recipe_.precision,
-                                              recipe_.sites, &mesh_.ep());
-      MoeLayer& m = *block->moe;
+      k.moe = std::make_unique<MoeLayer>(p + "mlp", shape_.moe, c, f, recipe_.precision,
+                                         recipe_.sites, &mesh_.ep());
+      MoeLayer& m = *k.moe;
       all_linears_.push_back(&m.router());
-      block->router_w = static_cast<int>(params_.size());
-      AddParam(p + "mlp.router/weight", shape_.moe.experts, c, TpSplit::kNone, true, std_dev, seed,
-               &m.router());
+      k.router_w = add(p + "mlp.router/weight", shape_.moe.experts, c, TpSplit::kNone, true,
+                       std_dev, &m.router());
       std::vector<int> fc1_params, fc2_params;
       for (int64_t e = 0; e < shape_.moe.experts; ++e) {
         m.fc1(e).Reconfigure(LayerPrecision(m.fc1(e).name()), recipe_.sites);
@@ -357,38 +469,51 @@ absl::Status Transformer::Build(uint64_t seed) {
       std::vector<float*> g1, g2;
       for (int i : fc1_params) g1.push_back(params_[static_cast<size_t>(i)].full_grad.data());
       for (int i : fc2_params) g2.push_back(params_[static_cast<size_t>(i)].full_grad.data());
-      m.SetGrads(params_[static_cast<size_t>(block->router_w)].full_grad.data(), g1, g2);
-      block->moe_stats = static_cast<int>(moe_stats_.size());
+      m.SetGrads(params_[static_cast<size_t>(k.router_w)].full_grad.data(), g1, g2);
+      k.moe_stats = static_cast<int>(moe_stats_.size());
       moe_stats_.push_back(
           {p + "mlp", std::vector<int64_t>(static_cast<size_t>(shape_.moe.experts), 0), 0});
     }
     blocks_.push_back(std::move(block));
   }
-  final_norm_ = static_cast<int>(params_.size());
-  AddParam("final_norm/weight", 1, c, TpSplit::kNone, false, 0.0f, seed, nullptr);
+  const int head_first = static_cast<int>(params_.size());
+  add_norm("final_norm", &final_norm_, &final_norm_bias_);
   linears_.push_back(std::make_unique<Linear>(
       "lm_head", c, v,
       recipe_.precision == GemmPrecision::kFp32 ? GemmPrecision::kFp32 : GemmPrecision::kBf16,
       recipe_.sites));
   lm_head_ = linears_.back().get();
   all_linears_.push_back(lm_head_);
-  lm_head_param_ = static_cast<int>(params_.size());
-  AddParam("lm_head/weight", v, c, TpSplit::kNone, true, std_dev, seed, lm_head_);
-  // FSDP units: the embedding, each block (its parameters were added in a row), the head.
+  if (shape_.tie_embeddings) {
+    // The token embedding is the LM head's weight: gathered again for the head, its gradient
+    // the sum of the head's and the embedding's (two reductions into one shard, see
+    // ReduceUnitGrads).
+    lm_head_param_ = embedding_;
+    params_[static_cast<size_t>(embedding_)].linear = lm_head_;
+  } else {
+    lm_head_param_ = add("lm_head/weight", v, c, TpSplit::kNone, true, std_dev, lm_head_);
+  }
+  // FSDP units: the embedding (and positions), each block (its parameters were added in a
+  // row), the head.
   auto add_unit = [&](std::string name, std::vector<int> params) {
     Unit& u = units_.emplace_back();
     u.name = std::move(name);
     u.params = std::move(params);
   };
-  add_unit("embedding", {embedding_});
+  std::vector<int> first_unit = {embedding_};
+  if (positions_ >= 0) first_unit.push_back(positions_);
+  add_unit("embedding", first_unit);
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const int first = blocks_[l]->attn_norm;
-    const int end = l + 1 < blocks_.size() ? blocks_[l + 1]->attn_norm : final_norm_;
+    const int end = l + 1 < blocks_.size() ? blocks_[l + 1]->attn_norm : head_first;
     std::vector<int> params;
     for (int i = first; i < end; ++i) params.push_back(i);
     add_unit(absl::StrCat("blocks.", l), std::move(params));
   }
-  add_unit("head", {final_norm_, lm_head_param_});
+  std::vector<int> head_params;
+  for (int i = head_first; i < static_cast<int>(params_.size()); ++i) head_params.push_back(i);
+  if (shape_.tie_embeddings) head_params.push_back(embedding_);
+  add_unit("head", std::move(head_params));
   CollectSites();
   return absl::OkStatus();
 }
@@ -585,10 +710,11 @@ absl::Status Transformer::BeginUnitGrads(size_t unit) {
 }
 
 absl::Status Transformer::ReduceUnitGrads(size_t unit) {
-  // The step's first reduction writes the shard gradients, later micro-batches add to them.
-  const bool first = units_[unit].reduced == 0;
+  // The step's first reduction of a parameter writes its shard gradient, later ones (later
+  // micro-batches, the second use of a tied embedding) add to it.
   for (const int i : units_[unit].params) {
     Param& p = params_[static_cast<size_t>(i)];
+    const bool first = p.reductions++ == 0;
     if (first && p.group->size() == 1 && recipe_.grad_reduce == parallel::GradReduceDType::kFP32) {
       // A one-rank FSDP group: the full gradient is the shard's (same size, no padding): it
       // becomes the shard gradient, with no copy.
@@ -655,7 +781,10 @@ absl::Status Transformer::BeginStep() {
   passes_ = 0;
   // The shard gradients are written by each unit's first reduction of the step (ReduceGrads
   // checks that every unit had one); nothing to zero here.
-  for (Param& p : params_) p.full_grad.clear();
+  for (Param& p : params_) {
+    p.full_grad.clear();
+    p.reductions = 0;
+  }
   // Tensor-scaled FP8 weights whose scale comes from the weight itself (current scaling, or
   // delayed scaling without a history yet): one MAX over all ranks of every such weight's shard
   // amax, so every rank (and every layout) quantizes a weight with the same scale. The list runs
@@ -719,10 +848,8 @@ absl::Status Transformer::BeginStep() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> tokens,
-                                                   int64_t micro_batch, float dloss) {
-  const int64_t T = shape_.seq_len, C = shape_.d_model, V = shape_.vocab;
-  const int64_t Hl = shape_.heads / tp_, Dh = C / shape_.heads, Fl = shape_.d_ff / tp_;
+absl::Status Transformer::LoadTokens(std::span<const int32_t> tokens, int64_t micro_batch) {
+  const int64_t T = shape_.seq_len;
   if (static_cast<int64_t>(tokens.size()) != micro_batch * (T + 1)) {
     return absl::InvalidArgumentError(absl::StrCat("micro-batch of ", tokens.size(),
                                                    " tokens, expected ", micro_batch * (T + 1)));
@@ -733,35 +860,78 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
     const Block& blk = *blocks_[l];
     keep[l].ln1 = !blk.qkv->saves_fp8_input_only();
     keep[l].att = !blk.proj->saves_fp8_input_only();
-    keep[l].ln2 = blk.moe != nullptr || !blk.fc1->saves_fp8_input_only();  // MoE keeps its input
+    // MoE keeps its input; SwiGLU's gate and up share theirs.
+    keep[l].ln2 = blk.moe != nullptr || !blk.fc1->saves_fp8_input_only() ||
+                  (blk.up != nullptr && !blk.up->saves_fp8_input_only());
     keep[l].g = blk.moe != nullptr || !blk.fc2->saves_fp8_input_only();
   }
   a.Resize(shape_, tp_, micro_batch, keep);
-  const int64_t B = micro_batch, N = a.n;
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < micro_batch; ++b) {
     for (int64_t t = 0; t < T; ++t) {
       a.inputs[static_cast<size_t>(b * T + t)] = tokens[static_cast<size_t>(b * (T + 1) + t)];
       a.targets[static_cast<size_t>(b * T + t)] = tokens[static_cast<size_t>(b * (T + 1) + t + 1)];
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> tokens,
+                                                   int64_t micro_batch, float dloss) {
+  FP8RT_RETURN_IF_ERROR(LoadTokens(tokens, micro_batch));
+  FP8RT_ASSIGN_OR_RETURN(const float loss, Forward(/*train=*/true));
+  FP8RT_RETURN_IF_ERROR(Backward(dloss));
+  ++passes_;
+  return loss;
+}
+
+absl::StatusOr<float> Transformer::Evaluate(std::span<const int32_t> tokens, int64_t micro_batch) {
+  FP8RT_RETURN_IF_ERROR(LoadTokens(tokens, micro_batch));
+  absl::StatusOr<float> loss = Forward(/*train=*/false);
+  // Nothing of the pass stays: no gathered weight, no FP8 statistics (the step's sites record
+  // only the training passes).
+  for (size_t u = 0; u < units_.size(); ++u) Reshard(u);
+  for (Linear* lin : all_linears_) lin->DropPendingStats();
+  return loss;
+}
+
+std::span<const float> Transformer::logits() const {
+  return {acts_->logits.data(), acts_->logits.size()};
+}
+
+absl::StatusOr<float> Transformer::Forward(bool train) {
+  const int64_t T = shape_.seq_len, C = shape_.d_model, V = shape_.vocab;
+  const int64_t Hl = shape_.heads / tp_, KVl = shape_.kv() / tp_, Dh = shape_.head_dim();
+  const int64_t Q = shape_.heads / shape_.kv(), Fl = shape_.d_ff / tp_;
+  const int64_t qkv_cols = (Hl + 2 * KVl) * Dh;
+  const float eps = shape_.norm_eps, theta = shape_.rope_theta;
+  const bool layer_norm = shape_.norm == NormKind::kLayer;
+  Acts& a = *acts_;
+  const int64_t B = a.b, N = a.n;
   const LinearContext ctx = Ctx();
   const kernels::LayerOps& L = *ops_.layer;
   const kernels::Stream st{};
-  auto P = [&](int i) -> Param& { return params_[static_cast<size_t>(i)]; };
-  auto W = [&](int i) -> const float* { return P(i).full.data(); };
+  auto W = [&](int i) -> const float* { return params_[static_cast<size_t>(i)].full.data(); };
+  auto norm = [&](float* out, Acts::Array& mean, Acts::Array& rstd, const float* x, int w, int b) {
+    return layer_norm ? L.layernorm_forward(out, mean.data(), rstd.data(), x, W(w), W(b), N, C,
+                                            eps, st)
+                      : L.rmsnorm_forward(out, rstd.data(), x, W(w), N, C, eps, st);
+  };
+  auto bias = [&](float* y, int b, int64_t cols) {
+    return b < 0 ? absl::OkStatus() : L.bias_forward(y, W(b), N, cols, st);
+  };
   // FSDP units (see the file comment): 0 the embedding, 1 + l block l, head after the blocks.
   const size_t head = blocks_.size() + 1;
-  auto G = [&](int i) -> float* { return P(i).full_grad.data(); };
-  auto zero = [&](Acts::Array& v) {
-    return L.fill(v.data(), 0.0f, static_cast<int64_t>(v.size()), st);
-  };
 
-  // ---- Forward ----
   float aux_loss = 0.0f;  // MoE load-balancing losses
   FP8RT_RETURN_IF_ERROR(FinishUnshard(0));
   FP8RT_RETURN_IF_ERROR(StartUnshard(1));  // prefetch: the next unit's gathers run meanwhile
-  FP8RT_RETURN_IF_ERROR(
-      L.embedding_forward(a.layers[0].x.data(), a.inputs.data(), W(embedding_), N, V, C, st));
+  float* x0 = a.layers[0].x.data();
+  FP8RT_RETURN_IF_ERROR(L.embedding_forward(x0, a.inputs.data(), W(embedding_), N, V, C, st));
+  if (positions_ >= 0) {
+    FP8RT_RETURN_IF_ERROR(L.embedding_forward(a.pos.data(), a.positions.data(), W(positions_), N,
+                                              shape_.max_positions, C, st));
+    FP8RT_RETURN_IF_ERROR(L.residual_forward(x0, x0, a.pos.data(), N * C, st));
+  }
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));  // the weight is read before it is freed
   Reshard(0);  // the embedding's backward needs no weight
   for (size_t l = 0; l < blocks_.size(); ++l) {
@@ -769,7 +939,7 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
     Acts::Layer& x = a.layers[l];
     FP8RT_RETURN_IF_ERROR(FinishUnshard(l + 1));
     FP8RT_RETURN_IF_ERROR(StartUnshard(l + 2));
-    if (static_cast<int64_t>(l) == fault_block_) [[unlikely]] {
+    if (train && static_cast<int64_t>(l) == fault_block_) [[unlikely]] {
       // A test fault (ArmActivationFault), once.
       FP8RT_RETURN_IF_ERROR(L.fill(x.x.data(), fault_value_, 1, st));
       fault_block_ = -1;
@@ -781,50 +951,100 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
     float* qkv = a.t_qkv.data();
     float* proj = a.t_proj.data();
     float* fc2 = a.t_fc2.data();
-    FP8RT_RETURN_IF_ERROR(L.rmsnorm_forward(ln1, x.rstd1.data(), x.x.data(),
-                                            W(blk.attn_norm), N, C, kNormEps, st));
+    FP8RT_RETURN_IF_ERROR(norm(ln1, x.mean1, x.rstd1, x.x.data(), blk.attn_norm, blk.attn_norm_b));
     FP8RT_RETURN_IF_ERROR(blk.qkv->Forward(ctx, ln1, N, qkv));
-    // Head-major QKV columns of this rank: head h holds [q | k | v], Dh each.
+    FP8RT_RETURN_IF_ERROR(bias(qkv, blk.qkv_b, qkv_cols));
+    // This rank's QKV columns, grouped by key/value head: the group's Q query heads, then its
+    // k and v, Dh each.
     FP8RT_RETURN_IF_ERROR(
-        L.split_heads(x.q.data(), x.k.data(), x.v.data(), qkv, N, Hl, Dh, st));
+        L.split_heads(x.q.data(), x.k.data(), x.v.data(), qkv, N, KVl, Q, Dh, st));
+    if (shape_.positions == PositionKind::kRope) {
+      FP8RT_RETURN_IF_ERROR(L.rope_forward(x.q.data(), x.q.data(), N, T, Hl, Dh, theta, st));
+      FP8RT_RETURN_IF_ERROR(L.rope_forward(x.k.data(), x.k.data(), N, T, KVl, Dh, theta, st));
+    }
     FP8RT_RETURN_IF_ERROR(L.attention_forward(att, x.probs.data(), x.q.data(), x.k.data(),
-                                              x.v.data(), B, T, Hl, Dh, st));
+                                              x.v.data(), B, T, Hl, KVl, Dh, st));
     FP8RT_RETURN_IF_ERROR(blk.proj->Forward(ctx, att, N, proj));
     FP8RT_RETURN_IF_ERROR(AllReduceTp(proj, N * C));
+    FP8RT_RETURN_IF_ERROR(bias(proj, blk.proj_b, C));
     FP8RT_RETURN_IF_ERROR(L.residual_forward(x.x2.data(), x.x.data(), proj, N * C, st));
-    FP8RT_RETURN_IF_ERROR(L.rmsnorm_forward(ln2, x.rstd2.data(), x.x2.data(),
-                                            W(blk.mlp_norm), N, C, kNormEps, st));
+    FP8RT_RETURN_IF_ERROR(norm(ln2, x.mean2, x.rstd2, x.x2.data(), blk.mlp_norm, blk.mlp_norm_b));
     if (blk.moe != nullptr) {
-      FP8RT_ASSIGN_OR_RETURN(const MoeStats ms,
-                             blk.moe->Forward(ctx, ln2, N, fc2));
-      aux_loss += ms.aux_loss;
-      MoeBlockStats& acc = moe_stats_[static_cast<size_t>(blk.moe_stats)];
-      for (size_t e = 0; e < ms.tokens_per_expert.size(); ++e) {
-        acc.tokens_per_expert[e] += ms.tokens_per_expert[e];
+      FP8RT_ASSIGN_OR_RETURN(const MoeStats ms, blk.moe->Forward(ctx, ln2, N, fc2));
+      if (train) {
+        aux_loss += ms.aux_loss;
+        MoeBlockStats& acc = moe_stats_[static_cast<size_t>(blk.moe_stats)];
+        for (size_t e = 0; e < ms.tokens_per_expert.size(); ++e) {
+          acc.tokens_per_expert[e] += ms.tokens_per_expert[e];
+        }
+        acc.dropped += ms.dropped;
       }
-      acc.dropped += ms.dropped;
     } else {
       FP8RT_RETURN_IF_ERROR(blk.fc1->Forward(ctx, ln2, N, x.h.data()));
-      FP8RT_RETURN_IF_ERROR(L.gelu_forward(g, x.h.data(), N * Fl, st));
+      FP8RT_RETURN_IF_ERROR(bias(x.h.data(), blk.fc1_b, Fl));
+      if (blk.up != nullptr) {
+        FP8RT_RETURN_IF_ERROR(blk.up->Forward(ctx, ln2, N, x.u.data()));
+        FP8RT_RETURN_IF_ERROR(L.swiglu_forward(g, x.h.data(), x.u.data(), N * Fl, st));
+      } else {
+        FP8RT_RETURN_IF_ERROR(L.gelu_forward(g, x.h.data(), N * Fl, st));
+      }
       FP8RT_RETURN_IF_ERROR(blk.fc2->Forward(ctx, g, N, fc2));
       FP8RT_RETURN_IF_ERROR(AllReduceTp(fc2, N * C));
+      FP8RT_RETURN_IF_ERROR(bias(fc2, blk.fc2_b, C));
     }
     Acts::Array& next = l + 1 < blocks_.size() ? a.layers[l + 1].x : a.x_final;
     FP8RT_RETURN_IF_ERROR(L.residual_forward(next.data(), x.x2.data(), fc2, N * C, st));
-    // The last block's backward comes right after the head: it stays gathered.
-    if (recipe_.reshard_after_forward && l + 1 < blocks_.size()) {
+    // The last block's backward comes right after the head: it stays gathered. A forward
+    // without backward (Evaluate) keeps nothing.
+    if (!train || (recipe_.reshard_after_forward && l + 1 < blocks_.size())) {
       FP8RT_RETURN_IF_ERROR(L.synchronize(st));
       Reshard(l + 1);
     }
   }
   FP8RT_RETURN_IF_ERROR(FinishUnshard(head));
-  FP8RT_RETURN_IF_ERROR(L.rmsnorm_forward(a.lnf.data(), a.rstdf.data(), a.x_final.data(),
-                                          W(final_norm_), N, C, kNormEps, st));
+  FP8RT_RETURN_IF_ERROR(
+      norm(a.lnf.data(), a.meanf, a.rstdf, a.x_final.data(), final_norm_, final_norm_bias_));
   FP8RT_RETURN_IF_ERROR(lm_head_->Forward(ctx, a.lnf.data(), N, a.logits.data()));
   FP8RT_RETURN_IF_ERROR(L.cross_entropy_forward(a.ce_probs.data(), a.losses.data(), a.logits.data(),
                                                 a.targets.data(), N, V, st));
+  // The mean loss over the rows, summed in row order on the host once the backend has finished.
+  FP8RT_RETURN_IF_ERROR(L.synchronize(st));
+  float loss_sum = 0.0f;
+  for (const float row_loss : a.losses) loss_sum += row_loss;
+  return loss_sum / static_cast<float>(N) + aux_loss;
+}
 
-  // ---- Backward (every op accumulates into zeroed buffers) ----
+absl::Status Transformer::Backward(float dloss) {
+  const int64_t T = shape_.seq_len, C = shape_.d_model, V = shape_.vocab;
+  const int64_t Hl = shape_.heads / tp_, KVl = shape_.kv() / tp_, Dh = shape_.head_dim();
+  const int64_t Q = shape_.heads / shape_.kv(), Fl = shape_.d_ff / tp_;
+  const int64_t qkv_cols = (Hl + 2 * KVl) * Dh;
+  const float theta = shape_.rope_theta;
+  const bool layer_norm = shape_.norm == NormKind::kLayer;
+  Acts& a = *acts_;
+  const int64_t B = a.b, N = a.n;
+  const LinearContext ctx = Ctx();
+  const kernels::LayerOps& L = *ops_.layer;
+  const kernels::Stream st{};
+  auto P = [&](int i) -> Param& { return params_[static_cast<size_t>(i)]; };
+  auto W = [&](int i) -> const float* { return P(i).full.data(); };
+  auto G = [&](int i) -> float* { return P(i).full_grad.data(); };
+  auto zero = [&](Acts::Array& v) {
+    return L.fill(v.data(), 0.0f, static_cast<int64_t>(v.size()), st);
+  };
+  // dx += d norm(x) / dx . dout, and the norm's parameter gradients.
+  auto norm = [&](float* dx, int w, int b, const float* dout, const float* x, Acts::Array& mean,
+                  Acts::Array& rstd) {
+    return layer_norm ? L.layernorm_backward(dx, G(w), G(b), dout, x, W(w), mean.data(),
+                                             rstd.data(), N, C, st)
+                      : L.rmsnorm_backward(dx, G(w), dout, x, W(w), rstd.data(), N, C, st);
+  };
+  auto bias = [&](int b, const float* dy, int64_t cols) {
+    return b < 0 ? absl::OkStatus() : L.bias_backward(G(b), dy, N, cols, st);
+  };
+  const size_t head = blocks_.size() + 1;
+
+  // Every op accumulates into zeroed buffers.
   FP8RT_RETURN_IF_ERROR(zero(a.dlogits));
   FP8RT_RETURN_IF_ERROR(L.cross_entropy_backward(a.dlogits.data(), a.ce_probs.data(),
                                                  a.targets.data(), N, V, dloss, st));
@@ -833,9 +1053,9 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
   FP8RT_RETURN_IF_ERROR(
       lm_head_->Backward(ctx, a.dlogits.data(), N, a.dlnf.data(), G(lm_head_param_)));
   FP8RT_RETURN_IF_ERROR(zero(a.dx));
-  FP8RT_RETURN_IF_ERROR(L.rmsnorm_backward(a.dx.data(), G(final_norm_), a.dlnf.data(),
-                                           a.x_final.data(), W(final_norm_), a.rstdf.data(), N, C,
-                                           st));
+  FP8RT_RETURN_IF_ERROR(
+      norm(a.dx.data(), final_norm_, final_norm_bias_, a.dlnf.data(), a.x_final.data(), a.meanf,
+           a.rstdf));
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));  // gradients complete before they travel
   FP8RT_RETURN_IF_ERROR(ReduceUnitGrads(head));
   Reshard(head);
@@ -845,23 +1065,34 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
     FP8RT_RETURN_IF_ERROR(FinishUnshard(l + 1));
     if (l > 0) FP8RT_RETURN_IF_ERROR(StartUnshard(l));  // the block below, for its backward
     FP8RT_RETURN_IF_ERROR(BeginUnitGrads(l + 1));
-    // out = x2 + fc2(gelu(fc1(norm(x2)))): the residual passes dx straight to x2.
+    // out = x2 + mlp(norm(x2)): the residual passes dx straight to x2.
     FP8RT_RETURN_IF_ERROR(zero(a.dln));
     if (blk.moe != nullptr) {
       FP8RT_RETURN_IF_ERROR(blk.moe->Backward(ctx, a.dx.data(), N, dloss, a.dln.data()));
     } else {
+      FP8RT_RETURN_IF_ERROR(bias(blk.fc2_b, a.dx.data(), C));
       FP8RT_RETURN_IF_ERROR(zero(a.dg));
       FP8RT_RETURN_IF_ERROR(blk.fc2->Backward(ctx, a.dx.data(), N, a.dg.data(), G(blk.fc2_w)));
       FP8RT_RETURN_IF_ERROR(zero(a.dh));
-      FP8RT_RETURN_IF_ERROR(L.gelu_backward(a.dh.data(), a.dg.data(), x.h.data(), N * Fl, st));
+      if (blk.up != nullptr) {
+        FP8RT_RETURN_IF_ERROR(zero(a.du));
+        FP8RT_RETURN_IF_ERROR(L.swiglu_backward(a.dh.data(), a.du.data(), a.dg.data(), x.h.data(),
+                                                x.u.data(), N * Fl, st));
+      } else {
+        FP8RT_RETURN_IF_ERROR(L.gelu_backward(a.dh.data(), a.dg.data(), x.h.data(), N * Fl, st));
+      }
+      FP8RT_RETURN_IF_ERROR(bias(blk.fc1_b, a.dh.data(), Fl));
       FP8RT_RETURN_IF_ERROR(blk.fc1->Backward(ctx, a.dh.data(), N, a.dln.data(), G(blk.fc1_w)));
+      if (blk.up != nullptr) {
+        FP8RT_RETURN_IF_ERROR(blk.up->Backward(ctx, a.du.data(), N, a.dln.data(), G(blk.up_w)));
+      }
       FP8RT_RETURN_IF_ERROR(AllReduceTp(a.dln.data(), N * C));
     }
     FP8RT_RETURN_IF_ERROR(L.copy(a.dx2.data(), a.dx.data(), N * C, st));
-    FP8RT_RETURN_IF_ERROR(L.rmsnorm_backward(a.dx2.data(), G(blk.mlp_norm), a.dln.data(),
-                                             x.x2.data(), W(blk.mlp_norm), x.rstd2.data(), N, C,
-                                             st));
+    FP8RT_RETURN_IF_ERROR(norm(a.dx2.data(), blk.mlp_norm, blk.mlp_norm_b, a.dln.data(),
+                               x.x2.data(), x.mean2, x.rstd2));
     // x2 = x + proj(attention(qkv(norm(x)))).
+    FP8RT_RETURN_IF_ERROR(bias(blk.proj_b, a.dx2.data(), C));
     FP8RT_RETURN_IF_ERROR(zero(a.datt));
     FP8RT_RETURN_IF_ERROR(blk.proj->Backward(ctx, a.dx2.data(), N, a.datt.data(), G(blk.proj_w)));
     FP8RT_RETURN_IF_ERROR(zero(a.dq));
@@ -869,16 +1100,26 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
     FP8RT_RETURN_IF_ERROR(zero(a.dv));
     FP8RT_RETURN_IF_ERROR(L.attention_backward(a.dq.data(), a.dk.data(), a.dv.data(), a.datt.data(),
                                                x.q.data(), x.k.data(), x.v.data(), x.probs.data(),
-                                               B, T, Hl, Dh, st));
-    FP8RT_RETURN_IF_ERROR(
-        L.join_heads(a.dqkv.data(), a.dq.data(), a.dk.data(), a.dv.data(), N, Hl, Dh, st));
+                                               B, T, Hl, KVl, Dh, st));
+    float* dq = a.dq.data();
+    float* dk = a.dk.data();
+    if (shape_.positions == PositionKind::kRope) {
+      // The gradients of the rotated q and k, rotated back.
+      FP8RT_RETURN_IF_ERROR(zero(a.dqr));
+      FP8RT_RETURN_IF_ERROR(zero(a.dkr));
+      FP8RT_RETURN_IF_ERROR(L.rope_backward(a.dqr.data(), dq, N, T, Hl, Dh, theta, st));
+      FP8RT_RETURN_IF_ERROR(L.rope_backward(a.dkr.data(), dk, N, T, KVl, Dh, theta, st));
+      dq = a.dqr.data();
+      dk = a.dkr.data();
+    }
+    FP8RT_RETURN_IF_ERROR(L.join_heads(a.dqkv.data(), dq, dk, a.dv.data(), N, KVl, Q, Dh, st));
+    FP8RT_RETURN_IF_ERROR(bias(blk.qkv_b, a.dqkv.data(), qkv_cols));
     FP8RT_RETURN_IF_ERROR(zero(a.dln));
     FP8RT_RETURN_IF_ERROR(blk.qkv->Backward(ctx, a.dqkv.data(), N, a.dln.data(), G(blk.qkv_w)));
     FP8RT_RETURN_IF_ERROR(AllReduceTp(a.dln.data(), N * C));
     FP8RT_RETURN_IF_ERROR(L.copy(a.dx.data(), a.dx2.data(), N * C, st));
-    FP8RT_RETURN_IF_ERROR(L.rmsnorm_backward(a.dx.data(), G(blk.attn_norm), a.dln.data(),
-                                             x.x.data(), W(blk.attn_norm), x.rstd1.data(), N, C,
-                                             st));
+    FP8RT_RETURN_IF_ERROR(norm(a.dx.data(), blk.attn_norm, blk.attn_norm_b, a.dln.data(),
+                               x.x.data(), x.mean1, x.rstd1));
     FP8RT_RETURN_IF_ERROR(L.synchronize(st));
     FP8RT_RETURN_IF_ERROR(ReduceUnitGrads(l + 1));
     Reshard(l + 1);
@@ -886,16 +1127,17 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
   FP8RT_RETURN_IF_ERROR(BeginUnitGrads(0));
   FP8RT_RETURN_IF_ERROR(
       L.embedding_backward(G(embedding_), a.dx.data(), a.inputs.data(), N, V, C, st));
+  if (positions_ >= 0) {
+    FP8RT_RETURN_IF_ERROR(L.embedding_backward(G(positions_), a.dx.data(), a.positions.data(), N,
+                                               shape_.max_positions, C, st));
+  }
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
   FP8RT_RETURN_IF_ERROR(ReduceUnitGrads(0));
-  // The mean loss over the rows, summed in row order on the host, and the statistics of the
-  // pass's FP8 quantizations recorded into their sites, once the backend has finished.
+  // The statistics of the pass's FP8 quantizations recorded into their sites, once the backend
+  // has finished.
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
   for (Linear* lin : all_linears_) FP8RT_RETURN_IF_ERROR(lin->FlushStats());
-  float loss_sum = 0.0f;
-  for (const float row_loss : a.losses) loss_sum += row_loss;
-  ++passes_;
-  return loss_sum / static_cast<float>(N) + aux_loss;
+  return absl::OkStatus();
 }
 
 void Transformer::ArmActivationFault(int64_t block, float value) {

@@ -10,18 +10,29 @@
 //   Transformer               Create, GatherWeights, ForwardBackward, ReduceGrads,
 //                             SyncScaling; parameters and sites by stable name
 //
-// Layers (names are the keys of scaling states, checkpoints and metrics):
+// Layers (names are the keys of scaling states, checkpoints and metrics; parameters are
+// "LAYER/weight" and "LAYER/bias"):
 //   embedding                  token embedding [vocab, d_model], FP32
-//   blocks.L.attn_norm         RMSNorm gain [d_model], FP32
-//   blocks.L.attn.qkv          column-parallel [3 d_model, d_model]: rows grouped by head
-//                              (head h: its q, k and v rows), so a TP rank's heads are one range
+//   positions                  learned absolute positions [max_positions, d_model] (positions
+//                              learned), added to the token embedding
+//   blocks.L.attn_norm         RMSNorm gain, or LayerNorm gain and bias [d_model], FP32
+//   blocks.L.attn.qkv          column-parallel [(heads + 2 kv_heads) Dh, d_model]: rows grouped by
+//                              key/value head g (the heads/kv_heads query heads of group g, then
+//                              k_g, then v_g, Dh rows each), so a TP rank's groups are one range;
+//                              with kv_heads = heads, head h holds its q, k and v rows. RoPE
+//                              (positions rope) rotates q and k after it.
 //   blocks.L.attn.proj         row-parallel [d_model, d_model]
-//   blocks.L.mlp_norm          RMSNorm gain
-//   blocks.L.mlp.fc1           column-parallel [d_ff, d_model], GELU after it
+//   blocks.L.mlp_norm          like attn_norm
+//   blocks.L.mlp.fc1           column-parallel [d_ff, d_model], GELU after it   (mlp gelu)
 //   blocks.L.mlp.fc2           row-parallel [d_model, d_ff]
-//   final_norm, lm_head        RMSNorm gain; LM head [vocab, d_model] (BF16 GEMM in bf16 and fp8
-//                              runs, FP32 in fp32 runs; never FP8)
-// No biases. The four block GEMMs run in the run's precision; in an fp8 run a layer listed in
+//   blocks.L.mlp.gate, .up     column-parallel [d_ff, d_model]; silu(gate) * up  (mlp swiglu)
+//   blocks.L.mlp.down          row-parallel [d_model, d_ff]
+//   final_norm, lm_head        like attn_norm; LM head [vocab, d_model] (BF16 GEMM in bf16 and fp8
+//                              runs, FP32 in fp32 runs; never FP8), or the token embedding itself
+//                              (tie_embeddings: its gradient is the sum of both uses)
+// With shape.bias every block GEMM has a bias ([out], split like the output: column-parallel
+// biases by TP rank, row-parallel ones replicated and added after the TP sum); the LM head never
+// has one. The block GEMMs run in the run's precision; in an fp8 run a layer listed in
 // precision.exclude runs in BF16.
 //
 // Tensor parallelism: column-parallel outputs stay split by heads / d_ff; row-parallel outputs
@@ -44,7 +55,7 @@
 //
 // Initialisation is a pure function of (seed, parameter name, logical index), so every layout
 // starts from the same logical weights: N(0, 0.02), the residual-output layers (attn.proj,
-// mlp.fc2) scaled by 1/sqrt(2 layers), norm gains 1.
+// mlp.fc2, mlp.down) scaled by 1/sqrt(2 layers), norm gains 1, biases 0.
 //
 // Not thread-safe: one owner (the rank's step loop). Collective calls (GatherWeights, the TP
 // reductions inside ForwardBackward, ReduceGrads, SyncScaling) must be made in the same order on
@@ -53,6 +64,8 @@
 #define FP8RT_RUNTIME_MODEL_TRANSFORMER_H_
 
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -70,6 +83,10 @@
 
 namespace fp8rt::model {
 
+enum class NormKind : uint8_t { kRms, kLayer };           // RMSNorm gain; LayerNorm gain + bias
+enum class MlpKind : uint8_t { kGelu, kSwiglu };          // fc1-GELU-fc2; silu(gate) * up, down
+enum class PositionKind : uint8_t { kNone, kLearned, kRope };
+
 struct ModelShape {
   int64_t layers = 0;
   int64_t d_model = 0;
@@ -79,6 +96,19 @@ struct ModelShape {
   int64_t vocab = 0;
   MoeConfig moe;          // moe.experts 0: dense MLPs everywhere
   int64_t moe_every = 1;  // MoE MLP in blocks every-1, 2*every-1, ...
+  // The architecture (the run spec's model.family with its overrides; runtime/core/run_spec.h).
+  int64_t kv_heads = 0;  // key/value heads, dividing heads; 0: heads
+  NormKind norm = NormKind::kRms;
+  float norm_eps = 1e-5f;
+  MlpKind mlp = MlpKind::kGelu;
+  PositionKind positions = PositionKind::kNone;
+  int64_t max_positions = 0;  // rows of the learned position table (>= seq_len)
+  float rope_theta = 10000.0f;
+  bool bias = false;            // a bias on every linear layer but the LM head
+  bool tie_embeddings = false;  // the LM head is the token embedding (no lm_head/weight)
+
+  int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
+  int64_t head_dim() const { return d_model / heads; }
 };
 
 // Token routing of one MoE block over a step, this rank's tokens (summed over micro-batches).
@@ -138,8 +168,20 @@ struct Param {
   // its unit is being gathered.
   kernels::DeviceArray<uint16_t> gather_bf16;
 
+  // Gradient reductions into `grad` this step: the first writes, later ones add (a tied
+  // embedding is reduced by the head's backward and by the embedding's).
+  int64_t reductions = 0;
+
   int64_t local_count() const { return local_rows * local_cols; }
 };
+
+// A parameter's logical shape, and logical parameters by name ("blocks.0.attn.qkv/weight"), each
+// rows * cols FP32 values of the whole model (before any TP split or FSDP shard), row-major.
+struct LogicalShape {
+  int64_t rows = 0, cols = 0;
+  TpSplit split = TpSplit::kNone;
+};
+using LogicalParams = std::map<std::string, std::vector<float>>;
 
 struct SiteReport {
   std::string site;              // "blocks.0.mlp.fc1/input"
@@ -166,6 +208,13 @@ class Transformer {
 
   const ModelShape& shape() const { return shape_; }
   std::vector<Param>& params() { return params_; }
+  // Every parameter's logical shape and TP split, by name.
+  std::map<std::string, LogicalShape> ParamShapes() const;
+  // Sets this rank's FP32 master shard of every parameter from its logical tensor (the elements
+  // AddParam's initialisation would have written): init.from and weights files. InvalidArgument
+  // naming the parameter for a missing one or a wrong size, before anything is changed. Adam
+  // moments are left as they are (zero in a new model).
+  absl::Status SetLogicalParams(const LogicalParams& params);
   // Every FP8 site in a stable order (empty unless some GEMM runs in FP8).
   const std::vector<QuantSite*>& sites() const { return sites_; }
   // Names of the GEMM layers, for the error of an unknown exclude entry.
@@ -195,6 +244,16 @@ class Transformer {
   // batch). Returns the micro-batch's mean loss.
   absl::StatusOr<float> ForwardBackward(std::span<const int32_t> tokens, int64_t micro_batch,
                                         float dloss);
+
+  // Forward only: the mean loss of one micro-batch (`tokens` as in ForwardBackward) with the
+  // step's weights, for validation. No gradient is computed or reduced and nothing is recorded in
+  // the FP8 sites (their scaling is the step's). Call it after BeginStep and before the step's
+  // first ForwardBackward, on every rank (it runs the same gathers and TP reductions).
+  absl::StatusOr<float> Evaluate(std::span<const int32_t> tokens, int64_t micro_batch);
+
+  // The logits [micro_batch * seq_len, vocab] of the last Evaluate or ForwardBackward (host
+  // readable: the pass synchronised the backend before it returned).
+  std::span<const float> logits() const;
 
   // Between the optimizer's skip decision and its update (after SyncScaling has set the next
   // step's scales): points the FP8 fields of shards[i] (params()[i]'s shard) at the FP8 shard of
@@ -234,13 +293,23 @@ class Transformer {
   Transformer(const ModelShape& shape, const ModelRecipe& recipe, parallel::Mesh& mesh,
               const kernels::OpTable& ops);
   absl::Status Build(uint64_t seed);
+  // std_dev > 0: N(0, std_dev); kOnes / kZeros: constant.
+  static constexpr float kOnes = 0.0f, kZeros = -1.0f;
   Param& AddParam(const std::string& name, int64_t rows, int64_t cols, TpSplit split, bool decay,
                   float std_dev, uint64_t seed, Linear* linear, bool expert = false);
+  // The forward of a micro-batch already in acts_ (inputs, targets); `train` keeps what the
+  // backward needs and counts MoE routing. Returns the mean loss.
+  // fn(shard index, logical index row * cols + col) for each element of p's shard on this rank
+  // (the FSDP padding left out).
+  void ForEachShardElement(const Param& p, const std::function<void(size_t, int64_t)>& fn) const;
+  absl::Status LoadTokens(std::span<const int32_t> tokens, int64_t micro_batch);
+  absl::StatusOr<float> Forward(bool train);
+  absl::Status Backward(float dloss);
   // FSDP units (see the file comment): unit 0 the embedding, 1..layers the blocks, layers + 1
   // the head.
   struct Unit {
     std::string name;          // "embedding", "blocks.3", "head": for errors
-    std::vector<int> params;   // indices into params_
+    std::vector<int> params;   // indices into params_ (a tied embedding is in two units)
     bool gathered = false;     // full weights present (Finish done, not yet resharded)
     bool started = false;      // gathers started (StartUnshard)
     std::vector<std::unique_ptr<parallel::PendingCollective>> pending;
@@ -283,7 +352,8 @@ class Transformer {
   // BeginStep: the shard amax of each current-scaled FP8 weight, written by the amax op.
   kernels::DeviceArray<float> weight_amaxes_;
   // Indices of the non-block parameters and layers.
-  int embedding_ = -1, final_norm_ = -1, lm_head_param_ = -1;
+  int embedding_ = -1, positions_ = -1, final_norm_ = -1, final_norm_bias_ = -1,
+      lm_head_param_ = -1;
   Linear* lm_head_ = nullptr;
   // ArmActivationFault: the block whose input the next forward poisons (-1: none), and the value.
   int64_t fault_block_ = -1;

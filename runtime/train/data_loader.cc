@@ -1,4 +1,5 @@
-// TokenDataset (mmap + one validating pass) and DataLoader (window arithmetic); see data_loader.h.
+// TokenDataset (mmap + one validating pass), EpochPermutation (seeded Fisher-Yates) and
+// DataLoader (window and sequence arithmetic); see data_loader.h.
 #include "runtime/train/data_loader.h"
 
 #include <fcntl.h>
@@ -6,9 +7,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -239,6 +242,26 @@ void TokenDataset::Read(uint64_t begin, std::span<int32_t> out) const {
 }
 
 // ---------------------------------------------------------------------------------------------
+// EpochPermutation
+
+std::vector<uint64_t> EpochPermutation(uint64_t sequences, uint64_t seed, uint64_t epoch) {
+  std::vector<uint64_t> order(sequences);
+  for (uint64_t i = 0; i < sequences; ++i) order[i] = i;
+  std::seed_seq seq{static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+                    static_cast<uint32_t>(epoch), static_cast<uint32_t>(epoch >> 32)};
+  std::mt19937_64 engine(seq);
+  for (uint64_t i = sequences; i > 1; --i) {
+    // j uniform in [0, i): reject the low (2^64 mod i) draws so that every residue is equally
+    // likely (std::uniform_int_distribution is not the same on every standard library).
+    const uint64_t threshold = (0 - i) % i;
+    uint64_t x = engine();
+    while (x < threshold) x = engine();
+    std::swap(order[i - 1], order[x % i]);
+  }
+  return order;
+}
+
+// ---------------------------------------------------------------------------------------------
 // DataLoader
 
 absl::StatusOr<DataLoader> DataLoader::Create(std::shared_ptr<const TokenDataset> dataset,
@@ -260,36 +283,73 @@ absl::StatusOr<DataLoader> DataLoader::Create(std::shared_ptr<const TokenDataset
     return absl::InvalidArgumentError(absl::StrCat("data loader: dp_rank must be in [0, ",
                                                    options.dp, "), got ", options.dp_rank));
   }
-  const uint64_t window =
-      static_cast<uint64_t>(options.micro_batch) * (static_cast<uint64_t>(options.seq_len) + 1);
-  const uint64_t windows = dataset->size() / window;
+  if (options.grad_accum < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data loader: grad_accum must be >= 1, got ", options.grad_accum));
+  }
+  const uint64_t end = std::min(options.range.end, dataset->size());
+  if (options.range.begin > end) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("data loader: range [", options.range.begin, ", ", options.range.end,
+                     ") outside ", dataset->path(), " (", dataset->size(), " tokens)"));
+  }
+  const uint64_t tokens = end - options.range.begin;
+  // What the messages call the data: the file, or the part of it read.
+  const std::string what =
+      options.range.begin == 0 && end == dataset->size()
+          ? absl::StrCat("data file ", dataset->path(), " holds ", tokens, " tokens")
+          : absl::StrCat("tokens [", options.range.begin, ", ", end, ") of data file ",
+                         dataset->path(), " hold ", tokens, " tokens");
+  const uint64_t row = static_cast<uint64_t>(options.seq_len) + 1;
+  const uint64_t b = static_cast<uint64_t>(options.micro_batch);
   const uint64_t dp = static_cast<uint64_t>(options.dp);
+  const uint64_t sequences = tokens / row;
+  const uint64_t windows = sequences / b;
   if (windows < dp) {
     const std::string need =
         windows == 0
-            ? absl::StrCat("shorter than one window of micro_batch * (seq_len + 1) = ", window,
+            ? absl::StrCat("shorter than one window of micro_batch * (seq_len + 1) = ", b * row,
                            " tokens")
             : absl::StrCat("fewer than dp = ", dp,
-                           " windows of micro_batch * (seq_len + 1) = ", window,
+                           " windows of micro_batch * (seq_len + 1) = ", b * row,
                            " tokens, so two ranks would read the same window");
-    return absl::InvalidArgumentError(
-        absl::StrCat("data file ", dataset->path(), " holds ", dataset->size(), " tokens: ", need));
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", need));
   }
-  // WindowAt computes (p mod W) * dp + dp_rank < W * dp, which must fit in 64 bits.
+  // WindowAt computes (p mod W) * dp + dp_rank < W * dp, which must fit in 64 bits, and the
+  // shuffled counters (p * dp + r) * B + i are taken modulo E <= S in 128 bits.
   if (windows > std::numeric_limits<uint64_t>::max() / dp) {
     return absl::InvalidArgumentError(absl::StrCat(
         "data file ", dataset->path(), ": too many windows (", windows, ") for dp ", dp));
   }
-  return DataLoader(std::move(dataset), options, windows);
+  if (options.shuffle) {
+    const uint64_t step = b * dp * static_cast<uint64_t>(options.grad_accum);
+    if (sequences < step) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": ", sequences, " sequences of seq_len + 1 = ", row,
+          " tokens, fewer than one optimizer step reads (micro_batch * dp * grad_accum = ", step,
+          ")"));
+    }
+  }
+  return DataLoader(std::move(dataset), options, options.range.begin, sequences);
 }
 
 DataLoader::DataLoader(std::shared_ptr<const TokenDataset> dataset,
-                       const DataLoaderOptions& options, uint64_t num_windows)
+                       const DataLoaderOptions& options, uint64_t begin, uint64_t num_sequences)
     : dataset_(std::move(dataset)),
       options_(options),
       batch_tokens_(static_cast<size_t>(options.micro_batch) *
                     (static_cast<size_t>(options.seq_len) + 1)),
-      num_windows_(num_windows) {}
+      begin_(begin),
+      num_sequences_(num_sequences),
+      num_windows_(num_sequences / static_cast<uint64_t>(options.micro_batch)),
+      step_sequences_(static_cast<uint64_t>(options.micro_batch) *
+                      static_cast<uint64_t>(options.dp) *
+                      static_cast<uint64_t>(options.grad_accum)) {}
+
+uint64_t DataLoader::epoch_sequences() const {
+  if (!options_.shuffle) return num_windows_ * static_cast<uint64_t>(options_.micro_batch);
+  return num_sequences_ / step_sequences_ * step_sequences_;
+}
 
 uint64_t DataLoader::WindowAt(uint64_t position) const {
   // (p * dp + r) mod W without overflow: reduce p first.
@@ -298,13 +358,62 @@ uint64_t DataLoader::WindowAt(uint64_t position) const {
          num_windows_;
 }
 
+namespace {
+using u128 = unsigned __int128;
+}  // namespace
+
+uint64_t DataLoader::SequenceAt(uint64_t position, int32_t row) const {
+  FP8RT_CHECK(row >= 0 && row < options_.micro_batch)
+      << "row " << row << " of a micro-batch of " << options_.micro_batch;
+  if (!options_.shuffle) {
+    return WindowAt(position) * static_cast<uint64_t>(options_.micro_batch) +
+           static_cast<uint64_t>(row);
+  }
+  // g = (p * dp + r) * B + row in 128 bits: positions are any uint64.
+  const u128 g = (static_cast<u128>(position) * static_cast<uint64_t>(options_.dp) +
+                  static_cast<uint64_t>(options_.dp_rank)) *
+                     static_cast<uint64_t>(options_.micro_batch) +
+                 static_cast<uint64_t>(row);
+  const uint64_t e = epoch_sequences();
+  return PermutationOf(static_cast<uint64_t>(g / e))[static_cast<uint64_t>(g % e)];
+}
+
+DataCursor DataLoader::CursorAt(uint64_t position) const {
+  const uint64_t dp = static_cast<uint64_t>(options_.dp);
+  if (!options_.shuffle) {
+    const u128 k = static_cast<u128>(position) * dp;  // rank 0's window counter
+    return {.epoch = static_cast<uint64_t>(k / num_windows_),
+            .sequence = static_cast<uint64_t>(k % num_windows_) *
+                        static_cast<uint64_t>(options_.micro_batch)};
+  }
+  const u128 g = static_cast<u128>(position) * dp * static_cast<uint64_t>(options_.micro_batch);
+  const uint64_t e = epoch_sequences();
+  return {.epoch = static_cast<uint64_t>(g / e), .sequence = static_cast<uint64_t>(g % e)};
+}
+
+const std::vector<uint64_t>& DataLoader::PermutationOf(uint64_t epoch) const {
+  if (permutation_.empty() || cached_epoch_ != epoch) {
+    permutation_ = EpochPermutation(num_sequences_, options_.seed, epoch);
+    cached_epoch_ = epoch;
+  }
+  return permutation_;
+}
+
 absl::Status DataLoader::BatchAt(uint64_t position, std::span<int32_t> tokens) const {
   if (tokens.size() != batch_tokens_) {
     return absl::InvalidArgumentError(
         absl::StrCat("data loader: batch buffer holds ", tokens.size(), " tokens, expected ",
                      batch_tokens_, " (micro_batch * (seq_len + 1))"));
   }
-  dataset_->Read(WindowAt(position) * batch_tokens_, tokens);
+  const size_t row = static_cast<size_t>(options_.seq_len) + 1;
+  if (!options_.shuffle) {  // one window: B consecutive sequences
+    dataset_->Read(begin_ + WindowAt(position) * batch_tokens_, tokens);
+    return absl::OkStatus();
+  }
+  for (int32_t i = 0; i < options_.micro_batch; ++i) {
+    dataset_->Read(begin_ + SequenceAt(position, i) * row,
+                   tokens.subspan(static_cast<size_t>(i) * row, row));
+  }
   return absl::OkStatus();
 }
 

@@ -187,6 +187,7 @@ absl::Status Trainer::ReportToController(const StepRecord& r,
   for (const int rank : r.nonfinite_ranks) m->add_nonfinite_ranks(rank);
   m->set_step_time_s(r.step_time_s);
   m->set_recipe_version(recipe_version_);
+  if (r.val_loss.has_value()) m->set_val_loss(*r.val_loss);
   if (recipe_applied_step_ == r.step) request.set_recipe_applied_step(r.step);
   for (int c = 0; c < kernels::kNumMemCategories; ++c) {
     v1::MemoryPeak* peak = request.add_memory();

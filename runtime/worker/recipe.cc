@@ -1,6 +1,10 @@
 // The worker's recipe conversions (see recipe.h).
 #include "runtime/worker/recipe.h"
 
+#include <algorithm>
+
+#include "runtime/core/run_spec.h"
+
 namespace fp8rt::worker {
 using v1::RunSpec;
 
@@ -119,6 +123,38 @@ v1::Recipe RecipeToProto(const model::ModelRecipe& m) {
                         ? RunSpec::Precision::GRAD_REDUCE_BF16
                         : RunSpec::Precision::GRAD_REDUCE_FP32);
   return r;
+}
+
+model::ModelShape ShapeFromSpec(const RunSpec& spec) {
+  const RunSpec::Model m = ResolveModel(spec.model());
+  using M = RunSpec::Model;
+  return model::ModelShape{.layers = m.layers(),
+                          .d_model = m.d_model(),
+                          .heads = m.heads(),
+                          .d_ff = m.d_ff(),
+                          .seq_len = m.seq_len(),
+                          .vocab = m.vocab(),
+                          .moe = {.experts = spec.moe().experts(),
+                                  .top_k = spec.moe().top_k(),
+                                  .capacity_factor = spec.moe().capacity_factor(),
+                                  .aux_loss_coef = spec.moe().aux_loss_coef(),
+                                  .drop_tokens = spec.moe().drop_tokens()},
+                          .moe_every = std::max(1, spec.moe().every()),
+                          .kv_heads = m.kv_heads(),
+                          .norm = m.norm() == M::NORM_LAYERNORM ? model::NormKind::kLayer
+                                                                : model::NormKind::kRms,
+                          .norm_eps = static_cast<float>(m.norm_eps()),
+                          .mlp = m.mlp() == M::MLP_SWIGLU ? model::MlpKind::kSwiglu
+                                                          : model::MlpKind::kGelu,
+                          .positions = m.positions() == M::POSITIONS_LEARNED
+                                           ? model::PositionKind::kLearned
+                                       : m.positions() == M::POSITIONS_ROPE
+                                           ? model::PositionKind::kRope
+                                           : model::PositionKind::kNone,
+                          .max_positions = m.max_positions(),
+                          .rope_theta = static_cast<float>(m.rope_theta()),
+                          .bias = m.bias(),
+                          .tie_embeddings = m.tie_embeddings()};
 }
 
 }  // namespace fp8rt::worker

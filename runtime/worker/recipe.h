@@ -6,6 +6,8 @@
 //   MergeRecipe     a live recipe update applied onto the model's recipe
 //   RecipeToProto   the live part of the model's recipe (saved in checkpoints)
 //   FormatFromSpec  the spec's data format as the loader's token format
+//   ShapeFromSpec   the spec's model (family defaults resolved) and moe sections as the model's
+//                   shape
 //
 // Pure functions; the enums are parsed here once, so nothing past the worker's start sees the
 // spec's strings or proto enums.
@@ -23,6 +25,7 @@ model::ModelRecipe RecipeFromSpec(const v1::RunSpec& spec);
 model::ModelRecipe MergeRecipe(model::ModelRecipe base, const v1::Recipe& r);
 v1::Recipe RecipeToProto(const model::ModelRecipe& m);
 train::TokenFormat FormatFromSpec(const v1::RunSpec& spec);
+model::ModelShape ShapeFromSpec(const v1::RunSpec& spec);
 
 }  // namespace fp8rt::worker
 

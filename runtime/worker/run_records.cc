@@ -118,6 +118,7 @@ absl::Status RunRecords::Write(const StepRecord& r, const std::vector<model::Sit
     j["mem_peak_bytes"] = r.memory.total;
     j["recipe_version"] = r.recipe_version;
     if (r.moe_dropped.has_value()) j["moe_dropped"] = *r.moe_dropped;
+    if (r.val_loss.has_value()) j["val_loss"] = *r.val_loss;  // NaN is written as null
     const std::string line = j.dump() + "\n";
     if (std::fputs(line.c_str(), metrics_) < 0 || std::fflush(metrics_) != 0) {
       return absl::InternalError(

@@ -52,6 +52,9 @@ struct StepRecord {
   int64_t recipe_version = 1;          // the live recipe version the step ran with
   std::optional<int64_t> moe_dropped;  // MoE runs: assignments over capacity, all ranks
   MemoryPeaks memory;                  // after the step
+  // Eval steps (eval.every): the validation loss of the weights the step started from, the mean
+  // over every DP rank's eval batches (Trainer::ValidationLoss).
+  std::optional<double> val_loss;
 };
 
 // Rank 0 creates `run_dir` (and its fp8_stats/) and, unless `resume`, refuses a folder that

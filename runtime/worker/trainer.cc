@@ -15,10 +15,13 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "kernels/memory_stats.h"
+#include "runtime/core/run_spec.h"
 #include "runtime/core/status.h"
 #include "runtime/worker/recipe.h"
+#include "runtime/worker/weights.h"
 
 namespace fp8rt::worker {
 using v1::RunSpec;
@@ -39,35 +42,17 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
   FP8RT_ASSIGN_OR_RETURN(t->mesh_, parallel::Mesh::Create(mesh_config, factory));
   t->faults_ = StepFaults(fault, t->mesh_->layout().rank, options.resume);
   if (!options.controller.address.empty()) FP8RT_RETURN_IF_ERROR(t->RegisterWithController());
-  const RunSpec::Model& m = spec.model();
-  model::ModelShape shape{.layers = m.layers(),
-                          .d_model = m.d_model(),
-                          .heads = m.heads(),
-                          .d_ff = m.d_ff(),
-                          .seq_len = m.seq_len(),
-                          .vocab = m.vocab(),
-                          .moe = {.experts = spec.moe().experts(),
-                                  .top_k = spec.moe().top_k(),
-                                  .capacity_factor = spec.moe().capacity_factor(),
-                                  .aux_loss_coef = spec.moe().aux_loss_coef(),
-                                  .drop_tokens = spec.moe().drop_tokens()},
-                          .moe_every = std::max(1, spec.moe().every())};
+  const model::ModelShape shape = ShapeFromSpec(spec);
   FP8RT_ASSIGN_OR_RETURN(
       t->model_,
       model::Transformer::Create(shape, RecipeFromSpec(spec), spec.train().seed(), *t->mesh_, ops));
   FP8RT_RETURN_IF_ERROR(t->faults_.CheckModel(shape.layers));
-  FP8RT_ASSIGN_OR_RETURN(
-      std::unique_ptr<train::TokenDataset> dataset,
-      train::TokenDataset::Open(spec.data().path(), FormatFromSpec(spec), m.vocab()));
-  const parallel::MeshLayout& layout = t->mesh_->layout();
-  FP8RT_ASSIGN_OR_RETURN(
-      train::DataLoader loader,
-      train::DataLoader::Create(std::move(dataset), {.seq_len = m.seq_len(),
-                                                     .micro_batch = spec.train().micro_batch(),
-                                                     .dp = layout.config.dp,
-                                                     .dp_rank = layout.dp_rank}));
-  t->loader_ = std::make_unique<train::DataLoader>(std::move(loader));
-  t->tokens_.resize(t->loader_->batch_tokens());
+  if (!spec.init().from().empty() && !options.resume) {
+    // init.from: the weights of a safetensors file instead of the seeded ones (a resume takes
+    // the checkpoint's).
+    FP8RT_RETURN_IF_ERROR(LoadHuggingFace(spec.init().from(), shape, *t->model_));
+  }
+  FP8RT_RETURN_IF_ERROR(t->OpenData());
   const RunSpec::Train& tr = spec.train();
   train::AdamWConfig adam{.lr = tr.lr(),
                           .weight_decay = tr.weight_decay(),
@@ -79,6 +64,58 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
   t->optimizer_ = std::make_unique<train::AdamW>(adam, ops);
   FP8RT_RETURN_IF_ERROR(t->PrepareRunDir());
   return t;
+}
+
+absl::Status Trainer::OpenData() {
+  const RunSpec::Data& d = spec_.data();
+  const RunSpec::Model& m = spec_.model();
+  const parallel::MeshLayout& layout = mesh_->layout();
+  FP8RT_ASSIGN_OR_RETURN(std::shared_ptr<const train::TokenDataset> dataset,
+                         train::TokenDataset::Open(d.path(), FormatFromSpec(spec_), m.vocab()));
+  // data.val_fraction: training reads the head, validation the tail (ValidationSplit).
+  const uint64_t split = ValidationSplit(dataset->size(), d.val_fraction());
+  const train::DataLoaderOptions options{
+      .seq_len = m.seq_len(),
+      .micro_batch = spec_.train().micro_batch(),
+      .dp = layout.config.dp,
+      .dp_rank = layout.dp_rank,
+      .shuffle = !d.has_shuffle() || d.shuffle(),
+      .seed = spec_.train().seed(),
+      .grad_accum = static_cast<int32_t>(spec_.train().grad_accum()),
+      .range = {.begin = 0, .end = split}};
+  FP8RT_ASSIGN_OR_RETURN(train::DataLoader loader, train::DataLoader::Create(dataset, options));
+  loader_ = std::make_unique<train::DataLoader>(std::move(loader));
+  tokens_.resize(loader_->batch_tokens());
+  if (spec_.eval().every() <= 0) return absl::OkStatus();
+
+  // Validation: file order, the first eval.batches windows of micro_batch sequences per rank.
+  std::shared_ptr<const train::TokenDataset> val = dataset;
+  train::DataLoaderOptions val_options = options;
+  val_options.shuffle = false;
+  val_options.range = {.begin = split, .end = dataset->size()};
+  const bool fraction = d.val_path().empty();
+  if (!fraction) {
+    FP8RT_ASSIGN_OR_RETURN(
+        val, train::TokenDataset::Open(d.val_path(), FormatFromSpec(spec_), m.vocab()));
+    val_options.range = {};
+  }
+  const uint64_t tokens = val_options.range.end == std::numeric_limits<uint64_t>::max()
+                              ? val->size()
+                              : val_options.range.end - val_options.range.begin;
+  const uint64_t row = static_cast<uint64_t>(m.seq_len()) + 1;
+  const uint64_t need = static_cast<uint64_t>(spec_.eval().batches()) *
+                        static_cast<uint64_t>(spec_.train().micro_batch()) *
+                        static_cast<uint64_t>(layout.config.dp);
+  if (tokens / row < need) {  // ValidateRunSpec counts the same from the file's size
+    return absl::InvalidArgumentError(absl::StrCat(
+        fraction ? "data.val_fraction: the held-out tail of '" : "data.val_path: '", val->path(),
+        "' holds ", tokens, " tokens, ", tokens / row, " windows of model.seq_len + 1 = ", row,
+        " tokens; eval needs eval.batches * train.micro_batch * parallel.dp = ", need, " windows"));
+  }
+  FP8RT_ASSIGN_OR_RETURN(train::DataLoader val_loader,
+                         train::DataLoader::Create(std::move(val), val_options));
+  eval_loader_ = std::make_unique<train::DataLoader>(std::move(val_loader));
+  return absl::OkStatus();
 }
 
 absl::Status Trainer::PrepareRunDir() {
@@ -112,7 +149,15 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   const auto t0 = std::chrono::steady_clock::now();
   FP8RT_RETURN_IF_ERROR(ShareDirectives());    // controller: stop, save, a due recipe
   FP8RT_RETURN_IF_ERROR(model_->BeginStep());  // FSDP: scales and FP8 weight shards
-  faults_.BeforeForward(step, *model_);        // FP8RT_FAULT nan_act / inf_act
+  std::optional<double> val_loss;
+  std::chrono::steady_clock::duration eval_time{};
+  if (EvalDue(step)) {  // the weights the step starts from; before any of its forwards
+    const auto e0 = std::chrono::steady_clock::now();
+    FP8RT_ASSIGN_OR_RETURN(val_loss, ValidationLoss());
+    eval_time = std::chrono::steady_clock::now() - e0;
+  }
+  // FP8RT_FAULT nan_act / inf_act
+  faults_.BeforeForward(step, *model_);
   FP8RT_ASSIGN_OR_RETURN(const float loss_sum, ForwardBackward());  // every micro-batch
   FP8RT_RETURN_IF_ERROR(model_->ReduceGrads());  // the gradient shards are complete
   FP8RT_ASSIGN_OR_RETURN(const bool injected,
@@ -147,8 +192,11 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   FP8RT_ASSIGN_OR_RETURN(r.moe_dropped, MoeDropped());
   FP8RT_ASSIGN_OR_RETURN(r.memory, MemoryPeaksOverRanks());
   r.recipe_version = recipe_version_;
+  r.val_loss = val_loss;
   step_ = step;
-  r.step_time_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // The training's time: the evaluation is not throughput.
+  r.step_time_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0 - eval_time).count();
   r.tokens_per_s = static_cast<double>(GlobalBatchTokens()) / r.step_time_s;
 
   FP8RT_RETURN_IF_ERROR(records_->Write(r, sites, model_->moe_stats()));
@@ -223,6 +271,26 @@ absl::StatusOr<double> Trainer::MeanLoss(float local_sum) {
   return static_cast<double>(local_sum) / static_cast<double>(micro_batches);
 }
 
+bool Trainer::EvalDue(int64_t step) const {
+  const int64_t every = spec_.eval().every();
+  return eval_loader_ != nullptr && every > 0 &&
+         (step % every == 0 || step == spec_.train().steps());
+}
+
+absl::StatusOr<double> Trainer::ValidationLoss() {
+  const int64_t batches = spec_.eval().batches();
+  float sum = 0.0f;  // this rank's micro-batch losses, summed as MeanLoss sums the step's
+  for (int64_t j = 0; j < batches; ++j) {
+    FP8RT_RETURN_IF_ERROR(eval_loader_->BatchAt(static_cast<uint64_t>(j), tokens_));
+    FP8RT_ASSIGN_OR_RETURN(const float loss,
+                           model_->Evaluate(tokens_, spec_.train().micro_batch()));
+    sum += loss;
+  }
+  FP8RT_RETURN_IF_ERROR(
+      mesh_->dp().AllReduce(&sum, 1, parallel::DType::kF32, parallel::ReduceOp::kSum));
+  return static_cast<double>(sum) / static_cast<double>(batches * mesh_->layout().config.dp);
+}
+
 absl::StatusOr<std::optional<int64_t>> Trainer::MoeDropped() {
   if (model_->moe_stats().empty()) return std::nullopt;
   int64_t dropped = 0;
@@ -258,11 +326,13 @@ absl::Status Trainer::Run() {
   while (step_ < steps) {
     FP8RT_ASSIGN_OR_RETURN(const StepRecord r, Step());
     if (rank0 && options_.print_progress &&
-        (r.step % every == 0 || r.step == 1 || r.step == steps)) {
+        (r.step % every == 0 || r.step == 1 || r.step == steps || r.val_loss.has_value())) {
       std::printf(
-          "step %lld/%lld loss %.4f grad_norm %.4f lr %.3g tokens/s %.0f%s%s\n",
-          static_cast<long long>(r.step), static_cast<long long>(steps), r.loss, r.grad_norm, r.lr,
-          r.tokens_per_s, r.skipped ? " (skipped: non-finite values on ranks " : "",
+          "step %lld/%lld loss %.4f%s grad_norm %.4f lr %.3g tokens/s %.0f%s%s\n",
+          static_cast<long long>(r.step), static_cast<long long>(steps), r.loss,
+          r.val_loss.has_value() ? absl::StrFormat(" val_loss %.4f", *r.val_loss).c_str() : "",
+          r.grad_norm, r.lr, r.tokens_per_s,
+          r.skipped ? " (skipped: non-finite values on ranks " : "",
           r.skipped ? absl::StrCat(absl::StrJoin(r.nonfinite_ranks, ", "), ")").c_str() : "");
       std::fflush(stdout);
     }

@@ -12,6 +12,8 @@
 //   faults.BeforeStep                       FP8RT_FAULT kill / hang
 //   ShareDirectives()                       under a controller: stop, save, a due recipe version
 //   model.BeginStep()                       FSDP: FP8 weight shards for the step, zeroed grads
+//   ValidationLoss()                        eval steps only (eval.every, and the last step):
+//                                           model.Evaluate over the eval batches, mean over DP
 //   faults.BeforeForward                    FP8RT_FAULT nan_act / inf_act
 //   ForwardBackward()                       each micro-batch: loader.Next, model.ForwardBackward
 //                                           (layer by layer: gather, forward, backward,
@@ -46,7 +48,10 @@
 //                                 the spec's), mem_peak_bytes (the most backend memory a rank
 //                                 has held at once since it started, max over ranks:
 //                                 kernels/memory_stats.h), moe_dropped (MoE runs: assignments
-//                                 over capacity, all ranks)
+//                                 over capacity, all ranks), val_loss (eval steps: the
+//                                 validation loss of the weights the step started from, i.e.
+//                                 after step - 1 updates; null when not finite). step_time_s
+//                                 and tokens_per_s count the training, not the evaluation.
 //   fp8_stats/rank-NNNNN.jsonl    every rank, every metrics.every steps when
 //                                 metrics.per_rank_fp8_stats: one object per FP8 site
 //                                 {step, site, amax, scale, underflow_ratio, saturation_ratio}
@@ -147,6 +152,9 @@ class Trainer {
   // Create's last part: the run folder checked (refused if it holds a run and this is no
   // resume), the checkpoint restored with --resume, the record files opened after its step.
   absl::Status PrepareRunDir();
+  // Create's data part: the training loader (data.shuffle; without data.val_fraction's tail) and,
+  // with eval.every, the validation loader.
+  absl::Status OpenData();
 
   // The named parts of Step (trainer.cc).
   // Every micro-batch of the step: forward and backward; this rank's summed micro-batch losses.
@@ -164,6 +172,13 @@ class Trainer {
   absl::StatusOr<std::vector<int>> NonFiniteRanks(bool skipped, bool saw_nonfinite) const;
   // The step's mean loss over the global batch (sum over DP).
   absl::StatusOr<double> MeanLoss(float local_sum);
+  // Whether `step` (1-based) evaluates: eval.every > 0 and step % eval.every == 0, or the last.
+  bool EvalDue(int64_t step) const;
+  // The validation loss (collective, every rank; after BeginStep, before the first
+  // ForwardBackward): rank r's eval micro-batch j is window j * dp + r of the validation data in
+  // file order (eval_loader_ at position j), so the ranks read the first
+  // eval.batches * micro_batch * dp sequences; the mean of every micro-batch's loss over DP.
+  absl::StatusOr<double> ValidationLoss();
   // MoE runs: assignments dropped over capacity in the step, summed over all ranks.
   absl::StatusOr<std::optional<int64_t>> MoeDropped();
   // This rank's peak backend memory (kernels/memory_stats.h), max over all ranks (collective).
@@ -189,6 +204,7 @@ class Trainer {
   std::unique_ptr<parallel::Mesh> mesh_;
   std::unique_ptr<model::Transformer> model_;
   std::unique_ptr<train::DataLoader> loader_;
+  std::unique_ptr<train::DataLoader> eval_loader_;  // file order; null when eval.every is 0
   std::unique_ptr<train::AdamW> optimizer_;
   std::vector<int32_t> tokens_;
   int64_t step_ = 0;

@@ -1,7 +1,8 @@
 // Checkpoint save and load of the step loop (see trainer.h): this rank's shard (its FSDP shards,
-// Adam moments, every scaling state, the data position, the live recipe), written and committed
-// standalone (rank 0 writes the manifest) or under a controller (every rank acknowledges its
-// shard, the controller commits); Restore picks the newest committed checkpoint that verifies.
+// Adam moments, every scaling state, the data position and cursor, the live recipe), written and
+// committed standalone (rank 0 writes the manifest) or under a controller (every rank
+// acknowledges its shard, the controller commits); Restore picks the newest committed checkpoint
+// that verifies.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -110,12 +111,17 @@ absl::Status Trainer::SaveCheckpoint() {
   ShardWriter w;
   const int64_t applied = optimizer_->applied_steps();
   const uint64_t position = loader_->position();
+  // Where the position is in the sequence stream (train::DataCursor): the epoch, and the
+  // sequences of it all ranks have read; layout-free, checked against the position on resume.
+  const train::DataCursor cursor = loader_->Cursor();
+  const uint64_t cursor_values[2] = {cursor.epoch, cursor.sequence};
   const int32_t layout_ints[4] = {layout.world_size, layout.config.dp, layout.config.tp,
                                   layout.rank};
   const uint64_t rng[2] = {spec_.train().seed(), 0};  // no stochastic ops draw numbers yet
   absl::Status st = w.Add("meta/step", Bytes(&step_, 1));
   if (st.ok()) st = w.Add("meta/applied_steps", Bytes(&applied, 1));
   if (st.ok()) st = w.Add("meta/data_position", Bytes(&position, 1));
+  if (st.ok()) st = w.Add("meta/data_cursor", Bytes(cursor_values, 2));
   if (st.ok()) st = w.Add("meta/layout", Bytes(layout_ints, 4));
   if (st.ok()) st = w.Add("rng", Bytes(rng, 2));
   if (st.ok()) st = w.Add("meta/recipe_version", Bytes(&recipe_version_, 1));
@@ -378,6 +384,21 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
   }
   optimizer_->set_applied_steps(applied);
   FP8RT_RETURN_IF_ERROR(loader_->Seek(position));
+  // The epoch and its sequences done, as saved (checkpoints before data shuffling have none):
+  // the same position over different data or a different order would resume elsewhere.
+  if (reader->HasSection("meta/data_cursor")) {
+    uint64_t saved[2] = {0, 0};
+    FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "meta/data_cursor", saved, 2));
+    const train::DataCursor now = loader_->Cursor();
+    if (saved[0] != now.epoch || saved[1] != now.sequence) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": meta/data_cursor: the checkpoint is at epoch ", saved[0], ", sequence ",
+          saved[1], " of the data, but its data position ", position, " is epoch ", now.epoch,
+          ", sequence ", now.sequence,
+          " here: data.path, data.shuffle, data.val_fraction or the layout changed since the "
+          "checkpoint"));
+    }
+  }
   step_ = step;
   if (world.rank() == 0) {
     std::fprintf(stderr, "fp8rt-worker: resuming after step %lld from %s\n",

@@ -1,8 +1,9 @@
 // deploy/grafana: the dashboard JSON and the provisioning files, offline (no Grafana here).
 //   - structure: schemaVersion, unique panel ids, gridPos on the 24-column grid without
 //     overlaps, the datasource/run/layer variables, every query on the datasource variable,
-//     every $variable defined, the panels the dashboard promises (loss linear and log, tokens/s,
-//     grad norm, per-layer scale/underflow/saturation, checkpoint age, workers, recipe version);
+//     every $variable defined, the panels the dashboard promises (loss linear and log, the
+//     validation loss with the training loss, tokens/s, grad norm, per-layer
+//     scale/underflow/saturation, checkpoint age, workers, recipe version);
 //   - types: the dashboard as a TypeScript literal of @grafana/schema's Dashboard, and each
 //     panel's options and custom field config as its panel plugin's Options / FieldConfig (tsc:
 //     unknown or misspelt fields and wrong value types are errors);
@@ -141,6 +142,13 @@ test("the promised panels are there", () => {
   const loss = panelsUsing(/fp8rt_train_loss/, "timeseries");
   assert.ok(loss.some((p) => !isLog(p)), "loss on a linear axis");
   assert.ok(loss.some(isLog), "loss on a log axis");
+  // The validation loss (eval.every), next to the training loss it is compared with.
+  const val = panelsUsing(/fp8rt_eval_loss/, "timeseries");
+  assert.equal(val.length, 1, "one validation loss panel");
+  assert.ok(exprs(val[0]).some((e) => /fp8rt_train_loss/.test(e)),
+            "the validation loss panel shows the training loss too");
+  assert.ok(exprs(val[0]).includes('fp8rt_eval_loss{run="$run"}'), `${exprs(val[0])}`);
+  assert.ok(val[0].gridPos.y < 17, "the validation loss is in the Training row");
   assert.ok(panelsUsing(/fp8rt_tokens_per_second/, "timeseries").length > 0, "tokens/s");
   assert.ok(panelsUsing(/fp8rt_grad_norm/, "timeseries").length > 0, "grad norm");
   const perLayer = (re) => panelsUsing(re).filter((p) => exprs(p).some((e) => /\$layer/.test(e)));

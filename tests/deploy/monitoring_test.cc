@@ -1,8 +1,9 @@
 // deploy/prometheus and the queries of deploy/grafana against the real thing: promtool on the
 // rules and their unit tests, then a real fp8rt-controller fed a run by a fake worker over gRPC
-// (register, heartbeats, steps with FP8 statistics of several sites, a skipped step, collective
-// bytes, a committed checkpoint), scraped by a real Prometheus (started on loopback with a temp
-// TSDB) running deploy/prometheus/prometheus.yml with its rules:
+// (register, heartbeats, steps with FP8 statistics of several sites, a skipped step, a
+// validation loss every other step, collective bytes, a committed checkpoint), scraped by a real
+// Prometheus (started on loopback with a temp TSDB) running deploy/prometheus/prometheus.yml with
+// its rules:
 //   - Prometheus loads rules.yml and evaluates every rule without error;
 //   - every PromQL expression of rules.yml and of the dashboard (panels, annotations, variable
 //     queries) parses (HTTP 200, status success), and every metric it names is in the
@@ -179,6 +180,7 @@ void FeedRun(v1::Control::Stub& control, const fs::path& run_dir, int64_t steps)
     sm->set_skipped(skipped);
     sm->set_step_time_s(0.5);
     sm->set_recipe_version(1);
+    if (step % 2 == 0) sm->set_val_loss(5.2 - 0.1 * static_cast<double>(step));  // eval.every 2
     for (const v1::SiteStats& s :
          {Site("blocks.0.attn.qkv", v1::TENSOR_ROLE_INPUT, 3.0f, 0.001, 0.0),
           Site("blocks.0.mlp.fc1", v1::TENSOR_ROLE_WEIGHT, 0.5f, 0.0, 0.0),

@@ -4,6 +4,7 @@
 // inputs.
 //
 // Index:
+//   (attention shapes include grouped-query ones: H query heads on Hkv kv heads, Hkv = 1 too)
 //   AttentionForwardTest (TEST_P)   shapes; probs and out within the bounds below, masked probs
 //                                   exactly +0, a second run bit for bit the first
 //   AttentionBackwardTest (TEST_P)  shapes; onto pre-filled gradients (they must accumulate): dq
@@ -17,7 +18,8 @@
 //                                   or the finite exact value, no overflow
 //   CrossEntropyTest.EveryLogitCounts  a half-probability logit at every column in turn: exact
 //                                   values from the formula (an element a reduction drops shows)
-//   ArgumentTest                    host and null pointers, negative sizes, dh = 0 and v = 0 are
+//   ArgumentTest                    host and null pointers, negative sizes, dh = 0, an hkv that
+//                                   does not divide h and v = 0 are
 //                                   refused with InvalidArgument naming the argument, before
 //                                   anything runs; empty sizes are fine
 //
@@ -44,9 +46,11 @@
 //           dout_i . sum_j p_ij v_j, the CPU as sum_j p_ij dp_ij: the same terms, other order)
 //   ds_ij:  p_ij scale (bound(dp_ij) + bound(D_i)) + 6u |ds_ij|
 //   dq_id:  sum_j bound(ds_ij) |k_jd| + 2 (i + 2) u (|dq_id before| + sum_j |ds_ij k_jd|)
-//   dk_jd:  the same over i >= j with q_id
-//   dv_jd:  none. Both sides add the same products p_ij dout_id in the same order (i ascending)
-//           onto the same value, each operation rounded once: bit for bit.
+//   dk_jd:  the same over the group's query heads and i >= j with q_id (a chain of
+//           group * (T - j) additions: 2 (group (T - j) + 2) u of the terms' magnitudes)
+//   dv_jd:  none. Both sides add the same products p_ij dout_id in the same order (query heads of
+//           the group ascending, then i ascending) onto the same value, each operation rounded
+//           once: bit for bit.
 // Cross-entropy forward, row of V logits, m = max (exact), x_j = l_j - m (the same FP32
 // subtraction on both sides: identical), e_j = exp(x_j):
 //   sum:    relative r_sum = 6u (expf) + (V + ceil(V / 256) + 16) u (CPU sequential, GPU strided)
@@ -128,11 +132,11 @@ class CudaLayerTest : public CudaStreamTest {
 // --- attention ---------------------------------------------------------------------------------
 
 struct AttnShape {
-  int64_t b, t, h, dh;
+  int64_t b, t, h, hkv, dh;
 };
 
 std::string ShapeName(const AttnShape& s) {
-  return absl::StrCat("B", s.b, "_T", s.t, "_H", s.h, "_Dh", s.dh);
+  return absl::StrCat("B", s.b, "_T", s.t, "_H", s.h, "_Hkv", s.hkv, "_Dh", s.dh);
 }
 void PrintTo(const AttnShape& s, std::ostream* os) { *os << ShapeName(s); }
 
@@ -142,24 +146,30 @@ struct AttnData {
   explicit AttnData(const AttnShape& shape, uint32_t seed)
       : s(shape),
         size(static_cast<size_t>(s.b * s.t * s.h * s.dh)),
+        kv_size(static_cast<size_t>(s.b * s.t * s.hkv * s.dh)),
         probs_size(static_cast<size_t>(s.b * s.h * s.t * s.t)),
+        group(s.h / s.hkv),
         q(Normal(size, 1.5f, seed)),
-        k(Normal(size, 1.5f, seed + 1)),
-        v(Normal(size, 1.0f, seed + 2)),
+        k(Normal(kv_size, 1.5f, seed + 1)),
+        v(Normal(kv_size, 1.0f, seed + 2)),
         dout(Normal(size, 1.0f, seed + 3)),
         dq0(Normal(size, 1.0f, seed + 4)),
-        dk0(Normal(size, 1.0f, seed + 5)),
-        dv0(Normal(size, 1.0f, seed + 6)),
+        dk0(Normal(kv_size, 1.0f, seed + 5)),
+        dv0(Normal(kv_size, 1.0f, seed + 6)),
         scale(1.0f / std::sqrt(static_cast<float>(s.dh))) {}
-  // Index of channel d of position `pos` of head hh in batch row bb, [B, T, H, Dh].
+  // Index of channel d of position `pos` of query head hh in batch row bb, [B, T, H, Dh].
   size_t At(int64_t bb, int64_t pos, int64_t hh, int64_t d) const {
     return static_cast<size_t>(((bb * s.t + pos) * s.h + hh) * s.dh + d);
+  }
+  // The same channel of query head hh's kv head hh / (H / Hkv), [B, T, Hkv, Dh].
+  size_t KvAt(int64_t bb, int64_t pos, int64_t hh, int64_t d) const {
+    return static_cast<size_t>(((bb * s.t + pos) * s.hkv + hh / group) * s.dh + d);
   }
   size_t P(int64_t bb, int64_t hh, int64_t i, int64_t j) const {
     return static_cast<size_t>(((bb * s.h + hh) * s.t + i) * s.t + j);
   }
-  // sum_d a_id b_jd and sum_d |a_id b_jd| over head hh of batch row bb, in FP64; a and b are
-  // [B, T, H, Dh] like q.
+  // sum_d a_id b_jd and sum_d |a_id b_jd| over query head hh of batch row bb, in FP64; a is
+  // [B, T, H, Dh] like q, b [B, T, Hkv, Dh] like k (read at hh's kv head).
   struct Dot {
     double value, abs;
   };
@@ -167,7 +177,7 @@ struct AttnData {
               int64_t i, int64_t j) const {
     Dot dot{0.0, 0.0};
     for (int64_t d = 0; d < s.dh; ++d) {
-      const double prod = double{a[At(bb, i, hh, d)]} * b[At(bb, j, hh, d)];
+      const double prod = double{a[At(bb, i, hh, d)]} * b[KvAt(bb, j, hh, d)];
       dot.value += prod;
       dot.abs += std::fabs(prod);
     }
@@ -175,7 +185,8 @@ struct AttnData {
   }
 
   AttnShape s;
-  size_t size, probs_size;
+  size_t size, kv_size, probs_size;
+  int64_t group;  // query heads per kv head
   std::vector<float> q, k, v, dout, dq0, dk0, dv0;
   float scale;  // the 1/sqrt(Dh) both backends use
 };
@@ -212,7 +223,7 @@ void ForwardBounds(const AttnData& x, const std::vector<float>& probs, std::vect
         for (int64_t d = 0; d < s.dh; ++d) {
           double from_p = 0.0, pv = 0.0;
           for (int64_t j = 0; j <= i; ++j) {
-            const double av = std::fabs(x.v[x.At(bb, j, hh, d)]);
+            const double av = std::fabs(x.v[x.KvAt(bb, j, hh, d)]);
             from_p += (*p_bound)[x.P(bb, hh, i, j)] * av;
             pv += probs[x.P(bb, hh, i, j)] * av;
           }
@@ -229,7 +240,10 @@ void BackwardBounds(const AttnData& x, const std::vector<float>& probs,
   const AttnShape& s = x.s;
   const size_t tt = static_cast<size_t>(s.t * s.t);
   dq_bound->assign(x.size, 0.0);
-  dk_bound->assign(x.size, 0.0);
+  // dk's two parts per kv element, summed over the group's query heads: the propagated ds
+  // errors and the magnitudes of the terms (with dk0) for the rounding of the chain.
+  std::vector<double> dk_from_ds(x.kv_size, 0.0), dk_terms(x.kv_size, 0.0);
+  for (size_t n = 0; n < x.kv_size; ++n) dk_terms[n] = std::fabs(x.dk0[n]);
   std::vector<double> ds(tt), ds_bound(tt), dp(tt), a(tt);
   for (int64_t bb = 0; bb < s.b; ++bb) {
     for (int64_t hh = 0; hh < s.h; ++hh) {
@@ -256,20 +270,32 @@ void BackwardBounds(const AttnData& x, const std::vector<float>& probs,
         for (int64_t i = 0; i < s.t; ++i) {  // dq_i over keys j <= i
           double from_ds = 0.0, terms = std::fabs(x.dq0[x.At(bb, i, hh, d)]);
           for (int64_t j = 0; j <= i; ++j) {
-            const double kd = std::fabs(x.k[x.At(bb, j, hh, d)]);
+            const double kd = std::fabs(x.k[x.KvAt(bb, j, hh, d)]);
             from_ds += ds_bound[i * s.t + j] * kd;
             terms += std::fabs(ds[i * s.t + j]) * kd;
           }
           (*dq_bound)[x.At(bb, i, hh, d)] = from_ds + 2.0 * (i + 2) * kU * terms;
         }
         for (int64_t j = 0; j < s.t; ++j) {  // dk_j over queries i >= j
-          double from_ds = 0.0, terms = std::fabs(x.dk0[x.At(bb, j, hh, d)]);
+          double from_ds = 0.0, terms = 0.0;
           for (int64_t i = j; i < s.t; ++i) {
             const double qd = std::fabs(x.q[x.At(bb, i, hh, d)]);
             from_ds += ds_bound[i * s.t + j] * qd;
             terms += std::fabs(ds[i * s.t + j]) * qd;
           }
-          (*dk_bound)[x.At(bb, j, hh, d)] = from_ds + 2.0 * (s.t - j + 2) * kU * terms;
+          dk_from_ds[x.KvAt(bb, j, hh, d)] += from_ds;
+          dk_terms[x.KvAt(bb, j, hh, d)] += terms;
+        }
+      }
+    }
+  }
+  dk_bound->assign(x.kv_size, 0.0);
+  for (int64_t bb = 0; bb < s.b; ++bb) {
+    for (int64_t j = 0; j < s.t; ++j) {
+      for (int64_t g = 0; g < s.hkv; ++g) {
+        for (int64_t d = 0; d < s.dh; ++d) {
+          const size_t at = x.KvAt(bb, j, g * x.group, d);
+          (*dk_bound)[at] = dk_from_ds[at] + 2.0 * (x.group * (s.t - j) + 2) * kU * dk_terms[at];
         }
       }
     }
@@ -301,7 +327,7 @@ absl::Status CpuAttentionForward(const LayerOps& cpu, const AttnData& x, std::ve
   out->resize(x.size);
   probs->resize(x.probs_size);
   return cpu.attention_forward(out->data(), probs->data(), x.q.data(), x.k.data(), x.v.data(),
-                               x.s.b, x.s.t, x.s.h, x.s.dh, Stream{});
+                               x.s.b, x.s.t, x.s.h, x.s.hkv, x.s.dh, Stream{});
 }
 
 // The CPU backward on x's inputs with `probs`, onto dq, dk and dv (it adds to them).
@@ -309,8 +335,8 @@ absl::Status CpuAttentionBackward(const LayerOps& cpu, const AttnData& x,
                                   const std::vector<float>& probs, std::vector<float>* dq,
                                   std::vector<float>* dk, std::vector<float>* dv) {
   return cpu.attention_backward(dq->data(), dk->data(), dv->data(), x.dout.data(), x.q.data(),
-                                x.k.data(), x.v.data(), probs.data(), x.s.b, x.s.t, x.s.h, x.s.dh,
-                                Stream{});
+                                x.k.data(), x.v.data(), probs.data(), x.s.b, x.s.t, x.s.h, x.s.hkv,
+                                x.s.dh, Stream{});
 }
 
 // One shape's device buffers for both directions: the inputs q, k, v and dout copied from x; the
@@ -320,14 +346,14 @@ struct AttnBuffers {
   explicit AttnBuffers(const AttnData& x)
       : s(x.s),
         q(x.size * 4),
-        k(x.size * 4),
-        v(x.size * 4),
+        k(x.kv_size * 4),
+        v(x.kv_size * 4),
         dout(x.size * 4),
         probs(x.probs_size * 4),
         out(x.size * 4),
         dq(x.size * 4),
-        dk(x.size * 4),
-        dv(x.size * 4) {
+        dk(x.kv_size * 4),
+        dv(x.kv_size * 4) {
     Put(q, x.q);
     Put(k, x.k);
     Put(v, x.v);
@@ -342,12 +368,12 @@ struct AttnBuffers {
   }
   // The CUDA entries on these buffers, on `stream`.
   absl::Status Forward(const LayerOps& gpu, Stream stream) const {
-    return gpu.attention_forward(out.f(), probs.f(), q.f(), k.f(), v.f(), s.b, s.t, s.h, s.dh,
-                                 stream);
+    return gpu.attention_forward(out.f(), probs.f(), q.f(), k.f(), v.f(), s.b, s.t, s.h, s.hkv,
+                                 s.dh, stream);
   }
   absl::Status Backward(const LayerOps& gpu, Stream stream) const {
     return gpu.attention_backward(dq.f(), dk.f(), dv.f(), dout.f(), q.f(), k.f(), v.f(), probs.f(),
-                                  s.b, s.t, s.h, s.dh, stream);
+                                  s.b, s.t, s.h, s.hkv, s.dh, stream);
   }
 
   const AttnShape s;
@@ -355,14 +381,20 @@ struct AttnBuffers {
 };
 
 const AttnShape kAttnShapes[] = {
-    {1, 1, 1, 1},      // T = 1, Dh = 1
-    {2, 1, 3, 64},     // T = 1
-    {1, 45, 2, 1},     // Dh = 1, T not a multiple of 32
-    {2, 257, 2, 64},   // T = 257
-    {1, 100, 3, 128},  // Dh = 128
-    {3, 40, 64, 8},    // B * H = 192, more heads than any current GPU has SMs
-    {1, 70, 1, 300},   // Dh > 256: two register passes per warp
-    {1, 1100, 2, 8},   // T > 1024: the dk/dv kernel's row terms in two chunks
+    {1, 1, 1, 1, 1},      // T = 1, Dh = 1
+    {2, 1, 3, 3, 64},     // T = 1
+    {1, 45, 2, 2, 1},     // Dh = 1, T not a multiple of 32
+    {2, 257, 2, 2, 64},   // T = 257
+    {1, 100, 3, 3, 128},  // Dh = 128
+    {3, 40, 64, 64, 8},   // B * H = 192, more heads than any current GPU has SMs
+    {1, 70, 1, 1, 300},   // Dh > 256: two register passes per warp
+    {1, 1100, 2, 2, 8},   // T > 1024: the dk/dv kernel's row terms in two chunks
+    // Grouped-query attention.
+    {2, 257, 8, 2, 64},   // four query heads per kv head
+    {1, 100, 6, 1, 128},  // multi-query: one kv head for all
+    {3, 40, 64, 8, 8},    // eight groups of eight, B * Hkv = 24
+    {1, 70, 4, 2, 300},   // Dh > 256
+    {1, 1100, 4, 2, 8},   // T > 1024: row-term chunks within each query head of the group
 };
 
 class AttentionForwardTest : public CudaLayerTest,
@@ -435,8 +467,8 @@ TEST_P(AttentionBackwardTest, AccumulatesLikeCpuWithinBoundsAndReruns) {
     ASSERT_TRUE(d.Backward(*gpu_, stream()).ok());
     Sync();
     run[0] = Download<float>(d.dq, x.size);
-    run[1] = Download<float>(d.dk, x.size);
-    run[2] = Download<float>(d.dv, x.size);
+    run[1] = Download<float>(d.dk, x.kv_size);
+    run[2] = Download<float>(d.dv, x.kv_size);
   }
 
   std::vector<double> dq_bound, dk_bound;
@@ -457,17 +489,17 @@ INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackwardTest, ::testing::ValuesIn(kAtt
 class AttentionAccumulateTest : public CudaLayerTest {};
 
 TEST_F(AttentionAccumulateTest, TwoCallsAddTwice) {
-  const AttnData x({2, 50, 3, 24}, 3000);
+  const AttnData x({2, 50, 6, 2, 24}, 3000);
   const std::vector<float> probs = CpuProbs(cpu_, x);
   // CPU: zero gradients, two calls.
-  const std::vector<float> zeros(x.size, 0.0f);
-  std::vector<float> dq = zeros, dk = zeros, dv = zeros;
+  const std::vector<float> zeros(x.size, 0.0f), kv_zeros(x.kv_size, 0.0f);
+  std::vector<float> dq = zeros, dk = kv_zeros, dv = kv_zeros;
   for (int call = 0; call < 2; ++call) {
     ASSERT_TRUE(CpuAttentionBackward(cpu_, x, probs, &dq, &dk, &dv).ok());
   }
   const AttnBuffers d(x);
   d.PutProbs(probs);
-  d.PutGrads(zeros, zeros, zeros);
+  d.PutGrads(zeros, kv_zeros, kv_zeros);
   for (int call = 0; call < 2; ++call) {
     ASSERT_TRUE(d.Backward(*gpu_, stream()).ok());
   }
@@ -475,19 +507,17 @@ TEST_F(AttentionAccumulateTest, TwoCallsAddTwice) {
   // dv: the same additions on both sides. dq, dk: the first call's difference carries over (one
   // single-call bound), the second call adds its own (one more, and one for its rounding errors
   // relative to the first call's result, which is at most the sum of the terms' magnitudes).
-  EXPECT_TRUE(SameBits(Download<float>(d.dv, x.size), dv)) << "dv is not bit for bit the CPU's";
+  EXPECT_TRUE(SameBits(Download<float>(d.dv, x.kv_size), dv)) << "dv is not bit for bit the CPU's";
   AttnData once = x;
   std::fill(once.dq0.begin(), once.dq0.end(), 0.0f);
   std::fill(once.dk0.begin(), once.dk0.end(), 0.0f);
   std::vector<double> dq_bound, dk_bound;
   BackwardBounds(once, probs, &dq_bound, &dk_bound);
-  for (size_t n = 0; n < x.size; ++n) {
-    dq_bound[n] *= 3.0;
-    dk_bound[n] *= 3.0;
-  }
+  for (double& bound : dq_bound) bound *= 3.0;
+  for (double& bound : dk_bound) bound *= 3.0;
   std::string err = OutOfBounds("dq", Download<float>(d.dq, x.size), dq, dq_bound);
   EXPECT_TRUE(err.empty()) << err;
-  err = OutOfBounds("dk", Download<float>(d.dk, x.size), dk, dk_bound);
+  err = OutOfBounds("dk", Download<float>(d.dk, x.kv_size), dk, dk_bound);
   EXPECT_TRUE(err.empty()) << err;
 }
 
@@ -771,17 +801,17 @@ TEST_F(ArgumentTest, HostPointersAreRefusedBeforeAnythingRuns) {
   const std::vector<float> quarter(size, 0.25f), quarter_p(psize, 0.25f);
   for (const DeviceBuffer* d : {&q, &k, &v, &dout, &dq, &dk, &dv}) Put(*d, quarter);
   Put(probs, quarter_p);
+  ExpectRefused(gpu_->attention_forward(out.f(), probs.f(), host.data(), k.f(), v.f(), b, t, h, h,
+                                        dh, stream()),
+                "q");
   ExpectRefused(
-      gpu_->attention_forward(out.f(), probs.f(), host.data(), k.f(), v.f(), b, t, h, dh, stream()),
-      "q");
-  ExpectRefused(
-      gpu_->attention_forward(out.f(), host.data(), q.f(), k.f(), v.f(), b, t, h, dh, stream()),
+      gpu_->attention_forward(out.f(), host.data(), q.f(), k.f(), v.f(), b, t, h, h, dh, stream()),
       "probs");
   ExpectRefused(gpu_->attention_backward(dq.f(), dk.f(), host.data(), dout.f(), q.f(), k.f(), v.f(),
-                                         probs.f(), b, t, h, dh, stream()),
+                                         probs.f(), b, t, h, h, dh, stream()),
                 "dv");
   ExpectRefused(gpu_->attention_backward(dq.f(), dk.f(), dv.f(), dout.f(), q.f(), k.f(), v.f(),
-                                         host.data(), b, t, h, dh, stream()),
+                                         host.data(), b, t, h, h, dh, stream()),
                 "probs");
   Sync();
   // Nothing ran: out is still poisoned, the gradients and probs unchanged.
@@ -810,7 +840,8 @@ TEST_F(ArgumentTest, HostPointersAreRefusedBeforeAnythingRuns) {
 
   // The context is still healthy: valid calls run.
   EXPECT_TRUE(
-      gpu_->attention_forward(out.f(), probs.f(), q.f(), k.f(), v.f(), b, t, h, dh, stream()).ok());
+      gpu_->attention_forward(out.f(), probs.f(), q.f(), k.f(), v.f(), b, t, h, h, dh, stream())
+          .ok());
   EXPECT_TRUE(gpu_->cross_entropy_forward(ce_probs.f(), losses.f(), logits.f(),
                                           targets.as<int32_t>(), n, vocab, stream())
                   .ok());
@@ -820,20 +851,34 @@ TEST_F(ArgumentTest, HostPointersAreRefusedBeforeAnythingRuns) {
 TEST_F(ArgumentTest, BadSizesAndNullPointersAreRefusedNamingTheArgument) {
   DeviceBuffer a(4096), c(4096), d(4096), e(4096), f(4096), g(4096), pr(4096), tg(64);
   // Negative sizes, each named (nothing is dereferenced: the check comes first).
-  ExpectRefused(gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), -1, 2, 2, 2, stream()),
-                "b is -1");
-  ExpectRefused(gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, -2, 2, 2, stream()),
-                "t is -2");
-  ExpectRefused(gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, -3, 2, stream()),
-                "h is -3");
-  ExpectRefused(gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, 2, -4, stream()),
-                "dh is -4");
+  ExpectRefused(
+      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), -1, 2, 2, 2, 2, stream()),
+      "b is -1");
+  ExpectRefused(
+      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, -2, 2, 2, 2, stream()),
+      "t is -2");
+  ExpectRefused(
+      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, -3, 1, 2, stream()),
+      "h is -3");
+  ExpectRefused(
+      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, 2, -1, 2, stream()),
+      "hkv is -1");
+  ExpectRefused(
+      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, 2, 2, -4, stream()),
+      "dh is -4");
   ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), pr.f(), 1,
-                                         2, 2, -1, stream()),
+                                         2, 2, 2, -1, stream()),
                 "dh is -1");
   ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), pr.f(),
-                                         -5, 2, 2, 2, stream()),
+                                         -5, 2, 2, 1, 2, stream()),
                 "b is -5");
+  // kv heads that do not divide the query heads (or none at all).
+  ExpectRefused(
+      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, 3, 2, 2, stream()),
+      "hkv is 2");
+  ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), pr.f(), 1,
+                                         2, 2, 0, 2, stream()),
+                "hkv is 0");
   ExpectRefused(gpu_->cross_entropy_forward(a.f(), c.f(), d.f(), tg.as<int32_t>(), -1, 4, stream()),
                 "n is -1");
   ExpectRefused(gpu_->cross_entropy_forward(a.f(), c.f(), d.f(), tg.as<int32_t>(), 2, -4, stream()),
@@ -843,28 +888,30 @@ TEST_F(ArgumentTest, BadSizesAndNullPointersAreRefusedNamingTheArgument) {
   ExpectRefused(gpu_->cross_entropy_backward(a.f(), c.f(), tg.as<int32_t>(), 2, -3, 1.0f, stream()),
                 "v is -3");
   // A head with no channels, a softmax over no classes, overflowing sizes, null buffers.
-  ExpectRefused(gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, 2, 0, stream()),
-                "dh is 0");
+  ExpectRefused(
+      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, 2, 2, 0, stream()),
+      "dh is 0");
   ExpectRefused(gpu_->cross_entropy_forward(a.f(), c.f(), d.f(), tg.as<int32_t>(), 2, 0, stream()),
                 "v is 0");
   ExpectRefused(gpu_->cross_entropy_backward(a.f(), c.f(), tg.as<int32_t>(), 2, 0, 1.0f, stream()),
                 "v is 0");
   ExpectRefused(gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, int64_t{1} << 32, 1,
-                                        1, stream()),
+                                        1, 1, stream()),
                 "overflows");
-  ExpectRefused(gpu_->attention_forward(a.f(), pr.f(), nullptr, d.f(), e.f(), 1, 2, 2, 2, stream()),
-                "q is null");
+  ExpectRefused(
+      gpu_->attention_forward(a.f(), pr.f(), nullptr, d.f(), e.f(), 1, 2, 2, 2, 2, stream()),
+      "q is null");
   ExpectRefused(gpu_->attention_backward(a.f(), nullptr, d.f(), e.f(), f.f(), g.f(), a.f(), pr.f(),
-                                         1, 2, 2, 2, stream()),
+                                         1, 2, 2, 2, 2, stream()),
                 "dk is null");
   ExpectRefused(gpu_->cross_entropy_backward(a.f(), c.f(), nullptr, 2, 4, 1.0f, stream()),
                 "targets is null");
   // Empty sizes are fine, with or without buffers.
   EXPECT_TRUE(
-      gpu_->attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 5, 2, 4, stream())
+      gpu_->attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 5, 2, 1, 4, stream())
           .ok());
   EXPECT_TRUE(gpu_->attention_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                       nullptr, nullptr, 2, 0, 2, 4, stream())
+                                       nullptr, nullptr, 2, 0, 2, 2, 4, stream())
                   .ok());
   EXPECT_TRUE(
       gpu_->cross_entropy_forward(nullptr, nullptr, nullptr, nullptr, 0, 50257, stream()).ok());

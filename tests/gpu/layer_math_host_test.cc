@@ -14,7 +14,9 @@
 // Index: AdamWOne over random elements and a grid of special values (zeros, denormals, huge
 // values, Inf, NaN) under several scalar sets; AddF32 as ResidualForward / ResidualBackward over
 // random bit patterns; GELU forward and backward over a dense range and random bit patterns;
-// RMSNorm forward and backward, the per-element functions driven in the CPU's order of sums;
+// RMSNorm and LayerNorm forward and backward, the per-element functions driven in the CPU's order
+// of sums; RoPE's cos and sin and pair rotations (forward and backward) over positions, heads and
+// frequencies; SwiGLU forward and backward over a dense range, random bit patterns and specials;
 // sum_squares' grid and order (layer_math.cuh): the block count as a function of the count, each
 // thread's strided chain in ascending order, every element added exactly once, two sums derived by
 // hand from the documented order, and the order's error bound against the exact sum and the CPU.
@@ -298,6 +300,154 @@ TEST(LayerMathTest, RmsNormEqualsTheCpuReferenceInTheCpuSumOrder) {
     for (int64_t j = 0; j < s.c; ++j) mm.Check(dev_dw[j], dw[j], "dweight " + std::to_string(j));
     EXPECT_EQ(mm.count, 0) << mm.first;
   }
+}
+
+// --- LayerNorm
+// -------------------------------------------------------------------------------------
+
+// As for RMSNorm: the per-element functions in the CPU's order of sums are the CPU, bit for bit.
+TEST(LayerMathTest, LayerNormEqualsTheCpuReferenceInTheCpuSumOrder) {
+  struct Shape {
+    int64_t n, c;
+  };
+  for (const Shape& s : {Shape{1, 1}, Shape{3, 7}, Shape{17, 768}, Shape{64, 1031}}) {
+    SCOPED_TRACE("n = " + std::to_string(s.n) + ", c = " + std::to_string(s.c));
+    const size_t nc = static_cast<size_t>(s.n * s.c);
+    std::vector<float> x = RandomValues(nc, 21, 2.0f, false);
+    for (float& e : x) e += 1.5f;
+    const std::vector<float> w = RandomValues(static_cast<size_t>(s.c), 22, 1.0f, false);
+    const std::vector<float> b = RandomValues(static_cast<size_t>(s.c), 23, 0.5f, false);
+    const std::vector<float> dout = RandomValues(nc, 24, 1.0f, false);
+    const std::vector<float> dx0 = RandomValues(nc, 25, 0.5f, false);
+    const std::vector<float> dw0 = RandomValues(static_cast<size_t>(s.c), 26, 0.5f, false);
+    const std::vector<float> db0 = RandomValues(static_cast<size_t>(s.c), 27, 0.5f, false);
+    constexpr float kEps = 1e-5f;
+
+    std::vector<float> out(nc), mean(static_cast<size_t>(s.n)), rstd(static_cast<size_t>(s.n));
+    LayerNormForward(out, mean, rstd, x, w, b, s.n, s.c, kEps);
+    std::vector<float> dx = dx0, dw = dw0, db = db0;
+    LayerNormBackward(dx, dw, db, dout, x, w, mean, rstd, s.n, s.c);
+
+    Mismatches mm;
+    std::vector<float> dev_dw = dw0, dev_db = db0;
+    for (int64_t r = 0; r < s.n; ++r) {
+      const std::string row = "row " + std::to_string(r);
+      const float* xr = x.data() + r * s.c;
+      float sum = 0.0f;
+      for (int64_t j = 0; j < s.c; ++j) sum = dev::AddF32(sum, xr[j]);
+      const float m = dev::LayerNormMean(sum, s.c);
+      float sum_sq = 0.0f;
+      for (int64_t j = 0; j < s.c; ++j) {
+        sum_sq = dev::AddF32(sum_sq, dev::LayerNormSquare(dev::LayerNormCentered(xr[j], m)));
+      }
+      const float rs = dev::LayerNormRstd(sum_sq, s.c, kEps);
+      mm.Check(m, mean[r], row + " mean");
+      mm.Check(rs, rstd[r], row + " rstd");
+      float g_sum = 0.0f, gx_sum = 0.0f;
+      for (int64_t j = 0; j < s.c; ++j) {
+        const float g = dev::LayerNormG(dout[r * s.c + j], w[j]);
+        g_sum = dev::AddF32(g_sum, g);
+        gx_sum = dev::AddF32(gx_sum, dev::LayerNormGxTerm(g, dev::LayerNormXhat(xr[j], m, rs)));
+      }
+      const float g_mean = dev::LayerNormMean(g_sum, s.c);
+      const float gx_mean = dev::LayerNormMean(gx_sum, s.c);
+      for (int64_t j = 0; j < s.c; ++j) {
+        const int64_t i = r * s.c + j;
+        const std::string at = row + " col " + std::to_string(j);
+        const float xhat = dev::LayerNormXhat(x[i], m, rs);
+        mm.Check(dev::LayerNormOut(x[i], m, rs, w[j], b[j]), out[i], at + " out");
+        mm.Check(
+            dev::LayerNormDx(dx0[i], dev::LayerNormG(dout[i], w[j]), g_mean, xhat, gx_mean, rs),
+            dx[i], at + " dx");
+        dev_dw[j] = dev::AddF32(dev_dw[j], dev::LayerNormDweightTerm(dout[i], xhat));
+        dev_db[j] = dev::AddF32(dev_db[j], dout[i]);
+      }
+    }
+    for (int64_t j = 0; j < s.c; ++j) {
+      mm.Check(dev_dw[j], dw[j], "dweight " + std::to_string(j));
+      mm.Check(dev_db[j], db[j], "dbias " + std::to_string(j));
+    }
+    EXPECT_EQ(mm.count, 0) << mm.first;
+  }
+}
+
+// --- RoPE
+// ------------------------------------------------------------------------------------------
+
+// RopeCosSin with the pair rotations is the CPU's RopeForward and RopeBackward bit for bit (on
+// the host the FP64 functions are the same), over long sequences and several thetas.
+TEST(LayerMathTest, RopeEqualsTheCpuReference) {
+  struct Shape {
+    int64_t n, t, h, dh;
+    float theta;
+  };
+  for (const Shape& s : {Shape{1, 1, 1, 2, 10000.0f}, Shape{7, 3, 2, 8, 10000.0f},
+                         Shape{4096, 4096, 2, 64, 500000.0f}, Shape{600, 200, 3, 130, 1.5f}}) {
+    SCOPED_TRACE("n = " + std::to_string(s.n) + ", dh = " + std::to_string(s.dh));
+    const size_t sz = static_cast<size_t>(s.n * s.h * s.dh);
+    const std::vector<float> x = RandomValues(sz, 31, 1.0f, true);
+    const std::vector<float> dout = RandomValues(sz, 32, 1.0f, true);
+    const std::vector<float> dx0 = RandomValues(sz, 33, 0.5f, false);
+    std::vector<float> out(sz), dx = dx0;
+    RopeForward(out, x, s.n, s.t, s.h, s.dh, s.theta);
+    RopeBackward(dx, dout, s.n, s.t, s.h, s.dh, s.theta);
+    Mismatches mm;
+    const int64_t half = s.dh / 2;
+    for (int64_t r = 0; r < s.n; ++r) {
+      for (int64_t i = 0; i < half; ++i) {
+        float c, sn;
+        dev::RopeCosSin(r % s.t, i, s.dh, s.theta, c, sn);
+        for (int64_t hh = 0; hh < s.h; ++hh) {
+          const size_t a = static_cast<size_t>((r * s.h + hh) * s.dh + i), b = a + half;
+          const std::string at = "row " + std::to_string(r) + " head " + std::to_string(hh) +
+                                 " pair " + std::to_string(i);
+          float oa, ob;
+          dev::RopeForwardPair(x[a], x[b], c, sn, oa, ob);
+          mm.Check(oa, out[a], at + " forward first");
+          mm.Check(ob, out[b], at + " forward second");
+          float da = dx0[a], db = dx0[b];
+          dev::RopeBackwardPair(dout[a], dout[b], c, sn, da, db);
+          mm.Check(da, dx[a], at + " backward first");
+          mm.Check(db, dx[b], at + " backward second");
+        }
+      }
+    }
+    EXPECT_EQ(mm.count, 0) << mm.first;
+  }
+}
+
+// --- SwiGLU
+// ----------------------------------------------------------------------------------------
+
+TEST(LayerMathTest, SwigluEqualsTheCpuReference) {
+  // A dense sweep of [-100, 100] (both saturations of the sigmoid and exp's overflow), random bit
+  // patterns, specials; up and dout random.
+  std::vector<float> gate;
+  for (int i = -500000; i <= 500000; ++i) gate.push_back(static_cast<float>(i) * 2e-4f);
+  std::mt19937 rng(8);
+  for (int i = 0; i < 500000; ++i) gate.push_back(FromBits(rng()));
+  for (float v : SpecialValues()) gate.push_back(v);
+  const int64_t n = static_cast<int64_t>(gate.size());
+  const std::vector<float> up = RandomValues(gate.size(), 9, 2.0f, true);
+  const std::vector<float> dout = RandomValues(gate.size(), 10, 1.0f, true);
+  const std::vector<float> dg0 = RandomValues(gate.size(), 11, 1.0f, false);
+  const std::vector<float> du0 = RandomValues(gate.size(), 12, 1.0f, false);
+  std::vector<float> out(gate.size()), dg = dg0, du = du0;
+  SwigluForward(out, gate, up, n);
+  SwigluBackward(dg, du, dout, gate, up, n);
+  Mismatches mm;
+  for (size_t i = 0; i < gate.size(); ++i) {
+    const float o = dev::SwigluForwardOne(gate[i], up[i]);
+    float g = dg0[i], u = du0[i];
+    dev::SwigluBackwardOne(dout[i], gate[i], up[i], g, u);
+    if (Same(o, out[i]) && Same(g, dg[i]) && Same(u, du[i])) continue;  // names only for misses
+    const std::string at =
+        "gate = " + std::to_string(gate[i]) + " (element " + std::to_string(i) + ")";
+    mm.Check(o, out[i], at + " forward");
+    mm.Check(g, dg[i], at + " dgate");
+    mm.Check(u, du[i], at + " dup");
+  }
+  EXPECT_EQ(mm.count, 0) << mm.first;
 }
 
 // --- sum of squares

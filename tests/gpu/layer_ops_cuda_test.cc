@@ -10,7 +10,14 @@
 //                            them and adds the other rows bit for bit
 //   RmsNormTest (TEST_P)     N x C: forward (out, rstd), backward onto pre-filled dx and dweight,
 //                            within the bounds below; backward reruns are bit for bit
+//   LayerNormTest (TEST_P)   N x C: forward (out, mean, rstd), backward onto pre-filled dx,
+//                            dweight and dbias, within the bounds below; reruns bit for bit
+//   BiasTest (TEST_P)        N x C: forward bit for bit, backward within the column-sum bound
+//   RopeTest (TEST_P)        N x T x H x Dh incl. positions past 4000: forward (also in place) and
+//                            backward onto pre-filled dx, within the cos/sin bound below
 //   GeluTest (TEST_P)        sizes: forward, backward onto pre-filled dx, within the bounds below
+//   SwigluTest (TEST_P)      sizes: forward, backward onto pre-filled dgate and dup, within the
+//                            expf bounds below
 //   ElementwiseTest (TEST_P) sizes: residual forward (also in place, out = a and out = b) and
 //                            backward, fill, copy, adamw: bit for bit
 //   SumSquaresTest (TEST_P)  counts incl. 0 and across every change of the grid (1 block up to
@@ -19,7 +26,8 @@
 //                            within the bounds below of the exact sum and of the CPU
 //   SumSquaresStreamsTest    the same op on two streams at once: each gets its own bits
 //   SumSquaresSpecialsTest   a NaN or an Inf anywhere gives a non-finite sum
-//   TransposeTest, HeadsTest (TEST_P)  random bit patterns (NaN payloads included), bit for bit
+//   TransposeTest, HeadsTest (TEST_P)  random bit patterns (NaN payloads included), bit for bit;
+//                            HeadsTest over kv heads x query heads per kv head (GQA layouts)
 //   ArgumentTest             host pointers refused with InvalidArgument naming the buffer, nothing
 //                            launched (outputs keep their poison), the context still healthy
 //   AllocateTest             allocate gives memory the ops accept and the host reads after
@@ -57,6 +65,28 @@
 //     (through tanh^2) plus 4 roundings of its terms' magnitudes A = 0.5 (1 + |tanh|),
 //     B = 0.5 |x| (1 + tanh^2) |du|; dx by |dout| times that plus 2 roundings of |dx_0| +
 //     |dout| (A + B).
+//   layernorm_forward: with d as for RMSNorm, S1 = sum_c |x|, the two means differ by
+//     dm = d S1 / C + 2u |mean|; each deviation x - mean by dm + 2u |x - mean|, its square by
+//     2 |x - mean| dm + 6u (x - mean)^2, the sum of squares Q by the sum of those plus d Q, var by
+//     that / C + 2u var, var + eps by another 2u (var + eps); rstd relatively by half of that
+//     over var + eps plus 4u (sqrt and division on each side); out = ((x - m) rstd) w + b by
+//     |w| (|x - m| drstd + rstd d(x - m) + 2u |x - m| rstd) + 2u |(x - m) rstd w| + 2u (|(x - m)
+//     rstd w| + |b|). Doubled for second-order terms.
+//   layernorm_backward (both sides given the same mean and rstd, so xhat, g = dout w and g xhat
+//     are the same bits): the two row sums differ by d sum|g| and d sum|g xhat|, their means by
+//     that / C plus 2u of the mean; dx = dx0 + ((g - g_mean) - xhat gx_mean) rstd propagates them
+//     with 2u per rounding of each intermediate's magnitude. dweight, dbias: the RMSNorm dweight
+//     bound with the terms dout xhat and dout. Doubled. bias_backward: the same column-sum bound.
+//   rope: cos and sin are FP64 values rounded to FP32 on both sides, the FP64 functions within a
+//     few FP64 ulp of each other, so the FP32 values differ by at most an ulp (<= u, |cos|, |sin|
+//     <= 1). A rotated pair a c -/+ b s then differs by at most (|a| + |b|) u plus a rounding of
+//     each product and of the sum on each side, 4u (|a c| + |b s|) <= 4u (|a| + |b|): 5u (|a| +
+//     |b|) in all, doubled; the backward adds 2u (|dx0| + |a| + |b|) for the accumulation.
+//   swiglu: expf within 2 ulp on CUDA and 1 ulp in glibc, so e = exp(-g) differs by <= 6u e; 1 + e
+//     by that plus 2u (1 + e); s = 1 / (1 + e) relatively by <= 10u in all. Forward (g s) up:
+//     14u |out|. Backward: 1 - s, g (1 - s), 1 + g (1 - s) and s (...) each add the propagated
+//     error and 2u of their magnitude; dgate and dup add the roundings of the products and of the
+//     accumulation. Doubled; 2^-120 absolute slack where s or the products underflow.
 //   sum_squares (FP64, U = 2^-53): the squares are exact in FP64 and all >= 0, so a sum whose terms
 //     pass through at most h additions is within gamma_h S <= 1.01 h U S of the exact sum S (long
 //     double, compensated; Higham, chapter 4). The GPU's documented order (kernels/cuda/
@@ -77,6 +107,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -409,6 +440,231 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormTest,
                                            RowShape{1000, 768}, RowShape{7, 4099},
                                            RowShape{5000, 33}));
 
+// --- LayerNorm -----------------------------------------------------------------------------------
+
+class LayerNormTest : public LayerOpsCudaTest, public ::testing::WithParamInterface<RowShape> {};
+
+TEST_P(LayerNormTest, WithinTheSumOrderBounds) {
+  const auto [n, c] = GetParam();
+  constexpr float kEps = 1e-5f;
+  constexpr double kTinyAbs = 0x1p-120;
+  const size_t nc = static_cast<size_t>(n * c);
+  // An offset of 1.5: the mean matters.
+  std::vector<float> x = Normal(n * c, 111, 2.0f);
+  for (float& e : x) e += 1.5f;
+  const std::vector<float> w = Normal(c, 112, 1.0f);
+  const std::vector<float> b = Normal(c, 113, 0.5f);
+  const std::vector<float> dout = Normal(n * c, 114, 1.0f);
+  const std::vector<float> dx0 = Normal(n * c, 115, 0.5f);
+  const std::vector<float> dw0 = Normal(c, 116, 0.5f);
+  const std::vector<float> db0 = Normal(c, 117, 0.5f);
+
+  std::vector<float> out(nc), mean(static_cast<size_t>(n)), rstd(static_cast<size_t>(n));
+  std::vector<float> dx = dx0, dw = dw0, db = db0;
+  ExpectOk(cpu_.layernorm_forward(out.data(), mean.data(), rstd.data(), x.data(), w.data(),
+                                  b.data(), n, c, kEps, {}));
+  ExpectOk(cpu_.layernorm_backward(dx.data(), dw.data(), db.data(), dout.data(), x.data(), w.data(),
+                                   mean.data(), rstd.data(), n, c, {}));
+
+  auto d_x = Upload(x);
+  auto d_w = Upload(w);
+  auto d_b = Upload(b);
+  auto d_dout = Upload(dout);
+  auto d_mean_cpu = Upload(mean);  // the backward of both sides runs on the same mean and rstd
+  auto d_rstd_cpu = Upload(rstd);
+  DeviceBuffer d_out(nc * sizeof(float)), d_mean(mean.size() * sizeof(float)),
+      d_rstd(rstd.size() * sizeof(float));
+  ExpectOk(gpu_->layernorm_forward(d_out.f(), d_mean.f(), d_rstd.f(), d_x.f(), d_w.f(), d_b.f(), n,
+                                   c, kEps, stream()));
+  std::vector<float> gpu_dx[2], gpu_dw[2], gpu_db[2];
+  for (int run = 0; run < 2; ++run) {
+    auto d_dx = Upload(dx0);
+    auto d_dw = Upload(dw0);
+    auto d_db = Upload(db0);
+    ExpectOk(gpu_->layernorm_backward(d_dx.f(), d_dw.f(), d_db.f(), d_dout.f(), d_x.f(), d_w.f(),
+                                      d_mean_cpu.f(), d_rstd_cpu.f(), n, c, stream()));
+    Sync();
+    gpu_dx[run] = Download<float>(d_dx, nc);
+    gpu_dw[run] = Download<float>(d_dw, dw.size());
+    gpu_db[run] = Download<float>(d_db, db.size());
+  }
+  ExpectBitsEqual(gpu_dx[1], gpu_dx[0], "dx rerun");
+  ExpectBitsEqual(gpu_dw[1], gpu_dw[0], "dweight rerun");
+  ExpectBitsEqual(gpu_db[1], gpu_db[0], "dbias rerun");
+
+  // Forward bounds (header), from the CPU's mean and rstd, doubled.
+  const double d = 1.01 * static_cast<double>(c + (c + 255) / 256 + 8) * kU;
+  std::vector<double> tol_mean(mean.size()), tol_rstd(rstd.size()), tol_out(nc);
+  std::vector<double> tol_dx(nc);
+  std::vector<double> dw_mag(dw.size()), db_mag(db.size());
+  for (size_t j = 0; j < dw.size(); ++j) {
+    dw_mag[j] = std::abs(static_cast<double>(dw0[j]));
+    db_mag[j] = std::abs(static_cast<double>(db0[j]));
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const double m = mean[r], rs = rstd[r];
+    double s1 = 0.0, q = 0.0, q_err = 0.0;
+    for (int64_t j = 0; j < c; ++j) s1 += std::abs(static_cast<double>(x[r * c + j]));
+    const double dm = d * s1 / c + 2 * kU * std::abs(m);
+    for (int64_t j = 0; j < c; ++j) {
+      const double dev = x[r * c + j] - m;
+      q += dev * dev;
+      q_err += 2 * std::abs(dev) * dm + 6 * kU * dev * dev;
+    }
+    const double var = q / c;
+    const double dvar = (q_err + d * q) / c + 2 * kU * var + 2 * kU * (var + kEps);
+    const double rel_r = 0.5 * dvar / (var + kEps) + 4 * kU;
+    tol_mean[r] = 2 * dm + kTinyAbs;
+    tol_rstd[r] = 2 * rel_r * rs + kTinyAbs;
+    // Backward: the row sums of g = dout w and g xhat.
+    double g_abs = 0.0, gx_abs = 0.0, g_sum = 0.0, gx_sum = 0.0;
+    for (int64_t j = 0; j < c; ++j) {
+      const size_t i = static_cast<size_t>(r * c + j);
+      const double dev = x[i] - m;
+      const double ddev = dm + 2 * kU * std::abs(dev);
+      const double mag = std::abs(dev * rs * w[j]);
+      tol_out[i] = 2 * (std::abs(static_cast<double>(w[j])) *
+                            (std::abs(dev) * rel_r * rs + rs * ddev + 2 * kU * std::abs(dev) * rs) +
+                        2 * kU * mag + 2 * kU * (mag + std::abs(static_cast<double>(b[j])))) +
+                   kTinyAbs;
+      const double xhat = dev * rs, g = static_cast<double>(dout[i]) * w[j];
+      g_abs += std::abs(g);
+      gx_abs += std::abs(g * xhat);
+      g_sum += g;
+      gx_sum += g * xhat;
+      dw_mag[j] += std::abs(dout[i] * xhat);
+      db_mag[j] += std::abs(static_cast<double>(dout[i]));
+    }
+    const double g_mean = g_sum / c, gx_mean = gx_sum / c;
+    const double dg_mean = d * g_abs / c + 2 * kU * std::abs(g_mean);
+    const double dgx_mean = d * gx_abs / c + 2 * kU * std::abs(gx_mean);
+    for (int64_t j = 0; j < c; ++j) {
+      const size_t i = static_cast<size_t>(r * c + j);
+      const double xhat = (x[i] - m) * rs, g = static_cast<double>(dout[i]) * w[j];
+      const double t1 = g - g_mean, t2 = xhat * gx_mean, t3 = t1 - t2, t4 = t3 * rs;
+      const double dt1 = dg_mean + 2 * kU * std::abs(t1);
+      const double dt2 = std::abs(xhat) * dgx_mean + 2 * kU * std::abs(t2);
+      const double dt3 = dt1 + dt2 + 2 * kU * (std::abs(t1) + std::abs(t2));
+      const double dt4 = rs * dt3 + 2 * kU * std::abs(t4);
+      tol_dx[i] =
+          2 * (dt4 + 2 * kU * (std::abs(static_cast<double>(dx0[i])) + std::abs(t4))) + kTinyAbs;
+    }
+  }
+  ExpectWithin(Download<float>(d_mean, mean.size()), mean, tol_mean, "forward mean");
+  ExpectWithin(Download<float>(d_rstd, rstd.size()), rstd, tol_rstd, "forward rstd");
+  ExpectWithin(Download<float>(d_out, nc), out, tol_out, "forward out");
+  std::vector<double> tol_dw(dw.size()), tol_db(db.size());
+  const double col = 1.01 * static_cast<double>(n + (n + 31) / 32 + 33) * kU;
+  for (size_t j = 0; j < dw.size(); ++j) {
+    tol_dw[j] = col * dw_mag[j] + 0x1p-148;
+    tol_db[j] = col * db_mag[j] + 0x1p-148;
+  }
+  ExpectWithin(gpu_dx[0], dx, tol_dx, "backward dx");
+  ExpectWithin(gpu_dw[0], dw, tol_dw, "backward dweight");
+  ExpectWithin(gpu_db[0], db, tol_db, "backward dbias");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest,
+                         ::testing::Values(RowShape{1, 1}, RowShape{3, 7}, RowShape{37, 255},
+                                           RowShape{64, 256}, RowShape{129, 257},
+                                           RowShape{1000, 768}, RowShape{7, 4099},
+                                           RowShape{5000, 33}));
+
+// --- bias ----------------------------------------------------------------------------------------
+
+class BiasTest : public LayerOpsCudaTest, public ::testing::WithParamInterface<RowShape> {};
+
+TEST_P(BiasTest, ForwardIsBitForBitBackwardWithinTheColumnSumBound) {
+  const auto [n, c] = GetParam();
+  const size_t nc = static_cast<size_t>(n * c);
+  const std::vector<float> x = WithSpecials(Normal(n * c, 121, 2.0f), 122, 997);
+  const std::vector<float> bias = Normal(c, 123, 1.0f);
+  const std::vector<float> dout = Normal(n * c, 124, 1.0f);
+  const std::vector<float> db0 = Normal(c, 125, 0.5f);
+  std::vector<float> out = x, db = db0;
+  ExpectOk(cpu_.bias_forward(out.data(), bias.data(), n, c, {}));
+  ExpectOk(cpu_.bias_backward(db.data(), dout.data(), n, c, {}));
+
+  auto d_out = Upload(x);
+  auto d_bias = Upload(bias);
+  auto d_dout = Upload(dout);
+  auto d_db = Upload(db0);
+  ExpectOk(gpu_->bias_forward(d_out.f(), d_bias.f(), n, c, stream()));
+  ExpectOk(gpu_->bias_backward(d_db.f(), d_dout.f(), n, c, stream()));
+  Sync();
+  ExpectSameValues(Download<float>(d_out, nc), out, "forward");
+  std::vector<double> tol(db.size());
+  for (int64_t j = 0; j < c; ++j) {
+    double mag = std::abs(static_cast<double>(db0[j]));
+    for (int64_t r = 0; r < n; ++r) mag += std::abs(static_cast<double>(dout[r * c + j]));
+    tol[j] = 1.01 * static_cast<double>(n + (n + 31) / 32 + 33) * kU * mag + 0x1p-148;
+  }
+  ExpectWithin(Download<float>(d_db, db.size()), db, tol, "backward dbias");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, BiasTest,
+                         ::testing::Values(RowShape{1, 1}, RowShape{3, 7}, RowShape{129, 257},
+                                           RowShape{1000, 768}, RowShape{8192, 33},
+                                           RowShape{2, 3073}));
+
+// --- RoPE ----------------------------------------------------------------------------------------
+
+struct RopeShape {
+  int64_t n, t, h, dh;
+};
+void PrintTo(const RopeShape& s, std::ostream* os) {
+  *os << s.n << "x" << s.h << "x" << s.dh << " t " << s.t;
+}
+
+class RopeTest : public LayerOpsCudaTest, public ::testing::WithParamInterface<RopeShape> {};
+
+TEST_P(RopeTest, WithinTheCosSinBound) {
+  const auto [n, t, h, dh] = GetParam();
+  constexpr float kTheta = 10000.0f;
+  const size_t sz = static_cast<size_t>(n * h * dh);
+  const std::vector<float> x = Normal(n * h * dh, 131, 1.0f);
+  const std::vector<float> dout = Normal(n * h * dh, 132, 1.0f);
+  const std::vector<float> dx0 = Normal(n * h * dh, 133, 0.5f);
+  std::vector<float> out(sz), dx = dx0;
+  ExpectOk(cpu_.rope_forward(out.data(), x.data(), n, t, h, dh, kTheta, {}));
+  ExpectOk(cpu_.rope_backward(dx.data(), dout.data(), n, t, h, dh, kTheta, {}));
+
+  auto d_x = Upload(x);
+  auto d_in_place = Upload(x);
+  auto d_dout = Upload(dout);
+  auto d_dx = Upload(dx0);
+  DeviceBuffer d_out(sz * sizeof(float));
+  ExpectOk(gpu_->rope_forward(d_out.f(), d_x.f(), n, t, h, dh, kTheta, stream()));
+  ExpectOk(gpu_->rope_forward(d_in_place.f(), d_in_place.f(), n, t, h, dh, kTheta, stream()));
+  ExpectOk(gpu_->rope_backward(d_dx.f(), d_dout.f(), n, t, h, dh, kTheta, stream()));
+  Sync();
+  const std::vector<float> g_out = Download<float>(d_out, sz);
+  ExpectBitsEqual(Download<float>(d_in_place, sz), g_out, "in place vs out of place");
+
+  std::vector<double> tol_out(sz), tol_dx(sz);
+  const int64_t half = dh / 2;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t hh = 0; hh < h; ++hh) {
+      for (int64_t i = 0; i < half; ++i) {
+        const size_t a = static_cast<size_t>((r * h + hh) * dh + i), b = a + half;
+        const double fx = std::abs(static_cast<double>(x[a])) + std::abs(x[b]);
+        const double fd = std::abs(static_cast<double>(dout[a])) + std::abs(dout[b]);
+        tol_out[a] = tol_out[b] = 10 * kU * fx + 0x1p-140;
+        tol_dx[a] = 10 * kU * fd + 2 * kU * (std::abs(static_cast<double>(dx0[a])) + fd) + 0x1p-140;
+        tol_dx[b] = 10 * kU * fd + 2 * kU * (std::abs(static_cast<double>(dx0[b])) + fd) + 0x1p-140;
+      }
+    }
+  }
+  ExpectWithin(g_out, out, tol_out, "forward");
+  ExpectWithin(Download<float>(d_dx, sz), dx, tol_dx, "backward");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, RopeTest,
+                         ::testing::Values(RopeShape{1, 1, 1, 2}, RopeShape{7, 3, 2, 8},
+                                           RopeShape{1000, 250, 3, 6}, RopeShape{4096, 4096, 4, 64},
+                                           RopeShape{8192, 2048, 8, 128},
+                                           RopeShape{513, 513, 12, 130}));
+
 // --- element-wise --------------------------------------------------------------------------------
 
 class SizeTest : public LayerOpsCudaTest, public ::testing::WithParamInterface<int64_t> {};
@@ -453,6 +709,65 @@ TEST_P(GeluTest, WithinTheTanhBounds) {
   ExpectWithin(Download<float>(d_out, sz), out, tol_out, "gelu forward");
   ExpectWithin(Download<float>(d_dx, sz), dx, tol_dx, "gelu backward");
 }
+
+// --- SwiGLU --------------------------------------------------------------------------------------
+
+using SwigluTest = SizeTest;
+
+TEST_P(SwigluTest, WithinTheExpBounds) {
+  const int64_t n = GetParam();
+  const size_t sz = static_cast<size_t>(n);
+  const std::vector<float> gate = WithSpecials(Normal(n, 141, 4.0f), 142, 997);
+  const std::vector<float> up = Normal(n, 143, 1.0f);
+  const std::vector<float> dout = Normal(n, 144, 1.0f);
+  const std::vector<float> dg0 = Normal(n, 145, 0.5f);
+  const std::vector<float> du0 = Normal(n, 146, 0.5f);
+  std::vector<float> out(sz), dg = dg0, du = du0;
+  ExpectOk(cpu_.swiglu_forward(out.data(), gate.data(), up.data(), n, {}));
+  ExpectOk(cpu_.swiglu_backward(dg.data(), du.data(), dout.data(), gate.data(), up.data(), n, {}));
+
+  auto d_gate = Upload(gate);
+  auto d_up = Upload(up);
+  auto d_dout = Upload(dout);
+  auto d_dg = Upload(dg0);
+  auto d_du = Upload(du0);
+  DeviceBuffer d_out(sz * sizeof(float));
+  ExpectOk(gpu_->swiglu_forward(d_out.f(), d_gate.f(), d_up.f(), n, stream()));
+  ExpectOk(
+      gpu_->swiglu_backward(d_dg.f(), d_du.f(), d_dout.f(), d_gate.f(), d_up.f(), n, stream()));
+  Sync();
+
+  constexpr double kTinyAbs = 0x1p-120;
+  std::vector<double> tol_out(sz), tol_dg(sz), tol_du(sz);
+  for (size_t i = 0; i < sz; ++i) {
+    const double g = gate[i], u = up[i], dy = dout[i];
+    const double s = 1.0 / (1.0 + std::exp(-g));
+    const double ds = 10 * kU * s;
+    const double gs = g * s;
+    tol_out[i] = 2 * 14 * kU * std::abs(gs * u) + kTinyAbs;
+    const double t1 = 1.0 - s, t2 = g * t1, t3 = 1.0 + t2, dsilu = s * t3;
+    const double dt1 = ds + 2 * kU * std::abs(t1);
+    const double dt2 = std::abs(g) * dt1 + 2 * kU * std::abs(t2);
+    const double dt3 = dt2 + 2 * kU * std::abs(t3);
+    const double ddsilu = ds * std::abs(t3) + s * dt3 + 2 * kU * std::abs(dsilu);
+    const double a = std::abs(dy * u);
+    const double term_g = a * std::abs(dsilu);
+    tol_dg[i] = 2 * (a * ddsilu + 2 * kU * term_g +
+                     2 * kU * (std::abs(static_cast<double>(dg0[i])) + term_g)) +
+                kTinyAbs;
+    const double dgs = std::abs(gs) * (10 * kU + 2 * kU);
+    const double term_u = std::abs(dy * gs);
+    tol_du[i] = 2 * (std::abs(dy) * dgs + 2 * kU * term_u +
+                     2 * kU * (std::abs(static_cast<double>(du0[i])) + term_u)) +
+                kTinyAbs;
+  }
+  ExpectWithin(Download<float>(d_out, sz), out, tol_out, "swiglu forward");
+  ExpectWithin(Download<float>(d_dg, sz), dg, tol_dg, "swiglu backward dgate");
+  ExpectWithin(Download<float>(d_du, sz), du, tol_du, "swiglu backward dup");
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, SwigluTest,
+                         ::testing::Values(1, 7, 255, 256, 257, 100003, 3000001));
 
 using ElementwiseTest = SizeTest;
 
@@ -833,44 +1148,53 @@ INSTANTIATE_TEST_SUITE_P(Shapes, TransposeTest,
                                            RowShape{2000, 3001}));
 
 struct HeadsShape {
-  int64_t n, heads, dh;
+  int64_t n, kv_heads, q_per_kv, dh;
 };
 
 class HeadsTest : public LayerOpsCudaTest, public ::testing::WithParamInterface<HeadsShape> {};
 
 TEST_P(HeadsTest, SplitAndJoinKeepEveryBit) {
-  const auto [n, heads, dh] = GetParam();
-  const size_t part = static_cast<size_t>(n * heads * dh);
-  const std::vector<float> qkv = RandomBits(n * heads * 3 * dh, 91);
-  std::vector<float> q(part), k(part), v(part);
-  ExpectOk(cpu_.split_heads(q.data(), k.data(), v.data(), qkv.data(), n, heads, dh, {}));
+  const auto [n, kv_heads, q_per_kv, dh] = GetParam();
+  const size_t q_size = static_cast<size_t>(n * kv_heads * q_per_kv * dh);
+  const size_t kv_size = static_cast<size_t>(n * kv_heads * dh);
+  const size_t fused = q_size + 2 * kv_size;
+  const std::vector<float> qkv = RandomBits(static_cast<int64_t>(fused), 91);
+  std::vector<float> q(q_size), k(kv_size), v(kv_size);
+  ExpectOk(
+      cpu_.split_heads(q.data(), k.data(), v.data(), qkv.data(), n, kv_heads, q_per_kv, dh, {}));
   auto d_qkv = Upload(qkv);
-  DeviceBuffer d_q(part * sizeof(float)), d_k(part * sizeof(float)), d_v(part * sizeof(float));
-  ExpectOk(gpu_->split_heads(d_q.f(), d_k.f(), d_v.f(), d_qkv.f(), n, heads, dh, stream()));
+  DeviceBuffer d_q(q_size * sizeof(float)), d_k(kv_size * sizeof(float)),
+      d_v(kv_size * sizeof(float));
+  ExpectOk(
+      gpu_->split_heads(d_q.f(), d_k.f(), d_v.f(), d_qkv.f(), n, kv_heads, q_per_kv, dh, stream()));
   Sync();
-  ExpectBitsEqual(Download<float>(d_q, part), q, "split q");
-  ExpectBitsEqual(Download<float>(d_k, part), k, "split k");
-  ExpectBitsEqual(Download<float>(d_v, part), v, "split v");
+  ExpectBitsEqual(Download<float>(d_q, q_size), q, "split q");
+  ExpectBitsEqual(Download<float>(d_k, kv_size), k, "split k");
+  ExpectBitsEqual(Download<float>(d_v, kv_size), v, "split v");
 
   // Join from independent parts (not the split's output, so that a swapped q/k/v shows).
-  const std::vector<float> q2 = RandomBits(static_cast<int64_t>(part), 92);
-  const std::vector<float> k2 = RandomBits(static_cast<int64_t>(part), 93);
-  const std::vector<float> v2 = RandomBits(static_cast<int64_t>(part), 94);
-  std::vector<float> joined(qkv.size());
-  ExpectOk(cpu_.join_heads(joined.data(), q2.data(), k2.data(), v2.data(), n, heads, dh, {}));
+  const std::vector<float> q2 = RandomBits(static_cast<int64_t>(q_size), 92);
+  const std::vector<float> k2 = RandomBits(static_cast<int64_t>(kv_size), 93);
+  const std::vector<float> v2 = RandomBits(static_cast<int64_t>(kv_size), 94);
+  std::vector<float> joined(fused);
+  ExpectOk(cpu_.join_heads(joined.data(), q2.data(), k2.data(), v2.data(), n, kv_heads, q_per_kv,
+                           dh, {}));
   auto d_q2 = Upload(q2);
   auto d_k2 = Upload(k2);
   auto d_v2 = Upload(v2);
-  DeviceBuffer d_joined(qkv.size() * sizeof(float));
-  ExpectOk(gpu_->join_heads(d_joined.f(), d_q2.f(), d_k2.f(), d_v2.f(), n, heads, dh, stream()));
+  DeviceBuffer d_joined(fused * sizeof(float));
+  ExpectOk(gpu_->join_heads(d_joined.f(), d_q2.f(), d_k2.f(), d_v2.f(), n, kv_heads, q_per_kv, dh,
+                            stream()));
   Sync();
-  ExpectBitsEqual(Download<float>(d_joined, qkv.size()), joined, "join");
+  ExpectBitsEqual(Download<float>(d_joined, fused), joined, "join");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, HeadsTest,
-                         ::testing::Values(HeadsShape{1, 1, 1}, HeadsShape{3, 2, 5},
-                                           HeadsShape{17, 12, 64}, HeadsShape{513, 3, 33},
-                                           HeadsShape{1000, 16, 128}));
+                         ::testing::Values(HeadsShape{1, 1, 1, 1}, HeadsShape{3, 2, 1, 5},
+                                           HeadsShape{17, 12, 1, 64}, HeadsShape{513, 3, 1, 33},
+                                           HeadsShape{1000, 16, 1, 128}, HeadsShape{7, 2, 4, 3},
+                                           HeadsShape{1000, 8, 4, 128}, HeadsShape{300, 1, 12, 64},
+                                           HeadsShape{5, 3, 0, 8}));
 
 // --- arguments -----------------------------------------------------------------------------------
 
@@ -900,6 +1224,24 @@ TEST_F(ArgumentTest, HostPointersAreRefusedBeforeAnyLaunch) {
                 "a is not device memory");
   ExpectRefused(gpu_->rmsnorm_forward(out.f(), a.f(), out.f(), host.data(), 1, kN, 1e-5f, stream()),
                 "weight is not device memory");
+  ExpectRefused(gpu_->layernorm_forward(out.f(), a.f(), table.f(), out.f(), host.data(), a.f(), 1,
+                                        kN, 1e-5f, stream()),
+                "weight is not device memory");
+  ExpectRefused(gpu_->layernorm_backward(out.f(), a.f(), host.data(), out.f(), a.f(), a.f(), a.f(),
+                                         a.f(), 1, kN, stream()),
+                "dbias is not device memory");
+  ExpectRefused(gpu_->bias_forward(out.f(), host.data(), 1, kN, stream()),
+                "bias is not device memory");
+  ExpectRefused(gpu_->bias_backward(host.data(), out.f(), 1, kN, stream()),
+                "dbias is not device memory");
+  ExpectRefused(gpu_->rope_forward(out.f(), host.data(), 2, 2, 2, 16, 1e4f, stream()),
+                "x is not device memory");
+  ExpectRefused(gpu_->rope_backward(out.f(), host.data(), 2, 2, 2, 16, 1e4f, stream()),
+                "dout is not device memory");
+  ExpectRefused(gpu_->swiglu_forward(out.f(), a.f(), host.data(), kN, stream()),
+                "up is not device memory");
+  ExpectRefused(gpu_->swiglu_backward(out.f(), a.f(), table.f(), host.data(), a.f(), kN, stream()),
+                "gate is not device memory");
   ExpectRefused(gpu_->transpose(out.f(), host.data(), 8, 8, stream()), "src is not device memory");
   ExpectRefused(gpu_->copy(out.f(), host.data(), kN, stream()), "src is not device memory");
   double host_sum = 0.0;
@@ -964,6 +1306,14 @@ TEST(NoDeviceArgumentTest, EveryEntryIsSet) {
       reinterpret_cast<const void*>(t.attention_backward),
       reinterpret_cast<const void*>(t.gelu_forward),
       reinterpret_cast<const void*>(t.gelu_backward),
+      reinterpret_cast<const void*>(t.layernorm_forward),
+      reinterpret_cast<const void*>(t.layernorm_backward),
+      reinterpret_cast<const void*>(t.bias_forward),
+      reinterpret_cast<const void*>(t.bias_backward),
+      reinterpret_cast<const void*>(t.rope_forward),
+      reinterpret_cast<const void*>(t.rope_backward),
+      reinterpret_cast<const void*>(t.swiglu_forward),
+      reinterpret_cast<const void*>(t.swiglu_backward),
       reinterpret_cast<const void*>(t.residual_forward),
       reinterpret_cast<const void*>(t.residual_backward),
       reinterpret_cast<const void*>(t.cross_entropy_forward),
@@ -1000,8 +1350,41 @@ TEST(NoDeviceArgumentTest, NegativeSizesAreRefusedNamingTheArgument) {
   ExpectRefused(t.fill(nullptr, 0.0f, -7, s), "n is -7");
   ExpectRefused(t.copy(nullptr, nullptr, -1, s), "n is -1");
   ExpectRefused(t.transpose(nullptr, nullptr, 3, -4, s), "cols is -4");
-  ExpectRefused(t.split_heads(nullptr, nullptr, nullptr, nullptr, 2, -1, 4, s), "heads is -1");
-  ExpectRefused(t.join_heads(nullptr, nullptr, nullptr, nullptr, 2, 1, -4, s), "dh is -4");
+  ExpectRefused(t.split_heads(nullptr, nullptr, nullptr, nullptr, 2, -1, 1, 4, s),
+                "kv_heads is -1");
+  ExpectRefused(t.split_heads(nullptr, nullptr, nullptr, nullptr, 2, 1, -2, 4, s),
+                "q_per_kv is -2");
+  ExpectRefused(t.join_heads(nullptr, nullptr, nullptr, nullptr, 2, 1, 1, -4, s), "dh is -4");
+  ExpectRefused(
+      t.layernorm_forward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, -1, 4, 1e-5f, s),
+      "n is -1");
+  ExpectRefused(t.layernorm_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                     nullptr, 4, -5, s),
+                "c is -5");
+  ExpectRefused(t.bias_forward(nullptr, nullptr, -1, 4, s), "n is -1");
+  ExpectRefused(t.bias_backward(nullptr, nullptr, 4, -2, s), "c is -2");
+  ExpectRefused(t.rope_forward(nullptr, nullptr, 2, -3, 2, 4, 1e4f, s), "t is -3");
+  ExpectRefused(t.rope_backward(nullptr, nullptr, 2, 2, -1, 4, 1e4f, s), "h is -1");
+  ExpectRefused(t.swiglu_forward(nullptr, nullptr, nullptr, -1, s), "n is -1");
+  ExpectRefused(t.swiglu_backward(nullptr, nullptr, nullptr, nullptr, nullptr, -6, s), "n is -6");
+  // LayerNorm over no channels, RoPE over an odd or empty head or no sequence, bad eps / theta.
+  ExpectRefused(
+      t.layernorm_forward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 2, 0, 1e-5f, s),
+      "c is 0");
+  ExpectRefused(t.layernorm_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                     nullptr, 2, 0, s),
+                "c is 0");
+  ExpectRefused(
+      t.layernorm_forward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 2, 4, -1.0f, s),
+      "eps is -1");
+  ExpectRefused(t.rope_forward(nullptr, nullptr, 2, 2, 2, 5, 1e4f, s), "dh is 5");
+  ExpectRefused(t.rope_forward(nullptr, nullptr, 2, 2, 2, 0, 1e4f, s), "dh is 0");
+  ExpectRefused(t.rope_backward(nullptr, nullptr, 2, 0, 2, 4, 1e4f, s), "t is 0");
+  ExpectRefused(t.rope_forward(nullptr, nullptr, 2, 2, 2, 4, 0.0f, s), "theta is 0");
+  ExpectRefused(t.rope_backward(nullptr, nullptr, 2, 2, 2, 4, -5.0f, s), "theta is -5");
+  ExpectRefused(
+      t.rope_forward(nullptr, nullptr, 2, 2, 2, 4, std::numeric_limits<float>::infinity(), s),
+      "theta is inf");
   ExpectRefused(t.sum_squares(nullptr, -1, nullptr, s), "count is -1");
   AdamWArgs k;
   k.count = -1;
@@ -1016,6 +1399,12 @@ TEST(NoDeviceArgumentTest, NullPointersWithWorkAreRefusedNamingThem) {
   float dummy = 0.0f;  // never dereferenced: the null check comes first
   float* p = &dummy;
   ExpectRefused(t.residual_forward(p, p, nullptr, 4, s), "b is null");
+  ExpectRefused(t.layernorm_forward(p, p, p, p, p, nullptr, 2, 2, 1e-5f, s), "bias is null");
+  ExpectRefused(t.layernorm_backward(p, nullptr, p, p, p, p, p, p, 2, 2, s), "dweight is null");
+  ExpectRefused(t.bias_backward(p, nullptr, 2, 2, s), "dout is null");
+  ExpectRefused(t.rope_forward(nullptr, p, 2, 2, 1, 2, 1e4f, s), "out is null");
+  ExpectRefused(t.rope_backward(p, p, 2, 2, 1, 2, 1e4f, s), "dx aliases dout");
+  ExpectRefused(t.swiglu_backward(p, p, p, p, nullptr, 2, s), "up is null");
   ExpectRefused(t.embedding_backward(p, p, nullptr, 4, 2, 2, s), "tokens is null");
   ExpectRefused(t.sum_squares(p, 0, nullptr, s), "out is null");  // count 0 still writes *out
   AdamWArgs k;
@@ -1041,8 +1430,20 @@ TEST(NoDeviceArgumentTest, EmptyOpsSucceedWithoutTouchingAnything) {
   EXPECT_TRUE(t.fill(nullptr, 1.0f, 0, s).ok());
   EXPECT_TRUE(t.copy(nullptr, nullptr, 0, s).ok());
   EXPECT_TRUE(t.transpose(nullptr, nullptr, 0, 9, s).ok());
-  EXPECT_TRUE(t.split_heads(nullptr, nullptr, nullptr, nullptr, 3, 0, 4, s).ok());
-  EXPECT_TRUE(t.join_heads(nullptr, nullptr, nullptr, nullptr, 0, 2, 4, s).ok());
+  EXPECT_TRUE(t.split_heads(nullptr, nullptr, nullptr, nullptr, 3, 0, 2, 4, s).ok());
+  EXPECT_TRUE(t.join_heads(nullptr, nullptr, nullptr, nullptr, 0, 2, 2, 4, s).ok());
+  EXPECT_TRUE(
+      t.layernorm_forward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, 8, 1e-5f, s)
+          .ok());
+  EXPECT_TRUE(t.layernorm_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                   nullptr, 0, 8, s)
+                  .ok());
+  EXPECT_TRUE(t.bias_forward(nullptr, nullptr, 4, 0, s).ok());
+  EXPECT_TRUE(t.bias_backward(nullptr, nullptr, 0, 4, s).ok());
+  EXPECT_TRUE(t.rope_forward(nullptr, nullptr, 0, 0, 2, 3, 1e4f, s).ok());
+  EXPECT_TRUE(t.rope_backward(nullptr, nullptr, 4, 2, 0, 4, 1e4f, s).ok());
+  EXPECT_TRUE(t.swiglu_forward(nullptr, nullptr, nullptr, 0, s).ok());
+  EXPECT_TRUE(t.swiglu_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, s).ok());
   EXPECT_TRUE(t.adamw(AdamWArgs{}, s).ok());
 }
 

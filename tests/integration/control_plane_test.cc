@@ -5,6 +5,7 @@
 //     the same step, which metrics.jsonl, the per-rank FP8 statistics and the controller agree on;
 //   - Prometheus scrapes per-layer FP8 metrics of the run and answers a PromQL query on them;
 //   - checkpoints are committed by the controller, and a resume through it continues the run.
+//   - a run with eval.every reports its validation loss to the run view and to Prometheus.
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -301,6 +302,66 @@ TEST_F(ControlPlaneTest, MoeRunReportsPerExpertMetrics) {
   const std::string layers = Capture(kBin + "/fp8rt layers tiny-moe --controller " + address_ +
                                      " --token-file " + token_file_.string());
   EXPECT_NE(layers.find("blocks.1.mlp.experts.2.fc1"), std::string::npos) << layers;
+}
+
+// A run with eval.every under the controller: the validation loss of each eval step reaches
+// metrics.jsonl, the launcher's progress lines, the controller's run view (GetRun, `fp8rt runs
+// show`) and Prometheus (fp8rt_eval_loss), all with the value rank 0 wrote.
+TEST_F(ControlPlaneTest, ValidationLossReachesTheRunViewAndPrometheus) {
+  const fs::path run_dir = dir_ / "eval";
+  Process launch(
+      LaunchArgv(run_dir.string(), {"--set", "train.steps=4", "--set", "train.warmup=2", "--set",
+                                    "checkpoint.every=0", "--set", "data.val_fraction=0.01",
+                                    "--set", "eval.every=2", "--set", "eval.batches=2"}),
+      dir_ / "eval-launch.log");
+  ASSERT_EQ(launch.Wait(), 0) << ReadFile(dir_ / "eval-launch.log")
+                              << ReadFile(run_dir / "logs/launch.log");
+  const std::vector<Json> metrics = ReadJsonl(run_dir / "metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 4u);
+  std::map<int64_t, double> val;
+  for (const Json& m : metrics) {
+    if (m.contains("val_loss")) val[m["step"].get<int64_t>()] = m["val_loss"].get<double>();
+  }
+  ASSERT_EQ(val.size(), 2u) << "eval at steps 2 and 4 only";
+  ASSERT_TRUE(val.contains(2) && val.contains(4));
+  // A byte-level model near its start: finite, below ln(256) + 1 nats (a uniform guess is 5.55).
+  for (const auto& [step, v] : val) {
+    EXPECT_TRUE(std::isfinite(v) && v > 0.0 && v < std::log(256.0) + 1.0) << step << ": " << v;
+  }
+
+  // The run view holds the newest one and its step.
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::GetRunRequest req;
+    req.set_run_id("tiny-e2e");
+    v1::Run run;
+    ASSERT_TRUE(runs_->GetRun(&ctx, req, &run).ok());
+    EXPECT_EQ(run.val_loss_step(), 4);
+    EXPECT_EQ(run.val_loss(), val[4]);
+    EXPECT_TRUE(run.last_step().has_val_loss());
+    EXPECT_EQ(run.last_step().val_loss(), val[4]);
+  }
+  char four[32];
+  std::snprintf(four, sizeof(four), "%.4f (step 4)", val[4]);
+  const std::string show = Capture(kBin + "/fp8rt runs get tiny-e2e --controller " + address_ +
+                                   " --token-file " + token_file_.string());
+  EXPECT_NE(show.find("val loss"), std::string::npos) << show;
+  EXPECT_NE(show.find(four), std::string::npos) << show;
+
+  // Prometheus's scrape of the controller: the gauge, with the same value.
+  const std::string scrape = Capture("curl -s http://" + metrics_ + "/metrics");
+  const std::string series = "fp8rt_eval_loss{run=\"tiny-e2e\"} ";
+  const size_t at = scrape.find(series);
+  ASSERT_NE(at, std::string::npos) << scrape.substr(0, 3000);
+  EXPECT_NEAR(std::stod(scrape.substr(at + series.size())), val[4], 1e-9 * val[4]);
+  EXPECT_NE(scrape.find("# HELP fp8rt_eval_loss "), std::string::npos);
+
+  // The launcher's progress lines (not a terminal: a line per step here) carry it from step 2.
+  char two[32];
+  std::snprintf(two, sizeof(two), "val_loss %.4f", val[2]);
+  EXPECT_NE(ReadFile(dir_ / "eval-launch.log").find(two), std::string::npos)
+      << ReadFile(dir_ / "eval-launch.log");
 }
 
 }  // namespace

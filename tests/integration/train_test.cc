@@ -10,6 +10,10 @@
 //   CorruptNewestCheckpointFallsBack a corrupt newest checkpoint is refused, the previous one used
 //   NanGradientSkipsStepOnEveryRank  a NaN on one rank skips the step everywhere, state untouched
 //   Fp8TracksBf16OnTinyYaml          the example run learns, and FP8 tracks BF16
+//   EvalRecordsTheValidationLossOfTheStepsStartingWeights
+//                                    eval.every: val_loss on the due steps, equal to the training
+//                                    loss where both see the same batch and weights, the same on
+//                                    1 and 2 ranks, in the progress line; bad eval specs refused
 //   BadSpecsFailNamingTheField       bad input exits 2 naming the field; a used folder is refused
 //   CudaWithoutAGpuFailsFast         device: cuda without a usable GPU: exit 2 at once, one line
 //                                    naming device: cuda and the reason
@@ -608,6 +612,88 @@ TEST_F(TrainTest, Fp8TracksBf16OnTinyYaml) {
   }
   const double fp8 = means["fp8"].second, bf16 = means["bf16"].second;
   EXPECT_NEAR(fp8, bf16, 0.01 * bf16) << "fp8 vs bf16, mean loss of the last 10 steps";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation loss (eval.every)
+
+// The steps whose metrics.jsonl line has a val_loss, each asserted to be a finite number.
+std::vector<int64_t> EvalSteps(const std::vector<Json>& metrics) {
+  std::vector<int64_t> steps;
+  for (const Json& m : metrics) {
+    if (!m.contains("val_loss")) continue;
+    EXPECT_TRUE(m.at("val_loss").is_number() && std::isfinite(m.at("val_loss").get<double>()))
+        << m.dump();
+    steps.push_back(m.at("step").get<int64_t>());
+  }
+  return steps;
+}
+
+// eval.every evaluates before the training of every multiple of it and of the last step, over
+// the first eval.batches * micro_batch * dp windows of the validation data in file order, split
+// over the DP ranks. With the training file itself as the validation data and file order
+// (data.shuffle false), step 1 evaluates exactly the 16 sequences it then trains on (rank r's
+// window r of 8 x 65 bytes) with the same weights, so its val_loss is its training loss: the
+// same forward, one float per micro-batch summed over DP either way (BF16, so that no FP8 scale
+// depends on which pass saw a tensor first; 1e-5 relative leaves room only for a different
+// summation). Step 2 evaluates those sequences after one update on them: lower. One rank with
+// eval.batches 2 reads the same two windows; after the same first step (LayoutInvariance's
+// layouts) its step-2 val_loss agrees within that test's 1e-3.
+TEST_F(TrainTest, EvalRecordsTheValidationLossOfTheStepsStartingWeights) {
+  const std::string kjv = (fs::path(FP8RT_SOURCE_DIR) / "examples/data/kjv.txt").string();
+  const std::vector<std::string> common = {"data.val_path=" + kjv, "data.shuffle=false",
+                                           "precision.mode=bf16"};
+  std::vector<std::string> sets = Short(3, common);
+  sets.insert(sets.end(), {"parallel.dp=2", "eval.every=1", "eval.batches=1"});
+  const fs::path two_dir = dir_ / "two";
+  const Result two_run = Worker(2, sets, two_dir);
+  ASSERT_EQ(two_run.exit_code, 0) << two_run.err;
+  const std::vector<Json> two = ReadJsonl(two_dir / "metrics.jsonl");
+  ASSERT_EQ(Steps(two), OneTo(3));
+  ASSERT_EQ(EvalSteps(two), OneTo(3));
+  const double loss1 = two[0].at("loss").get<double>();
+  const double val1 = two[0].at("val_loss").get<double>();
+  EXPECT_NEAR(val1, loss1, 1e-5 * loss1) << "step 1 evaluates the batch it trains on";
+  EXPECT_LT(two[1].at("val_loss").get<double>(), val1) << "after one update on those sequences";
+
+  // One rank, two micro-batches, every 2 steps of 5: steps 2, 4 and the last, 5. Progress printed.
+  sets = Short(5, common);
+  sets.insert(sets.end(),
+              {"parallel.dp=1", "train.grad_accum=2", "eval.every=2", "eval.batches=2"});
+  const fs::path one_dir = dir_ / "one";
+  std::vector<std::string> argv = {FP8RT_MPIEXEC,     "-np",       "1",
+                                   "--oversubscribe", "--bind-to", "none"};
+  if (geteuid() == 0) argv.push_back("--allow-run-as-root");
+  argv.insert(argv.end(), {"-x", "OMP_NUM_THREADS", std::string(FP8RT_BIN_DIR) + "/fp8rt-worker",
+                           "--spec", spec_.string(), "--run-dir", one_dir.string()});
+  for (const std::string& kv : sets) argv.insert(argv.end(), {"--set", kv});
+  const fs::path log = NextLog("worker-progress");
+  const Result one_run = RunCommand(argv, "", log);
+  ASSERT_EQ(one_run.exit_code, 0) << one_run.err;
+  const std::vector<Json> one = ReadJsonl(one_dir / "metrics.jsonl");
+  ASSERT_EQ(Steps(one), OneTo(5));
+  ASSERT_EQ(EvalSteps(one), (std::vector<int64_t>{2, 4, 5}));
+  const double val2 = one[1].at("val_loss").get<double>();
+  EXPECT_NEAR(val2, two[1].at("val_loss").get<double>(), 1e-3 * val2)
+      << "the same windows and weights on 1 rank and on 2";
+  // The progress line of an eval step shows it.
+  char line[96];
+  std::snprintf(line, sizeof(line), "step 2/5 loss %.4f val_loss %.4f ",
+                one[1].at("loss").get<double>(), val2);
+  EXPECT_THAT(ReadFile(log.string() + ".out"), HasSubstr(line));
+
+  // Without validation data, or with too little, the spec is refused naming the field.
+  const Result none = Worker(1, Short(2, {"parallel.dp=1", "eval.every=1"}), dir_ / "none");
+  EXPECT_EQ(none.exit_code, 2) << none.err;
+  EXPECT_THAT(none.err, HasSubstr("eval.every"));
+  EXPECT_THAT(none.err, HasSubstr("data.val_path or data.val_fraction"));
+  // kjv.txt's last 1e-5 is about 45 bytes: no window of 65.
+  const Result little = Worker(
+      1, Short(2, {"parallel.dp=1", "eval.every=1", "data.val_fraction=1e-5"}), dir_ / "little");
+  EXPECT_EQ(little.exit_code, 2) << little.err;
+  EXPECT_THAT(little.err, HasSubstr("data.val_fraction"));
+  EXPECT_THAT(little.err, HasSubstr("0 windows"));
+  EXPECT_THAT(little.err, HasSubstr("= 64 windows"));  // 8 batches x 8 sequences x 1 rank
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -8,6 +8,13 @@
 //   - DP ranks read distinct windows at each position, cover the windows without overlap, and
 //     an epoch visits every window once;
 //   - Seek(p) resumes exactly; two loaders over the same file agree;
+//   - shuffled (data.shuffle): EpochPermutation is the documented seeded Fisher-Yates (a
+//     permutation, uniform, changing with seed and epoch); no step reads a sequence twice on any
+//     rank; each epoch walks its permutation; resume mid-epoch continues the same stream; a
+//     step's sequences do not depend on how the global batch is split; shuffle false is file
+//     order whatever the seed;
+//   - data.val_fraction: nanoGPT's split boundary; training never reads the held-out tail, and
+//     validation reads the tail from its start;
 //   - bad input (missing, empty, short, partial token, token >= vocab, bad options) is an error
 //     of the right kind naming the file (and the byte offset of a bad token).
 #include "runtime/train/data_loader.h"
@@ -15,15 +22,20 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <limits>
+#include <map>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "runtime/core/run_spec.h"  // ValidationSplit
 
 namespace fp8rt::train {
 namespace {
@@ -368,6 +380,272 @@ TEST_F(DataLoaderTest, BatchAtDoesNotMove) {
   ASSERT_TRUE(loader.BatchAt(13, batch).ok());
   EXPECT_THAT(batch, ElementsAre(12, 13, 14, 15));
   EXPECT_EQ(loader.position(), 0u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shuffled order (data.shuffle)
+
+// The permutation as data_loader.h describes it, written here from that text: Fisher-Yates from
+// the top, mt19937_64 seeded by seed_seq{seed lo, seed hi, epoch lo, epoch hi}, j by rejection.
+std::vector<uint64_t> ReferencePermutation(uint64_t n, uint64_t seed, uint64_t epoch) {
+  std::vector<uint64_t> p(n);
+  for (uint64_t i = 0; i < n; ++i) p[i] = i;
+  std::seed_seq seq{static_cast<uint32_t>(seed & 0xffffffffu), static_cast<uint32_t>(seed >> 32),
+                    static_cast<uint32_t>(epoch & 0xffffffffu), static_cast<uint32_t>(epoch >> 32)};
+  std::mt19937_64 gen(seq);
+  for (uint64_t i = n - 1; i >= 1 && n > 1; --i) {
+    const uint64_t bound = i + 1;
+    // 2^64 mod bound, from (2^64 - 1) mod bound.
+    const uint64_t low = (std::numeric_limits<uint64_t>::max() % bound + 1) % bound;
+    uint64_t x = gen();
+    while (x < low) x = gen();
+    std::swap(p[i], p[x % bound]);
+  }
+  return p;
+}
+
+// A loader with the shuffled order.
+DataLoader ShuffledOrDie(std::shared_ptr<const TokenDataset> dataset, int32_t seq_len,
+                         int32_t micro_batch, int32_t dp, int32_t dp_rank, int32_t grad_accum,
+                         uint64_t seed) {
+  auto loader = DataLoader::Create(std::move(dataset), {.seq_len = seq_len,
+                                                        .micro_batch = micro_batch,
+                                                        .dp = dp,
+                                                        .dp_rank = dp_rank,
+                                                        .shuffle = true,
+                                                        .seed = seed,
+                                                        .grad_accum = grad_accum});
+  EXPECT_TRUE(loader.ok()) << loader.status();
+  return *std::move(loader);
+}
+
+// On an iota corpus, a row of T + 1 tokens starting at (T + 1) s is sequence s: the rows of a
+// batch as sequence indices, each checked to be whole and consecutive.
+std::vector<uint64_t> RowSequences(const std::vector<int32_t>& batch, int32_t seq_len) {
+  const size_t row = static_cast<size_t>(seq_len) + 1;
+  std::vector<uint64_t> out;
+  for (size_t i = 0; i < batch.size() / row; ++i) {
+    EXPECT_EQ(batch[i * row] % static_cast<int32_t>(row), 0) << "row " << i << " not aligned";
+    for (size_t t = 1; t < row; ++t) EXPECT_EQ(batch[i * row + t], batch[i * row] + t);
+    out.push_back(static_cast<uint64_t>(batch[i * row]) / row);
+  }
+  return out;
+}
+
+TEST_F(DataLoaderTest, EpochPermutationIsTheDocumentedSeededPermutation) {
+  for (uint64_t n : {uint64_t{0}, uint64_t{1}, uint64_t{2}, uint64_t{7}, uint64_t{1000}}) {
+    const std::vector<uint64_t> p = EpochPermutation(n, /*seed=*/1, /*epoch=*/0);
+    std::vector<uint64_t> sorted = p;
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<uint64_t> iota(n);
+    for (uint64_t i = 0; i < n; ++i) iota[i] = i;
+    EXPECT_EQ(sorted, iota) << "n = " << n << ": not a permutation";
+    EXPECT_EQ(p, ReferencePermutation(n, 1, 0)) << "n = " << n;
+  }
+  // Seeds and epochs above 32 bits use both halves.
+  const uint64_t big = (uint64_t{5} << 32) | 3;
+  EXPECT_EQ(EpochPermutation(300, big, big + 1), ReferencePermutation(300, big, big + 1));
+  // The same seed and epoch give the same order; another seed or epoch another one.
+  const std::vector<uint64_t> a = EpochPermutation(1000, 1, 0);
+  EXPECT_EQ(a, EpochPermutation(1000, 1, 0));
+  EXPECT_NE(a, EpochPermutation(1000, 1, 1));
+  EXPECT_NE(a, EpochPermutation(1000, 2, 0));
+  EXPECT_NE(EpochPermutation(1000, 1, 1), EpochPermutation(1000, 2, 1));
+  EXPECT_NE(EpochPermutation(1000, uint64_t{1} << 32, 0), a);  // the seed's high half counts
+  std::vector<uint64_t> iota(1000);
+  for (uint64_t i = 0; i < 1000; ++i) iota[i] = i;
+  EXPECT_NE(a, iota);
+}
+
+TEST_F(DataLoaderTest, EpochPermutationIsUniform) {
+  // 24000 epochs of 4 sequences: each of the 24 orders is expected 1000 times (binomial, sd
+  // ~31); [850, 1150] is ~5 sd, so a fair shuffle fails with probability ~1e-5, while a biased
+  // one (e.g. j uniform in [0, n) instead of [0, i]) puts some orders near 700 or 1400.
+  std::map<std::vector<uint64_t>, int> counts;
+  for (uint64_t epoch = 0; epoch < 24000; ++epoch) ++counts[EpochPermutation(4, 7, epoch)];
+  EXPECT_EQ(counts.size(), 24u);
+  for (const auto& [order, count] : counts) {
+    EXPECT_GE(count, 850) << ::testing::PrintToString(order);
+    EXPECT_LE(count, 1150) << ::testing::PrintToString(order);
+  }
+}
+
+TEST_F(DataLoaderTest, ShuffledStepsNeverShareASequenceAndEachEpochIsItsPermutation) {
+  // T = 2: 100 sequences of 3 tokens and a 2-token tail. B = 2, dp = 3, grad_accum = 2:
+  // G = 12 sequences per step, E = 96 per epoch (8 steps), 4 left out per epoch.
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 302), TokenFormat::kU32, 302);
+  std::vector<DataLoader> ranks;
+  for (int r = 0; r < 3; ++r) ranks.push_back(ShuffledOrDie(dataset, 2, 2, 3, r, 2, /*seed=*/9));
+  ASSERT_EQ(ranks[0].num_sequences(), 100u);
+  ASSERT_EQ(ranks[0].epoch_sequences(), 96u);
+  std::vector<std::vector<uint64_t>> epochs(3);  // sequences in counter order, per epoch
+  for (int step = 0; step < 24; ++step) {
+    std::set<uint64_t> in_step;
+    for (int m = 0; m < 2; ++m) {
+      for (int r = 0; r < 3; ++r) {
+        for (uint64_t s : RowSequences(Next(ranks[r]), 2)) {
+          EXPECT_TRUE(in_step.insert(s).second)
+              << "step " << step << ": sequence " << s << " read twice (rank " << r << ")";
+          epochs[step / 8].push_back(s);
+        }
+      }
+    }
+    EXPECT_EQ(in_step.size(), 12u);
+  }
+  // Counter g = (p * dp + r) * B + i walks epoch e's permutation: its first E entries, in order.
+  for (uint64_t e = 0; e < 3; ++e) {
+    const std::vector<uint64_t> want = ReferencePermutation(100, 9, e);
+    EXPECT_EQ(epochs[e], std::vector<uint64_t>(want.begin(), want.begin() + 96)) << "epoch " << e;
+    EXPECT_EQ(std::set<uint64_t>(epochs[e].begin(), epochs[e].end()).size(), 96u);
+  }
+  EXPECT_NE(epochs[0], epochs[1]);
+  EXPECT_EQ(ranks[1].Cursor(), (DataCursor{.epoch = 3, .sequence = 0}));
+  // Another seed, another stream.
+  DataLoader other = ShuffledOrDie(dataset, 2, 2, 3, 0, 2, /*seed=*/10);
+  EXPECT_NE(RowSequences(Next(other), 2), (std::vector<uint64_t>{epochs[0][0], epochs[0][1]}));
+}
+
+TEST_F(DataLoaderTest, ShuffledResumeMidEpochContinuesTheSameStream) {
+  // 997 tokens, T = 4: 199 sequences; B = 3, dp = 2, grad_accum = 1: G = 6, E = 198 (33 steps,
+  // positions 0..32 are epoch 0).
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 997), TokenFormat::kU32, 997);
+  for (uint64_t p : {0, 1, 17, 32, 33, 34, 70, 123}) {
+    DataLoader straight = ShuffledOrDie(dataset, 4, 3, 2, 1, 1, 5);
+    for (uint64_t i = 0; i < p; ++i) Next(straight);
+    DataLoader resumed = ShuffledOrDie(dataset, 4, 3, 2, 1, 1, 5);
+    ASSERT_TRUE(resumed.Seek(p).ok());
+    // The cursor names the epoch and the sequences done: g = p * dp * B = 6p.
+    EXPECT_EQ(resumed.Cursor(), (DataCursor{.epoch = 6 * p / 198, .sequence = 6 * p % 198})) << p;
+    EXPECT_EQ(resumed.Cursor(), straight.Cursor()) << p;
+    for (int i = 0; i < 40; ++i) EXPECT_EQ(Next(resumed), Next(straight)) << p << " + " << i;
+  }
+}
+
+TEST_F(DataLoaderTest, ShuffledStepReadsTheSameSequencesAtEveryLayoutOfTheGlobalBatch) {
+  // G = 8 sequences per step, split as dp x grad_accum x micro_batch = 1 x 1 x 8, 2 x 2 x 2 and
+  // 4 x 2 x 1: the same set each step (S = 61 sequences of 5 tokens, E = 56).
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 305), TokenFormat::kU32, 305);
+  struct Layout {
+    int32_t dp, accum, b;
+  };
+  std::vector<std::vector<std::multiset<uint64_t>>> per_layout;
+  for (const Layout& l : {Layout{1, 1, 8}, Layout{2, 2, 2}, Layout{4, 2, 1}}) {
+    std::vector<DataLoader> ranks;
+    for (int r = 0; r < l.dp; ++r)
+      ranks.push_back(ShuffledOrDie(dataset, 4, l.b, l.dp, r, l.accum, 3));
+    std::vector<std::multiset<uint64_t>> steps;
+    for (int step = 0; step < 20; ++step) {  // 7 steps per epoch: crosses two epoch ends
+      std::multiset<uint64_t> set;
+      for (int m = 0; m < l.accum; ++m) {
+        for (DataLoader& rank : ranks) {
+          for (uint64_t s : RowSequences(Next(rank), 4)) set.insert(s);
+        }
+      }
+      steps.push_back(set);
+    }
+    per_layout.push_back(steps);
+  }
+  EXPECT_EQ(per_layout[1], per_layout[0]);
+  EXPECT_EQ(per_layout[2], per_layout[0]);
+}
+
+TEST_F(DataLoaderTest, ShuffleFalseIsFileOrderWhateverTheSeed) {
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 60), TokenFormat::kU32, 60);
+  auto loader = DataLoader::Create(dataset, {.seq_len = 3,
+                                             .micro_batch = 3,
+                                             .dp = 1,
+                                             .dp_rank = 0,
+                                             .shuffle = false,
+                                             .seed = 12345,
+                                             .grad_accum = 4});
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  for (int epoch = 0; epoch < 2; ++epoch) {  // windows of 12 tokens: W = 5
+    for (uint64_t w = 0; w < 5; ++w) {
+      EXPECT_EQ(RowSequences(Next(*loader), 3),
+                (std::vector<uint64_t>{3 * w, 3 * w + 1, 3 * w + 2}));
+    }
+  }
+  EXPECT_EQ(loader->Cursor(), (DataCursor{.epoch = 2, .sequence = 0}));
+}
+
+TEST_F(DataLoaderTest, ShuffledCorpusShorterThanOneStepIsInvalidArgument) {
+  // 10 sequences of 5 tokens; a step of B 2 x dp 2 x grad_accum 3 = 12 sequences.
+  const std::string path = WriteIota("iota.bin", 50);
+  auto dataset = OpenOrDie(path, TokenFormat::kU32, 50);
+  auto loader = DataLoader::Create(
+      dataset,
+      {.seq_len = 4, .micro_batch = 2, .dp = 2, .dp_rank = 0, .shuffle = true, .grad_accum = 3});
+  EXPECT_EQ(loader.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(loader.status().message(),
+              AllOf(HasSubstr(path), HasSubstr("10 sequences"), HasSubstr("= 12")));
+  EXPECT_TRUE(
+      DataLoader::Create(
+          dataset,
+          {.seq_len = 4, .micro_batch = 2, .dp = 2, .dp_rank = 0, .shuffle = true, .grad_accum = 2})
+          .ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation split (data.val_fraction) and token ranges
+
+TEST_F(DataLoaderTest, ValidationSplitIsNanoGptsBoundary) {
+  // Python: int(n * (1 - f)) for the training part.
+  EXPECT_EQ(ValidationSplit(1000, 0.1), 900u);
+  EXPECT_EQ(ValidationSplit(1001, 0.1), 900u);  // 900.9
+  EXPECT_EQ(ValidationSplit(10, 0.25), 7u);     // 7.5
+  EXPECT_EQ(ValidationSplit(4, 0.5), 2u);
+  EXPECT_EQ(ValidationSplit(3, 0.999), 0u);
+  EXPECT_EQ(ValidationSplit(1000, 0.0), 1000u);  // no validation data
+}
+
+TEST_F(DataLoaderTest, HeldOutTailIsNeverTrainedOnAndIsReadFromItsStart) {
+  // 1000 tokens, val_fraction 0.1: training tokens [0, 900), validation [900, 1000).
+  auto dataset = OpenOrDie(WriteIota("iota.bin", 1000), TokenFormat::kU32, 1000);
+  const uint64_t split = ValidationSplit(dataset->size(), 0.1);
+  ASSERT_EQ(split, 900u);
+  for (bool shuffle : {false, true}) {
+    auto train = DataLoader::Create(dataset, {.seq_len = 9,
+                                              .micro_batch = 2,
+                                              .dp = 1,
+                                              .dp_rank = 0,
+                                              .shuffle = shuffle,
+                                              .range = {.begin = 0, .end = split}});
+    ASSERT_TRUE(train.ok()) << train.status();
+    EXPECT_EQ(train->num_sequences(), 90u);
+    std::set<int32_t> seen;
+    for (int i = 0; i < 135; ++i) {  // three epochs of 45 batches
+      for (int32_t t : Next(*train)) {
+        EXPECT_LT(t, 900) << "shuffle " << shuffle << ": a held-out token was trained on";
+        seen.insert(t);
+      }
+    }
+    EXPECT_EQ(seen.size(), 900u) << "shuffle " << shuffle;  // and every other token was
+  }
+  // Validation: file order from the split; windows of B (T + 1) = 20 tokens, 5 of them.
+  auto val = DataLoader::Create(
+      dataset, {.seq_len = 9, .micro_batch = 2, .dp = 2, .dp_rank = 1, .range = {.begin = split}});
+  ASSERT_TRUE(val.ok()) << val.status();
+  EXPECT_EQ(val->num_sequences(), 10u);
+  std::vector<int32_t> batch(20);
+  ASSERT_TRUE(val->BatchAt(0, batch).ok());
+  EXPECT_EQ(batch.front(), 920);  // rank 1's first window is the tail's second
+  EXPECT_EQ(batch.back(), 939);
+  ASSERT_TRUE(val->BatchAt(1, batch).ok());
+  EXPECT_EQ(batch.front(), 960);
+}
+
+TEST_F(DataLoaderTest, RangeTooShortNamesTheRangeAndTheFile) {
+  const std::string path = WriteIota("iota.bin", 1000);
+  auto dataset = OpenOrDie(path, TokenFormat::kU32, 1000);
+  auto loader = DataLoader::Create(
+      dataset, {.seq_len = 9, .micro_batch = 2, .dp = 2, .range = {.begin = 980}});
+  EXPECT_EQ(loader.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(loader.status().message(),
+              AllOf(HasSubstr("tokens [980, 1000)"), HasSubstr(path), HasSubstr("20 tokens"),
+                    HasSubstr("fewer than dp = 2")));
+  auto outside = DataLoader::Create(
+      dataset, {.seq_len = 9, .micro_batch = 1, .range = {.begin = 1001, .end = 2000}});
+  EXPECT_EQ(outside.status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -9,14 +9,16 @@
 // Index:
 //   Bits, RandomBits, Guarded      bit patterns; buffers with a sentinel guard past their end
 //   TableTest                      every entry is present
-//   SplitJoinHeadsTest (TEST_P)    index formula, join(split(x)) == x, split(join(q, k, v))
+//   SplitJoinHeadsTest (TEST_P)    kv-head-grouped index formula (q_per_kv = 1 the multi-head
+//                                  layout), join(split(x)) == x, split(join(q, k, v))
 //   TransposeTest (TEST_P)         dst[c * rows + r] == src[r * cols + c]
 //   FillCopyTest                   -0.0f, NaN payloads, Inf, denormals; n = 0
 //   CrossEntropyEntryTest          per-row loss vs double logsumexp; mean == CrossEntropyForward
 //   SumSquaresTest                 FP64 in-order sum bit for bit; non-finite exactly on NaN / Inf
 //   AdamWEntryTest                 AdamWUpdate bit for bit; the formula in double
 //   WrapperEntryTest               wrapped layer ops == their span functions, bit for bit
-//   ArgumentErrorTest              negative sizes, zero dh / c / v with rows, zero rows
+//   ArgumentErrorTest              negative sizes, zero dh / c / v with rows, odd RoPE dh, t = 0,
+//                                  hkv not dividing h, bad eps / theta, zero rows
 //   AllocateTest, DeviceArrayTest  alignment, 0 bytes, failure, assign / resize / move
 //   SynchronizeTest
 #include <algorithm>
@@ -128,6 +130,14 @@ TEST(TableTest, EveryEntryIsPresent) {
   EXPECT_NE(o.attention_backward, nullptr);
   EXPECT_NE(o.gelu_forward, nullptr);
   EXPECT_NE(o.gelu_backward, nullptr);
+  EXPECT_NE(o.layernorm_forward, nullptr);
+  EXPECT_NE(o.layernorm_backward, nullptr);
+  EXPECT_NE(o.bias_forward, nullptr);
+  EXPECT_NE(o.bias_backward, nullptr);
+  EXPECT_NE(o.rope_forward, nullptr);
+  EXPECT_NE(o.rope_backward, nullptr);
+  EXPECT_NE(o.swiglu_forward, nullptr);
+  EXPECT_NE(o.swiglu_backward, nullptr);
   EXPECT_NE(o.residual_forward, nullptr);
   EXPECT_NE(o.residual_backward, nullptr);
   EXPECT_NE(o.cross_entropy_forward, nullptr);
@@ -146,125 +156,158 @@ TEST(TableTest, EveryEntryIsPresent) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// split_heads / join_heads: row r of qkv [n, heads * 3 * dh] holds, for head j, q, k, v (dh
-// values each); q, k, v are [n, heads * dh] with head j at columns [j * dh, +dh).
+// split_heads / join_heads: row r of qkv [n, kv_heads * (q_per_kv + 2) * dh] holds, for kv head
+// g, the query heads g * q_per_kv + j (j < q_per_kv), then k_g, then v_g (dh values each); q is
+// [n, kv_heads * q_per_kv * dh] with query head j at columns [j * dh, +dh), k and v
+// [n, kv_heads * dh] with kv head g at [g * dh, +dh). q_per_kv = 1 is the multi-head layout
+// (q, k, v of each head).
 
 struct HeadShape {
-  int64_t n, heads, dh;
+  int64_t n, kv_heads, q_per_kv, dh;
 };
 
 class SplitJoinHeadsTest : public ::testing::TestWithParam<HeadShape> {
  protected:
-  size_t Part() const {
-    const HeadShape s = GetParam();
-    return static_cast<size_t>(s.n * s.heads * s.dh);
+  const HeadShape s = GetParam();
+  size_t QSize() const { return static_cast<size_t>(s.n * s.kv_heads * s.q_per_kv * s.dh); }
+  size_t KvSize() const { return static_cast<size_t>(s.n * s.kv_heads * s.dh); }
+  size_t FusedSize() const { return QSize() + 2 * KvSize(); }
+  // Offsets of the contract's index formula: part `which` < q_per_kv is query head
+  // g * q_per_kv + which, q_per_kv is k, q_per_kv + 1 is v.
+  int64_t Fused(int64_t r, int64_t g, int64_t which, int64_t d) const {
+    const int64_t row = s.kv_heads * (s.q_per_kv + 2) * s.dh;
+    return r * row + g * (s.q_per_kv + 2) * s.dh + which * s.dh + d;
   }
-  // Offsets of the contract's index formula.
-  static int64_t Fused(const HeadShape& s, int64_t r, int64_t j, int64_t which, int64_t d) {
-    return (r * s.heads + j) * 3 * s.dh + which * s.dh + d;
+  int64_t QPiece(int64_t r, int64_t j, int64_t d) const {
+    return r * s.kv_heads * s.q_per_kv * s.dh + j * s.dh + d;
   }
-  static int64_t Piece(const HeadShape& s, int64_t r, int64_t j, int64_t d) {
-    return (r * s.heads + j) * s.dh + d;
+  int64_t KvPiece(int64_t r, int64_t g, int64_t d) const {
+    return r * s.kv_heads * s.dh + g * s.dh + d;
+  }
+  // Calls f(fused offset, part buffer index 0/1/2, offset in that part) for every element.
+  template <class F>
+  void ForEach(F f) const {
+    for (int64_t r = 0; r < s.n; ++r) {
+      for (int64_t g = 0; g < s.kv_heads; ++g) {
+        for (int64_t which = 0; which < s.q_per_kv + 2; ++which) {
+          for (int64_t d = 0; d < s.dh; ++d) {
+            if (which < s.q_per_kv) {
+              f(Fused(r, g, which, d), 0, QPiece(r, g * s.q_per_kv + which, d));
+            } else {
+              f(Fused(r, g, which, d), 1 + static_cast<int>(which - s.q_per_kv), KvPiece(r, g, d));
+            }
+          }
+        }
+      }
+    }
+  }
+  absl::Status Split(std::vector<float>& q, std::vector<float>& k, std::vector<float>& v,
+                     const std::vector<float>& qkv) const {
+    return Ops().split_heads(q.data(), k.data(), v.data(), qkv.data(), s.n, s.kv_heads, s.q_per_kv,
+                             s.dh, Stream{});
+  }
+  absl::Status Join(std::vector<float>& qkv, const std::vector<float>& q,
+                    const std::vector<float>& k, const std::vector<float>& v) const {
+    return Ops().join_heads(qkv.data(), q.data(), k.data(), v.data(), s.n, s.kv_heads, s.q_per_kv,
+                            s.dh, Stream{});
   }
 };
 
 TEST_P(SplitJoinHeadsTest, SplitFollowsTheIndexFormula) {
-  const HeadShape s = GetParam();
-  const std::vector<float> qkv = RandomBits(3 * Part(), 11);
-  std::vector<float> q = Guarded(Part()), k = Guarded(Part()), v = Guarded(Part());
-  const absl::Status st =
-      Ops().split_heads(q.data(), k.data(), v.data(), qkv.data(), s.n, s.heads, s.dh, Stream{});
-  ASSERT_TRUE(st.ok()) << st;
-  float* parts[3] = {q.data(), k.data(), v.data()};
-  int mismatches = 0;
-  for (int64_t r = 0; r < s.n; ++r) {
-    for (int64_t j = 0; j < s.heads; ++j) {
-      for (int64_t which = 0; which < 3; ++which) {
-        for (int64_t d = 0; d < s.dh; ++d) {
-          const float got = parts[which][Piece(s, r, j, d)];
-          const float want = qkv[Fused(s, r, j, which, d)];
-          if (Bits(got) != Bits(want) && ++mismatches <= 5) {
-            ADD_FAILURE() << "qkv"[which] << " row " << r << " head " << j << " d " << d << ": 0x"
-                          << std::hex << Bits(got) << " != 0x" << Bits(want);
-          }
-        }
-      }
-    }
-  }
-  EXPECT_EQ(mismatches, 0);
-  EXPECT_TRUE(GuardIntact(q, Part()));
-  EXPECT_TRUE(GuardIntact(k, Part()));
-  EXPECT_TRUE(GuardIntact(v, Part()));
-}
-
-TEST_P(SplitJoinHeadsTest, JoinFollowsTheIndexFormula) {
-  const HeadShape s = GetParam();
-  const std::vector<float> q = RandomBits(Part(), 21), k = RandomBits(Part(), 22),
-                           v = RandomBits(Part(), 23);
-  std::vector<float> qkv = Guarded(3 * Part());
-  const absl::Status st =
-      Ops().join_heads(qkv.data(), q.data(), k.data(), v.data(), s.n, s.heads, s.dh, Stream{});
+  const std::vector<float> qkv = RandomBits(FusedSize(), 11);
+  std::vector<float> q = Guarded(QSize()), k = Guarded(KvSize()), v = Guarded(KvSize());
+  const absl::Status st = Split(q, k, v, qkv);
   ASSERT_TRUE(st.ok()) << st;
   const float* parts[3] = {q.data(), k.data(), v.data()};
   int mismatches = 0;
-  for (int64_t r = 0; r < s.n; ++r) {
-    for (int64_t j = 0; j < s.heads; ++j) {
-      for (int64_t which = 0; which < 3; ++which) {
-        for (int64_t d = 0; d < s.dh; ++d) {
-          const float got = qkv[Fused(s, r, j, which, d)];
-          const float want = parts[which][Piece(s, r, j, d)];
-          if (Bits(got) != Bits(want) && ++mismatches <= 5) {
-            ADD_FAILURE() << "qkv"[which] << " row " << r << " head " << j << " d " << d << ": 0x"
-                          << std::hex << Bits(got) << " != 0x" << Bits(want);
-          }
-        }
-      }
+  ForEach([&](int64_t fused, int part, int64_t at) {
+    const float got = parts[part][at];
+    const float want = qkv[fused];
+    if (Bits(got) != Bits(want) && ++mismatches <= 5) {
+      ADD_FAILURE() << "qkv"[part] << "[" << at << "] from qkv[" << fused << "]: 0x" << std::hex
+                    << Bits(got) << " != 0x" << Bits(want);
     }
-  }
+  });
   EXPECT_EQ(mismatches, 0);
-  EXPECT_TRUE(GuardIntact(qkv, 3 * Part()));
+  EXPECT_TRUE(GuardIntact(q, QSize()));
+  EXPECT_TRUE(GuardIntact(k, KvSize()));
+  EXPECT_TRUE(GuardIntact(v, KvSize()));
+}
+
+TEST_P(SplitJoinHeadsTest, JoinFollowsTheIndexFormula) {
+  const std::vector<float> q = RandomBits(QSize(), 21), k = RandomBits(KvSize(), 22),
+                           v = RandomBits(KvSize(), 23);
+  std::vector<float> qkv = Guarded(FusedSize());
+  const absl::Status st = Join(qkv, q, k, v);
+  ASSERT_TRUE(st.ok()) << st;
+  const float* parts[3] = {q.data(), k.data(), v.data()};
+  int mismatches = 0;
+  ForEach([&](int64_t fused, int part, int64_t at) {
+    const float got = qkv[fused];
+    const float want = parts[part][at];
+    if (Bits(got) != Bits(want) && ++mismatches <= 5) {
+      ADD_FAILURE() << "qkv[" << fused << "] from "
+                    << "qkv"[part] << "[" << at << "]: 0x" << std::hex << Bits(got) << " != 0x"
+                    << Bits(want);
+    }
+  });
+  EXPECT_EQ(mismatches, 0);
+  EXPECT_TRUE(GuardIntact(qkv, FusedSize()));
 }
 
 TEST_P(SplitJoinHeadsTest, JoinOfSplitIsTheIdentityBitForBit) {
-  const HeadShape s = GetParam();
-  const std::vector<float> x = RandomBits(3 * Part(), 31);
-  std::vector<float> q = Guarded(Part()), k = Guarded(Part()), v = Guarded(Part());
-  ASSERT_TRUE(
-      Ops().split_heads(q.data(), k.data(), v.data(), x.data(), s.n, s.heads, s.dh, Stream{}).ok());
-  std::vector<float> y = Guarded(3 * Part());
-  ASSERT_TRUE(
-      Ops().join_heads(y.data(), q.data(), k.data(), v.data(), s.n, s.heads, s.dh, Stream{}).ok());
+  const std::vector<float> x = RandomBits(FusedSize(), 31);
+  std::vector<float> q = Guarded(QSize()), k = Guarded(KvSize()), v = Guarded(KvSize());
+  ASSERT_TRUE(Split(q, k, v, x).ok());
+  std::vector<float> y = Guarded(FusedSize());
+  ASSERT_TRUE(Join(y, q, k, v).ok());
   EXPECT_TRUE(SameBits(y.data(), x.data(), x.size()));
-  EXPECT_TRUE(GuardIntact(y, 3 * Part()));
+  EXPECT_TRUE(GuardIntact(y, FusedSize()));
 
   // And the other way round: split(join(q, k, v)) == (q, k, v).
-  const std::vector<float> q0 = RandomBits(Part(), 32), k0 = RandomBits(Part(), 33),
-                           v0 = RandomBits(Part(), 34);
-  std::vector<float> fused = Guarded(3 * Part());
-  ASSERT_TRUE(
-      Ops()
-          .join_heads(fused.data(), q0.data(), k0.data(), v0.data(), s.n, s.heads, s.dh, Stream{})
-          .ok());
-  std::vector<float> q1 = Guarded(Part()), k1 = Guarded(Part()), v1 = Guarded(Part());
-  ASSERT_TRUE(
-      Ops()
-          .split_heads(q1.data(), k1.data(), v1.data(), fused.data(), s.n, s.heads, s.dh, Stream{})
-          .ok());
-  EXPECT_TRUE(SameBits(q1.data(), q0.data(), Part()));
-  EXPECT_TRUE(SameBits(k1.data(), k0.data(), Part()));
-  EXPECT_TRUE(SameBits(v1.data(), v0.data(), Part()));
+  const std::vector<float> q0 = RandomBits(QSize(), 32), k0 = RandomBits(KvSize(), 33),
+                           v0 = RandomBits(KvSize(), 34);
+  std::vector<float> fused = Guarded(FusedSize());
+  ASSERT_TRUE(Join(fused, q0, k0, v0).ok());
+  std::vector<float> q1 = Guarded(QSize()), k1 = Guarded(KvSize()), v1 = Guarded(KvSize());
+  ASSERT_TRUE(Split(q1, k1, v1, fused).ok());
+  EXPECT_TRUE(SameBits(q1.data(), q0.data(), QSize()));
+  EXPECT_TRUE(SameBits(k1.data(), k0.data(), KvSize()));
+  EXPECT_TRUE(SameBits(v1.data(), v0.data(), KvSize()));
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, SplitJoinHeadsTest,
-                         ::testing::Values(HeadShape{3, 4, 5}, HeadShape{1, 1, 1},
-                                           HeadShape{4, 1, 6}, HeadShape{2, 3, 1},
-                                           HeadShape{1, 8, 2}, HeadShape{5, 2, 33},
-                                           HeadShape{0, 3, 4}),
-                         [](const auto& info) {
-                           return "n" + std::to_string(info.param.n) + "_heads" +
-                                  std::to_string(info.param.heads) + "_dh" +
-                                  std::to_string(info.param.dh);
-                         });
+// q_per_kv = 1 is the multi-head layout of heads = kv_heads: per row and head, q, k, v.
+TEST(SplitJoinHeadsLayoutTest, OneQueryHeadPerKvHeadIsTheMultiHeadLayout) {
+  constexpr int64_t kN = 2, kHeads = 3, kDh = 4;
+  std::vector<float> qkv(kN * kHeads * 3 * kDh);
+  for (size_t i = 0; i < qkv.size(); ++i) qkv[i] = static_cast<float>(i);
+  std::vector<float> q(kN * kHeads * kDh), k(q.size()), v(q.size());
+  ASSERT_TRUE(
+      Ops()
+          .split_heads(q.data(), k.data(), v.data(), qkv.data(), kN, kHeads, 1, kDh, Stream{})
+          .ok());
+  for (int64_t r = 0; r < kN; ++r) {
+    for (int64_t j = 0; j < kHeads; ++j) {
+      for (int64_t d = 0; d < kDh; ++d) {
+        const int64_t piece = (r * kHeads + j) * kDh + d, fused = (r * kHeads + j) * 3 * kDh + d;
+        EXPECT_EQ(q[piece], qkv[fused]);
+        EXPECT_EQ(k[piece], qkv[fused + kDh]);
+        EXPECT_EQ(v[piece], qkv[fused + 2 * kDh]);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, SplitJoinHeadsTest,
+    ::testing::Values(HeadShape{3, 4, 1, 5}, HeadShape{1, 1, 1, 1}, HeadShape{4, 1, 1, 6},
+                      HeadShape{2, 3, 1, 1}, HeadShape{1, 8, 1, 2}, HeadShape{5, 2, 1, 33},
+                      HeadShape{0, 3, 1, 4}, HeadShape{3, 2, 4, 5}, HeadShape{2, 1, 8, 3},
+                      HeadShape{4, 3, 2, 1}, HeadShape{1, 2, 3, 64}, HeadShape{3, 2, 0, 4}),
+    [](const auto& info) {
+      return "n" + std::to_string(info.param.n) + "_kv" + std::to_string(info.param.kv_heads) +
+             "_qpkv" + std::to_string(info.param.q_per_kv) + "_dh" + std::to_string(info.param.dh);
+    });
 
 // ---------------------------------------------------------------------------------------------
 // transpose: dst[c * rows + r] == src[r * cols + c] (the CPU entry works in 32 x 32 blocks, so
@@ -668,17 +711,17 @@ TEST(AdamWEntryTest, ZeroCountTouchesNothing) {
 // layer_ops_test.cc.
 
 TEST(WrapperEntryTest, EntriesEqualTheirSpanFunctionsBitForBit) {
-  constexpr int64_t kN = 5, kV = 7, kC = 12, kB = 2, kT = 4, kH = 3, kDh = 5;
+  constexpr int64_t kN = 5, kV = 7, kC = 12, kB = 2, kT = 4, kH = 4, kHkv = 2, kDh = 5;
   const std::vector<int32_t> tokens = {3, 0, 6, 3, 1};
   const std::vector<float> table = RandomFloats(kV * kC, 101, -1.0f, 1.0f);
   const std::vector<float> x = RandomFloats(kN * kC, 102, -2.0f, 2.0f);
   const std::vector<float> w = RandomFloats(kC, 103, 0.5f, 1.5f);
   const std::vector<float> dout = RandomFloats(kN * kC, 104, -1.0f, 1.0f);
   const std::vector<float> y = RandomFloats(kN * kC, 105, -1.0f, 1.0f);
-  const size_t kAtt = kB * kT * kH * kDh, kProbs = kB * kH * kT * kT;
+  const size_t kAtt = kB * kT * kH * kDh, kKv = kB * kT * kHkv * kDh, kProbs = kB * kH * kT * kT;
   const std::vector<float> q = RandomFloats(kAtt, 106, -1.0f, 1.0f),
-                           k = RandomFloats(kAtt, 107, -1.0f, 1.0f),
-                           v = RandomFloats(kAtt, 108, -1.0f, 1.0f),
+                           k = RandomFloats(kKv, 107, -1.0f, 1.0f),
+                           v = RandomFloats(kKv, 108, -1.0f, 1.0f),
                            datt = RandomFloats(kAtt, 109, -1.0f, 1.0f);
   const Stream s{};
   {
@@ -713,26 +756,89 @@ TEST(WrapperEntryTest, EntriesEqualTheirSpanFunctionsBitForBit) {
     EXPECT_TRUE(SameBits(dwg.data(), dww.data(), dwg.size()));
   }
   {
-    SCOPED_TRACE("attention");
+    SCOPED_TRACE("attention (grouped-query)");
     std::vector<float> got(kAtt), want(kAtt), pgot(kProbs), pwant(kProbs);
     ASSERT_TRUE(Ops()
                     .attention_forward(got.data(), pgot.data(), q.data(), k.data(), v.data(), kB,
-                                       kT, kH, kDh, s)
+                                       kT, kH, kHkv, kDh, s)
                     .ok());
-    AttentionForward(want, pwant, q, k, v, kB, kT, kH, kDh);
+    AttentionForward(want, pwant, q, k, v, kB, kT, kH, kHkv, kDh);
     EXPECT_TRUE(SameBits(got.data(), want.data(), got.size()));
     EXPECT_TRUE(SameBits(pgot.data(), pwant.data(), pgot.size()));
     std::vector<float> dqg = RandomFloats(kAtt, 113, -1.0f, 1.0f), dqw = dqg;
-    std::vector<float> dkg = RandomFloats(kAtt, 114, -1.0f, 1.0f), dkw = dkg;
-    std::vector<float> dvg = RandomFloats(kAtt, 115, -1.0f, 1.0f), dvw = dvg;
+    std::vector<float> dkg = RandomFloats(kKv, 114, -1.0f, 1.0f), dkw = dkg;
+    std::vector<float> dvg = RandomFloats(kKv, 115, -1.0f, 1.0f), dvw = dvg;
     ASSERT_TRUE(Ops()
                     .attention_backward(dqg.data(), dkg.data(), dvg.data(), datt.data(), q.data(),
-                                        k.data(), v.data(), pwant.data(), kB, kT, kH, kDh, s)
+                                        k.data(), v.data(), pwant.data(), kB, kT, kH, kHkv, kDh, s)
                     .ok());
-    AttentionBackward(dqw, dkw, dvw, datt, q, k, v, pwant, kB, kT, kH, kDh);
+    AttentionBackward(dqw, dkw, dvw, datt, q, k, v, pwant, kB, kT, kH, kHkv, kDh);
     EXPECT_TRUE(SameBits(dqg.data(), dqw.data(), kAtt)) << "dq";
-    EXPECT_TRUE(SameBits(dkg.data(), dkw.data(), kAtt)) << "dk";
-    EXPECT_TRUE(SameBits(dvg.data(), dvw.data(), kAtt)) << "dv";
+    EXPECT_TRUE(SameBits(dkg.data(), dkw.data(), kKv)) << "dk";
+    EXPECT_TRUE(SameBits(dvg.data(), dvw.data(), kKv)) << "dv";
+  }
+  {
+    SCOPED_TRACE("layernorm");
+    const std::vector<float> b = RandomFloats(kC, 120, -0.5f, 0.5f);
+    std::vector<float> got(kN * kC), want(kN * kC), mgot(kN), mwant(kN), rgot(kN), rwant(kN);
+    ASSERT_TRUE(Ops()
+                    .layernorm_forward(got.data(), mgot.data(), rgot.data(), x.data(), w.data(),
+                                       b.data(), kN, kC, 1e-5f, s)
+                    .ok());
+    LayerNormForward(want, mwant, rwant, x, w, b, kN, kC, 1e-5f);
+    EXPECT_TRUE(SameBits(got.data(), want.data(), got.size()));
+    EXPECT_TRUE(SameBits(mgot.data(), mwant.data(), mgot.size()));
+    EXPECT_TRUE(SameBits(rgot.data(), rwant.data(), rgot.size()));
+    std::vector<float> dxg = RandomFloats(kN * kC, 121, -1.0f, 1.0f), dxw = dxg;
+    std::vector<float> dwg = RandomFloats(kC, 122, -1.0f, 1.0f), dww = dwg;
+    std::vector<float> dbg = RandomFloats(kC, 123, -1.0f, 1.0f), dbw = dbg;
+    ASSERT_TRUE(Ops()
+                    .layernorm_backward(dxg.data(), dwg.data(), dbg.data(), dout.data(), x.data(),
+                                        w.data(), mwant.data(), rwant.data(), kN, kC, s)
+                    .ok());
+    LayerNormBackward(dxw, dww, dbw, dout, x, w, mwant, rwant, kN, kC);
+    EXPECT_TRUE(SameBits(dxg.data(), dxw.data(), dxg.size()));
+    EXPECT_TRUE(SameBits(dwg.data(), dww.data(), dwg.size()));
+    EXPECT_TRUE(SameBits(dbg.data(), dbw.data(), dbg.size()));
+  }
+  {
+    SCOPED_TRACE("bias");
+    std::vector<float> got = x, want = x;
+    ASSERT_TRUE(Ops().bias_forward(got.data(), w.data(), kN, kC, s).ok());
+    BiasForward(want, w, kN, kC);
+    EXPECT_TRUE(SameBits(got.data(), want.data(), got.size()));
+    std::vector<float> dg = RandomFloats(kC, 124, -1.0f, 1.0f), dw = dg;
+    ASSERT_TRUE(Ops().bias_backward(dg.data(), dout.data(), kN, kC, s).ok());
+    BiasBackward(dw, dout, kN, kC);
+    EXPECT_TRUE(SameBits(dg.data(), dw.data(), dg.size()));
+  }
+  {
+    SCOPED_TRACE("rope");
+    // x as [kN, 3, 4]: rows at positions 0, 1, 0, 1, 0 (t = 2).
+    constexpr int64_t kRh = 3, kRdh = 4, kRt = 2;
+    std::vector<float> got(kN * kC), want(kN * kC);
+    ASSERT_TRUE(Ops().rope_forward(got.data(), x.data(), kN, kRt, kRh, kRdh, 10000.0f, s).ok());
+    RopeForward(want, x, kN, kRt, kRh, kRdh, 10000.0f);
+    EXPECT_TRUE(SameBits(got.data(), want.data(), got.size()));
+    std::vector<float> dg = RandomFloats(kN * kC, 125, -1.0f, 1.0f), dw = dg;
+    ASSERT_TRUE(Ops().rope_backward(dg.data(), dout.data(), kN, kRt, kRh, kRdh, 10000.0f, s).ok());
+    RopeBackward(dw, dout, kN, kRt, kRh, kRdh, 10000.0f);
+    EXPECT_TRUE(SameBits(dg.data(), dw.data(), dg.size()));
+  }
+  {
+    SCOPED_TRACE("swiglu");
+    const int64_t n = kN * kC;
+    std::vector<float> got(n), want(n);
+    ASSERT_TRUE(Ops().swiglu_forward(got.data(), x.data(), y.data(), n, s).ok());
+    SwigluForward(want, x, y, n);
+    EXPECT_TRUE(SameBits(got.data(), want.data(), got.size()));
+    std::vector<float> dgg = RandomFloats(n, 126, -1.0f, 1.0f), dgw = dgg;
+    std::vector<float> dug = RandomFloats(n, 127, -1.0f, 1.0f), duw = dug;
+    ASSERT_TRUE(
+        Ops().swiglu_backward(dgg.data(), dug.data(), dout.data(), x.data(), y.data(), n, s).ok());
+    SwigluBackward(dgw, duw, dout, x, y, n);
+    EXPECT_TRUE(SameBits(dgg.data(), dgw.data(), dgg.size()));
+    EXPECT_TRUE(SameBits(dug.data(), duw.data(), dug.size()));
   }
   {
     SCOPED_TRACE("gelu and residual");
@@ -807,7 +913,8 @@ std::vector<std::string> Words(const std::string& s) {
   return ::testing::AssertionSuccess();
 }
 
-// Buffers for calls with sizes of at most 2 (largest need: 3 * n * heads * dh = 24 floats),
+// Buffers for calls with sizes of at most 2 (largest need: n * kv_heads * (q_per_kv + 2) * dh =
+// 32 floats),
 // all sentinel, so a call that should touch nothing can be checked.
 class ArgumentErrorTest : public ::testing::Test {
  protected:
@@ -860,15 +967,51 @@ class ArgumentErrorTest : public ::testing::Test {
            return Ops().rmsnorm_backward(F(0), F(1), F(2), F(3), F(4), F(5), z[0], z[1], s);
          }},
         {"attention_forward",
-         {"b", "t", "h", "dh"},
+         {"b", "t", "h", "hkv", "dh"},
          [&, s](const auto& z) {
-           return Ops().attention_forward(F(0), F(1), F(2), F(3), F(4), z[0], z[1], z[2], z[3], s);
+           return Ops().attention_forward(F(0), F(1), F(2), F(3), F(4), z[0], z[1], z[2], z[3],
+                                          z[4], s);
          }},
         {"attention_backward",
-         {"b", "t", "h", "dh"},
+         {"b", "t", "h", "hkv", "dh"},
          [&, s](const auto& z) {
            return Ops().attention_backward(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), z[0],
-                                           z[1], z[2], z[3], s);
+                                           z[1], z[2], z[3], z[4], s);
+         }},
+        {"layernorm_forward",
+         {"n", "c"},
+         [&, s](const auto& z) {
+           return Ops().layernorm_forward(F(0), F(1), F(2), F(3), F(4), F(5), z[0], z[1], 1e-5f, s);
+         }},
+        {"layernorm_backward",
+         {"n", "c"},
+         [&, s](const auto& z) {
+           return Ops().layernorm_backward(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), z[0],
+                                           z[1], s);
+         }},
+        {"bias_forward",
+         {"n", "c"},
+         [&, s](const auto& z) { return Ops().bias_forward(F(0), F(1), z[0], z[1], s); }},
+        {"bias_backward",
+         {"n", "c"},
+         [&, s](const auto& z) { return Ops().bias_backward(F(0), F(1), z[0], z[1], s); }},
+        {"rope_forward",
+         {"n", "t", "h", "dh"},
+         [&, s](const auto& z) {
+           return Ops().rope_forward(F(0), F(1), z[0], z[1], z[2], z[3], 10000.0f, s);
+         }},
+        {"rope_backward",
+         {"n", "t", "h", "dh"},
+         [&, s](const auto& z) {
+           return Ops().rope_backward(F(0), F(1), z[0], z[1], z[2], z[3], 10000.0f, s);
+         }},
+        {"swiglu_forward",
+         {"n"},
+         [&, s](const auto& z) { return Ops().swiglu_forward(F(0), F(1), F(2), z[0], s); }},
+        {"swiglu_backward",
+         {"n"},
+         [&, s](const auto& z) {
+           return Ops().swiglu_backward(F(0), F(1), F(2), F(3), F(4), z[0], s);
          }},
         {"gelu_forward",
          {"n"},
@@ -904,14 +1047,14 @@ class ArgumentErrorTest : public ::testing::Test {
                                         reinterpret_cast<const uint8_t*>(F(1)), z[0], z[1], s);
          }},
         {"split_heads",
-         {"n", "heads", "dh"},
+         {"n", "kv_heads", "q_per_kv", "dh"},
          [&, s](const auto& z) {
-           return Ops().split_heads(F(0), F(1), F(2), F(3), z[0], z[1], z[2], s);
+           return Ops().split_heads(F(0), F(1), F(2), F(3), z[0], z[1], z[2], z[3], s);
          }},
         {"join_heads",
-         {"n", "heads", "dh"},
+         {"n", "kv_heads", "q_per_kv", "dh"},
          [&, s](const auto& z) {
-           return Ops().join_heads(F(0), F(1), F(2), F(3), z[0], z[1], z[2], s);
+           return Ops().join_heads(F(0), F(1), F(2), F(3), z[0], z[1], z[2], z[3], s);
          }},
         {"sum_squares",
          {"count"},
@@ -957,11 +1100,31 @@ TEST_F(ArgumentErrorTest, EveryEntryRefusesEveryNegativeSize) {
 TEST_F(ArgumentErrorTest, ZeroHeadDimChannelsOrVocabularyWithRowsIsInvalid) {
   const Stream s{};
   const LayerOps& o = Ops();
+  EXPECT_TRUE(
+      IsInvalidArgumentNaming(o.attention_forward(F(0), F(1), F(2), F(3), F(4), 2, 2, 2, 2, 0, s),
+                              "attention_forward", "dh"));
   EXPECT_TRUE(IsInvalidArgumentNaming(
-      o.attention_forward(F(0), F(1), F(2), F(3), F(4), 2, 2, 2, 0, s), "attention_forward", "dh"));
-  EXPECT_TRUE(IsInvalidArgumentNaming(
-      o.attention_backward(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), 1, 3, 1, 0, s),
+      o.attention_backward(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), 1, 3, 1, 1, 0, s),
       "attention_backward", "dh"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(
+      o.layernorm_forward(F(0), F(1), F(2), F(3), F(4), F(5), 2, 0, 1e-5f, s), "layernorm_forward",
+      "c"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(
+      o.layernorm_backward(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), 1, 0, s),
+      "layernorm_backward", "c"));
+  for (const int64_t dh : {int64_t{0}, int64_t{3}, int64_t{1}}) {
+    SCOPED_TRACE(::testing::Message() << "rope dh " << dh);
+    EXPECT_TRUE(IsInvalidArgumentNaming(o.rope_forward(F(0), F(1), 2, 2, 1, dh, 1e4f, s),
+                                        "rope_forward", "dh"));
+    EXPECT_TRUE(IsInvalidArgumentNaming(o.rope_backward(F(0), F(1), 2, 2, 1, dh, 1e4f, s),
+                                        "rope_backward", "dh"));
+  }
+  EXPECT_TRUE(IsInvalidArgumentNaming(o.rope_forward(F(0), F(1), 2, 0, 1, 4, 1e4f, s),
+                                      "rope_forward", "t"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(o.rope_backward(F(0), F(1), 3, 0, 2, 2, 1e4f, s),
+                                      "rope_backward", "t"));
+  EXPECT_TRUE(IsInvalidArgumentNaming(o.rope_backward(F(0), F(0), 2, 2, 1, 4, 1e4f, s),
+                                      "rope_backward", "dout"));  // dx aliases dout
   EXPECT_TRUE(IsInvalidArgumentNaming(o.rmsnorm_forward(F(0), F(1), F(2), F(3), 2, 0, 1e-5f, s),
                                       "rmsnorm_forward", "c"));
   EXPECT_TRUE(IsInvalidArgumentNaming(
@@ -971,6 +1134,46 @@ TEST_F(ArgumentErrorTest, ZeroHeadDimChannelsOrVocabularyWithRowsIsInvalid) {
   EXPECT_TRUE(IsInvalidArgumentNaming(o.cross_entropy_backward(F(0), F(1), Ids(), 1, 0, 1.0f, s),
                                       "cross_entropy_backward", "v"));
   EXPECT_TRUE(Untouched());
+}
+
+TEST_F(ArgumentErrorTest, KvHeadsThatDoNotDivideTheHeadsAreInvalid) {
+  const Stream s{};
+  const LayerOps& o = Ops();
+  // (h, hkv): not a divisor, more kv heads than heads, no kv heads.
+  for (const auto& [h, hkv] : {std::pair<int64_t, int64_t>{3, 2}, {2, 4}, {4, 3}, {2, 0}}) {
+    SCOPED_TRACE(::testing::Message() << "h " << h << " hkv " << hkv);
+    Reset();
+    EXPECT_TRUE(IsInvalidArgumentNaming(
+        o.attention_forward(F(0), F(1), F(2), F(3), F(4), 1, 2, h, hkv, 2, s), "attention_forward",
+        "hkv"));
+    EXPECT_TRUE(IsInvalidArgumentNaming(
+        o.attention_backward(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), 1, 2, h, hkv, 2, s),
+        "attention_backward", "hkv"));
+    EXPECT_TRUE(Untouched());
+  }
+}
+
+TEST_F(ArgumentErrorTest, BadEpsOrThetaIsInvalid) {
+  const Stream s{};
+  const LayerOps& o = Ops();
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (const float eps : {-1e-5f, inf, -inf, nan}) {
+    SCOPED_TRACE(::testing::Message() << "eps " << eps);
+    EXPECT_TRUE(IsInvalidArgumentNaming(
+        o.layernorm_forward(F(0), F(1), F(2), F(3), F(4), F(5), 2, 2, eps, s), "layernorm_forward",
+        "eps"));
+  }
+  for (const float theta : {0.0f, -0.0f, -10000.0f, inf, nan}) {
+    SCOPED_TRACE(::testing::Message() << "theta " << theta);
+    EXPECT_TRUE(IsInvalidArgumentNaming(o.rope_forward(F(0), F(1), 2, 2, 1, 2, theta, s),
+                                        "rope_forward", "theta"));
+    EXPECT_TRUE(IsInvalidArgumentNaming(o.rope_backward(F(0), F(1), 2, 2, 1, 2, theta, s),
+                                        "rope_backward", "theta"));
+  }
+  EXPECT_TRUE(Untouched());
+  // eps = 0 is allowed (a row that is not constant still normalises).
+  EXPECT_TRUE(o.layernorm_forward(F(0), F(1), F(2), F(3), F(4), F(5), 0, 2, 0.0f, s).ok());
 }
 
 TEST_F(ArgumentErrorTest, ZeroRowsAreValidAndTouchNothing) {
@@ -993,21 +1196,40 @@ TEST_F(ArgumentErrorTest, ZeroRowsAreValidAndTouchNothing) {
       {"rmsnorm_backward n=0 c=0",
        [&] { return o.rmsnorm_backward(F(0), F(1), F(2), F(3), F(4), F(5), 0, 0, s); }},
       {"attention_forward b=0",
-       [&] { return o.attention_forward(F(0), F(1), F(2), F(3), F(4), 0, 2, 2, 4, s); }},
+       [&] { return o.attention_forward(F(0), F(1), F(2), F(3), F(4), 0, 2, 2, 1, 4, s); }},
       {"attention_forward t=0",
-       [&] { return o.attention_forward(F(0), F(1), F(2), F(3), F(4), 2, 0, 2, 4, s); }},
+       [&] { return o.attention_forward(F(0), F(1), F(2), F(3), F(4), 2, 0, 2, 2, 4, s); }},
       {"attention_forward h=0",
-       [&] { return o.attention_forward(F(0), F(1), F(2), F(3), F(4), 2, 2, 0, 4, s); }},
+       [&] { return o.attention_forward(F(0), F(1), F(2), F(3), F(4), 2, 2, 0, 1, 4, s); }},
       {"attention_forward b=0 dh=0",
-       [&] { return o.attention_forward(F(0), F(1), F(2), F(3), F(4), 0, 2, 2, 0, s); }},
+       [&] { return o.attention_forward(F(0), F(1), F(2), F(3), F(4), 0, 2, 2, 2, 0, s); }},
       {"attention_backward b=0",
        [&] {
-         return o.attention_backward(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), 0, 2, 2, 4, s);
+         return o.attention_backward(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), 0, 2, 2, 1, 4,
+                                     s);
        }},
       {"attention_backward t=0 dh=0",
        [&] {
-         return o.attention_backward(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), 2, 0, 2, 0, s);
+         return o.attention_backward(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), 2, 0, 2, 2, 0,
+                                     s);
        }},
+      {"layernorm_forward n=0 c=0",
+       [&] { return o.layernorm_forward(F(0), F(1), F(2), F(3), F(4), F(5), 0, 0, 1e-5f, s); }},
+      {"layernorm_backward n=0",
+       [&] {
+         return o.layernorm_backward(F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), 0, 4, s);
+       }},
+      {"bias_forward n=0", [&] { return o.bias_forward(F(0), F(1), 0, 4, s); }},
+      {"bias_forward c=0", [&] { return o.bias_forward(F(0), F(1), 3, 0, s); }},
+      {"bias_backward n=0", [&] { return o.bias_backward(F(0), F(1), 0, 4, s); }},
+      {"bias_backward c=0", [&] { return o.bias_backward(F(0), F(1), 3, 0, s); }},
+      {"rope_forward n=0 t=0 dh=3",
+       [&] { return o.rope_forward(F(0), F(1), 0, 0, 2, 3, 1e4f, s); }},
+      {"rope_forward h=0", [&] { return o.rope_forward(F(0), F(1), 2, 2, 0, 4, 1e4f, s); }},
+      {"rope_backward n=0", [&] { return o.rope_backward(F(0), F(1), 0, 2, 2, 4, 1e4f, s); }},
+      {"swiglu_forward n=0", [&] { return o.swiglu_forward(F(0), F(1), F(2), 0, s); }},
+      {"swiglu_backward n=0",
+       [&] { return o.swiglu_backward(F(0), F(1), F(2), F(3), F(4), 0, s); }},
       {"gelu_forward n=0", [&] { return o.gelu_forward(F(0), F(1), 0, s); }},
       {"gelu_backward n=0", [&] { return o.gelu_backward(F(0), F(1), F(2), 0, s); }},
       {"residual_forward n=0", [&] { return o.residual_forward(F(0), F(1), F(2), 0, s); }},
@@ -1023,10 +1245,12 @@ TEST_F(ArgumentErrorTest, ZeroRowsAreValidAndTouchNothing) {
       {"fill n=0", [&] { return o.fill(F(0), 2.0f, 0, s); }},
       {"copy n=0", [&] { return o.copy(F(0), F(1), 0, s); }},
       {"transpose rows=0", [&] { return o.transpose(F(0), F(1), 0, 5, s); }},
-      {"split_heads n=0", [&] { return o.split_heads(F(0), F(1), F(2), F(3), 0, 2, 3, s); }},
-      {"split_heads heads=0", [&] { return o.split_heads(F(0), F(1), F(2), F(3), 2, 0, 3, s); }},
-      {"join_heads n=0", [&] { return o.join_heads(F(0), F(1), F(2), F(3), 0, 2, 3, s); }},
-      {"join_heads heads=0", [&] { return o.join_heads(F(0), F(1), F(2), F(3), 2, 0, 3, s); }},
+      {"split_heads n=0", [&] { return o.split_heads(F(0), F(1), F(2), F(3), 0, 2, 2, 3, s); }},
+      {"split_heads kv_heads=0",
+       [&] { return o.split_heads(F(0), F(1), F(2), F(3), 2, 0, 2, 3, s); }},
+      {"join_heads n=0", [&] { return o.join_heads(F(0), F(1), F(2), F(3), 0, 2, 2, 3, s); }},
+      {"join_heads kv_heads=0",
+       [&] { return o.join_heads(F(0), F(1), F(2), F(3), 2, 0, 1, 3, s); }},
       {"adamw count=0",
        [&] {
          AdamWArgs a = MakeAdamWArgs(kAdamWCases[0], 0);

@@ -4,13 +4,16 @@
 // forward (of the scalar sum(out * dout) for a fixed random dout).
 //
 // Index:
-//   Ref*                     double-precision forwards (embedding, RMSNorm, attention, GELU,
-//                            residual, cross-entropy)
+//   Ref*                     double-precision forwards (embedding, RMSNorm, LayerNorm, bias,
+//                            RoPE in Hugging Face's rotate_half form, grouped-query attention,
+//                            GELU, SwiGLU, residual, cross-entropy)
 //   NumericalGrad            central differences of a double function
 //   ExpectForwardNear        FP32 forward vs double reference (kForwardTol)
 //   ExpectGradNear           FP32 backward vs double finite differences (kGradTol)
 //   ExpectAccumulates        backward twice onto pre-filled gradients adds twice the gradient
-//   EmbeddingTest, RmsNormTest, AttentionTest, GeluTest, ResidualTest, CrossEntropyTest
+//   EmbeddingTest, RmsNormTest, LayerNormTest, BiasTest, RopeTest, AttentionTest,
+//   GqaAttentionTest (TEST_P over H / Hkv, MQA included), GeluTest, SwigluTest, ResidualTest,
+//   CrossEntropyTest
 #include "kernels/layer_ops.h"
 
 #include <algorithm>
@@ -149,17 +152,77 @@ DVec RefRmsNorm(const DVec& x, const DVec& w, int64_t n, int64_t c, double eps,
   return out;
 }
 
+// mean = sum(x) / C, var = sum((x - mean)^2) / C, y = (x - mean) / sqrt(var + eps) * w + b.
+DVec RefLayerNorm(const DVec& x, const DVec& w, const DVec& b, int64_t n, int64_t c, double eps,
+                  DVec* mean = nullptr, DVec* rstd = nullptr) {
+  DVec out(n * c);
+  for (int64_t i = 0; i < n; ++i) {
+    double m = 0.0;
+    for (int64_t j = 0; j < c; ++j) m += x[i * c + j];
+    m /= c;
+    double var = 0.0;
+    for (int64_t j = 0; j < c; ++j) var += (x[i * c + j] - m) * (x[i * c + j] - m);
+    var /= c;
+    const double r = 1.0 / std::sqrt(var + eps);
+    if (mean != nullptr) mean->push_back(m);
+    if (rstd != nullptr) rstd->push_back(r);
+    for (int64_t j = 0; j < c; ++j) out[i * c + j] = (x[i * c + j] - m) * r * w[j] + b[j];
+  }
+  return out;
+}
+
+// out[n, c] = x[n, c] + bias[c].
+DVec RefBias(const DVec& x, const DVec& bias, int64_t n, int64_t c) {
+  DVec out(n * c);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < c; ++j) out[i * c + j] = x[i * c + j] + bias[j];
+  }
+  return out;
+}
+
+// Hugging Face's apply_rotary_pos_emb, in double: with half = Dh/2, inv_freq[i] =
+// 1 / theta^(2i / Dh) for i < half, emb = cat(freqs, freqs) (so channel i and i + half share
+// frequency i), out = x * cos(emb) + rotate_half(x) * sin(emb), rotate_half(x) =
+// cat(-x[half:], x[:half]). Row r of x [N, H, Dh] is at position r % t.
+DVec RefRope(const DVec& x, int64_t n, int64_t t, int64_t h, int64_t dh, double theta) {
+  DVec out(x.size());
+  const int64_t half = dh / 2;
+  for (int64_t r = 0; r < n; ++r) {
+    const double pos = static_cast<double>(r % t);
+    for (int64_t hh = 0; hh < h; ++hh) {
+      const double* xr = x.data() + (r * h + hh) * dh;
+      for (int64_t i = 0; i < dh; ++i) {
+        const int64_t f = i % half;
+        const double inv_freq = 1.0 / std::pow(theta, 2.0 * static_cast<double>(f) / dh);
+        const double rotated = i < half ? -xr[i + half] : xr[i - half];
+        out[(r * h + hh) * dh + i] =
+            xr[i] * std::cos(pos * inv_freq) + rotated * std::sin(pos * inv_freq);
+      }
+    }
+  }
+  return out;
+}
+
+// Grouped-query attention: q [B, T, H, Dh], k and v [B, T, Hkv, Dh]; query head hh uses kv head
+// hh / (H / Hkv).
 struct AttentionShape {
-  int64_t b, t, h, dh;
+  int64_t b, t, h, hkv, dh;
   int64_t size() const { return b * t * h * dh; }
+  int64_t kv_size() const { return b * t * hkv * dh; }
+  int64_t probs_size() const { return b * h * t * t; }
   int64_t at(int64_t bb, int64_t pos, int64_t hh) const { return ((bb * t + pos) * h + hh) * dh; }
+  // Where the kv head of query head hh sits.
+  int64_t kv_at(int64_t bb, int64_t pos, int64_t hh) const {
+    return ((bb * t + pos) * hkv + hh / (h / hkv)) * dh;
+  }
 };
 
-// out_i = sum_{j<=i} softmax_j(q_i . k_j / sqrt(Dh)) v_j per (batch, head); probs [B, H, T, T].
+// out_i = sum_{j<=i} softmax_j(q_i . k_j / sqrt(Dh)) v_j per (batch, query head); probs
+// [B, H, T, T].
 DVec RefAttention(const DVec& q, const DVec& k, const DVec& v, const AttentionShape& s,
                   DVec* probs = nullptr) {
   DVec out(s.size(), 0.0);
-  if (probs != nullptr) probs->assign(s.b * s.h * s.t * s.t, 0.0);
+  if (probs != nullptr) probs->assign(s.probs_size(), 0.0);
   for (int64_t bb = 0; bb < s.b; ++bb) {
     for (int64_t hh = 0; hh < s.h; ++hh) {
       for (int64_t i = 0; i < s.t; ++i) {
@@ -167,14 +230,18 @@ DVec RefAttention(const DVec& q, const DVec& k, const DVec& v, const AttentionSh
         double sum = 0.0;
         for (int64_t j = 0; j <= i; ++j) {
           double dot = 0.0;
-          for (int64_t d = 0; d < s.dh; ++d) dot += q[s.at(bb, i, hh) + d] * k[s.at(bb, j, hh) + d];
+          for (int64_t d = 0; d < s.dh; ++d) {
+            dot += q[s.at(bb, i, hh) + d] * k[s.kv_at(bb, j, hh) + d];
+          }
           e[j] = std::exp(dot / std::sqrt(static_cast<double>(s.dh)));
           sum += e[j];
         }
         for (int64_t j = 0; j <= i; ++j) {
           const double p = e[j] / sum;
           if (probs != nullptr) (*probs)[((bb * s.h + hh) * s.t + i) * s.t + j] = p;
-          for (int64_t d = 0; d < s.dh; ++d) out[s.at(bb, i, hh) + d] += p * v[s.at(bb, j, hh) + d];
+          for (int64_t d = 0; d < s.dh; ++d) {
+            out[s.at(bb, i, hh) + d] += p * v[s.kv_at(bb, j, hh) + d];
+          }
         }
       }
     }
@@ -187,6 +254,13 @@ DVec RefGelu(const DVec& x) {
   const double c = std::sqrt(2.0 / std::numbers::pi);
   for (double xi : x)
     out.push_back(0.5 * xi * (1.0 + std::tanh(c * (xi + 0.044715 * xi * xi * xi))));
+  return out;
+}
+
+// out = gate * sigmoid(gate) * up.
+DVec RefSwiglu(const DVec& gate, const DVec& up) {
+  DVec out(gate.size());
+  for (size_t i = 0; i < gate.size(); ++i) out[i] = gate[i] / (1.0 + std::exp(-gate[i])) * up[i];
   return out;
 }
 
@@ -303,9 +377,221 @@ TEST(RmsNormTest, BackwardAccumulates) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// LayerNorm
+
+constexpr int64_t kLnN = 5, kLnC = 9;
+constexpr float kLnEps = 1e-5f;
+
+struct LayerNormInputs {
+  // An offset on x, so that the mean is far from 0 and subtracting it matters.
+  Vec x = [] {
+    Vec v = Random(kLnN * kLnC, 40, -1.0f, 1.0f);
+    for (float& e : v) e += 0.75f;
+    return v;
+  }();
+  Vec w = Random(kLnC, 41, 0.5f, 1.5f);
+  Vec b = Random(kLnC, 42, -0.5f, 0.5f);
+  Vec dout = Random(kLnN * kLnC, 43);
+};
+
+TEST(LayerNormTest, ForwardMatchesFormula) {
+  const LayerNormInputs in;
+  Vec out(in.x.size()), mean(kLnN), rstd(kLnN);
+  LayerNormForward(out, mean, rstd, in.x, in.w, in.b, kLnN, kLnC, kLnEps);
+  DVec want_mean, want_rstd;
+  const DVec want = RefLayerNorm(ToDouble(in.x), ToDouble(in.w), ToDouble(in.b), kLnN, kLnC, kLnEps,
+                                 &want_mean, &want_rstd);
+  ExpectForwardNear(out, want, "out");
+  ExpectForwardNear(mean, want_mean, "mean");
+  ExpectForwardNear(rstd, want_rstd, "rstd");
+}
+
+TEST(LayerNormTest, ConstantRowGivesTheBias) {
+  // x constant along a row: x - mean is exactly 0, so out is the bias whatever eps and weight.
+  const Vec x(2 * kLnC, 3.5f);
+  const LayerNormInputs in;
+  Vec out(x.size()), mean(2), rstd(2);
+  LayerNormForward(out, mean, rstd, x, in.w, in.b, 2, kLnC, kLnEps);
+  EXPECT_EQ(mean[0], 3.5f);
+  for (int64_t i = 0; i < 2; ++i) {
+    for (int64_t j = 0; j < kLnC; ++j) EXPECT_EQ(out[i * kLnC + j], in.b[j]) << i << ", " << j;
+  }
+}
+
+TEST(LayerNormTest, BackwardMatchesFiniteDifferences) {
+  const LayerNormInputs in;
+  Vec out(in.x.size()), mean(kLnN), rstd(kLnN);
+  LayerNormForward(out, mean, rstd, in.x, in.w, in.b, kLnN, kLnC, kLnEps);
+  Vec dx(in.x.size(), 0.0f), dw(kLnC, 0.0f), db(kLnC, 0.0f);
+  LayerNormBackward(dx, dw, db, in.dout, in.x, in.w, mean, rstd, kLnN, kLnC);
+  const DVec xd = ToDouble(in.x), wd = ToDouble(in.w), bd = ToDouble(in.b);
+  auto loss = [&](const DVec& x, const DVec& w, const DVec& b) {
+    return Dot(RefLayerNorm(x, w, b, kLnN, kLnC, kLnEps), in.dout);
+  };
+  ExpectGradNear(dx, NumericalGrad([&](const DVec& v) { return loss(v, wd, bd); }, xd), "dx");
+  ExpectGradNear(dw, NumericalGrad([&](const DVec& v) { return loss(xd, v, bd); }, wd), "dweight");
+  ExpectGradNear(db, NumericalGrad([&](const DVec& v) { return loss(xd, wd, v); }, bd), "dbias");
+}
+
+TEST(LayerNormTest, BackwardAccumulates) {
+  const LayerNormInputs in;
+  Vec out(in.x.size()), mean(kLnN), rstd(kLnN);
+  LayerNormForward(out, mean, rstd, in.x, in.w, in.b, kLnN, kLnC, kLnEps);
+  ExpectAccumulates(
+      [&](std::vector<Vec>& g) {
+        LayerNormBackward(g[0], g[1], g[2], in.dout, in.x, in.w, mean, rstd, kLnN, kLnC);
+      },
+      {in.x.size(), in.w.size(), in.b.size()});
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bias
+
+constexpr int64_t kBiasN = 4, kBiasC = 7;
+
+TEST(BiasTest, ForwardAddsTheBiasToEveryRow) {
+  const Vec x = Random(kBiasN * kBiasC, 44);
+  const Vec bias = Random(kBiasC, 45);
+  Vec out = x;
+  BiasForward(out, bias, kBiasN, kBiasC);
+  // One FP32 addition per element: the correctly rounded double sum.
+  const DVec want = RefBias(ToDouble(x), ToDouble(bias), kBiasN, kBiasC);
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_EQ(out[i], static_cast<float>(want[i])) << i;
+}
+
+TEST(BiasTest, BackwardMatchesFiniteDifferences) {
+  const Vec x = Random(kBiasN * kBiasC, 44);
+  const Vec bias = Random(kBiasC, 45);
+  const Vec dout = Random(x.size(), 46);
+  Vec dbias(kBiasC, 0.0f);
+  BiasBackward(dbias, dout, kBiasN, kBiasC);
+  const DVec xd = ToDouble(x);
+  ExpectGradNear(
+      dbias,
+      NumericalGrad([&](const DVec& b) { return Dot(RefBias(xd, b, kBiasN, kBiasC), dout); },
+                    ToDouble(bias)),
+      "dbias");
+  // The rows are added in ascending order onto dbias.
+  for (int64_t j = 0; j < kBiasC; ++j) {
+    float want = 0.0f;
+    for (int64_t i = 0; i < kBiasN; ++i) want += dout[i * kBiasC + j];
+    EXPECT_EQ(dbias[j], want) << j;
+  }
+}
+
+TEST(BiasTest, BackwardAccumulates) {
+  const Vec dout = Random(kBiasN * kBiasC, 46);
+  ExpectAccumulates([&](std::vector<Vec>& g) { BiasBackward(g[0], dout, kBiasN, kBiasC); },
+                    {kBiasC});
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE
+
+// Seven rows of sequences of three tokens: positions 0, 1, 2, 0, 1, 2, 0.
+constexpr int64_t kRopeN = 7, kRopeT = 3, kRopeH = 2, kRopeDh = 8;
+constexpr float kRopeTheta = 10000.0f;
+constexpr int64_t kRopeSize = kRopeN * kRopeH * kRopeDh;
+
+TEST(RopeTest, ForwardMatchesHuggingFaceRotateHalf) {
+  for (const float theta : {kRopeTheta, 500000.0f, 2.0f}) {
+    SCOPED_TRACE(::testing::Message() << "theta " << theta);
+    const Vec x = Random(kRopeSize, 47);
+    Vec out(x.size());
+    RopeForward(out, x, kRopeN, kRopeT, kRopeH, kRopeDh, theta);
+    ExpectForwardNear(out, RefRope(ToDouble(x), kRopeN, kRopeT, kRopeH, kRopeDh, theta), "out");
+  }
+  // Long sequences: positions up to 4095, where the angles are large (still in double).
+  constexpr int64_t kLongT = 4096, kLongH = 1, kLongDh = 4;
+  const Vec x = Random(kLongT * kLongH * kLongDh, 48);
+  Vec out(x.size());
+  RopeForward(out, x, kLongT, kLongT, kLongH, kLongDh, kRopeTheta);
+  ExpectForwardNear(out, RefRope(ToDouble(x), kLongT, kLongT, kLongH, kLongDh, kRopeTheta), "long");
+}
+
+TEST(RopeTest, PositionZeroIsTheIdentityAndPositionsRestartEveryT) {
+  const Vec x = Random(kRopeSize, 49);
+  Vec out(x.size());
+  RopeForward(out, x, kRopeN, kRopeT, kRopeH, kRopeDh, kRopeTheta);
+  const int64_t row = kRopeH * kRopeDh;
+  for (int64_t r = 0; r < kRopeN; ++r) {
+    for (int64_t e = 0; e < row; ++e) {
+      if (r % kRopeT == 0) {
+        EXPECT_EQ(out[r * row + e], x[r * row + e]) << "row " << r;
+      }
+    }
+  }
+  // Rows 1 and 4 are both at position 1: the same input there gives the same output.
+  Vec x2 = x;
+  std::copy_n(x.begin() + 1 * row, row, x2.begin() + 4 * row);
+  Vec out2(x.size());
+  RopeForward(out2, x2, kRopeN, kRopeT, kRopeH, kRopeDh, kRopeTheta);
+  for (int64_t e = 0; e < row; ++e) EXPECT_EQ(out2[4 * row + e], out[1 * row + e]) << e;
+  // And a later position is not the identity.
+  EXPECT_NE(out[1 * row + 1], x[1 * row + 1]);
+}
+
+TEST(RopeTest, InPlaceEqualsOutOfPlace) {
+  const Vec x = Random(kRopeSize, 50);
+  Vec out(x.size());
+  RopeForward(out, x, kRopeN, kRopeT, kRopeH, kRopeDh, kRopeTheta);
+  Vec in_place = x;
+  RopeForward(in_place, in_place, kRopeN, kRopeT, kRopeH, kRopeDh, kRopeTheta);
+  EXPECT_EQ(in_place, out);
+}
+
+TEST(RopeTest, BackwardIsTheExactTranspose) {
+  // The forward's matrix column by column (forward of unit vectors) and the backward's row by
+  // row (backward of unit vectors onto zeros): M_bwd = M_fwd^T exactly. Both are exact products
+  // of 0 and 1 with cos and sin, so any difference is a wrong sign, pair or angle.
+  constexpr int64_t kN = 3, kT = 3, kH = 1, kDh = 6, kSize = kN * kH * kDh;
+  std::vector<Vec> fwd(kSize), bwd(kSize);
+  for (int64_t e = 0; e < kSize; ++e) {
+    Vec unit(kSize, 0.0f);
+    unit[e] = 1.0f;
+    fwd[e].assign(kSize, 0.0f);
+    RopeForward(fwd[e], unit, kN, kT, kH, kDh, kRopeTheta);  // column e
+    bwd[e].assign(kSize, 0.0f);
+    RopeBackward(bwd[e], unit, kN, kT, kH, kDh, kRopeTheta);  // row e of the transpose
+  }
+  int nonzero = 0;
+  for (int64_t i = 0; i < kSize; ++i) {
+    for (int64_t j = 0; j < kSize; ++j) {
+      // fwd[j][i] = M[i][j] (column j of M); bwd[i][j] = M^T[j][i] (column i of M^T) = M[i][j].
+      EXPECT_EQ(bwd[i][j], fwd[j][i]) << i << ", " << j;
+      nonzero += fwd[j][i] != 0.0f;
+    }
+  }
+  EXPECT_GT(nonzero, kSize) << "the rotation should mix channel pairs";
+}
+
+TEST(RopeTest, BackwardMatchesFiniteDifferences) {
+  const Vec x = Random(kRopeSize, 51);
+  const Vec dout = Random(kRopeSize, 52);
+  Vec dx(x.size(), 0.0f);
+  RopeBackward(dx, dout, kRopeN, kRopeT, kRopeH, kRopeDh, kRopeTheta);
+  ExpectGradNear(dx,
+                 NumericalGrad(
+                     [&](const DVec& xx) {
+                       return Dot(RefRope(xx, kRopeN, kRopeT, kRopeH, kRopeDh, kRopeTheta), dout);
+                     },
+                     ToDouble(x)),
+                 "dx");
+}
+
+TEST(RopeTest, BackwardAccumulates) {
+  const Vec dout = Random(kRopeSize, 52);
+  ExpectAccumulates(
+      [&](std::vector<Vec>& g) {
+        RopeBackward(g[0], dout, kRopeN, kRopeT, kRopeH, kRopeDh, kRopeTheta);
+      },
+      {kRopeSize});
+}
+
+// ---------------------------------------------------------------------------------------------
 // Causal multi-head attention
 
-constexpr AttentionShape kAttn{.b = 2, .t = 5, .h = 2, .dh = 4};
+constexpr AttentionShape kAttn{.b = 2, .t = 5, .h = 2, .hkv = 2, .dh = 4};
 
 struct AttentionInputs {
   // Scores q.k/sqrt(Dh) of a few units keep the softmax away from uniform and from one-hot.
@@ -318,7 +604,7 @@ struct AttentionInputs {
 void RunAttentionForward(const AttentionInputs& in, Vec& out, Vec& probs) {
   out.assign(kAttn.size(), 0.0f);
   probs.assign(kAttn.b * kAttn.h * kAttn.t * kAttn.t, -1.0f);
-  AttentionForward(out, probs, in.q, in.k, in.v, kAttn.b, kAttn.t, kAttn.h, kAttn.dh);
+  AttentionForward(out, probs, in.q, in.k, in.v, kAttn.b, kAttn.t, kAttn.h, kAttn.hkv, kAttn.dh);
 }
 
 TEST(AttentionTest, ForwardMatchesFormula) {
@@ -403,7 +689,8 @@ TEST(AttentionTest, BackwardSendsNoGradientToFutureKeysAndValues) {
     }
   }
   Vec dq(kAttn.size(), 0.0f), dk(kAttn.size(), 0.0f), dv(kAttn.size(), 0.0f);
-  AttentionBackward(dq, dk, dv, dout, in.q, in.k, in.v, probs, kAttn.b, kAttn.t, kAttn.h, kAttn.dh);
+  AttentionBackward(dq, dk, dv, dout, in.q, in.k, in.v, probs, kAttn.b, kAttn.t, kAttn.h, kAttn.hkv,
+                    kAttn.dh);
   for (int64_t bb = 0; bb < kAttn.b; ++bb) {
     for (int64_t pos = 0; pos < kAttn.t; ++pos) {
       for (int64_t e = 0; e < kAttn.h * kAttn.dh; ++e) {
@@ -424,7 +711,7 @@ TEST(AttentionTest, BackwardMatchesFiniteDifferences) {
   RunAttentionForward(in, out, probs);
   Vec dq(kAttn.size(), 0.0f), dk(kAttn.size(), 0.0f), dv(kAttn.size(), 0.0f);
   AttentionBackward(dq, dk, dv, in.dout, in.q, in.k, in.v, probs, kAttn.b, kAttn.t, kAttn.h,
-                    kAttn.dh);
+                    kAttn.hkv, kAttn.dh);
   const DVec q = ToDouble(in.q), k = ToDouble(in.k), v = ToDouble(in.v);
   ExpectGradNear(
       dq,
@@ -449,10 +736,132 @@ TEST(AttentionTest, BackwardAccumulates) {
   ExpectAccumulates(
       [&](std::vector<Vec>& g) {
         AttentionBackward(g[0], g[1], g[2], in.dout, in.q, in.k, in.v, probs, kAttn.b, kAttn.t,
-                          kAttn.h, kAttn.dh);
+                          kAttn.h, kAttn.hkv, kAttn.dh);
       },
       {n, n, n});
 }
+
+// ---------------------------------------------------------------------------------------------
+// Grouped-query attention: H query heads share Hkv kv heads (Hkv = H is multi-head, 1 multi-query)
+
+class GqaAttentionTest : public ::testing::TestWithParam<AttentionShape> {
+ protected:
+  const AttentionShape s = GetParam();
+  Vec q = Random(s.size(), 60, -2.0f, 2.0f);
+  Vec k = Random(s.kv_size(), 61, -2.0f, 2.0f);
+  Vec v = Random(s.kv_size(), 62);
+  Vec dout = Random(s.size(), 63);
+
+  void Forward(Vec& out, Vec& probs) const {
+    out.assign(s.size(), 0.0f);
+    probs.assign(s.probs_size(), -1.0f);
+    AttentionForward(out, probs, q, k, v, s.b, s.t, s.h, s.hkv, s.dh);
+  }
+  // k or v repeated for every query head: the multi-head inputs of the same attention.
+  Vec RepeatKv(const Vec& kv) const {
+    Vec out(s.size());
+    for (int64_t bb = 0; bb < s.b; ++bb) {
+      for (int64_t pos = 0; pos < s.t; ++pos) {
+        for (int64_t hh = 0; hh < s.h; ++hh) {
+          std::copy_n(kv.begin() + s.kv_at(bb, pos, hh), s.dh, out.begin() + s.at(bb, pos, hh));
+        }
+      }
+    }
+    return out;
+  }
+};
+
+TEST_P(GqaAttentionTest, ForwardMatchesFormula) {
+  Vec out, probs;
+  Forward(out, probs);
+  DVec want_probs;
+  const DVec want = RefAttention(ToDouble(q), ToDouble(k), ToDouble(v), s, &want_probs);
+  ExpectForwardNear(out, want, "out");
+  ExpectForwardNear(probs, want_probs, "probs");
+}
+
+TEST_P(GqaAttentionTest, BackwardMatchesFiniteDifferences) {
+  Vec out, probs;
+  Forward(out, probs);
+  Vec dq(s.size(), 0.0f), dk(s.kv_size(), 0.0f), dv(s.kv_size(), 0.0f);
+  AttentionBackward(dq, dk, dv, dout, q, k, v, probs, s.b, s.t, s.h, s.hkv, s.dh);
+  const DVec qd = ToDouble(q), kd = ToDouble(k), vd = ToDouble(v);
+  ExpectGradNear(
+      dq, NumericalGrad([&](const DVec& x) { return Dot(RefAttention(x, kd, vd, s), dout); }, qd),
+      "dq");
+  ExpectGradNear(
+      dk, NumericalGrad([&](const DVec& x) { return Dot(RefAttention(qd, x, vd, s), dout); }, kd),
+      "dk");
+  ExpectGradNear(
+      dv, NumericalGrad([&](const DVec& x) { return Dot(RefAttention(qd, kd, x, s), dout); }, vd),
+      "dv");
+}
+
+TEST_P(GqaAttentionTest, BackwardAccumulates) {
+  Vec out, probs;
+  Forward(out, probs);
+  ExpectAccumulates(
+      [&](std::vector<Vec>& g) {
+        AttentionBackward(g[0], g[1], g[2], dout, q, k, v, probs, s.b, s.t, s.h, s.hkv, s.dh);
+      },
+      {static_cast<size_t>(s.size()), static_cast<size_t>(s.kv_size()),
+       static_cast<size_t>(s.kv_size())});
+}
+
+// GQA is multi-head attention on kv heads repeated across each group: the forward and dq are bit
+// for bit those of the multi-head call (the same operations in the same order), and dk, dv are
+// the sums over each group of the multi-head call's (added in another order: within a few FP32
+// roundings).
+TEST_P(GqaAttentionTest, EqualsMultiHeadAttentionOnRepeatedKvHeads) {
+  const AttentionShape mha{s.b, s.t, s.h, s.h, s.dh};
+  const Vec k_rep = RepeatKv(k), v_rep = RepeatKv(v);
+  Vec out, probs;
+  Forward(out, probs);
+  Vec out_mha(s.size()), probs_mha(s.probs_size());
+  AttentionForward(out_mha, probs_mha, q, k_rep, v_rep, mha.b, mha.t, mha.h, mha.hkv, mha.dh);
+  EXPECT_EQ(out, out_mha);
+  EXPECT_EQ(probs, probs_mha);
+
+  Vec dq(s.size(), 0.0f), dk(s.kv_size(), 0.0f), dv(s.kv_size(), 0.0f);
+  AttentionBackward(dq, dk, dv, dout, q, k, v, probs, s.b, s.t, s.h, s.hkv, s.dh);
+  Vec dq_mha(s.size(), 0.0f), dk_mha(s.size(), 0.0f), dv_mha(s.size(), 0.0f);
+  AttentionBackward(dq_mha, dk_mha, dv_mha, dout, q, k_rep, v_rep, probs, mha.b, mha.t, mha.h,
+                    mha.hkv, mha.dh);
+  EXPECT_EQ(dq, dq_mha);
+  DVec dk_sum(s.kv_size(), 0.0), dv_sum(s.kv_size(), 0.0), dk_abs(s.kv_size(), 0.0),
+      dv_abs(s.kv_size(), 0.0);
+  for (int64_t bb = 0; bb < s.b; ++bb) {
+    for (int64_t pos = 0; pos < s.t; ++pos) {
+      for (int64_t hh = 0; hh < s.h; ++hh) {
+        for (int64_t d = 0; d < s.dh; ++d) {
+          const int64_t to = s.kv_at(bb, pos, hh) + d, from = s.at(bb, pos, hh) + d;
+          dk_sum[to] += dk_mha[from];
+          dv_sum[to] += dv_mha[from];
+          dk_abs[to] += std::abs(dk_mha[from]);
+          dv_abs[to] += std::abs(dv_mha[from]);
+        }
+      }
+    }
+  }
+  // Each side is within (T * H + 1) FP32 roundings of the exact sum of its |terms|; 1e-5 of the
+  // group's magnitude covers both with a wide margin (and a missing head is an O(1) error).
+  for (int64_t i = 0; i < s.kv_size(); ++i) {
+    EXPECT_NEAR(dk[i], dk_sum[i], 1e-5 * (dk_abs[i] + 1e-6)) << "dk " << i;
+    EXPECT_NEAR(dv[i], dv_sum[i], 1e-5 * (dv_abs[i] + 1e-6)) << "dv " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GqaAttentionTest,
+                         ::testing::Values(AttentionShape{2, 5, 4, 2, 4},   // two groups of two
+                                           AttentionShape{1, 6, 3, 1, 4},   // multi-query
+                                           AttentionShape{2, 4, 6, 3, 3},   // three groups of two
+                                           AttentionShape{1, 4, 2, 2, 5}),  // multi-head
+                         [](const auto& info) {
+                           const AttentionShape& p = info.param;
+                           return "B" + std::to_string(p.b) + "_T" + std::to_string(p.t) + "_H" +
+                                  std::to_string(p.h) + "_Hkv" + std::to_string(p.hkv) + "_Dh" +
+                                  std::to_string(p.dh);
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // GELU
@@ -479,6 +888,41 @@ TEST(GeluTest, BackwardAccumulates) {
   const Vec x = Random(kGeluN, 10, -4.0f, 4.0f);
   const Vec dout = Random(kGeluN, 11);
   ExpectAccumulates([&](std::vector<Vec>& g) { GeluBackward(g[0], dout, x, kGeluN); }, {kGeluN});
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU
+
+constexpr int64_t kSwiN = 24;
+
+TEST(SwigluTest, ForwardMatchesFormula) {
+  const Vec gate = Random(kSwiN, 70, -6.0f, 6.0f);
+  const Vec up = Random(kSwiN, 71, -2.0f, 2.0f);
+  Vec out(kSwiN);
+  SwigluForward(out, gate, up, kSwiN);
+  ExpectForwardNear(out, RefSwiglu(ToDouble(gate), ToDouble(up)), "out");
+}
+
+TEST(SwigluTest, BackwardMatchesFiniteDifferences) {
+  const Vec gate = Random(kSwiN, 70, -6.0f, 6.0f);
+  const Vec up = Random(kSwiN, 71, -2.0f, 2.0f);
+  const Vec dout = Random(kSwiN, 72);
+  Vec dgate(kSwiN, 0.0f), dup(kSwiN, 0.0f);
+  SwigluBackward(dgate, dup, dout, gate, up, kSwiN);
+  const DVec gd = ToDouble(gate), ud = ToDouble(up);
+  ExpectGradNear(dgate,
+                 NumericalGrad([&](const DVec& g) { return Dot(RefSwiglu(g, ud), dout); }, gd),
+                 "dgate");
+  ExpectGradNear(dup, NumericalGrad([&](const DVec& u) { return Dot(RefSwiglu(gd, u), dout); }, ud),
+                 "dup");
+}
+
+TEST(SwigluTest, BackwardAccumulates) {
+  const Vec gate = Random(kSwiN, 70, -6.0f, 6.0f);
+  const Vec up = Random(kSwiN, 71, -2.0f, 2.0f);
+  const Vec dout = Random(kSwiN, 72);
+  ExpectAccumulates([&](std::vector<Vec>& g) { SwigluBackward(g[0], g[1], dout, gate, up, kSwiN); },
+                    {kSwiN, kSwiN});
 }
 
 // ---------------------------------------------------------------------------------------------

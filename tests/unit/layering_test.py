@@ -11,8 +11,8 @@ Index:
 Dependencies flow one way: runtime/core <- kernels <- parallel <- runtime/train <- runtime/model
 <- runtime/worker. The controller and the fp8rt CLI see only the proto and runtime/core (where
 the run-spec and checkpoint code of DESIGN's runtime/spec and runtime/checkpoint live today);
-the commands that need numerics are sibling programs (launcher/bench, launcher/quantize). tests/
-may include anything. A source file in a folder this table does not know fails too, so that a new
+the commands that need numerics are sibling programs (launcher/bench, launcher/quantize,
+launcher/model). tests/ may include anything. A source file in a folder this table does not know fails too, so that a new
 folder gets its rule when it is added, not after a reviewer notices.
 
 Usage: layering_test.py [--root DIR] [--exclude DIR ...]   check the tree (exit 1 on a violation)
@@ -76,6 +76,10 @@ FOLDERS = {
         "fp8rt-bench*, sibling programs: the worker and everything below it (the step bench "
         "runs the Trainer), the controller only over gRPC, never runtime/controller or the "
         "CLI"),
+    "launcher/model": (
+        ["runtime/worker"] + _NUMERICS_BELOW_WORKER + [PROTO],
+        "fp8rt-model (export, eval, generate), a sibling program: the worker's weights and "
+        "everything below it, never runtime/controller or the CLI"),
     # Not layered: tests may include anything.
     "tests": (None, "tests may include anything"),
 }

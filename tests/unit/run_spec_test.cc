@@ -238,6 +238,77 @@ TEST(RunSpecTest, TinyExampleLoadsAndValidatesOnTwoRanks) {
   EXPECT_EQ(plain->data().path(), "examples/data/kjv.txt");
 }
 
+// The family examples load, validate (with a data file the test writes) and resolve to the
+// architecture the issue names.
+TEST(RunSpecTest, FamilyExamplesLoadResolveAndValidate) {
+  TempDir dir;
+  const std::vector<std::string> overrides = {"data.path=" + dir.DataFile()};
+  auto example = [](const char* name) {
+    return (fs::path(__FILE__).parent_path() / "../../examples" / name).lexically_normal().string();
+  };
+  using M = v1::RunSpec::Model;
+  const absl::StatusOr<v1::RunSpec> llama = LoadRunSpec(example("llama-tiny.yaml"), overrides);
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  EXPECT_TRUE(ValidateRunSpec(*llama, 2).ok()) << ValidateRunSpec(*llama, 2);
+  const M l = ResolveModel(llama->model());
+  EXPECT_EQ(l.family(), M::FAMILY_LLAMA);
+  EXPECT_EQ(l.layers(), 4);
+  EXPECT_EQ(l.d_model(), 256);
+  EXPECT_EQ(l.heads(), 8);
+  EXPECT_EQ(l.kv_heads(), 2);
+  EXPECT_EQ(l.norm(), M::NORM_RMSNORM);
+  EXPECT_EQ(l.mlp(), M::MLP_SWIGLU);
+  EXPECT_EQ(l.positions(), M::POSITIONS_ROPE);
+  EXPECT_EQ(l.rope_theta(), 10000.0);
+  EXPECT_FALSE(l.bias());
+  EXPECT_FALSE(l.tie_embeddings());
+
+  std::vector<std::string> gpt2_overrides = overrides;
+  gpt2_overrides.push_back("data.format=text");  // the test's data file is bytes
+  const absl::StatusOr<v1::RunSpec> gpt2 = LoadRunSpec(example("gpt2-small.yaml"), gpt2_overrides);
+  ASSERT_TRUE(gpt2.ok()) << gpt2.status();
+  EXPECT_TRUE(ValidateRunSpec(*gpt2, 1).ok()) << ValidateRunSpec(*gpt2, 1);
+  const M g = ResolveModel(gpt2->model());
+  EXPECT_EQ(g.family(), M::FAMILY_GPT2);
+  EXPECT_EQ(g.layers(), 12);
+  EXPECT_EQ(g.d_model(), 768);
+  EXPECT_EQ(g.heads(), 12);
+  EXPECT_EQ(g.kv_heads(), 12);
+  EXPECT_EQ(g.max_positions(), 1024);
+  EXPECT_EQ(g.vocab(), 50257);
+  EXPECT_EQ(g.norm(), M::NORM_LAYERNORM);
+  EXPECT_EQ(g.mlp(), M::MLP_GELU);
+  EXPECT_EQ(g.positions(), M::POSITIONS_LEARNED);
+  EXPECT_EQ(g.norm_eps(), 1e-5);
+  EXPECT_TRUE(g.bias());
+  EXPECT_TRUE(g.tie_embeddings());
+}
+
+// A family sets defaults; a written field overrides its family's value; no family is plain.
+TEST(RunSpecTest, FamilyDefaultsYieldToWrittenFields) {
+  using M = v1::RunSpec::Model;
+  const M plain = ResolveModel(Parse(MinimalSpec("x")).value().model());
+  EXPECT_EQ(plain.family(), M::FAMILY_PLAIN);
+  EXPECT_EQ(plain.norm(), M::NORM_RMSNORM);
+  EXPECT_EQ(plain.mlp(), M::MLP_GELU);
+  EXPECT_EQ(plain.positions(), M::POSITIONS_NONE);
+  EXPECT_EQ(plain.kv_heads(), plain.heads());
+  EXPECT_FALSE(plain.bias());
+  EXPECT_FALSE(plain.tie_embeddings());
+  const std::vector<std::string> overrides = {"model.family=llama", "model.tie_embeddings=true",
+                                              "model.norm=layernorm", "model.rope_theta=500000",
+                                              "model.bias=true"};
+  const absl::StatusOr<v1::RunSpec> spec = ParseRunSpec(MinimalSpec("x"), "run.yaml", overrides);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  const M m = ResolveModel(spec->model());
+  EXPECT_EQ(m.mlp(), M::MLP_SWIGLU);  // the family's
+  EXPECT_EQ(m.positions(), M::POSITIONS_ROPE);
+  EXPECT_EQ(m.norm(), M::NORM_LAYERNORM);  // written
+  EXPECT_EQ(m.rope_theta(), 500000.0);
+  EXPECT_TRUE(m.tie_embeddings());
+  EXPECT_TRUE(m.bias());
+}
+
 TEST(RunSpecTest, MissingSpecFileIsNotFound) {
   TempDir dir;
   const absl::StatusOr<v1::RunSpec> spec = LoadRunSpec(dir.Path("nope.yaml"), {});
@@ -389,6 +460,14 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
       {{"moe.experts=4", "moe.capacity_factor=0"}, 1, {"moe.capacity_factor"}},
       {{"moe.experts=4", "parallel.tp=2"}, 2, {"parallel.tp", "MoE"}},
       {{"model.d_model=96", "model.heads=2", "parallel.tp=4"}, 4, {"model.heads"}},
+      {{"model.kv_heads=3"}, 1, {"model.kv_heads", "do not divide model.heads 4"}},
+      {{"model.kv_heads=2", "parallel.tp=4"}, 4, {"model.kv_heads", "parallel.tp 4"}},
+      {{"model.family=gpt2", "model.max_positions=32"}, 1, {"model.max_positions", "seq_len 64"}},
+      {{"model.family=llama", "model.d_model=132", "model.heads=4"},
+       1,
+       {"model.positions", "even head size"}},
+      {{"model.rope_theta=0"}, 1, {"model.rope_theta"}},
+      {{"model.norm_eps=-1"}, 1, {"model.norm_eps"}},
       {{"model.d_model=132", "model.heads=1", "parallel.tp=8"}, 8, {"model.d_model", "132"}},
       {{"model.d_ff=500", "parallel.tp=8", "model.heads=8"}, 8, {"model.d_ff", "500"}},
       {{"model.d_model=100", "model.heads=4", "precision.scaling=block"},
@@ -443,6 +522,127 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
                             "parallel.tp=2", "precision.mode=bf16"},
                            8)
                   .ok());
+}
+
+TEST(RunSpecTest, ShuffleValidationDataAndEvalTakeTheirDefaults) {
+  TempDir dir;
+  const absl::StatusOr<v1::RunSpec> spec = Parse(MinimalSpec(dir.DataFile()));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(spec->data().has_shuffle());
+  EXPECT_TRUE(spec->data().shuffle());
+  EXPECT_EQ(spec->data().val_path(), "");
+  EXPECT_EQ(spec->data().val_fraction(), 0.0);
+  EXPECT_EQ(spec->eval().every(), 0);
+  EXPECT_EQ(spec->eval().batches(), 8);
+  EXPECT_TRUE(ValidateRunSpec(*spec, 1).ok());
+}
+
+TEST(RunSpecTest, ShuffleValidationDataAndEvalKeysReadTheirValues) {
+  TempDir dir;
+  const absl::StatusOr<v1::RunSpec> spec =
+      Parse(absl::StrCat(MinimalSpec(dir.DataFile()), "eval:\n  every: 50\n  batches: 4\n"),
+            {"data.shuffle=false", "data.val_path=" + dir.DataFile()});
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(spec->data().has_shuffle());
+  EXPECT_FALSE(spec->data().shuffle());
+  EXPECT_EQ(spec->data().val_path(), dir.DataFile());
+  EXPECT_EQ(spec->eval().every(), 50);
+  EXPECT_EQ(spec->eval().batches(), 4);
+  const absl::StatusOr<v1::RunSpec> fraction =
+      Parse(MinimalSpec(dir.DataFile()), {"data.val_fraction=0.05"});
+  ASSERT_TRUE(fraction.ok()) << fraction.status();
+  EXPECT_DOUBLE_EQ(fraction->data().val_fraction(), 0.05);
+  ExpectInvalid(Parse(MinimalSpec(dir.DataFile()), {"data.shuffle=yes please"}).status(),
+                {"data.shuffle"});
+  ExpectInvalid(Parse(MinimalSpec(dir.DataFile()), {"eval.evry=5"}).status(),
+                {"eval.evry", "did you mean every?"});
+}
+
+TEST(RunSpecTest, ValidationDataAndEvalErrorsNameTheField) {
+  TempDir dir;
+  // 6500 bytes: with val_fraction 0.1 the tail is tokens [5850, 6500), 650 tokens = 10 windows of
+  // seq_len + 1 = 65 (MinimalSpec's seq_len is 64).
+  const std::string corpus = dir.Path("kjv-like.txt");
+  std::ofstream(corpus) << std::string(6500, 'a');
+  // A separate validation file of 130 bytes: 2 windows.
+  const std::string small = dir.Path("val.txt");
+  std::ofstream(small) << std::string(130, 'b');
+  // An llm.c file of 650 tokens: a 1024-byte header and 1300 bytes of uint16 (the header's
+  // contents are the data loader's business; the spec counts from the size).
+  const std::string llmc = dir.Path("val.bin");
+  std::ofstream(llmc) << std::string(1024 + 2 * 650, '\0');
+  const std::string data = "data.path=" + corpus;
+  struct Case {
+    std::vector<std::string> overrides;
+    int world;
+    std::vector<std::string> want;
+  } cases[] = {
+      {{data, "data.val_fraction=1.5"}, 1, {"data.val_fraction", "(0, 1)", "1.5"}},
+      {{data, "data.val_fraction=1"}, 1, {"data.val_fraction", "(0, 1)"}},
+      {{data, "data.val_fraction=-0.1"}, 1, {"data.val_fraction", "-0.1"}},
+      {{data, "data.val_fraction=0.1", "data.val_path=" + small},
+       1,
+       {"data.val_path", "data.val_fraction", "not both"}},
+      {{data, "data.val_path=" + dir.Path("missing.bin")},
+       1,
+       {"data.val_path", dir.Path("missing.bin"), "does not exist"}},
+      {{data, "data.val_path=" + dir.Path(""), "eval.every=5"},
+       1,
+       {"data.val_path", "is a directory"}},
+      {{data, "eval.every=5"}, 1, {"eval.every", "no validation data", "data.val_path or "}},
+      {{data, "eval.every=-1"}, 1, {"eval.every: must be >= 0"}},
+      {{data, "eval.every=5", "eval.batches=0", "data.val_fraction=0.1"},
+       1,
+       {"eval.batches: must be positive"}},
+      // Too few windows: the message says how many there are and how many eval needs.
+      {{data, "eval.every=5", "eval.batches=11", "data.val_fraction=0.1"},
+       1,
+       {"data.val_fraction", corpus, "650 tokens, 10 windows", "65 tokens",
+        "11 * 1 * 1 = 11 windows"}},
+      {{data, "eval.every=5", "data.val_fraction=0.1", "parallel.dp=2"},
+       2,
+       {"data.val_fraction", "10 windows", "8 * 1 * 2 = 16 windows"}},
+      {{data, "eval.every=5", "eval.batches=3", "data.val_path=" + small},
+       1,
+       {"data.val_path", small, "130 tokens, 2 windows", "3 * 1 * 1 = 3 windows"}},
+      {{data, "eval.every=5", "eval.batches=2", "train.micro_batch=3", "data.val_path=" + small},
+       1,
+       {"data.val_path", "2 windows", "2 * 3 * 1 = 6 windows"}},
+      {{data, "eval.every=5", "eval.batches=11", "data.format=llmc", "data.val_path=" + llmc},
+       1,
+       {"data.val_path", "650 tokens, 10 windows"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(::testing::PrintToString(c.overrides));
+    ExpectInvalid(ValidateWith(dir, c.overrides, c.world), c.want);
+  }
+  // Exactly enough is enough; no eval needs no windows.
+  EXPECT_TRUE(
+      ValidateWith(dir, {data, "eval.every=5", "eval.batches=10", "data.val_fraction=0.1"}, 1)
+          .ok());
+  EXPECT_TRUE(
+      ValidateWith(
+          dir, {data, "eval.every=5", "eval.batches=5", "data.val_fraction=0.1", "parallel.dp=2"},
+          2)
+          .ok());
+  EXPECT_TRUE(
+      ValidateWith(dir, {data, "eval.every=1", "eval.batches=2", "data.val_path=" + small}, 1)
+          .ok());
+  EXPECT_TRUE(
+      ValidateWith(
+          dir,
+          {data, "eval.every=5", "eval.batches=10", "data.format=llmc", "data.val_path=" + llmc}, 1)
+          .ok());
+  EXPECT_TRUE(ValidateWith(dir, {data, "data.val_fraction=0.5"}, 1).ok());
+  // A process that never reads the data (the controller) still refuses what is wrong in the
+  // spec itself, but not what depends on the files.
+  absl::StatusOr<v1::RunSpec> spec = Parse(MinimalSpec(dir.DataFile()), {"data.val_fraction=2"});
+  ASSERT_TRUE(spec.ok());
+  ExpectInvalid(ValidateRunSpec(*spec, 1, DataFileCheck::kSkip), {"data.val_fraction"});
+  spec = Parse(MinimalSpec(dir.DataFile()),
+               {"eval.every=5", "eval.batches=1000", "data.val_path=/no/such/file"});
+  ASSERT_TRUE(spec.ok());
+  EXPECT_TRUE(ValidateRunSpec(*spec, 1, DataFileCheck::kSkip).ok());
 }
 
 TEST(RunSpecTest, UnspecifiedEnumFromAnotherSourceIsRefused) {

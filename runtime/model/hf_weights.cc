@@ -1,0 +1,274 @@
+// Hugging Face tensors <-> fp8rt's logical parameters (see hf_weights.h). One table of entries
+// per architecture (Entries) drives both directions: each entry says which Hugging Face tensor
+// holds which parameter and how an element of one is an element of the other (Visit).
+#include "runtime/model/hf_weights.h"
+
+#include <charconv>
+#include <cstdlib>
+#include <functional>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+#include "runtime/core/status.h"
+
+namespace fp8rt::model {
+namespace {
+
+enum class Kind : uint8_t {
+  kCopy,       // the same values in the same order
+  kTranspose,  // Hugging Face [in, out] (GPT-2's Conv1D), fp8rt [out, in]
+  kQkvRows,    // hf[o, c] = qkv[QkvRow(offset + o), c]   (Llama's q/k/v_proj; GPT-2's c_attn bias)
+  kQkvConv1D,  // hf[c, o] = qkv[QkvRow(o), c]            (GPT-2's c_attn weight)
+};
+
+struct Entry {
+  std::string hf;
+  std::vector<int64_t> hf_shape;
+  std::string ours;
+  Kind kind = Kind::kCopy;
+  int64_t offset = 0;
+};
+
+bool IsGpt2(const ModelShape& s) { return s.norm == NormKind::kLayer; }
+
+// The shortest decimal that reads back as `x` (1e-05, not the double nearest the float).
+double Shortest(float x) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof(buf), x);
+  return std::strtod(std::string(buf, r.ptr).c_str(), nullptr);
+}
+
+// The fp8rt attn.qkv row of row o of q, k and v concatenated (all H query heads, then the KV key
+// heads, then the KV value heads, Dh rows each): fp8rt groups rows by kv head g as [its Q query
+// heads | k_g | v_g].
+int64_t QkvRow(const ModelShape& s, int64_t o) {
+  const int64_t h = s.heads, kv = s.kv(), dh = s.head_dim(), q = h / kv, group = (q + 2) * dh;
+  const int64_t d = o % dh;
+  if (o < h * dh) {
+    const int64_t head = o / dh;
+    return head / q * group + head % q * dh + d;
+  }
+  if (o < (h + kv) * dh) return (o - h * dh) / dh * group + q * dh + d;
+  return (o - (h + kv) * dh) / dh * group + (q + 1) * dh + d;
+}
+
+std::vector<Entry> Entries(const ModelShape& s) {
+  const int64_t c = s.d_model, f = s.d_ff, v = s.vocab, h = s.heads, kv = s.kv();
+  const int64_t dh = s.head_dim(), qkv = (h + 2 * kv) * dh;
+  std::vector<Entry> e;
+  auto add = [&](std::string hf, std::vector<int64_t> shape, std::string ours,
+                 Kind kind = Kind::kCopy, int64_t offset = 0) {
+    e.push_back({std::move(hf), std::move(shape), std::move(ours), kind, offset});
+  };
+  if (IsGpt2(s)) {
+    add("transformer.wte.weight", {v, c}, "embedding/weight");
+    add("transformer.wpe.weight", {s.max_positions, c}, "positions/weight");
+    for (int64_t l = 0; l < s.layers; ++l) {
+      const std::string hf = absl::StrCat("transformer.h.", l, "."), o = absl::StrCat("blocks.", l, ".");
+      add(hf + "ln_1.weight", {c}, o + "attn_norm/weight");
+      add(hf + "ln_1.bias", {c}, o + "attn_norm/bias");
+      add(hf + "attn.c_attn.weight", {c, qkv}, o + "attn.qkv/weight", Kind::kQkvConv1D);
+      add(hf + "attn.c_attn.bias", {qkv}, o + "attn.qkv/bias", Kind::kQkvRows);
+      add(hf + "attn.c_proj.weight", {c, c}, o + "attn.proj/weight", Kind::kTranspose);
+      add(hf + "attn.c_proj.bias", {c}, o + "attn.proj/bias");
+      add(hf + "ln_2.weight", {c}, o + "mlp_norm/weight");
+      add(hf + "ln_2.bias", {c}, o + "mlp_norm/bias");
+      add(hf + "mlp.c_fc.weight", {c, f}, o + "mlp.fc1/weight", Kind::kTranspose);
+      add(hf + "mlp.c_fc.bias", {f}, o + "mlp.fc1/bias");
+      add(hf + "mlp.c_proj.weight", {f, c}, o + "mlp.fc2/weight", Kind::kTranspose);
+      add(hf + "mlp.c_proj.bias", {c}, o + "mlp.fc2/bias");
+    }
+    add("transformer.ln_f.weight", {c}, "final_norm/weight");
+    add("transformer.ln_f.bias", {c}, "final_norm/bias");
+    return e;  // the LM head is wte (tie_word_embeddings)
+  }
+  add("model.embed_tokens.weight", {v, c}, "embedding/weight");
+  for (int64_t l = 0; l < s.layers; ++l) {
+    const std::string hf = absl::StrCat("model.layers.", l, "."), o = absl::StrCat("blocks.", l, ".");
+    add(hf + "input_layernorm.weight", {c}, o + "attn_norm/weight");
+    add(hf + "self_attn.q_proj.weight", {h * dh, c}, o + "attn.qkv/weight", Kind::kQkvRows, 0);
+    add(hf + "self_attn.k_proj.weight", {kv * dh, c}, o + "attn.qkv/weight", Kind::kQkvRows,
+        h * dh);
+    add(hf + "self_attn.v_proj.weight", {kv * dh, c}, o + "attn.qkv/weight", Kind::kQkvRows,
+        (h + kv) * dh);
+    add(hf + "self_attn.o_proj.weight", {c, c}, o + "attn.proj/weight");
+    add(hf + "post_attention_layernorm.weight", {c}, o + "mlp_norm/weight");
+    add(hf + "mlp.gate_proj.weight", {f, c}, o + "mlp.gate/weight");
+    add(hf + "mlp.up_proj.weight", {f, c}, o + "mlp.up/weight");
+    add(hf + "mlp.down_proj.weight", {c, f}, o + "mlp.down/weight");
+  }
+  add("model.norm.weight", {c}, "final_norm/weight");
+  if (!s.tie_embeddings) add("lm_head.weight", {v, c}, "lm_head/weight");
+  return e;
+}
+
+int64_t Elements(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (const int64_t d : shape) n *= d;
+  return n;
+}
+
+// Calls fn(hf_index, our_index) for every element of the entry's Hugging Face tensor; `ours` is
+// the parameter's logical shape.
+void Visit(const ModelShape& s, const Entry& e, const LogicalShape& ours,
+           const std::function<void(size_t, size_t)>& fn) {
+  const int64_t n = Elements(e.hf_shape);
+  const int64_t cols = e.hf_shape.size() == 2 ? e.hf_shape[1] : 1;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = i / cols, k = i % cols;
+    int64_t j = i;
+    switch (e.kind) {
+      case Kind::kCopy:
+        break;
+      case Kind::kTranspose:  // hf [r, k] = ours [k, r]; ours has hf rows as its columns
+        j = k * ours.cols + r;
+        break;
+      case Kind::kQkvRows:
+        j = QkvRow(s, e.offset + r) * ours.cols + k;
+        break;
+      case Kind::kQkvConv1D:  // hf [c, o] = ours [QkvRow(o), c]
+        j = QkvRow(s, k) * ours.cols + r;
+        break;
+    }
+    fn(static_cast<size_t>(i), static_cast<size_t>(j));
+  }
+}
+
+}  // namespace
+
+absl::Status CheckHfArchitecture(const ModelShape& s) {
+  auto bad = [](const char* field, const std::string& why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", why, " (Hugging Face's GPT2LMHeadModel and LlamaForCausalLM "
+                                       "are the gpt2 and llama families as they are)"));
+  };
+  if (s.moe.experts > 0) return bad("moe.experts", "MoE models have no Hugging Face class here");
+  if (s.norm == NormKind::kLayer) {
+    if (s.mlp != MlpKind::kGelu) return bad("model.mlp", "GPT-2 has a GELU MLP");
+    if (s.positions != PositionKind::kLearned)
+      return bad("model.positions", "GPT-2 has learned positions");
+    if (!s.bias) return bad("model.bias", "GPT-2 has biases");
+    if (!s.tie_embeddings) return bad("model.tie_embeddings", "GPT-2's LM head is tied");
+    if (s.kv() != s.heads) return bad("model.kv_heads", "GPT-2 has no grouped-query attention");
+    return absl::OkStatus();
+  }
+  if (s.mlp != MlpKind::kSwiglu) {
+    return bad("model.family", "only the gpt2 and llama families can be exported or imported");
+  }
+  if (s.positions != PositionKind::kRope) return bad("model.positions", "Llama has RoPE");
+  if (s.bias) return bad("model.bias", "Llama has no biases");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> HfConfigJson(const ModelShape& s, const std::string& dtype) {
+  FP8RT_RETURN_IF_ERROR(CheckHfArchitecture(s));
+  nlohmann::ordered_json j;
+  if (IsGpt2(s)) {
+    j["architectures"] = {"GPT2LMHeadModel"};
+    j["model_type"] = "gpt2";
+    j["vocab_size"] = s.vocab;
+    j["n_positions"] = s.max_positions;
+    j["n_ctx"] = s.max_positions;
+    j["n_embd"] = s.d_model;
+    j["n_layer"] = s.layers;
+    j["n_head"] = s.heads;
+    j["n_inner"] = s.d_ff;
+    j["activation_function"] = "gelu_new";  // the tanh approximation
+    j["layer_norm_epsilon"] = Shortest(s.norm_eps);
+    j["resid_pdrop"] = 0.0;
+    j["embd_pdrop"] = 0.0;
+    j["attn_pdrop"] = 0.0;
+    j["scale_attn_weights"] = true;
+  } else {
+    j["architectures"] = {"LlamaForCausalLM"};
+    j["model_type"] = "llama";
+    j["vocab_size"] = s.vocab;
+    j["hidden_size"] = s.d_model;
+    j["intermediate_size"] = s.d_ff;
+    j["num_hidden_layers"] = s.layers;
+    j["num_attention_heads"] = s.heads;
+    j["num_key_value_heads"] = s.kv();
+    j["head_dim"] = s.head_dim();
+    j["hidden_act"] = "silu";
+    j["max_position_embeddings"] = s.max_positions;
+    j["rms_norm_eps"] = Shortest(s.norm_eps);
+    j["rope_theta"] = Shortest(s.rope_theta);
+    j["attention_bias"] = false;
+    j["mlp_bias"] = false;
+  }
+  j["tie_word_embeddings"] = s.tie_embeddings;
+  j["torch_dtype"] = dtype;
+  return j.dump(2) + "\n";
+}
+
+absl::StatusOr<std::vector<HfTensor>> ToHuggingFace(
+    const ModelShape& shape, const std::map<std::string, LogicalShape>& shapes,
+    const LogicalParams& params) {
+  FP8RT_RETURN_IF_ERROR(CheckHfArchitecture(shape));
+  std::vector<HfTensor> out;
+  for (const Entry& e : Entries(shape)) {
+    const auto s = shapes.find(e.ours);
+    const auto p = params.find(e.ours);
+    if (s == shapes.end() || p == params.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("parameter ", e.ours, " (for ", e.hf,
+                                                     ") is missing"));
+    }
+    if (static_cast<int64_t>(p->second.size()) != s->second.rows * s->second.cols) {
+      return absl::InvalidArgumentError(absl::StrCat("parameter ", e.ours, " has ",
+                                                     p->second.size(), " values, expected ",
+                                                     s->second.rows * s->second.cols));
+    }
+    HfTensor t{e.hf, e.hf_shape, std::vector<float>(static_cast<size_t>(Elements(e.hf_shape)))};
+    Visit(shape, e, s->second, [&](size_t i, size_t j) { t.values[i] = p->second[j]; });
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
+                                              const std::map<std::string, LogicalShape>& shapes,
+                                              const SafetensorsFile& file) {
+  FP8RT_RETURN_IF_ERROR(CheckHfArchitecture(shape));
+  const std::vector<Entry> entries = Entries(shape);
+  std::set<std::string> known;
+  for (const Entry& e : entries) known.insert(e.hf);
+  for (const SafetensorsTensor& t : file.tensors()) {
+    if (known.contains(t.name)) continue;
+    if (IsGpt2(shape) && (t.name.ends_with(".attn.bias") || t.name.ends_with(".attn.masked_bias")))
+      continue;  // GPT-2's causal-mask buffers, not parameters
+    return absl::InvalidArgumentError(absl::StrCat(
+        file.name(), ": tensor '", t.name.substr(0, 64),
+        "' is not a parameter of this model (", shape.layers, " layers, ",
+        IsGpt2(shape) ? "gpt2" : "llama", shape.tie_embeddings ? ", tied embeddings" : "", ")"));
+  }
+  LogicalParams params;
+  for (const auto& [name, s] : shapes) {
+    params[name] = std::vector<float>(static_cast<size_t>(s.rows * s.cols), 0.0f);
+  }
+  std::set<std::string> filled;
+  for (const Entry& e : entries) {
+    const auto s = shapes.find(e.ours);
+    if (s == shapes.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("model has no parameter ", e.ours));
+    }
+    if (file.Find(e.hf) == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.name(), ": tensor '", e.hf, "' is missing (the model's ", e.ours, ")"));
+    }
+    FP8RT_ASSIGN_OR_RETURN(const std::vector<float> values, file.ReadFloat32(e.hf, e.hf_shape));
+    std::vector<float>& dst = params[e.ours];
+    Visit(shape, e, s->second, [&](size_t i, size_t j) { dst[j] = values[i]; });
+    filled.insert(e.ours);
+  }
+  for (const auto& [name, s] : shapes) {
+    if (!filled.contains(name)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.name(), ": no tensor holds the model's parameter ", name));
+    }
+  }
+  return params;
+}
+
+}  // namespace fp8rt::model

@@ -1,0 +1,73 @@
+// Hugging Face checkpoints of the gpt2 and llama families: the tensor names, shapes and layouts
+// that transformers' GPT2LMHeadModel and LlamaForCausalLM load, the config.json they read, and the
+// conversion between those tensors and fp8rt's logical parameters (transformer.h's names, each a
+// row-major [rows, cols] tensor of the whole model, before any TP split or FSDP shard).
+//
+// Index:
+//   CheckHfArchitecture  whether a shape is exactly one of the two Hugging Face architectures
+//   HfConfigJson         config.json for a shape
+//   ToHuggingFace        logical parameters -> Hugging Face tensors (export)
+//   FromHuggingFace      a safetensors file -> logical parameters (init.from, --weights)
+//
+// Layouts (H heads, KV key/value heads, Dh head size, Q = H / KV):
+//   - GPT-2's linears are Conv1D, [in, out]: the transpose of fp8rt's [out, in]. c_attn
+//     concatenates q, k and v along out (all q heads, then all k, then all v); fp8rt's attn.qkv
+//     groups rows by head (q_h, k_h, v_h).
+//   - Llama's q_proj, k_proj, v_proj, o_proj, gate/up/down_proj are [out, in] like fp8rt's; q, k
+//     and v are fp8rt's attn.qkv rows regrouped (fp8rt: per kv group g, its Q query heads, k_g,
+//     v_g). RoPE is Hugging Face's rotate-half on those rows as they are, so no permutation of
+//     the head dimension is needed.
+//   - Norm gains and biases are vectors; fp8rt keeps them as [1, n] (or [n, 1] for the biases of
+//     column-parallel layers): the same values.
+// Conversions are exact copies of FP32 values (no arithmetic), so export -> import -> export is
+// bit for bit.
+#ifndef FP8RT_RUNTIME_MODEL_HF_WEIGHTS_H_
+#define FP8RT_RUNTIME_MODEL_HF_WEIGHTS_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "runtime/core/safetensors.h"
+#include "runtime/model/transformer.h"
+
+namespace fp8rt::model {
+
+// A tensor in Hugging Face's naming and layout.
+struct HfTensor {
+  std::string name;  // "transformer.h.0.attn.c_attn.weight"
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+// OK when `shape` is the gpt2 or llama architecture exactly (gpt2: LayerNorm, GELU, learned
+// positions, biases, tied embeddings; llama: RMSNorm, SwiGLU, RoPE, no biases), dense (no MoE).
+// InvalidArgument naming the model field that differs (the family plain has no Hugging Face
+// class: model.family).
+absl::Status CheckHfArchitecture(const ModelShape& shape);
+
+// config.json for GPT2LMHeadModel or LlamaForCausalLM (model_type, architectures, the sizes,
+// epsilon, rope_theta, tie_word_embeddings, torch_dtype `dtype`: "float32" or "bfloat16").
+absl::StatusOr<std::string> HfConfigJson(const ModelShape& shape, const std::string& dtype);
+
+// The Hugging Face tensors of a model whose logical parameters are `params` (every parameter of
+// `shapes`, by name), in the order the model's layers run. InvalidArgument naming the parameter
+// for a missing one or a wrong size.
+absl::StatusOr<std::vector<HfTensor>> ToHuggingFace(
+    const ModelShape& shape, const std::map<std::string, LogicalShape>& shapes,
+    const LogicalParams& params);
+
+// The logical parameters (every one of `shapes`) from a Hugging Face file. InvalidArgument naming
+// the file and the tensor for a missing tensor, a tensor of another shape or dtype (F32, BF16 and
+// F16 are read), and a tensor the model has no place for (GPT-2's non-parameter buffers
+// `*.attn.bias` / `*.attn.masked_bias` excepted).
+absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
+                                              const std::map<std::string, LogicalShape>& shapes,
+                                              const SafetensorsFile& file);
+
+}  // namespace fp8rt::model
+
+#endif  // FP8RT_RUNTIME_MODEL_HF_WEIGHTS_H_

@@ -1,0 +1,141 @@
+// Weights in and out of a run (see weights.h).
+#include "runtime/worker/weights.h"
+
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/formats.h"
+#include "kernels/ops.h"
+#include "runtime/core/checkpoint_dir.h"
+#include "runtime/core/checkpoint_io.h"
+#include "runtime/core/file_io.h"
+#include "runtime/core/safetensors.h"
+#include "runtime/core/status.h"
+#include "runtime/model/hf_weights.h"
+#include "runtime/worker/recipe.h"
+
+namespace fp8rt::worker {
+
+absl::StatusOr<std::unique_ptr<SoloModel>> MakeSoloModel(const v1::RunSpec& spec) {
+  auto solo = std::make_unique<SoloModel>();
+  solo->shape = ShapeFromSpec(spec);
+  FP8RT_ASSIGN_OR_RETURN(solo->mesh,
+                         parallel::Mesh::Create({.dp = 1, .tp = 1, .ep = 1}, solo->factory));
+  model::ModelRecipe recipe;
+  recipe.precision = model::GemmPrecision::kFp32;
+  FP8RT_ASSIGN_OR_RETURN(solo->model,
+                         model::Transformer::Create(solo->shape, recipe, spec.train().seed(),
+                                                    *solo->mesh, kernels::CpuOps()));
+  return solo;
+}
+
+absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& run_dir,
+                                                        std::optional<int64_t> step) {
+  const CheckpointDir dir(run_dir);
+  CheckpointWeights w;
+  v1::CheckpointManifest manifest;
+  if (step.has_value()) {
+    FP8RT_ASSIGN_OR_RETURN(manifest, dir.Verify(*step));
+  } else {
+    FP8RT_ASSIGN_OR_RETURN(const ResumePoint point, dir.FindNewestValid(nullptr));
+    manifest = point.manifest;
+  }
+  w.spec = manifest.spec();
+  w.step = manifest.step();
+  if (w.spec.moe().experts() > 0) {
+    return absl::UnimplementedError(
+        "reading the weights of an MoE checkpoint (experts sharded over parallel.ep) is not "
+        "built yet");
+  }
+  const int64_t tp = manifest.tp(), dp = manifest.dp();
+  if (tp < 1 || dp < 1 || manifest.world_size() != tp * dp ||
+      manifest.shards_size() != manifest.world_size()) {
+    return absl::DataLossError(absl::StrCat(dir.CommittedDir(w.step), "/MANIFEST",
+                                            ": layout dp=", dp, " tp=", tp, " does not match ",
+                                            manifest.shards_size(), " shards"));
+  }
+  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<SoloModel> solo, MakeSoloModel(w.spec));
+  const std::map<std::string, model::LogicalShape> shapes = solo->model->ParamShapes();
+  for (const auto& [name, s] : shapes) {
+    w.params[name] = std::vector<float>(static_cast<size_t>(s.rows * s.cols), 0.0f);
+  }
+  for (const v1::CheckpointShard& shard : manifest.shards()) {
+    const std::string path = dir.CommittedDir(w.step) + "/" + shard.file();
+    FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> reader, ShardReader::Open(path));
+    const int64_t tp_rank = shard.rank() % tp, dp_rank = shard.rank() / tp;
+    for (const auto& [name, s] : shapes) {
+      // This rank's FSDP shard of its TP piece (as Transformer::AddParam cuts it at dp x tp).
+      const int64_t local_rows = s.split == model::TpSplit::kRows ? s.rows / tp : s.rows;
+      const int64_t local_cols = s.split == model::TpSplit::kCols ? s.cols / tp : s.cols;
+      const int64_t local = local_rows * local_cols, count = (local + dp - 1) / dp;
+      FP8RT_ASSIGN_OR_RETURN(const std::span<const std::byte> bytes,
+                             reader->Section("master/" + name));
+      if (bytes.size() != static_cast<size_t>(count) * sizeof(float)) {
+        return absl::DataLossError(absl::StrCat(path, ": section master/", name, " has ",
+                                                bytes.size(), " bytes, expected ",
+                                                count * static_cast<int64_t>(sizeof(float)),
+                                                " at dp=", dp, " tp=", tp));
+      }
+      std::vector<float>& dst = w.params[name];
+      const int64_t row0 = s.split == model::TpSplit::kRows ? tp_rank * local_rows : 0;
+      const int64_t col0 = s.split == model::TpSplit::kCols ? tp_rank * local_cols : 0;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t li = dp_rank * count + i;
+        if (li >= local) break;  // FSDP padding
+        float v;
+        std::memcpy(&v, bytes.data() + i * static_cast<int64_t>(sizeof(float)), sizeof(float));
+        dst[static_cast<size_t>((row0 + li / local_cols) * s.cols + col0 + li % local_cols)] = v;
+      }
+    }
+  }
+  return w;
+}
+
+absl::Status ExportHuggingFace(const model::ModelShape& shape,
+                               const std::map<std::string, model::LogicalShape>& shapes,
+                               const model::LogicalParams& params, const std::string& out_dir,
+                               bool bf16) {
+  FP8RT_ASSIGN_OR_RETURN(const std::string config,
+                         model::HfConfigJson(shape, bf16 ? "bfloat16" : "float32"));
+  FP8RT_ASSIGN_OR_RETURN(const std::vector<model::HfTensor> tensors,
+                         model::ToHuggingFace(shape, shapes, params));
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(out_dir, ": cannot create the output folder: ", ec.message()));
+  }
+  std::vector<std::vector<uint16_t>> halves;
+  halves.reserve(tensors.size());
+  std::vector<SafetensorsWriteTensor> out;
+  for (const model::HfTensor& t : tensors) {
+    SafetensorsWriteTensor w{.name = t.name, .shape = t.shape};
+    if (bf16) {
+      std::vector<uint16_t>& h = halves.emplace_back(t.values.size());
+      for (size_t i = 0; i < h.size(); ++i) h[i] = kernels::FloatToBf16(t.values[i]);
+      w.dtype = SafetensorsDtype::kBF16;
+      w.data = h.data();
+    } else {
+      w.dtype = SafetensorsDtype::kF32;
+      w.data = t.values.data();
+    }
+    out.push_back(std::move(w));
+  }
+  FP8RT_RETURN_IF_ERROR(
+      WriteSafetensors(out_dir + "/model.safetensors", out, {{"format", "pt"}}));
+  const std::span<const std::byte> parts[] = {
+      std::as_bytes(std::span(config.data(), config.size()))};
+  return WriteFileAtomically(out_dir + "/config.json", parts, "config.json");
+}
+
+absl::Status LoadHuggingFace(const std::string& path, const model::ModelShape& shape,
+                             model::Transformer& model) {
+  FP8RT_ASSIGN_OR_RETURN(const SafetensorsFile file, SafetensorsFile::Read(path));
+  FP8RT_ASSIGN_OR_RETURN(const model::LogicalParams params,
+                         model::FromHuggingFace(shape, model.ParamShapes(), file));
+  return model.SetLogicalParams(params);
+}
+
+}  // namespace fp8rt::worker

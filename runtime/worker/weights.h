@@ -1,0 +1,68 @@
+// Weights in and out of a run: the logical parameters of a committed checkpoint written at any
+// layout, Hugging Face safetensors export, init.from, and a one-process CPU model for
+// `fp8rt eval` and `fp8rt generate`.
+//
+// Index:
+//   ReadCheckpointWeights  a committed checkpoint's run spec, step and logical parameters,
+//                          assembled on one process from every rank's shard
+//   ExportHuggingFace      DIR/model.safetensors and DIR/config.json (runtime/model/hf_weights.h)
+//   LoadHuggingFace        a safetensors file into a model's shards (init.from, --weights)
+//   SoloModel              the spec's model on one process (CPU ops, FP32 GEMMs), for the
+//                          shapes of its parameters and for eval / generate
+//
+// Errors name the file, the tensor or the parameter. Nothing here is collective except
+// LoadHuggingFace, which only touches this rank's shards (every rank reads the file).
+#ifndef FP8RT_RUNTIME_WORKER_WEIGHTS_H_
+#define FP8RT_RUNTIME_WORKER_WEIGHTS_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "fp8rt/v1/run_spec.pb.h"
+#include "parallel/mesh.h"
+#include "parallel/solo_communicator.h"
+#include "runtime/model/transformer.h"
+
+namespace fp8rt::worker {
+
+struct CheckpointWeights {
+  v1::RunSpec spec;  // the spec the checkpoint was written under
+  int64_t step = 0;
+  model::LogicalParams params;
+};
+
+// The checkpoint of `step` (default: the newest that verifies) in RUN_DIR/checkpoints. Dense
+// models only (MoE experts are sharded over another group: Unimplemented). NotFound naming the
+// folder when there is none; DataLoss naming the shard file and the section for a section of
+// the wrong size.
+absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& run_dir,
+                                                        std::optional<int64_t> step);
+
+// Writes out_dir/model.safetensors (FP32, or BF16 rounded to nearest even with bf16) and
+// out_dir/config.json, creating out_dir. InvalidArgument naming the model field for a shape that
+// is not GPT-2's or Llama's architecture.
+absl::Status ExportHuggingFace(const model::ModelShape& shape,
+                               const std::map<std::string, model::LogicalShape>& shapes,
+                               const model::LogicalParams& params, const std::string& out_dir,
+                               bool bf16);
+
+// Reads `path` (Hugging Face names) and sets the model's shards from it.
+absl::Status LoadHuggingFace(const std::string& path, const model::ModelShape& shape,
+                             model::Transformer& model);
+
+// A model of the spec's shape on one process (CPU ops, FP32 GEMMs, seed from the spec).
+struct SoloModel {
+  parallel::SoloCommunicatorFactory factory;
+  std::unique_ptr<parallel::Mesh> mesh;
+  std::unique_ptr<model::Transformer> model;
+  model::ModelShape shape;
+};
+absl::StatusOr<std::unique_ptr<SoloModel>> MakeSoloModel(const v1::RunSpec& spec);
+
+}  // namespace fp8rt::worker
+
+#endif  // FP8RT_RUNTIME_WORKER_WEIGHTS_H_
