@@ -69,7 +69,7 @@
 #include "grpcpp/grpcpp.h"
 #include "nlohmann/json.hpp"
 #include "runtime/core/program.h"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt::bench {

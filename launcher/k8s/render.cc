@@ -20,7 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 
 namespace fp8rt::k8s {
 namespace {

@@ -33,7 +33,7 @@ namespace fp8rt::k8s {
 
 // What to render. Every field but spec_path and image has a default.
 struct RenderOptions {
-  // The run spec (YAML, runtime/core/run_spec.h). Required.
+  // The run spec (YAML, runtime/spec/run_spec.h). Required.
   std::string spec_path;
   // Container image of every pod (deploy/Dockerfile.cpu or deploy/Dockerfile). Required.
   std::string image;

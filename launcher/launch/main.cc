@@ -82,7 +82,7 @@
 #include "absl/strings/str_split.h"
 #include "launcher/client/control_client.h"
 #include "nlohmann/json.hpp"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 #include "runtime/core/status.h"
 
 #ifndef FP8RT_MPIEXEC

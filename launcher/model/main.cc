@@ -25,7 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "runtime/core/program.h"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 #include "runtime/core/status.h"
 #include "runtime/train/data_loader.h"
 #include "runtime/worker/recipe.h"

@@ -14,7 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/message_differencer.h"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 
 namespace fp8rt::controller {
 namespace {

@@ -10,7 +10,7 @@
 //                                "recipe.".
 //   DescribeRecipeChange         "margin 0 -> 2, exclude +blocks.0.mlp.fc1" for events.
 //
-// Data files. ValidateRunSpec (runtime/core/run_spec.h) also requires data.path to name a
+// Data files. ValidateRunSpec (runtime/spec/run_spec.h) also requires data.path to name a
 // readable file, but the data lives on the workers' machines and the controller never reads it
 // (the worker validates its spec with the real path before it registers). So both functions
 // call ValidateRunSpec with DataFileCheck::kSkip: data.path must be non-empty, and every other

@@ -96,7 +96,7 @@ struct ModelShape {
   int64_t vocab = 0;
   MoeConfig moe;          // moe.experts 0: dense MLPs everywhere
   int64_t moe_every = 1;  // MoE MLP in blocks every-1, 2*every-1, ...
-  // The architecture (the run spec's model.family with its overrides; runtime/core/run_spec.h).
+  // The architecture (the run spec's model.family with its overrides; runtime/spec/run_spec.h).
   int64_t kv_heads = 0;  // key/value heads, dividing heads; 0: heads
   NormKind norm = NormKind::kRms;
   float norm_eps = 1e-5f;

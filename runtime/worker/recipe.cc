@@ -3,7 +3,7 @@
 
 #include <algorithm>
 
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 
 namespace fp8rt::worker {
 using v1::RunSpec;

@@ -18,7 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "kernels/memory_stats.h"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 #include "runtime/core/status.h"
 #include "runtime/worker/recipe.h"
 #include "runtime/worker/weights.h"

@@ -39,7 +39,7 @@
 #include "parallel/nccl/nccl_communicator.h"
 #include "runtime/core/memory.h"
 #include "runtime/core/program.h"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 #include "runtime/worker/trainer.h"
 
 namespace {

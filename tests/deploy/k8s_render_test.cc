@@ -25,7 +25,7 @@
 #include "google/protobuf/util/message_differencer.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 #include "tests/support/test_support.h"
 #include "yaml-cpp/yaml.h"
 

@@ -42,7 +42,7 @@
 #include "runtime/controller/metrics.h"
 #include "runtime/core/checkpoint_dir.h"
 #include "runtime/core/checkpoint_io.h"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 #include "tests/fuzz/fuzz_support.h"
 
 namespace fp8rt::fuzz {

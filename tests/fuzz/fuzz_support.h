@@ -28,7 +28,7 @@
 
 #include "fp8rt/v1/control.pb.h"
 #include "google/protobuf/stubs/logging.h"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 
 #define FUZZ_CHECK(cond, ...)                                                            \
   do {                                                                                   \

@@ -19,7 +19,7 @@
 #include "fp8rt/v1/scaling.pb.h"
 #include "runtime/core/checkpoint_dir.h"
 #include "runtime/core/checkpoint_io.h"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 #include "tests/fuzz/fuzz_support.h"
 
 namespace fp8rt::fuzz {

@@ -1,4 +1,4 @@
-// Fuzz target: run-spec loading and validation (runtime/core/run_spec.h, ParseRunSpec and
+// Fuzz target: run-spec loading and validation (runtime/spec/run_spec.h, ParseRunSpec and
 // ValidateRunSpec).
 //
 // The input is YAML text, optionally followed by a line "#--set" (a YAML comment, so every seed
@@ -22,7 +22,7 @@
 #include <system_error>
 #include <vector>
 
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 #include "tests/fuzz/fuzz_support.h"
 
 namespace {

@@ -39,7 +39,7 @@
 #include "kernels/ops.h"
 #include "parallel/nccl/nccl_communicator.h"
 #include "parallel/solo_communicator.h"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 #include "runtime/worker/trainer.h"
 #include "tests/gpu/gpu_test_support.h"
 

@@ -37,7 +37,7 @@
 #include "nlohmann/json.hpp"
 #include "runtime/core/checkpoint_dir.h"
 #include "runtime/core/checkpoint_io.h"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 #include "tests/support/test_support.h"
 
 namespace fp8rt {

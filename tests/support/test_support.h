@@ -43,7 +43,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 
 namespace fp8rt::test {
 

@@ -35,7 +35,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "runtime/core/run_spec.h"  // ValidationSplit
+#include "runtime/spec/run_spec.h"  // ValidationSplit
 
 namespace fp8rt::train {
 namespace {

@@ -10,10 +10,11 @@ Index:
 
 Dependencies flow one way: runtime/core <- kernels <- parallel <- runtime/train <- runtime/model
 <- runtime/worker. The controller and the fp8rt CLI see only the proto and runtime/core (where
-the run-spec and checkpoint code of DESIGN's runtime/spec and runtime/checkpoint live today);
+the checkpoint code of DESIGN's runtime/checkpoint lives today) and runtime/spec (the run spec);
 the commands that need numerics are sibling programs (launcher/bench, launcher/quantize,
-launcher/model). tests/ may include anything. A source file in a folder this table does not know fails too, so that a new
-folder gets its rule when it is added, not after a reviewer notices.
+launcher/model). tests/ may include anything. A source file in a folder this table does not
+know fails too, so that a new folder gets its rule when it is added, not after a reviewer
+notices.
 
 Usage: layering_test.py [--root DIR] [--exclude DIR ...]   check the tree (exit 1 on a violation)
        layering_test.py --self-test                         check the checker
@@ -32,6 +33,7 @@ PROTO_GRPC = "proto(grpc)"
 
 _CLI = ["launcher", "launcher/client", "launcher/launch", "launcher/k8s"]
 _NUMERICS_BELOW_WORKER = ["runtime/model", "runtime/train", "parallel", "kernels", "runtime/core"]
+SPEC = "runtime/spec"
 
 # folder -> (folders it may include, why). Its own folder is always allowed. A file belongs to the
 # longest folder that prefixes its path.
@@ -40,6 +42,9 @@ FOLDERS = {
         [PROTO],
         "the ground floor: nothing of the project but proto messages (checkpoint manifest, run "
         "spec)"),
+    "runtime/spec": (
+        ["runtime/core", PROTO],
+        "the run spec: runtime/core and the proto messages"),
     "kernels": (
         ["runtime/core"],
         "numerics: runtime/core only"),
@@ -54,17 +59,17 @@ FOLDERS = {
         ["runtime/train", "parallel", "kernels", "runtime/core", PROTO],
         "layers: train, parallel, kernels, runtime/core"),
     "runtime/worker": (
-        _NUMERICS_BELOW_WORKER + [PROTO, PROTO_GRPC],
+        _NUMERICS_BELOW_WORKER + [SPEC, PROTO, PROTO_GRPC],
         "the step loop: every layer below it, and the controller only through the proto (its "
         "own gRPC client, runtime/worker/controller_client.h), never runtime/controller or the "
         "CLI"),
     "runtime/controller": (
-        ["runtime/core", PROTO, PROTO_GRPC],
+        ["runtime/core", SPEC, PROTO, PROTO_GRPC],
         "fp8rt-controller: proto and runtime/core only, never kernels, parallel, train, model "
         "or worker"),
     # The fp8rt CLI itself (launcher/main.cc and the folders linked into it or exec'd without
     # numerics) sees what the controller sees, plus its own folders.
-    **{f: (_CLI + ["runtime/core", PROTO, PROTO_GRPC],
+    **{f: (_CLI + ["runtime/core", SPEC, PROTO, PROTO_GRPC],
            "the fp8rt CLI: proto, runtime/core and its own folders, never the numerics (those "
            "commands are sibling programs) nor the controller's internals")
        for f in _CLI},
@@ -72,12 +77,12 @@ FOLDERS = {
         ["kernels", "runtime/core", PROTO],
         "fp8rt-quantize, a sibling program: kernels and runtime/core"),
     "launcher/bench": (
-        ["runtime/worker"] + _NUMERICS_BELOW_WORKER + [PROTO, PROTO_GRPC],
+        ["runtime/worker"] + _NUMERICS_BELOW_WORKER + [SPEC, PROTO, PROTO_GRPC],
         "fp8rt-bench*, sibling programs: the worker and everything below it (the step bench "
         "runs the Trainer), the controller only over gRPC, never runtime/controller or the "
         "CLI"),
     "launcher/model": (
-        ["runtime/worker"] + _NUMERICS_BELOW_WORKER + [PROTO],
+        ["runtime/worker"] + _NUMERICS_BELOW_WORKER + [SPEC, PROTO],
         "fp8rt-model (export, eval, generate), a sibling program: the worker's weights and "
         "everything below it, never runtime/controller or the CLI"),
     # Not layered: tests may include anything.
@@ -238,7 +243,7 @@ def self_test():
         "runtime/train/mpi_user.cc": "#include <mpi.h>\n",
         "launcher/main.cc": '#include "runtime/worker/w.h"\n',
         "newfolder/x.cc": "",
-        "runtime/worker/ghost.cc": '#include "runtime/spec/spec.h"\n',
+        "runtime/worker/ghost.cc": '#include "runtime/ghost/g.h"\n',
         # Excepted: not reported while the exception matches.
         "runtime/model/excepted.cc": '#include "runtime/worker/w.h"\n',
         # A build folder is never read.

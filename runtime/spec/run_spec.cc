@@ -4,7 +4,7 @@
 //   ApplyOverride            "dotted.path=value" -> the same walk
 //   ParseRunSpec/LoadRunSpec the entry points
 //   ValidateRunSpec          cross-field checks
-#include "runtime/core/run_spec.h"
+#include "runtime/spec/run_spec.h"
 
 #include <yaml-cpp/yaml.h>
 

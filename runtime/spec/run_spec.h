@@ -64,8 +64,8 @@
 // the world size is known. Relative data paths are relative to the working directory.
 //
 // Stateless and thread-safe.
-#ifndef FP8RT_RUNTIME_CORE_RUN_SPEC_H_
-#define FP8RT_RUNTIME_CORE_RUN_SPEC_H_
+#ifndef FP8RT_RUNTIME_SPEC_RUN_SPEC_H_
+#define FP8RT_RUNTIME_SPEC_RUN_SPEC_H_
 
 #include <cstdint>
 #include <span>
@@ -142,4 +142,4 @@ uint64_t ValidationSplit(uint64_t tokens, double val_fraction);
 
 }  // namespace fp8rt
 
-#endif  // FP8RT_RUNTIME_CORE_RUN_SPEC_H_
+#endif  // FP8RT_RUNTIME_SPEC_RUN_SPEC_H_
