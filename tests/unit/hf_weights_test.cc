@@ -1,0 +1,294 @@
+// Tests of runtime/model/hf_weights.h against Hugging Face's layouts as their modeling code
+// defines them (the expected element positions are written out here from those definitions, not
+// taken from the converter):
+//   - GPT-2: c_attn.weight[c, o] (Conv1D [in, out]) holds q for o < C, k for C <= o < 2C, v
+//     after, head o % C / Dh; fp8rt's attn.qkv row for head h, part p, dim d is h*3Dh + p*Dh + d;
+//     c_proj / c_fc are transposes;
+//   - Llama: q_proj row h*Dh + d is fp8rt's row (h / Q)*(Q + 2)*Dh + (h % Q)*Dh + d; k_proj and
+//     v_proj rows g*Dh + d are rows g*(Q + 2)*Dh + Q*Dh + d and + Dh;
+//   - ToHuggingFace -> a safetensors file -> FromHuggingFace gives every parameter back bit for
+//     bit (both families, tied and untied);
+//   - a missing, unexpected or wrongly shaped tensor is refused naming the tensor; GPT-2's
+//     attn.bias buffers are ignored; an architecture Hugging Face has no class for is refused
+//     naming the field;
+//   - config.json carries the fields the classes read.
+#include "runtime/model/hf_weights.h"
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "runtime/core/safetensors.h"
+#include "tests/support/test_support.h"
+
+namespace fp8rt::model {
+namespace {
+
+using ::testing::HasSubstr;
+using test::TempDir;
+
+ModelShape Base() {
+  ModelShape s;
+  s.layers = 2;
+  s.d_model = 16;
+  s.heads = 4;
+  s.d_ff = 24;
+  s.seq_len = 8;
+  s.vocab = 32;
+  return s;
+}
+
+ModelShape Gpt2() {
+  ModelShape s = Base();
+  s.norm = NormKind::kLayer;
+  s.bias = true;
+  s.positions = PositionKind::kLearned;
+  s.max_positions = 10;
+  s.tie_embeddings = true;
+  return s;
+}
+
+ModelShape Llama(bool tie) {
+  ModelShape s = Base();
+  s.kv_heads = 2;
+  s.mlp = MlpKind::kSwiglu;
+  s.positions = PositionKind::kRope;
+  s.tie_embeddings = tie;
+  return s;
+}
+
+// The parameter shapes Transformer::Build gives these shapes (written out, not asked of it).
+std::map<std::string, LogicalShape> Shapes(const ModelShape& s) {
+  const int64_t c = s.d_model, f = s.d_ff, dh = s.head_dim(), qkv = (s.heads + 2 * s.kv()) * dh;
+  std::map<std::string, LogicalShape> m;
+  const bool gpt2 = s.norm == NormKind::kLayer;
+  m["embedding/weight"] = {s.vocab, c};
+  if (gpt2) m["positions/weight"] = {s.max_positions, c};
+  for (int64_t l = 0; l < s.layers; ++l) {
+    const std::string p = "blocks." + std::to_string(l) + ".";
+    for (const char* n : {"attn_norm", "mlp_norm"}) {
+      m[p + n + "/weight"] = {1, c};
+      if (gpt2) m[p + n + "/bias"] = {1, c};
+    }
+    m[p + "attn.qkv/weight"] = {qkv, c};
+    m[p + "attn.proj/weight"] = {c, c};
+    if (gpt2) {
+      m[p + "attn.qkv/bias"] = {qkv, 1};
+      m[p + "attn.proj/bias"] = {1, c};
+      m[p + "mlp.fc1/weight"] = {f, c};
+      m[p + "mlp.fc1/bias"] = {f, 1};
+      m[p + "mlp.fc2/weight"] = {c, f};
+      m[p + "mlp.fc2/bias"] = {1, c};
+    } else {
+      m[p + "mlp.gate/weight"] = {f, c};
+      m[p + "mlp.up/weight"] = {f, c};
+      m[p + "mlp.down/weight"] = {c, f};
+    }
+  }
+  m["final_norm/weight"] = {1, c};
+  if (gpt2) m["final_norm/bias"] = {1, c};
+  if (!s.tie_embeddings) m["lm_head/weight"] = {s.vocab, c};
+  return m;
+}
+
+LogicalParams Random(const std::map<std::string, LogicalShape>& shapes) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  LogicalParams p;
+  for (const auto& [name, s] : shapes) {
+    std::vector<float>& v = p[name];
+    v.resize(static_cast<size_t>(s.rows * s.cols));
+    for (float& x : v) x = normal(rng);
+  }
+  return p;
+}
+
+const HfTensor& Find(const std::vector<HfTensor>& ts, const std::string& name) {
+  for (const HfTensor& t : ts) {
+    if (t.name == name) return t;
+  }
+  ADD_FAILURE() << "no tensor " << name;
+  return ts.front();
+}
+
+std::string WriteFile(const TempDir& dir, const std::vector<HfTensor>& ts,
+                      const std::string& name = "m.safetensors") {
+  std::vector<SafetensorsWriteTensor> w;
+  for (const HfTensor& t : ts) {
+    w.push_back({.name = t.name, .dtype = SafetensorsDtype::kF32, .shape = t.shape,
+                 .data = t.values.data()});
+  }
+  const std::string path = (dir / name).string();
+  EXPECT_TRUE(WriteSafetensors(path, w, {}).ok());
+  return path;
+}
+
+TEST(HfWeightsTest, Gpt2LayoutIsConv1DWithQkvAlongOut) {
+  const ModelShape s = Gpt2();
+  const auto shapes = Shapes(s);
+  const LogicalParams p = Random(shapes);
+  const absl::StatusOr<std::vector<HfTensor>> ts = ToHuggingFace(s, shapes, p);
+  ASSERT_TRUE(ts.ok()) << ts.status();
+  const int64_t c = 16, dh = 4, f = 24;
+  const HfTensor& attn = Find(*ts, "transformer.h.1.attn.c_attn.weight");
+  EXPECT_EQ(attn.shape, (std::vector<int64_t>{c, 3 * c}));
+  const std::vector<float>& qkv = p.at("blocks.1.attn.qkv/weight");
+  for (int64_t row = 0; row < c; ++row) {
+    for (int64_t o = 0; o < 3 * c; ++o) {
+      const int64_t part = o / c, head = o % c / dh, d = o % dh;
+      const int64_t ours = head * 3 * dh + part * dh + d;
+      ASSERT_EQ(attn.values[static_cast<size_t>(row * 3 * c + o)],
+                qkv[static_cast<size_t>(ours * c + row)])
+          << row << ", " << o;
+    }
+  }
+  const HfTensor& bias = Find(*ts, "transformer.h.1.attn.c_attn.bias");
+  EXPECT_EQ(bias.values[static_cast<size_t>(c + 5)],  // k of head 1, dim 1
+            p.at("blocks.1.attn.qkv/bias")[static_cast<size_t>(1 * 3 * dh + dh + 1)]);
+  const HfTensor& fc = Find(*ts, "transformer.h.0.mlp.c_fc.weight");
+  EXPECT_EQ(fc.shape, (std::vector<int64_t>{c, f}));
+  EXPECT_EQ(fc.values[static_cast<size_t>(3 * f + 7)],  // [in 3, out 7] = fc1[7, 3]
+            p.at("blocks.0.mlp.fc1/weight")[static_cast<size_t>(7 * c + 3)]);
+  EXPECT_EQ(Find(*ts, "transformer.wpe.weight").values, p.at("positions/weight"));
+  EXPECT_EQ(Find(*ts, "transformer.ln_f.bias").values, p.at("final_norm/bias"));
+  for (const HfTensor& t : *ts) EXPECT_NE(t.name, "lm_head.weight");  // tied to wte
+}
+
+TEST(HfWeightsTest, LlamaQkvRowsAreRegroupedFromKvGroups) {
+  const ModelShape s = Llama(false);
+  const auto shapes = Shapes(s);
+  const LogicalParams p = Random(shapes);
+  const absl::StatusOr<std::vector<HfTensor>> ts = ToHuggingFace(s, shapes, p);
+  ASSERT_TRUE(ts.ok()) << ts.status();
+  const int64_t c = 16, dh = 4, q_per_kv = 2, group = (q_per_kv + 2) * dh;
+  const std::vector<float>& qkv = p.at("blocks.0.attn.qkv/weight");
+  const HfTensor& q = Find(*ts, "model.layers.0.self_attn.q_proj.weight");
+  const HfTensor& k = Find(*ts, "model.layers.0.self_attn.k_proj.weight");
+  const HfTensor& v = Find(*ts, "model.layers.0.self_attn.v_proj.weight");
+  EXPECT_EQ(q.shape, (std::vector<int64_t>{4 * dh, c}));
+  EXPECT_EQ(k.shape, (std::vector<int64_t>{2 * dh, c}));
+  for (int64_t r = 0; r < 4 * dh; ++r) {
+    const int64_t h = r / dh, d = r % dh;
+    const int64_t ours = h / q_per_kv * group + h % q_per_kv * dh + d;
+    for (int64_t col = 0; col < c; ++col) {
+      ASSERT_EQ(q.values[static_cast<size_t>(r * c + col)],
+                qkv[static_cast<size_t>(ours * c + col)]);
+    }
+  }
+  for (int64_t r = 0; r < 2 * dh; ++r) {
+    const int64_t g = r / dh, d = r % dh;
+    for (int64_t col = 0; col < c; ++col) {
+      ASSERT_EQ(k.values[static_cast<size_t>(r * c + col)],
+                qkv[static_cast<size_t>((g * group + q_per_kv * dh + d) * c + col)]);
+      ASSERT_EQ(v.values[static_cast<size_t>(r * c + col)],
+                qkv[static_cast<size_t>((g * group + (q_per_kv + 1) * dh + d) * c + col)]);
+    }
+  }
+  EXPECT_EQ(Find(*ts, "model.layers.1.mlp.down_proj.weight").values,
+            p.at("blocks.1.mlp.down/weight"));
+  EXPECT_EQ(Find(*ts, "lm_head.weight").values, p.at("lm_head/weight"));
+}
+
+TEST(HfWeightsTest, FileRoundTripIsBitForBit) {
+  TempDir dir;
+  for (const ModelShape& s : {Gpt2(), Llama(false), Llama(true)}) {
+    const auto shapes = Shapes(s);
+    const LogicalParams p = Random(shapes);
+    const absl::StatusOr<std::vector<HfTensor>> ts = ToHuggingFace(s, shapes, p);
+    ASSERT_TRUE(ts.ok()) << ts.status();
+    absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(WriteFile(dir, *ts));
+    ASSERT_TRUE(file.ok()) << file.status();
+    const absl::StatusOr<LogicalParams> back = FromHuggingFace(s, shapes, *file);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, p);
+  }
+}
+
+TEST(HfWeightsTest, MissingUnexpectedAndMisshapenTensorsAreNamed) {
+  TempDir dir;
+  const ModelShape s = Gpt2();
+  const auto shapes = Shapes(s);
+  const absl::StatusOr<std::vector<HfTensor>> good = ToHuggingFace(s, shapes, Random(shapes));
+  ASSERT_TRUE(good.ok());
+  auto load = [&](const std::vector<HfTensor>& ts) {
+    absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(WriteFile(dir, ts));
+    EXPECT_TRUE(file.ok()) << file.status();
+    return FromHuggingFace(s, shapes, *file).status();
+  };
+  std::vector<HfTensor> missing = *good;
+  missing.erase(missing.begin() + 3);
+  const absl::Status m = load(missing);
+  EXPECT_EQ(m.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(m.message(), HasSubstr((*good)[3].name));
+  EXPECT_THAT(m.message(), HasSubstr("missing"));
+
+  std::vector<HfTensor> extra = *good;
+  extra.push_back({"transformer.h.9.mlp.c_fc.weight", {2}, {1.0f, 2.0f}});
+  const absl::Status e = load(extra);
+  EXPECT_EQ(e.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(e.message(), HasSubstr("transformer.h.9.mlp.c_fc.weight"));
+
+  std::vector<HfTensor> buffers = *good;  // GPT-2's causal-mask buffers are not parameters
+  buffers.push_back({"transformer.h.0.attn.bias", {1}, {1.0f}});
+  buffers.push_back({"transformer.h.0.attn.masked_bias", {1}, {-1e4f}});
+  EXPECT_TRUE(load(buffers).ok());
+
+  std::vector<HfTensor> shape = *good;
+  for (HfTensor& t : shape) {
+    if (t.name == "transformer.wte.weight") {
+      t.shape = {16, 32};  // transposed
+    }
+  }
+  const absl::Status w = load(shape);
+  EXPECT_EQ(w.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(w.message(), HasSubstr("transformer.wte.weight"));
+}
+
+TEST(HfWeightsTest, ArchitecturesWithoutAHuggingFaceClassAreRefusedNamingTheField) {
+  const ModelShape plain = Base();
+  EXPECT_THAT(CheckHfArchitecture(plain).message(), HasSubstr("model.family"));
+  ModelShape g = Gpt2();
+  g.tie_embeddings = false;
+  EXPECT_THAT(CheckHfArchitecture(g).message(), HasSubstr("model.tie_embeddings"));
+  ModelShape l = Llama(false);
+  l.bias = true;
+  EXPECT_THAT(CheckHfArchitecture(l).message(), HasSubstr("model.bias"));
+  EXPECT_EQ(ToHuggingFace(l, Shapes(Llama(false)), {}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(HfWeightsTest, ConfigJsonCarriesWhatTheClassesRead) {
+  const absl::StatusOr<std::string> g = HfConfigJson(Gpt2(), "float32");
+  ASSERT_TRUE(g.ok());
+  const nlohmann::json gj = nlohmann::json::parse(*g);
+  EXPECT_EQ(gj["model_type"], "gpt2");
+  EXPECT_EQ(gj["architectures"][0], "GPT2LMHeadModel");
+  EXPECT_EQ(gj["n_embd"], 16);
+  EXPECT_EQ(gj["n_layer"], 2);
+  EXPECT_EQ(gj["n_head"], 4);
+  EXPECT_EQ(gj["n_positions"], 10);
+  EXPECT_EQ(gj["n_inner"], 24);
+  EXPECT_EQ(gj["activation_function"], "gelu_new");
+  EXPECT_EQ(gj["layer_norm_epsilon"], 1e-5);
+  EXPECT_EQ(gj["tie_word_embeddings"], true);
+  const absl::StatusOr<std::string> l = HfConfigJson(Llama(false), "bfloat16");
+  ASSERT_TRUE(l.ok());
+  const nlohmann::json lj = nlohmann::json::parse(*l);
+  EXPECT_EQ(lj["architectures"][0], "LlamaForCausalLM");
+  EXPECT_EQ(lj["hidden_size"], 16);
+  EXPECT_EQ(lj["intermediate_size"], 24);
+  EXPECT_EQ(lj["num_attention_heads"], 4);
+  EXPECT_EQ(lj["num_key_value_heads"], 2);
+  EXPECT_EQ(lj["rms_norm_eps"], 1e-5);
+  EXPECT_EQ(lj["rope_theta"], 10000.0);
+  EXPECT_EQ(lj["tie_word_embeddings"], false);
+  EXPECT_EQ(lj["torch_dtype"], "bfloat16");
+}
+
+}  // namespace
+}  // namespace fp8rt::model
