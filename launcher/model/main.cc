@@ -89,9 +89,8 @@ int Export(const Source& src, const std::string& out, const std::string& dtype) 
   }
   absl::StatusOr<worker::CheckpointWeights> w = worker::ReadCheckpointWeights(src.run_dir, src.step);
   if (!w.ok()) return Fail("export", w.status());
-  absl::StatusOr<std::unique_ptr<worker::SoloModel>> solo = worker::MakeSoloModel(w->spec);
-  if (!solo.ok()) return Fail("export", solo.status());
-  const absl::Status s = worker::ExportHuggingFace((*solo)->shape, (*solo)->model->ParamShapes(),
+  // The shapes came with the weights: no second model to build.
+  const absl::Status s = worker::ExportHuggingFace(worker::ShapeFromSpec(w->spec), w->shapes,
                                                    w->params, out, dtype == "bf16");
   if (!s.ok()) return Fail("export", s);
   std::printf("fp8rt export: step %lld of %s -> %s/model.safetensors, %s/config.json (%s)\n",

@@ -57,7 +57,8 @@ absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& run_d
                                             manifest.shards_size(), " shards"));
   }
   FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<SoloModel> solo, MakeSoloModel(w.spec));
-  const std::map<std::string, model::LogicalShape> shapes = solo->model->ParamShapes();
+  w.shapes = solo->model->ParamShapes();
+  const std::map<std::string, model::LogicalShape>& shapes = w.shapes;
   for (const auto& [name, s] : shapes) {
     w.params[name] = std::vector<float>(static_cast<size_t>(s.rows * s.cols), 0.0f);
   }

@@ -16,6 +16,7 @@
 #define FP8RT_RUNTIME_WORKER_WEIGHTS_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -33,6 +34,7 @@ struct CheckpointWeights {
   v1::RunSpec spec;  // the spec the checkpoint was written under
   int64_t step = 0;
   model::LogicalParams params;
+  std::map<std::string, model::LogicalShape> shapes;  // of params, by name
 };
 
 // The checkpoint of `step` (default: the newest that verifies) in RUN_DIR/checkpoints. Dense
