@@ -10,6 +10,10 @@
 //                      [--json]   (per-rank tracked peak bytes by category and peak RSS of a
 //                                  training run: N MPI ranks of fp8rt-bench-memory, and a one-rank
 //                                  baseline with the ratios against it)
+//   fp8rt bench convergence [--spec RUN.yaml] [--steps N] [--set KEY=VALUE ...] [--run-dir DIR]
+//                           [--target R] [--json]   (bf16 vs fp8 hybrid delayed: the relative
+//                                  difference of the final validation losses; convergence.h.
+//                                  Exit 1 when it exceeds the target)
 //   fp8rt bench controller [--workers N] [--duration S] [--json] ...   (load on fp8rt-controller:
 //                                                 runs fp8rt-bench-controller, which needs no
 //                                                 kernels; its options: --help)
@@ -33,6 +37,7 @@
 #include "absl/strings/str_format.h"
 #include "launcher/bench/bench_cuda.h"
 #include "launcher/bench/bench_kernels.h"
+#include "launcher/bench/convergence.h"
 #include "runtime/core/program.h"
 
 namespace {
@@ -234,7 +239,25 @@ void PrintHuman(const nlohmann::ordered_json& j) {
     }
     return;
   }
-  if (name == "memory") {
+  if (name == "convergence") {
+    const auto& b = j["modes"]["bf16"];
+    const auto& f = j["modes"]["fp8"];
+    std::cout << absl::StrFormat(
+        "convergence, %d steps on %d ranks: %s\n"
+        "  %-22s %14s %12s %12s %9s\n"
+        "  %-22s %14.5f %12.4f %12.4f %8.0fs\n"
+        "  %-22s %14.5f %12.4f %12.4f %8.0fs\n"
+        "  relative difference of the final validation loss (fp8 - bf16) / bf16: %+.4f%% "
+        "(target |x| <= %.4g%%: %s)\n"
+        "  run folders: %s\n",
+        j["steps"].get<int>(), j["np"].get<int>(), j["spec"].get<std::string>(), "", "final val_loss",
+        "loss 1-10", "last 10", "wall", "bf16", b["final_val_loss"].get<double>(),
+        b["first10_loss"].get<double>(), b["last10_loss"].get<double>(), b["wall_s"].get<double>(),
+        "fp8 (hybrid, delayed)", f["final_val_loss"].get<double>(), f["first10_loss"].get<double>(),
+        f["last10_loss"].get<double>(), f["wall_s"].get<double>(),
+        100.0 * j["relative_difference"].get<double>(), 100.0 * j["target"].get<double>(),
+        j["within_target"].get<bool>() ? "within" : "EXCEEDED", j["run_dir"].get<std::string>());
+  } else if (name == "memory") {
     PrintMemory(j);
   } else if (name == "comm") {
     const auto& g = j["fsdp_gather"];
@@ -371,6 +394,20 @@ int main(int argc, char** argv) {
   memory->add_option("--steps", mopt.steps, "optimizer steps per rank (default 3)");
   memory->add_flag("--no-baseline", no_baseline, "with --np > 1: skip the one-rank baseline run");
   memory->add_flag("--json", json, "print one JSON object");
+  fp8rt::bench::ConvergenceBenchOptions copt;
+  auto* convergence = app.add_subcommand(
+      "convergence",
+      "train a spec in bf16 and in fp8 (hybrid, delayed): relative difference of the final "
+      "validation losses");
+  convergence->add_option("--spec", copt.spec, "run spec (default examples/llama-tiny.yaml)");
+  convergence->add_option("--steps", copt.steps, "train.steps of both runs (default: the spec's)");
+  convergence->add_option("--set", copt.overrides,
+                          "override a spec key for both runs (repeatable)");
+  convergence->add_option("--run-dir", copt.run_dir,
+                          "folder for the bf16/ and fp8/ run folders (default: a new temp folder)");
+  convergence->add_option("--target", copt.target,
+                          "bound on |fp8 - bf16| / bf16 (default 0.0025; exit 1 above it)");
+  convergence->add_flag("--json", json, "print one JSON object");
   // Listed for --help only (dispatched above).
   app.add_subcommand("controller",
                      "load on fp8rt-controller from simulated workers: p99 RPC latency, RSS "
@@ -395,6 +432,8 @@ int main(int argc, char** argv) {
   } else if (comm->parsed()) {
     result = np < 1 ? absl::InvalidArgumentError("--np must be in [1, 16]")
                     : MpiBench("fp8rt-bench-comm", np, "--repeats " + std::to_string(comm_repeats));
+  } else if (convergence->parsed()) {
+    result = fp8rt::bench::ConvergenceBench(copt);
   } else if (memory->parsed()) {
     mopt.baseline = !no_baseline;
     result = MemoryBench(mopt);
@@ -418,5 +457,7 @@ int main(int argc, char** argv) {
   } else {
     PrintHuman(*result);
   }
+  // The convergence bench fails when FP8 misses its target (a CI test relies on the exit code).
+  if (convergence->parsed() && !(*result)["within_target"].get<bool>()) return 1;
   return 0;
 }
