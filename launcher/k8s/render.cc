@@ -457,11 +457,13 @@ absl::StatusOr<Rendered> Render(const RenderOptions& options) {
 
   absl::StatusOr<v1::RunSpec> spec = LoadRunSpec(options.spec_path, std::span<const std::string>());
   if (!spec.ok()) return spec.status();
-  // data.path is read in the pods, not here: check everything else (a readable stand-in path).
-  v1::RunSpec check = *spec;
-  check.mutable_data()->set_path(options.spec_path);
+  // The data files (data.path, data.val_path, init.from) are read in the pods, not here: check
+  // everything else (a stand-in data file would also be measured for the validation tail).
   const int64_t world64 = int64_t{spec->parallel().dp()} * spec->parallel().tp();
-  if (absl::Status s = ValidateRunSpec(check, static_cast<int>(world64)); !s.ok()) return s;
+  if (absl::Status s = ValidateRunSpec(*spec, static_cast<int>(world64), DataFileCheck::kSkip);
+      !s.ok()) {
+    return s;
+  }
   const int world = static_cast<int>(world64);
   // GPU pods are for ranks that use them: `device: cuda` renders them, with or without --gpu.
   const bool cuda = spec->device() == v1::RunSpec::DEVICE_CUDA;

@@ -754,7 +754,7 @@ void Controller::ApplyHealthPolicyLocked(RunEntry* run, const v1::ReportStepRequ
       const v1::RecipeVersion& newest = NewestRecipeLocked(*run);
       const auto& excluded = newest.recipe().exclude();
       const auto& demoted = run->record.demoted_layers();
-      if (!health.demote() || !IsBlockLayer(layer, spec.model().layers()) ||
+      if (!health.demote() || !IsBlockLayer(layer, spec) ||
           std::find(excluded.begin(), excluded.end(), layer) != excluded.end() ||
           std::find(demoted.begin(), demoted.end(), layer) != demoted.end()) {
         continue;

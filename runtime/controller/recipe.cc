@@ -21,13 +21,20 @@ namespace {
 
 using Precision = v1::RunSpec::Precision;
 
-constexpr const char* kBlockLinears[] = {"attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"};
-
-// The layer list for error messages: in full for small models, as a pattern for large ones.
-std::string LayerList(int layers) {
-  if (layers <= 2) return absl::StrJoin(LayerNames(layers), ", ");
-  return absl::StrCat("blocks.N.attn.qkv, blocks.N.attn.proj, blocks.N.mlp.fc1, blocks.N.mlp.fc2 ",
-                      "for N in 0..", layers - 1, ", lm_head");
+// The layer list for error messages: in full for small models, else the first block's layers
+// as a pattern ("blocks.N.attn.qkv, ... for N in 0..L-1, lm_head"; MoE blocks differ from it by
+// their experts, which the full list would show).
+std::string LayerList(const v1::RunSpec& spec) {
+  const std::vector<std::string> names = LayerNames(spec);
+  if (names.size() <= 12) return absl::StrJoin(names, ", ");
+  std::vector<std::string> first;
+  for (const std::string& n : names) {
+    if (!n.starts_with("blocks.0.")) break;
+    first.push_back("blocks.N." + n.substr(std::string("blocks.0.").size()));
+  }
+  return absl::StrCat(absl::StrJoin(first, ", "), " for N in 0..", spec.model().layers() - 1,
+                      spec.moe().experts() > 0 ? " (MoE blocks: mlp.experts.E.*)" : "",
+                      ", lm_head");
 }
 
 // "SCALING_BLOCK" -> "block".
@@ -59,8 +66,8 @@ absl::Status FieldError(const std::string& field, const std::string& message) {
 
 // Every exclude name is a non-empty layer of the model, listed once; `field` is the list's path.
 absl::Status CheckExclude(const google::protobuf::RepeatedPtrField<std::string>& exclude,
-                          int layers, const std::string& field) {
-  const std::vector<std::string> names = LayerNames(layers);
+                          const v1::RunSpec& spec, const std::string& field) {
+  const std::vector<std::string> names = LayerNames(spec);
   std::set<std::string> seen;
   for (int i = 0; i < exclude.size(); ++i) {
     const std::string item = absl::StrCat(field, "[", i, "]");
@@ -68,7 +75,7 @@ absl::Status CheckExclude(const google::protobuf::RepeatedPtrField<std::string>&
     if (name.empty()) return FieldError(item, "empty layer name");
     if (std::find(names.begin(), names.end(), name) == names.end()) {
       return FieldError(
-          item, absl::StrCat("no layer named '", name, "' (layers: ", LayerList(layers), ")"));
+          item, absl::StrCat("no layer named '", name, "' (layers: ", LayerList(spec), ")"));
     }
     if (!seen.insert(name).second)
       return FieldError(item, absl::StrCat("'", name, "' listed twice"));
@@ -83,30 +90,12 @@ absl::Status ValidateWithoutDataFile(const v1::RunSpec& spec, int world_size) {
 
 }  // namespace
 
-std::vector<std::string> LayerNames(int layers) {
-  std::vector<std::string> names;
-  for (int l = 0; l < layers; ++l) {
-    for (const char* linear : kBlockLinears)
-      names.push_back(absl::StrCat("blocks.", l, ".", linear));
-  }
-  names.push_back("lm_head");
-  return names;
-}
+std::vector<std::string> LayerNames(const v1::RunSpec& spec) { return ModelLayerNames(spec); }
 
-bool IsBlockLayer(std::string_view name, int layers) {
-  constexpr std::string_view kBlocks = "blocks.";
-  if (!name.starts_with(kBlocks)) return false;
-  name.remove_prefix(kBlocks.size());
-  const size_t dot = name.find('.');
-  if (dot == std::string_view::npos || dot == 0) return false;
-  int index = -1;
-  const auto [ptr, ec] = std::from_chars(name.data(), name.data() + dot, index);
-  if (ec != std::errc() || ptr != name.data() + dot || index < 0 || index >= layers) return false;
-  // No leading zeros: blocks.01.attn.qkv is not a layer name.
-  if (dot > 1 && name[0] == '0') return false;
-  const std::string_view linear = name.substr(dot + 1);
-  return std::any_of(std::begin(kBlockLinears), std::end(kBlockLinears),
-                     [&](const char* l) { return linear == l; });
+bool IsBlockLayer(std::string_view name, const v1::RunSpec& spec) {
+  if (!name.starts_with("blocks.")) return false;
+  const std::vector<std::string> names = LayerNames(spec);
+  return std::find(names.begin(), names.end(), name) != names.end();
 }
 
 v1::Recipe RecipeFromSpec(const v1::RunSpec& spec) {
@@ -141,7 +130,7 @@ bool SameRecipe(const v1::Recipe& a, const v1::Recipe& b) {
 absl::Status ValidateSpec(const v1::RunSpec& spec, int world_size) {
   absl::Status s = ValidateWithoutDataFile(spec, world_size);
   if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.", s.message()));
-  return CheckExclude(spec.precision().exclude(), spec.model().layers(), "spec.precision.exclude");
+  return CheckExclude(spec.precision().exclude(), spec, "spec.precision.exclude");
 }
 
 absl::Status ValidateRecipe(const v1::Recipe& recipe, const v1::RunSpec& spec, int world_size) {
@@ -164,7 +153,7 @@ absl::Status ValidateRecipe(const v1::Recipe& recipe, const v1::RunSpec& spec, i
   if (recipe.margin() < 0 || recipe.margin() > 32) {
     return FieldError("recipe.margin", absl::StrCat("must be in [0, 32], got ", recipe.margin()));
   }
-  absl::Status s = CheckExclude(recipe.exclude(), spec.model().layers(), "recipe.exclude");
+  absl::Status s = CheckExclude(recipe.exclude(), spec, "recipe.exclude");
   if (!s.ok()) return s;
   // What is left to fail in the merged spec depends on the scaling: block scaling needs whole
   // 128-wide blocks per tensor-parallel shard and whole 128-row blocks per FSDP shard.

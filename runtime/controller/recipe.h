@@ -1,8 +1,8 @@
 // Recipes and layer names as the controller checks them (proto/fp8rt/v1/control.proto Recipe).
 //
 // Defines:
-//   LayerNames, IsBlockLayer     the layers a recipe may exclude: blocks.N.{attn.qkv, attn.proj,
-//                                mlp.fc1, mlp.fc2} for N < model.layers, and lm_head (the same
+//   LayerNames, IsBlockLayer     the layers a recipe may exclude: the spec's ModelLayerNames
+//                                (runtime/spec/run_spec.h; per family and MoE layout, the same
 //                                list as runtime/model's Transformer::LayerNames).
 //   RecipeFromSpec, WithRecipe   RunSpec.precision <-> Recipe.
 //   ValidateSpec                 a registered spec, errors prefixed "spec.".
@@ -30,11 +30,11 @@
 
 namespace fp8rt::controller {
 
-// The layers of a model with `layers` blocks, in model order, lm_head last.
-std::vector<std::string> LayerNames(int layers);
+// The layers of the spec's model, in model order, lm_head last (ModelLayerNames).
+std::vector<std::string> LayerNames(const v1::RunSpec& spec);
 
-// True for blocks.N.{attn.qkv, attn.proj, mlp.fc1, mlp.fc2} with N < layers.
-bool IsBlockLayer(std::string_view name, int layers);
+// True for the layers of LayerNames(spec) inside the blocks (every one but lm_head).
+bool IsBlockLayer(std::string_view name, const v1::RunSpec& spec);
 
 // The part of a run spec's precision section that can change while a run trains.
 v1::Recipe RecipeFromSpec(const v1::RunSpec& spec);

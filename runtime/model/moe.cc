@@ -42,27 +42,40 @@ absl::StatusOr<float*> Zeroed(const LinearContext& ctx, kernels::DeviceArray<flo
 }  // namespace
 
 MoeLayer::MoeLayer(std::string name, const MoeConfig& config, int64_t d_model, int64_t d_ff,
-                   GemmPrecision expert_precision, const Fp8SiteConfigs& sites,
+                   bool swiglu, GemmPrecision expert_precision, const Fp8SiteConfigs& sites,
                    parallel::Communicator* ep)
-    : name_(std::move(name)), config_(config), c_(d_model), f_(d_ff), ep_(ep) {
+    : name_(std::move(name)), config_(config), c_(d_model), f_(d_ff), swiglu_(swiglu), ep_(ep) {
   local_ = config_.experts / ep_->size();
   first_local_ = ep_->rank() * local_;
   router_ =
       std::make_unique<Linear>(name_ + ".router", c_, config_.experts, GemmPrecision::kFp32, sites);
   for (int64_t e = 0; e < config_.experts; ++e) {
     const std::string expert = absl::StrCat(name_, ".experts.", e);
-    fc1_.push_back(std::make_unique<Linear>(expert + ".fc1", c_, f_, expert_precision, sites));
-    fc2_.push_back(std::make_unique<Linear>(expert + ".fc2", f_, c_, expert_precision, sites));
+    fc1_.push_back(std::make_unique<Linear>(expert + (swiglu_ ? ".gate" : ".fc1"), c_, f_,
+                                            expert_precision, sites));
+    if (swiglu_) {
+      up_.push_back(std::make_unique<Linear>(expert + ".up", c_, f_, expert_precision, sites));
+    }
+    fc2_.push_back(std::make_unique<Linear>(expert + (swiglu_ ? ".down" : ".fc2"), f_, c_,
+                                            expert_precision, sites));
   }
-  for (std::vector<Array>* v : {&xe_, &he_, &ge_}) {
+  for (std::vector<Array>* v : {&xe_, &he_, &ge_, &ue_}) {
     for (int64_t le = 0; le < local_; ++le) v->emplace_back();
   }
   rows_of_.resize(static_cast<size_t>(local_));
 }
 
-void MoeLayer::SetGrads(float* router, std::vector<float*> fc1, std::vector<float*> fc2) {
+std::vector<Linear*> MoeLayer::expert_linears(int64_t e) {
+  const size_t i = static_cast<size_t>(e);
+  if (swiglu_) return {fc1_[i].get(), up_[i].get(), fc2_[i].get()};
+  return {fc1_[i].get(), fc2_[i].get()};
+}
+
+void MoeLayer::SetGrads(float* router, std::vector<float*> fc1, std::vector<float*> up,
+                        std::vector<float*> fc2) {
   router_grad_ = router;
   fc1_grad_ = std::move(fc1);
+  up_grad_ = std::move(up);
   fc2_grad_ = std::move(fc2);
 }
 
@@ -169,7 +182,7 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     FP8RT_RETURN_IF_ERROR(Sync(ctx));
   }
 
-  // ---- Local experts: fc1, GELU, fc2 on the rows each received ----
+  // ---- Local experts: fc1, GELU, fc2 (or gate, up, SwiGLU, down) on the rows each received ----
   // Every received row belongs to a local expert, so each row of recv_y is written below; the
   // zeros are for a rank that received none (the one-element buffer).
   float* recv_y = Sized(ctx, recv_y_, received * C);
@@ -194,7 +207,13 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     }
     float* ye = Sized(ctx, ye_, ne * C);
     FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Forward(ctx, xe, ne, he));
-    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->gelu_forward(ge, he, ne * F, {}));
+    if (swiglu_) {
+      float* ue = Sized(ctx, ue_[static_cast<size_t>(le)], ne * F);
+      FP8RT_RETURN_IF_ERROR(up_[static_cast<size_t>(e)]->Forward(ctx, xe, ne, ue));
+      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->swiglu_forward(ge, he, ue, ne * F, {}));
+    } else {
+      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->gelu_forward(ge, he, ne * F, {}));
+    }
     FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Forward(ctx, ge, ne, ye));
     FP8RT_RETURN_IF_ERROR(Sync(ctx));
     for (int64_t i = 0; i < ne; ++i) {
@@ -268,8 +287,17 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
     FP8RT_ASSIGN_OR_RETURN(float* const dxe, Zeroed(ctx, dxe_, ne * C));
     FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Backward(
         ctx, dye, ne, dge, fc2_grad_[static_cast<size_t>(le)]));
-    FP8RT_RETURN_IF_ERROR(
-        ctx.ops->layer->gelu_backward(dhe, dge, he_[static_cast<size_t>(le)].data(), ne * F, {}));
+    if (swiglu_) {
+      FP8RT_ASSIGN_OR_RETURN(float* const due, Zeroed(ctx, due_, ne * F));
+      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->swiglu_backward(
+          dhe, due, dge, he_[static_cast<size_t>(le)].data(), ue_[static_cast<size_t>(le)].data(),
+          ne * F, {}));
+      FP8RT_RETURN_IF_ERROR(up_[static_cast<size_t>(e)]->Backward(
+          ctx, due, ne, dxe, up_grad_[static_cast<size_t>(le)]));
+    } else {
+      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->gelu_backward(
+          dhe, dge, he_[static_cast<size_t>(le)].data(), ne * F, {}));
+    }
     FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Backward(
         ctx, dhe, ne, dxe, fc1_grad_[static_cast<size_t>(le)]));
     FP8RT_RETURN_IF_ERROR(Sync(ctx));

@@ -14,8 +14,10 @@
 //   dispatch     the kept assignments' rows travel to the rank owning the expert in FP8 (E4M3,
 //                one scale per 1x128 tile of each row) with their expert ids; also to oneself,
 //                so that every layout computes with the same rounded inputs
-//   experts      each local expert runs its FP8 MLP (fc1, GELU, fc2: Linear with its own sites,
-//                named blocks.L.mlp.experts.E.fc1/...) on the rows it received
+//   experts      each local expert runs its FP8 MLP on the rows it received, Linear layers with
+//                their own sites: fc1, GELU, fc2 (blocks.L.mlp.experts.E.fc1/...), or with
+//                `swiglu` (the llama family; Mixtral's w1, w3, w2) down(silu(gate x) * up x)
+//                (blocks.L.mlp.experts.E.gate / .up / .down)
 //   combine      expert outputs travel back in BF16; out[n] = sum of gate * expert output
 //   aux loss     coef * E * sum_e f_e P_e (f_e: fraction of assignments routed to e, P_e: mean
 //                router probability of e), added to the loss (Switch Transformer)
@@ -60,22 +62,29 @@ class MoeLayer {
  public:
   // `name` is the block's MLP ("blocks.1.mlp"); experts [first_local, first_local + local) live
   // on this rank (ep_rank * E / ep ...); `ep` is the expert-parallel group.
-  MoeLayer(std::string name, const MoeConfig& config, int64_t d_model, int64_t d_ff,
+  MoeLayer(std::string name, const MoeConfig& config, int64_t d_model, int64_t d_ff, bool swiglu,
            GemmPrecision expert_precision, const Fp8SiteConfigs& sites, parallel::Communicator* ep);
 
   const std::string& name() const { return name_; }
   const MoeConfig& config() const { return config_; }
   Linear& router() { return *router_; }
+  bool swiglu() const { return swiglu_; }
+  // fc1 is the GELU MLP's fc1 or SwiGLU's gate; fc2 is fc2 or down; up exists with SwiGLU only.
   Linear& fc1(int64_t e) { return *fc1_[static_cast<size_t>(e)]; }
+  Linear& up(int64_t e) { return *up_[static_cast<size_t>(e)]; }
   Linear& fc2(int64_t e) { return *fc2_[static_cast<size_t>(e)]; }
+  // The expert's GEMMs in order (fc1, fc2 or gate, up, down).
+  std::vector<Linear*> expert_linears(int64_t e);
   bool IsLocal(int64_t e) const { return e >= first_local_ && e < first_local_ + local_; }
   int64_t OwnerOf(int64_t e) const { return e / local_; }
   int64_t first_local() const { return first_local_; }
   int64_t local() const { return local_; }
 
   // Gradient buffers (caller-owned, accumulated into): the router's [E, C] and, for each local
-  // expert e, fc1 [F, C] and fc2 [C, F] (null for experts of other ranks).
-  void SetGrads(float* router, std::vector<float*> fc1, std::vector<float*> fc2);
+  // expert in order, fc1 (gate) [F, C], up [F, C] (SwiGLU; `up` empty otherwise) and fc2 (down)
+  // [C, F].
+  void SetGrads(float* router, std::vector<float*> fc1, std::vector<float*> up,
+                std::vector<float*> fc2);
 
   // out[n, :] = MoE(x)[n, :] (overwritten). x must stay valid until Backward.
   absl::StatusOr<MoeStats> Forward(const LinearContext& ctx, const float* x, int64_t n, float* out);
@@ -88,12 +97,13 @@ class MoeLayer {
   const std::string name_;
   const MoeConfig config_;
   const int64_t c_, f_;
+  const bool swiglu_;
   parallel::Communicator* ep_;
   int64_t first_local_ = 0, local_ = 0;
   std::unique_ptr<Linear> router_;
-  std::vector<std::unique_ptr<Linear>> fc1_, fc2_;  // all experts
+  std::vector<std::unique_ptr<Linear>> fc1_, up_, fc2_;  // all experts (up_: SwiGLU only)
   float* router_grad_ = nullptr;
-  std::vector<float*> fc1_grad_, fc2_grad_;
+  std::vector<float*> fc1_grad_, up_grad_, fc2_grad_;
 
   // Saved by Forward for Backward. Routing runs on the host (probs_ ... recv_expert_, rows_of_);
   // every buffer an op or a token all-to-all reads or writes is memory of the model's backend
@@ -112,12 +122,13 @@ class MoeLayer {
   std::vector<int64_t> recv_counts_;           // rows from each ep rank
   std::vector<int32_t> recv_expert_;           // expert of each received row
   std::vector<std::vector<int64_t>> rows_of_;  // per local expert: received row indices
-  std::vector<Array> xe_, he_, ge_;            // per local expert: inputs, fc1 out, GELU out
+  // Per local expert: inputs, fc1 (gate) out, GELU (SwiGLU) out, up out (SwiGLU).
+  std::vector<Array> xe_, he_, ge_, ue_;
   Array y_back_;                               // [sent, C] expert outputs back at this rank
 
   // Reused temporaries (backend memory).
   Array logits_, send_rows_, recv_x_, recv_y_, ye_;  // forward
-  Array dy_send_, dy_recv_, dye_, dge_, dhe_, dxe_;  // backward, to the experts and through
+  Array dy_send_, dy_recv_, dye_, dge_, dhe_, due_, dxe_;  // backward, to the experts, through
   Array dx_recv_, dx_send_, dlogits_;                // backward, back and into the router
 };
 

@@ -201,7 +201,8 @@ std::vector<std::string> Transformer::LayerNames() const {
       continue;
     }
     for (int64_t e = 0; e < shape_.moe.experts; ++e) {
-      for (const char* s : {"fc1", "fc2"}) {
+      for (const char* s : swiglu ? std::vector<const char*>{"gate", "up", "down"}
+                                  : std::vector<const char*>{"fc1", "fc2"}) {
         names.push_back(absl::StrCat("blocks.", l, ".mlp.experts.", e, ".", s));
       }
     }
@@ -289,10 +290,6 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Create(const ModelShap
     return bad("model.max_positions", absl::StrCat(shape.max_positions, " positions cannot hold "
                                                    "model.seq_len ",
                                                    shape.seq_len));
-  }
-  if (shape.mlp == MlpKind::kSwiglu && shape.moe.experts > 0) {
-    return absl::UnimplementedError(
-        "moe.experts: MoE blocks with SwiGLU experts are not built yet");
   }
   std::unique_ptr<Transformer> model(new Transformer(shape, recipe, mesh, ops));
   FP8RT_RETURN_IF_ERROR(CheckRecipe(shape, recipe, tp, dp, model->LayerNames()));
@@ -446,30 +443,26 @@ absl::Status Transformer::Build(uint64_t seed) {
     } else {
       // Router (FP32, replicated like a dense weight) and this rank's experts (FSDP over the
       // expert-data-parallel group). Every rank has every expert's layers (and sites).
-      k.moe = std::make_unique<MoeLayer>(p + "mlp", shape_.moe, c, f, recipe_.precision,
+      k.moe = std::make_unique<MoeLayer>(p + "mlp", shape_.moe, c, f, swiglu, recipe_.precision,
                                          recipe_.sites, &mesh_.ep());
       MoeLayer& m = *k.moe;
       all_linears_.push_back(&m.router());
       k.router_w = add(p + "mlp.router/weight", shape_.moe.experts, c, TpSplit::kNone, true,
                        std_dev, &m.router());
-      std::vector<int> fc1_params, fc2_params;
       for (int64_t e = 0; e < shape_.moe.experts; ++e) {
-        m.fc1(e).Reconfigure(LayerPrecision(m.fc1(e).name()), recipe_.sites);
-        m.fc2(e).Reconfigure(LayerPrecision(m.fc2(e).name()), recipe_.sites);
-        all_linears_.push_back(&m.fc1(e));
-        all_linears_.push_back(&m.fc2(e));
+        for (Linear* lin : m.expert_linears(e)) {
+          lin->Reconfigure(LayerPrecision(lin->name()), recipe_.sites);
+          all_linears_.push_back(lin);
+        }
         if (!m.IsLocal(e)) continue;
-        fc1_params.push_back(static_cast<int>(params_.size()));
-        AddParam(m.fc1(e).name() + "/weight", f, c, TpSplit::kNone, true, std_dev, seed, &m.fc1(e),
-                 /*expert=*/true);
-        fc2_params.push_back(static_cast<int>(params_.size()));
-        AddParam(m.fc2(e).name() + "/weight", c, f, TpSplit::kNone, true, resid_std, seed,
-                 &m.fc2(e), /*expert=*/true);
+        // fc1 (gate) and up [F, C], fc2 (down) [C, F]; the gradient buffers are handed over
+        // with each backward's gather (GatherUnit).
+        for (Linear* lin : m.expert_linears(e)) {
+          const bool out_proj = lin == &m.fc2(e);
+          AddParam(lin->name() + "/weight", out_proj ? c : f, out_proj ? f : c, TpSplit::kNone,
+                   true, out_proj ? resid_std : std_dev, seed, lin, /*expert=*/true);
+        }
       }
-      std::vector<float*> g1, g2;
-      for (int i : fc1_params) g1.push_back(params_[static_cast<size_t>(i)].full_grad.data());
-      for (int i : fc2_params) g2.push_back(params_[static_cast<size_t>(i)].full_grad.data());
-      m.SetGrads(params_[static_cast<size_t>(k.router_w)].full_grad.data(), g1, g2);
       k.moe_stats = static_cast<int>(moe_stats_.size());
       moe_stats_.push_back(
           {p + "mlp", std::vector<int64_t>(static_cast<size_t>(shape_.moe.experts), 0), 0});
@@ -697,13 +690,14 @@ absl::Status Transformer::BeginUnitGrads(size_t unit) {
   if (unit >= 1 && unit <= blocks_.size()) {
     const Block& blk = *blocks_[unit - 1];
     if (blk.moe != nullptr) {
-      std::vector<float*> g1, g2;
+      std::vector<float*> g1, gu, g2;
       for (const int i : units_[unit].params) {
         Param& p = params_[static_cast<size_t>(i)];
         if (p.name.find(".experts.") == std::string::npos) continue;
-        (p.name.ends_with(".fc1/weight") ? g1 : g2).push_back(p.full_grad.data());
+        const bool first = p.name.ends_with(".fc1/weight") || p.name.ends_with(".gate/weight");
+        (first ? g1 : p.name.ends_with(".up/weight") ? gu : g2).push_back(p.full_grad.data());
       }
-      blk.moe->SetGrads(params_[static_cast<size_t>(blk.router_w)].full_grad.data(), g1, g2);
+      blk.moe->SetGrads(params_[static_cast<size_t>(blk.router_w)].full_grad.data(), g1, gu, g2);
     }
   }
   return absl::OkStatus();

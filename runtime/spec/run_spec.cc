@@ -604,6 +604,27 @@ absl::Status ValidateEval(const v1::RunSpec& spec, DataFileCheck data_file) {
 
 }  // namespace
 
+std::vector<std::string> ModelLayerNames(const v1::RunSpec& spec) {
+  const v1::RunSpec::Model m = ResolveModel(spec.model());
+  const bool swiglu = m.mlp() == v1::RunSpec::Model::MLP_SWIGLU;
+  const int64_t experts = spec.moe().experts(), every = std::max<int64_t>(1, spec.moe().every());
+  const std::vector<const char*> mlp = swiglu ? std::vector<const char*>{"gate", "up", "down"}
+                                              : std::vector<const char*>{"fc1", "fc2"};
+  std::vector<std::string> names;
+  for (int64_t l = 0; l < m.layers(); ++l) {
+    const std::string block = absl::StrCat("blocks.", l, ".");
+    names.push_back(block + "attn.qkv");
+    names.push_back(block + "attn.proj");
+    const bool moe = experts > 0 && (l + 1) % every == 0;
+    for (int64_t e = 0; e < (moe ? experts : 1); ++e) {
+      const std::string prefix = moe ? absl::StrCat(block, "mlp.experts.", e, ".") : block + "mlp.";
+      for (const char* s : mlp) names.push_back(prefix + s);
+    }
+  }
+  names.push_back("lm_head");
+  return names;
+}
+
 uint64_t ValidationSplit(uint64_t tokens, double val_fraction) {
   if (!(val_fraction > 0.0 && val_fraction < 1.0)) return tokens;
   const double split = std::floor(static_cast<double>(tokens) * (1.0 - val_fraction));
@@ -712,11 +733,6 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
     return FieldError("model.max_positions",
                       absl::StrCat(m.max_positions(), " learned positions cannot hold model.seq_len ",
                                    m.seq_len()));
-  }
-  if (m.mlp() == v1::RunSpec::Model::MLP_SWIGLU && spec.moe().experts() > 0) {
-    return absl::UnimplementedError(
-        "moe.experts: MoE blocks with SwiGLU experts (model.mlp swiglu, the llama family) are not "
-        "built yet; use model.mlp gelu with MoE");
   }
 
   const auto& par = spec.parallel();

@@ -70,6 +70,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -98,8 +99,7 @@ v1::RunSpec RunSpecDefaults();
 //   - parallel.ep divides parallel.dp
 //   - model.heads, model.d_model, model.d_ff and model.kv_heads divisible by parallel.tp;
 //     model.kv_heads divides model.heads; rope needs an even head size; learned positions need
-//     max_positions >= seq_len; rope_theta > 0, norm_eps >= 0. SwiGLU MoE experts (mlp swiglu
-//     with moe.experts > 0) are not built yet: Unimplemented naming moe.experts.
+//     max_positions >= seq_len; rope_theta > 0, norm_eps >= 0
 //   - precision.scaling block: d_model / tp and d_ff / tp multiples of 128 (whole 128x128
 //     blocks on every tensor-parallel shard; with tp 1, d_model and d_ff multiples of 128)
 //   - moe: experts a multiple of parallel.ep, top_k in [1, experts], every >= 1, capacity_factor
@@ -134,6 +134,14 @@ v1::RunSpec::Model ResolveModel(const v1::RunSpec::Model& model);
 
 [[nodiscard]] absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size,
                                            DataFileCheck data_file = DataFileCheck::kCheck);
+
+// The FP8-capable GEMM layers of the spec's model (what precision.exclude and a recipe may name),
+// in model order, lm_head last. Per block: attn.qkv, attn.proj, then the MLP's mlp.fc1, mlp.fc2
+// (gelu) or mlp.gate, mlp.up, mlp.down (swiglu); in an MoE block (moe.experts > 0 and
+// (l + 1) % moe.every == 0) mlp.experts.E.{fc1, fc2 | gate, up, down} for every expert E instead
+// (the router is always FP32 and not listed). runtime/model's Transformer::LayerNames builds the
+// same list from the model's shape (a test holds them equal).
+std::vector<std::string> ModelLayerNames(const v1::RunSpec& spec);
 
 // data.val_fraction's split of a corpus of `tokens` tokens: training reads tokens [0, split),
 // validation [split, tokens), split = floor(tokens * (1 - val_fraction)) (nanoGPT's

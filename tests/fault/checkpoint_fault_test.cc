@@ -1,4 +1,4 @@
-// Checkpoint faults (issue 9), on real training runs of examples/tiny.yaml on 2 MPI ranks:
+// Checkpoint faults (issue 9), on real training runs of tests/data/tiny-plain.yaml on 2 MPI ranks:
 //   FaultPointSpec...    (in-process) FP8RT_FAULT_POINT's syntax is checked, and an injected
 //                        ENOSPC fails ShardWriter::Write with nothing left behind.
 //   KillDuringSave       a rank, or the controller, SIGKILLed at a random point of a random save
@@ -75,7 +75,7 @@ uint64_t Seed(const char* test) {
 class Runs {
  public:
   Runs() {
-    std::string spec = ReadFile(kSource + "/examples/tiny.yaml");
+    std::string spec = ReadFile(kSource + "/tests/data/tiny-plain.yaml");
     const std::string rel = "path: examples/data/kjv.txt";
     const size_t at = spec.find(rel);
     EXPECT_NE(at, std::string::npos);

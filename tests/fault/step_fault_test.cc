@@ -1,4 +1,4 @@
-// Step faults (issue 9), injected into real 2-rank runs of examples/tiny.yaml under a real
+// Step faults (issue 9), injected into real 2-rank runs of tests/data/tiny-plain.yaml under a real
 // fp8rt-controller, as an operator runs them (`fp8rt launch --controller ...`):
 //   NonFiniteValuesSkipTheSameStepOnEveryRank   a NaN or Inf put into one rank's gradients or
 //       activations (FP8RT_FAULT nan_grad, inf_grad, nan_act, inf_act): every rank skips that
@@ -244,15 +244,15 @@ Clock::time_point FromUnixMs(int64_t ms) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The fixture: a controller with a short heartbeat timeout, examples/tiny.yaml (absolute data
-// path), and `fp8rt launch` against the controller.
+// The fixture: a controller with a short heartbeat timeout, tests/data/tiny-plain.yaml (absolute
+// data path), and `fp8rt launch` against the controller.
 
 class StepFaultTest : public ::testing::Test {
  protected:
   void SetUp() override {
     const fs::path data = fs::path(kSource) / "examples/data/kjv.txt";
     ASSERT_TRUE(fs::exists(data)) << data << " is missing: run scripts/bootstrap";
-    std::string spec = ReadFile(fs::path(kSource) / "examples/tiny.yaml");
+    std::string spec = ReadFile(fs::path(kSource) / "tests/data/tiny-plain.yaml");
     const std::string rel = "path: examples/data/kjv.txt";
     ASSERT_NE(spec.find(rel), std::string::npos);
     spec.replace(spec.find(rel), rel.size(), "path: " + data.string());

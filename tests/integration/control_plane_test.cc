@@ -1,6 +1,6 @@
 // The control plane end to end, as an operator runs it: a real fp8rt-controller, a real
-// Prometheus server scraping it, and `fp8rt launch` training examples/tiny.yaml on 2 MPI ranks
-// against that controller.
+// Prometheus server scraping it, and `fp8rt launch` training tests/data/tiny-plain.yaml on 2 MPI
+// ranks against that controller.
 //   - a live recipe update (a layer excluded from FP8, a new margin) is applied by every rank at
 //     the same step, which metrics.jsonl, the per-rank FP8 statistics and the controller agree on;
 //   - Prometheus scrapes per-layer FP8 metrics of the run and answers a PromQL query on them;
@@ -63,8 +63,9 @@ class ControlPlaneTest : public ::testing::Test {
     std::ofstream(token_file_) << "0123456789abcdef0123456789abcdef\n";
     fs::permissions(token_file_, fs::perms::owner_read | fs::perms::owner_write);
     StartController();
-    // The spec: examples/tiny.yaml with an absolute data path (the test runs in the build dir).
-    std::string spec = ReadFile(kSource + "/examples/tiny.yaml");
+    // The spec: tests/data/tiny-plain.yaml with an absolute data path (the test runs in the build
+    // dir).
+    std::string spec = ReadFile(kSource + "/tests/data/tiny-plain.yaml");
     const std::string rel = "path: examples/data/kjv.txt";
     ASSERT_NE(spec.find(rel), std::string::npos);
     spec.replace(spec.find(rel), rel.size(), "path: " + kSource + "/examples/data/kjv.txt");

@@ -30,6 +30,7 @@
 
 #include "fp8rt/v1/control.grpc.pb.h"
 #include "fp8rt/v1/control.pb.h"
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -579,6 +580,39 @@ TEST_F(ControllerTest, RegisterReportStepsAndReadTheLayerTable) {
   EXPECT_TRUE(HasEvent(events, "run_registered"));
   EXPECT_TRUE(HasEvent(events, "step_skipped"));
   EXPECT_TRUE(HasEvent(events, "run_finished"));
+}
+
+// The layers a recipe may name follow the spec's family and MoE layout (ModelLayerNames): a llama
+// run's SwiGLU layers and its SwiGLU experts are accepted, the plain model's names refused.
+TEST_F(ControllerTest, RecipeLayerNamesFollowTheModelFamily) {
+  const std::string run = "recipe-llama";
+  v1::RunSpec spec = SmallSpec();
+  spec.mutable_model()->set_family(v1::RunSpec::Model::FAMILY_LLAMA);
+  spec.mutable_model()->set_kv_heads(1);
+  spec.mutable_moe()->set_experts(2);
+  spec.mutable_moe()->set_every(2);  // block 1 is MoE, block 0 dense
+  spec.mutable_parallel()->set_ep(2);
+  RegisterAll(c(), run, RunDir(run), spec);
+  ASSERT_TRUE(ReportStep(c(), run, 10).ok());
+  const v1::Recipe base = GetRecipe(c(), run).recipe();
+  v1::RecipeVersion out;
+  for (const char* refused :
+       {"blocks.0.mlp.fc1", "blocks.1.mlp.gate", "blocks.1.mlp.experts.2.up"}) {
+    v1::Recipe r = base;
+    r.add_exclude(refused);
+    const grpc::Status s = UpdateRecipe(c(), run, r, &out);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused;
+    EXPECT_THAT(s.error_message(), HasSubstr(absl::StrCat("no layer named '", refused, "'")));
+    EXPECT_THAT(s.error_message(), HasSubstr("blocks.N.mlp.gate"));  // the list has the real ones
+  }
+  v1::Recipe good = base;
+  for (const char* name : {"blocks.0.mlp.gate", "blocks.0.mlp.up", "blocks.0.mlp.down",
+                           "blocks.1.mlp.experts.1.up", "blocks.1.mlp.experts.0.down"}) {
+    good.add_exclude(name);
+  }
+  const grpc::Status s = UpdateRecipe(c(), run, good, &out);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  EXPECT_EQ(out.recipe().exclude_size(), 5);
 }
 
 TEST_F(ControllerTest, RecipeUpdatesAreValidatedAndScheduledAhead) {

@@ -33,7 +33,7 @@ using test::WriteFile;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-// The parts of a spec the tests vary; the rest follows examples/tiny.yaml.
+// The parts of a spec the tests vary; the rest follows tests/data/tiny-plain.yaml.
 struct SpecText {
   std::string data_path;        // data.path
   std::string steps = "100";    // train.steps, as written in the YAML

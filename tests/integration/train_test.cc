@@ -1,5 +1,6 @@
 // Training runs as a user starts them: fp8rt-worker under mpirun (and once through `fp8rt launch`)
-// on the byte-level KJV model of examples/tiny.yaml, checked through what the run folder holds.
+// on the byte-level KJV model of tests/data/tiny-plain.yaml, checked through what the run folder
+// holds.
 //
 // What a user relies on, and the test that checks it:
 //   LayoutInvariance                 1 rank, tp=2, dp=2, dp=2 x tp=2 train the same model; each
@@ -21,7 +22,8 @@
 //                                    naming device: cuda and the reason
 //   LaunchTrainsTinyModel            `fp8rt launch` runs the real worker to the end
 //
-// Every spec is examples/tiny.yaml with an absolute data path, changed with --set as a user would.
+// Every spec is tests/data/tiny-plain.yaml with an absolute data path, changed with --set as a user
+// would.
 // Each test works in a fresh temp folder (kept, and named in the log, when the test fails); the
 // stderr and stdout of every command run go to logs/ there.
 //
@@ -171,11 +173,11 @@ std::vector<double> Losses(const std::vector<Json>& metrics) {
   return losses;
 }
 
-// At least the parameters of examples/tiny.yaml's model (2 blocks, d_model 128, d_ff 512, vocab
-// 256), counted from DESIGN.md section 5's decoder: the token embedding; per block two norm gains,
-// the fused QKV (3 d x d), the attention output (d x d) and an MLP of at least an up (d_ff x d)
-// and a down (d x d_ff) projection; the final norm and the untied LM head (vocab x d). A lower
-// bound: gated MLPs or biases only add to it.
+// At least the parameters of tests/data/tiny-plain.yaml's model (2 blocks, d_model 128, d_ff 512,
+// vocab 256), counted from DESIGN.md section 5's decoder: the token embedding; per block two norm
+// gains, the fused QKV (3 d x d), the attention output (d x d) and an MLP of at least an up
+// (d_ff x d) and a down (d x d_ff) projection; the final norm and the untied LM head (vocab x d).
+// A lower bound: gated MLPs or biases only add to it.
 constexpr int64_t kTinyLayers = 2, kTinyD = 128, kTinyFf = 512, kTinyVocab = 256;
 constexpr int64_t kTinyParameters =
     kTinyVocab * kTinyD +
@@ -271,7 +273,7 @@ class TrainTest : public ::testing::Test {
     ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
     dir_ = tmpl;
     fs::create_directories(dir_ / "logs");
-    tiny_yaml_ = ReadFile(fs::path(FP8RT_SOURCE_DIR) / "examples/tiny.yaml");
+    tiny_yaml_ = ReadFile(fs::path(FP8RT_SOURCE_DIR) / "tests/data/tiny-plain.yaml");
     tiny_yaml_ = ReplaceOnce(tiny_yaml_, "path: examples/data/kjv.txt", "path: " + data.string());
     spec_ = WriteSpec("tiny.yaml", tiny_yaml_);
   }
@@ -344,7 +346,7 @@ class TrainTest : public ::testing::Test {
   }
 
   fs::path dir_;           // the test's temp folder
-  std::string tiny_yaml_;  // examples/tiny.yaml with data.path absolute
+  std::string tiny_yaml_;  // tests/data/tiny-plain.yaml with data.path absolute
   fs::path spec_;          // dir_/tiny.yaml
   int runs_ = 0;           // commands run so far (log names)
 };
@@ -592,7 +594,7 @@ TEST_F(TrainTest, NanGradientSkipsStepOnEveryRank) {
 // ---------------------------------------------------------------------------------------------
 // Learning
 
-// `fp8rt bench convergence` on examples/tiny.yaml as shipped (2 ranks, 100 steps; the last 1% of
+// `fp8rt bench convergence` on tests/data/tiny-plain.yaml (2 ranks, 100 steps; the last 1% of
 // the text held out, evaluated at steps 50 and 100): FP8 (hybrid, delayed) learns as BF16 does.
 // The bench's figures are checked against the two run folders' metrics.jsonl: its final
 // validation losses are the val_loss recorded at step 100, its relative difference is theirs.

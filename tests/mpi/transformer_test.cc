@@ -9,17 +9,21 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "kernels/memory_stats.h"
 #include "kernels/ops.h"
 #include "parallel/fp8_collectives.h"
 #include "parallel/mesh.h"
+#include "runtime/spec/run_spec.h"
 #include "runtime/train/optimizer.h"
+#include "runtime/worker/recipe.h"
 #include "tests/mpi/mpi_test_env.h"
 
 namespace fp8rt::model {
@@ -576,16 +580,35 @@ double GlobalLoss(ModelUnderTest& s) {
 }
 
 // Router, gates, dispatch, experts, combine and the aux loss, backward against finite
-// differences of the FP32 model. top_k = experts and no capacity keep the loss smooth in the
-// weights (no routing decision flips under a perturbation).
-TEST(MoeTest, Fp32GradientsMatchFiniteDifferences) {
-  const ModelShape shape = Shape(/*layers=*/1, /*d_model=*/32, /*d_ff=*/48, /*seq_len=*/8,
-                                 {.experts = 4,
-                                  .top_k = 4,
-                                  .capacity_factor = 1.0,
-                                  .aux_loss_coef = 0.1,
-                                  .drop_tokens = false});
+// differences of the FP32 model, with GELU experts (fc1, fc2) and with the llama family's SwiGLU
+// experts (gate, up, down: each named, each checked). top_k = experts and no capacity keep the
+// loss smooth in the weights (no routing decision flips under a perturbation).
+class MoeGradientTest : public ::testing::TestWithParam<MlpKind> {};
+
+TEST_P(MoeGradientTest, Fp32GradientsMatchFiniteDifferences) {
+  ModelShape shape = Shape(/*layers=*/1, /*d_model=*/32, /*d_ff=*/48, /*seq_len=*/8,
+                           {.experts = 4,
+                            .top_k = 4,
+                            .capacity_factor = 1.0,
+                            .aux_loss_coef = 0.1,
+                            .drop_tokens = false});
+  shape.mlp = GetParam();
   ModelUnderTest s = MakeMoe(shape, Fp32Recipe());
+  // This rank's experts' weights, by kind: GELU fc1 / fc2, SwiGLU gate / up / down.
+  std::map<std::string, int> kinds;
+  for (const Param& p : s.model->params()) {
+    const size_t at = p.name.find(".experts.");
+    if (at == std::string::npos) continue;
+    const std::string rest = p.name.substr(p.name.find('.', at + 9) + 1);  // "gate/weight"
+    ++kinds[rest];
+  }
+  const int local = 4 / s.mesh->world().size();
+  if (GetParam() == MlpKind::kSwiglu) {
+    EXPECT_EQ(kinds, (std::map<std::string, int>{
+                         {"down/weight", local}, {"gate/weight", local}, {"up/weight", local}}));
+  } else {
+    EXPECT_EQ(kinds, (std::map<std::string, int>{{"fc1/weight", local}, {"fc2/weight", local}}));
+  }
   ASSERT_TRUE(s.model->BeginStep().ok());
   GlobalLoss(s);
   // Gradients of that one backward (the finite differences below run more of them).
@@ -598,6 +621,9 @@ TEST(MoeTest, Fp32GradientsMatchFiniteDifferences) {
   for (Param& p : s.model->params()) {
     const std::vector<float>& reduced = grads[index++];
     const bool expert = p.name.find(".experts.") != std::string::npos;
+    // Only the router and the experts: what lies below the layer sees its input gradient, which
+    // finite differences cannot check, since the dispatch rounds the layer's input to E4M3 (the
+    // loss is a step function of it there; the backward passes the gradient straight through).
     const bool router = p.name.find(".router") != std::string::npos;
     if (!expert && !router) continue;
     // A router is replicated over DP (its master sharded): perturbed through its owner's shard;
@@ -618,6 +644,44 @@ TEST(MoeTest, Fp32GradientsMatchFiniteDifferences) {
   }
   EXPECT_GE(checked, 4);
   EXPECT_TRUE(AllRanksOk(ok));
+}
+
+INSTANTIATE_TEST_SUITE_P(Mlp, MoeGradientTest, ::testing::Values(MlpKind::kGelu, MlpKind::kSwiglu),
+                         [](const ::testing::TestParamInfo<MlpKind>& info) {
+                           return std::string(info.param == MlpKind::kSwiglu ? "Swiglu" : "Gelu");
+                         });
+
+// The layers a recipe may name, as the controller lists them from a spec (ModelLayerNames), are
+// the model's own (Transformer::LayerNames, which the worker checks a recipe against), for every
+// family, with and without MoE blocks.
+TEST(TransformerTest, LayerNamesAgreeWithTheSpecs) {
+  const int world = Factory().World().size();
+  for (const char* family : {"plain", "gpt2", "llama"}) {
+    for (const bool moe : {false, true}) {
+      const std::string yaml = absl::StrCat(
+          "model: {family: ", family, ", layers: 3, d_model: 32, heads: 4, d_ff: 64, ",
+          "seq_len: 8, vocab: 256}\n", "parallel: {dp: ", world, ", tp: 1, ep: ", moe ? world : 1,
+          "}\n", moe ? "moe: {experts: 2, every: 2}\n" : "",
+          "train: {steps: 1, micro_batch: 1}\ndata: {path: x}\n");
+      absl::StatusOr<v1::RunSpec> spec = ParseRunSpec(yaml, "test.yaml", {});
+      ASSERT_TRUE(spec.ok()) << spec.status();
+      auto mesh = parallel::Mesh::Create(
+          {.dp = world, .tp = 1, .ep = moe ? world : 1}, Factory());
+      ASSERT_TRUE(mesh.ok()) << mesh.status();
+      auto model = Transformer::Create(worker::ShapeFromSpec(*spec), Fp32Recipe(), 1, **mesh,
+                                       kernels::CpuOps());
+      ASSERT_TRUE(model.ok()) << model.status();
+      const std::vector<std::string> names = (*model)->LayerNames();
+      EXPECT_EQ(names, ModelLayerNames(*spec)) << family << (moe ? " moe" : "");
+      // Spot checks of what the list must hold.
+      const std::string mlp = std::string(family) == "llama" ? "gate" : "fc1";
+      EXPECT_NE(std::find(names.begin(), names.end(), "blocks.0.mlp." + mlp), names.end());
+      if (moe) {
+        EXPECT_NE(std::find(names.begin(), names.end(), "blocks.1.mlp.experts.1." + mlp),
+                  names.end());
+      }
+    }
+  }
 }
 
 // Experts that receive no tokens keep a valid scaling state: their sites are unused, report an

@@ -210,13 +210,17 @@ TEST(RunSpecTest, TinyExampleLoadsAndValidatesOnTwoRanks) {
   const std::string tiny =
       (fs::path(__FILE__).parent_path() / "../../examples/tiny.yaml").lexically_normal().string();
   TempDir dir;
-  const std::vector<std::string> overrides = {"data.path=" + dir.DataFile()};
+  // The test's small data file has no room for the example's validation tail: eval off.
+  const std::vector<std::string> overrides = {"data.path=" + dir.DataFile(), "eval.every=0"};
   const absl::StatusOr<v1::RunSpec> spec = LoadRunSpec(tiny, overrides);
   ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->model().family(), v1::RunSpec::Model::FAMILY_LLAMA);
   EXPECT_EQ(spec->model().layers(), 2);
   EXPECT_EQ(spec->model().d_model(), 128);
   EXPECT_EQ(spec->model().heads(), 4);
-  EXPECT_EQ(spec->model().d_ff(), 512);
+  EXPECT_EQ(spec->model().kv_heads(), 2);
+  EXPECT_EQ(spec->model().d_ff(), 384);
+  EXPECT_EQ(ResolveModel(spec->model()).mlp(), v1::RunSpec::Model::MLP_SWIGLU);
   EXPECT_EQ(spec->model().seq_len(), 64);
   EXPECT_EQ(spec->model().vocab(), 256);
   EXPECT_EQ(spec->parallel().dp(), 2);
