@@ -11,6 +11,7 @@
 #include <span>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/activations_cpu.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/quantize_one.h"
 #include "kernels/layer_ops.h"
@@ -708,12 +709,12 @@ absl::Status AttentionBackwardEntry(float* dq, float* dk, float* dv, const float
 }
 absl::Status GeluForwardEntry(float* out, const float* x, int64_t n, Stream) {
   FP8RT_RETURN_IF_ERROR(CheckSizes("gelu_forward", {{"n", n}}));
-  GeluForward(Span(out, n), Span(x, n), n);
+  cpu_internal::GeluForwardVec(out, x, n);
   return absl::OkStatus();
 }
 absl::Status GeluBackwardEntry(float* dx, const float* dout, const float* x, int64_t n, Stream) {
   FP8RT_RETURN_IF_ERROR(CheckSizes("gelu_backward", {{"n", n}}));
-  GeluBackward(Span(dx, n), Span(dout, n), Span(x, n), n);
+  cpu_internal::GeluBackwardVec(dx, dout, x, n);
   return absl::OkStatus();
 }
 // InvalidArgument naming `eps` unless it is finite and >= 0.
@@ -793,13 +794,13 @@ absl::Status RopeBackwardEntry(float* dx, const float* dout, int64_t n, int64_t 
 }
 absl::Status SwigluForwardEntry(float* out, const float* gate, const float* up, int64_t n, Stream) {
   FP8RT_RETURN_IF_ERROR(CheckSizes("swiglu_forward", {{"n", n}}));
-  SwigluForward(Span(out, n), Span(gate, n), Span(up, n), n);
+  cpu_internal::SwigluForwardVec(out, gate, up, n);
   return absl::OkStatus();
 }
 absl::Status SwigluBackwardEntry(float* dgate, float* dup, const float* dout, const float* gate,
                                  const float* up, int64_t n, Stream) {
   FP8RT_RETURN_IF_ERROR(CheckSizes("swiglu_backward", {{"n", n}}));
-  SwigluBackward(Span(dgate, n), Span(dup, n), Span(dout, n), Span(gate, n), Span(up, n), n);
+  cpu_internal::SwigluBackwardVec(dgate, dup, dout, gate, up, n);
   return absl::OkStatus();
 }
 absl::Status ResidualForwardEntry(float* out, const float* a, const float* b, int64_t n, Stream) {
