@@ -1,6 +1,6 @@
-// The elementwise activations of the CPU layer ops (issue 18): GELU (the tanh approximation,
-// computed in its sigmoid form) and SwiGLU, forward and backward, vectorised with Highway (its
-// contrib Exp, a few ULP from the correctly rounded function) and run on the OpenMP team in fixed chunks. Every element is
+// The elementwise activations of the CPU layer ops (issue 18): GELU (tanh form) and SwiGLU,
+// forward and backward, vectorised with Highway (its contrib Tanh and Exp, a few ULP from the
+// correctly rounded functions; special values handled as the scalar references do) and run on the OpenMP team in fixed chunks. Every element is
 // computed by the same vector instructions, the tail through a padded vector, so the result of an
 // element depends neither on the thread count nor on where it falls in a chunk.
 #undef HWY_TARGET_INCLUDE
@@ -57,42 +57,50 @@ HWY_INLINE void StorePart(V v, float* p, int64_t valid) {
   std::copy(buf, buf + valid, p);
 }
 
-// 1 / (1 + exp(-g)); -g is clamped to 88, where Highway's Exp stops (the result is then below
-// FLT_MIN either way). A NaN gate still makes a NaN output: the callers multiply by g.
+// 1 / (1 + exp(-g)) as the scalar reference computes it in float: exactly 0 where exp(-g)
+// overflows (taken as -g > 88, where Highway's Exp stops; the reference is below 7e-39 there) and
+// exactly 1 where it underflows (-g clamped to -104, whose exp is 0 in float), so that g s stays
+// -0 for a huge negative g and NaN for g = -Inf, as on the other backends. A NaN gate gives a NaN
+// output either way: the callers multiply by g.
 HWY_INLINE V Sigmoid(D d, V g) {
   const V one = hn::Set(d, 1.0f);
-  return hn::Div(one, hn::Add(one, hn::Exp(d, hn::Min(hn::Neg(g), hn::Set(d, 88.0f)))));
+  const V neg = hn::Neg(g);
+  const V s = hn::Div(one, hn::Add(one, hn::Exp(d, hn::Max(hn::Min(neg, hn::Set(d, 88.0f)),
+                                                           hn::Set(d, -104.0f)))));
+  return hn::IfThenZeroElse(hn::Gt(neg, hn::Set(d, 88.0f)), s);
 }
 
-// The GELU in its sigmoid form: with u = k (x + c x^3), 0.5 (1 + tanh u) = sigmoid(2 u), so
-// GELU(x) = x sigmoid(2u), and 0.5 (1 - tanh^2 u) = 2 s (1 - s) for s = sigmoid(2u). The same
-// function as the tanh form, without its cancellation in 1 + tanh u for x below about -4 (where
-// the float tanh form is off by up to ~1e-7 absolute; this one keeps the tiny values).
-HWY_INLINE V GeluSigmoid(D d, V x) {
-  const V two_u = hn::Mul(hn::Set(d, 2.0f * kGeluK),
-                          hn::MulAdd(hn::Mul(hn::Set(d, kGeluC), x), hn::Mul(x, x), x));
-  return Sigmoid(d, two_u);
+// tanh(k (x + c x^3)), the GELU's inner function, the argument clamped to [-10, 10] (tanh is +-1
+// in float beyond about 9.01; the clamp keeps an infinite argument, from x = +-Inf or a cube
+// that overflows, inside the range Highway's Tanh is defined on). So non-finite and huge inputs
+// take the same course through the tanh form as in the scalar reference (e.g. GELU(-Inf) = NaN,
+// as 0.5 x (1 + tanh u) is there).
+HWY_INLINE V GeluTanh(D d, V x) {
+  const V u = hn::Mul(hn::Set(d, kGeluK), hn::MulAdd(hn::Mul(hn::Set(d, kGeluC), x),
+                                                     hn::Mul(x, x), x));
+  return hn::Tanh(d, hn::Max(hn::Min(u, hn::Set(d, 10.0f)), hn::Set(d, -10.0f)));
 }
 
 void GeluForwardSpan(float* out, const float* x, int64_t n) {
   const D d;
   ForVectors(n, [&](int64_t i, int64_t valid) {
     const V xi = LoadPart(x + i, valid);
-    StorePart(hn::Mul(xi, GeluSigmoid(d, xi)), out + i, valid);
+    const V half_x = hn::Mul(hn::Set(d, 0.5f), xi);
+    StorePart(hn::MulAdd(half_x, GeluTanh(d, xi), half_x), out + i, valid);
   });
 }
 
-// dx += dout * (s + 2 x s (1 - s) k (1 + 3 c x^2)), s = sigmoid(2u).
+// dx += dout * (0.5 (1 + th) + 0.5 x (1 - th^2) k (1 + 3 c x^2)).
 void GeluBackwardSpan(float* dx, const float* dout, const float* x, int64_t n) {
   const D d;
-  const V one = hn::Set(d, 1.0f), two = hn::Set(d, 2.0f);
+  const V half = hn::Set(d, 0.5f), one = hn::Set(d, 1.0f);
   ForVectors(n, [&](int64_t i, int64_t valid) {
     const V xi = LoadPart(x + i, valid);
-    const V s = GeluSigmoid(d, xi);
+    const V th = GeluTanh(d, xi);
     const V du = hn::Mul(hn::Set(d, kGeluK),
                          hn::MulAdd(hn::Mul(hn::Set(d, 3.0f * kGeluC), xi), xi, one));
-    const V slope = hn::Mul(hn::Mul(two, xi), hn::Mul(s, hn::Sub(one, s)));
-    const V grad = hn::MulAdd(slope, du, s);
+    const V sech2 = hn::NegMulAdd(th, th, one);
+    const V grad = hn::MulAdd(hn::Mul(hn::Mul(half, xi), sech2), du, hn::MulAdd(half, th, half));
     StorePart(hn::MulAdd(LoadPart(dout + i, valid), grad, LoadPart(dx + i, valid)), dx + i, valid);
   });
 }

@@ -105,15 +105,24 @@ std::vector<float> Guarded(size_t n) {
   return AllSentinel(v.data() + n, v.size() - n);
 }
 
-// The vectorised activations (GELU in its sigmoid form, SwiGLU; Highway's Exp) against the scalar
-// references of kernels/layer_ops.h (glibc's tanhf and expf): within 8 float ulps of the larger
-// magnitude, or 4e-7 absolute near zero (the float tanh form cancels in 1 + tanh u for x below
-// about -4, up to ~1.5e-7 off the true value, which the sigmoid form keeps).
-::testing::AssertionResult CloseToReference(const float* got, const float* want, size_t n) {
+// The vectorised activations (GELU, SwiGLU; Highway's Tanh and Exp) against the scalar references
+// of kernels/layer_ops.h (glibc's tanhf and expf): within 8 float ulps of the larger magnitude, or
+// 4e-7 absolute near zero (the float tanh form cancels in 1 + tanh u for x below about -4, where
+// the two tanh approximations may round the last step below 1 differently: up to ~1.5e-7).
+// Non-finite references must be matched exactly (NaN by NaN).
+// `extra`, when given, adds a per-element allowance (the backwards' propagated function error).
+::testing::AssertionResult CloseToReference(const float* got, const float* want, size_t n,
+                                            const std::vector<double>* extra = nullptr) {
   for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(want[i]) || !std::isfinite(got[i])) {
+      if ((std::isnan(want[i]) && std::isnan(got[i])) || got[i] == want[i]) continue;
+      return ::testing::AssertionFailure()
+             << "at " << i << ": " << got[i] << " vs reference " << want[i];
+    }
     const float scale = std::max(std::fabs(got[i]), std::fabs(want[i]));
-    const float tol = std::max(4e-7f, 8.0f * std::numeric_limits<float>::epsilon() * scale);
-    if (!(std::fabs(got[i] - want[i]) <= tol)) {
+    const double tol = std::max(4e-7f, 8.0f * std::numeric_limits<float>::epsilon() * scale) +
+                       (extra != nullptr ? (*extra)[i] : 0.0);
+    if (!(std::fabs(double{got[i]} - double{want[i]}) <= tol)) {
       return ::testing::AssertionFailure() << "at " << i << ": " << got[i] << " vs reference "
                                            << want[i] << " (tolerance " << tol << ")";
     }
@@ -401,15 +410,17 @@ INSTANTIATE_TEST_SUITE_P(Shapes, TransposeTest,
 // padded last vector: an element's result must not depend on where it falls (in a vector's body
 // or the tail, in which chunk, so on which thread). The same values, shifted by one element over
 // three chunks and a partial one, give the same bits; large and non-finite inputs behave as the
-// scalar references do (saturated sigmoid, NaN propagated).
+// scalar references do (forward and backward: saturation, -0, Inf and NaN where they give them).
 TEST(ActivationsTest, ResultsDoNotDependOnPositionAndMatchTheReferences) {
   constexpr int64_t kN = 3 * 16384 + 37;
   std::vector<float> x = RandomFloats(kN + 1, 131, -6.0f, 6.0f);
   std::vector<float> up = RandomFloats(kN + 1, 132, -2.0f, 2.0f);
-  x[5] = 100.0f;
-  x[6] = -100.0f;
-  x[7] = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> specials = {100.0f, -100.0f, std::numeric_limits<float>::quiet_NaN(),
+                                       inf, -inf, 1e30f, -1e30f, -88.5f, 88.5f, -1e-40f};
+  std::copy(specials.begin(), specials.end(), x.begin() + 5);
   x[kN - 1] = -95.0f;
+  const std::vector<float> dout = RandomFloats(kN, 133, -1.0f, 1.0f);
   const Stream s{};
   for (const char* op : {"gelu", "swiglu"}) {
     SCOPED_TRACE(op);
@@ -434,8 +445,39 @@ TEST(ActivationsTest, ResultsDoNotDependOnPositionAndMatchTheReferences) {
                     std::span<const float>(up.data(), kN), kN);
     }
     EXPECT_TRUE(std::isnan(a[7])) << a[7];
-    a[7] = want[7] = 0.0f;
     EXPECT_TRUE(CloseToReference(a.data(), want.data(), kN));
+    // The backwards, accumulating onto the same pre-filled gradients.
+    std::vector<float> g1(kN, 0.25f), g2(kN, -0.5f), w1 = g1, w2 = g2;
+    const std::span<const float> xs_span(x.data(), kN), up_span(up.data(), kN);
+    if (gelu) {
+      ASSERT_TRUE(Ops().gelu_backward(g1.data(), dout.data(), x.data(), kN, s).ok());
+      GeluBackward(w1, dout, xs_span, kN);
+    } else {
+      ASSERT_TRUE(
+          Ops().swiglu_backward(g1.data(), g2.data(), dout.data(), x.data(), up.data(), kN, s)
+              .ok());
+      SwigluBackward(w1, w2, dout, xs_span, up_span, kN);
+    }
+    // The two tanh (exp) approximations part by up to 8 ulps, dth <= 2^-20, which the gradient
+    // carries through 1 - tanh^2 (its cancellation near saturation) times 0.5 |x du|, and
+    // 0.5 dth directly (as tests/gpu/layer_ops_cuda_test.cc bounds it); for SwiGLU the sigmoid
+    // moves by <= 10u relatively, the gradients by that through s (1 + g (1 - s)) and g s.
+    constexpr double kU = 0x1p-24;
+    std::vector<double> extra(kN, 0.0);
+    for (int64_t i = 0; i < kN; ++i) {
+      const double xi = x[i], d = std::fabs(double{dout[i]});
+      if (!std::isfinite(xi)) continue;
+      if (gelu) {
+        const double k = std::sqrt(2.0 / 3.14159265358979323846);
+        const double th = std::tanh(k * (xi + 0.044715 * xi * xi * xi));
+        const double du = k * (1.0 + 3.0 * 0.044715 * xi * xi);
+        extra[i] = d * 0x1p-20 * (0.5 + std::fabs(xi * th * du));
+      } else {
+        extra[i] = d * 32.0 * kU * (1.0 + std::fabs(xi)) * (1.0 + std::fabs(double{up[i]}));
+      }
+    }
+    EXPECT_TRUE(CloseToReference(g1.data(), w1.data(), kN, &extra));
+    EXPECT_TRUE(CloseToReference(g2.data(), w2.data(), kN, &extra));
   }
 }
 
