@@ -14,6 +14,7 @@
 #include "kernels/cpu/activations_cpu.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/quantize_one.h"
+#include "kernels/cpu/rows_cpu.h"
 #include "kernels/layer_ops.h"
 #include "kernels/ops.h"
 #include "runtime/core/check.h"
@@ -194,17 +195,18 @@ void BiasBackward(std::span<float> dbias, std::span<const float> dout, int64_t n
 
 // ---- RoPE ----
 
-namespace {
-
-// cos and sin of position `pos` at frequency index i of a head of dh channels (kernels/layer_ops.h:
-// double, rounded once to FP32). kernels/cuda/layer_math.cuh's RopeCosSin is the same expression.
-void RopeCosSin(int64_t pos, int64_t i, int64_t dh, float theta, float& cos_out, float& sin_out) {
+void cpu_internal::RopeCosSin(int64_t pos, int64_t i, int64_t dh, float theta, float& cos_out,
+                              float& sin_out) {
   const double inv_freq =
       std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(dh));
   const double angle = static_cast<double>(pos) * inv_freq;
   cos_out = static_cast<float>(std::cos(angle));
   sin_out = static_cast<float>(std::sin(angle));
 }
+
+using cpu_internal::RopeCosSin;
+
+namespace {
 
 // The rotation of every head of every row, by (cos, sin) (kForward) or its transpose accumulated
 // into `out` (backward). In place is safe forward: each pair is read before it is written.
@@ -644,13 +646,13 @@ std::span<T> Span(T* p, int64_t n) {
 absl::Status EmbeddingForwardEntry(float* out, const int32_t* tokens, const float* table, int64_t n,
                                    int64_t v, int64_t c, Stream) {
   FP8RT_RETURN_IF_ERROR(CheckSizes("embedding_forward", {{"n", n}, {"v", v}, {"c", c}}));
-  EmbeddingForward(Span(out, n * c), Span(tokens, n), Span(table, v * c), n, v, c);
+  EmbeddingForwardFast(out, tokens, table, n, v, c);
   return absl::OkStatus();
 }
 absl::Status EmbeddingBackwardEntry(float* dtable, const float* dout, const int32_t* tokens,
                                     int64_t n, int64_t v, int64_t c, Stream) {
   FP8RT_RETURN_IF_ERROR(CheckSizes("embedding_backward", {{"n", n}, {"v", v}, {"c", c}}));
-  EmbeddingBackward(Span(dtable, v * c), Span(dout, n * c), Span(tokens, n), n, v, c);
+  EmbeddingBackwardFast(dtable, dout, tokens, n, v, c);
   return absl::OkStatus();
 }
 absl::Status RmsNormForwardEntry(float* out, float* rstd, const float* x, const float* weight,
@@ -658,7 +660,7 @@ absl::Status RmsNormForwardEntry(float* out, float* rstd, const float* x, const 
   FP8RT_RETURN_IF_ERROR(CheckSizes("rmsnorm_forward", {{"n", n}, {"c", c}}));
   if (n == 0) return absl::OkStatus();
   if (c == 0) return absl::InvalidArgumentError("rmsnorm_forward: c is 0 with rows to normalise");
-  RmsNormForward(Span(out, n * c), Span(rstd, n), Span(x, n * c), Span(weight, c), n, c, eps);
+  RmsNormForwardFast(out, rstd, x, weight, n, c, eps);
   return absl::OkStatus();
 }
 absl::Status RmsNormBackwardEntry(float* dx, float* dweight, const float* dout, const float* x,
@@ -667,8 +669,7 @@ absl::Status RmsNormBackwardEntry(float* dx, float* dweight, const float* dout, 
   FP8RT_RETURN_IF_ERROR(CheckSizes("rmsnorm_backward", {{"n", n}, {"c", c}}));
   if (n == 0) return absl::OkStatus();
   if (c == 0) return absl::InvalidArgumentError("rmsnorm_backward: c is 0 with rows to normalise");
-  RmsNormBackward(Span(dx, n * c), Span(dweight, c), Span(dout, n * c), Span(x, n * c),
-                  Span(weight, c), Span(rstd, n), n, c);
+  RmsNormBackwardFast(dx, dweight, dout, x, weight, rstd, n, c);
   return absl::OkStatus();
 }
 // InvalidArgument unless `hkv` kv heads can serve `h` query heads (called with rows to process).
@@ -733,8 +734,7 @@ absl::Status LayerNormForwardEntry(float* out, float* mean, float* rstd, const f
   FP8RT_RETURN_IF_ERROR(CheckEps(kOp, eps));
   if (n == 0) return absl::OkStatus();
   if (c == 0) return absl::InvalidArgumentError("layernorm_forward: c is 0 with rows to normalise");
-  LayerNormForward(Span(out, n * c), Span(mean, n), Span(rstd, n), Span(x, n * c), Span(weight, c),
-                   Span(bias, c), n, c, eps);
+  LayerNormForwardFast(out, mean, rstd, x, weight, bias, n, c, eps);
   return absl::OkStatus();
 }
 absl::Status LayerNormBackwardEntry(float* dx, float* dweight, float* dbias, const float* dout,
@@ -745,18 +745,17 @@ absl::Status LayerNormBackwardEntry(float* dx, float* dweight, float* dbias, con
   if (c == 0) {
     return absl::InvalidArgumentError("layernorm_backward: c is 0 with rows to normalise");
   }
-  LayerNormBackward(Span(dx, n * c), Span(dweight, c), Span(dbias, c), Span(dout, n * c),
-                    Span(x, n * c), Span(weight, c), Span(mean, n), Span(rstd, n), n, c);
+  LayerNormBackwardFast(dx, dweight, dbias, dout, x, weight, mean, rstd, n, c);
   return absl::OkStatus();
 }
 absl::Status BiasForwardEntry(float* out, const float* bias, int64_t n, int64_t c, Stream) {
   FP8RT_RETURN_IF_ERROR(CheckSizes("bias_forward", {{"n", n}, {"c", c}}));
-  BiasForward(Span(out, n * c), Span(bias, c), n, c);
+  BiasForwardFast(out, bias, n, c);
   return absl::OkStatus();
 }
 absl::Status BiasBackwardEntry(float* dbias, const float* dout, int64_t n, int64_t c, Stream) {
   FP8RT_RETURN_IF_ERROR(CheckSizes("bias_backward", {{"n", n}, {"c", c}}));
-  BiasBackward(Span(dbias, c), Span(dout, n * c), n, c);
+  BiasBackwardFast(dbias, dout, n, c);
   return absl::OkStatus();
 }
 // The checks shared by rope_forward and rope_backward; *work is false when there is nothing to do.
@@ -780,7 +779,7 @@ absl::Status RopeForwardEntry(float* out, const float* x, int64_t n, int64_t t, 
   bool work = false;
   FP8RT_RETURN_IF_ERROR(CheckRope("rope_forward", n, t, h, dh, theta, &work));
   if (!work) return absl::OkStatus();
-  RopeForward(Span(out, n * h * dh), Span(x, n * h * dh), n, t, h, dh, theta);
+  RopeFast(true, out, x, n, t, h, dh, theta);
   return absl::OkStatus();
 }
 absl::Status RopeBackwardEntry(float* dx, const float* dout, int64_t n, int64_t t, int64_t h,
@@ -789,7 +788,7 @@ absl::Status RopeBackwardEntry(float* dx, const float* dout, int64_t n, int64_t 
   FP8RT_RETURN_IF_ERROR(CheckRope("rope_backward", n, t, h, dh, theta, &work));
   if (!work) return absl::OkStatus();
   if (dx == dout) return absl::InvalidArgumentError("rope_backward: dx aliases dout");
-  RopeBackward(Span(dx, n * h * dh), Span(dout, n * h * dh), n, t, h, dh, theta);
+  RopeFast(false, dx, dout, n, t, h, dh, theta);
   return absl::OkStatus();
 }
 absl::Status SwigluForwardEntry(float* out, const float* gate, const float* up, int64_t n, Stream) {
@@ -805,12 +804,12 @@ absl::Status SwigluBackwardEntry(float* dgate, float* dup, const float* dout, co
 }
 absl::Status ResidualForwardEntry(float* out, const float* a, const float* b, int64_t n, Stream) {
   FP8RT_RETURN_IF_ERROR(CheckSizes("residual_forward", {{"n", n}}));
-  ResidualForward(Span(out, n), Span(a, n), Span(b, n), n);
+  ResidualForwardFast(out, a, b, n);
   return absl::OkStatus();
 }
 absl::Status ResidualBackwardEntry(float* da, float* db, const float* dout, int64_t n, Stream) {
   FP8RT_RETURN_IF_ERROR(CheckSizes("residual_backward", {{"n", n}}));
-  ResidualBackward(Span(da, n), Span(db, n), Span(dout, n), n);
+  ResidualBackwardFast(da, db, dout, n);
   return absl::OkStatus();
 }
 absl::Status CrossEntropyForwardEntry(float* probs, float* losses, const float* logits,
@@ -818,11 +817,7 @@ absl::Status CrossEntropyForwardEntry(float* probs, float* losses, const float* 
   FP8RT_RETURN_IF_ERROR(CheckSizes("cross_entropy_forward", {{"n", n}, {"v", v}}));
   if (n == 0) return absl::OkStatus();
   if (v == 0) return absl::InvalidArgumentError("cross_entropy_forward: v is 0 with rows");
-  for (int64_t i = 0; i < n; ++i) {
-    // One row at a time through the reference, whose mean over one row is that row's loss.
-    losses[i] = CrossEntropyForward(Span(probs + i * v, v), Span(logits + i * v, v),
-                                    Span(targets + i, 1), 1, v);
-  }
+  CrossEntropyForwardFast(probs, losses, logits, targets, n, v);
   return absl::OkStatus();
 }
 absl::Status CrossEntropyBackwardEntry(float* dlogits, const float* probs, const int32_t* targets,
@@ -830,7 +825,7 @@ absl::Status CrossEntropyBackwardEntry(float* dlogits, const float* probs, const
   FP8RT_RETURN_IF_ERROR(CheckSizes("cross_entropy_backward", {{"n", n}, {"v", v}}));
   if (n == 0) return absl::OkStatus();
   if (v == 0) return absl::InvalidArgumentError("cross_entropy_backward: v is 0 with rows");
-  CrossEntropyBackward(Span(dlogits, n * v), Span(probs, n * v), Span(targets, n), n, v, dloss);
+  CrossEntropyBackwardFast(dlogits, probs, targets, n, v, dloss);
   return absl::OkStatus();
 }
 absl::Status FillEntry(float* x, float value, int64_t n, Stream) {
@@ -916,7 +911,7 @@ absl::Status AdamWEntry(const AdamWArgs& args, Stream) {
     return absl::InvalidArgumentError("adamw: a null master, grad, m or v pointer");
   }
   FP8RT_RETURN_IF_ERROR(ValidateAdamWFp8Output(args.fp8, args.count, "adamw"));
-  return AdamWUpdate(args);
+  return AdamWFast(args);
 }
 absl::Status SynchronizeEntry(Stream) { return absl::OkStatus(); }
 absl::StatusOr<void*> AllocateEntry(size_t bytes) {
