@@ -688,9 +688,7 @@ absl::Status AttentionForwardEntry(float* out, float* probs, const float* q, con
   if (b == 0 || t == 0 || h == 0) return absl::OkStatus();
   if (dh == 0) return absl::InvalidArgumentError("attention_forward: dh is 0");
   FP8RT_RETURN_IF_ERROR(CheckKvHeads("attention_forward", h, hkv));
-  const int64_t size = b * t * h * dh, kv_size = b * t * hkv * dh;
-  AttentionForward(Span(out, size), Span(probs, b * h * t * t), Span(q, size), Span(k, kv_size),
-                   Span(v, kv_size), b, t, h, hkv, dh);
+  AttentionForwardFast(out, probs, q, k, v, b, t, h, hkv, dh);
   return absl::OkStatus();
 }
 absl::Status AttentionBackwardEntry(float* dq, float* dk, float* dv, const float* dout,
@@ -702,10 +700,7 @@ absl::Status AttentionBackwardEntry(float* dq, float* dk, float* dv, const float
   if (b == 0 || t == 0 || h == 0) return absl::OkStatus();
   if (dh == 0) return absl::InvalidArgumentError("attention_backward: dh is 0");
   FP8RT_RETURN_IF_ERROR(CheckKvHeads("attention_backward", h, hkv));
-  const int64_t size = b * t * h * dh, kv_size = b * t * hkv * dh;
-  AttentionBackward(Span(dq, size), Span(dk, kv_size), Span(dv, kv_size), Span(dout, size),
-                    Span(q, size), Span(k, kv_size), Span(v, kv_size), Span(probs, b * h * t * t),
-                    b, t, h, hkv, dh);
+  AttentionBackwardFast(dq, dk, dv, dout, q, k, v, probs, b, t, h, hkv, dh);
   return absl::OkStatus();
 }
 absl::Status GeluForwardEntry(float* out, const float* x, int64_t n, Stream) {
@@ -841,8 +836,11 @@ absl::Status CopyEntry(float* dst, const float* src, int64_t n, Stream) {
 template <typename T>
 absl::Status TransposeOf(const char* op, T* dst, const T* src, int64_t rows, int64_t cols) {
   FP8RT_RETURN_IF_ERROR(CheckSizes(op, {{"rows", rows}, {"cols", cols}}));
-  constexpr int64_t kB = 32;  // cache blocks
-  for (int64_t r0 = 0; r0 < rows; r0 += kB) {
+  constexpr int64_t kB = 32;  // cache blocks; each strip of kB rows writes its own columns of dst
+  const int64_t strips = (rows + kB - 1) / kB;
+#pragma omp parallel for schedule(static) if (strips > 1 && rows * cols >= (int64_t{1} << 16))
+  for (int64_t strip = 0; strip < strips; ++strip) {
+    const int64_t r0 = strip * kB;
     for (int64_t c0 = 0; c0 < cols; c0 += kB) {
       const int64_t r1 = std::min(rows, r0 + kB), c1 = std::min(cols, c0 + kB);
       for (int64_t c = c0; c < c1; ++c) {
