@@ -1,7 +1,6 @@
 #include "launcher/bench/convergence.h"
 
 #include <stdlib.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,8 +17,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "fp8rt/v1/run_spec.pb.h"
+#include "launcher/bench/subprocess.h"
 #include "runtime/spec/run_spec.h"
 
 namespace fp8rt::bench {
@@ -81,31 +80,6 @@ absl::StatusOr<RunFigures> ReadFigures(const fs::path& metrics, int64_t steps) {
   f.first10_loss = w > 0 ? first / static_cast<double>(w) : 0.0;
   f.last10_loss = w > 0 ? last / static_cast<double>(w) : 0.0;
   return f;
-}
-
-// Runs `argv` with its stdout on our stderr (the launcher's progress lines), and waits.
-absl::Status RunToStderr(const std::vector<std::string>& argv) {
-  std::vector<char*> args;
-  for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-  args.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid < 0) return absl::InternalError(absl::StrCat("fork: ", std::strerror(errno)));
-  if (pid == 0) {
-    dup2(STDERR_FILENO, STDOUT_FILENO);
-    execv(args[0], args.data());
-    std::fprintf(stderr, "fp8rt bench: cannot run %s: %s\n", args[0], std::strerror(errno));
-    _exit(127);
-  }
-  int status = 0;
-  while (waitpid(pid, &status, 0) < 0) {
-    if (errno != EINTR) return absl::InternalError(absl::StrCat("waitpid: ", std::strerror(errno)));
-  }
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(
-      "`", absl::StrJoin(argv, " "), "` failed (",
-      WIFEXITED(status) ? absl::StrCat("exit ", WEXITSTATUS(status))
-                        : absl::StrCat("signal ", WTERMSIG(status)),
-      "); its log is under the run folder's logs/"));
 }
 
 }  // namespace
@@ -185,7 +159,9 @@ absl::StatusOr<nlohmann::ordered_json> ConvergenceBench(const ConvergenceBenchOp
     std::fprintf(stderr, "fp8rt bench convergence: %s run, %lld steps on %d ranks, in %s\n",
                  m.name, static_cast<long long>(steps), np, dir.c_str());
     const auto t0 = std::chrono::steady_clock::now();
-    if (absl::Status s = RunToStderr(argv); !s.ok()) return s;
+    if (absl::Status s = RunToStderr(argv, "; its log is under the run folder's logs/"); !s.ok()) {
+      return s;
+    }
     const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     absl::StatusOr<RunFigures> f = ReadFigures(dir / "metrics.jsonl", steps);
     if (!f.ok()) return f.status();

@@ -3,9 +3,12 @@
 //   fp8rt bench quantize [--json] [--mib N] [--device cpu|cuda]
 //   fp8rt bench gemm [--json] [--size N] [--device cpu|cuda]   (cuda: bench_cuda.h)
 //   fp8rt bench comm --np N [--json]   (runs N MPI ranks of fp8rt-bench-comm through mpirun)
-//   fp8rt bench step [--json] [--spec RUN.yaml] [--device cpu|cuda]   (fp8 vs bf16 vs fp32
-//                                                 training step: one rank of fp8rt-bench-step
-//                                                 through mpirun; cuda: one process on GPU 0)
+//   fp8rt bench step [--json] [--spec RUN.yaml] [--device cpu|cuda] [--peer torch]
+//                                                (fp8 vs bf16 vs fp32 training step: one rank of
+//                                                 fp8rt-bench-step through mpirun; cuda: one
+//                                                 process on GPU 0; --peer torch: PyTorch FP32
+//                                                 and BF16 autocast steps of the same model in
+//                                                 the same rounds, scripts/bench-torch)
 //   fp8rt bench memory --np N [--spec RUN.yaml] [--set KEY=VALUE ...] [--steps K] [--no-baseline]
 //                      [--json]   (per-rank tracked peak bytes by category and peak RSS of a
 //                                  training run: N MPI ranks of fp8rt-bench-memory, and a one-rank
@@ -59,13 +62,15 @@ absl::StatusOr<nlohmann::ordered_json> MpiBench(const std::string& program, int 
     return absl::NotFoundError(program + " not found next to fp8rt-bench (" + worker.string() +
                                ")");
   }
-  // Each rank gets its share of the cores for its OpenMP kernels (they would fight otherwise).
+  // Each rank gets its share of the cores for its OpenMP kernels (they would fight otherwise),
+  // unbound as `fp8rt launch` runs them: mpirun binds up to 2 ranks to one core each by
+  // default, which would put a rank's whole OpenMP team (and a --peer child) on one core.
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
   const unsigned threads = std::max(1u, cores / static_cast<unsigned>(np));
   std::string cmd = np == 0 ? worker.string() + " " + args
                             : std::string(FP8RT_MPIEXEC) +
                                   (geteuid() == 0 ? " --allow-run-as-root" : "") +
-                                  " --oversubscribe -np " + std::to_string(np) +
+                                  " --oversubscribe --bind-to none -np " + std::to_string(np) +
                                   " -x OMP_NUM_THREADS=" + std::to_string(threads) + " " +
                                   worker.string() + " " + args;
   std::fprintf(stderr, "running %s: %s\n",
@@ -304,6 +309,30 @@ void PrintHuman(const nlohmann::ordered_json& j) {
         1e3 * m["bf16"]["best_s"].get<double>(), m["bf16"]["tokens_per_s"].get<double>(),
         1e3 * m["fp32"]["best_s"].get<double>(), m["fp32"]["tokens_per_s"].get<double>(),
         cuda ? "bf16 / fp8" : "fp8 / fp32", j["ratio"].get<double>(), cuda ? ">= 1.3" : "<= 0.7");
+    if (j.contains("peer")) {
+      const auto& p = j["peer"];
+      const auto& pm = p["modes"];
+      const auto& r = p["ratios"];
+      const auto& t = p["targets"];
+      std::cout << absl::StrFormat(
+          "  PyTorch %s, %d threads (fp8rt %d), the same model and micro-batch in the same "
+          "rounds:\n"
+          "  torch fp32  %7.1f ms  %9.0f tokens/s\n"
+          "  torch bf16  %7.1f ms  %9.0f tokens/s  (autocast)\n"
+          "  ratio fp8 / torch bf16 step time   %.3f  (target <= %.2g)\n"
+          "  ratio fp32 / torch fp32 step time  %.3f  (target <= %.2g)\n"
+          "  ratio fp8 / fp32 step time         %.3f  (target <= %.2g, issue 18)\n",
+          p["torch"].get<std::string>(), p["threads"].get<int>(), j.value("threads", 0),
+          1e3 * pm["fp32"]["best_s"].get<double>(), pm["fp32"]["tokens_per_s"].get<double>(),
+          1e3 * pm["bf16"]["best_s"].get<double>(), pm["bf16"]["tokens_per_s"].get<double>(),
+          r["fp8_over_torch_bf16"].get<double>(), t["fp8_over_torch_bf16"].get<double>(),
+          r["fp32_over_torch_fp32"].get<double>(), t["fp32_over_torch_fp32"].get<double>(),
+          r["fp8_over_fp32"].get<double>(), t["fp8_over_fp32"].get<double>());
+      if (p.contains("cpu_bf16") && p["cpu_bf16"].empty()) {
+        std::cout << "  note: this CPU has no AVX512-BF16 or AMX-BF16: PyTorch's BF16 matmuls run "
+                     "without hardware support, so fp8 / torch bf16 says little here\n";
+      }
+    }
   } else if (name == "quantize") {
     std::cout << absl::StrFormat(
         "quantize FP32 -> E4M3 (tensor scale, stats in the same pass), %d MiB input, %d threads\n"
@@ -380,6 +409,11 @@ int main(int argc, char** argv) {
   step->add_option("--rounds", step_rounds, "timed steps of each mode (default 3)");
   step->add_option("--device", device, "cpu (default; the spec's device with --spec) or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  std::string step_peer;
+  step->add_option("--peer", step_peer,
+                   "torch: also time the same model in PyTorch (FP32 and BF16 autocast; "
+                   "scripts/bench-torch, needs python3-torch)")
+      ->check(CLI::IsMember({"torch"}));
   step->add_flag("--json", json, "print one JSON object");
   MemoryBenchOptions mopt;
   bool no_baseline = false;
@@ -446,6 +480,7 @@ int main(int argc, char** argv) {
     // On a GPU the step runs in one process (a one-rank NCCL world), without mpirun.
     const bool cuda = step->count("--device") > 0 && device == "cuda";
     if (step->count("--device") > 0) args += " --device " + device;
+    if (!step_peer.empty()) args += " --peer " + step_peer;
     result = MpiBench("fp8rt-bench-step", cuda ? 0 : 1, args);
   }
   if (!result.ok()) {

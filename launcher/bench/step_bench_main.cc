@@ -4,8 +4,9 @@
 //
 // CPU (the default; one rank started through mpirun): `ratio` is fp8 step time over fp32 step
 // time (fastest step of each; DESIGN.md target <= 0.7 on CPU, where FP8 and BF16 GEMMs run on AMX
-// and FP32 ones cannot). The default spec is GEMM-dominated (2 layers, d_model 1024, d_ff 4096,
-// 16 x 64 tokens per step) and trains on random bytes.
+// and FP32 ones cannot). The default spec is a GEMM-dominated gpt2-family model (2 layers,
+// d_model 1024, d_ff 4096, 16 x 64 tokens per step; before issue 18 the plain family, which
+// --spec still takes) and trains on random bytes.
 //
 // CUDA (--device cuda, or a spec with device: cuda; run directly, without mpirun: one process on
 // GPU 0, a one-rank NCCL world over a solo bootstrap, the CUDA op table): `ratio` is bf16 step time
@@ -13,7 +14,18 @@
 // (1 layer, d_model 4096, d_ff 16384, 32 x 256 tokens per step).
 //
 // --spec takes any run spec instead (its parallel sizes must be 1).
+//
+// --peer torch (CPU; issue 18): the same model, shapes, micro-batch and thread count in PyTorch,
+// scripts/bench-torch --serve, started as a child before MPI. Each round, after fp8rt's fp8, bf16
+// and fp32 steps, the peer runs one FP32 step and one BF16-autocast step (it times them itself,
+// without the pipe), so that all five see the same machine noise. The JSON gains "peer": its
+// times and the ratios fp8rt fp8 / torch bf16 (target <= 0.7), fp8rt fp32 / torch fp32
+// (<= 1.0) and fp8rt fp8 / fp8rt fp32 (<= 0.4), each of the fastest steps. Only the gpt2 and
+// llama families have a twin (the plain family is refused, naming model.family), dense only.
+#include <omp.h>
+
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,10 +35,13 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "absl/strings/str_join.h"
 #include "kernels/ops.h"
+#include "launcher/bench/subprocess.h"
 #include "nlohmann/json.hpp"
 #include "parallel/mpi/mpi_communicator.h"
 #include "parallel/nccl/nccl_communicator.h"
@@ -39,7 +54,9 @@ namespace {
 
 using namespace fp8rt;
 
+// The CPU default: the gpt2 family, so that --peer torch has a twin to compare with.
 constexpr const char* kDefaultSpec = R"(model:
+  family: gpt2
   layers: 2
   d_model: 1024
   heads: 16
@@ -84,6 +101,105 @@ int Fail(const std::string& message) {
   return 2;
 }
 
+#ifndef FP8RT_SOURCE_DIR
+#define FP8RT_SOURCE_DIR ""
+#endif
+
+// scripts/bench-torch: installed in share/fp8rt beside bin/, or in the source tree this program
+// was built from.
+absl::StatusOr<std::string> FindBenchTorch() {
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  std::vector<std::string> tried;
+  if (!ec) tried.push_back((self.parent_path().parent_path() / "share/fp8rt/bench-torch").string());
+  if (std::string(FP8RT_SOURCE_DIR).size() > 0) {
+    tried.push_back(std::string(FP8RT_SOURCE_DIR) + "/scripts/bench-torch");
+  }
+  for (const std::string& path : tried) {
+    if (access(path.c_str(), X_OK) == 0) return path;
+  }
+  return absl::NotFoundError("--peer torch: scripts/bench-torch not found (looked for " +
+                             absl::StrJoin(tried, " and ") + ")");
+}
+
+// The peer's command line: the spec's model with its family's defaults filled in, micro-batch,
+// optimizer settings, and `threads` for torch.set_num_threads.
+absl::StatusOr<std::vector<std::string>> TorchPeerArgv(const v1::RunSpec& spec,
+                                                       const std::string& script, int threads) {
+  using M = v1::RunSpec::Model;
+  const M m = ResolveModel(spec.model());
+  if (m.family() != M::FAMILY_GPT2 && m.family() != M::FAMILY_LLAMA) {
+    return absl::InvalidArgumentError(
+        "--peer torch: model.family is plain, which has no PyTorch twin (scripts/bench-torch "
+        "builds the gpt2 and llama families; set model.family)");
+  }
+  if (spec.moe().experts() > 0) {
+    return absl::InvalidArgumentError("--peer torch: moe.experts: the PyTorch twin is dense");
+  }
+  if (spec.device() == v1::RunSpec::DEVICE_CUDA) {
+    return absl::InvalidArgumentError(
+        "--peer torch: the PyTorch peer runs on the CPU (device: cuda)");
+  }
+  auto num = [](double x) {  // the shortest text that reads back as x
+    char buf[32];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), x);
+    return std::string(buf, r.ptr);
+  };
+  const v1::RunSpec::Train& t = spec.train();
+  std::vector<std::string> argv = {script, "--serve"};
+  auto add = [&argv](const char* flag, std::string value) {
+    argv.push_back(flag);
+    argv.push_back(std::move(value));
+  };
+  add("--family", m.family() == M::FAMILY_GPT2 ? "gpt2" : "llama");
+  add("--layers", std::to_string(m.layers()));
+  add("--d-model", std::to_string(m.d_model()));
+  add("--heads", std::to_string(m.heads()));
+  add("--kv-heads", std::to_string(m.kv_heads()));
+  add("--d-ff", std::to_string(m.d_ff()));
+  add("--seq-len", std::to_string(m.seq_len()));
+  add("--vocab", std::to_string(m.vocab()));
+  add("--max-positions", std::to_string(m.max_positions()));
+  add("--norm", m.norm() == M::NORM_LAYERNORM ? "layernorm" : "rmsnorm");
+  add("--mlp", m.mlp() == M::MLP_SWIGLU ? "swiglu" : "gelu");
+  add("--positions", m.positions() == M::POSITIONS_LEARNED ? "learned"
+                     : m.positions() == M::POSITIONS_ROPE  ? "rope"
+                                                           : "none");
+  argv.push_back(m.bias() ? "--bias" : "--no-bias");
+  argv.push_back(m.tie_embeddings() ? "--tie-embeddings" : "--no-tie-embeddings");
+  add("--rope-theta", num(m.rope_theta()));
+  add("--norm-eps", num(m.norm_eps()));
+  add("--micro-batch", std::to_string(t.micro_batch()));
+  add("--grad-accum", std::to_string(t.grad_accum()));
+  add("--lr", num(t.lr()));
+  add("--weight-decay", num(t.weight_decay()));
+  add("--clip", num(t.clip()));
+  add("--seed", std::to_string(t.seed()));
+  add("--threads", std::to_string(threads));
+  return argv;
+}
+
+// A line of the peer's as JSON; an {"error"} line, or a line that is not JSON (bench-torch's
+// "SKIP: ..." when PyTorch is missing), is an error quoting it.
+absl::StatusOr<nlohmann::json> PeerAnswer(bench::LineChild& peer, double timeout_s) {
+  absl::StatusOr<std::string> line = peer.ReadLine(timeout_s);
+  if (!line.ok())
+    return absl::UnavailableError("--peer torch: " + std::string(line.status().message()));
+  nlohmann::json j = nlohmann::json::parse(*line, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    const std::string text = line->rfind("SKIP: ", 0) == 0 ? line->substr(6) : *line;
+    return absl::UnavailableError("--peer torch: " + text);
+  }
+  if (j.contains("error")) return absl::InternalError("--peer torch: " + j["error"].dump());
+  return j;
+}
+
+// The fastest and the median of `seconds` (not empty).
+std::pair<double, double> BestAndMedian(std::vector<double> seconds) {
+  std::sort(seconds.begin(), seconds.end());
+  return {seconds.front(), seconds[seconds.size() / 2]};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -97,6 +213,10 @@ int main(int argc, char** argv) {
   std::string device_flag;
   app.add_option("--device", device_flag, "cpu or cuda (default: the spec's device; cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
+  std::string peer_name;
+  app.add_option("--peer", peer_name,
+                 "torch: also time the same model in PyTorch, FP32 and BF16 autocast (CPU)")
+      ->check(CLI::IsMember({"torch"}));
   CLI11_PARSE(app, argc, argv);
   if (rounds < 1 || warmup < 0) return Fail("--rounds must be >= 1 and --warmup >= 0");
 
@@ -127,6 +247,23 @@ int main(int argc, char** argv) {
   base->mutable_checkpoint()->set_every(0);
   base->mutable_metrics()->set_per_rank_fp8_stats(false);
   if (absl::Status v = ValidateRunSpec(*base, 1); !v.ok()) return Fail(v.ToString());
+
+  // The PyTorch peer, started before MPI (no fork under an initialised MPI); it builds its models
+  // while ours are built below, and says when it is ready.
+  const int threads = omp_get_max_threads();
+  std::unique_ptr<bench::LineChild> peer;
+  std::string peer_script;
+  if (!peer_name.empty()) {
+    absl::StatusOr<std::string> script = FindBenchTorch();
+    if (!script.ok()) return Fail(std::string(script.status().message()));
+    peer_script = *script;
+    absl::StatusOr<std::vector<std::string>> peer_argv = TorchPeerArgv(*base, *script, threads);
+    if (!peer_argv.ok()) return Fail(std::string(peer_argv.status().message()));
+    std::fprintf(stderr, "fp8rt-bench-step: peer: %s\n", absl::StrJoin(*peer_argv, " ").c_str());
+    absl::StatusOr<std::unique_ptr<bench::LineChild>> child = bench::LineChild::Start(*peer_argv);
+    if (!child.ok()) return Fail("--peer torch: " + child.status().ToString());
+    peer = std::move(*child);
+  }
 
   // The communicators and op table of the device: MPI (one rank) and the CPU table, or a
   // one-rank NCCL world on GPU 0 and the CUDA table.
@@ -175,6 +312,21 @@ int main(int argc, char** argv) {
     if (!trainer.ok()) return Fail(std::string(m.name) + ": " + trainer.status().ToString());
     m.trainer = std::move(*trainer);
   }
+  // The peer's FP32 and BF16-autocast models; an hour bounds a step (or its start) of any
+  // model this machine can hold, so that a hung peer ends the bench instead of stalling it.
+  constexpr double kPeerTimeoutS = 3600.0;
+  struct PeerMode {
+    const char* name;
+    std::vector<double> seconds;
+    double last_loss = 0.0;
+  };
+  std::vector<PeerMode> peer_modes = {{"fp32", {}, 0.0}, {"bf16", {}, 0.0}};
+  nlohmann::json peer_ready;
+  if (peer) {
+    absl::StatusOr<nlohmann::json> ready = PeerAnswer(*peer, kPeerTimeoutS);
+    if (!ready.ok()) return Fail(std::string(ready.status().message()));
+    peer_ready = *ready;
+  }
   for (int r = 0; r < warmup + rounds; ++r) {
     for (Mode& m : modes) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -183,6 +335,24 @@ int main(int argc, char** argv) {
       if (!rec.ok()) return Fail(std::string(m.name) + ": " + rec.status().ToString());
       m.last_loss = rec->loss;
       if (r >= warmup) m.seconds.push_back(s);
+    }
+    for (PeerMode& pm : peer_modes) {
+      if (!peer) break;
+      if (absl::Status w = peer->WriteLine(pm.name); !w.ok()) {
+        return Fail("--peer torch: " + std::string(w.message()));
+      }
+      absl::StatusOr<nlohmann::json> a = PeerAnswer(*peer, kPeerTimeoutS);
+      if (!a.ok()) return Fail(std::string(a.status().message()));
+      pm.last_loss = a->value("loss", std::nan(""));
+      if (r >= warmup) pm.seconds.push_back(a->value("seconds", std::nan("")));
+    }
+  }
+  if (peer) {
+    if (absl::Status w = peer->WriteLine("quit"); !w.ok()) {
+      return Fail("--peer torch: " + std::string(w.message()));
+    }
+    if (absl::Status f = peer->Finish(); !f.ok()) {
+      return Fail("--peer torch: " + std::string(f.message()));
     }
   }
   const v1::RunSpec::Model& model = base->model();
@@ -219,6 +389,42 @@ int main(int argc, char** argv) {
                 {"d_ff", model.d_ff()},     {"seq_len", model.seq_len()}, {"vocab", model.vocab()}};
   j["tokens_per_step"] = tokens;
   j["rounds"] = rounds;
+  if (!cuda) j["threads"] = threads;
+  if (peer) {
+    // Each ratio of the fastest steps (and of the medians); the targets are issue 18's.
+    nlohmann::ordered_json p, pm_json;
+    std::vector<double> peer_best, peer_median;
+    for (const PeerMode& pm : peer_modes) {
+      const auto [b, med] = BestAndMedian(pm.seconds);
+      peer_best.push_back(b);
+      peer_median.push_back(med);
+      pm_json[pm.name] = {
+          {"best_s", b}, {"median_s", med}, {"tokens_per_s", tokens / b}, {"loss", pm.last_loss}};
+    }
+    p["name"] = "torch";
+    p["torch"] = peer_ready.value("torch", "");
+    p["threads"] = peer_ready.value("threads", 0);
+    p["params"] = peer_ready.value("params", int64_t{0});
+    p["script"] = peer_script;
+    // The CPU's BF16 instructions as the peer saw them; without any, PyTorch's BF16 matmuls have
+    // no hardware path and the fp8 / torch bf16 ratio says little.
+    p["cpu_bf16"] = peer_ready.value("cpu_bf16", nlohmann::json::array());
+    p["modes"] = pm_json;
+    p["ratios"] = {{"fp8_over_torch_bf16", best[0] / peer_best[1]},
+                   {"fp32_over_torch_fp32", best[2] / peer_best[0]},
+                   {"fp8_over_fp32", best[0] / best[2]}};
+    p["ratio_medians"] = {{"fp8_over_torch_bf16", median[0] / peer_median[1]},
+                          {"fp32_over_torch_fp32", median[2] / peer_median[0]},
+                          {"fp8_over_fp32", median[0] / median[2]}};
+    p["targets"] = {{"fp8_over_torch_bf16", 0.7},  // each: at most
+                    {"fp32_over_torch_fp32", 1.0},
+                    {"fp8_over_fp32", 0.4}};
+    p["description"] =
+        "PyTorch (scripts/bench-torch) training the same model, micro-batch and thread count in "
+        "FP32 and in BF16 autocast, a step of each after fp8rt's in every round; ratios are "
+        "fp8rt's fastest step time over the peer's";
+    j["peer"] = p;
+  }
   for (Mode& m : modes) m.trainer.reset();
   std::filesystem::remove_all(tmp, ec);
   std::cout << j.dump() << std::endl;

@@ -109,6 +109,90 @@ TEST(BenchCliTest, StepTimesTheSameSpecInThreePrecisions) {
   std::filesystem::remove_all(dir);
 }
 
+// What a command printed on stdout and stderr, and its exit code.
+struct Output {
+  std::string text;
+  int exit_code = -1;
+};
+
+Output RunCommand(const std::string& cmd) {
+  Output o;
+  FILE* pipe = popen((cmd + " 2>&1").c_str(), "r");
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) o.text.append(buf, n);
+  const int status = pclose(pipe);
+  o.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return o;
+}
+
+TEST(BenchCliTest, StepWithTheTorchPeerTimesPyTorchInTheSameRounds) {
+  char dir[] = "/tmp/fp8rt-bench-peer-test-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string data = std::string(dir) + "/data.txt";
+  {
+    std::ofstream out(data);
+    for (int i = 0; i < 4000; ++i) out << "In the beginning was the word. ";
+  }
+  auto write_spec = [&](const std::string& name, const std::string& family) {
+    const std::string spec = std::string(dir) + "/" + name;
+    std::ofstream out(spec);
+    out << "model: {" << family
+        << "layers: 1, d_model: 128, heads: 4, kv_heads: 2, d_ff: 256, seq_len: 32, vocab: 256}\n"
+           "train: {steps: 100, micro_batch: 4}\n"
+           "data: {path: "
+        << data << "}\n";
+    return spec;
+  };
+  // The plain family has no PyTorch twin: refused before anything runs, naming the field.
+  const Output plain =
+      RunCommand(std::string(FP8RT_BIN_DIR) + "/fp8rt bench step --rounds 1 --peer torch --spec " +
+                 write_spec("plain.yaml", ""));
+  EXPECT_EQ(plain.exit_code, 2) << plain.text;
+  EXPECT_NE(plain.text.find("model.family"), std::string::npos) << plain.text;
+
+  const Output probe = RunCommand(std::string(FP8RT_SOURCE_DIR) + "/scripts/bench-torch --probe");
+  if (probe.exit_code == 77) {
+    std::filesystem::remove_all(dir);
+    GTEST_SKIP() << probe.text;
+  }
+  ASSERT_EQ(probe.exit_code, 0) << probe.text;
+  int rc = -1;
+  const auto j = RunBench(
+      "step --rounds 1 --json --peer torch --spec " + write_spec("llama.yaml", "family: llama, "),
+      &rc);
+  ASSERT_EQ(rc, 0);
+  ASSERT_TRUE(j.contains("peer")) << j.dump();
+  const auto& p = j["peer"];
+  EXPECT_EQ(p["name"], "torch");
+  // The same thread count as fp8rt's OpenMP team.
+  EXPECT_EQ(p["threads"].get<int>(), j["threads"].get<int>());
+  EXPECT_TRUE(p["cpu_bf16"].is_array()) << p.dump();  // what the PyTorch BF16 figure runs on
+  for (const char* mode : {"fp32", "bf16"}) {
+    const double s = p["modes"][mode]["best_s"].get<double>();
+    EXPECT_TRUE(std::isfinite(s) && s > 0.0) << mode;
+    EXPECT_LE(s, p["modes"][mode]["median_s"].get<double>()) << mode;
+  }
+  // Each ratio is what its parts say.
+  const auto& m = j["modes"];
+  const auto& pm = p["modes"];
+  const auto& r = p["ratios"];
+  EXPECT_NEAR(r["fp8_over_torch_bf16"].get<double>(),
+              m["fp8"]["best_s"].get<double>() / pm["bf16"]["best_s"].get<double>(), 1e-9);
+  EXPECT_NEAR(r["fp32_over_torch_fp32"].get<double>(),
+              m["fp32"]["best_s"].get<double>() / pm["fp32"]["best_s"].get<double>(), 1e-9);
+  EXPECT_NEAR(r["fp8_over_fp32"].get<double>(), j["ratio"].get<double>(), 1e-9);
+  for (const auto& [name, v] : r.items()) EXPECT_TRUE(std::isfinite(v.get<double>())) << name;
+  EXPECT_DOUBLE_EQ(p["targets"]["fp8_over_torch_bf16"].get<double>(), 0.7);
+  // The peer trains on uniform random tokens from fp8rt's initialisation law (N(0, 0.02)): a
+  // near-uniform model, whose loss is near ln 256 = 5.545 for its first steps (agreement of the
+  // architecture itself is torch_peer_test's, on shared weights).
+  for (const char* mode : {"fp32", "bf16"}) {
+    EXPECT_NEAR(pm[mode]["loss"].get<double>(), std::log(256.0), 0.03 * std::log(256.0)) << mode;
+  }
+  std::filesystem::remove_all(dir);
+}
+
 TEST(BenchCliTest, BadArgumentsExitWithCode2) {
   int rc = -1;
   RunBench("quantize --mib 0 --json", &rc);
@@ -118,6 +202,8 @@ TEST(BenchCliTest, BadArgumentsExitWithCode2) {
   RunBench("comm --np 0", &rc);
   EXPECT_EQ(rc, 2);
   RunBench("step --spec /nonexistent/spec.yaml", &rc);
+  EXPECT_EQ(rc, 2);
+  RunBench("step --peer jax", &rc);
   EXPECT_EQ(rc, 2);
   RunBench("nonsense", &rc);
   EXPECT_NE(rc, 0);
