@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numbers>
 #include <span>
@@ -525,16 +526,7 @@ void AdamWFp8Tensor(const AdamWArgs& k) {
   for (int64_t i = 0; i < k.count; ++i) {
     o.codes[i] = cpu_internal::QuantizeOne<F>(AdamWOne(k, i), o.scale, s);
   }
-  *o.scale_inv = 1.0f / o.scale;  // as the tensor quantize writes it
-  QuantStats& out = *o.stats;
-  out = QuantStats{};
-  out.amax = s.amax_bits > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN()
-                                       : std::bit_cast<float>(s.amax_bits);
-  out.count = k.count;
-  out.underflow = s.underflow;
-  out.subnormal = s.subnormal;
-  out.saturated = s.saturated;
-  out.nonfinite = s.nonfinite;
+  cpu_internal::FinishAdamWTensorShard(o, s, k.count);
 }
 
 // The update fused with the 128x128 block-scaled shard's quantization: each strip of 128 rows is
@@ -542,13 +534,36 @@ void AdamWFp8Tensor(const AdamWArgs& k) {
 // its updated amax). The strips are whole rows of the block grid, so the codes, scales and
 // merged statistics are the quantize op's over the whole shard.
 absl::Status AdamWFp8Block(const AdamWArgs& k) {
+  return cpu_internal::AdamWFp8BlockStrips(k, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) AdamWOne(k, i);
+  });
+}
+
+}  // namespace
+
+void cpu_internal::FinishAdamWTensorShard(const AdamWFp8Output& o, const SpanStats& s,
+                                         int64_t count) {
+  *o.scale_inv = 1.0f / o.scale;  // as the tensor quantize writes it
+  QuantStats& out = *o.stats;
+  out = QuantStats{};
+  out.amax = s.amax_bits > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN()
+                                       : std::bit_cast<float>(s.amax_bits);
+  out.count = count;
+  out.underflow = s.underflow;
+  out.subnormal = s.subnormal;
+  out.saturated = s.saturated;
+  out.nonfinite = s.nonfinite;
+}
+
+absl::Status cpu_internal::AdamWFp8BlockStrips(
+    const AdamWArgs& k, const std::function<void(int64_t, int64_t)>& update) {
   const AdamWFp8Output& o = k.fp8;
   const ScaleGrid grid = GetScaleGrid(Granularity::kBlock128x128, o.rows, o.cols);
   QuantStats total;
   for (int64_t r0 = 0; r0 < o.rows; r0 += grid.block_rows) {
     const int64_t strip_rows = std::min(grid.block_rows, o.rows - r0);
     const int64_t begin = r0 * o.cols, end = begin + strip_rows * o.cols;
-    for (int64_t i = begin; i < end; ++i) AdamWOne(k, i);
+    update(begin, end);
     QuantizeArgs q;
     q.format = o.format;
     q.granularity = Granularity::kBlock128x128;
@@ -570,8 +585,6 @@ absl::Status AdamWFp8Block(const AdamWArgs& k) {
   *o.stats = total;
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::Status ValidateAdamWFp8Output(const AdamWFp8Output& o, int64_t count, const char* op) {
   if (o.codes == nullptr) return absl::OkStatus();

@@ -760,48 +760,15 @@ void AdamWFp8TensorFast(const AdamWArgs& k) {
     s.saturated += c.saturated;
     s.nonfinite += c.nonfinite;
   }
-  *o.scale_inv = 1.0f / o.scale;  // as the tensor quantize writes it
-  QuantStats& out = *o.stats;
-  out = QuantStats{};
-  out.amax = s.amax_bits > 0x7F800000u ? std::numeric_limits<float>::quiet_NaN()
-                                       : std::bit_cast<float>(s.amax_bits);
-  out.count = k.count;
-  out.underflow = s.underflow;
-  out.subnormal = s.subnormal;
-  out.saturated = s.saturated;
-  out.nonfinite = s.nonfinite;
+  FinishAdamWTensorShard(o, s, k.count);
 }
 
 // Block scaling: each strip of 128 rows is updated across the team, then quantized by the
 // quantize op while it is still in cache (a block's scale needs its updated amax).
 absl::Status AdamWFp8BlockFast(const AdamWArgs& k) {
-  const AdamWFp8Output& o = k.fp8;
-  const ScaleGrid grid = GetScaleGrid(Granularity::kBlock128x128, o.rows, o.cols);
-  QuantStats total;
-  for (int64_t r0 = 0; r0 < o.rows; r0 += grid.block_rows) {
-    const int64_t strip_rows = std::min(grid.block_rows, o.rows - r0);
-    const int64_t begin = r0 * o.cols, len = strip_rows * o.cols;
-    ForChunks(len, [&](int64_t i0, int64_t i1) { Update(k, begin + i0, begin + i1); });
-    QuantizeArgs q;
-    q.format = o.format;
-    q.granularity = Granularity::kBlock128x128;
-    q.input = k.master + begin;
-    q.rows = strip_rows;
-    q.cols = o.cols;
-    q.margin = o.margin;
-    q.codes = o.codes + begin;
-    q.scale_inv = o.scale_inv + (r0 / grid.block_rows) * grid.cols;
-    QuantStats strip;
-    q.stats = &strip;
-    FP8RT_RETURN_IF_ERROR(QuantizeCpu(q, Stream{}));
-    if (r0 == 0) {
-      total = strip;
-    } else {
-      total.Merge(strip);
-    }
-  }
-  *o.stats = total;
-  return absl::OkStatus();
+  return AdamWFp8BlockStrips(k, [&](int64_t begin, int64_t end) {
+    ForChunks(end - begin, [&](int64_t i0, int64_t i1) { Update(k, begin + i0, begin + i1); });
+  });
 }
 
 }  // namespace

@@ -13,8 +13,10 @@
 #define FP8RT_KERNELS_CPU_ROWS_CPU_H_
 
 #include <cstdint>
+#include <functional>
 
 #include "absl/status/status.h"
+#include "kernels/cpu/quantize_one.h"
 #include "kernels/layer_ops.h"
 
 namespace fp8rt::kernels::cpu_internal {
@@ -63,6 +65,13 @@ void AttentionForwardFast(float* out, float* probs, const float* q, const float*
 void AttentionBackwardFast(float* dq, float* dk, float* dv, const float* dout, const float* q,
                            const float* k, const float* v, const float* probs, int64_t b,
                            int64_t t, int64_t h, int64_t hkv, int64_t dh);
+// Shared by the reference AdamW (layer_ops_cpu.cc) and AdamWFast: the tensor-scaled shard's
+// scale_inv and statistics from the merged span statistics; and the block-scaled shard, each
+// strip of 128 rows updated by `update(begin, end)` and then quantized while in cache (a block's
+// scale needs its updated amax), the strips' statistics merged.
+void FinishAdamWTensorShard(const AdamWFp8Output& o, const SpanStats& s, int64_t count);
+absl::Status AdamWFp8BlockStrips(const AdamWArgs& k,
+                                 const std::function<void(int64_t, int64_t)>& update);
 // AdamWUpdate's contract (kernels/layer_ops.h), with the optional FP8 shard of the updated master
 // written in the same pass; the update is bit for bit AdamWUpdate's.
 absl::Status AdamWFast(const AdamWArgs& args);
