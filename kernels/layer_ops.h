@@ -14,7 +14,8 @@
 //                                               pairing), in place allowed; backward = transpose
 //   AttentionForward / AttentionBackward        causal grouped-query softmax(q k^T / sqrt(Dh)) v
 //                                               (Hkv kv heads shared by groups of query heads);
-//                                               forward saves the probabilities [B, H, T, T]
+//                                               forward saves the row log-sum-exp [B, H, T];
+//                                               backward recomputes the probabilities
 //   GeluForward / GeluBackward                  tanh approximation
 //   SwigluForward / SwigluBackward              out = silu(gate) * up
 //   ResidualForward / ResidualBackward          out = a + b
@@ -114,24 +115,29 @@ void RopeBackward(std::span<float> dx, std::span<const float> dout, int64_t n, i
                   int64_t dh, float theta);
 
 // ---- Causal grouped-query attention core: q, out [B, T, H, Dh], k, v [B, T, Hkv, Dh],
-//      probs [B, H, T, T] ----
+//      lse [B, H, T] ----
 // Query head j attends with kv head j / (H / Hkv) (H % Hkv == 0): Hkv == H is multi-head
-// attention, Hkv == 1 multi-query attention.
+// attention, Hkv == 1 multi-query attention. No [T, T] matrix is part of the contract: the
+// forward saves one float per query row (lse) and the backward recomputes the probabilities
+// (flash attention's split), so saved state is O(T) per head.
 
-// For each (b, h) and query i:  p[i, j] = softmax_{j <= i}(q_i . k_j / sqrt(Dh)) (0 for j > i);
-// out_i = sum_{j <= i} p[i, j] v_j.  probs is saved for the backward.
-void AttentionForward(std::span<float> out, std::span<float> probs, std::span<const float> q,
+// For each (b, h) and query i, with scale = 1 / sqrt(Dh) in FP32 and keys j <= i:
+//   s_ij = (q_i . k_j) * scale;  m_i = max_j s_ij;  lse_i = m_i + log(sum_j exp(s_ij - m_i));
+//   p_ij = exp(s_ij - lse_i) (0 for j > i);  out_i = sum_{j <= i} p_ij v_j.
+// lse is saved for the backward.
+void AttentionForward(std::span<float> out, std::span<float> lse, std::span<const float> q,
                       std::span<const float> k, std::span<const float> v, int64_t b, int64_t t,
                       int64_t h, int64_t hkv, int64_t dh);
-// dp[i, j] = dout_i . v_j;  ds[i, j] = p[i, j] * (dp[i, j] - sum_j' p[i, j'] dp[i, j']);
-// dq_i += sum_j ds[i, j] k_j / sqrt(Dh);  dk_j += sum_i ds[i, j] q_i / sqrt(Dh);
-// dv_j += sum_i p[i, j] dout_i  (accumulates into dq, dk and dv). A kv head's dk and dv add the
+// With p_ij recomputed from q, k and lse as above, and out the forward's output:
+// dp_ij = dout_i . v_j;  D_i = dout_i . out_i (= sum_j p_ij dp_ij);
+// ds_ij = p_ij * (dp_ij - D_i) * scale;  dq_i += sum_j ds_ij k_j;  dk_j += sum_i ds_ij q_i;
+// dv_j += sum_i p_ij dout_i  (accumulates into dq, dk and dv). A kv head's dk and dv add the
 // contributions of its query heads in ascending order of the query head, each over i ascending.
 void AttentionBackward(std::span<float> dq, std::span<float> dk, std::span<float> dv,
                        std::span<const float> dout, std::span<const float> q,
                        std::span<const float> k, std::span<const float> v,
-                       std::span<const float> probs, int64_t b, int64_t t, int64_t h, int64_t hkv,
-                       int64_t dh);
+                       std::span<const float> out, std::span<const float> lse, int64_t b,
+                       int64_t t, int64_t h, int64_t hkv, int64_t dh);
 
 // ---- GELU, tanh approximation: x, out [N] ----
 
@@ -259,15 +265,17 @@ struct LayerOps {
   absl::Status (*rmsnorm_backward)(float* dx, float* dweight, const float* dout, const float* x,
                                    const float* weight, const float* rstd, int64_t n, int64_t c,
                                    Stream stream);
-  // q, out, dq [B, T, H, Dh]; k, v, dk, dv [B, T, Hkv, Dh]; probs [B, H, T, T]. dk and dv
-  // accumulate a group's query heads in ascending order on both backends.
-  absl::Status (*attention_forward)(float* out, float* probs, const float* q, const float* k,
+  // q, out, dq [B, T, H, Dh]; k, v, dk, dv [B, T, Hkv, Dh]; lse [B, H, T]. The backward takes
+  // the forward's out and lse. dk and dv accumulate a group's query heads in ascending order on
+  // both backends. Equal to the reference within the bounds of tests/support/attention_check.h
+  // (the summation orders differ: tiles on the CPU, lanes on CUDA).
+  absl::Status (*attention_forward)(float* out, float* lse, const float* q, const float* k,
                                     const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                     int64_t dh, Stream stream);
   absl::Status (*attention_backward)(float* dq, float* dk, float* dv, const float* dout,
                                      const float* q, const float* k, const float* v,
-                                     const float* probs, int64_t b, int64_t t, int64_t h,
-                                     int64_t hkv, int64_t dh, Stream stream);
+                                     const float* out, const float* lse, int64_t b, int64_t t,
+                                     int64_t h, int64_t hkv, int64_t dh, Stream stream);
   absl::Status (*gelu_forward)(float* out, const float* x, int64_t n, Stream stream);
   absl::Status (*gelu_backward)(float* dx, const float* dout, const float* x, int64_t n,
                                 Stream stream);

@@ -10,9 +10,11 @@
 #include <limits>
 #include <numbers>
 #include <span>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/activations_cpu.h"
+#include "kernels/cpu/attention_cpu.h"
 #include "kernels/cpu/cpu_ops.h"
 #include "kernels/cpu/quantize_one.h"
 #include "kernels/cpu/rows_cpu.h"
@@ -259,53 +261,65 @@ void RopeBackward(std::span<float> dx, std::span<const float> dout, int64_t n, i
 
 // ---- Causal grouped-query attention core ----
 
-void AttentionForward(std::span<float> out, std::span<float> probs, std::span<const float> q,
+namespace {
+
+// The checks and the index helpers shared by the reference's forward and backward: offsets of
+// token `pos` of query head hh in batch row bb of a [B, T, H, Dh] tensor, and of its kv head in a
+// [B, T, Hkv, Dh] one, and the row's scores s_j = (q_i . k_j) * scale for j <= i.
+struct AttentionShape {
+  int64_t b, t, h, hkv, dh, group;
+  float scale;
+  int64_t At(int64_t bb, int64_t pos, int64_t hh) const { return ((bb * t + pos) * h + hh) * dh; }
+  int64_t KvAt(int64_t bb, int64_t pos, int64_t hh) const {
+    return ((bb * t + pos) * hkv + hh / group) * dh;
+  }
+  void Scores(float* s, const float* q, const float* k, int64_t bb, int64_t hh, int64_t i) const {
+    const float* qi = q + At(bb, i, hh);
+    for (int64_t j = 0; j <= i; ++j) {
+      const float* kj = k + KvAt(bb, j, hh);
+      float dot = 0.0f;
+      for (int64_t d = 0; d < dh; ++d) dot += qi[d] * kj[d];
+      s[j] = dot * scale;
+    }
+  }
+};
+
+AttentionShape CheckedAttentionShape(int64_t b, int64_t t, int64_t h, int64_t hkv, int64_t dh) {
+  FP8RT_CHECK(dh > 0) << "attention head dim " << dh;
+  FP8RT_CHECK(hkv > 0 && h % hkv == 0) << "attention: " << hkv << " kv heads for " << h << " heads";
+  return {b, t, h, hkv, dh, h / hkv, 1.0f / std::sqrt(static_cast<float>(dh))};
+}
+
+}  // namespace
+
+void AttentionForward(std::span<float> out, std::span<float> lse, std::span<const float> q,
                       std::span<const float> k, std::span<const float> v, int64_t b, int64_t t,
                       int64_t h, int64_t hkv, int64_t dh) {
   const int64_t size = b * t * h * dh;
   const int64_t kv_size = b * t * hkv * dh;
   CheckSize(out, size, "attention out");
-  CheckSize(probs, b * h * t * t, "attention probs");
+  CheckSize(lse, b * h * t, "attention lse");
   CheckSize(q, size, "attention q");
   CheckSize(k, kv_size, "attention k");
   CheckSize(v, kv_size, "attention v");
-  FP8RT_CHECK(dh > 0) << "attention head dim " << dh;
-  FP8RT_CHECK(hkv > 0 && h % hkv == 0) << "attention: " << hkv << " kv heads for " << h << " heads";
-  const int64_t group = h / hkv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-  // Offset of token `pos` of query head `hh` in batch row `bb` of a [B, T, H, Dh] tensor, and of
-  // its kv head in a [B, T, Hkv, Dh] one.
-  auto at = [&](int64_t bb, int64_t pos, int64_t hh) { return ((bb * t + pos) * h + hh) * dh; };
-  auto kv_at = [&](int64_t bb, int64_t pos, int64_t hh) {
-    return ((bb * t + pos) * hkv + hh / group) * dh;
-  };
+  const AttentionShape a = CheckedAttentionShape(b, t, h, hkv, dh);
+  std::vector<float> p(static_cast<size_t>(t));  // one row of scores, then probabilities
   for (int64_t bb = 0; bb < b; ++bb) {
     for (int64_t hh = 0; hh < h; ++hh) {
       for (int64_t i = 0; i < t; ++i) {
-        float* p = probs.data() + ((bb * h + hh) * t + i) * t;
-        const float* qi = q.data() + at(bb, i, hh);
-        // Scores over the visible keys j <= i, then a max-subtracted softmax.
+        a.Scores(p.data(), q.data(), k.data(), bb, hh, i);
         float max_score = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j <= i; ++j) {
-          const float* kj = k.data() + kv_at(bb, j, hh);
-          float s = 0.0f;
-          for (int64_t d = 0; d < dh; ++d) s += qi[d] * kj[d];
-          p[j] = s * scale;
-          max_score = std::max(max_score, p[j]);
-        }
+        for (int64_t j = 0; j <= i; ++j) max_score = std::max(max_score, p[j]);
         float sum = 0.0f;
-        for (int64_t j = 0; j <= i; ++j) {
-          p[j] = std::exp(p[j] - max_score);
-          sum += p[j];
-        }
-        const float inv_sum = 1.0f / sum;
-        for (int64_t j = 0; j <= i; ++j) p[j] *= inv_sum;
-        for (int64_t j = i + 1; j < t; ++j) p[j] = 0.0f;  // masked: future keys
-        float* oi = out.data() + at(bb, i, hh);
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(p[j] - max_score);
+        const float row_lse = max_score + std::log(sum);
+        lse[(bb * h + hh) * t + i] = row_lse;
+        float* oi = out.data() + a.At(bb, i, hh);
         std::fill_n(oi, dh, 0.0f);
         for (int64_t j = 0; j <= i; ++j) {
-          const float* vj = v.data() + kv_at(bb, j, hh);
-          for (int64_t d = 0; d < dh; ++d) oi[d] += p[j] * vj[d];
+          const float pj = std::exp(p[j] - row_lse);
+          const float* vj = v.data() + a.KvAt(bb, j, hh);
+          for (int64_t d = 0; d < dh; ++d) oi[d] += pj * vj[d];
         }
       }
     }
@@ -315,8 +329,8 @@ void AttentionForward(std::span<float> out, std::span<float> probs, std::span<co
 void AttentionBackward(std::span<float> dq, std::span<float> dk, std::span<float> dv,
                        std::span<const float> dout, std::span<const float> q,
                        std::span<const float> k, std::span<const float> v,
-                       std::span<const float> probs, int64_t b, int64_t t, int64_t h, int64_t hkv,
-                       int64_t dh) {
+                       std::span<const float> out, std::span<const float> lse, int64_t b,
+                       int64_t t, int64_t h, int64_t hkv, int64_t dh) {
   const int64_t size = b * t * h * dh;
   const int64_t kv_size = b * t * hkv * dh;
   CheckSize(dq, size, "attention dq");
@@ -326,44 +340,38 @@ void AttentionBackward(std::span<float> dq, std::span<float> dk, std::span<float
   CheckSize(q, size, "attention q");
   CheckSize(k, kv_size, "attention k");
   CheckSize(v, kv_size, "attention v");
-  CheckSize(probs, b * h * t * t, "attention probs");
-  FP8RT_CHECK(dh > 0) << "attention head dim " << dh;
-  FP8RT_CHECK(hkv > 0 && h % hkv == 0) << "attention: " << hkv << " kv heads for " << h << " heads";
-  const int64_t group = h / hkv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-  auto at = [&](int64_t bb, int64_t pos, int64_t hh) { return ((bb * t + pos) * h + hh) * dh; };
-  auto kv_at = [&](int64_t bb, int64_t pos, int64_t hh) {
-    return ((bb * t + pos) * hkv + hh / group) * dh;
-  };
+  CheckSize(out, size, "attention out");
+  CheckSize(lse, b * h * t, "attention lse");
+  const AttentionShape a = CheckedAttentionShape(b, t, h, hkv, dh);
+  std::vector<float> p(static_cast<size_t>(t));
   // Query heads ascending (outer loop), so each kv head's dk and dv add its group's query heads
   // in ascending order, each over i ascending.
   for (int64_t bb = 0; bb < b; ++bb) {
     for (int64_t hh = 0; hh < h; ++hh) {
       for (int64_t i = 0; i < t; ++i) {
-        const float* p = probs.data() + ((bb * h + hh) * t + i) * t;
-        const float* doi = dout.data() + at(bb, i, hh);
-        const float* qi = q.data() + at(bb, i, hh);
-        float* dqi = dq.data() + at(bb, i, hh);
-        // sum_j p[i, j] dp[i, j], the softmax Jacobian's rank-one term.
-        float p_dot_dp = 0.0f;
+        const int64_t at = a.At(bb, i, hh);
+        const float* doi = dout.data() + at;
+        const float* qi = q.data() + at;
+        const float* oi = out.data() + at;
+        float* dqi = dq.data() + at;
+        const float row_lse = lse[(bb * h + hh) * t + i];
+        a.Scores(p.data(), q.data(), k.data(), bb, hh, i);
+        // D_i = dout_i . out_i, the softmax Jacobian's rank-one term.
+        float row_term = 0.0f;
+        for (int64_t d = 0; d < dh; ++d) row_term += doi[d] * oi[d];
         for (int64_t j = 0; j <= i; ++j) {
-          const float* vj = v.data() + kv_at(bb, j, hh);
+          const float pj = std::exp(p[j] - row_lse);
+          const float* kj = k.data() + a.KvAt(bb, j, hh);
+          const float* vj = v.data() + a.KvAt(bb, j, hh);
+          float* dkj = dk.data() + a.KvAt(bb, j, hh);
+          float* dvj = dv.data() + a.KvAt(bb, j, hh);
           float dp = 0.0f;
           for (int64_t d = 0; d < dh; ++d) dp += doi[d] * vj[d];
-          p_dot_dp += p[j] * dp;
-        }
-        for (int64_t j = 0; j <= i; ++j) {
-          const float* kj = k.data() + kv_at(bb, j, hh);
-          const float* vj = v.data() + kv_at(bb, j, hh);
-          float* dkj = dk.data() + kv_at(bb, j, hh);
-          float* dvj = dv.data() + kv_at(bb, j, hh);
-          float dp = 0.0f;
-          for (int64_t d = 0; d < dh; ++d) dp += doi[d] * vj[d];
-          const float ds = p[j] * (dp - p_dot_dp) * scale;
+          const float ds = pj * (dp - row_term) * a.scale;
           for (int64_t d = 0; d < dh; ++d) {
             dqi[d] += ds * kj[d];
             dkj[d] += ds * qi[d];
-            dvj[d] += p[j] * doi[d];
+            dvj[d] += pj * doi[d];
           }
         }
       }
@@ -693,7 +701,7 @@ absl::Status CheckKvHeads(const char* op, int64_t h, int64_t hkv) {
   }
   return absl::OkStatus();
 }
-absl::Status AttentionForwardEntry(float* out, float* probs, const float* q, const float* k,
+absl::Status AttentionForwardEntry(float* out, float* lse, const float* q, const float* k,
                                    const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                    int64_t dh, Stream) {
   FP8RT_RETURN_IF_ERROR(
@@ -701,19 +709,19 @@ absl::Status AttentionForwardEntry(float* out, float* probs, const float* q, con
   if (b == 0 || t == 0 || h == 0) return absl::OkStatus();
   if (dh == 0) return absl::InvalidArgumentError("attention_forward: dh is 0");
   FP8RT_RETURN_IF_ERROR(CheckKvHeads("attention_forward", h, hkv));
-  AttentionForwardFast(out, probs, q, k, v, b, t, h, hkv, dh);
+  AttentionForwardFast(out, lse, q, k, v, b, t, h, hkv, dh);
   return absl::OkStatus();
 }
 absl::Status AttentionBackwardEntry(float* dq, float* dk, float* dv, const float* dout,
                                     const float* q, const float* k, const float* v,
-                                    const float* probs, int64_t b, int64_t t, int64_t h,
-                                    int64_t hkv, int64_t dh, Stream) {
+                                    const float* out, const float* lse, int64_t b, int64_t t,
+                                    int64_t h, int64_t hkv, int64_t dh, Stream) {
   FP8RT_RETURN_IF_ERROR(
       CheckSizes("attention_backward", {{"b", b}, {"t", t}, {"h", h}, {"hkv", hkv}, {"dh", dh}}));
   if (b == 0 || t == 0 || h == 0) return absl::OkStatus();
   if (dh == 0) return absl::InvalidArgumentError("attention_backward: dh is 0");
   FP8RT_RETURN_IF_ERROR(CheckKvHeads("attention_backward", h, hkv));
-  AttentionBackwardFast(dq, dk, dv, dout, q, k, v, probs, b, t, h, hkv, dh);
+  AttentionBackwardFast(dq, dk, dv, dout, q, k, v, out, lse, b, t, h, hkv, dh);
   return absl::OkStatus();
 }
 absl::Status GeluForwardEntry(float* out, const float* x, int64_t n, Stream) {

@@ -404,83 +404,6 @@ void CrossEntropyBackwardRows(float* dlogits, const float* probs, const int32_t*
   }
 }
 
-// ---- Causal grouped-query attention (the reference's loops, its dot products over Dh lane-wise)
-
-HWY_INLINE float Dot(const float* a, const float* b, int64_t n) {
-  const D d;
-  return RowSum(
-      n, [&](int64_t j) { return hn::Mul(hn::LoadU(d, a + j), hn::LoadU(d, b + j)); },
-      [&](int64_t j) { return a[j] * b[j]; });
-}
-
-// y[0, n) += a x[0, n), each element one product and one sum (the reference's axpy).
-HWY_INLINE void Axpy(float* y, float a, const float* x, int64_t n) {
-  const D d;
-  const V av = hn::Set(d, a);
-  ForRow(
-      n, [&](int64_t j) { hn::StoreU(hn::Add(hn::LoadU(d, y + j), hn::Mul(av, hn::LoadU(d, x + j))), d, y + j); },
-      [&](int64_t j) { y[j] += a * x[j]; });
-}
-
-// Query head hh of batch row bb: the probabilities [T, T] and out, as the reference (scores,
-// the max, std::exp, the sum over j ascending, the normalisation, out_i = sum_j p_ij v_j).
-void AttentionForwardHead(float* out, float* probs, const float* q, const float* k,
-                          const float* v, int64_t bb, int64_t hh, int64_t t, int64_t h,
-                          int64_t hkv, int64_t dh) {
-  const int64_t group = h / hkv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-  for (int64_t i = 0; i < t; ++i) {
-    float* p = probs + ((bb * h + hh) * t + i) * t;
-    const float* qi = q + ((bb * t + i) * h + hh) * dh;
-    float max_score = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j <= i; ++j) {
-      p[j] = Dot(qi, k + ((bb * t + j) * hkv + hh / group) * dh, dh) * scale;
-      max_score = std::max(max_score, p[j]);
-    }
-    float sum = 0.0f;
-    for (int64_t j = 0; j <= i; ++j) {
-      p[j] = std::exp(p[j] - max_score);
-      sum += p[j];
-    }
-    const float inv_sum = 1.0f / sum;
-    for (int64_t j = 0; j <= i; ++j) p[j] *= inv_sum;
-    std::fill(p + i + 1, p + t, 0.0f);
-    float* oi = out + ((bb * t + i) * h + hh) * dh;
-    std::fill_n(oi, dh, 0.0f);
-    for (int64_t j = 0; j <= i; ++j) Axpy(oi, p[j], v + ((bb * t + j) * hkv + hh / group) * dh, dh);
-  }
-}
-
-// KV head g of batch row bb and its group's query heads, ascending, each over i ascending (the
-// reference's order for dk and dv). dp: scratch of T floats.
-void AttentionBackwardGroup(float* dq, float* dk, float* dv, const float* dout, const float* q,
-                            const float* k, const float* v, const float* probs, int64_t bb,
-                            int64_t g, int64_t t, int64_t h, int64_t hkv, int64_t dh, float* dp) {
-  const int64_t group = h / hkv;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
-  auto kv_at = [&](int64_t pos) { return ((bb * t + pos) * hkv + g) * dh; };
-  for (int64_t hh = g * group; hh < (g + 1) * group; ++hh) {
-    for (int64_t i = 0; i < t; ++i) {
-      const float* p = probs + ((bb * h + hh) * t + i) * t;
-      const int64_t at = ((bb * t + i) * h + hh) * dh;
-      const float* doi = dout + at;
-      const float* qi = q + at;
-      float* dqi = dq + at;
-      float p_dot_dp = 0.0f;
-      for (int64_t j = 0; j <= i; ++j) {
-        dp[j] = Dot(doi, v + kv_at(j), dh);
-        p_dot_dp += p[j] * dp[j];
-      }
-      for (int64_t j = 0; j <= i; ++j) {
-        const float ds = p[j] * (dp[j] - p_dot_dp) * scale;
-        Axpy(dqi, ds, k + kv_at(j), dh);
-        Axpy(dk + kv_at(j), ds, qi, dh);
-        Axpy(dv + kv_at(j), p[j], doi, dh);
-      }
-    }
-  }
-}
-
 // ---- AdamW ----
 
 // The update of [begin, end) (kernels/layer_ops.h's formula, each operation rounded to FP32).
@@ -551,8 +474,6 @@ HWY_EXPORT(RopeRows);
 HWY_EXPORT(CrossEntropyForwardRows);
 HWY_EXPORT(CrossEntropyBackwardRows);
 HWY_EXPORT(AdamWSpan);
-HWY_EXPORT(AttentionForwardHead);
-HWY_EXPORT(AttentionBackwardGroup);
 
 namespace {
 
@@ -706,29 +627,6 @@ void RopeFast(bool forward, float* out, const float* in, int64_t n, int64_t t, i
   ForRowBlocks(n, h * dh, [&](int64_t r0, int64_t r1) {
     HWY_DYNAMIC_DISPATCH(RopeRows)(forward, out, in, cos_t.data(), sin_t.data(), r0, r1, t, h, dh);
   });
-}
-
-void AttentionForwardFast(float* out, float* probs, const float* q, const float* k,
-                          const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
-                          int64_t dh) {
-  const int64_t tasks = b * h;
-#pragma omp parallel for schedule(static) if (tasks > 1 && t * t * dh >= kSerialBelow)
-  for (int64_t task = 0; task < tasks; ++task) {
-    HWY_DYNAMIC_DISPATCH(AttentionForwardHead)(out, probs, q, k, v, task / h, task % h, t, h, hkv,
-                                               dh);
-  }
-}
-
-void AttentionBackwardFast(float* dq, float* dk, float* dv, const float* dout, const float* q,
-                           const float* k, const float* v, const float* probs, int64_t b,
-                           int64_t t, int64_t h, int64_t hkv, int64_t dh) {
-  const int64_t tasks = b * hkv;
-#pragma omp parallel for schedule(static) if (tasks > 1 && t * t * dh >= kSerialBelow)
-  for (int64_t task = 0; task < tasks; ++task) {
-    std::vector<float> dp(static_cast<size_t>(t));
-    HWY_DYNAMIC_DISPATCH(AttentionBackwardGroup)(dq, dk, dv, dout, q, k, v, probs, task / hkv,
-                                                 task % hkv, t, h, hkv, dh, dp.data());
-  }
 }
 
 namespace {

@@ -54,17 +54,6 @@ void RopeCosSin(int64_t pos, int64_t i, int64_t dh, float theta, float& cos_out,
 // frequency) pair is computed once per call, by the reference's expression.
 void RopeFast(bool forward, float* out, const float* in, int64_t n, int64_t t, int64_t h,
               int64_t dh, float theta);
-// The attention core (kernels/layer_ops.h) on the team: one task per (batch row, query head)
-// forward, per (batch row, kv head) backward (its dk, dv and its query heads' dq: the
-// reference's order of accumulation). The dot products over Dh run lane-wise; the softmax
-// (std::exp, sums over keys ascending) and every accumulation are the reference's, so dv is bit
-// for bit the reference's given the same probabilities.
-void AttentionForwardFast(float* out, float* probs, const float* q, const float* k,
-                          const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
-                          int64_t dh);
-void AttentionBackwardFast(float* dq, float* dk, float* dv, const float* dout, const float* q,
-                           const float* k, const float* v, const float* probs, int64_t b,
-                           int64_t t, int64_t h, int64_t hkv, int64_t dh);
 // Shared by the reference AdamW (layer_ops_cpu.cc) and AdamWFast: the tensor-scaled shard's
 // scale_inv and statistics from the merged span statistics; and the block-scaled shard, each
 // strip of 128 rows updated by `update(begin, end)` and then quantized while in cache (a block's

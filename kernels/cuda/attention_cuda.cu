@@ -1,17 +1,22 @@
 // CUDA attention core and cross-entropy: the attention_forward, attention_backward,
 // cross_entropy_forward and cross_entropy_backward entries of the CUDA LayerOps table
-// (kernels/layer_ops.h is the contract, kernels/cpu/layer_ops_cpu.cc the reference they are
-// tested against in tests/gpu/attention_cuda_test.cc).
+// (kernels/layer_ops.h is the contract; tests/gpu/attention_cuda_test.cc tests attention against
+// an FP64 evaluation of it, cross-entropy against the CPU's kernels/cpu/layer_ops_cpu.cc).
 //
 // Index (helpers, kernels, then the entries that launch them):
 //   WarpAllSum, WarpAllMax, BlockAllSum, BlockAllMax   float reductions in a fixed tree order
-//   WarpDot, RowTerm           a . b by one warp; D_i = sum_j p_ij (dout_i . v_j) of one query row
-//   AttentionForwardKernel     one warp per query row (b, h, i): scores into the probs row,
-//                              softmax in place, out_i = sum_j p_ij v_j
+//   WarpDot, Score, Prob       a . b by one warp; s_ij = (q_i . k_j) * scale;
+//                              p_ij = exp(s_ij - lse_i)
+//   RowTerm                    D_i = dout_i . out_i of one query row, by one warp
+//   AttentionForwardKernel     one warp per query row (b, h, i), three passes over keys j <= i,
+//                              each recomputing s_ij: the max m_i; the sum of exp(s_ij - m_i),
+//                              giving lse_i = m_i + log(sum); out_i = sum_j exp(s_ij - lse_i) v_j
 //   AttentionDqKernel          one warp per query row: dq_i += sum_{j<=i} ds_ij k_j
 //   AttentionDkDvKernel        one block per (b, kv head, range of keys), one warp per key j:
 //                              for each query head of the group, ascending,
 //                              dk_j += sum_{i>=j} ds_ij q_i,  dv_j += sum_{i>=j} p_ij dout_i
+// No [T, T] matrix exists anywhere: the forward saves lse [B, H, T] only, and both backward
+// kernels recompute p_ij = exp(s_ij - lse_i) from q, k and lse (flash attention's split).
 // Grouped-query attention: query head hh reads kv head hh / (H / Hkv) (ViewOf / KvViewOf); the
 // kv gradients add their group's query heads in ascending order, as the CPU does.
 //   CrossEntropyForwardKernel  one block per row: softmax and the row's loss
@@ -21,18 +26,22 @@
 // shuffles and a fixed shared-memory tree; there are no atomics, and which block or warp
 // handles a row changes nothing in how the row is computed. A result therefore depends on the
 // inputs only (not on the grid, which depends on the SM count): reruns are bit for bit equal.
-// The backward needs the row term D_i = sum_j p_ij dp_ij both for dq (per query row) and for dk
-// (per key, every row i >= j); with no workspace to keep it in, the dk/dv kernel recomputes it
-// per block for the query rows its keys see (the same function, so the same bits as the dq
-// kernel's). Gradient rows are each owned by one warp, so accumulating into dq, dk and dv needs
-// no atomics either.
+// The forward's softmax sum is lane-strided (lane j % 32 adds term j to its own partial, j
+// ascending) and then one butterfly; there is no online rescaling. The backward needs
+// D_i = dout_i . out_i both for dq (per query row) and for dk (per key, every row i >= j); with
+// no workspace to keep it in, the dk/dv kernel recomputes it per block for the query rows its
+// keys see, and both kernels recompute p_ij, with the same functions, so with the same bits.
+// Gradient rows are each owned by one warp, so accumulating into dq, dk and dv needs no atomics
+// either.
 //
 // Numerics: FP32 throughout with IEEE expf and logf (the CUDA sources are built with
-// -prec-div=true -prec-sqrt=true -ftz=false; no fast-math intrinsics). Where the CPU reference's
-// order of operations is cheap to follow (the p v and ds q accumulations, the softmax
-// normalisation, the loss expression, the whole cross-entropy backward) the explicit
-// round-to-nearest intrinsics repeat it, so that no FMA contraction differs from the host's; dot
-// products are split across lanes (FMA, tree order) and agree within the bounds the test writes.
+// -prec-div=true -prec-sqrt=true -ftz=false; no fast-math intrinsics). Outside the dot products
+// every operation is an explicit round-to-nearest intrinsic (no FMA contraction), in the order
+// the contract (kernels/layer_ops.h) writes it: the scale, the exponent arguments, lse, the p v,
+// ds q, ds k and p dout accumulations (key or query ascending). Dot products are split across
+// lanes (FMA, tree order). The CPU sums in tiles, so the two backends differ in the last bits;
+// tests/gpu/attention_cuda_test.cc holds both to the first-order error bounds of
+// tests/support/attention_check.h against an FP64 evaluation of the contract.
 //
 // Buffers: every pointer is device memory (checked); nothing is allocated; all work is enqueued
 // on the caller's stream.
@@ -60,10 +69,11 @@ constexpr int kWarps = kThreads / 32;
 // pass; larger heads take more passes (recomputing the dot products they need).
 constexpr int kRegs = 8;
 constexpr int64_t kDhPerPass = 32 * kRegs;
-// Row terms the dk/dv kernel holds in shared memory at a time; longer sequences go in chunks.
+// Row terms D_i the dk/dv kernel holds in shared memory at a time; longer sequences go in chunks.
 constexpr int64_t kRowTermChunk = 1024;
 // Upper bound on the key ranges per (b, h) in the dk/dv kernel: each range recomputes the row
-// terms of the query rows it sees, so more ranges buy parallelism with redundant work.
+// terms (one dot product each) of the query rows it sees, so more ranges buy parallelism with
+// redundant work.
 constexpr int64_t kMaxKeyRanges = 8;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
@@ -117,8 +127,8 @@ __device__ __forceinline__ float BlockAllMax(float v, float* scratch) {
 
 // --- attention ---------------------------------------------------------------------------------
 
-// Where one (b, h) pair's rows start in a [B, T, H, Dh] tensor and in probs [B, H, T, T]. The
-// rows of positions 0, 1, ... of one head are `stride` = H * Dh floats apart.
+// Where one (b, h) pair's rows start in a [B, T, H, Dh] tensor; its lse values are
+// lse[bh * T + i]. The rows of positions 0, 1, ... of one head are `stride` = H * Dh floats apart.
 struct HeadView {
   int64_t bh;      // b * H + h
   int64_t offset;  // of position 0 of this head in q, out and their gradients (or in k, v)
@@ -147,40 +157,32 @@ __device__ __forceinline__ float WarpDot(const float* a, const float* b, int64_t
   return WarpAllSum(s);
 }
 
-// D_i = sum_{j<=i} p_ij (dout_i . v_j), the softmax Jacobian's rank-one term, by one warp. It is
-// evaluated as dout_i . (sum_j p_ij v_j): the same value, with one reduction instead of one per
-// key. p is the probs row of query i, v0 position 0 of the head in v.
-__device__ __forceinline__ float RowTerm(const float* p, const float* dout_i, const float* v0,
-                                         int64_t stride, int64_t i, int64_t dh, int lane) {
-  float partial = 0.0f;
-  for (int64_t d0 = 0; d0 < dh; d0 += kDhPerPass) {
-    float o[kRegs] = {};
-    for (int64_t j = 0; j <= i; ++j) {
-      const float pj = p[j];
-      const float* vj = v0 + j * stride;
-#pragma unroll
-      for (int r = 0; r < kRegs; ++r) {
-        const int64_t d = d0 + lane + 32 * r;
-        if (d < dh) o[r] = __fmaf_rn(pj, vj[d], o[r]);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRegs; ++r) {
-      const int64_t d = d0 + lane + 32 * r;
-      if (d < dh) partial = __fmaf_rn(dout_i[d], o[r], partial);
-    }
-  }
-  return WarpAllSum(partial);
+// s_ij = (q_i . k_j) * scale by one warp (every lane gets the same bits).
+__device__ __forceinline__ float Score(const float* qi, const float* kj, int64_t dh, int lane,
+                                       float scale) {
+  return __fmul_rn(WarpDot(qi, kj, dh, lane), scale);
 }
 
-// ds_ij = p_ij (dp_ij - D_i) / sqrt(Dh), in the CPU reference's order.
+// p_ij = exp(s_ij - lse_i), the probability recomputed from the forward's log-sum-exp.
+__device__ __forceinline__ float Prob(float s, float lse_i) { return expf(__fsub_rn(s, lse_i)); }
+
+// D_i = dout_i . out_i (= sum_{j<=i} p_ij (dout_i . v_j), the softmax Jacobian's rank-one term),
+// by one warp.
+__device__ __forceinline__ float RowTerm(const float* dout_i, const float* out_i, int64_t dh,
+                                         int lane) {
+  return WarpDot(dout_i, out_i, dh, lane);
+}
+
+// ds_ij = p_ij (dp_ij - D_i) * scale, in the contract's order.
 __device__ __forceinline__ float ScoreGrad(float p, float dp, float row_term, float scale) {
   return __fmul_rn(__fmul_rn(p, __fsub_rn(dp, row_term)), scale);
 }
 
-// One warp per query row r = (b * H + h) * T + i (warp-stride loop over the rows).
+// One warp per query row r = (b * H + h) * T + i (warp-stride loop over the rows). Three passes
+// over the keys j <= i, each recomputing s_ij (all lanes hold the same s): the max, the sum of
+// exp(s - max) (lane j % 32 adds term j, then one butterfly), and out_i with p_ij from lse_i.
 __global__ void __launch_bounds__(kThreads)
-    AttentionForwardKernel(float* __restrict__ out, float* __restrict__ probs,
+    AttentionForwardKernel(float* __restrict__ out, float* __restrict__ lse,
                            const float* __restrict__ q, const float* __restrict__ k,
                            const float* __restrict__ v, int64_t rows, int64_t t, int64_t h,
                            int64_t hkv, int64_t dh, float scale) {
@@ -192,29 +194,25 @@ __global__ void __launch_bounds__(kThreads)
     const HeadView hv = ViewOf(bh, t, h, dh);
     const HeadView kv = KvViewOf(bh, t, h, hkv, dh);
     const float* qi = q + hv.offset + i * hv.stride;
-    float* p = probs + row * t;
-    // Scores of the visible keys; lane j % 32 stores score j and is the one that reads it back.
+    const float* k0 = k + kv.offset;
+    const float* v0 = v + kv.offset;
     float max_score = -INFINITY;
     for (int64_t j = 0; j <= i; ++j) {
-      const float s = __fmul_rn(WarpDot(qi, k + kv.offset + j * kv.stride, dh, lane), scale);
-      if (lane == (j & 31)) p[j] = s;
-      max_score = fmaxf(max_score, s);
+      max_score = fmaxf(max_score, Score(qi, k0 + j * kv.stride, dh, lane, scale));
     }
-    float sum = 0.0f;
-    for (int64_t j = lane; j <= i; j += 32) {
-      const float e = expf(__fsub_rn(p[j], max_score));
-      p[j] = e;
-      sum = __fadd_rn(sum, e);
+    float partial = 0.0f;
+    for (int64_t j = 0; j <= i; ++j) {
+      const float s = Score(qi, k0 + j * kv.stride, dh, lane, scale);
+      if (lane == (j & 31)) partial = __fadd_rn(partial, expf(__fsub_rn(s, max_score)));
     }
-    const float inv_sum = __fdiv_rn(1.0f, WarpAllSum(sum));
-    for (int64_t j = lane; j < t; j += 32) p[j] = j <= i ? __fmul_rn(p[j], inv_sum) : 0.0f;
-    __syncwarp();  // every lane reads every probability below
+    const float lse_i = __fadd_rn(max_score, logf(WarpAllSum(partial)));
+    if (lane == 0) lse[row] = lse_i;
     float* oi = out + hv.offset + i * hv.stride;
     for (int64_t d0 = 0; d0 < dh; d0 += kDhPerPass) {
       float o[kRegs] = {};
       for (int64_t j = 0; j <= i; ++j) {
-        const float pj = p[j];
-        const float* vj = v + kv.offset + j * kv.stride;
+        const float pj = Prob(Score(qi, k0 + j * kv.stride, dh, lane, scale), lse_i);
+        const float* vj = v0 + j * kv.stride;
 #pragma unroll
         for (int r = 0; r < kRegs; ++r) {
           const int64_t d = d0 + lane + 32 * r;
@@ -227,15 +225,16 @@ __global__ void __launch_bounds__(kThreads)
         if (d < dh) oi[d] = o[r];
       }
     }
-    __syncwarp();
   }
 }
 
-// One warp per query row: dq_i += sum_{j<=i} ds_ij k_j, keys in ascending order.
+// One warp per query row: dq_i += sum_{j<=i} ds_ij k_j, keys in ascending order, p_ij
+// recomputed from q, k and lse.
 __global__ void __launch_bounds__(kThreads)
     AttentionDqKernel(float* __restrict__ dq, const float* __restrict__ dout,
-                      const float* __restrict__ k, const float* __restrict__ v,
-                      const float* __restrict__ probs, int64_t rows, int64_t t, int64_t h,
+                      const float* __restrict__ q, const float* __restrict__ k,
+                      const float* __restrict__ v, const float* __restrict__ out,
+                      const float* __restrict__ lse, int64_t rows, int64_t t, int64_t h,
                       int64_t hkv, int64_t dh, float scale) {
   const int lane = threadIdx.x & 31;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -244,10 +243,12 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t bh = row / t, i = row - bh * t;
     const HeadView hv = ViewOf(bh, t, h, dh);
     const HeadView kv = KvViewOf(bh, t, h, hkv, dh);
-    const float* p = probs + row * t;
+    const float* qi = q + hv.offset + i * hv.stride;
     const float* doi = dout + hv.offset + i * hv.stride;
+    const float* k0 = k + kv.offset;
     const float* v0 = v + kv.offset;
-    const float row_term = RowTerm(p, doi, v0, kv.stride, i, dh, lane);
+    const float row_term = RowTerm(doi, out + hv.offset + i * hv.stride, dh, lane);
+    const float lse_i = lse[row];
     float* dqi = dq + hv.offset + i * hv.stride;
     for (int64_t d0 = 0; d0 < dh; d0 += kDhPerPass) {
       float acc[kRegs];
@@ -257,9 +258,9 @@ __global__ void __launch_bounds__(kThreads)
         acc[r] = d < dh ? dqi[d] : 0.0f;
       }
       for (int64_t j = 0; j <= i; ++j) {
-        const float ds =
-            ScoreGrad(p[j], WarpDot(doi, v0 + j * kv.stride, dh, lane), row_term, scale);
-        const float* kj = k + kv.offset + j * kv.stride;
+        const float* kj = k0 + j * kv.stride;
+        const float p = Prob(Score(qi, kj, dh, lane, scale), lse_i);
+        const float ds = ScoreGrad(p, WarpDot(doi, v0 + j * kv.stride, dh, lane), row_term, scale);
 #pragma unroll
         for (int r = 0; r < kRegs; ++r) {
           const int64_t d = d0 + lane + 32 * r;
@@ -278,13 +279,15 @@ __global__ void __launch_bounds__(kThreads)
 // One block per (b, kv head g, range of key_range keys), block-stride over them; within a block
 // one warp per key j (warp w takes keys j0 + w, j0 + w + kWarps, ...). For each query head of
 // g's group in ascending order, the query rows i >= j0 go in chunks of kRowTermChunk: the block
-// computes their row terms into shared memory, then each warp adds the chunk's rows, i
-// ascending, to its keys' dk and dv (kept in global memory between chunks and heads: the same
-// sequence of roundings as one pass over (query head, i) ascending, the CPU's order).
+// computes their row terms D_i = dout_i . out_i into shared memory, then each warp adds the
+// chunk's rows, i ascending, to its keys' dk and dv, recomputing p_ij from q_i, k_j and lse_i
+// (dk and dv are kept in global memory between chunks and heads: the same sequence of roundings
+// as one pass over (query head, i) ascending, the CPU's order).
 __global__ void __launch_bounds__(kThreads)
     AttentionDkDvKernel(float* __restrict__ dk, float* __restrict__ dv,
                         const float* __restrict__ dout, const float* __restrict__ q,
-                        const float* __restrict__ v, const float* __restrict__ probs,
+                        const float* __restrict__ k, const float* __restrict__ v,
+                        const float* __restrict__ out, const float* __restrict__ lse,
                         int64_t kv_heads, int64_t ranges, int64_t key_range, int64_t t, int64_t h,
                         int64_t hkv, int64_t dh, float scale) {
   __shared__ float row_terms[kRowTermChunk];
@@ -300,19 +303,19 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t bh = b * h + hh;
       const HeadView hv = ViewOf(bh, t, h, dh);
       const HeadView kv = KvViewOf(bh, t, h, hkv, dh);
-      const float* v0 = v + kv.offset;
-      const float* p0 = probs + bh * t * t;  // probs row i of this head: p0 + i * t
+      const float* lse0 = lse + bh * t;  // lse_i of this head: lse0[i]
       for (int64_t i0 = j0; i0 < t; i0 += kRowTermChunk) {
         const int64_t i1 = min(t, i0 + kRowTermChunk);
         __syncthreads();  // the previous chunk's row terms are no longer read
         for (int64_t i = i0 + warp; i < i1; i += kWarps) {
-          const float d =
-              RowTerm(p0 + i * t, dout + hv.offset + i * hv.stride, v0, kv.stride, i, dh, lane);
+          const int64_t at = hv.offset + i * hv.stride;
+          const float d = RowTerm(dout + at, out + at, dh, lane);
           if (lane == 0) row_terms[i - i0] = d;
         }
         __syncthreads();
         for (int64_t j = j0 + warp; j < j1 && j < i1; j += kWarps) {
-          const float* vj = v0 + j * kv.stride;
+          const float* kj = k + kv.offset + j * kv.stride;
+          const float* vj = v + kv.offset + j * kv.stride;
           float* dkj = dk + kv.offset + j * kv.stride;
           float* dvj = dv + kv.offset + j * kv.stride;
           for (int64_t d0 = 0; d0 < dh; d0 += kDhPerPass) {
@@ -324,9 +327,9 @@ __global__ void __launch_bounds__(kThreads)
               acc_v[r] = d < dh ? dvj[d] : 0.0f;
             }
             for (int64_t i = max(i0, j); i < i1; ++i) {
-              const float pij = p0[i * t + j];
               const float* doi = dout + hv.offset + i * hv.stride;
               const float* qi = q + hv.offset + i * hv.stride;
+              const float pij = Prob(Score(qi, kj, dh, lane, scale), lse0[i]);
               const float ds = ScoreGrad(pij, WarpDot(doi, vj, dh, lane), row_terms[i - i0], scale);
 #pragma unroll
               for (int r = 0; r < kRegs; ++r) {
@@ -455,7 +458,7 @@ absl::StatusOr<int64_t> AttentionRows(const char* op, int64_t b, int64_t t, int6
   FP8RT_RETURN_IF_ERROR(CheckSizes(op, {{"b", b}, {"t", t}, {"h", h}, {"hkv", hkv}, {"dh", dh}}));
   if (dh == 0) return absl::InvalidArgumentError(absl::StrCat(op, ": dh is 0 (must be > 0)"));
   FP8RT_RETURN_IF_ERROR(Product(op, "b * t * h * dh", {b, t, h, dh}).status());
-  FP8RT_RETURN_IF_ERROR(Product(op, "b * h * t * t (probs)", {b, h, t, t}).status());
+  FP8RT_RETURN_IF_ERROR(Product(op, "b * h * t (lse)", {b, h, t}).status());
   const int64_t rows = b * h * t;
   if (rows > 0 && (hkv == 0 || h % hkv != 0)) {
     return absl::InvalidArgumentError(
@@ -474,34 +477,34 @@ unsigned WarpPerRowGrid(int64_t rows, int sms) {
 
 }  // namespace
 
-absl::Status AttentionForwardCuda(float* out, float* probs, const float* q, const float* k,
+absl::Status AttentionForwardCuda(float* out, float* lse, const float* q, const float* k,
                                   const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                   int64_t dh, Stream stream) {
   constexpr const char* kOp = "attention_forward";
   FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, hkv, dh));
-  const Buffers buffers = {{"out", out}, {"probs", probs}, {"q", q}, {"k", k}, {"v", v}};
+  const Buffers buffers = {{"out", out}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}};
   if (rows == 0) return CheckDevicePointers(buffers);
   FP8RT_RETURN_IF_ERROR(CheckBuffers(kOp, buffers));
   FP8RT_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSmCount());
-  return Launch(AttentionForwardKernel, dim3(WarpPerRowGrid(rows, sms)), ToCuda(stream), out, probs,
+  return Launch(AttentionForwardKernel, dim3(WarpPerRowGrid(rows, sms)), ToCuda(stream), out, lse,
                 q, k, v, rows, t, h, hkv, dh, AttentionScale(dh));
 }
 
 absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float* dout,
-                                   const float* q, const float* k, const float* v,
-                                   const float* probs, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                   const float* q, const float* k, const float* v, const float* out,
+                                   const float* lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                    int64_t dh, Stream stream) {
   constexpr const char* kOp = "attention_backward";
   FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, hkv, dh));
-  const Buffers buffers = {{"dq", dq}, {"dk", dk}, {"dv", dv}, {"dout", dout},
-                           {"q", q},   {"k", k},   {"v", v},   {"probs", probs}};
+  const Buffers buffers = {{"dq", dq}, {"dk", dk}, {"dv", dv},   {"dout", dout}, {"q", q},
+                           {"k", k},   {"v", v},   {"out", out}, {"lse", lse}};
   if (rows == 0) return CheckDevicePointers(buffers);
   FP8RT_RETURN_IF_ERROR(CheckBuffers(kOp, buffers));
   FP8RT_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSmCount());
   const cudaStream_t s = ToCuda(stream);
   const float scale = AttentionScale(dh);
-  FP8RT_RETURN_IF_ERROR(Launch(AttentionDqKernel, dim3(WarpPerRowGrid(rows, sms)), s, dq, dout, k,
-                               v, probs, rows, t, h, hkv, dh, scale));
+  FP8RT_RETURN_IF_ERROR(Launch(AttentionDqKernel, dim3(WarpPerRowGrid(rows, sms)), s, dq, dout, q,
+                               k, v, out, lse, rows, t, h, hkv, dh, scale));
   // Split each kv head's keys into enough ranges for about four blocks per SM, at most
   // kMaxKeyRanges and at least one key per warp. The split changes only who computes a key.
   const int64_t heads = b * hkv;
@@ -511,7 +514,7 @@ absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float*
   const int64_t key_range = (t + split - 1) / split;
   const int64_t ranges = (t + key_range - 1) / key_range;
   const unsigned grid = static_cast<unsigned>(GridFor(heads * ranges, 1, sms, 16));
-  return Launch(AttentionDkDvKernel, dim3(grid), s, dk, dv, dout, q, v, probs, heads, ranges,
+  return Launch(AttentionDkDvKernel, dim3(grid), s, dk, dv, dout, q, k, v, out, lse, heads, ranges,
                 key_range, t, h, hkv, dh, scale);
 }
 

@@ -29,13 +29,13 @@ absl::Status GemmF32Cuda(const F32GemmArgs& args, Stream stream);
 // The layer ops (kernels/layer_ops.h): the table is defined in kernels/cuda/layer_ops_cuda.cu,
 // which holds every entry but the attention and cross-entropy ones (kernels/cuda/attention_cuda.cu).
 extern const LayerOps kLayerOps;
-absl::Status AttentionForwardCuda(float* out, float* probs, const float* q, const float* k,
+absl::Status AttentionForwardCuda(float* out, float* lse, const float* q, const float* k,
                                   const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                   int64_t dh, Stream stream);
 absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float* dout,
                                    const float* q, const float* k, const float* v,
-                                   const float* probs, int64_t b, int64_t t, int64_t h, int64_t hkv,
-                                   int64_t dh, Stream stream);
+                                   const float* out, const float* lse, int64_t b, int64_t t,
+                                   int64_t h, int64_t hkv, int64_t dh, Stream stream);
 absl::Status CrossEntropyForwardCuda(float* probs, float* losses, const float* logits,
                                      const int32_t* targets, int64_t n, int64_t v, Stream stream);
 absl::Status CrossEntropyBackwardCuda(float* dlogits, const float* probs, const int32_t* targets,

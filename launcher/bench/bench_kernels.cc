@@ -3,11 +3,15 @@
 #include <cblas.h>
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/layer_ops.h"
 #include "kernels/ops.h"
 #include "launcher/bench/bench_util.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -211,6 +215,138 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
   for (const char* name : {"fp8_e4m3_tensor", "bf16", "f32_onednn", "sgemm_openblas"}) {
     j["timings"][name] = TimingJson(t[name]);
   }
+  return j;
+}
+
+}  // namespace fp8rt::bench
+
+namespace fp8rt::bench {
+namespace {
+
+// The materialised baseline of AttentionBench: per (batch row, query head), row-major sgemm
+// calls on the head's strided views of q, k, v (rows H * Dh or Hkv * Dh apart).
+struct MaterialisedAttention {
+  int64_t b, t, h, hkv, dh;
+  std::vector<float> probs;  // [B, H, T, T], kept from the forward for the backward
+  std::vector<float> dp;     // [B, H, T, T] scratch of the backward
+
+  void Forward(float* out, const float* q, const float* k, const float* v) {
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+    const int64_t group = h / hkv, ld = h * dh, ldkv = hkv * dh;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < b * h; ++task) {
+      const int64_t bb = task / h, hh = task % h;
+      const float* qh = q + (bb * t * h + hh) * dh;
+      const int64_t kv = (bb * t * hkv + hh / group) * dh;
+      float* p = probs.data() + task * t * t;
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, t, t, dh, scale, qh, ld, k + kv, ldkv,
+                  0.0f, p, t);
+      for (int64_t i = 0; i < t; ++i) {
+        float* row = p + i * t;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j <= i; ++j) mx = std::max(mx, row[j]);
+        float sum = 0.0f;
+        for (int64_t j = 0; j <= i; ++j) sum += row[j] = std::exp(row[j] - mx);
+        for (int64_t j = 0; j <= i; ++j) row[j] /= sum;
+        std::fill(row + i + 1, row + t, 0.0f);
+      }
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, t, dh, t, 1.0f, p, t, v + kv, ldkv,
+                  0.0f, out + (bb * t * h + hh) * dh, ld);
+    }
+  }
+
+  // dk and dv of a kv head are written by each of its query heads: the heads of one group run on
+  // one thread, in order.
+  void Backward(float* dq, float* dk, float* dv, const float* dout, const float* q, const float* k,
+                const float* v) {
+    const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
+    const int64_t group = h / hkv, ld = h * dh, ldkv = hkv * dh;
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < b * hkv; ++task) {
+      const int64_t bb = task / hkv, g = task % hkv;
+      const int64_t kv = (bb * t * hkv + g) * dh;
+      for (int64_t hh = g * group; hh < (g + 1) * group; ++hh) {
+        const int64_t at = (bb * t * h + hh) * dh;
+        const float* p = probs.data() + (bb * h + hh) * t * t;
+        float* ds = dp.data() + (bb * h + hh) * t * t;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, t, t, dh, 1.0f, dout + at, ld,
+                    v + kv, ldkv, 0.0f, ds, t);
+        for (int64_t i = 0; i < t; ++i) {
+          float dot = 0.0f;
+          for (int64_t j = 0; j <= i; ++j) dot += p[i * t + j] * ds[i * t + j];
+          for (int64_t j = 0; j < t; ++j) ds[i * t + j] = p[i * t + j] * (ds[i * t + j] - dot) * scale;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, t, dh, t, 1.0f, ds, t, k + kv, ldkv,
+                    1.0f, dq + at, ld);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, t, dh, t, 1.0f, ds, t, q + at, ld,
+                    1.0f, dk + kv, ldkv);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, t, dh, t, 1.0f, p, t, dout + at, ld,
+                    1.0f, dv + kv, ldkv);
+      }
+    }
+  }
+};
+
+}  // namespace
+
+absl::StatusOr<nlohmann::ordered_json> AttentionBench(const AttentionBenchOptions& o) {
+  for (auto [name, value] : {std::pair{"--batch", o.batch}, std::pair{"--seq", o.seq},
+                             std::pair{"--heads", o.heads}, std::pair{"--kv-heads", o.kv_heads},
+                             std::pair{"--head-dim", o.head_dim}}) {
+    if (value < 1) return absl::InvalidArgumentError(absl::StrCat(name, " must be >= 1"));
+  }
+  if (o.heads % o.kv_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("--kv-heads ", o.kv_heads,
+                                                   " does not divide --heads ", o.heads));
+  }
+  const int64_t b = o.batch, t = o.seq, h = o.heads, hkv = o.kv_heads, dh = o.head_dim;
+  const int64_t size = b * t * h * dh, kv_size = b * t * hkv * dh;
+  std::vector<float> q(size), k(kv_size), v(kv_size), dout(size), out(size), lse(b * h * t),
+      out_ref(size), dq(size), dk(kv_size), dv(kv_size);
+  FillNormal(q.data(), size, 11);
+  FillNormal(k.data(), kv_size, 12);
+  FillNormal(v.data(), kv_size, 13);
+  FillNormal(dout.data(), size, 14);
+  MaterialisedAttention ref{b, t, h, hkv, dh, std::vector<float>(b * h * t * t),
+                            std::vector<float>(b * h * t * t)};
+  const kernels::LayerOps& L = *kernels::CpuOps().layer;
+  openblas_set_num_threads(1);  // one sgemm per head and thread: the team is OpenMP's
+  auto flash = [&] {
+    (void)L.attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), b, t, h, hkv,
+                              dh, {});
+    (void)L.attention_backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(),
+                               v.data(), out.data(), lse.data(), b, t, h, hkv, dh, {});
+  };
+  auto materialised = [&] {
+    ref.Forward(out_ref.data(), q.data(), k.data(), v.data());
+    ref.Backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data());
+  };
+  absl::Status st = L.attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), b,
+                                        t, h, hkv, dh, {});
+  if (!st.ok()) return st;
+  std::vector<Case> cases = {{"flash", flash}, {"materialised", materialised}};
+  auto tm = RunInterleaved(cases, o.rounds, o.samples);
+  // Sanity: both compute the same attention (FP32, other summation orders).
+  flash();
+  materialised();
+  double diff = 0.0, largest = 0.0;
+  for (int64_t i = 0; i < size; ++i) {
+    diff = std::max(diff, std::fabs(double{out[i]} - out_ref[i]));
+    largest = std::max(largest, std::fabs(double{out_ref[i]}));
+  }
+  nlohmann::ordered_json j;
+  j["benchmark"] = "attention";
+  j["ratio"] = tm["materialised"].best_seconds / tm["flash"].best_seconds;
+  j["ratio_definition"] =
+      "time of the materialised attention (OpenBLAS sgemm per head, [T, T] probabilities kept) "
+      "over the table's flash attention, forward + backward, fastest of interleaved samples";
+  j["ratio_median"] = tm["materialised"].median_seconds / tm["flash"].median_seconds;
+  j["shape"] = {{"batch", b}, {"seq", t}, {"heads", h}, {"kv_heads", hkv}, {"head_dim", dh}};
+  j["threads"] = omp_get_max_threads();
+  j["flash"] = TimingJson(tm["flash"]);
+  j["materialised"] = TimingJson(tm["materialised"]);
+  j["saved_bytes"] = {{"flash_lse", b * h * t * 4}, {"materialised_probs", b * h * t * t * 4}};
+  j["check"] = {{"max_abs_out_difference", diff}, {"max_abs_out", largest}};
   return j;
 }
 

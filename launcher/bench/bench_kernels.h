@@ -26,6 +26,18 @@ struct GemmBenchOptions {
 // baseline is the faster of OpenBLAS sgemm and oneDNN's f32 matmul.
 absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options);
 
+struct AttentionBenchOptions {
+  int batch = 16, seq = 64, heads = 16, kv_heads = 16, head_dim = 64;  // bench step's default
+  int rounds = 5;   // interleaved rounds of the two implementations
+  int samples = 3;  // samples of each per round
+};
+// The CPU table's flash attention (forward + backward, kernels/cpu/attention_cpu.h) over the
+// textbook attention that materialises the [T, T] probabilities of every head (PyTorch eager's
+// way): per head, S = Q K^T, P = softmax(S) and O = P V, then dP = dO V^T, dS and the three
+// gradient GEMMs, each GEMM an OpenBLAS sgemm, heads spread over the OpenMP team. Reports the
+// time ratio and the bytes each keeps from the forward to the backward.
+absl::StatusOr<nlohmann::ordered_json> AttentionBench(const AttentionBenchOptions& options);
+
 }  // namespace fp8rt::bench
 
 #endif  // FP8RT_LAUNCHER_BENCH_BENCH_KERNELS_H_

@@ -2,6 +2,9 @@
 // in the same run (these machines are noisy; absolute times alone mean little).
 //   fp8rt bench quantize [--json] [--mib N] [--device cpu|cuda]
 //   fp8rt bench gemm [--json] [--size N] [--device cpu|cuda]   (cuda: bench_cuda.h)
+//   fp8rt bench attention [--json] [--batch B --seq T --heads H --kv-heads G --head-dim D]
+//                                                (the CPU flash attention, forward + backward,
+//                                                 vs the [T, T]-materialising one on OpenBLAS)
 //   fp8rt bench comm --np N [--json]   (runs N MPI ranks of fp8rt-bench-comm through mpirun)
 //   fp8rt bench step [--json] [--spec RUN.yaml] [--device cpu|cuda] [--peer torch]
 //                                                (fp8 vs bf16 vs fp32 training step: one rank of
@@ -333,6 +336,22 @@ void PrintHuman(const nlohmann::ordered_json& j) {
                      "without hardware support, so fp8 / torch bf16 says little here\n";
       }
     }
+  } else if (name == "attention") {
+    const auto& sh = j["shape"];
+    std::cout << absl::StrFormat(
+        "attention forward + backward, batch %d, seq %d, %d heads (%d kv), head dim %d, %d "
+        "threads\n"
+        "  flash (tiles, lse saved)        %9.2f ms   saves %10.3f MiB\n"
+        "  materialised (sgemm, [T, T])    %9.2f ms   saves %10.3f MiB\n"
+        "  ratio materialised / flash      %9.3f      (outputs differ by <= %.3g, largest %.3g)\n",
+        sh["batch"].get<int>(), sh["seq"].get<int>(), sh["heads"].get<int>(),
+        sh["kv_heads"].get<int>(), sh["head_dim"].get<int>(), j["threads"].get<int>(),
+        1e3 * j["flash"]["best_s"].get<double>(),
+        j["saved_bytes"]["flash_lse"].get<double>() / 1048576,
+        1e3 * j["materialised"]["best_s"].get<double>(),
+        j["saved_bytes"]["materialised_probs"].get<double>() / 1048576, j["ratio"].get<double>(),
+        j["check"]["max_abs_out_difference"].get<double>(),
+        j["check"]["max_abs_out"].get<double>());
   } else if (name == "quantize") {
     std::cout << absl::StrFormat(
         "quantize FP32 -> E4M3 (tensor scale, stats in the same pass), %d MiB input, %d threads\n"
@@ -398,6 +417,17 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"cpu", "cuda"}));
   gemm->add_option("--iterations", cgopt.iterations, "cuda: calls per timed sample (default 5)");
   int np = 2, comm_repeats = 3;
+  fp8rt::bench::AttentionBenchOptions aopt;
+  auto* attention =
+      app.add_subcommand("attention", "CPU flash attention vs materialised attention");
+  attention->add_option("--batch", aopt.batch, "batch rows (default 16)");
+  attention->add_option("--seq", aopt.seq, "sequence length (default 64)");
+  attention->add_option("--heads", aopt.heads, "query heads (default 16)");
+  attention->add_option("--kv-heads", aopt.kv_heads, "kv heads (default 16)");
+  attention->add_option("--head-dim", aopt.head_dim, "head dimension (default 64)");
+  attention->add_option("--rounds", aopt.rounds, "interleaved rounds (default 5)");
+  attention->add_option("--samples", aopt.samples, "samples of each per round (default 3)");
+  attention->add_flag("--json", json, "print one JSON object");
   auto* comm = app.add_subcommand("comm", "FP8 vs BF16 collectives over N MPI ranks");
   comm->add_option("--np", np, "MPI ranks (default 2)");
   comm->add_option("--repeats", comm_repeats, "repeats of each measurement (default 3)");
@@ -463,6 +493,8 @@ int main(int argc, char** argv) {
     result = fp8rt::bench::QuantizeBench(qopt);
   } else if (gemm->parsed()) {
     result = fp8rt::bench::GemmBench(gopt);
+  } else if (attention->parsed()) {
+    result = fp8rt::bench::AttentionBench(aopt);
   } else if (comm->parsed()) {
     result = np < 1 ? absl::InvalidArgumentError("--np must be in [1, 16]")
                     : MpiBench("fp8rt-bench-comm", np, "--repeats " + std::to_string(comm_repeats));

@@ -63,8 +63,10 @@ struct Transformer::Acts {
   const kernels::OpTable& ops;
   int64_t b = 0, n = 0;
   struct Layer {
-    // Empty ln1/att/ln2/g: shared (Keep). mean1/mean2 only with LayerNorm, u only with SwiGLU.
-    Array x, ln1, mean1, rstd1, q, k, v, probs, att, x2, ln2, mean2, rstd2, h, u, g;
+    // Empty ln1/ln2/g: shared (Keep). att is the attention's output, which its backward reads
+    // (D_i = dout_i . out_i), so it is always kept; lse [B, H/tp, T] is all the attention saves.
+    // mean1/mean2 only with LayerNorm, u only with SwiGLU.
+    Array x, ln1, mean1, rstd1, q, k, v, lse, att, x2, ln2, mean2, rstd2, h, u, g;
   };
   std::vector<Layer> layers;
   Array x_final, lnf, meanf, rstdf, logits, ce_probs, losses, pos;
@@ -97,13 +99,13 @@ struct Transformer::Acts {
     const size_t cl = c / static_cast<size_t>(tp);
     const size_t kvl = static_cast<size_t>(n * s.kv() * s.head_dim() / tp);
     const size_t fl = static_cast<size_t>(n * s.d_ff / tp);
-    const size_t probs = static_cast<size_t>(micro_batch * (s.heads / tp) * s.seq_len * s.seq_len);
+    const size_t lse = static_cast<size_t>(micro_batch * (s.heads / tp) * s.seq_len);
     const size_t rows = static_cast<size_t>(n);
     layers.clear();
     layers.resize(static_cast<size_t>(s.layers));
     for (size_t i = 0; i < layers.size(); ++i) {
       Layer& l = layers[i];
-      for (Array* v : {&l.x, &l.ln1, &l.mean1, &l.rstd1, &l.q, &l.k, &l.v, &l.probs, &l.att, &l.x2,
+      for (Array* v : {&l.x, &l.ln1, &l.mean1, &l.rstd1, &l.q, &l.k, &l.v, &l.lse, &l.att, &l.x2,
                        &l.ln2, &l.mean2, &l.rstd2, &l.h, &l.u, &l.g}) {
         *v = Array(ops, kernels::MemCategory::kSavedActivations);
       }
@@ -116,14 +118,13 @@ struct Transformer::Acts {
       for (auto* v : {&l.k, &l.v}) v->assign(kvl, 0.0f);
       l.h.assign(fl, 0.0f);
       if (swiglu) l.u.assign(fl, 0.0f);
-      l.probs.assign(probs, 0.0f);
+      l.lse.assign(lse, 0.0f);
       for (auto* v : {&l.rstd1, &l.rstd2}) v->assign(rows, 0.0f);
       if (layer_norm) {
         for (auto* v : {&l.mean1, &l.mean2}) v->assign(rows, 0.0f);
       }
     }
     for (auto* v : {&t_ln1, &t_ln2, &t_proj, &t_fc2}) v->assign(c, 0.0f);
-    t_att.assign(cl, 0.0f);
     t_g.assign(fl, 0.0f);
     t_qkv.assign(cl + 2 * kvl, 0.0f);
     const size_t logits_size = static_cast<size_t>(n * s.vocab);
@@ -853,7 +854,7 @@ absl::Status Transformer::LoadTokens(std::span<const int32_t> tokens, int64_t mi
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Block& blk = *blocks_[l];
     keep[l].ln1 = !blk.qkv->saves_fp8_input_only();
-    keep[l].att = !blk.proj->saves_fp8_input_only();
+    keep[l].att = true;  // the attention backward reads its output, FP8-saved proj input or not
     // MoE keeps its input; SwiGLU's gate and up share theirs.
     keep[l].ln2 = blk.moe != nullptr || !blk.fc1->saves_fp8_input_only() ||
                   (blk.up != nullptr && !blk.up->saves_fp8_input_only());
@@ -956,7 +957,7 @@ absl::StatusOr<float> Transformer::Forward(bool train) {
       FP8RT_RETURN_IF_ERROR(L.rope_forward(x.q.data(), x.q.data(), N, T, Hl, Dh, theta, st));
       FP8RT_RETURN_IF_ERROR(L.rope_forward(x.k.data(), x.k.data(), N, T, KVl, Dh, theta, st));
     }
-    FP8RT_RETURN_IF_ERROR(L.attention_forward(att, x.probs.data(), x.q.data(), x.k.data(),
+    FP8RT_RETURN_IF_ERROR(L.attention_forward(att, x.lse.data(), x.q.data(), x.k.data(),
                                               x.v.data(), B, T, Hl, KVl, Dh, st));
     FP8RT_RETURN_IF_ERROR(blk.proj->Forward(ctx, att, N, proj));
     FP8RT_RETURN_IF_ERROR(AllReduceTp(proj, N * C));
@@ -1093,8 +1094,9 @@ absl::Status Transformer::Backward(float dloss) {
     FP8RT_RETURN_IF_ERROR(zero(a.dk));
     FP8RT_RETURN_IF_ERROR(zero(a.dv));
     FP8RT_RETURN_IF_ERROR(L.attention_backward(a.dq.data(), a.dk.data(), a.dv.data(), a.datt.data(),
-                                               x.q.data(), x.k.data(), x.v.data(), x.probs.data(),
-                                               B, T, Hl, KVl, Dh, st));
+                                               x.q.data(), x.k.data(), x.v.data(),
+                                               Acts::In(x.att, a.t_att), x.lse.data(), B, T, Hl,
+                                               KVl, Dh, st));
     float* dq = a.dq.data();
     float* dk = a.dk.data();
     if (shape_.positions == PositionKind::kRope) {

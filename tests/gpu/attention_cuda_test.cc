@@ -1,16 +1,19 @@
 // The CUDA attention and cross-entropy entries of the layer-op table (CudaOps()->layer:
 // attention_forward, attention_backward, cross_entropy_forward, cross_entropy_backward,
-// kernels/cuda/attention_cuda.cu) against the CPU table's entries (CpuOps().layer) on the same
-// inputs.
+// kernels/cuda/attention_cuda.cu). Attention is checked against an FP64 evaluation of the
+// contract (tests/support/attention_check.h), the CPU table's entries (CpuOps().layer) against the
+// same values and bounds; cross-entropy against the CPU table's entries on the same inputs.
 //
 // Index:
 //   (attention shapes include grouped-query ones: H query heads on Hkv kv heads, Hkv = 1 too)
-//   AttentionForwardTest (TEST_P)   shapes; probs and out within the bounds below, masked probs
-//                                   exactly +0, a second run bit for bit the first
-//   AttentionBackwardTest (TEST_P)  shapes; onto pre-filled gradients (they must accumulate): dq
-//                                   and dk within the bounds below, dv bit for bit, a second run
-//                                   bit for bit the first
-//   AttentionAccumulateTest.TwoCallsAddTwice   two backward calls add two contributions
+//   AttentionForwardTest (TEST_P)   shapes; GPU and CPU out and lse within the FP64 bounds, a
+//                                   second GPU run bit for bit the first
+//   AttentionBackwardTest (TEST_P)  shapes; the CPU forward's out and lse fed to both backends,
+//                                   onto pre-filled gradients (they must accumulate): GPU and CPU
+//                                   dq, dk and dv within the FP64 bounds, a second GPU run bit
+//                                   for bit the first
+//   AttentionAccumulateTest.TwoCallsAddTwice   two backward calls add two contributions: each
+//                                   call within the bounds of one call onto what it started from
 //   CrossEntropyForwardTest (TEST_P)   shapes; probs and losses within the bounds below, against
 //                                   the CPU and against an FP64 evaluation; reruns bit for bit
 //   CrossEntropyBackwardTest (TEST_P)  shapes x dloss; bit for bit, accumulating
@@ -19,38 +22,25 @@
 //   CrossEntropyTest.EveryLogitCounts  a half-probability logit at every column in turn: exact
 //                                   values from the formula (an element a reduction drops shows)
 //   ArgumentTest                    host and null pointers, negative sizes, dh = 0, an hkv that
-//                                   does not divide h and v = 0 are
+//                                   does not divide h, overflowing sizes and v = 0 are
 //                                   refused with InvalidArgument naming the argument, before
 //                                   anything runs; empty sizes are fine
 //
-// Tolerances. u = 2^-24 (FP32 unit roundoff); the CPU reference is compiled without FMA
-// contraction (GCC, -std=c++20); a sequential FP32 sum of n terms is within (n + 1) u sum|terms|
-// of the exact one, and the GPU's sums (lane-strided then a butterfly, or thread-strided then a
-// block tree) have depth well under their length plus 8. CUDA's expf is within 2 ulp and logf
-// within 1 ulp (CUDA C Programming Guide, mathematical functions appendix); glibc's within 1 ulp;
-// 1 ulp <= 2u |value| for normal values. Every bound below is the sum of the GPU's and the CPU's
-// first-order error bounds against exact arithmetic, computed per element in FP64 from the
-// inputs, then doubled (kSafety) for the second-order terms; kTiny (2^-120) absolute slack covers
-// results in or next to the subnormal range, where relative bounds do not hold.
+// Attention tolerances: tests/support/attention_check.h derives, per element and in FP64 from the
+// inputs, a first-order bound on the error of ONE FP32 implementation of the contract against
+// its exact (FP64) value; each backend is held to twice it plus 2^-120 separately, so neither is
+// the yardstick of the other (their summation orders differ: tiles on the CPU, lanes on CUDA).
 //
-// Attention forward, row i (keys j <= i), scale = 1/sqrt(Dh), S_ij = scale sum_d |q_id k_jd|:
-//   score:  e_s = 2 (Dh + 8) u S_ij + 2u |s_ij|;  E = max_j e_s  (the maxima then differ <= E)
-//   exp:    relative r_j = 2E + 2u |s_ij - max| (the two subtractions) + 6u (expf, 2 + 1 ulp)
-//   sum:    relative r_sum = max_j r_j + 2 (i + 8) u
-//   p_ij:   p_ij (r_j + r_sum + 4u) (the reciprocal and the product, on each side)
-//   out_id: sum_j bound(p_ij) |v_jd| + 2 (i + 2) u sum_j p_ij |v_jd| (same order on both sides,
-//           different p)
-// Attention backward (probs given, the same to both), A_ij = sum_d |dout_id v_jd|,
-// A_i = sum_j p_ij A_ij, ds_ij = p_ij (dp_ij - D_i) scale:
-//   dp_ij:  2 (Dh + 8) u A_ij;   D_i: 2 (i + Dh + 8) u A_i  (the GPU evaluates D_i as
-//           dout_i . sum_j p_ij v_j, the CPU as sum_j p_ij dp_ij: the same terms, other order)
-//   ds_ij:  p_ij scale (bound(dp_ij) + bound(D_i)) + 6u |ds_ij|
-//   dq_id:  sum_j bound(ds_ij) |k_jd| + 2 (i + 2) u (|dq_id before| + sum_j |ds_ij k_jd|)
-//   dk_jd:  the same over the group's query heads and i >= j with q_id (a chain of
-//           group * (T - j) additions: 2 (group (T - j) + 2) u of the terms' magnitudes)
-//   dv_jd:  none. Both sides add the same products p_ij dout_id in the same order (query heads of
-//           the group ascending, then i ascending) onto the same value, each operation rounded
-//           once: bit for bit.
+// Cross-entropy tolerances. u = 2^-24 (FP32 unit roundoff); the CPU reference is compiled without
+// FMA contraction (GCC, -std=c++20); a sequential FP32 sum of n terms is within (n + 1) u
+// sum|terms| of the exact one, and the GPU's sums (thread-strided then a block tree) have depth
+// well under their length plus 8. CUDA's expf is within 2 ulp and logf within 1 ulp (CUDA C
+// Programming Guide, mathematical functions appendix); glibc's within 1 ulp; 1 ulp <= 2u |value|
+// for normal values. Every bound below is the sum of the GPU's and the CPU's first-order error
+// bounds against exact arithmetic, computed per element in FP64 from the inputs, then doubled
+// (kSafety) for the second-order terms; kTiny (2^-120) absolute slack covers results in or next
+// to the subnormal range, where relative bounds do not hold.
+//
 // Cross-entropy forward, row of V logits, m = max (exact), x_j = l_j - m (the same FP32
 // subtraction on both sides: identical), e_j = exp(x_j):
 //   sum:    relative r_sum = 6u (expf) + (V + ceil(V / 256) + 16) u (CPU sequential, GPU strided)
@@ -69,7 +59,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <ostream>
 #include <random>
 #include <string>
@@ -80,6 +69,12 @@
 #include "kernels/layer_ops.h"
 #include "kernels/ops.h"
 #include "tests/gpu/gpu_test_support.h"
+#include "tests/support/attention_check.h"
+
+namespace fp8rt::attention_check {
+// gtest prints a shape parameter by its name (found by argument-dependent lookup).
+void PrintTo(const AttnShape& s, std::ostream* os) { *os << ShapeName(s); }
+}  // namespace fp8rt::attention_check
 
 namespace fp8rt::kernels {
 namespace {
@@ -131,217 +126,37 @@ class CudaLayerTest : public CudaStreamTest {
 
 // --- attention ---------------------------------------------------------------------------------
 
-struct AttnShape {
-  int64_t b, t, h, hkv, dh;
-};
+using attention_check::AttnData;
+using attention_check::AttnShape;
+using attention_check::BackwardWant;
+using attention_check::ExactBackward;
+using attention_check::ExactForward;
+using attention_check::ForwardWant;
+using attention_check::ShapeName;
 
-std::string ShapeName(const AttnShape& s) {
-  return absl::StrCat("B", s.b, "_T", s.t, "_H", s.h, "_Hkv", s.hkv, "_Dh", s.dh);
-}
-void PrintTo(const AttnShape& s, std::ostream* os) { *os << ShapeName(s); }
-
-// Inputs of one shape: q and k with sigma 1.5, so that scores have a standard deviation of about
-// 2.2 (peaked and flat rows both occur); v, dout and the pre-filled gradients N(0, 1).
-struct AttnData {
-  explicit AttnData(const AttnShape& shape, uint32_t seed)
-      : s(shape),
-        size(static_cast<size_t>(s.b * s.t * s.h * s.dh)),
-        kv_size(static_cast<size_t>(s.b * s.t * s.hkv * s.dh)),
-        probs_size(static_cast<size_t>(s.b * s.h * s.t * s.t)),
-        group(s.h / s.hkv),
-        q(Normal(size, 1.5f, seed)),
-        k(Normal(kv_size, 1.5f, seed + 1)),
-        v(Normal(kv_size, 1.0f, seed + 2)),
-        dout(Normal(size, 1.0f, seed + 3)),
-        dq0(Normal(size, 1.0f, seed + 4)),
-        dk0(Normal(kv_size, 1.0f, seed + 5)),
-        dv0(Normal(kv_size, 1.0f, seed + 6)),
-        scale(1.0f / std::sqrt(static_cast<float>(s.dh))) {}
-  // Index of channel d of position `pos` of query head hh in batch row bb, [B, T, H, Dh].
-  size_t At(int64_t bb, int64_t pos, int64_t hh, int64_t d) const {
-    return static_cast<size_t>(((bb * s.t + pos) * s.h + hh) * s.dh + d);
-  }
-  // The same channel of query head hh's kv head hh / (H / Hkv), [B, T, Hkv, Dh].
-  size_t KvAt(int64_t bb, int64_t pos, int64_t hh, int64_t d) const {
-    return static_cast<size_t>(((bb * s.t + pos) * s.hkv + hh / group) * s.dh + d);
-  }
-  size_t P(int64_t bb, int64_t hh, int64_t i, int64_t j) const {
-    return static_cast<size_t>(((bb * s.h + hh) * s.t + i) * s.t + j);
-  }
-  // sum_d a_id b_jd and sum_d |a_id b_jd| over query head hh of batch row bb, in FP64; a is
-  // [B, T, H, Dh] like q, b [B, T, Hkv, Dh] like k (read at hh's kv head).
-  struct Dot {
-    double value, abs;
-  };
-  Dot HeadDot(const std::vector<float>& a, const std::vector<float>& b, int64_t bb, int64_t hh,
-              int64_t i, int64_t j) const {
-    Dot dot{0.0, 0.0};
-    for (int64_t d = 0; d < s.dh; ++d) {
-      const double prod = double{a[At(bb, i, hh, d)]} * b[KvAt(bb, j, hh, d)];
-      dot.value += prod;
-      dot.abs += std::fabs(prod);
-    }
-    return dot;
-  }
-
-  AttnShape s;
-  size_t size, kv_size, probs_size;
-  int64_t group;  // query heads per kv head
-  std::vector<float> q, k, v, dout, dq0, dk0, dv0;
-  float scale;  // the 1/sqrt(Dh) both backends use
-};
-
-// The forward's bounds (header) for every probability and output element, from the inputs and
-// the CPU's probabilities.
-void ForwardBounds(const AttnData& x, const std::vector<float>& probs, std::vector<double>* p_bound,
-                   std::vector<double>* out_bound) {
-  const AttnShape& s = x.s;
-  p_bound->assign(x.probs_size, 0.0);
-  out_bound->assign(x.size, 0.0);
-  std::vector<double> score(static_cast<size_t>(s.t)), rel(static_cast<size_t>(s.t));
-  for (int64_t bb = 0; bb < s.b; ++bb) {
-    for (int64_t hh = 0; hh < s.h; ++hh) {
-      for (int64_t i = 0; i < s.t; ++i) {
-        double e_max = 0.0, max_score = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j <= i; ++j) {
-          const AttnData::Dot qk = x.HeadDot(x.q, x.k, bb, hh, i, j);
-          score[j] = qk.value * x.scale;
-          e_max = std::max(
-              e_max, 2.0 * (s.dh + 8) * kU * qk.abs * x.scale + 2.0 * kU * std::fabs(score[j]));
-          max_score = std::max(max_score, score[j]);
-        }
-        double r_max = 0.0;
-        for (int64_t j = 0; j <= i; ++j) {
-          rel[j] = 2.0 * e_max + 2.0 * kU * std::fabs(score[j] - max_score) + 6.0 * kU;
-          r_max = std::max(r_max, rel[j]);
-        }
-        const double r_sum = r_max + 2.0 * (i + 8) * kU;
-        for (int64_t j = 0; j <= i; ++j) {
-          const size_t at = x.P(bb, hh, i, j);
-          (*p_bound)[at] = probs[at] * (rel[j] + r_sum + 4.0 * kU);
-        }
-        for (int64_t d = 0; d < s.dh; ++d) {
-          double from_p = 0.0, pv = 0.0;
-          for (int64_t j = 0; j <= i; ++j) {
-            const double av = std::fabs(x.v[x.KvAt(bb, j, hh, d)]);
-            from_p += (*p_bound)[x.P(bb, hh, i, j)] * av;
-            pv += probs[x.P(bb, hh, i, j)] * av;
-          }
-          (*out_bound)[x.At(bb, i, hh, d)] = from_p + 2.0 * (i + 2) * kU * pv;
-        }
-      }
-    }
-  }
-}
-
-// The backward's bounds (header) for every element of dq and dk.
-void BackwardBounds(const AttnData& x, const std::vector<float>& probs,
-                    std::vector<double>* dq_bound, std::vector<double>* dk_bound) {
-  const AttnShape& s = x.s;
-  const size_t tt = static_cast<size_t>(s.t * s.t);
-  dq_bound->assign(x.size, 0.0);
-  // dk's two parts per kv element, summed over the group's query heads: the propagated ds
-  // errors and the magnitudes of the terms (with dk0) for the rounding of the chain.
-  std::vector<double> dk_from_ds(x.kv_size, 0.0), dk_terms(x.kv_size, 0.0);
-  for (size_t n = 0; n < x.kv_size; ++n) dk_terms[n] = std::fabs(x.dk0[n]);
-  std::vector<double> ds(tt), ds_bound(tt), dp(tt), a(tt);
-  for (int64_t bb = 0; bb < s.b; ++bb) {
-    for (int64_t hh = 0; hh < s.h; ++hh) {
-      for (int64_t i = 0; i < s.t; ++i) {
-        double d_row = 0.0, a_row = 0.0;
-        for (int64_t j = 0; j <= i; ++j) {
-          const AttnData::Dot dout_v = x.HeadDot(x.dout, x.v, bb, hh, i, j);
-          const double p = probs[x.P(bb, hh, i, j)];
-          dp[i * s.t + j] = dout_v.value;
-          a[i * s.t + j] = dout_v.abs;
-          d_row += p * dout_v.value;
-          a_row += p * dout_v.abs;
-        }
-        for (int64_t j = 0; j <= i; ++j) {
-          const double p = probs[x.P(bb, hh, i, j)];
-          const size_t ij = static_cast<size_t>(i * s.t + j);
-          ds[ij] = p * (dp[ij] - d_row) * x.scale;
-          ds_bound[ij] =
-              p * x.scale * (2.0 * (s.dh + 8) * kU * a[ij] + 2.0 * (i + s.dh + 8) * kU * a_row) +
-              6.0 * kU * std::fabs(ds[ij]);
-        }
-      }
-      for (int64_t d = 0; d < s.dh; ++d) {
-        for (int64_t i = 0; i < s.t; ++i) {  // dq_i over keys j <= i
-          double from_ds = 0.0, terms = std::fabs(x.dq0[x.At(bb, i, hh, d)]);
-          for (int64_t j = 0; j <= i; ++j) {
-            const double kd = std::fabs(x.k[x.KvAt(bb, j, hh, d)]);
-            from_ds += ds_bound[i * s.t + j] * kd;
-            terms += std::fabs(ds[i * s.t + j]) * kd;
-          }
-          (*dq_bound)[x.At(bb, i, hh, d)] = from_ds + 2.0 * (i + 2) * kU * terms;
-        }
-        for (int64_t j = 0; j < s.t; ++j) {  // dk_j over queries i >= j
-          double from_ds = 0.0, terms = 0.0;
-          for (int64_t i = j; i < s.t; ++i) {
-            const double qd = std::fabs(x.q[x.At(bb, i, hh, d)]);
-            from_ds += ds_bound[i * s.t + j] * qd;
-            terms += std::fabs(ds[i * s.t + j]) * qd;
-          }
-          dk_from_ds[x.KvAt(bb, j, hh, d)] += from_ds;
-          dk_terms[x.KvAt(bb, j, hh, d)] += terms;
-        }
-      }
-    }
-  }
-  dk_bound->assign(x.kv_size, 0.0);
-  for (int64_t bb = 0; bb < s.b; ++bb) {
-    for (int64_t j = 0; j < s.t; ++j) {
-      for (int64_t g = 0; g < s.hkv; ++g) {
-        for (int64_t d = 0; d < s.dh; ++d) {
-          const size_t at = x.KvAt(bb, j, g * x.group, d);
-          (*dk_bound)[at] = dk_from_ds[at] + 2.0 * (x.group * (s.t - j) + 2) * kU * dk_terms[at];
-        }
-      }
-    }
-  }
-}
-
-// Elements of `got` farther from `want` than kSafety * bound + kTiny: one message with the count
-// and the first few, empty if none.
-std::string OutOfBounds(const char* what, const std::vector<float>& got,
-                        const std::vector<float>& want, const std::vector<double>& bound) {
-  int64_t bad = 0;
-  std::string first;
-  for (size_t n = 0; n < got.size(); ++n) {
-    const double diff = std::fabs(double{got[n]} - double{want[n]});
-    if (!(diff <= kSafety * bound[n] + kTiny)) {  // NaN fails too
-      if (++bad <= 5) {
-        absl::StrAppend(&first, "\n  ", what, "[", n, "]: gpu ", got[n], " cpu ", want[n],
-                        " |diff| ", diff, " > ", kSafety * bound[n] + kTiny);
-      }
-    }
-  }
-  return bad == 0 ? std::string()
-                  : absl::StrCat(bad, " elements of ", what, " out of bounds", first);
-}
-
-// The CPU forward on x's inputs, into out and probs (resized to fit).
+// The CPU forward on x's inputs, into out and lse (resized to fit).
 absl::Status CpuAttentionForward(const LayerOps& cpu, const AttnData& x, std::vector<float>* out,
-                                 std::vector<float>* probs) {
+                                 std::vector<float>* lse) {
   out->resize(x.size);
-  probs->resize(x.probs_size);
-  return cpu.attention_forward(out->data(), probs->data(), x.q.data(), x.k.data(), x.v.data(),
-                               x.s.b, x.s.t, x.s.h, x.s.hkv, x.s.dh, Stream{});
+  lse->resize(x.lse_size);
+  return cpu.attention_forward(out->data(), lse->data(), x.q.data(), x.k.data(), x.v.data(), x.s.b,
+                               x.s.t, x.s.h, x.s.hkv, x.s.dh, Stream{});
 }
 
-// The CPU backward on x's inputs with `probs`, onto dq, dk and dv (it adds to them).
+// The CPU backward on x's inputs with the forward's out and lse, onto dq, dk and dv (it adds to
+// them).
 absl::Status CpuAttentionBackward(const LayerOps& cpu, const AttnData& x,
-                                  const std::vector<float>& probs, std::vector<float>* dq,
-                                  std::vector<float>* dk, std::vector<float>* dv) {
+                                  const std::vector<float>& out, const std::vector<float>& lse,
+                                  std::vector<float>* dq, std::vector<float>* dk,
+                                  std::vector<float>* dv) {
   return cpu.attention_backward(dq->data(), dk->data(), dv->data(), x.dout.data(), x.q.data(),
-                                x.k.data(), x.v.data(), probs.data(), x.s.b, x.s.t, x.s.h, x.s.hkv,
-                                x.s.dh, Stream{});
+                                x.k.data(), x.v.data(), out.data(), lse.data(), x.s.b, x.s.t, x.s.h,
+                                x.s.hkv, x.s.dh, Stream{});
 }
 
-// One shape's device buffers for both directions: the inputs q, k, v and dout copied from x; the
-// probabilities (the forward's output, the backward's input: PutProbs); the outputs out, dq, dk
-// and dv (PutGrads pre-fills the gradients). Everything not copied is poisoned (DeviceBuffer).
+// One shape's device buffers for both directions: the inputs q, k, v and dout copied from x; out
+// and lse (the forward's outputs, the backward's inputs: PutSaved); the gradients dq, dk and dv
+// (PutGrads pre-fills them). Everything not copied is poisoned (DeviceBuffer).
 struct AttnBuffers {
   explicit AttnBuffers(const AttnData& x)
       : s(x.s),
@@ -349,8 +164,8 @@ struct AttnBuffers {
         k(x.kv_size * 4),
         v(x.kv_size * 4),
         dout(x.size * 4),
-        probs(x.probs_size * 4),
         out(x.size * 4),
+        lse(x.lse_size * 4),
         dq(x.size * 4),
         dk(x.kv_size * 4),
         dv(x.kv_size * 4) {
@@ -359,7 +174,10 @@ struct AttnBuffers {
     Put(v, x.v);
     Put(dout, x.dout);
   }
-  void PutProbs(const std::vector<float>& p) const { Put(probs, p); }
+  void PutSaved(const std::vector<float>& o, const std::vector<float>& l) const {
+    Put(out, o);
+    Put(lse, l);
+  }
   void PutGrads(const std::vector<float>& dq0, const std::vector<float>& dk0,
                 const std::vector<float>& dv0) const {
     Put(dq, dq0);
@@ -368,17 +186,36 @@ struct AttnBuffers {
   }
   // The CUDA entries on these buffers, on `stream`.
   absl::Status Forward(const LayerOps& gpu, Stream stream) const {
-    return gpu.attention_forward(out.f(), probs.f(), q.f(), k.f(), v.f(), s.b, s.t, s.h, s.hkv,
-                                 s.dh, stream);
+    return gpu.attention_forward(out.f(), lse.f(), q.f(), k.f(), v.f(), s.b, s.t, s.h, s.hkv, s.dh,
+                                 stream);
   }
   absl::Status Backward(const LayerOps& gpu, Stream stream) const {
-    return gpu.attention_backward(dq.f(), dk.f(), dv.f(), dout.f(), q.f(), k.f(), v.f(), probs.f(),
-                                  s.b, s.t, s.h, s.hkv, s.dh, stream);
+    return gpu.attention_backward(dq.f(), dk.f(), dv.f(), dout.f(), q.f(), k.f(), v.f(), out.f(),
+                                  lse.f(), s.b, s.t, s.h, s.hkv, s.dh, stream);
+  }
+  // dq, dk and dv as they are now.
+  struct Grads {
+    std::vector<float> dq, dk, dv;
+  };
+  Grads DownloadGrads(const AttnData& x) const {
+    return {Download<float>(dq, x.size), Download<float>(dk, x.kv_size),
+            Download<float>(dv, x.kv_size)};
   }
 
   const AttnShape s;
-  DeviceBuffer q, k, v, dout, probs, out, dq, dk, dv;
+  DeviceBuffer q, k, v, dout, out, lse, dq, dk, dv;
 };
+
+// Every gradient within the bounds of `want`, for the backend named `who`.
+void ExpectGradsWithin(const char* who, const std::vector<float>& dq, const std::vector<float>& dk,
+                       const std::vector<float>& dv, const BackwardWant& want) {
+  std::string err = attention_check::OutOfBounds("dq", dq, want.dq, want.dq_bound);
+  EXPECT_TRUE(err.empty()) << who << ": " << err;
+  err = attention_check::OutOfBounds("dk", dk, want.dk, want.dk_bound);
+  EXPECT_TRUE(err.empty()) << who << ": " << err;
+  err = attention_check::OutOfBounds("dv", dv, want.dv, want.dv_bound);
+  EXPECT_TRUE(err.empty()) << who << ": " << err;
+}
 
 const AttnShape kAttnShapes[] = {
     {1, 1, 1, 1, 1},      // T = 1, Dh = 1
@@ -400,87 +237,77 @@ const AttnShape kAttnShapes[] = {
 class AttentionForwardTest : public CudaLayerTest,
                              public ::testing::WithParamInterface<AttnShape> {};
 
-TEST_P(AttentionForwardTest, MatchesCpuWithinBoundsMasksExactlyAndReruns) {
+TEST_P(AttentionForwardTest, GpuAndCpuWithinFp64BoundsAndReruns) {
   const AttnData x(GetParam(), 1000);
-  const AttnShape& s = x.s;
-  std::vector<float> out, probs;
-  ASSERT_TRUE(CpuAttentionForward(cpu_, x, &out, &probs).ok());
+  const ForwardWant want = ExactForward(x);
 
   const AttnBuffers d(x);
   ASSERT_TRUE(d.Forward(*gpu_, stream()).ok());
   Sync();
   const std::vector<float> g_out = Download<float>(d.out, x.size);
-  const std::vector<float> g_probs = Download<float>(d.probs, x.probs_size);
+  const std::vector<float> g_lse = Download<float>(d.lse, x.lse_size);
+  std::string err = attention_check::OutOfBounds("out", g_out, want.out, want.out_bound);
+  EXPECT_TRUE(err.empty()) << "gpu: " << err;
+  err = attention_check::OutOfBounds("lse", g_lse, want.lse, want.lse_bound);
+  EXPECT_TRUE(err.empty()) << "gpu: " << err;
 
-  // Masked entries (j > i) are +0 exactly, as the CPU writes them.
-  int64_t masked_wrong = 0;
-  for (int64_t bh = 0; bh < s.b * s.h; ++bh) {
-    for (int64_t i = 0; i < s.t; ++i) {
-      for (int64_t j = i + 1; j < s.t; ++j) {
-        masked_wrong += Bits(g_probs[static_cast<size_t>((bh * s.t + i) * s.t + j)]) != 0u;
-      }
-    }
-  }
-  EXPECT_EQ(masked_wrong, 0) << "masked probabilities that are not +0";
-
-  std::vector<double> p_bound, out_bound;
-  ForwardBounds(x, probs, &p_bound, &out_bound);
-  std::string err = OutOfBounds("probs", g_probs, probs, p_bound);
-  EXPECT_TRUE(err.empty()) << err;
-  err = OutOfBounds("out", g_out, out, out_bound);
-  EXPECT_TRUE(err.empty()) << err;
+  // The CPU table's entry, held to the same bounds.
+  std::vector<float> out, lse;
+  ASSERT_TRUE(CpuAttentionForward(cpu_, x, &out, &lse).ok());
+  err = attention_check::OutOfBounds("out", out, want.out, want.out_bound);
+  EXPECT_TRUE(err.empty()) << "cpu: " << err;
+  err = attention_check::OutOfBounds("lse", lse, want.lse, want.lse_bound);
+  EXPECT_TRUE(err.empty()) << "cpu: " << err;
 
   // A second run over the same inputs (outputs poisoned again) gives the same bits.
   ASSERT_EQ(cudaMemset(d.out.f(), 0xA5, x.size * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemset(d.probs.f(), 0xA5, x.probs_size * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(d.lse.f(), 0xA5, x.lse_size * 4), cudaSuccess);
   ASSERT_TRUE(d.Forward(*gpu_, stream()).ok());
   Sync();
   EXPECT_TRUE(SameBits(Download<float>(d.out, x.size), g_out)) << "out differs between runs";
-  EXPECT_TRUE(SameBits(Download<float>(d.probs, x.probs_size), g_probs))
-      << "probs differ between runs";
+  EXPECT_TRUE(SameBits(Download<float>(d.lse, x.lse_size), g_lse)) << "lse differs between runs";
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionForwardTest, ::testing::ValuesIn(kAttnShapes),
                          [](const auto& info) { return ShapeName(info.param); });
 
-// The CPU forward's probabilities for x: the backward's input on both backends.
-std::vector<float> CpuProbs(const LayerOps& cpu, const AttnData& x) {
-  std::vector<float> out, probs;
-  EXPECT_TRUE(CpuAttentionForward(cpu, x, &out, &probs).ok());
-  return probs;
+// The CPU forward's out and lse for x: the backward's inputs on both backends.
+struct Saved {
+  std::vector<float> out, lse;
+};
+Saved CpuSaved(const LayerOps& cpu, const AttnData& x) {
+  Saved saved;
+  EXPECT_TRUE(CpuAttentionForward(cpu, x, &saved.out, &saved.lse).ok());
+  return saved;
 }
 
 class AttentionBackwardTest : public CudaLayerTest,
                               public ::testing::WithParamInterface<AttnShape> {};
 
-TEST_P(AttentionBackwardTest, AccumulatesLikeCpuWithinBoundsAndReruns) {
+TEST_P(AttentionBackwardTest, AccumulatesWithinFp64BoundsAndReruns) {
   const AttnData x(GetParam(), 2000);
-  const std::vector<float> probs = CpuProbs(cpu_, x);
-  std::vector<float> dq = x.dq0, dk = x.dk0, dv = x.dv0;
-  ASSERT_TRUE(CpuAttentionBackward(cpu_, x, probs, &dq, &dk, &dv).ok());
+  const Saved saved = CpuSaved(cpu_, x);
+  ASSERT_FALSE(HasFailure());
+  const BackwardWant want = ExactBackward(x, saved.out, saved.lse);
 
   const AttnBuffers d(x);
-  d.PutProbs(probs);
-  std::vector<float> runs[2][3];
+  d.PutSaved(saved.out, saved.lse);
+  AttnBuffers::Grads runs[2];
   for (auto& run : runs) {
     d.PutGrads(x.dq0, x.dk0, x.dv0);  // pre-filled: the backward must add to them
     ASSERT_TRUE(d.Backward(*gpu_, stream()).ok());
     Sync();
-    run[0] = Download<float>(d.dq, x.size);
-    run[1] = Download<float>(d.dk, x.kv_size);
-    run[2] = Download<float>(d.dv, x.kv_size);
+    run = d.DownloadGrads(x);
   }
+  ExpectGradsWithin("gpu", runs[0].dq, runs[0].dk, runs[0].dv, want);
+  EXPECT_TRUE(SameBits(runs[0].dq, runs[1].dq)) << "dq differs between runs";
+  EXPECT_TRUE(SameBits(runs[0].dk, runs[1].dk)) << "dk differs between runs";
+  EXPECT_TRUE(SameBits(runs[0].dv, runs[1].dv)) << "dv differs between runs";
 
-  std::vector<double> dq_bound, dk_bound;
-  BackwardBounds(x, probs, &dq_bound, &dk_bound);
-  std::string err = OutOfBounds("dq", runs[0][0], dq, dq_bound);
-  EXPECT_TRUE(err.empty()) << err;
-  err = OutOfBounds("dk", runs[0][1], dk, dk_bound);
-  EXPECT_TRUE(err.empty()) << err;
-  EXPECT_TRUE(SameBits(runs[0][2], dv)) << "dv is not bit for bit the CPU's";
-  for (int g = 0; g < 3; ++g) {
-    EXPECT_TRUE(SameBits(runs[0][g], runs[1][g])) << "gradient " << g << " differs between runs";
-  }
+  // The CPU table's entry on the same out and lse, held to the same bounds.
+  std::vector<float> dq = x.dq0, dk = x.dk0, dv = x.dv0;
+  ASSERT_TRUE(CpuAttentionBackward(cpu_, x, saved.out, saved.lse, &dq, &dk, &dv).ok());
+  ExpectGradsWithin("cpu", dq, dk, dv, want);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBackwardTest, ::testing::ValuesIn(kAttnShapes),
@@ -490,38 +317,55 @@ class AttentionAccumulateTest : public CudaLayerTest {};
 
 TEST_F(AttentionAccumulateTest, TwoCallsAddTwice) {
   const AttnData x({2, 50, 6, 2, 24}, 3000);
-  const std::vector<float> probs = CpuProbs(cpu_, x);
-  // CPU: zero gradients, two calls.
+  const Saved saved = CpuSaved(cpu_, x);
+  ASSERT_FALSE(HasFailure());
   const std::vector<float> zeros(x.size, 0.0f), kv_zeros(x.kv_size, 0.0f);
-  std::vector<float> dq = zeros, dk = kv_zeros, dv = kv_zeros;
-  for (int call = 0; call < 2; ++call) {
-    ASSERT_TRUE(CpuAttentionBackward(cpu_, x, probs, &dq, &dk, &dv).ok());
-  }
   const AttnBuffers d(x);
-  d.PutProbs(probs);
+  d.PutSaved(saved.out, saved.lse);
   d.PutGrads(zeros, kv_zeros, kv_zeros);
-  for (int call = 0; call < 2; ++call) {
-    ASSERT_TRUE(d.Backward(*gpu_, stream()).ok());
-  }
+  ASSERT_TRUE(d.Backward(*gpu_, stream()).ok());
   Sync();
-  // dv: the same additions on both sides. dq, dk: the first call's difference carries over (one
-  // single-call bound), the second call adds its own (one more, and one for its rounding errors
-  // relative to the first call's result, which is at most the sum of the terms' magnitudes).
-  EXPECT_TRUE(SameBits(Download<float>(d.dv, x.kv_size), dv)) << "dv is not bit for bit the CPU's";
-  AttnData once = x;
-  std::fill(once.dq0.begin(), once.dq0.end(), 0.0f);
-  std::fill(once.dk0.begin(), once.dk0.end(), 0.0f);
-  std::vector<double> dq_bound, dk_bound;
-  BackwardBounds(once, probs, &dq_bound, &dk_bound);
-  for (double& bound : dq_bound) bound *= 3.0;
-  for (double& bound : dk_bound) bound *= 3.0;
-  std::string err = OutOfBounds("dq", Download<float>(d.dq, x.size), dq, dq_bound);
-  EXPECT_TRUE(err.empty()) << err;
-  err = OutOfBounds("dk", Download<float>(d.dk, x.kv_size), dk, dk_bound);
-  EXPECT_TRUE(err.empty()) << err;
+  const AttnBuffers::Grads first = d.DownloadGrads(x);
+  ASSERT_TRUE(d.Backward(*gpu_, stream()).ok());
+  Sync();
+  const AttnBuffers::Grads second = d.DownloadGrads(x);
+  // Each call is one accumulating call onto what it found: the first onto zeros, the second onto
+  // the first's result (so the second adds the contribution once more; a call that overwrote
+  // would leave one contribution, a whole contribution outside the bounds).
+  AttnData onto_zeros = x;
+  onto_zeros.dq0 = zeros;
+  onto_zeros.dk0 = kv_zeros;
+  onto_zeros.dv0 = kv_zeros;
+  ExpectGradsWithin("first call", first.dq, first.dk, first.dv,
+                    ExactBackward(onto_zeros, saved.out, saved.lse));
+  AttnData onto_first = x;
+  onto_first.dq0 = first.dq;
+  onto_first.dk0 = first.dk;
+  onto_first.dv0 = first.dv;
+  ExpectGradsWithin("second call", second.dq, second.dk, second.dv,
+                    ExactBackward(onto_first, saved.out, saved.lse));
 }
 
 // --- cross-entropy -----------------------------------------------------------------------------
+
+// Elements of `got` farther from `want` than kSafety * bound + kTiny: one message with the count
+// and the first few, empty if none (the cross-entropy checks).
+std::string OutOfBounds(const char* what, const std::vector<float>& got,
+                        const std::vector<float>& want, const std::vector<double>& bound) {
+  int64_t bad = 0;
+  std::string first;
+  for (size_t n = 0; n < got.size(); ++n) {
+    const double diff = std::fabs(double{got[n]} - double{want[n]});
+    if (!(diff <= kSafety * bound[n] + kTiny)) {  // NaN fails too
+      if (++bad <= 5) {
+        absl::StrAppend(&first, "\n  ", what, "[", n, "]: gpu ", got[n], " cpu ", want[n],
+                        " |diff| ", diff, " > ", kSafety * bound[n] + kTiny);
+      }
+    }
+  }
+  return bad == 0 ? std::string()
+                  : absl::StrCat(bad, " elements of ", what, " out of bounds", first);
+}
 
 struct CeShape {
   int64_t n, v;
@@ -794,30 +638,34 @@ void ExpectRefused(const absl::Status& s, const std::string& what) {
 }
 
 TEST_F(ArgumentTest, HostPointersAreRefusedBeforeAnythingRuns) {
-  constexpr int64_t b = 1, t = 4, h = 2, dh = 8, size = b * t * h * dh, psize = b * h * t * t;
-  std::vector<float> host(psize, 1.0f);
-  DeviceBuffer q(size * 4), k(size * 4), v(size * 4), out(size * 4), probs(psize * 4), dq(size * 4),
+  constexpr int64_t b = 1, t = 4, h = 2, dh = 8, size = b * t * h * dh, lsize = b * h * t;
+  std::vector<float> host(size, 1.0f);
+  DeviceBuffer q(size * 4), k(size * 4), v(size * 4), out(size * 4), lse(lsize * 4), dq(size * 4),
       dk(size * 4), dv(size * 4), dout(size * 4);
-  const std::vector<float> quarter(size, 0.25f), quarter_p(psize, 0.25f);
+  const std::vector<float> quarter(size, 0.25f), quarter_l(lsize, 0.25f);
   for (const DeviceBuffer* d : {&q, &k, &v, &dout, &dq, &dk, &dv}) Put(*d, quarter);
-  Put(probs, quarter_p);
-  ExpectRefused(gpu_->attention_forward(out.f(), probs.f(), host.data(), k.f(), v.f(), b, t, h, h,
-                                        dh, stream()),
+  Put(lse, quarter_l);
+  ExpectRefused(gpu_->attention_forward(out.f(), lse.f(), host.data(), k.f(), v.f(), b, t, h, h, dh,
+                                        stream()),
                 "q");
   ExpectRefused(
       gpu_->attention_forward(out.f(), host.data(), q.f(), k.f(), v.f(), b, t, h, h, dh, stream()),
-      "probs");
+      "lse");
   ExpectRefused(gpu_->attention_backward(dq.f(), dk.f(), host.data(), dout.f(), q.f(), k.f(), v.f(),
-                                         probs.f(), b, t, h, h, dh, stream()),
+                                         out.f(), lse.f(), b, t, h, h, dh, stream()),
                 "dv");
+  // (dout is device memory here, so a message naming "out" names out.)
   ExpectRefused(gpu_->attention_backward(dq.f(), dk.f(), dv.f(), dout.f(), q.f(), k.f(), v.f(),
-                                         host.data(), b, t, h, h, dh, stream()),
-                "probs");
+                                         host.data(), lse.f(), b, t, h, h, dh, stream()),
+                "out");
+  ExpectRefused(gpu_->attention_backward(dq.f(), dk.f(), dv.f(), dout.f(), q.f(), k.f(), v.f(),
+                                         out.f(), host.data(), b, t, h, h, dh, stream()),
+                "lse");
   Sync();
-  // Nothing ran: out is still poisoned, the gradients and probs unchanged.
+  // Nothing ran: out is still poisoned, the gradients and lse unchanged.
   for (float x : Download<float>(out, size)) ASSERT_EQ(Bits(x), 0xA5A5A5A5u);
   for (float x : Download<float>(dv, size)) ASSERT_EQ(x, 0.25f);
-  for (float x : Download<float>(probs, psize)) ASSERT_EQ(x, 0.25f);
+  for (float x : Download<float>(lse, lsize)) ASSERT_EQ(x, 0.25f);
 
   constexpr int64_t n = 3, vocab = 10;
   std::vector<int32_t> host_targets(n, 1);
@@ -840,8 +688,11 @@ TEST_F(ArgumentTest, HostPointersAreRefusedBeforeAnythingRuns) {
 
   // The context is still healthy: valid calls run.
   EXPECT_TRUE(
-      gpu_->attention_forward(out.f(), probs.f(), q.f(), k.f(), v.f(), b, t, h, h, dh, stream())
+      gpu_->attention_forward(out.f(), lse.f(), q.f(), k.f(), v.f(), b, t, h, h, dh, stream())
           .ok());
+  EXPECT_TRUE(gpu_->attention_backward(dq.f(), dk.f(), dv.f(), dout.f(), q.f(), k.f(), v.f(),
+                                       out.f(), lse.f(), b, t, h, h, dh, stream())
+                  .ok());
   EXPECT_TRUE(gpu_->cross_entropy_forward(ce_probs.f(), losses.f(), logits.f(),
                                           targets.as<int32_t>(), n, vocab, stream())
                   .ok());
@@ -849,35 +700,35 @@ TEST_F(ArgumentTest, HostPointersAreRefusedBeforeAnythingRuns) {
 }
 
 TEST_F(ArgumentTest, BadSizesAndNullPointersAreRefusedNamingTheArgument) {
-  DeviceBuffer a(4096), c(4096), d(4096), e(4096), f(4096), g(4096), pr(4096), tg(64);
+  DeviceBuffer a(4096), c(4096), d(4096), e(4096), f(4096), g(4096), o(4096), ls(4096), tg(64);
   // Negative sizes, each named (nothing is dereferenced: the check comes first).
   ExpectRefused(
-      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), -1, 2, 2, 2, 2, stream()),
+      gpu_->attention_forward(a.f(), ls.f(), c.f(), d.f(), e.f(), -1, 2, 2, 2, 2, stream()),
       "b is -1");
   ExpectRefused(
-      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, -2, 2, 2, 2, stream()),
+      gpu_->attention_forward(a.f(), ls.f(), c.f(), d.f(), e.f(), 1, -2, 2, 2, 2, stream()),
       "t is -2");
   ExpectRefused(
-      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, -3, 1, 2, stream()),
+      gpu_->attention_forward(a.f(), ls.f(), c.f(), d.f(), e.f(), 1, 2, -3, 1, 2, stream()),
       "h is -3");
   ExpectRefused(
-      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, 2, -1, 2, stream()),
+      gpu_->attention_forward(a.f(), ls.f(), c.f(), d.f(), e.f(), 1, 2, 2, -1, 2, stream()),
       "hkv is -1");
   ExpectRefused(
-      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, 2, 2, -4, stream()),
+      gpu_->attention_forward(a.f(), ls.f(), c.f(), d.f(), e.f(), 1, 2, 2, 2, -4, stream()),
       "dh is -4");
-  ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), pr.f(), 1,
-                                         2, 2, 2, -1, stream()),
+  ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), o.f(),
+                                         ls.f(), 1, 2, 2, 2, -1, stream()),
                 "dh is -1");
-  ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), pr.f(),
-                                         -5, 2, 2, 1, 2, stream()),
+  ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), o.f(),
+                                         ls.f(), -5, 2, 2, 1, 2, stream()),
                 "b is -5");
   // kv heads that do not divide the query heads (or none at all).
   ExpectRefused(
-      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, 3, 2, 2, stream()),
+      gpu_->attention_forward(a.f(), ls.f(), c.f(), d.f(), e.f(), 1, 2, 3, 2, 2, stream()),
       "hkv is 2");
-  ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), pr.f(), 1,
-                                         2, 2, 0, 2, stream()),
+  ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), o.f(),
+                                         ls.f(), 1, 2, 2, 0, 2, stream()),
                 "hkv is 0");
   ExpectRefused(gpu_->cross_entropy_forward(a.f(), c.f(), d.f(), tg.as<int32_t>(), -1, 4, stream()),
                 "n is -1");
@@ -889,21 +740,34 @@ TEST_F(ArgumentTest, BadSizesAndNullPointersAreRefusedNamingTheArgument) {
                 "v is -3");
   // A head with no channels, a softmax over no classes, overflowing sizes, null buffers.
   ExpectRefused(
-      gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, 2, 2, 2, 0, stream()),
+      gpu_->attention_forward(a.f(), ls.f(), c.f(), d.f(), e.f(), 1, 2, 2, 2, 0, stream()),
       "dh is 0");
   ExpectRefused(gpu_->cross_entropy_forward(a.f(), c.f(), d.f(), tg.as<int32_t>(), 2, 0, stream()),
                 "v is 0");
   ExpectRefused(gpu_->cross_entropy_backward(a.f(), c.f(), tg.as<int32_t>(), 2, 0, 1.0f, stream()),
                 "v is 0");
-  ExpectRefused(gpu_->attention_forward(a.f(), pr.f(), c.f(), d.f(), e.f(), 1, int64_t{1} << 32, 1,
-                                        1, 1, stream()),
+  constexpr int64_t kHuge = int64_t{1} << 32;  // T * H = 2^64
+  ExpectRefused(
+      gpu_->attention_forward(a.f(), ls.f(), c.f(), d.f(), e.f(), 1, kHuge, kHuge, 1, 1, stream()),
+      "overflows");
+  ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), o.f(),
+                                         ls.f(), 1, kHuge, kHuge, 1, 1, stream()),
                 "overflows");
   ExpectRefused(
-      gpu_->attention_forward(a.f(), pr.f(), nullptr, d.f(), e.f(), 1, 2, 2, 2, 2, stream()),
+      gpu_->attention_forward(a.f(), ls.f(), nullptr, d.f(), e.f(), 1, 2, 2, 2, 2, stream()),
       "q is null");
-  ExpectRefused(gpu_->attention_backward(a.f(), nullptr, d.f(), e.f(), f.f(), g.f(), a.f(), pr.f(),
-                                         1, 2, 2, 2, 2, stream()),
+  ExpectRefused(
+      gpu_->attention_forward(a.f(), nullptr, c.f(), d.f(), e.f(), 1, 2, 2, 2, 2, stream()),
+      "lse is null");
+  ExpectRefused(gpu_->attention_backward(a.f(), nullptr, d.f(), e.f(), f.f(), g.f(), a.f(), o.f(),
+                                         ls.f(), 1, 2, 2, 2, 2, stream()),
                 "dk is null");
+  ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), nullptr,
+                                         ls.f(), 1, 2, 2, 2, 2, stream()),
+                ": out is null");
+  ExpectRefused(gpu_->attention_backward(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), o.f(),
+                                         nullptr, 1, 2, 2, 2, 2, stream()),
+                "lse is null");
   ExpectRefused(gpu_->cross_entropy_backward(a.f(), c.f(), nullptr, 2, 4, 1.0f, stream()),
                 "targets is null");
   // Empty sizes are fine, with or without buffers.
@@ -911,7 +775,7 @@ TEST_F(ArgumentTest, BadSizesAndNullPointersAreRefusedNamingTheArgument) {
       gpu_->attention_forward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, 5, 2, 1, 4, stream())
           .ok());
   EXPECT_TRUE(gpu_->attention_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                       nullptr, nullptr, 2, 0, 2, 2, 4, stream())
+                                       nullptr, nullptr, nullptr, 2, 0, 2, 2, 4, stream())
                   .ok());
   EXPECT_TRUE(
       gpu_->cross_entropy_forward(nullptr, nullptr, nullptr, nullptr, 0, 50257, stream()).ok());

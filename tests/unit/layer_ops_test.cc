@@ -209,7 +209,7 @@ struct AttentionShape {
   int64_t b, t, h, hkv, dh;
   int64_t size() const { return b * t * h * dh; }
   int64_t kv_size() const { return b * t * hkv * dh; }
-  int64_t probs_size() const { return b * h * t * t; }
+  int64_t lse_size() const { return b * h * t; }
   int64_t at(int64_t bb, int64_t pos, int64_t hh) const { return ((bb * t + pos) * h + hh) * dh; }
   // Where the kv head of query head hh sits.
   int64_t kv_at(int64_t bb, int64_t pos, int64_t hh) const {
@@ -217,12 +217,12 @@ struct AttentionShape {
   }
 };
 
-// out_i = sum_{j<=i} softmax_j(q_i . k_j / sqrt(Dh)) v_j per (batch, query head); probs
-// [B, H, T, T].
+// out_i = sum_{j<=i} softmax_j(q_i . k_j / sqrt(Dh)) v_j per (batch, query head); lse
+// [B, H, T] = log sum_{j<=i} exp(q_i . k_j / sqrt(Dh)).
 DVec RefAttention(const DVec& q, const DVec& k, const DVec& v, const AttentionShape& s,
-                  DVec* probs = nullptr) {
+                  DVec* lse = nullptr) {
   DVec out(s.size(), 0.0);
-  if (probs != nullptr) probs->assign(s.probs_size(), 0.0);
+  if (lse != nullptr) lse->assign(s.lse_size(), 0.0);
   for (int64_t bb = 0; bb < s.b; ++bb) {
     for (int64_t hh = 0; hh < s.h; ++hh) {
       for (int64_t i = 0; i < s.t; ++i) {
@@ -236,9 +236,9 @@ DVec RefAttention(const DVec& q, const DVec& k, const DVec& v, const AttentionSh
           e[j] = std::exp(dot / std::sqrt(static_cast<double>(s.dh)));
           sum += e[j];
         }
+        if (lse != nullptr) (*lse)[(bb * s.h + hh) * s.t + i] = std::log(sum);
         for (int64_t j = 0; j <= i; ++j) {
           const double p = e[j] / sum;
-          if (probs != nullptr) (*probs)[((bb * s.h + hh) * s.t + i) * s.t + j] = p;
           for (int64_t d = 0; d < s.dh; ++d) {
             out[s.at(bb, i, hh) + d] += p * v[s.kv_at(bb, j, hh) + d];
           }
@@ -601,41 +601,45 @@ struct AttentionInputs {
   Vec dout = Random(kAttn.size(), 9);
 };
 
-void RunAttentionForward(const AttentionInputs& in, Vec& out, Vec& probs) {
+void RunAttentionForward(const AttentionInputs& in, Vec& out, Vec& lse) {
   out.assign(kAttn.size(), 0.0f);
-  probs.assign(kAttn.b * kAttn.h * kAttn.t * kAttn.t, -1.0f);
-  AttentionForward(out, probs, in.q, in.k, in.v, kAttn.b, kAttn.t, kAttn.h, kAttn.hkv, kAttn.dh);
+  lse.assign(kAttn.lse_size(), -1.0f);
+  AttentionForward(out, lse, in.q, in.k, in.v, kAttn.b, kAttn.t, kAttn.h, kAttn.hkv, kAttn.dh);
 }
 
 TEST(AttentionTest, ForwardMatchesFormula) {
   const AttentionInputs in;
   Vec out;
-  Vec probs;
-  RunAttentionForward(in, out, probs);
-  DVec want_probs;
+  Vec lse;
+  RunAttentionForward(in, out, lse);
+  DVec want_lse;
   const DVec want =
-      RefAttention(ToDouble(in.q), ToDouble(in.k), ToDouble(in.v), kAttn, &want_probs);
+      RefAttention(ToDouble(in.q), ToDouble(in.k), ToDouble(in.v), kAttn, &want_lse);
   ExpectForwardNear(out, want, "out");
-  // Includes the masked entries j > i, which must be exactly 0 (pre-filled with -1 above).
-  ExpectForwardNear(probs, want_probs, "probs");
+  ExpectForwardNear(lse, want_lse, "lse");
 }
 
-TEST(AttentionTest, ProbabilitiesAreCausalAndSumToOne) {
+// The probabilities the saved lse defines, p_ij = exp(s_ij - lse_i) over the visible keys,
+// sum to one in every row (evaluated in double from the FP32 inputs and lse).
+TEST(AttentionTest, SavedLseNormalisesEveryRow) {
   const AttentionInputs in;
   Vec out;
-  Vec probs;
-  RunAttentionForward(in, out, probs);
-  for (int64_t row = 0; row < kAttn.b * kAttn.h; ++row) {
-    for (int64_t i = 0; i < kAttn.t; ++i) {
-      const float* p = probs.data() + (row * kAttn.t + i) * kAttn.t;
-      double sum = 0.0;
-      for (int64_t j = 0; j < kAttn.t; ++j) {
-        if (j > i) {
-          EXPECT_EQ(p[j], 0.0f) << "row " << row << " query " << i << " key " << j;
+  Vec lse;
+  RunAttentionForward(in, out, lse);
+  for (int64_t bb = 0; bb < kAttn.b; ++bb) {
+    for (int64_t hh = 0; hh < kAttn.h; ++hh) {
+      for (int64_t i = 0; i < kAttn.t; ++i) {
+        const double row_lse = lse[(bb * kAttn.h + hh) * kAttn.t + i];
+        double sum = 0.0;
+        for (int64_t j = 0; j <= i; ++j) {
+          double dot = 0.0;
+          for (int64_t d = 0; d < kAttn.dh; ++d) {
+            dot += double{in.q[kAttn.at(bb, i, hh) + d]} * in.k[kAttn.kv_at(bb, j, hh) + d];
+          }
+          sum += std::exp(dot / std::sqrt(static_cast<double>(kAttn.dh)) - row_lse);
         }
-        sum += p[j];
+        EXPECT_NEAR(sum, 1.0, 1e-6) << "batch " << bb << " head " << hh << " query " << i;
       }
-      EXPECT_NEAR(sum, 1.0, 1e-6);
     }
   }
 }
@@ -643,8 +647,8 @@ TEST(AttentionTest, ProbabilitiesAreCausalAndSumToOne) {
 TEST(AttentionTest, FutureKeysAndValuesDoNotChangeEarlierOutputs) {
   const AttentionInputs in;
   Vec out;
-  Vec probs;
-  RunAttentionForward(in, out, probs);
+  Vec lse;
+  RunAttentionForward(in, out, lse);
   // Change k and v of token 3 of batch row 1, every head.
   constexpr int64_t kBatch = 1, kPos = 3;
   AttentionInputs changed = in;
@@ -655,8 +659,8 @@ TEST(AttentionTest, FutureKeysAndValuesDoNotChangeEarlierOutputs) {
     }
   }
   Vec out2;
-  Vec probs2;
-  RunAttentionForward(changed, out2, probs2);
+  Vec lse2;
+  RunAttentionForward(changed, out2, lse2);
   bool later_changed = false;
   for (int64_t bb = 0; bb < kAttn.b; ++bb) {
     for (int64_t pos = 0; pos < kAttn.t; ++pos) {
@@ -678,8 +682,8 @@ TEST(AttentionTest, FutureKeysAndValuesDoNotChangeEarlierOutputs) {
 TEST(AttentionTest, BackwardSendsNoGradientToFutureKeysAndValues) {
   const AttentionInputs in;
   Vec out;
-  Vec probs;
-  RunAttentionForward(in, out, probs);
+  Vec lse;
+  RunAttentionForward(in, out, lse);
   // Gradient only on outputs before position 3: keys and values at 3 and later get nothing.
   constexpr int64_t kPos = 3;
   Vec dout = in.dout;
@@ -689,7 +693,7 @@ TEST(AttentionTest, BackwardSendsNoGradientToFutureKeysAndValues) {
     }
   }
   Vec dq(kAttn.size(), 0.0f), dk(kAttn.size(), 0.0f), dv(kAttn.size(), 0.0f);
-  AttentionBackward(dq, dk, dv, dout, in.q, in.k, in.v, probs, kAttn.b, kAttn.t, kAttn.h, kAttn.hkv,
+  AttentionBackward(dq, dk, dv, dout, in.q, in.k, in.v, out, lse, kAttn.b, kAttn.t, kAttn.h, kAttn.hkv,
                     kAttn.dh);
   for (int64_t bb = 0; bb < kAttn.b; ++bb) {
     for (int64_t pos = 0; pos < kAttn.t; ++pos) {
@@ -707,10 +711,10 @@ TEST(AttentionTest, BackwardSendsNoGradientToFutureKeysAndValues) {
 TEST(AttentionTest, BackwardMatchesFiniteDifferences) {
   const AttentionInputs in;
   Vec out;
-  Vec probs;
-  RunAttentionForward(in, out, probs);
+  Vec lse;
+  RunAttentionForward(in, out, lse);
   Vec dq(kAttn.size(), 0.0f), dk(kAttn.size(), 0.0f), dv(kAttn.size(), 0.0f);
-  AttentionBackward(dq, dk, dv, in.dout, in.q, in.k, in.v, probs, kAttn.b, kAttn.t, kAttn.h,
+  AttentionBackward(dq, dk, dv, in.dout, in.q, in.k, in.v, out, lse, kAttn.b, kAttn.t, kAttn.h,
                     kAttn.hkv, kAttn.dh);
   const DVec q = ToDouble(in.q), k = ToDouble(in.k), v = ToDouble(in.v);
   ExpectGradNear(
@@ -730,12 +734,12 @@ TEST(AttentionTest, BackwardMatchesFiniteDifferences) {
 TEST(AttentionTest, BackwardAccumulates) {
   const AttentionInputs in;
   Vec out;
-  Vec probs;
-  RunAttentionForward(in, out, probs);
+  Vec lse;
+  RunAttentionForward(in, out, lse);
   const size_t n = kAttn.size();
   ExpectAccumulates(
       [&](std::vector<Vec>& g) {
-        AttentionBackward(g[0], g[1], g[2], in.dout, in.q, in.k, in.v, probs, kAttn.b, kAttn.t,
+        AttentionBackward(g[0], g[1], g[2], in.dout, in.q, in.k, in.v, out, lse, kAttn.b, kAttn.t,
                           kAttn.h, kAttn.hkv, kAttn.dh);
       },
       {n, n, n});
@@ -752,10 +756,10 @@ class GqaAttentionTest : public ::testing::TestWithParam<AttentionShape> {
   Vec v = Random(s.kv_size(), 62);
   Vec dout = Random(s.size(), 63);
 
-  void Forward(Vec& out, Vec& probs) const {
+  void Forward(Vec& out, Vec& lse) const {
     out.assign(s.size(), 0.0f);
-    probs.assign(s.probs_size(), -1.0f);
-    AttentionForward(out, probs, q, k, v, s.b, s.t, s.h, s.hkv, s.dh);
+    lse.assign(s.lse_size(), -1.0f);
+    AttentionForward(out, lse, q, k, v, s.b, s.t, s.h, s.hkv, s.dh);
   }
   // k or v repeated for every query head: the multi-head inputs of the same attention.
   Vec RepeatKv(const Vec& kv) const {
@@ -772,19 +776,19 @@ class GqaAttentionTest : public ::testing::TestWithParam<AttentionShape> {
 };
 
 TEST_P(GqaAttentionTest, ForwardMatchesFormula) {
-  Vec out, probs;
-  Forward(out, probs);
-  DVec want_probs;
-  const DVec want = RefAttention(ToDouble(q), ToDouble(k), ToDouble(v), s, &want_probs);
+  Vec out, lse;
+  Forward(out, lse);
+  DVec want_lse;
+  const DVec want = RefAttention(ToDouble(q), ToDouble(k), ToDouble(v), s, &want_lse);
   ExpectForwardNear(out, want, "out");
-  ExpectForwardNear(probs, want_probs, "probs");
+  ExpectForwardNear(lse, want_lse, "lse");
 }
 
 TEST_P(GqaAttentionTest, BackwardMatchesFiniteDifferences) {
-  Vec out, probs;
-  Forward(out, probs);
+  Vec out, lse;
+  Forward(out, lse);
   Vec dq(s.size(), 0.0f), dk(s.kv_size(), 0.0f), dv(s.kv_size(), 0.0f);
-  AttentionBackward(dq, dk, dv, dout, q, k, v, probs, s.b, s.t, s.h, s.hkv, s.dh);
+  AttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, s.b, s.t, s.h, s.hkv, s.dh);
   const DVec qd = ToDouble(q), kd = ToDouble(k), vd = ToDouble(v);
   ExpectGradNear(
       dq, NumericalGrad([&](const DVec& x) { return Dot(RefAttention(x, kd, vd, s), dout); }, qd),
@@ -798,11 +802,11 @@ TEST_P(GqaAttentionTest, BackwardMatchesFiniteDifferences) {
 }
 
 TEST_P(GqaAttentionTest, BackwardAccumulates) {
-  Vec out, probs;
-  Forward(out, probs);
+  Vec out, lse;
+  Forward(out, lse);
   ExpectAccumulates(
       [&](std::vector<Vec>& g) {
-        AttentionBackward(g[0], g[1], g[2], dout, q, k, v, probs, s.b, s.t, s.h, s.hkv, s.dh);
+        AttentionBackward(g[0], g[1], g[2], dout, q, k, v, out, lse, s.b, s.t, s.h, s.hkv, s.dh);
       },
       {static_cast<size_t>(s.size()), static_cast<size_t>(s.kv_size()),
        static_cast<size_t>(s.kv_size())});
@@ -815,17 +819,17 @@ TEST_P(GqaAttentionTest, BackwardAccumulates) {
 TEST_P(GqaAttentionTest, EqualsMultiHeadAttentionOnRepeatedKvHeads) {
   const AttentionShape mha{s.b, s.t, s.h, s.h, s.dh};
   const Vec k_rep = RepeatKv(k), v_rep = RepeatKv(v);
-  Vec out, probs;
-  Forward(out, probs);
-  Vec out_mha(s.size()), probs_mha(s.probs_size());
-  AttentionForward(out_mha, probs_mha, q, k_rep, v_rep, mha.b, mha.t, mha.h, mha.hkv, mha.dh);
+  Vec out, lse;
+  Forward(out, lse);
+  Vec out_mha(s.size()), lse_mha(s.lse_size());
+  AttentionForward(out_mha, lse_mha, q, k_rep, v_rep, mha.b, mha.t, mha.h, mha.hkv, mha.dh);
   EXPECT_EQ(out, out_mha);
-  EXPECT_EQ(probs, probs_mha);
+  EXPECT_EQ(lse, lse_mha);
 
   Vec dq(s.size(), 0.0f), dk(s.kv_size(), 0.0f), dv(s.kv_size(), 0.0f);
-  AttentionBackward(dq, dk, dv, dout, q, k, v, probs, s.b, s.t, s.h, s.hkv, s.dh);
+  AttentionBackward(dq, dk, dv, dout, q, k, v, out, lse, s.b, s.t, s.h, s.hkv, s.dh);
   Vec dq_mha(s.size(), 0.0f), dk_mha(s.size(), 0.0f), dv_mha(s.size(), 0.0f);
-  AttentionBackward(dq_mha, dk_mha, dv_mha, dout, q, k_rep, v_rep, probs, mha.b, mha.t, mha.h,
+  AttentionBackward(dq_mha, dk_mha, dv_mha, dout, q, k_rep, v_rep, out, lse, mha.b, mha.t, mha.h,
                     mha.hkv, mha.dh);
   EXPECT_EQ(dq, dq_mha);
   DVec dk_sum(s.kv_size(), 0.0), dv_sum(s.kv_size(), 0.0), dk_abs(s.kv_size(), 0.0),
