@@ -1,8 +1,9 @@
 // The CPU table's attention core (kernels/layer_ops.h: attention_forward, attention_backward):
-// flash attention on small GEMM tiles, vectorised with Highway and run on the OpenMP team.
+// flash attention on GEMM tiles (oneDNN's sgemm per 64 x 64 tile, called on the task's thread),
+// the softmax vectorised with Highway, tasks on the OpenMP team.
 //
 // Forward, one task per (batch row, query head): query tiles of kTileQ rows against key tiles of
-// kTileK keys up to the diagonal. Per tile pair, S = Q K^T (a tile GEMM), the causal mask, an
+// kTileK keys up to the diagonal. Per tile pair, S = scale Q K^T (a tile GEMM), the causal mask, an
 // online softmax (running maximum and sum, the output accumulator rescaled when the maximum
 // grows: at most one rescaling per key tile), then O += P V (a tile GEMM). At the end out =
 // O / l and lse = m + log l. Only the [T] lse is saved; no [T, T] matrix exists at any time: the
@@ -16,7 +17,7 @@
 //
 // Determinism: a task's arithmetic does not depend on the thread that runs it or on the team's
 // size, so reruns and thread counts give the same bits. Accuracy: within the bounds of
-// tests/support/attention_check.h (the summation orders are the tiles', with FMAs).
+// tests/support/attention_check.h (the summation orders are the tiles' and oneDNN's).
 #ifndef FP8RT_KERNELS_CPU_ATTENTION_CPU_H_
 #define FP8RT_KERNELS_CPU_ATTENTION_CPU_H_
 
