@@ -7,6 +7,7 @@
 //                                                 vs the [T, T]-materialising one on OpenBLAS)
 //   fp8rt bench comm --np N [--json]   (runs N MPI ranks of fp8rt-bench-comm through mpirun)
 //   fp8rt bench step [--json] [--spec RUN.yaml] [--device cpu|cuda] [--peer torch]
+//                    [--peer-modes fp32|fp32,bf16]
 //                                                (fp8 vs bf16 vs fp32 training step: one rank of
 //                                                 fp8rt-bench-step through mpirun; cuda: one
 //                                                 process on GPU 0; --peer torch: PyTorch FP32
@@ -312,6 +313,13 @@ void PrintHuman(const nlohmann::ordered_json& j) {
         1e3 * m["bf16"]["best_s"].get<double>(), m["bf16"]["tokens_per_s"].get<double>(),
         1e3 * m["fp32"]["best_s"].get<double>(), m["fp32"]["tokens_per_s"].get<double>(),
         cuda ? "bf16 / fp8" : "fp8 / fp32", j["ratio"].get<double>(), cuda ? ">= 1.3" : "<= 0.7");
+    if (m["fp8"].contains("cpu_busy")) {
+      std::cout << absl::StrFormat(
+          "  threads busy during the steps (CPU time / wall x %d threads): fp8 %.0f%%, bf16 "
+          "%.0f%%, fp32 %.0f%%\n",
+          j.value("threads", 0), 100 * m["fp8"]["cpu_busy"].get<double>(),
+          100 * m["bf16"]["cpu_busy"].get<double>(), 100 * m["fp32"]["cpu_busy"].get<double>());
+    }
     if (j.contains("peer")) {
       const auto& p = j["peer"];
       const auto& pm = p["modes"];
@@ -320,15 +328,21 @@ void PrintHuman(const nlohmann::ordered_json& j) {
       std::cout << absl::StrFormat(
           "  PyTorch %s, %d threads (fp8rt %d), the same model and micro-batch in the same "
           "rounds:\n"
-          "  torch fp32  %7.1f ms  %9.0f tokens/s\n"
-          "  torch bf16  %7.1f ms  %9.0f tokens/s  (autocast)\n"
-          "  ratio fp8 / torch bf16 step time   %.3f  (target <= %.2g)\n"
+          "  torch fp32  %7.1f ms  %9.0f tokens/s\n",
+          p["torch"].get<std::string>(), p["threads"].get<int>(), j.value("threads", 0),
+          1e3 * pm["fp32"]["best_s"].get<double>(), pm["fp32"]["tokens_per_s"].get<double>());
+      if (pm.contains("bf16")) {
+        std::cout << absl::StrFormat(
+            "  torch bf16  %7.1f ms  %9.0f tokens/s  (autocast)\n"
+            "  ratio fp8 / torch bf16 step time   %.3f  (target <= %.2g)\n",
+            1e3 * pm["bf16"]["best_s"].get<double>(), pm["bf16"]["tokens_per_s"].get<double>(),
+            r["fp8_over_torch_bf16"].get<double>(), t["fp8_over_torch_bf16"].get<double>());
+      } else {
+        std::cout << "  torch bf16  left out (--peer-modes fp32)\n";
+      }
+      std::cout << absl::StrFormat(
           "  ratio fp32 / torch fp32 step time  %.3f  (target <= %.2g)\n"
           "  ratio fp8 / fp32 step time         %.3f  (target <= %.2g, issue 18)\n",
-          p["torch"].get<std::string>(), p["threads"].get<int>(), j.value("threads", 0),
-          1e3 * pm["fp32"]["best_s"].get<double>(), pm["fp32"]["tokens_per_s"].get<double>(),
-          1e3 * pm["bf16"]["best_s"].get<double>(), pm["bf16"]["tokens_per_s"].get<double>(),
-          r["fp8_over_torch_bf16"].get<double>(), t["fp8_over_torch_bf16"].get<double>(),
           r["fp32_over_torch_fp32"].get<double>(), t["fp32_over_torch_fp32"].get<double>(),
           r["fp8_over_fp32"].get<double>(), t["fp8_over_fp32"].get<double>());
       if (p.contains("cpu_bf16") && p["cpu_bf16"].empty()) {
@@ -444,6 +458,11 @@ int main(int argc, char** argv) {
                    "torch: also time the same model in PyTorch (FP32 and BF16 autocast; "
                    "scripts/bench-torch, needs python3-torch)")
       ->check(CLI::IsMember({"torch"}));
+  std::string step_peer_modes;
+  step->add_option("--peer-modes", step_peer_modes,
+                   "fp32,bf16 (default) or fp32: leave out PyTorch's BF16-autocast step (no fast "
+                   "path on a CPU without BF16 instructions)")
+      ->check(CLI::IsMember({"fp32,bf16", "fp32"}));
   step->add_flag("--json", json, "print one JSON object");
   MemoryBenchOptions mopt;
   bool no_baseline = false;
@@ -513,6 +532,7 @@ int main(int argc, char** argv) {
     const bool cuda = step->count("--device") > 0 && device == "cuda";
     if (step->count("--device") > 0) args += " --device " + device;
     if (!step_peer.empty()) args += " --peer " + step_peer;
+    if (!step_peer_modes.empty()) args += " --peer-modes " + step_peer_modes;
     result = MpiBench("fp8rt-bench-step", cuda ? 0 : 1, args);
   }
   if (!result.ok()) {

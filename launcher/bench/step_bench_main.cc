@@ -23,6 +23,7 @@
 // (<= 1.0) and fp8rt fp8 / fp8rt fp32 (<= 0.4), each of the fastest steps. Only the gpt2 and
 // llama families have a twin (the plain family is refused, naming model.family), dense only.
 #include <omp.h>
+#include <time.h>
 
 #include <algorithm>
 #include <charconv>
@@ -217,6 +218,11 @@ int main(int argc, char** argv) {
   app.add_option("--peer", peer_name,
                  "torch: also time the same model in PyTorch, FP32 and BF16 autocast (CPU)")
       ->check(CLI::IsMember({"torch"}));
+  std::string peer_modes_flag = "fp32,bf16";
+  app.add_option("--peer-modes", peer_modes_flag,
+                 "fp32,bf16 (default) or fp32: leave out the BF16-autocast step, which has no "
+                 "fast path on a CPU without BF16 instructions (tens of times the FP32 step)")
+      ->check(CLI::IsMember({"fp32,bf16", "fp32"}));
   CLI11_PARSE(app, argc, argv);
   if (rounds < 1 || warmup < 0) return Fail("--rounds must be >= 1 and --warmup >= 0");
 
@@ -296,11 +302,20 @@ int main(int argc, char** argv) {
     std::unique_ptr<worker::Trainer> trainer;
     std::vector<double> seconds;
     double last_loss = 0.0;
+    double cpu_s = 0.0, wall_s = 0.0;  // of the timed steps: this process's CPU and wall time
   };
   std::vector<Mode> modes;
   modes.push_back({"fp8", v1::RunSpec::Precision::MODE_FP8, nullptr, {}, 0.0});
   modes.push_back({"bf16", v1::RunSpec::Precision::MODE_BF16, nullptr, {}, 0.0});
   modes.push_back({"fp32", v1::RunSpec::Precision::MODE_FP32, nullptr, {}, 0.0});
+  // CPU seconds of this process so far, every thread (the scheduler's run time; the other
+  // threads' share is brought up to date at each scheduler tick, so a reading can lag by about a
+  // tick per thread: noise on millisecond steps, nothing on real ones; not the peer's, a child).
+  auto cpu_seconds = [] {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  };
   for (Mode& m : modes) {
     v1::RunSpec spec = *base;
     spec.mutable_precision()->set_mode(m.mode);
@@ -320,7 +335,8 @@ int main(int argc, char** argv) {
     std::vector<double> seconds;
     double last_loss = 0.0;
   };
-  std::vector<PeerMode> peer_modes = {{"fp32", {}, 0.0}, {"bf16", {}, 0.0}};
+  std::vector<PeerMode> peer_modes = {{"fp32", {}, 0.0}};
+  if (peer_modes_flag == "fp32,bf16") peer_modes.push_back({"bf16", {}, 0.0});
   nlohmann::json peer_ready;
   if (peer) {
     absl::StatusOr<nlohmann::json> ready = PeerAnswer(*peer, kPeerTimeoutS);
@@ -329,12 +345,18 @@ int main(int argc, char** argv) {
   }
   for (int r = 0; r < warmup + rounds; ++r) {
     for (Mode& m : modes) {
+      const double c0 = cpu_seconds();
       const auto t0 = std::chrono::steady_clock::now();
       absl::StatusOr<worker::StepRecord> rec = m.trainer->Step();
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double c = cpu_seconds() - c0;
       if (!rec.ok()) return Fail(std::string(m.name) + ": " + rec.status().ToString());
       m.last_loss = rec->loss;
-      if (r >= warmup) m.seconds.push_back(s);
+      if (r >= warmup) {
+        m.seconds.push_back(s);
+        m.cpu_s += c;
+        m.wall_s += s;
+      }
     }
     for (PeerMode& pm : peer_modes) {
       if (!peer) break;
@@ -371,6 +393,13 @@ int main(int argc, char** argv) {
                                {"median_s", median[i]},
                                {"tokens_per_s", tokens / best[i]},
                                {"loss", modes[i].last_loss}};
+    // How busy the OpenMP team was during the timed steps: CPU time over wall time x threads
+    // (OpenMP's spin-waiting counts as busy; perf separates it, docs/perf.md).
+    if (!cuda && modes[i].wall_s > 0.0) {
+      per_mode[modes[i].name]["cpu_busy"] = modes[i].cpu_s / (modes[i].wall_s * threads);
+      per_mode[modes[i].name]["cpu_s"] = modes[i].cpu_s;
+      per_mode[modes[i].name]["wall_s"] = modes[i].wall_s;
+    }
   }
   j["device"] = cuda ? "cuda" : "cpu";
   // CPU: fp8 over fp32 time (target <= 0.7). CUDA: bf16 over fp8 time, the speed-up (>= 1.3).
@@ -410,10 +439,14 @@ int main(int argc, char** argv) {
     // no hardware path and the fp8 / torch bf16 ratio says little.
     p["cpu_bf16"] = peer_ready.value("cpu_bf16", nlohmann::json::array());
     p["modes"] = pm_json;
-    p["ratios"] = {{"fp8_over_torch_bf16", best[0] / peer_best[1]},
+    // Without the BF16 peer step (--peer-modes fp32) its ratio is null.
+    const bool peer_bf16 = peer_best.size() > 1;
+    p["ratios"] = {{"fp8_over_torch_bf16",
+                    peer_bf16 ? nlohmann::json(best[0] / peer_best[1]) : nlohmann::json()},
                    {"fp32_over_torch_fp32", best[2] / peer_best[0]},
                    {"fp8_over_fp32", best[0] / best[2]}};
-    p["ratio_medians"] = {{"fp8_over_torch_bf16", median[0] / peer_median[1]},
+    p["ratio_medians"] = {{"fp8_over_torch_bf16",
+                           peer_bf16 ? nlohmann::json(median[0] / peer_median[1]) : nlohmann::json()},
                           {"fp32_over_torch_fp32", median[2] / peer_median[0]},
                           {"fp8_over_fp32", median[0] / median[2]}};
     p["targets"] = {{"fp8_over_torch_bf16", 0.7},  // each: at most

@@ -104,6 +104,16 @@ TEST(BenchCliTest, StepTimesTheSameSpecInThreePrecisions) {
   const double fp32_loss = m["fp32"]["loss"].get<double>();
   EXPECT_NEAR(m["fp8"]["loss"].get<double>(), fp32_loss, 0.01 * fp32_loss);
   EXPECT_NEAR(m["bf16"]["loss"].get<double>(), fp32_loss, 0.01 * fp32_loss);
+  // How busy the team was during the timed steps: CPU time over wall time x threads. The
+  // process clock brings other threads' time up to date at scheduler ticks (4 ms at most here),
+  // which on these millisecond steps allows a tick per thread of excess.
+  const int threads = j["threads"].get<int>();
+  for (const char* mode : {"fp8", "bf16", "fp32"}) {
+    const double cpu = m[mode]["cpu_s"].get<double>(), wall = m[mode]["wall_s"].get<double>();
+    EXPECT_GT(cpu, 0.0) << mode;
+    EXPECT_LE(cpu, wall * threads + 0.004 * threads) << mode;
+    EXPECT_NEAR(m[mode]["cpu_busy"].get<double>(), cpu / (wall * threads), 1e-9) << mode;
+  }
   EXPECT_EQ(j["model"]["d_model"].get<int>(), 128);
   EXPECT_EQ(j["tokens_per_step"].get<double>(), 4 * 32);
   std::filesystem::remove_all(dir);
@@ -190,7 +200,44 @@ TEST(BenchCliTest, StepWithTheTorchPeerTimesPyTorchInTheSameRounds) {
   for (const char* mode : {"fp32", "bf16"}) {
     EXPECT_NEAR(pm[mode]["loss"].get<double>(), std::log(256.0), 0.03 * std::log(256.0)) << mode;
   }
+  // --peer-modes fp32 leaves out the BF16-autocast step: no bf16 mode, its ratio null.
+  const auto f = RunBench("step --rounds 1 --json --peer torch --peer-modes fp32 --spec " +
+                              write_spec("llama32.yaml", "family: llama, "),
+                          &rc);
+  ASSERT_EQ(rc, 0);
+  ASSERT_TRUE(f.contains("peer")) << f.dump();
+  EXPECT_TRUE(f["peer"]["modes"].contains("fp32")) << f.dump();
+  EXPECT_FALSE(f["peer"]["modes"].contains("bf16")) << f.dump();
+  EXPECT_TRUE(f["peer"]["ratios"]["fp8_over_torch_bf16"].is_null()) << f.dump();
+  EXPECT_NEAR(f["peer"]["ratios"]["fp32_over_torch_fp32"].get<double>(),
+              f["modes"]["fp32"]["best_s"].get<double>() /
+                  f["peer"]["modes"]["fp32"]["best_s"].get<double>(),
+              1e-9);
   std::filesystem::remove_all(dir);
+}
+
+// fp8rt bench attention: flash against the materialising attention in the same rounds, on a
+// grouped-query shape with a ragged last tile; both compute the same outputs, and each keeps
+// what it says (lse: B H T floats; probabilities: B H T T).
+TEST(BenchCliTest, AttentionTimesFlashAgainstTheMaterialisedAttention) {
+  int rc = -1;
+  const auto j = RunBench(
+      "attention --batch 2 --seq 100 --heads 4 --kv-heads 2 --head-dim 16 --rounds 1 --samples 1 "
+      "--json",
+      &rc);
+  ASSERT_EQ(rc, 0);
+  EXPECT_EQ(j["benchmark"], "attention");
+  EXPECT_NEAR(j["ratio"].get<double>(),
+              j["materialised"]["best_s"].get<double>() / j["flash"]["best_s"].get<double>(),
+              1e-9);
+  EXPECT_EQ(j["saved_bytes"]["flash_lse"].get<int64_t>(), 2 * 4 * 100 * 4);
+  EXPECT_EQ(j["saved_bytes"]["materialised_probs"].get<int64_t>(), 2 * 4 * 100 * 100 * 4);
+  EXPECT_LE(j["check"]["max_abs_out_difference"].get<double>(),
+            1e-5 * j["check"]["max_abs_out"].get<double>());
+  RunBench("attention --heads 4 --kv-heads 3", &rc);
+  EXPECT_EQ(rc, 2);
+  RunBench("attention --seq 0", &rc);
+  EXPECT_EQ(rc, 2);
 }
 
 TEST(BenchCliTest, BadArgumentsExitWithCode2) {
