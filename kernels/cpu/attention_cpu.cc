@@ -56,7 +56,8 @@ HWY_INLINE float DotOf(const float* a, const float* b, int64_t n) {
   const int64_t lanes = Lanes();
   V acc = hn::Zero(d);
   int64_t j = 0;
-  for (; j + lanes <= n; j += lanes) acc = hn::MulAdd(hn::LoadU(d, a + j), hn::LoadU(d, b + j), acc);
+  for (; j + lanes <= n; j += lanes)
+    acc = hn::MulAdd(hn::LoadU(d, a + j), hn::LoadU(d, b + j), acc);
   float sum = hn::GetLane(hn::SumOfLanes(d, acc));
   for (; j < n; ++j) sum = std::fma(a[j], b[j], sum);
   return sum;
@@ -67,8 +68,7 @@ struct HeadPtrs {
   int64_t ld, ldkv;  // between positions: H * Dh in q, out, dout, dq; Hkv * Dh in k, v, dk, dv
   int64_t q, kv;     // offsets of position 0
 };
-HWY_INLINE HeadPtrs PtrsOf(int64_t bb, int64_t hh, int64_t t, int64_t h, int64_t hkv,
-                           int64_t dh) {
+HWY_INLINE HeadPtrs PtrsOf(int64_t bb, int64_t hh, int64_t t, int64_t h, int64_t hkv, int64_t dh) {
   const int64_t g = hh / (h / hkv);
   return {h * dh, hkv * dh, (bb * t * h + hh) * dh, (bb * t * hkv + g) * dh};
 }
@@ -80,10 +80,10 @@ void AttentionForwardHeadTiles(float* out, float* lse, const float* q, const flo
   const int64_t lanes = Lanes();
   const float scale = 1.0f / std::sqrt(static_cast<float>(dh));
   const HeadPtrs at = PtrsOf(bb, hh, t, h, hkv, dh);
-  float* s = scratch;              // [kTq, kTk]: scores, then probabilities
-  float* o = s + kTq * kTk;        // [kTq, dh]: the unnormalised output
-  float* m = o + kTq * dh;         // [kTq]: running maxima
-  float* l = m + kTq;              // [kTq]: running sums
+  float* s = scratch;        // [kTq, kTk]: scores, then probabilities
+  float* o = s + kTq * kTk;  // [kTq, dh]: the unnormalised output
+  float* m = o + kTq * dh;   // [kTq]: running maxima
+  float* l = m + kTq;        // [kTq]: running sums
   for (int64_t i0 = 0; i0 < t; i0 += kTq) {
     const int64_t mq = std::min(kTq, t - i0);
     std::fill_n(o, mq * dh, 0.0f);
@@ -108,9 +108,8 @@ void AttentionForwardHeadTiles(float* out, float* lse, const float* q, const flo
         const float m_new = std::max(m[ii], tile_max);
         if (valid > 0 && m_new > m[ii]) {
           // The running sum and output were relative to the old maximum.
-          const float alpha = m[ii] == -std::numeric_limits<float>::infinity()
-                                  ? 0.0f
-                                  : std::exp(m[ii] - m_new);
+          const float alpha =
+              m[ii] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[ii] - m_new);
           l[ii] *= alpha;
           float* oi = o + ii * dh;
           for (int64_t c = 0; c < dh; ++c) oi[c] *= alpha;
@@ -145,10 +144,10 @@ void AttentionForwardHeadTiles(float* out, float* lse, const float* q, const flo
   }
 }
 
-void AttentionBackwardGroupTiles(float* dq, float* dk, float* dv, const float* dout,
-                                 const float* q, const float* k, const float* v, const float* out,
-                                 const float* lse, int64_t bb, int64_t g, int64_t t, int64_t h,
-                                 int64_t hkv, int64_t dh, float* scratch) {
+void AttentionBackwardGroupTiles(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                                 const float* k, const float* v, const float* out, const float* lse,
+                                 int64_t bb, int64_t g, int64_t t, int64_t h, int64_t hkv,
+                                 int64_t dh, float* scratch) {
   const D d;
   const int64_t lanes = Lanes();
   const int64_t group = h / hkv;
@@ -217,44 +216,43 @@ HWY_EXPORT(AttentionBackwardGroupTiles);
 
 namespace {
 
-// Scratch floats of one forward task (s, o, m, l) and one backward task (p, ds, row_term): the layouts at the top of the two task functions.
+// Scratch floats of one forward task (s, o, m, l) and one backward task (p, ds, row_term): the
+// layouts at the top of the two task functions.
 int64_t ForwardScratchFloats(int64_t dh) {
   return kAttentionTileQ * kAttentionTileK + kAttentionTileQ * dh + 2 * kAttentionTileQ;
 }
-int64_t BackwardScratchFloats(int64_t) {
-  return 2 * kAttentionTileQ * kAttentionTileK + kAttentionTileQ;
+int64_t BackwardScratchFloats() { return 2 * kAttentionTileQ * kAttentionTileK + kAttentionTileQ; }
+
+// body(task, scratch) for every task in [0, tasks), statically split over the team, each thread
+// with its own scratch of `floats`. The region is always active, so oneDNN's sgemm inside runs
+// on the calling thread (its results then never depend on the team's size).
+template <typename Body>
+void OnTheTeam(int64_t tasks, int64_t floats, const Body& body) {
+#pragma omp parallel
+  {
+    std::vector<float> scratch(static_cast<size_t>(floats));
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; ++task) body(task, scratch.data());
+  }
 }
 
 }  // namespace
 
 void AttentionForwardFast(float* out, float* lse, const float* q, const float* k, const float* v,
                           int64_t b, int64_t t, int64_t h, int64_t hkv, int64_t dh) {
-  const int64_t tasks = b * h;
-#pragma omp parallel
-  {
-    std::vector<float> scratch(static_cast<size_t>(ForwardScratchFloats(dh)));
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < tasks; ++task) {
-      HWY_DYNAMIC_DISPATCH(AttentionForwardHeadTiles)(out, lse, q, k, v, task / h, task % h, t, h,
-                                                      hkv, dh, scratch.data());
-    }
-  }
+  OnTheTeam(b * h, ForwardScratchFloats(dh), [&](int64_t task, float* scratch) {
+    HWY_DYNAMIC_DISPATCH(AttentionForwardHeadTiles)
+    (out, lse, q, k, v, task / h, task % h, t, h, hkv, dh, scratch);
+  });
 }
 
 void AttentionBackwardFast(float* dq, float* dk, float* dv, const float* dout, const float* q,
                            const float* k, const float* v, const float* out, const float* lse,
                            int64_t b, int64_t t, int64_t h, int64_t hkv, int64_t dh) {
-  const int64_t tasks = b * hkv;
-#pragma omp parallel
-  {
-    std::vector<float> scratch(static_cast<size_t>(BackwardScratchFloats(dh)));
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < tasks; ++task) {
-      HWY_DYNAMIC_DISPATCH(AttentionBackwardGroupTiles)(dq, dk, dv, dout, q, k, v, out, lse,
-                                                        task / hkv, task % hkv, t, h, hkv, dh,
-                                                        scratch.data());
-    }
-  }
+  OnTheTeam(b * hkv, BackwardScratchFloats(), [&](int64_t task, float* scratch) {
+    HWY_DYNAMIC_DISPATCH(AttentionBackwardGroupTiles)
+    (dq, dk, dv, dout, q, k, v, out, lse, task / hkv, task % hkv, t, h, hkv, dh, scratch);
+  });
 }
 
 }  // namespace fp8rt::kernels::cpu_internal

@@ -857,17 +857,11 @@ absl::Status CopyEntry(float* dst, const float* src, int64_t n, Stream) {
 template <typename T>
 absl::Status TransposeOf(const char* op, T* dst, const T* src, int64_t rows, int64_t cols) {
   FP8RT_RETURN_IF_ERROR(CheckSizes(op, {{"rows", rows}, {"cols", cols}}));
-  constexpr int64_t kB = 32;  // cache blocks; each strip of kB rows writes its own columns of dst
+  constexpr int64_t kB = 32;  // strips of kB rows; each writes its own columns of dst
   const int64_t strips = (rows + kB - 1) / kB;
 #pragma omp parallel for schedule(static) if (strips > 1 && rows * cols >= (int64_t{1} << 16))
   for (int64_t strip = 0; strip < strips; ++strip) {
-    const int64_t r0 = strip * kB;
-    for (int64_t c0 = 0; c0 < cols; c0 += kB) {
-      const int64_t r1 = std::min(rows, r0 + kB), c1 = std::min(cols, c0 + kB);
-      for (int64_t c = c0; c < c1; ++c) {
-        for (int64_t r = r0; r < r1; ++r) dst[c * rows + r] = src[r * cols + c];
-      }
-    }
+    cpu_internal::TransposeRows(dst, src, rows, cols, strip * kB, std::min(rows, (strip + 1) * kB));
   }
   return absl::OkStatus();
 }

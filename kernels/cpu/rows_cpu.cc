@@ -404,6 +404,70 @@ void CrossEntropyBackwardRows(float* dlogits, const float* probs, const int32_t*
   }
 }
 
+// ---- Transposes: 128-bit squares (4 x 4 floats, 16 x 16 bytes) in registers ----
+
+#if HWY_TARGET != HWY_SCALAR
+// dst[c * ld_dst + r] = src[r * ld_src + c] for an N x N square, N the lanes of a 128-bit vector:
+// log2(N) perfect shuffles, each interleaving row i with row i + N / 2.
+template <typename T>
+HWY_INLINE void TransposeSquare(T* dst, int64_t ld_dst, const T* src, int64_t ld_src) {
+  const hn::FixedTag<T, 16 / sizeof(T)> d;
+  constexpr int64_t kN = 16 / sizeof(T);
+  using VT = hn::Vec<decltype(d)>;
+  VT r[kN];
+  for (int64_t i = 0; i < kN; ++i) r[i] = hn::LoadU(d, src + i * ld_src);
+  for (int64_t stage = 1; stage < kN; stage *= 2) {
+    VT t[kN];
+    for (int64_t i = 0; i < kN / 2; ++i) {
+      t[2 * i] = hn::InterleaveLower(d, r[i], r[i + kN / 2]);
+      t[2 * i + 1] = hn::InterleaveUpper(d, r[i], r[i + kN / 2]);
+    }
+    for (int64_t i = 0; i < kN; ++i) r[i] = t[i];
+  }
+  for (int64_t i = 0; i < kN; ++i) hn::StoreU(r[i], d, dst + i * ld_dst);
+}
+#endif
+
+// Rows [r0, r1) of src [rows, cols] into dst [cols, rows], in 32-column blocks; whole squares in
+// registers, the ragged edges element by element. A copy: bit for bit.
+template <typename T>
+HWY_INLINE void TransposeRowsOf(T* dst, const T* src, int64_t rows, int64_t cols, int64_t r0,
+                                int64_t r1) {
+  constexpr int64_t kBlock = 32;
+#if HWY_TARGET != HWY_SCALAR
+  constexpr int64_t kN = 16 / sizeof(T);
+#else
+  constexpr int64_t kN = 1 << 30;  // no squares: everything element by element
+#endif
+  for (int64_t c0 = 0; c0 < cols; c0 += kBlock) {
+    const int64_t c1 = std::min(cols, c0 + kBlock);
+    int64_t r = r0;
+    for (; r + kN <= r1; r += kN) {
+      int64_t c = c0;
+#if HWY_TARGET != HWY_SCALAR
+      for (; c + kN <= c1; c += kN) {
+        TransposeSquare(dst + c * rows + r, rows, src + r * cols + c, cols);
+      }
+#endif
+      for (; c < c1; ++c) {
+        for (int64_t rr = r; rr < r + kN; ++rr) dst[c * rows + rr] = src[rr * cols + c];
+      }
+    }
+    for (; r < r1; ++r) {
+      for (int64_t c = c0; c < c1; ++c) dst[c * rows + r] = src[r * cols + c];
+    }
+  }
+}
+
+void TransposeRowsF32(float* dst, const float* src, int64_t rows, int64_t cols, int64_t r0,
+                      int64_t r1) {
+  TransposeRowsOf(dst, src, rows, cols, r0, r1);
+}
+void TransposeRowsU8(uint8_t* dst, const uint8_t* src, int64_t rows, int64_t cols, int64_t r0,
+                     int64_t r1) {
+  TransposeRowsOf(dst, src, rows, cols, r0, r1);
+}
+
 // ---- AdamW ----
 
 // The update of [begin, end) (kernels/layer_ops.h's formula, each operation rounded to FP32).
@@ -474,6 +538,8 @@ HWY_EXPORT(RopeRows);
 HWY_EXPORT(CrossEntropyForwardRows);
 HWY_EXPORT(CrossEntropyBackwardRows);
 HWY_EXPORT(AdamWSpan);
+HWY_EXPORT(TransposeRowsF32);
+HWY_EXPORT(TransposeRowsU8);
 
 namespace {
 
@@ -683,6 +749,15 @@ absl::Status AdamWFast(const AdamWArgs& k) {
     AdamWFp8TensorFast<Fp8Format::kE4M3>(k);
   }
   return absl::OkStatus();
+}
+
+void TransposeRows(float* dst, const float* src, int64_t rows, int64_t cols, int64_t r0,
+                   int64_t r1) {
+  HWY_DYNAMIC_DISPATCH(TransposeRowsF32)(dst, src, rows, cols, r0, r1);
+}
+void TransposeRows(uint8_t* dst, const uint8_t* src, int64_t rows, int64_t cols, int64_t r0,
+                   int64_t r1) {
+  HWY_DYNAMIC_DISPATCH(TransposeRowsU8)(dst, src, rows, cols, r0, r1);
 }
 
 }  // namespace fp8rt::kernels::cpu_internal

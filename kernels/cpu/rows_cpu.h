@@ -52,6 +52,12 @@ void EmbeddingBackwardFast(float* dtable, const float* dout, const int32_t* toke
 void RopeCosSin(int64_t pos, int64_t i, int64_t dh, float theta, float& cos_out, float& sin_out);
 // forward: out = rotate(x); else dx += rotate^T(dout). The (cos, sin) of each (position,
 // frequency) pair is computed once per call, by the reference's expression.
+// Rows [r0, r1) of src [rows, cols] into dst [cols, rows] (the transpose entries' strips): 32-column
+// blocks, 128-bit squares transposed in registers (4 x 4 floats, 16 x 16 bytes), bit for bit.
+void TransposeRows(float* dst, const float* src, int64_t rows, int64_t cols, int64_t r0,
+                   int64_t r1);
+void TransposeRows(uint8_t* dst, const uint8_t* src, int64_t rows, int64_t cols, int64_t r0,
+                   int64_t r1);
 void RopeFast(bool forward, float* out, const float* in, int64_t n, int64_t t, int64_t h,
               int64_t dh, float theta);
 // Shared by the reference AdamW (layer_ops_cpu.cc) and AdamWFast: the tensor-scaled shard's

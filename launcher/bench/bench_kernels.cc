@@ -269,12 +269,13 @@ struct MaterialisedAttention {
         const int64_t at = (bb * t * h + hh) * dh;
         const float* p = probs.data() + (bb * h + hh) * t * t;
         float* ds = dp.data() + (bb * h + hh) * t * t;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, t, t, dh, 1.0f, dout + at, ld,
-                    v + kv, ldkv, 0.0f, ds, t);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, t, t, dh, 1.0f, dout + at, ld, v + kv,
+                    ldkv, 0.0f, ds, t);
         for (int64_t i = 0; i < t; ++i) {
           float dot = 0.0f;
           for (int64_t j = 0; j <= i; ++j) dot += p[i * t + j] * ds[i * t + j];
-          for (int64_t j = 0; j < t; ++j) ds[i * t + j] = p[i * t + j] * (ds[i * t + j] - dot) * scale;
+          for (int64_t j = 0; j < t; ++j)
+            ds[i * t + j] = p[i * t + j] * (ds[i * t + j] - dot) * scale;
         }
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, t, dh, t, 1.0f, ds, t, k + kv, ldkv,
                     1.0f, dq + at, ld);
@@ -290,14 +291,14 @@ struct MaterialisedAttention {
 }  // namespace
 
 absl::StatusOr<nlohmann::ordered_json> AttentionBench(const AttentionBenchOptions& o) {
-  for (auto [name, value] : {std::pair{"--batch", o.batch}, std::pair{"--seq", o.seq},
-                             std::pair{"--heads", o.heads}, std::pair{"--kv-heads", o.kv_heads},
-                             std::pair{"--head-dim", o.head_dim}}) {
+  for (auto [name, value] :
+       {std::pair{"--batch", o.batch}, std::pair{"--seq", o.seq}, std::pair{"--heads", o.heads},
+        std::pair{"--kv-heads", o.kv_heads}, std::pair{"--head-dim", o.head_dim}}) {
     if (value < 1) return absl::InvalidArgumentError(absl::StrCat(name, " must be >= 1"));
   }
   if (o.heads % o.kv_heads != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--kv-heads ", o.kv_heads,
-                                                   " does not divide --heads ", o.heads));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-heads ", o.kv_heads, " does not divide --heads ", o.heads));
   }
   const int64_t b = o.batch, t = o.seq, h = o.heads, hkv = o.kv_heads, dh = o.head_dim;
   const int64_t size = b * t * h * dh, kv_size = b * t * hkv * dh;
@@ -307,8 +308,8 @@ absl::StatusOr<nlohmann::ordered_json> AttentionBench(const AttentionBenchOption
   FillNormal(k.data(), kv_size, 12);
   FillNormal(v.data(), kv_size, 13);
   FillNormal(dout.data(), size, 14);
-  MaterialisedAttention ref{b, t, h, hkv, dh, std::vector<float>(b * h * t * t),
-                            std::vector<float>(b * h * t * t)};
+  MaterialisedAttention ref{
+      b, t, h, hkv, dh, std::vector<float>(b * h * t * t), std::vector<float>(b * h * t * t)};
   const kernels::LayerOps& L = *kernels::CpuOps().layer;
   openblas_set_num_threads(1);  // one sgemm per head and thread: the team is OpenMP's
   auto flash = [&] {
@@ -321,8 +322,8 @@ absl::StatusOr<nlohmann::ordered_json> AttentionBench(const AttentionBenchOption
     ref.Forward(out_ref.data(), q.data(), k.data(), v.data());
     ref.Backward(dq.data(), dk.data(), dv.data(), dout.data(), q.data(), k.data(), v.data());
   };
-  absl::Status st = L.attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), b,
-                                        t, h, hkv, dh, {});
+  absl::Status st = L.attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), b, t,
+                                        h, hkv, dh, {});
   if (!st.ok()) return st;
   std::vector<Case> cases = {{"flash", flash}, {"materialised", materialised}};
   auto tm = RunInterleaved(cases, o.rounds, o.samples);

@@ -147,8 +147,8 @@ inline ForwardWant ExactForward(const AttnData& x) {
         const int64_t n = i + 1;
         double m = -std::numeric_limits<double>::infinity(), e_max = 0.0;
         for (int64_t j = 0; j <= i; ++j) {
-          const internal::Dot qk = internal::DotOf(&x.q[x.At(bb, i, hh, 0)],
-                                                   &x.k[x.KvAt(bb, j, hh, 0)], s.dh);
+          const internal::Dot qk =
+              internal::DotOf(&x.q[x.At(bb, i, hh, 0)], &x.k[x.KvAt(bb, j, hh, 0)], s.dh);
           score[j] = qk.value * x.scale;
           err[j] = (s.dh + 1) * kU * qk.abs * x.scale + kU * std::fabs(score[j]);
           e_max = std::max(e_max, err[j]);

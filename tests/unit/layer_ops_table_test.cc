@@ -422,8 +422,8 @@ TEST_P(TransposeTest, BytesMatchTheIndexFormula) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, TransposeTest,
-                         ::testing::Values(MatShape{33, 47}, MatShape{1, 50}, MatShape{50, 1},
-                                           MatShape{1, 1}, MatShape{31, 65}, MatShape{64, 32},
+                         ::testing::Values(MatShape{96, 80}, MatShape{130, 67}, MatShape{33, 47},
+                                           MatShape{1, 50}, MatShape{50, 1}, MatShape{1, 1}, MatShape{31, 65}, MatShape{64, 32},
                                            MatShape{97, 3}, MatShape{0, 7}, MatShape{7, 0},
                                            MatShape{0, 0}),
                          [](const auto& info) {
