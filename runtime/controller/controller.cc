@@ -31,6 +31,7 @@
 #include "runtime/core/check.h"
 #include "runtime/core/checkpoint_dir.h"
 #include "runtime/core/fault_point.h"
+#include "runtime/core/quote.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt::controller {
@@ -78,6 +79,13 @@ absl::Status CheckLength(const std::string& field, const std::string& value, siz
       absl::StrCat(field, ": at most ", max, " bytes, got ", value.size()));
 }
 
+// InvalidArgument unless 0 <= step <= kMaxStep (`lowest` 1 where step 0 means nothing).
+absl::Status CheckStep(const std::string& field, int64_t step, int64_t lowest = 0) {
+  if (step >= lowest && step <= kMaxStep) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": must be in [", lowest, ", ", kMaxStep, "], got ", step));
+}
+
 // InvalidArgument unless the repeated field `field` has at most `max` entries.
 absl::Status CheckCount(const std::string& field, int count, int max) {
   if (count <= max) return absl::OkStatus();
@@ -95,8 +103,7 @@ absl::Status ValidateRunId(const std::string& id) {
   for (size_t i = 0; valid && i < id.size(); ++i) valid = RunIdChar(id[i], i == 0);
   if (valid) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat("run_id: must match [a-z0-9][a-z0-9._-]{0,62}, got '",
-                   absl::CEscape(id.substr(0, 80)), id.size() > 80 ? "...'" : "'"));
+      absl::StrCat("run_id: must match [a-z0-9][a-z0-9._-]{0,62}, got ", QuoteBounded(id)));
 }
 
 absl::Status CheckRankInWorld(int rank, int world_size, const std::string& run_id) {
@@ -166,8 +173,8 @@ absl::StatusOr<std::unique_ptr<Controller>> Controller::Open(const ControllerOpt
   if (options.heartbeat_timeout.count() <= 0) {
     return absl::InvalidArgumentError("heartbeat_timeout: must be positive");
   }
-  if (options.recipe_lead_steps < 1) {
-    return absl::InvalidArgumentError("recipe_lead_steps: must be >= 1");
+  if (options.recipe_lead_steps < 1 || options.recipe_lead_steps > kMaxStep) {
+    return absl::InvalidArgumentError(absl::StrCat("recipe_lead_steps: must be in [1, ", kMaxStep, "]"));
   }
   std::unique_ptr<Controller> c(new Controller(options, metrics));
   FP8RT_RETURN_IF_ERROR(c->store_.Init());
@@ -350,7 +357,7 @@ absl::StatusOr<v1::RegisterResponse> Controller::RegisterRank0(const v1::Registe
   }
   if (request.run_dir().empty() || request.run_dir()[0] != '/') {
     return absl::InvalidArgumentError(
-        absl::StrCat("run_dir: must be an absolute path, got '", request.run_dir(), "'"));
+        absl::StrCat("run_dir: must be an absolute path, got ", QuoteBounded(request.run_dir())));
   }
   FP8RT_RETURN_IF_ERROR(ValidateSpec(request.spec(), request.world_size()));
   {
@@ -545,9 +552,7 @@ absl::StatusOr<v1::RegisterResponse> Controller::RegisterOtherRank(
 
 absl::StatusOr<v1::HeartbeatResponse> Controller::Heartbeat(const v1::HeartbeatRequest& request) {
   FP8RT_RETURN_IF_ERROR(ValidateRunId(request.run_id()));
-  if (request.step() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("step: must be >= 0, got ", request.step()));
-  }
+  FP8RT_RETURN_IF_ERROR(CheckStep("step", request.step()));
   absl::MutexLock lock(&mu_);
   FP8RT_ASSIGN_OR_RETURN(RunEntry * run, GetLocked(request.run_id()));
   FP8RT_RETURN_IF_ERROR(
@@ -574,9 +579,7 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
   FP8RT_RETURN_IF_ERROR(ValidateRunId(request.run_id()));
   if (!request.has_metrics()) return absl::InvalidArgumentError("metrics: required");
   const v1::StepMetrics& m = request.metrics();
-  if (m.step() < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics.step: must be >= 1, got ", m.step()));
-  }
+  FP8RT_RETURN_IF_ERROR(CheckStep("metrics.step", m.step(), 1));
   FP8RT_RETURN_IF_ERROR(CheckCount("sites", request.sites_size(), kMaxSitesPerReport));
   FP8RT_RETURN_IF_ERROR(CheckCount("comm", request.comm_size(), kMaxCommPerReport));
   FP8RT_RETURN_IF_ERROR(CheckCount("experts", request.experts_size(), kMaxExpertsPerReport));
@@ -597,9 +600,12 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
     }
     FP8RT_RETURN_IF_ERROR(
         CheckLength(absl::StrCat("sites[", i, "].layer"), s.layer(), kMaxNameBytes));
-    if (s.tensor() == v1::TENSOR_ROLE_UNSPECIFIED) {
+    if (s.tensor() == v1::TENSOR_ROLE_UNSPECIFIED || !v1::TensorRole_IsValid(s.tensor())) {
+      const std::string what = s.tensor() == v1::TENSOR_ROLE_UNSPECIFIED
+                                   ? std::string("not set")
+                                   : absl::StrCat(s.tensor(), " is not a tensor role");
       return absl::InvalidArgumentError(
-          absl::StrCat("sites[", i, "].tensor: not set (input, weight or grad_output)"));
+          absl::StrCat("sites[", i, "].tensor: ", what, " (input, weight or grad_output)"));
     }
     if (s.expert() < -1) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -641,10 +647,7 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
           absl::StrCat("memory[", i, "].peak_bytes: must be >= 0, got ", p.peak_bytes()));
     }
   }
-  if (request.recipe_applied_step() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("recipe_applied_step: must be >= 0, got ", request.recipe_applied_step()));
-  }
+  FP8RT_RETURN_IF_ERROR(CheckStep("recipe_applied_step", request.recipe_applied_step()));
 
   const std::string& id = request.run_id();
   bool urgent = false;
@@ -780,9 +783,7 @@ void Controller::ApplyHealthPolicyLocked(RunEntry* run, const v1::ReportStepRequ
 absl::StatusOr<v1::BeginCheckpointResponse> Controller::BeginCheckpoint(
     const v1::BeginCheckpointRequest& request) {
   FP8RT_RETURN_IF_ERROR(ValidateRunId(request.run_id()));
-  if (request.step() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("step: must be >= 0, got ", request.step()));
-  }
+  FP8RT_RETURN_IF_ERROR(CheckStep("step", request.step()));
   const std::string& id = request.run_id();
   std::string run_dir;
   {
@@ -818,9 +819,7 @@ absl::StatusOr<v1::BeginCheckpointResponse> Controller::BeginCheckpoint(
 
 absl::StatusOr<v1::AckShardResponse> Controller::AckShard(const v1::AckShardRequest& request) {
   FP8RT_RETURN_IF_ERROR(ValidateRunId(request.run_id()));
-  if (request.step() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("step: must be >= 0, got ", request.step()));
-  }
+  FP8RT_RETURN_IF_ERROR(CheckStep("step", request.step()));
   const std::string& id = request.run_id();
   v1::CheckpointManifest manifest;
   std::string run_dir;
@@ -834,8 +833,8 @@ absl::StatusOr<v1::AckShardResponse> Controller::AckShard(const v1::AckShardRequ
     const std::string expected = ShardFileName(request.rank());
     if (request.file() != expected) {
       return absl::InvalidArgumentError(absl::StrCat("file: rank ", request.rank(), " writes ",
-                                                     expected, ", got '",
-                                                     absl::CEscape(request.file()), "'"));
+                                                     expected, ", got ",
+                                                     QuoteBounded(request.file())));
     }
     if (!run->pending || run->pending->step != request.step()) {
       return absl::FailedPreconditionError(

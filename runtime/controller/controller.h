@@ -95,6 +95,10 @@ inline constexpr size_t kMaxMemoryCategoryBytes = 32;  // ReportStep.memory[].ca
 inline constexpr int kMaxRecipeExcludes = 16384;       // Recipe.exclude (UpdateRecipe)
 inline constexpr size_t kMaxNameBytes = 256;           // a layer, op, dtype or hostname
 inline constexpr size_t kMaxPathBytes = 4096;          // RegisterRequest.run_dir
+// Every step a request carries (Heartbeat, ReportStep, the checkpoint RPCs) is in [0, kMaxStep]
+// (about 10^12 steps), so that the controller's step arithmetic (latest step + recipe lead,
+// the health policy's intervals) cannot overflow; recipe_lead_steps is capped the same way.
+inline constexpr int64_t kMaxStep = int64_t{1} << 40;
 
 // What the controller keeps per run and rank (internal; guarded by Controller::mu_).
 namespace internal {

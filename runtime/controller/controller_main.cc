@@ -166,9 +166,9 @@ int Run(const Flags& flags) {
     throw FlagError{
         absl::StrCat("--max-streams-per-token: must be >= 1, got ", flags.max_streams_per_token)};
   }
-  if (flags.recipe_lead_steps < 1) {
-    throw FlagError{
-        absl::StrCat("--recipe-lead-steps: must be >= 1, got ", flags.recipe_lead_steps)};
+  if (flags.recipe_lead_steps < 1 || flags.recipe_lead_steps > controller::kMaxStep) {
+    throw FlagError{absl::StrCat("--recipe-lead-steps: must be in [1, ", controller::kMaxStep,
+                                 "], got ", flags.recipe_lead_steps)};
   }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!flags.tls_cert.empty()) {

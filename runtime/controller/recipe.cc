@@ -14,6 +14,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/message_differencer.h"
+#include "runtime/controller/controller.h"
+#include "runtime/core/quote.h"
+#include "runtime/core/status.h"
 #include "runtime/spec/run_spec.h"
 
 namespace fp8rt::controller {
@@ -65,8 +68,26 @@ absl::Status FieldError(const std::string& field, const std::string& message) {
 }
 
 // Every exclude name is a non-empty layer of the model, listed once; `field` is the list's path.
+// The count and every name's length are checked first (CheckExcludeSizes), and a name is quoted
+// by a bounded prefix only (runtime/core/quote.h).
+absl::Status CheckExcludeSizes(const google::protobuf::RepeatedPtrField<std::string>& exclude,
+                               const std::string& field) {
+  if (exclude.size() > kMaxRecipeExcludes) {
+    return FieldError(field, absl::StrCat("at most ", kMaxRecipeExcludes, " entries, got ",
+                                          exclude.size()));
+  }
+  for (int i = 0; i < exclude.size(); ++i) {
+    if (exclude.Get(i).size() > kMaxNameBytes) {
+      return FieldError(absl::StrCat(field, "[", i, "]"),
+                        absl::StrCat("at most ", kMaxNameBytes, " bytes, got ",
+                                     exclude.Get(i).size()));
+    }
+  }
+  return absl::OkStatus();
+}
 absl::Status CheckExclude(const google::protobuf::RepeatedPtrField<std::string>& exclude,
                           const v1::RunSpec& spec, const std::string& field) {
+  FP8RT_RETURN_IF_ERROR(CheckExcludeSizes(exclude, field));
   const std::vector<std::string> names = LayerNames(spec);
   std::set<std::string> seen;
   for (int i = 0; i < exclude.size(); ++i) {
@@ -74,11 +95,38 @@ absl::Status CheckExclude(const google::protobuf::RepeatedPtrField<std::string>&
     const std::string& name = exclude.Get(i);
     if (name.empty()) return FieldError(item, "empty layer name");
     if (std::find(names.begin(), names.end(), name) == names.end()) {
-      return FieldError(
-          item, absl::StrCat("no layer named '", name, "' (layers: ", LayerList(spec), ")"));
+      return FieldError(item, absl::StrCat("no layer named ", QuoteBounded(name),
+                                           " (layers: ", LayerList(spec), ")"));
     }
-    if (!seen.insert(name).second)
-      return FieldError(item, absl::StrCat("'", name, "' listed twice"));
+    if (!seen.insert(name).second) {
+      return FieldError(item, absl::StrCat(QuoteBounded(name), " listed twice"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Each of the precision section's enums holds a value the proto defines (a client can send any
+// number; a recipe or spec with one would be stored and read as something else). `prefix` is
+// the section's path ("recipe" or "spec.precision").
+template <typename Message>
+absl::Status CheckPrecisionEnums(const Message& m, const std::string& prefix) {
+  struct Field {
+    const char* name;
+    int value;
+    bool valid;
+  };
+  const Field fields[] = {
+      {"scaling", m.scaling(), Precision::Scaling_IsValid(m.scaling())},
+      {"amax_compute_algo", m.amax_compute_algo(),
+       Precision::AmaxComputeAlgo_IsValid(m.amax_compute_algo())},
+      {"fsdp_gather", m.fsdp_gather(), Precision::FsdpGather_IsValid(m.fsdp_gather())},
+      {"grad_reduce", m.grad_reduce(), Precision::GradReduce_IsValid(m.grad_reduce())},
+  };
+  for (const Field& f : fields) {
+    if (!f.valid) {
+      return FieldError(absl::StrCat(prefix, ".", f.name),
+                        absl::StrCat(f.value, " is not a value of the enum"));
+    }
   }
   return absl::OkStatus();
 }
@@ -128,12 +176,25 @@ bool SameRecipe(const v1::Recipe& a, const v1::Recipe& b) {
 }
 
 absl::Status ValidateSpec(const v1::RunSpec& spec, int world_size) {
+  FP8RT_RETURN_IF_ERROR(CheckPrecisionEnums(spec.precision(), "spec.precision"));
+  if (!Precision::Mode_IsValid(spec.precision().mode())) {
+    return FieldError("spec.precision.mode",
+                      absl::StrCat(spec.precision().mode(), " is not a value of the enum"));
+  }
+  if (!Precision::Format_IsValid(spec.precision().format())) {
+    return FieldError("spec.precision.format",
+                      absl::StrCat(spec.precision().format(), " is not a value of the enum"));
+  }
+  // Sizes first: a long exclude name is refused before the spec checks quote it; the names are
+  // compared with the model's layers once the model itself is known to be valid.
+  FP8RT_RETURN_IF_ERROR(CheckExcludeSizes(spec.precision().exclude(), "spec.precision.exclude"));
   absl::Status s = ValidateWithoutDataFile(spec, world_size);
   if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("spec.", s.message()));
   return CheckExclude(spec.precision().exclude(), spec, "spec.precision.exclude");
 }
 
 absl::Status ValidateRecipe(const v1::Recipe& recipe, const v1::RunSpec& spec, int world_size) {
+  FP8RT_RETURN_IF_ERROR(CheckPrecisionEnums(recipe, "recipe"));
   if (recipe.scaling() == Precision::SCALING_UNSPECIFIED) {
     return FieldError("recipe.scaling", "not set (delayed, current or block)");
   }

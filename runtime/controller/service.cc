@@ -10,6 +10,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "runtime/core/quote.h"
 
 namespace fp8rt::controller {
 namespace {
@@ -44,8 +45,8 @@ grpc::Status Authorize(const Caller& caller, const Scope& scope) {
   if (scope.run_id == caller.run_id) return grpc::Status::OK;
   return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
                       absl::StrCat("run_id: this token is valid for run '", caller.run_id,
-                                   "' only, got '", absl::CEscape(scope.run_id.substr(0, 80)),
-                                   scope.run_id.empty() ? "' (every run)" : "'"));
+                                   "' only, got ", QuoteBounded(scope.run_id),
+                                   scope.run_id.empty() ? " (every run)" : ""));
 }
 
 // The one path of every handler: authenticate, authorize `scope`, run `body(caller)` (returning

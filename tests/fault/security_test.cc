@@ -21,6 +21,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -712,6 +713,119 @@ TEST(LimitsTest, OversizedMessagesAndHugeRepeatedFieldsAreRefused) {
     EXPECT_LT(rss_after - rss_before, kMaxRssGrowthMiB);
   }
   EXPECT_EQ(c->Stop(), 0);
+}
+
+// Issue 19's four classes of input validation, each over gRPC on a real controller: client input
+// quoted by a bounded prefix only; string fields length-checked before any other check (so a
+// megabyte name comes back as a short INVALID_ARGUMENT naming the field, not as RESOURCE_EXHAUSTED
+// from an oversized error); enum numbers the proto does not define refused, naming the field,
+// with nothing stored; steps bounded by kMaxStep, so the recipe schedule cannot overflow.
+TEST(InputValidationTest, EachClassIsRefusedNamingTheFieldInAShortMessage) {
+  TempDir tmp("fp8rt-security");
+  auto c = StartController(tmp);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(RegisterRank0(*c, kAdminToken, "val", tmp / "runs/val").ok());
+  auto update = [&](const v1::Recipe& recipe) {
+    v1::UpdateRecipeRequest req;
+    req.set_run_id("val");
+    *req.mutable_recipe() = recipe;
+    v1::RecipeVersion resp;
+    return c->runs().UpdateRecipe(BearerContext(kAdminToken).get(), req, &resp);
+  };
+  v1::RecipeVersion current;
+  {
+    v1::GetRecipeRequest req;
+    req.set_run_id("val");
+    ASSERT_TRUE(c->runs().GetRecipe(BearerContext(kAdminToken).get(), req, &current).ok());
+  }
+  auto expect_refused = [](const grpc::Status& s, const std::string& field) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(field));
+    EXPECT_LT(s.error_message().size(), 400u) << "an error quotes a bounded prefix only";
+  };
+  // Length first: a 1 MiB layer name in the exclude list.
+  {
+    v1::Recipe r = current.recipe();
+    r.add_exclude(std::string(1 << 20, 'L'));
+    const grpc::Status s = update(r);
+    expect_refused(s, "recipe.exclude[0]: at most 256 bytes, got 1048576");
+  }
+  // Within the length cap but no such layer: quoted by its first 64 bytes and its length.
+  {
+    v1::Recipe r = current.recipe();
+    r.add_exclude(std::string(200, 'x'));
+    const grpc::Status s = update(r);
+    expect_refused(s, "recipe.exclude[0]: no layer named '" + std::string(64, 'x') +
+                          "'...(200 bytes)");
+  }
+  // An enum number the proto does not define: refused, and no new version stored.
+  {
+    v1::Recipe r = current.recipe();
+    r.set_scaling(static_cast<v1::RunSpec::Precision::Scaling>(99));
+    expect_refused(update(r), "recipe.scaling: 99 is not a value of the enum");
+    r = current.recipe();
+    r.set_grad_reduce(static_cast<v1::RunSpec::Precision::GradReduce>(-5));
+    expect_refused(update(r), "recipe.grad_reduce: -5 is not a value of the enum");
+    v1::GetRecipeRequest req;
+    req.set_run_id("val");
+    v1::RecipeVersion after;
+    ASSERT_TRUE(c->runs().GetRecipe(BearerContext(kAdminToken).get(), req, &after).ok());
+    EXPECT_EQ(after.version(), current.version());
+  }
+  // A registered spec: the same checks (enum, then the exclude list's lengths).
+  {
+    v1::RegisterRequest req;
+    req.set_run_id("val2");
+    req.set_rank(0);
+    req.set_world_size(1);
+    *req.mutable_spec() = SmallSpec();
+    req.mutable_spec()->mutable_precision()->set_format(
+        static_cast<v1::RunSpec::Precision::Format>(42));
+    req.set_run_dir((tmp / "runs/val2").string());
+    v1::RegisterResponse resp;
+    expect_refused(c->control().Register(BearerContext(kAdminToken).get(), req, &resp),
+                   "spec.precision.format: 42 is not a value of the enum");
+    *req.mutable_spec() = SmallSpec();
+    req.mutable_spec()->mutable_precision()->add_exclude(std::string(1 << 20, 'E'));
+    expect_refused(c->control().Register(BearerContext(kAdminToken).get(), req, &resp),
+                   "spec.precision.exclude[0]: at most 256 bytes");
+  }
+  // Steps: a heartbeat at 2^63 - 1 is refused, and the next recipe is scheduled at a sane step.
+  {
+    v1::HeartbeatRequest req;
+    req.set_run_id("val");
+    req.set_rank(0);
+    req.set_step(std::numeric_limits<int64_t>::max());
+    v1::HeartbeatResponse resp;
+    expect_refused(c->control().Heartbeat(BearerContext(kAdminToken).get(), req, &resp),
+                   "step: must be in [0, 1099511627776], got 9223372036854775807");
+    v1::ReportStepRequest rep;
+    rep.set_run_id("val");
+    rep.mutable_metrics()->set_step(std::numeric_limits<int64_t>::max());
+    v1::ReportStepResponse rep_resp;
+    expect_refused(c->control().ReportStep(BearerContext(kAdminToken).get(), rep, &rep_resp),
+                   "metrics.step: must be in [1, 1099511627776]");
+    v1::Recipe r = current.recipe();
+    r.set_margin(current.recipe().margin() + 1);
+    v1::UpdateRecipeRequest up;
+    up.set_run_id("val");
+    *up.mutable_recipe() = r;
+    v1::RecipeVersion scheduled;
+    ASSERT_TRUE(c->runs().UpdateRecipe(BearerContext(kAdminToken).get(), up, &scheduled).ok());
+    EXPECT_GT(scheduled.effective_step(), 0);
+    EXPECT_LT(scheduled.effective_step(), 100);
+  }
+  // A checkpoint RPC: a 1 MiB file name is quoted by its prefix.
+  {
+    v1::AckShardRequest req;
+    req.set_run_id("val");
+    req.set_step(1);
+    req.set_rank(0);
+    req.set_file(std::string(1 << 20, 'f'));
+    v1::AckShardResponse resp;
+    expect_refused(c->control().AckShard(BearerContext(kAdminToken).get(), req, &resp),
+                   "'...(1048576 bytes)");
+  }
 }
 
 TEST(LimitsTest, ConcurrentStreamsAreCappedPerTokenAndInAll) {

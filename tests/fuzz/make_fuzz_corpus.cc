@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <span>
 #include <string>
 #include <utility>
@@ -389,6 +390,24 @@ void MakeRequests(const fs::path& dir) {
   v1::RegisterRequest relative = resume;
   relative.set_run_dir("runs/x");
   WriteSeed(dir, "register-relative-dir", Requests().Add(kRegister, relative).bytes());
+
+  // Issue 19's classes of input validation, one seed each: a name over the length cap, an enum
+  // number the proto does not define, a step past kMaxStep (then a recipe, which is scheduled at
+  // latest step + lead), and a long file name that the error quotes by its prefix.
+  v1::UpdateRecipeRequest long_name = update;
+  long_name.mutable_recipe()->add_exclude(std::string(300, 'L'));
+  WriteSeed(dir, "recipe-long-exclude", Requests().Add(kUpdateRecipe, long_name).bytes());
+  v1::UpdateRecipeRequest bad_enum = update;
+  bad_enum.mutable_recipe()->set_scaling(static_cast<v1::RunSpec::Precision::Scaling>(99));
+  WriteSeed(dir, "recipe-undefined-enum", Requests().Add(kUpdateRecipe, bad_enum).bytes());
+  v1::HeartbeatRequest huge_step = hb;
+  huge_step.set_step(std::numeric_limits<int64_t>::max());
+  WriteSeed(dir, "heartbeat-huge-step",
+            Requests().Add(kHeartbeat, huge_step).Add(kUpdateRecipe, update).bytes());
+  v1::AckShardRequest long_file = Ack(2, 0);
+  long_file.set_file(std::string(300, 'f'));
+  WriteSeed(dir, "ack-long-file",
+            Requests().Add(kBeginCheckpoint, begin).Add(kAckShard, long_file).bytes());
 }
 
 }  // namespace
