@@ -106,7 +106,7 @@ void AttentionForwardHeadTiles(float* out, float* lse, const float* q, const flo
         }
         for (; j < valid; ++j) tile_max = std::max(tile_max, row[j]);
         const float m_new = std::max(m[ii], tile_max);
-        if (valid > 0 && m_new > m[ii]) {
+        if (m_new > m[ii]) {  // (never for a row with no visible key: tile_max is -inf)
           // The running sum and output were relative to the old maximum.
           const float alpha =
               m[ii] == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m[ii] - m_new);
@@ -128,7 +128,7 @@ void AttentionForwardHeadTiles(float* out, float* lse, const float* q, const flo
           row[j] = std::exp(row[j] - m[ii]);
           sum += row[j];
         }
-        std::fill(row + std::max<int64_t>(valid, 0), row + nk, 0.0f);  // masked: future keys
+        std::fill(row + valid, row + nk, 0.0f);  // masked: future keys
         l[ii] += sum;
       }
       // O += P V.
@@ -165,10 +165,10 @@ void AttentionBackwardGroupTiles(float* dq, float* dk, float* dv, const float* d
         const int64_t row = at.q + (i0 + ii) * at.ld;
         row_term[ii] = DotOf(dout + row, out + row, dh);
       }
+      const float* qt = q + at.q + i0 * at.ld;
+      const float* dot = dout + at.q + i0 * at.ld;
       for (int64_t j0 = 0; j0 < i0 + mq; j0 += kTk) {
         const int64_t nk = std::min(kTk, i0 + mq - j0);
-        const float* qt = q + at.q + i0 * at.ld;
-        const float* dot = dout + at.q + i0 * at.ld;
         const int64_t kv_tile = at.kv + j0 * at.ldkv;
         // S = scale Q K^T and dP = dO V^T over the tile.
         Sgemm('N', 'T', mq, nk, dh, scale, qt, at.ld, k + kv_tile, at.ldkv, 0.0f, p, kTk);

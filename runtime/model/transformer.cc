@@ -74,16 +74,16 @@ struct Transformer::Acts {
   // Backward temporaries.
   Array dx, dx2, dln, dg, dh, du, datt, dq, dk, dv, dqr, dkr, dqkv, dlogits, dlnf;
 
-  // Which FP32 GEMM inputs block l keeps for its backward (ln1, att, ln2, g): not those whose
-  // FP8 layer keeps only its FP8 codes (precision.save_fp8_activations); those are written into
-  // one shared buffer per kind instead. The GEMM outputs qkv, proj and fc2 are never read by a
-  // backward and are always shared.
+  // Which FP32 GEMM inputs block l keeps for its backward (ln1, ln2, g): not those whose FP8
+  // layer keeps only its FP8 codes (precision.save_fp8_activations); those are written into one
+  // shared buffer per kind instead. att, the attention output, is always kept (the attention
+  // backward reads it). The GEMM outputs qkv, proj and fc2 are never read by a backward and are
+  // always shared.
   struct Keep {
-    bool ln1 = true, att = true, ln2 = true, g = true;
+    bool ln1 = true, ln2 = true, g = true;
     auto operator<=>(const Keep&) const = default;
   };
-  Array t_ln1{ops, kernels::MemCategory::kScratch}, t_att{ops, kernels::MemCategory::kScratch},
-      t_ln2{ops, kernels::MemCategory::kScratch}, t_g{ops, kernels::MemCategory::kScratch},
+  Array t_ln1{ops, kernels::MemCategory::kScratch}, t_ln2{ops, kernels::MemCategory::kScratch}, t_g{ops, kernels::MemCategory::kScratch},
       t_qkv{ops, kernels::MemCategory::kScratch}, t_proj{ops, kernels::MemCategory::kScratch},
       t_fc2{ops, kernels::MemCategory::kScratch};
   std::vector<Keep> kept;
@@ -112,7 +112,7 @@ struct Transformer::Acts {
       for (auto* v : {&l.x, &l.x2}) v->assign(c, 0.0f);
       if (keep[i].ln1) l.ln1.assign(c, 0.0f);
       if (keep[i].ln2) l.ln2.assign(c, 0.0f);
-      if (keep[i].att) l.att.assign(cl, 0.0f);
+      l.att.assign(cl, 0.0f);
       if (keep[i].g) l.g.assign(fl, 0.0f);
       l.q.assign(cl, 0.0f);
       for (auto* v : {&l.k, &l.v}) v->assign(kvl, 0.0f);
@@ -854,7 +854,6 @@ absl::Status Transformer::LoadTokens(std::span<const int32_t> tokens, int64_t mi
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Block& blk = *blocks_[l];
     keep[l].ln1 = !blk.qkv->saves_fp8_input_only();
-    keep[l].att = true;  // the attention backward reads its output, FP8-saved proj input or not
     // MoE keeps its input; SwiGLU's gate and up share theirs.
     keep[l].ln2 = blk.moe != nullptr || !blk.fc1->saves_fp8_input_only() ||
                   (blk.up != nullptr && !blk.up->saves_fp8_input_only());
@@ -940,7 +939,7 @@ absl::StatusOr<float> Transformer::Forward(bool train) {
       fault_block_ = -1;
     }
     float* ln1 = Acts::In(x.ln1, a.t_ln1);
-    float* att = Acts::In(x.att, a.t_att);
+    float* att = x.att.data();
     float* ln2 = Acts::In(x.ln2, a.t_ln2);
     float* g = Acts::In(x.g, a.t_g);
     float* qkv = a.t_qkv.data();
@@ -1095,7 +1094,7 @@ absl::Status Transformer::Backward(float dloss) {
     FP8RT_RETURN_IF_ERROR(zero(a.dv));
     FP8RT_RETURN_IF_ERROR(L.attention_backward(a.dq.data(), a.dk.data(), a.dv.data(), a.datt.data(),
                                                x.q.data(), x.k.data(), x.v.data(),
-                                               Acts::In(x.att, a.t_att), x.lse.data(), B, T, Hl,
+                                               x.att.data(), x.lse.data(), B, T, Hl,
                                                KVl, Dh, st));
     float* dq = a.dq.data();
     float* dk = a.dk.data();
