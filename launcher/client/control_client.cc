@@ -116,6 +116,19 @@ absl::StatusOr<Response> ControllerClient::Call(Method method, const Request& re
   return response;
 }
 
+absl::Status ControllerClient::WatchEvents(
+    const std::string& run_id, grpc::ClientContext* context,
+    const std::function<void(const v1::Event&)>& on_event) const {
+  context->AddMetadata("authorization", absl::StrCat("Bearer ", token_));
+  v1::WatchEventsRequest request;
+  request.set_run_id(run_id);
+  std::unique_ptr<grpc::ClientReader<v1::Event>> reader = stub_->WatchEvents(context, request);
+  for (v1::Event event; reader->Read(&event);) on_event(event);
+  const grpc::Status status = reader->Finish();
+  if (!status.ok()) return ToStatus(status);
+  return absl::OkStatus();
+}
+
 absl::Status ControllerClient::ToStatus(const grpc::Status& status) const {
   // grpc::StatusCode and absl::StatusCode share their numbering (both are the canonical codes).
   const auto code = static_cast<absl::StatusCode>(status.error_code());

@@ -17,6 +17,7 @@
 #ifndef FP8RT_LAUNCHER_CLIENT_CONTROL_CLIENT_H_
 #define FP8RT_LAUNCHER_CLIENT_CONTROL_CLIENT_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -82,6 +83,12 @@ class ControllerClient {
   [[nodiscard]] absl::StatusOr<v1::ListCheckpointsResponse> ListCheckpoints(
       const std::string& run_id) const;
   [[nodiscard]] absl::Status SaveCheckpoint(const std::string& run_id) const;
+  // Streams the run's events (the stored ones first, then live ones) to `on_event` until the
+  // stream ends: the controller shut down, or another thread called context->TryCancel(). The
+  // caller owns `context` (no deadline is set on it); the status the stream ended with.
+  [[nodiscard]] absl::Status WatchEvents(
+      const std::string& run_id, grpc::ClientContext* context,
+      const std::function<void(const v1::Event&)>& on_event) const;
   // A fresh token limited to `run_id` (needs the admin token).
   [[nodiscard]] absl::StatusOr<v1::CreateRunTokenResponse> CreateRunToken(
       const std::string& run_id) const;

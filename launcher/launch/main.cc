@@ -16,7 +16,10 @@
 // The spec is loaded and validated for N ranks before anything starts. Then mpirun runs N ranks
 // of fp8rt-worker with the spec, the run folder and the overrides; its output goes to
 // DIR/logs/launch.log, and the launcher follows DIR/metrics.jsonl (one JSON object per step,
-// appended by rank 0) to draw a progress bar on a terminal, or plain lines otherwise.
+// appended by rank 0) to draw a progress bar on a terminal, or plain lines otherwise. Under a
+// controller it also prints the run's controller events as they happen, a line each
+// (controller_events.h): checkpoints committed or refused, recipe versions applied, health-policy
+// demotions, workers lost, the run finished or failed.
 //
 // Restarts: with --max-restarts K, when mpirun fails (a rank died; or hung, and either the
 // controller declared the run FAILED after its heartbeat timeout, whereupon the launcher stops the
@@ -27,7 +30,9 @@
 // FP8RT_FAULT and FP8RT_FAULT_POINT (test faults, docs/operations.md) reach the ranks of the
 // first attempt only.
 //
-// Exit codes: 0 the workers finished; 1 they failed (the tail of launch.log is printed);
+// Exit codes: 0 the workers finished; 2 they refused to start (bad input found by every rank,
+// such as a resume that cannot work: not retried); 1 they failed (the tail of the last
+// attempt's output in launch.log is printed, without mpirun's job-ending boxes);
 // 2 bad options or spec, or no worker/mpirun to run (nothing was started).
 // SIGINT/SIGTERM are forwarded to mpirun, which stops its ranks (a second Ctrl-C makes mpirun
 // kill them at once).
@@ -81,6 +86,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "launcher/client/control_client.h"
+#include "launcher/launch/controller_events.h"
 #include "nlohmann/json.hpp"
 #include "runtime/spec/run_spec.h"
 #include "runtime/core/status.h"
@@ -666,13 +672,23 @@ void KillProcessTree(pid_t root) {
 // watchdog, a run the controller declares FAILED has mpirun and its local ranks killed (SIGKILL:
 // a hung rank would not act on SIGTERM, and mpirun answers SIGTERM by waking stopped ranks first;
 // the run restarts from its newest committed checkpoint, so there is nothing to save).
+// The controller's events that arrived, a line each, between the progress lines.
+void PrintEvents(launch::ControllerEvents* events, Progress* progress) {
+  if (events == nullptr) return;
+  const std::vector<std::string> lines = events->TakeLines();
+  if (lines.empty()) return;
+  progress->Finish();
+  for (const std::string& line : lines) std::fprintf(stderr, "fp8rt launch: %s\n", line.c_str());
+}
+
 int WaitForMpirun(pid_t pid, MetricsTail* metrics, Progress* progress, bool quiet,
-                  RunWatchdog* watchdog) {
+                  RunWatchdog* watchdog, launch::ControllerEvents* events) {
   bool killed = false;
   auto drain = [&] {
     for (const std::string& line : metrics->ReadNewLines()) {
       if (std::optional<StepRecord> record = ParseRecord(line)) progress->Add(*record);
     }
+    PrintEvents(events, progress);
     progress->Refresh();
   };
   for (;;) {
@@ -712,14 +728,38 @@ int WaitForMpirun(pid_t pid, MetricsTail* metrics, Progress* progress, bool quie
 // ---------------------------------------------------------------------------------------------
 // Reporting the end
 
-void PrintLogTail(const fs::path& log_path) {
+// Open MPI's own messages about the job ending: its dashed boxes ("Primary job terminated
+// normally, but 1 process returned a non-zero exit code", MPI_ABORT notes, the process table)
+// and its "more processes have sent help message" lines. The launcher reports the exit itself.
+class MpirunNoise {
+ public:
+  bool Skip(const std::string& line) {
+    if (line.starts_with("-----")) {
+      in_box_ = !in_box_;
+      return true;
+    }
+    return in_box_ || line.empty() || line.find("help message") != std::string::npos ||
+           line.find("help_aggregate") != std::string::npos;
+  }
+
+ private:
+  bool in_box_ = false;
+};
+
+// The last lines the workers wrote in the last attempt: from `offset` (where that attempt's
+// output starts in the log) on, without mpirun's job-ending boxes.
+void PrintLogTail(const fs::path& log_path, std::streamoff offset) {
   std::ifstream in(log_path);
+  in.seekg(offset);
   std::deque<std::string> tail;
+  MpirunNoise noise;
   for (std::string line; std::getline(in, line);) {
+    if (noise.Skip(line)) continue;
     tail.push_back(std::move(line));
     if (tail.size() > kLogTailLines) tail.pop_front();
   }
-  std::fprintf(stderr, "--- last %zu lines of %s ---\n", tail.size(), log_path.c_str());
+  std::fprintf(stderr, "--- last %zu lines of the workers' output in %s ---\n", tail.size(),
+               log_path.c_str());
   for (const std::string& line : tail) std::fprintf(stderr, "%s\n", line.c_str());
   std::fprintf(stderr, "---\n");
 }
@@ -833,7 +873,7 @@ absl::StatusOr<ControlPlane> StartController(const Options& options, const fs::p
   while (Clock::now() < deadline) {
     int status = 0;
     if (waitpid(plane.pid, &status, WNOHANG) == plane.pid) {
-      PrintLogTail(log_path);
+      PrintLogTail(log_path, 0);
       return absl::UnavailableError("fp8rt-controller exited before serving (see above)");
     }
     std::ifstream in(ready);
@@ -937,12 +977,30 @@ int Launch(const Options& options) {
     }
     watchdog = std::make_unique<RunWatchdog>(std::move(*client), run_id);
   }
+  // The controller's events, printed as they happen (not with --quiet).
+  std::unique_ptr<launch::ControllerEvents> events;
+  if (!plane.address.empty() && !options.quiet) {
+    cli::ConnectionOptions connection;
+    connection.controller = plane.address;
+    connection.token_file = plane.token_file;
+    absl::StatusOr<std::unique_ptr<cli::ControllerClient>> client =
+        cli::ControllerClient::Connect(connection);
+    if (!client.ok()) {
+      StopController(plane);
+      return fail(client.status());
+    }
+    const int64_t now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count();
+    events = std::make_unique<launch::ControllerEvents>(std::move(*client), run_id, now_ms);
+  }
   MetricsTail metrics(run_dir / "metrics.jsonl");  // before the start: earlier lines are skipped
   Progress progress(spec->train().steps(), isatty(STDERR_FILENO) == 1, options.quiet);
   InstallSignalHandlers();
 
   // 3. mpirun, and again from the newest committed checkpoint after a failure (--max-restarts).
   int status = 0;
+  std::streamoff attempt_offset = 0;  // where the last attempt's output starts in the log
   for (int attempt = 0;; ++attempt) {
     Options attempt_options = options;
     if (attempt > 0) {
@@ -959,6 +1017,7 @@ int Launch(const Options& options) {
       StopController(plane);
       return fail(log_fd.status());
     }
+    attempt_offset = lseek(*log_fd, 0, SEEK_END);
     absl::StatusOr<pid_t> pid = StartChild(argv, *log_fd);
     close(*log_fd);
     if (!pid.ok()) {
@@ -966,7 +1025,7 @@ int Launch(const Options& options) {
       return fail(pid.status());
     }
     if (watchdog) watchdog->NewAttempt();
-    status = WaitForMpirun(*pid, &metrics, &progress, options.quiet, watchdog.get());
+    status = WaitForMpirun(*pid, &metrics, &progress, options.quiet, watchdog.get(), events.get());
     progress.Finish();
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) break;
     // Bad input (exit 2 from every rank) or a user's Ctrl-C is not a failure to retry.
@@ -976,6 +1035,14 @@ int Launch(const Options& options) {
                  "fp8rt launch: workers failed (exit code %d); restarting from the newest "
                  "committed checkpoint (restart %d of %d)\n",
                  ShellExitCode(status), attempt + 1, options.max_restarts);
+  }
+  // The run's last events (run_finished, the final checkpoint) reach the controller as the
+  // workers exit: wait for them briefly before the controller we started is stopped.
+  if (events != nullptr) {
+    const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    (void)events->WaitForEnd(std::chrono::seconds(ok ? 3 : 1));
+    PrintEvents(events.get(), &progress);
+    events.reset();
   }
   StopController(plane);
 
@@ -993,13 +1060,20 @@ int Launch(const Options& options) {
     return kExitOk;
   }
   const int code = ShellExitCode(status);
+  if (WIFEXITED(status) && WEXITSTATUS(status) == kExitBadInput) {
+    // Every rank refused its input before training (a resume that cannot work, a bad data file):
+    // their reason is in the tail below; not retried.
+    std::fprintf(stderr, "fp8rt launch: the workers refused to start (exit code 2): see below\n");
+    PrintLogTail(log_path, attempt_offset);
+    return kExitBadInput;
+  }
   if (WIFSIGNALED(status)) {
     std::fprintf(stderr, "fp8rt launch: workers failed (exit code %d: mpirun killed by %s)\n", code,
                  strsignal(WTERMSIG(status)));
   } else {
     std::fprintf(stderr, "fp8rt launch: workers failed (exit code %d)\n", code);
   }
-  PrintLogTail(log_path);
+  PrintLogTail(log_path, attempt_offset);
   return kExitWorkersFailed;
 }
 

@@ -390,6 +390,17 @@ absl::StatusOr<v1::RegisterResponse> Controller::RegisterRank0(const v1::Registe
     std::vector<std::string> reasons;  // newest first, as FindNewestValid walks
     absl::StatusOr<ResumePoint> found = dir.FindNewestValid(&reasons);
     if (!found.ok() && !absl::IsNotFound(found.status())) return found.status();
+    // Refused up front, before any rank trains, with every checkpoint left where it is: a resume
+    // none of whose checkpoints verifies (starting afresh would silently drop the run's
+    // progress), and one whose checkpoint does not fit the run's model or layout.
+    if (!found.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "run ", id, ": --resume, but every committed checkpoint in ", dir.root(),
+          " is refused (", found.status().message(),
+          "); nothing was moved; repair or remove them, or start without --resume in a new run "
+          "folder"));
+    }
+    FP8RT_RETURN_IF_ERROR(CheckResumable(*found, request.spec()));
     const int64_t newest_valid = found.ok() ? found->step : -1;
     size_t k = 0;
     for (auto it = committed.rbegin(); it != committed.rend() && *it > newest_valid; ++it, ++k) {
@@ -648,6 +659,7 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
     }
   }
   FP8RT_RETURN_IF_ERROR(CheckStep("recipe_applied_step", request.recipe_applied_step()));
+  FP8RT_RETURN_IF_ERROR(CheckStep("reports_dropped", request.reports_dropped()));
 
   const std::string& id = request.run_id();
   bool urgent = false;
@@ -717,6 +729,10 @@ absl::Status Controller::ReportStep(const v1::ReportStepRequest& request) {
     MarkChangedLocked(run);
     metrics_->SetStep(id, m);
     metrics_->SetSkippedSteps(id, r->skipped_steps());
+    if (request.reports_dropped() > r->reports_dropped()) {
+      r->set_reports_dropped(request.reports_dropped());
+    }
+    metrics_->SetReportsDropped(id, r->reports_dropped());
     urgent = next_event_id_ != events_before;
   }
   if (urgent) Flush(id);

@@ -31,6 +31,13 @@ prometheus::Labels SiteLabels(const std::string& run, const v1::SiteStats& site)
   return labels;
 }
 
+// A per-run counter raised to `total` (never lowered).
+void RaiseCounter(Family<Counter>& family, const std::string& run, int64_t total) {
+  Counter& c = family.Add({{"run", run}});
+  const double missing = static_cast<double>(total) - c.Value();
+  if (missing > 0) c.Increment(missing);
+}
+
 std::string SiteKey(const v1::SiteStats& site) {
   return absl::StrCat(site.layer(), "/", TensorRoleLabel(site.tensor()), "/", site.expert());
 }
@@ -88,6 +95,10 @@ ControllerMetrics::ControllerMetrics() : registry_(std::make_shared<prometheus::
   skipped_steps_ =
       NewCounter(r, "fp8rt_skipped_steps_total",
                  "Optimizer steps skipped for non-finite values (gradients, loss or FP8 amaxes).");
+  reports_dropped_ = NewCounter(
+      r, "fp8rt_step_reports_dropped_total",
+      "Step reports rank 0 could not deliver (its bounded report queue was full, or the call "
+      "failed); training never waits for the controller.");
   fp8_stats_step_ =
       NewGauge(r, "fp8rt_fp8_stats_step", "Step of the per-site FP8 statistics (fp8rt_fp8_*).");
   fp8_amax_ = NewGauge(r, "fp8rt_fp8_amax",
@@ -142,9 +153,11 @@ void ControllerMetrics::SetEvalLoss(const std::string& run, double val_loss) {
 }
 
 void ControllerMetrics::SetSkippedSteps(const std::string& run, int64_t total) {
-  Counter& c = skipped_steps_->Add({{"run", run}});
-  const double missing = static_cast<double>(total) - c.Value();
-  if (missing > 0) c.Increment(missing);
+  RaiseCounter(*skipped_steps_, run, total);
+}
+
+void ControllerMetrics::SetReportsDropped(const std::string& run, int64_t total) {
+  RaiseCounter(*reports_dropped_, run, total);
 }
 
 void ControllerMetrics::SetSites(const std::string& run, int64_t step,

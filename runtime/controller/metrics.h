@@ -49,6 +49,8 @@ class ControllerMetrics {
   void SetEvalLoss(const std::string& run, double val_loss);
   // fp8rt_skipped_steps_total raised to `total` (never lowered).
   void SetSkippedSteps(const std::string& run, int64_t total);
+  // fp8rt_step_reports_dropped_total raised to `total` (never lowered).
+  void SetReportsDropped(const std::string& run, int64_t total);
   // Replaces the per-site series of `run` by `sites` (series of sites not listed are removed)
   // and sets fp8rt_fp8_stats_step.
   void SetSites(const std::string& run, int64_t step, const std::vector<v1::SiteStats>& sites);
@@ -84,6 +86,7 @@ class ControllerMetrics {
   prometheus::Family<prometheus::Gauge>* tokens_per_second_;
   prometheus::Family<prometheus::Gauge>* step_time_;
   prometheus::Family<prometheus::Counter>* skipped_steps_;
+  prometheus::Family<prometheus::Counter>* reports_dropped_;
   prometheus::Family<prometheus::Gauge>* fp8_stats_step_;
   prometheus::Family<prometheus::Gauge>* fp8_amax_;
   prometheus::Family<prometheus::Gauge>* fp8_scale_;

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -350,6 +351,29 @@ absl::StatusOr<v1::CheckpointManifest> CheckpointDir::Verify(int64_t step) const
   return manifest;
 }
 
+absl::Status CheckResumable(const ResumePoint& point, const v1::RunSpec& spec) {
+  const v1::CheckpointManifest& m = point.manifest;
+  const v1::RunSpec::Parallel& p = spec.parallel();
+  if (m.dp() != p.dp() || m.tp() != p.tp() || std::max(1, m.ep()) != std::max(1, p.ep())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "parallel: checkpoint ", point.dir, " was written at dp=", m.dp(), " tp=", m.tp(),
+        " ep=", m.ep(), " on ", m.world_size(), " ranks; this run has dp=", p.dp(), " tp=", p.tp(),
+        " ep=", std::max(1, p.ep()), " (resuming at another layout is not supported yet)"));
+  }
+  google::protobuf::util::MessageDifferencer differ;
+  std::string diff;
+  differ.ReportDifferencesToString(&diff);
+  if (!differ.Compare(m.spec().model(), spec.model())) {
+    constexpr size_t kMaxDiff = 256;
+    if (diff.size() > kMaxDiff) diff = absl::StrCat(diff.substr(0, kMaxDiff), "...");
+    for (char& c : diff) c = c == '\n' ? ';' : c;
+    return absl::FailedPreconditionError(
+        absl::StrCat("model: checkpoint ", point.dir,
+                     " was written for a different model (checkpoint -> this run): ", diff));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ResumePoint> CheckpointDir::FindNewestValid(
     std::vector<std::string>* refused) const {
   FP8RT_ASSIGN_OR_RETURN(const std::vector<int64_t> steps, ListCommitted());
@@ -358,6 +382,9 @@ absl::StatusOr<ResumePoint> CheckpointDir::FindNewestValid(
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     absl::StatusOr<v1::CheckpointManifest> manifest = Verify(*it);
     if (manifest.ok()) return ResumePoint{*it, CommittedDir(*it), *std::move(manifest)};
+    // Intact but in a format this build cannot read: resuming from an older checkpoint would
+    // silently lose progress, so the whole resume is refused.
+    if (absl::IsFailedPrecondition(manifest.status())) return manifest.status();
     const std::string message(manifest.status().message());
     if (refusals++ == 0) newest_refusal = message;
     if (refused != nullptr) refused->push_back(message);

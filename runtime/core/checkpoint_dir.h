@@ -5,6 +5,7 @@
 //   CheckpointName, ShardFileName, kManifestFileName   the names inside the layout below.
 //   ResumePoint     the checkpoint a resume starts from: step, folder, manifest.
 //   ParseManifest   a MANIFEST already read, checked without the shards (what Verify checks first).
+//   CheckResumable  whether a verified checkpoint fits a run's model and layout.
 //   CheckpointDir   PrepareTemp / Commit (save), ListCommitted / Verify / FindNewestValid
 //                   (resume), Prune / RemoveStaleTemps (housekeeping).
 //
@@ -79,6 +80,13 @@ class ShardReader;
 // manifest_file.path() otherwise. Verify calls it before it checks the shards; it touches no file.
 [[nodiscard]] absl::StatusOr<v1::CheckpointManifest> ParseManifest(const ShardReader& manifest_file,
                                                                    int64_t step);
+
+// Whether `point` can resume a run of `spec`: FailedPrecondition naming the checkpoint's folder
+// and what differs, when its model section does (the differing fields, bounded) or its layout
+// (parallel.dp, tp, ep: a checkpoint resumes at the layout that wrote it). Called before any rank
+// trains, by the controller's Register and by a standalone rank 0, so that such a resume is
+// refused up front (the workers exit 2; `fp8rt launch --max-restarts` does not retry it).
+[[nodiscard]] absl::Status CheckResumable(const ResumePoint& point, const v1::RunSpec& spec);
 
 class CheckpointDir {
  public:

@@ -257,6 +257,15 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
   }
   const uint32_t version = LoadU32(&data[8]);
   if (version != kShardFormatVersion) {
+    // Intact (its whole-file checksum holds): written by another fp8rt, not corrupt, so refused
+    // as such (FailedPrecondition) rather than skipped like a damaged file.
+    const uint64_t trailer = n - kTrailerBytes;
+    if (Xxh64(data.data(), trailer) == LoadU64(&data[trailer])) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "checkpoint shard ", path, " is in shard format version ", version,
+          ", which this build cannot read (it reads version ", kShardFormatVersion,
+          "): written by another fp8rt version"));
+    }
     return loss(8, {},
                 absl::StrCat("unknown format version ", version, " (this build reads version ",
                              kShardFormatVersion, ")"));

@@ -1,6 +1,7 @@
 // Control-plane client of a worker rank (see controller_client.h).
 #include "runtime/worker/controller_client.h"
 
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -46,9 +47,13 @@ ControllerClient::~ControllerClient() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
+    // A report call held by an unanswering controller ends now rather than at its deadline.
+    if (report_context_ != nullptr) report_context_->TryCancel();
   }
   cv_.notify_all();
+  report_cv_.notify_all();
   if (heartbeat_.joinable()) heartbeat_.join();
+  if (reporter_.joinable()) reporter_.join();
 }
 
 void ControllerClient::Prepare(grpc::ClientContext* context) const {
@@ -100,12 +105,22 @@ void ControllerClient::StartHeartbeats(int rank, std::chrono::milliseconds inter
   heartbeat_ = std::thread([this, rank, interval, step = std::move(step)] {
     std::unique_lock<std::mutex> lock(mu_);
     while (!stopping_) {
+      kicked_ = false;
       lock.unlock();
       (void)HeartbeatOnce(rank, step());  // a miss is tolerated; the controller times ranks out
       lock.lock();
-      cv_.wait_for(lock, interval, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return stopping_; });
+      cv_.wait_for(lock, interval,
+                   [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return stopping_ || kicked_; });
     }
   });
+}
+
+void ControllerClient::KickHeartbeat() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    kicked_ = true;
+  }
+  cv_.notify_all();
 }
 
 Directives ControllerClient::Latest() const {
@@ -118,6 +133,67 @@ absl::Status ControllerClient::ReportStep(const v1::ReportStepRequest& request) 
   Prepare(&context);
   v1::ReportStepResponse response;
   return Convert("ReportStep", stub_->ReportStep(&context, request, &response));
+}
+
+void ControllerClient::QueueReport(v1::ReportStepRequest request) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    if (!reporter_.joinable()) reporter_ = std::thread([this] { ReportLoop(); });
+    if (reports_.size() >= kReportQueue) {
+      reports_.pop_front();
+      ++reports_dropped_;
+    }
+    reports_.push_back(std::move(request));
+  }
+  report_cv_.notify_all();
+}
+
+void ControllerClient::ReportLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    report_cv_.wait(
+        lock, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS { return stopping_ || !reports_.empty(); });
+    if (stopping_) break;
+    v1::ReportStepRequest request = std::move(reports_.front());
+    reports_.pop_front();
+    request.set_reports_dropped(reports_dropped_);
+    grpc::ClientContext context;
+    Prepare(&context);
+    report_context_ = &context;
+    report_in_flight_ = true;
+    lock.unlock();
+    v1::ReportStepResponse response;
+    const absl::Status s = Convert("ReportStep", stub_->ReportStep(&context, request, &response));
+    // Said once per outage on the worker's log, and once when reports get through again.
+    if (!s.ok() && !report_failing_) {
+      std::fprintf(stderr,
+                   "fp8rt-worker: step %lld not reported (training goes on; reports continue in "
+                   "the background): %s\n",
+                   static_cast<long long>(request.metrics().step()), s.ToString().c_str());
+    } else if (s.ok() && report_failing_) {
+      std::fprintf(stderr, "fp8rt-worker: step reports reach the controller again (step %lld)\n",
+                   static_cast<long long>(request.metrics().step()));
+    }
+    report_failing_ = !s.ok();
+    lock.lock();
+    report_context_ = nullptr;
+    report_in_flight_ = false;
+    if (!s.ok()) ++reports_dropped_;
+    if (reports_.empty()) report_cv_.notify_all();  // FlushReports
+  }
+}
+
+bool ControllerClient::FlushReports(std::chrono::milliseconds budget) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return report_cv_.wait_for(lock, budget, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return stopping_ || (reports_.empty() && !report_in_flight_);
+  });
+}
+
+int64_t ControllerClient::reports_dropped() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return reports_dropped_;
 }
 
 absl::StatusOr<std::string> ControllerClient::BeginCheckpoint(int64_t step) {

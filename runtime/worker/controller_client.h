@@ -5,7 +5,12 @@
 //   ControllerOptions  address, token, TLS root, run id, deadline
 //   Directives         what the controller last told this rank through its heartbeat: the newest
 //                      recipe version, stop, save a checkpoint
-//   ControllerClient   Register, a heartbeat thread, ReportStep, BeginCheckpoint, AckShard
+//   ControllerClient   Register, a heartbeat thread, a step-report thread with a bounded queue,
+//                      BeginCheckpoint, AckShard
+//
+// The controller is never on the step's critical path: heartbeats (which bring the directives)
+// and step reports are sent by background threads, so a controller that is slow, stopped or
+// restarting delays neither; the step loop only reads Latest() and queues reports.
 //
 // Every call carries `authorization: Bearer <token>` and a deadline; a failed call is a Status
 // naming the RPC and the controller's address (the token never appears in messages).
@@ -18,6 +23,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -63,9 +70,25 @@ class ControllerClient {
   void StartHeartbeats(int rank, std::chrono::milliseconds interval, std::function<int64_t()> step);
   // One heartbeat now (also what the thread sends).
   absl::Status HeartbeatOnce(int rank, int64_t step);
+  // Wakes the heartbeat thread to send one now (rank 0 calls it once per step, so that a recipe
+  // update reaches the step loop within a step while the controller answers). Never blocks; a
+  // no-op while the thread is inside a call.
+  void KickHeartbeat();
   Directives Latest() const;
 
+  // One synchronous ReportStep (tests and tools; the step loop uses QueueReport).
   absl::Status ReportStep(const v1::ReportStepRequest& request);
+  // Queues a step report for the report thread (started on first use), which sends them in order.
+  // At most kReportQueue wait: when the queue is full the oldest waiting report is dropped, so
+  // the newest step always reaches the controller once it answers again. Never blocks.
+  static constexpr size_t kReportQueue = 64;
+  void QueueReport(v1::ReportStepRequest request);
+  // Waits until every queued report has been sent (or failed), at most `budget`; true when the
+  // queue drained. The end of a run calls it so that the final step is reported.
+  bool FlushReports(std::chrono::milliseconds budget);
+  // Reports the controller never received: dropped from a full queue, or their call failed.
+  // Each report carries the count as of its sending (ReportStepRequest.reports_dropped).
+  int64_t reports_dropped() const;
   absl::StatusOr<std::string> BeginCheckpoint(int64_t step);
   absl::StatusOr<bool> AckShard(const v1::AckShardRequest& request);
 
@@ -77,11 +100,23 @@ class ControllerClient {
   const ControllerOptions options_;  // fixed after construction
   std::unique_ptr<v1::Control::Stub> stub_;
 
+  void ReportLoop();
+
   mutable std::mutex mu_;
   Directives latest_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool kicked_ ABSL_GUARDED_BY(mu_) = false;
   std::condition_variable cv_;
   std::thread heartbeat_;
+
+  // The report thread's state.
+  std::deque<v1::ReportStepRequest> reports_ ABSL_GUARDED_BY(mu_);
+  bool report_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* report_context_ ABSL_GUARDED_BY(mu_) = nullptr;  // the call in flight
+  int64_t reports_dropped_ ABSL_GUARDED_BY(mu_) = 0;
+  bool report_failing_ = false;        // report thread only: the last call failed (said once)
+  std::condition_variable report_cv_;  // a report queued, the queue drained, or stopping
+  std::thread reporter_;
 };
 
 }  // namespace fp8rt::worker

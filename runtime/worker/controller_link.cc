@@ -99,10 +99,11 @@ absl::Status Trainer::ShareDirectives() {
   int64_t head[5] = {0, 0, 0, 0, 0};
   std::string bytes;
   if (world.rank() == 0) {
-    // One synchronous heartbeat per step: a recipe update made while step s runs is known at the
-    // start of step s + 1 at the latest, before its effective step (the controller schedules it
-    // a few steps after the newest reported one). A miss falls back on the last known answer.
-    (void)controller_->HeartbeatOnce(0, step_);
+    // Only what is already known: the heartbeat thread brings the directives, and is woken once
+    // per step so that a recipe update made while step s runs is normally known at the start of
+    // step s + 1, before its effective step (the controller schedules it recipe_lead_steps after
+    // the newest step it knows). A controller that does not answer never holds this step.
+    controller_->KickHeartbeat();
     const Directives d = controller_->Latest();
     head[0] = d.recipe.version();
     head[1] = d.recipe.effective_step();
@@ -117,6 +118,8 @@ absl::Status Trainer::ShareDirectives() {
   if (head[4] == 0) return absl::OkStatus();
   bytes.resize(static_cast<size_t>(head[4]));
   FP8RT_RETURN_IF_ERROR(world.Broadcast(bytes.data(), head[4], parallel::DType::kU8, 0));
+  // A version known only after its effective step is applied now, at the same step on every
+  // rank (they all act on rank 0's broadcast), and the step it was applied at is reported.
   const int64_t step = step_ + 1;
   if (head[0] <= recipe_version_ || step < head[1]) return absl::OkStatus();
   v1::Recipe recipe;
@@ -227,12 +230,21 @@ absl::Status Trainer::ReportToController(const StepRecord& r,
       }
     }
   }
-  // Training goes on when the controller is briefly unreachable; the report is lost, said once.
-  absl::Status s = controller_->ReportStep(request);
-  if (!s.ok())
-    std::fprintf(stderr, "fp8rt-worker: step %lld not reported: %s\n",
-                 static_cast<long long>(r.step), s.ToString().c_str());
+  // Sent by the client's report thread: the step never waits for the controller.
+  controller_->QueueReport(std::move(request));
   return absl::OkStatus();
+}
+
+void Trainer::FlushControllerReports() {
+  if (controller_ == nullptr || mesh_->world().rank() != 0) return;
+  // The final steps reach the controller (run_finished) unless it stays unreachable this long.
+  const bool drained = controller_->FlushReports(std::chrono::seconds(15));
+  const int64_t dropped = controller_->reports_dropped();
+  if (!drained || dropped > 0) {
+    std::fprintf(stderr, "fp8rt-worker: %lld step reports did not reach the controller%s\n",
+                 static_cast<long long>(dropped),
+                 drained ? "" : " (and the newest were still queued after 15 s)");
+  }
 }
 
 }  // namespace fp8rt::worker

@@ -349,6 +349,7 @@ absl::Status Trainer::Run() {
       break;
     }
   }
+  FlushControllerReports();
   return absl::OkStatus();
 }
 

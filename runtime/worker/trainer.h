@@ -189,6 +189,7 @@ class Trainer {
   absl::Status RegisterWithController();
   // Start of a step under a controller: rank 0's directives to every rank; applies a due recipe.
   absl::Status ShareDirectives();
+  void FlushControllerReports();  // end of Run: the queued step reports, at most 15 s
   absl::Status ReportToController(const StepRecord& record,
                                   const std::vector<model::SiteReport>& sites);
 

@@ -287,21 +287,13 @@ absl::Status Trainer::Restore() {
       error = committed.status().ToString();
     } else if (point.ok()) {
       chosen = point->step;
-      const v1::CheckpointManifest& m = point->manifest;
-      const parallel::MeshLayout& layout = mesh_->layout();
-      if (m.world_size() != layout.world_size || m.dp() != layout.config.dp ||
-          m.tp() != layout.config.tp) {
+      if (const absl::Status fits = CheckResumable(*point, spec_); !fits.ok()) {
         chosen = -2;
-        error = absl::StrCat("parallel: checkpoint ", point->dir, " was written by dp=", m.dp(),
-                             " tp=", m.tp(), " on ", m.world_size(),
-                             " ranks; this run has dp=", layout.config.dp, " tp=", layout.config.tp,
-                             " on ", layout.world_size, " (resharding is not supported yet)");
-      } else if (m.spec().model().SerializeAsString() != spec_.model().SerializeAsString()) {
-        chosen = -2;
-        error = absl::StrCat(
-            "model: checkpoint ", point->dir,
-            " was written for a different model: ", m.spec().model().ShortDebugString());
+        error = std::string(fits.message());
       }
+    } else if (absl::IsFailedPrecondition(point.status())) {
+      chosen = -2;  // intact, in a format this build cannot read: no fall-back to an older one
+      error = std::string(point.status().message());
     } else if (!committed->empty()) {
       chosen = -2;
       error = absl::StrCat("no committed checkpoint in ", dir.root(),

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -33,7 +34,10 @@
 #include <string>
 #include <vector>
 
+#include <xxhash.h>
+
 #include "fp8rt/v1/control.grpc.pb.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "runtime/core/checkpoint_dir.h"
@@ -87,13 +91,17 @@ class Runs {
   }
 
   const TempDir& dir() const { return dir_; }
+  // Launches print nothing but failures unless this is set false (progress, controller events).
+  void set_quiet(bool quiet) { quiet_ = quiet; }
 
   // `fp8rt launch` of `steps` steps, a checkpoint every `every` kept `keep`, under `controller`
   // (nullptr: --no-controller), with FP8RT_FAULT_POINT=`fault` (empty: unset).
   ExitResult Launch(const fs::path& run_dir, ControllerProcess* controller, bool resume,
-                    const std::string& fault, int steps, int every, int keep) {
-    std::vector<std::string> argv = {kBin + "/fp8rt", "launch",         spec_.string(), "--np", "2",
-                                     "--run-dir",     run_dir.string(), "--quiet"};
+                    const std::string& fault, int steps, int every, int keep,
+                    const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> argv = {kBin + "/fp8rt", "launch", spec_.string(), "--np", "2",
+                                     "--run-dir", run_dir.string()};
+    if (quiet_) argv.push_back("--quiet");
     if (controller != nullptr) {
       argv.insert(argv.end(),
                   {"--controller", controller->grpc_address(), "--token-file",
@@ -108,6 +116,7 @@ class Runs {
       argv.insert(argv.end(), {"--set", kv});
     }
     if (resume) argv.push_back("--resume");
+    argv.insert(argv.end(), extra.begin(), extra.end());
     const fs::path log = dir_ / ("launch-" + std::to_string(++launches_) + ".log");
     return RunToExit(argv, log, {{"FP8RT_FAULT_POINT", fault}, {"OMP_NUM_THREADS", "1"}},
                      std::chrono::minutes(4));
@@ -127,6 +136,7 @@ class Runs {
   TempDir dir_{"fp8rt-ckpt-fault"};
   fs::path spec_;
   int launches_ = 0;
+  bool quiet_ = true;
 };
 
 // Loss and grad_norm of each step in metrics.jsonl, as written (bit-exact doubles).
@@ -512,6 +522,85 @@ TEST(CheckpointFaultTest, CorruptionIsDetected) {
       scaling_trials, detected, done, in_section_named, in_section, fell_back, done, seconds);
   EXPECT_EQ(detected, done);
   EXPECT_EQ(fell_back, done);
+}
+
+// A resume that cannot work is refused before any rank trains, with exit code 2, under the
+// controller and standalone, and `--max-restarts` does not retry it (issue 19 point 2): the
+// model differs; the newest checkpoint is intact but in a shard format this build cannot read
+// (no fall-back to an older one, which would lose its steps); every committed checkpoint is
+// corrupt (nothing is moved aside, and the run does not silently start afresh). Once repaired,
+// the same resume works.
+TEST(CheckpointFaultTest, ResumesThatCannotWorkAreRefusedUpFront) {
+  using ::testing::HasSubstr;
+  using ::testing::Not;
+  Runs runs;
+  std::unique_ptr<ControllerProcess> controller = runs.StartController(runs.dir() / "state");
+  ASSERT_NE(controller, nullptr);
+  const fs::path run_dir = runs.dir() / "refuse";
+  const ExitResult first = runs.Launch(run_dir, controller.get(), false, "", 4, 2, 2);
+  ASSERT_EQ(first.exit_code, 0) << first.log << ReadFile(run_dir / "logs/launch.log");
+  const CheckpointDir dir(run_dir.string());
+  const std::vector<std::string> retries = {"--max-restarts", "2"};
+  auto expect_refused = [&](const ExitResult& r, const std::string& why) {
+    EXPECT_EQ(r.exit_code, 2) << r.log;
+    EXPECT_THAT(r.log, HasSubstr(why));
+    EXPECT_THAT(r.log, Not(HasSubstr("restarting"))) << r.log;
+    EXPECT_THAT(ReadFile(run_dir / "logs/launch.log"), Not(HasSubstr("resuming after step")));
+    const absl::StatusOr<std::vector<int64_t>> committed = dir.ListCommitted();
+    ASSERT_TRUE(committed.ok());
+    EXPECT_EQ(*committed, (std::vector<int64_t>{2, 4})) << "a refused resume moves nothing";
+  };
+
+  // 1. Another model: the field is named.
+  std::vector<std::string> other_model = retries;
+  other_model.insert(other_model.end(), {"--set", "model.d_ff=256"});
+  SCOPED_TRACE("different model");
+  expect_refused(runs.Launch(run_dir, controller.get(), true, "", 6, 2, 2, other_model),
+                 "was written for a different model");
+
+  // 2. Step 4's rank-1 shard intact but in shard format version 99 (trailer recomputed).
+  const std::string shard = dir.CommittedDir(4) + "/rank-00001.shard";
+  const std::string original = ReadFile(shard);
+  {
+    std::string bytes = original;
+    const uint32_t version = 99;
+    std::memcpy(bytes.data() + 8, &version, 4);
+    const uint64_t trailer = XXH64(bytes.data(), bytes.size() - 8, 0);
+    std::memcpy(bytes.data() + bytes.size() - 8, &trailer, 8);
+    test::WriteFile(shard, bytes);
+  }
+  expect_refused(runs.Launch(run_dir, controller.get(), true, "", 6, 2, 2, retries),
+                 "shard format version 99");
+  expect_refused(runs.Launch(run_dir, nullptr, true, "", 6, 2, 2, retries),
+                 "shard format version 99");
+  test::WriteFile(shard, original);
+
+  // 3. Every committed checkpoint corrupt: one bit of each rank-0 shard's body.
+  for (const int64_t step : {2, 4}) {
+    const std::string path = dir.CommittedDir(step) + "/rank-00000.shard";
+    FlipBit(path, fs::file_size(path) / 2, 3);
+  }
+  expect_refused(runs.Launch(run_dir, controller.get(), true, "", 6, 2, 2, retries),
+                 "every committed checkpoint in " + dir.root() + " is refused");
+  expect_refused(runs.Launch(run_dir, nullptr, true, "", 6, 2, 2, retries),
+                 "no committed checkpoint in " + dir.root() + " verifies");
+  for (const int64_t step : {2, 4}) {
+    const std::string path = dir.CommittedDir(step) + "/rank-00000.shard";
+    FlipBit(path, fs::file_size(path) / 2, 3);
+  }
+
+  // Repaired but for step 4: the resume falls back to step 2, and the launcher's terminal says
+  // why, naming the file and the checksum (the controller's checkpoint_refused event).
+  const std::string newest = dir.CommittedDir(4) + "/rank-00000.shard";
+  FlipBit(newest, fs::file_size(newest) / 2, 3);
+  runs.set_quiet(false);
+  const ExitResult resumed = runs.Launch(run_dir, controller.get(), true, "", 6, 2, 2, retries);
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.log;
+  EXPECT_THAT(resumed.log, HasSubstr("fp8rt launch: controller: step 4: checkpoint refused: "));
+  EXPECT_THAT(resumed.log, HasSubstr(newest));
+  EXPECT_THAT(resumed.log, HasSubstr("checksum mismatch"));
+  EXPECT_THAT(resumed.log, HasSubstr("fp8rt launch: controller: step 6: run finished"));
+  EXPECT_THAT(ReadFile(run_dir / "logs/launch.log"), HasSubstr("resuming after step 2"));
 }
 
 // ---------------------------------------------------------------------------------------------

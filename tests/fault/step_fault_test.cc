@@ -441,6 +441,13 @@ void StepFaultTest::RestartAfter(const std::string& kind) {
             std::string::npos)
       << launch_out;
   EXPECT_NE(worker_log.find("resuming after step 4"), std::string::npos) << worker_log;
+  // The launcher printed the controller's events as they happened.
+  if (kind == "hang") {
+    EXPECT_NE(launch_out.find(": worker lost: rank 1 "), std::string::npos) << launch_out;
+    EXPECT_NE(launch_out.find(": run failed: "), std::string::npos) << launch_out;
+  }
+  EXPECT_NE(launch_out.find("fp8rt launch: controller: step 8: run finished"), std::string::npos)
+      << launch_out;
 
   // Detection: the fault seen from outside, then the controller's worker_lost and the
   // launcher's restart.

@@ -352,9 +352,35 @@ TEST_F(LaunchCliTest, FailedWorkersExit1WithTheLogTail) {
   EXPECT_EQ(r.exit_code, 1) << r.err;
   // mpirun reports the exit code of the first rank that failed.
   EXPECT_THAT(r.err, HasSubstr("fp8rt launch: workers failed (exit code 3)\n"));
-  EXPECT_THAT(r.err, HasSubstr("lines of " + (run_dir_ / "logs" / "launch.log").string()));
+  EXPECT_THAT(r.err, HasSubstr("lines of the workers' output in " +
+                               (run_dir_ / "logs" / "launch.log").string()));
   EXPECT_THAT(r.err, HasSubstr("simulated out-of-memory"));
   EXPECT_THAT(r.err, Not(HasSubstr("done,")));
+}
+
+// After restarts, the tail shows the last attempt's output only: not the earlier attempts', not
+// the launcher's header lines in launch.log, not mpirun's job-ending boxes.
+TEST_F(LaunchCliTest, LogTailShowsTheLastAttemptOnly) {
+  WriteWorker(
+      "case \"$*\" in *--resume*) echo \"rank $rank: out of memory in the retry\";;\n"
+      "  *) echo \"rank $rank: out of memory in the first attempt\";; esac\nexit 3\n");
+  const Result r = Launch({WriteSpec(ValidSpec()).string(), "--np", "2", "--run-dir",
+                           run_dir_.string(), "--max-restarts", "1"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  const size_t tail = r.err.find("--- last ");
+  ASSERT_NE(tail, std::string::npos) << r.err;
+  const std::string shown = r.err.substr(tail);
+  EXPECT_THAT(shown, HasSubstr("rank 0: out of memory in the retry"));
+  EXPECT_THAT(shown, HasSubstr("rank 1: out of memory in the retry"));
+  EXPECT_THAT(shown, Not(HasSubstr("first attempt"))) << shown;
+  EXPECT_THAT(shown, Not(HasSubstr("=== "))) << shown;            // launch.log's header lines
+  EXPECT_THAT(shown, Not(HasSubstr("Primary job"))) << shown;     // mpirun's box
+  EXPECT_THAT(shown, Not(HasSubstr("--------------"))) << shown;  // its frame
+  // The log itself keeps everything.
+  const std::string log = ReadFile(run_dir_ / "logs" / "launch.log");
+  EXPECT_THAT(log, HasSubstr("first attempt"));
+  EXPECT_THAT(log, HasSubstr("=== "));
+  EXPECT_THAT(log, HasSubstr("Primary job"));  // Open MPI's box, left out of the tail above
 }
 
 TEST_F(LaunchCliTest, SigtermStopsTheWorkers) {
