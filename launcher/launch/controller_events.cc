@@ -14,6 +14,7 @@ std::optional<std::string> EventLine(const v1::Event& event) {
       {"checkpoint_committed", "checkpoint committed"},
       {"checkpoint_refused", "checkpoint refused"},
       {"checkpoint_failed", "checkpoint failed"},
+      {"resume_resharded", "resumed at another layout"},
       {"recipe_applied", "recipe applied"},
       {"layer_demoted", "health policy"},
       {"step_skipped", "step skipped"},

@@ -1,9 +1,10 @@
 // The run's controller events, as `fp8rt launch` prints them between its progress lines: a
 // background thread follows Runs.WatchEvents for the run and queues one line per event a user
-// acts on (checkpoint committed, refused or failed; recipe version applied; health-policy
-// demotion; step skipped; worker lost; run finished, failed or stopped). The thread reconnects
-// after the stream ends (a controller restarting, a run not registered yet) and never prints
-// itself: the launcher's poll loop takes the lines, so they never cut a redrawn progress line.
+// acts on (checkpoint committed, refused or failed; a resume at another layout; recipe version
+// applied; health-policy demotion; step skipped; worker lost; run finished, failed or stopped).
+// The thread reconnects after the stream ends (a controller restarting, a run not registered
+// yet) and never prints itself: the launcher's poll loop takes the lines, so they never cut a
+// redrawn progress line.
 //
 // Index:
 //   EventLine         the line of one event, or nothing for kinds not shown

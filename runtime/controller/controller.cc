@@ -487,6 +487,23 @@ absl::StatusOr<v1::RegisterResponse> Controller::RegisterRank0(const v1::Registe
       gone.insert(step);
       AddEventLocked(run, "checkpoint_refused", step, message);
     }
+    // A resume at another layout (the workers reshard as they load): what changed.
+    if (resume) {
+      const v1::CheckpointManifest& m = resume->manifest;
+      const v1::RunSpec& s = request.spec();
+      const int ep = std::max(1, s.parallel().ep());
+      if (m.dp() != s.parallel().dp() || m.tp() != s.parallel().tp() || std::max(1, m.ep()) != ep) {
+        AddEventLocked(
+            run, "resume_resharded", resume_step,
+            absl::StrCat("checkpoint of step ", resume_step, " written at dp=", m.dp(),
+                         " tp=", m.tp(), " ep=", std::max(1, m.ep()), " on ", m.world_size(),
+                         " ranks (micro_batch ", m.spec().train().micro_batch(), ", grad_accum ",
+                         m.spec().train().grad_accum(), ") resumes at dp=", s.parallel().dp(),
+                         " tp=", s.parallel().tp(), " ep=", ep, " on ", request.world_size(),
+                         " ranks (micro_batch ", s.train().micro_batch(), ", grad_accum ",
+                         s.train().grad_accum(), "): weights and Adam moments resharded"));
+      }
+    }
     auto* cps = rec.mutable_checkpoints();
     cps->erase(std::remove_if(cps->begin(), cps->end(),
                               [&](const v1::CommittedCheckpoint& c) {

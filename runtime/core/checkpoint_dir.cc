@@ -354,11 +354,28 @@ absl::StatusOr<v1::CheckpointManifest> CheckpointDir::Verify(int64_t step) const
 absl::Status CheckResumable(const ResumePoint& point, const v1::RunSpec& spec) {
   const v1::CheckpointManifest& m = point.manifest;
   const v1::RunSpec::Parallel& p = spec.parallel();
-  if (m.dp() != p.dp() || m.tp() != p.tp() || std::max(1, m.ep()) != std::max(1, p.ep())) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "parallel: checkpoint ", point.dir, " was written at dp=", m.dp(), " tp=", m.tp(),
-        " ep=", m.ep(), " on ", m.world_size(), " ranks; this run has dp=", p.dp(), " tp=", p.tp(),
-        " ep=", std::max(1, p.ep()), " (resuming at another layout is not supported yet)"));
+  const bool same_layout =
+      m.dp() == p.dp() && m.tp() == p.tp() && std::max(1, m.ep()) == std::max(1, p.ep());
+  if (!same_layout) {
+    const std::string layouts =
+        absl::StrCat("checkpoint ", point.dir, " was written at dp=", m.dp(), " tp=", m.tp(),
+                     " ep=", m.ep(), " on ", m.world_size(), " ranks; this run has dp=", p.dp(),
+                     " tp=", p.tp(), " ep=", std::max(1, p.ep()));
+    // The data order is defined over global sequences per optimizer step (data_loader.h): the
+    // stream continues with nothing skipped or repeated only at the same global batch.
+    const auto global = [](const v1::RunSpec& s) {
+      return static_cast<int64_t>(s.parallel().dp()) * s.train().micro_batch() *
+             s.train().grad_accum();
+    };
+    if (global(m.spec()) != global(spec)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "train: ", layouts,
+          "; a resume at another layout needs the same global batch "
+          "parallel.dp x train.micro_batch x train.grad_accum: the checkpoint's is ",
+          m.spec().parallel().dp(), " x ", m.spec().train().micro_batch(), " x ",
+          m.spec().train().grad_accum(), " = ", global(m.spec()), ", this run's ", p.dp(), " x ",
+          spec.train().micro_batch(), " x ", spec.train().grad_accum(), " = ", global(spec)));
+    }
   }
   google::protobuf::util::MessageDifferencer differ;
   std::string diff;

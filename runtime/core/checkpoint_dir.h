@@ -82,8 +82,9 @@ class ShardReader;
                                                                    int64_t step);
 
 // Whether `point` can resume a run of `spec`: FailedPrecondition naming the checkpoint's folder
-// and what differs, when its model section does (the differing fields, bounded) or its layout
-// (parallel.dp, tp, ep: a checkpoint resumes at the layout that wrote it). Called before any rank
+// and what differs, when its model section does (the differing fields, bounded), or its layout
+// does in a way a resume cannot follow: a checkpoint resumes at any dp x tp x ep with the same
+// global batch dp x micro_batch x grad_accum (it is resharded as it loads). Called before any rank
 // trains, by the controller's Register and by a standalone rank 0, so that such a resume is
 // refused up front (the workers exit 2; `fp8rt launch --max-restarts` does not retry it).
 [[nodiscard]] absl::Status CheckResumable(const ResumePoint& point, const v1::RunSpec& spec);

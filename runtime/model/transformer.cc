@@ -359,6 +359,10 @@ std::map<std::string, LogicalShape> Transformer::ParamShapes() const {
 }
 
 absl::Status Transformer::SetLogicalParams(const LogicalParams& params) {
+  return SetLogicalShards(params, ShardArray::kMaster);
+}
+
+absl::Status Transformer::SetLogicalShards(const LogicalParams& params, ShardArray which) {
   for (const Param& p : params_) {
     const auto it = params.find(p.name);
     if (it == params.end()) {
@@ -372,10 +376,12 @@ absl::Status Transformer::SetLogicalParams(const LogicalParams& params) {
   }
   for (Param& p : params_) {
     const std::vector<float>& v = params.at(p.name);
-    ForEachShardElement(p, [&](size_t i, int64_t logical) {
-      p.master[i] = v[static_cast<size_t>(logical)];
-    });
-    p.fp8_shard_fresh = false;
+    kernels::DeviceArray<float>& dst = which == ShardArray::kMaster  ? p.master
+                                       : which == ShardArray::kAdamM ? p.m
+                                                                     : p.v;
+    ForEachShardElement(
+        p, [&](size_t i, int64_t logical) { dst[i] = v[static_cast<size_t>(logical)]; });
+    if (which == ShardArray::kMaster) p.fp8_shard_fresh = false;
   }
   return absl::OkStatus();
 }

@@ -215,6 +215,10 @@ class Transformer {
   // naming the parameter for a missing one or a wrong size, before anything is changed. Adam
   // moments are left as they are (zero in a new model).
   absl::Status SetLogicalParams(const LogicalParams& params);
+  // The same for any of a parameter's per-element arrays: the FP32 master shard or an Adam
+  // moment (a resume at another layout, resharding a checkpoint).
+  enum class ShardArray : uint8_t { kMaster, kAdamM, kAdamV };
+  absl::Status SetLogicalShards(const LogicalParams& params, ShardArray which);
   // Every FP8 site in a stable order (empty unless some GEMM runs in FP8).
   const std::vector<QuantSite*>& sites() const { return sites_; }
   // Names of the GEMM layers, for the error of an unknown exclude entry.

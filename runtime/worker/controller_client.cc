@@ -47,8 +47,9 @@ ControllerClient::~ControllerClient() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
-    // A report call held by an unanswering controller ends now rather than at its deadline.
+    // Calls held by an unanswering controller end now rather than at their deadline.
     if (report_context_ != nullptr) report_context_->TryCancel();
+    for (grpc::ClientContext* c : heartbeat_contexts_) c->TryCancel();
   }
   cv_.notify_all();
   report_cv_.notify_all();
@@ -58,6 +59,7 @@ ControllerClient::~ControllerClient() {
 
 void ControllerClient::Prepare(grpc::ClientContext* context) const {
   context->set_deadline(std::chrono::system_clock::now() + options_.timeout);
+
   context->AddMetadata("authorization", "Bearer " + options_.token);
 }
 
@@ -86,14 +88,23 @@ absl::StatusOr<v1::RegisterResponse> ControllerClient::Register(
 absl::Status ControllerClient::HeartbeatOnce(int rank, int64_t step) {
   grpc::ClientContext context;
   Prepare(&context);
+  // Background calls wait (within the deadline) for a connection lost to a controller restart
+  // to be made again, rather than failing at once.
+  context.set_wait_for_ready(true);
   v1::HeartbeatRequest request;
   request.set_run_id(options_.run_id);
   request.set_rank(rank);
   request.set_step(step);
   v1::HeartbeatResponse response;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return absl::CancelledError("Heartbeat: the client is closing");
+    heartbeat_contexts_.insert(&context);
+  }
   absl::Status s = Convert("Heartbeat", stub_->Heartbeat(&context, request, &response));
-  if (!s.ok()) return s;
   std::lock_guard<std::mutex> lock(mu_);
+  heartbeat_contexts_.erase(&context);
+  if (!s.ok()) return s;
   if (response.recipe().version() >= latest_.recipe.version()) latest_.recipe = response.recipe();
   latest_.stop = response.stop();
   latest_.save_checkpoint = latest_.save_checkpoint || response.save_checkpoint();
@@ -160,6 +171,7 @@ void ControllerClient::ReportLoop() {
     request.set_reports_dropped(reports_dropped_);
     grpc::ClientContext context;
     Prepare(&context);
+    context.set_wait_for_ready(true);  // as the heartbeats
     report_context_ = &context;
     report_in_flight_ = true;
     lock.unlock();

@@ -27,6 +27,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -108,6 +109,7 @@ class ControllerClient {
   bool kicked_ ABSL_GUARDED_BY(mu_) = false;
   std::condition_variable cv_;
   std::thread heartbeat_;
+  std::set<grpc::ClientContext*> heartbeat_contexts_ ABSL_GUARDED_BY(mu_);  // calls in flight
 
   // The report thread's state.
   std::deque<v1::ReportStepRequest> reports_ ABSL_GUARDED_BY(mu_);

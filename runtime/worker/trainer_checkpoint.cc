@@ -23,6 +23,7 @@
 #include "runtime/core/status.h"
 #include "runtime/worker/recipe.h"
 #include "runtime/worker/trainer.h"  // the Trainer members defined here
+#include "runtime/worker/weights.h"
 
 namespace fp8rt::worker {
 namespace fs = std::filesystem;
@@ -322,7 +323,18 @@ absl::Status Trainer::Restore() {
 
 absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) {
   parallel::Communicator& world = mesh_->world();
-  const std::string path = folder + "/" + ShardFileName(world.rank());
+  const parallel::MeshLayout& layout = mesh_->layout();
+  // The layout that wrote it (its MANIFEST): the same one loads this rank's own shard; another
+  // one is resharded: every rank assembles the logical tensors it needs from all the shards.
+  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> manifest_file,
+                         ShardReader::Open(folder + "/" + std::string(kManifestFileName)));
+  FP8RT_ASSIGN_OR_RETURN(const v1::CheckpointManifest manifest,
+                         ParseManifest(*manifest_file, chosen));
+  const bool reshard = manifest.dp() != layout.config.dp || manifest.tp() != layout.config.tp ||
+                       std::max(1, manifest.ep()) != std::max(1, layout.config.ep);
+  if (reshard) FP8RT_RETURN_IF_ERROR(CheckResumable(ResumePoint{chosen, folder, manifest}, spec_));
+  // Resharding reads the run's counters and recipe from rank 0's shard (every rank wrote the same).
+  const std::string path = folder + "/" + ShardFileName(reshard ? 0 : world.rank());
   FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> reader, ShardReader::Open(path));
   int64_t step = 0, applied = 0;
   uint64_t position = 0;
@@ -347,15 +359,45 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
     return absl::DataLossError(absl::StrCat(path, ": meta/step ", step, " applied_steps ", applied,
                                             " do not match checkpoint step ", chosen));
   }
-  for (model::Param& p : model_->params()) {
-    const size_t n = p.master.size();
-    FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "master/" + p.name, p.master.data(), n));
-    FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "adam_m/" + p.name, p.m.data(), n));
-    FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "adam_v/" + p.name, p.v.data(), n));
+  // The other ranks' shards, when resharding: their scaling states must equal rank 0's.
+  std::vector<std::unique_ptr<ShardReader>> others;
+  if (!reshard) {
+    for (model::Param& p : model_->params()) {
+      const size_t n = p.master.size();
+      FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "master/" + p.name, p.master.data(), n));
+      FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "adam_m/" + p.name, p.m.data(), n));
+      FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "adam_v/" + p.name, p.v.data(), n));
+    }
+  } else {
+    FP8RT_ASSIGN_OR_RETURN(std::vector<model::LogicalParams> logical,
+                           AssembleLogical(folder, manifest, model_->ParamShapes(),
+                                           {"master/", "adam_m/", "adam_v/"}));
+    using Array = model::Transformer::ShardArray;
+    FP8RT_RETURN_IF_ERROR(model_->SetLogicalShards(logical[0], Array::kMaster));
+    FP8RT_RETURN_IF_ERROR(model_->SetLogicalShards(logical[1], Array::kAdamM));
+    FP8RT_RETURN_IF_ERROR(model_->SetLogicalShards(logical[2], Array::kAdamV));
+    for (int r = 1; r < manifest.world_size(); ++r) {
+      FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> other,
+                             ShardReader::Open(folder + "/" + ShardFileName(r)));
+      others.push_back(std::move(other));
+    }
   }
   for (model::QuantSite* s : model_->sites()) {
+    const std::string section = "scaling/" + s->name();
+    // FP8 scaling states are identical on every rank after the amax sync: a checkpoint whose
+    // ranks disagree cannot be resharded (which rank's would the new ranks take?).
+    for (const std::unique_ptr<ShardReader>& other : others) {
+      FP8RT_ASSIGN_OR_RETURN(const std::span<const std::byte> mine, reader->Section(section));
+      FP8RT_ASSIGN_OR_RETURN(const std::span<const std::byte> theirs, other->Section(section));
+      if (mine.size() != theirs.size() ||
+          std::memcmp(mine.data(), theirs.data(), mine.size()) != 0) {
+        return absl::DataLossError(absl::StrCat(
+            other->path(), ": section ", section, " differs from ", reader->path(),
+            "'s: the ranks' FP8 scaling states disagree, so the checkpoint cannot be resharded"));
+      }
+    }
     v1::ScalingState proto;
-    FP8RT_RETURN_IF_ERROR(reader->ParseProto("scaling/" + s->name(), &proto));
+    FP8RT_RETURN_IF_ERROR(reader->ParseProto(section, &proto));
     absl::StatusOr<train::ScalingState> state = train::ScalingState::FromProto(proto);
     if (!state.ok()) {
       return absl::DataLossError(
@@ -375,6 +417,16 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
     }
   }
   optimizer_->set_applied_steps(applied);
+  if (reshard) {
+    // The position counts micro-batches, grad_accum per step: the same step at this layout.
+    const int64_t was = manifest.spec().train().grad_accum(), now = spec_.train().grad_accum();
+    if (was < 1 || position % static_cast<uint64_t>(was) != 0) {
+      return absl::DataLossError(absl::StrCat(path, ": meta/data_position ", position,
+                                              " is not a whole number of steps of grad_accum ",
+                                              was));
+    }
+    position = position / static_cast<uint64_t>(was) * static_cast<uint64_t>(now);
+  }
   FP8RT_RETURN_IF_ERROR(loader_->Seek(position));
   // The epoch and its sequences done, as saved (checkpoints before data shuffling have none):
   // the same position over different data or a different order would resume elsewhere.
@@ -393,6 +445,18 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
   }
   step_ = step;
   if (world.rank() == 0) {
+    if (reshard) {
+      const v1::RunSpec& was = manifest.spec();
+      std::fprintf(stderr,
+                   "fp8rt-worker: resharding: the checkpoint was written at dp=%d tp=%d ep=%d "
+                   "on %d ranks (micro_batch %d, grad_accum %d); this run is dp=%d tp=%d ep=%d "
+                   "on %d ranks (micro_batch %d, grad_accum %d); master weights and Adam moments "
+                   "resharded, FP8 scaling states the same on every rank\n",
+                   manifest.dp(), manifest.tp(), std::max(1, manifest.ep()), manifest.world_size(),
+                   was.train().micro_batch(), was.train().grad_accum(), layout.config.dp,
+                   layout.config.tp, layout.config.ep, layout.world_size,
+                   spec_.train().micro_batch(), spec_.train().grad_accum());
+    }
     std::fprintf(stderr, "fp8rt-worker: resuming after step %lld from %s\n",
                  static_cast<long long>(step), folder.c_str());
   }

@@ -5,6 +5,7 @@
 // Index:
 //   ReadCheckpointWeights  a committed checkpoint's run spec, step and logical parameters,
 //                          assembled on one process from every rank's shard
+//   AssembleLogical        the same for any section family (master, Adam moments): resharding
 //   ExportHuggingFace      DIR/model.safetensors and DIR/config.json (runtime/model/hf_weights.h)
 //   LoadHuggingFace        a safetensors file into a model's shards (init.from, --weights)
 //   SoloModel              the spec's model on one process (CPU ops, FP32 GEMMs), for the
@@ -20,9 +21,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "fp8rt/v1/checkpoint.pb.h"
 #include "fp8rt/v1/run_spec.pb.h"
 #include "parallel/mesh.h"
 #include "parallel/solo_communicator.h"
@@ -43,6 +46,18 @@ struct CheckpointWeights {
 // the wrong size.
 absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& run_dir,
                                                         std::optional<int64_t> step);
+
+// The logical tensors of each section family in `prefixes` ("master/", "adam_m/", "adam_v/"),
+// one LogicalParams per prefix, assembled from every rank's shard of the committed checkpoint in
+// `folder` written at the dp x tp x ep layout `manifest` records: shard r holds, for each
+// parameter of `shapes`, rank r's FSDP shard of its TP piece (parallel::MeshLayout of r), and of
+// the MoE experts (".experts." in the name) only its ep rank's, FSDP-sharded over its
+// expert-data-parallel group; as Transformer::AddParam cuts them. DataLoss naming the file and
+// section for a wrong size.
+absl::StatusOr<std::vector<model::LogicalParams>> AssembleLogical(
+    const std::string& folder, const v1::CheckpointManifest& manifest,
+    const std::map<std::string, model::LogicalShape>& shapes,
+    const std::vector<std::string>& prefixes);
 
 // Writes out_dir/model.safetensors (FP32, or BF16 rounded to nearest even with bf16) and
 // out_dir/config.json, creating out_dir. InvalidArgument naming the model field for a shape that

@@ -407,8 +407,11 @@ TEST_F(ControlPlaneTest, ValidationLossReachesTheRunViewAndPrometheus) {
 TEST_F(ControlPlaneTest, AStoppedOrRestartedControllerNeverHoldsTheSteps) {
   const fs::path run_dir = dir_ / "stall";
   const std::string id = "tiny-e2e";
-  Process launch(LaunchArgv(run_dir.string(), {"--set", "train.steps=100000", "--set",
-                                               "metrics.every=1", "--set", "checkpoint.every=0"}),
+  // Micro-batches of 32 sequences: steps long enough (about 0.1 s here) that scheduling noise is
+  // small next to them.
+  Process launch(LaunchArgv(run_dir.string(),
+                            {"--set", "train.steps=100000", "--set", "metrics.every=1", "--set",
+                             "checkpoint.every=0", "--set", "train.micro_batch=32"}),
                  dir_ / "stall-launch.log");
   const fs::path metrics = run_dir / "metrics.jsonl";
   // The complete lines of metrics.jsonl (rank 0 may be writing the next one).
@@ -428,9 +431,11 @@ TEST_F(ControlPlaneTest, AStoppedOrRestartedControllerNeverHoldsTheSteps) {
     }
     return steps_written() >= n;
   };
-  // Steps 1-5 warm up; the baseline is steps 6 up to the stop.
-  ASSERT_TRUE(wait_for_steps(25)) << ReadFile(dir_ / "stall-launch.log");
+  // Steps 1-5 warm up; the baseline is steps 6 up to the stop, 10 s later.
+  ASSERT_TRUE(wait_for_steps(5)) << ReadFile(dir_ / "stall-launch.log");
+  std::this_thread::sleep_for(std::chrono::seconds(10));
   const int64_t stopped_at = steps_written();
+  ASSERT_GE(stopped_at, 15) << "steps before the stop";
   controller_->Signal(SIGSTOP);
   std::this_thread::sleep_for(std::chrono::seconds(20));
   const int64_t resumed_at = steps_written();
@@ -479,6 +484,11 @@ TEST_F(ControlPlaneTest, AStoppedOrRestartedControllerNeverHoldsTheSteps) {
   }
   EXPECT_GT(run.last_step().step(), killed_at) << ReadFile(dir_ / "controller.log");
   EXPECT_TRUE(launch.running());
+  // Both ranks back (their heartbeats), before the stop's checkpoint needs every rank's call.
+  for (int i = 0; i < 200 && GetRun(id).workers_connected() < 2; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(GetRun(id).workers_connected(), 2);
 
   // The run ends through the controller, which the workers hear through their heartbeats.
   {

@@ -8,6 +8,9 @@
 //   ScaleConsistency                 FP8 amax and scale agree on every rank (by TP group at step 1)
 //   RerunIsBitIdentical              a run is reproducible to the bit
 //   ResumeIsBitIdentical             a killed run, resumed, ends exactly where an uninterrupted one
+//   ResumeAtAnotherLayoutContinuesTheRun
+//                                    dp2 x tp2 resumed on 1 rank, at dp4 and at tp2 (same global
+//                                    batch): steps 7-12 within 1e-3; another global batch refused
 //   CorruptNewestCheckpointFallsBack a corrupt newest checkpoint is refused, the previous one used
 //   NanGradientSkipsStepOnEveryRank  a NaN on one rank skips the step everywhere, state untouched
 //   Fp8TracksBf16OnTinyYaml          the example run learns, and FP8 tracks BF16 (fp8rt bench
@@ -513,6 +516,92 @@ TEST_F(TrainTest, ResumeIsBitIdentical) {
   }
 }
 
+// A checkpoint written at dp2 x tp2 resumes at other layouts with the same global batch
+// (dp x micro_batch x grad_accum = 16): on 1 rank (micro_batch 8, grad_accum 2), at dp4
+// (micro_batch 4) and at tp2 (dp1, grad_accum 2). Master weights and Adam moments are resharded,
+// the FP8 scaling states (the same on every rank) carried over, and the data stream continues at
+// the same global sequences: steps 7-12 track the original layout's within 1e-3. Another global
+// batch is refused before training (exit 2), naming the three fields.
+TEST_F(TrainTest, ResumeAtAnotherLayoutContinuesTheRun) {
+  auto with = [](std::vector<std::string> more) {
+    std::vector<std::string> sets = {"train.steps=12", "train.warmup=2", "checkpoint.every=6",
+                                     "checkpoint.keep=2"};
+    sets.insert(sets.end(), more.begin(), more.end());
+    return sets;
+  };
+  const fs::path original = dir_ / "dp2-tp2";
+  const Result ra = Worker(4, with({"parallel.dp=2", "parallel.tp=2"}), original);
+  ASSERT_EQ(ra.exit_code, 0) << ra.err;
+  ASSERT_TRUE(fs::exists(CheckpointDir(original, 6)));
+  const std::vector<Json> ma = ReadJsonl(original / "metrics.jsonl");
+  ASSERT_EQ(Steps(ma), OneTo(12));
+
+  // The run folder as it was after step 6's checkpoint.
+  auto fork_at_step_6 = [&](const std::string& name) {
+    const fs::path to = dir_ / name;
+    fs::copy(original, to, fs::copy_options::recursive);
+    fs::remove_all(CheckpointDir(to, 12));
+    return to;
+  };
+  struct Layout {
+    std::string name;
+    int np;
+    std::vector<std::string> sets;
+  };
+  for (const Layout& layout :
+       {Layout{"one-rank", 1, {"parallel.dp=1", "parallel.tp=1", "train.grad_accum=2"}},
+        Layout{"dp4", 4, {"parallel.dp=4", "parallel.tp=1", "train.micro_batch=4"}},
+        Layout{"tp2", 2, {"parallel.dp=1", "parallel.tp=2", "train.grad_accum=2"}}}) {
+    SCOPED_TRACE(layout.name);
+    const fs::path run = fork_at_step_6(layout.name);
+    const Result r = Worker(layout.np, with(layout.sets), run, Start::kResume);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_THAT(r.err,
+                HasSubstr("resharding: the checkpoint was written at dp=2 tp=2 ep=1 on 4 ranks"));
+    EXPECT_THAT(r.err, HasSubstr("resuming after step 6"));
+    const std::vector<Json> mb = ReadJsonl(run / "metrics.jsonl");
+    ASSERT_EQ(Steps(mb), OneTo(12)) << "each step once: 1-6 kept, 7-12 trained again";
+    for (size_t i = 6; i < 12; ++i) {
+      const double a = ma[i]["loss"].get<double>(), b = mb[i]["loss"].get<double>();
+      EXPECT_LE(std::abs(a - b), 1e-3 * std::max(1.0, std::abs(a)))
+          << "step " << i + 1 << ": " << a << " at dp2 x tp2, " << b << " resharded";
+      std::printf("%s step %zu: loss %.6f (dp2 x tp2 %.6f, difference %.2e)\n", layout.name.c_str(),
+                  i + 1, b, a, std::abs(a - b));
+    }
+  }
+
+  // Under a controller (the one `fp8rt launch` starts): its Register accepts the layout change,
+  // and the launcher's terminal shows the run finishing.
+  {
+    const fs::path run = fork_at_step_6("launched");
+    std::vector<std::string> args = {spec_.string(), "--np",       "1",
+                                     "--run-dir",    run.string(), "--resume"};
+    for (const std::string& kv : with({"parallel.dp=1", "parallel.tp=1", "train.grad_accum=2"})) {
+      args.insert(args.end(), {"--set", kv});
+    }
+    const Result r = Launch(args);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_THAT(r.err, HasSubstr("fp8rt launch: controller: step 6: resumed at another layout: "
+                                 "checkpoint of step 6 written at dp=2 tp=2 ep=1 on 4 ranks"));
+    EXPECT_THAT(r.err, HasSubstr("fp8rt launch: controller: step 12: run finished"));
+    EXPECT_THAT(ReadFile(run / "logs" / "launch.log"),
+                HasSubstr("resharding: the checkpoint was written at dp=2 tp=2 ep=1 on 4 ranks"));
+    const std::vector<Json> mb = ReadJsonl(run / "metrics.jsonl");
+    ASSERT_EQ(Steps(mb), OneTo(12));
+    for (size_t i = 6; i < 12; ++i) {
+      const double a = ma[i]["loss"].get<double>(), b = mb[i]["loss"].get<double>();
+      EXPECT_LE(std::abs(a - b), 1e-3 * std::max(1.0, std::abs(a))) << "step " << i + 1;
+    }
+  }
+
+  // Another global batch (1 rank, micro_batch 8, grad_accum 1 = 8): refused up front.
+  const fs::path other = fork_at_step_6("other-batch");
+  const Result refused = Worker(1, with({"parallel.dp=1", "parallel.tp=1"}), other, Start::kResume);
+  EXPECT_EQ(refused.exit_code, 2) << refused.err;
+  EXPECT_THAT(refused.err, HasSubstr("parallel.dp x train.micro_batch x train.grad_accum"));
+  EXPECT_THAT(refused.err, Not(HasSubstr("resuming after step")));
+}
+
 // One flipped byte in the newest checkpoint: the resume names the bad shard, sets the checkpoint
 // aside and continues from the one before, redoing the lost steps exactly.
 TEST_F(TrainTest, CorruptNewestCheckpointFallsBack) {
@@ -910,6 +999,50 @@ TEST_F(TrainTest, MoeExpertParallelMatchesOneRank) {
   EXPECT_THAT(stats, HasSubstr("\"expert_tokens\""));
   EXPECT_THAT(stats, Not(HasSubstr("blocks.1.mlp.experts.0.fc1/input")))
       << "rank 1 holds experts 2 and 3 only";
+}
+
+// A mixture-of-experts checkpoint written at dp2 x ep2 (each rank holds two of the four experts)
+// resumes at ep1: at dp2 (every rank holds every expert, FSDP-sharded over both) and on 1 rank
+// (grad_accum 2, the same global batch). Steps 7-12 track the ep2 run's within 1e-3.
+TEST_F(TrainTest, MoeResumeAtAnotherLayoutContinuesTheRun) {
+  const std::string data = fs::path(FP8RT_SOURCE_DIR).string() + "/examples/data/kjv.txt";
+  const fs::path spec = MoeSpec(dir_, data);
+  auto with = [](std::vector<std::string> more) {
+    std::vector<std::string> sets = {"train.steps=12", "train.warmup=2", "checkpoint.every=6",
+                                     "checkpoint.keep=2"};
+    sets.insert(sets.end(), more.begin(), more.end());
+    return sets;
+  };
+  const fs::path original = dir_ / "ep2";
+  const Result ra =
+      Worker(2, with({"parallel.dp=2", "parallel.ep=2"}), original, Start::kFresh, "", spec);
+  ASSERT_EQ(ra.exit_code, 0) << ra.err;
+  const std::vector<Json> ma = ReadJsonl(original / "metrics.jsonl");
+  ASSERT_EQ(Steps(ma), OneTo(12));
+  struct Layout {
+    std::string name;
+    int np;
+    std::vector<std::string> sets;
+  };
+  for (const Layout& layout :
+       {Layout{"dp2-ep1", 2, {"parallel.dp=2", "parallel.ep=1"}},
+        Layout{"one-rank", 1, {"parallel.dp=1", "parallel.ep=1", "train.grad_accum=2"}}}) {
+    SCOPED_TRACE(layout.name);
+    const fs::path run = dir_ / layout.name;
+    fs::copy(original, run, fs::copy_options::recursive);
+    fs::remove_all(CheckpointDir(run, 12));
+    const Result r = Worker(layout.np, with(layout.sets), run, Start::kResume, "", spec);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_THAT(r.err, HasSubstr("resharding: the checkpoint was written at dp=2 tp=1 ep=2"));
+    const std::vector<Json> mb = ReadJsonl(run / "metrics.jsonl");
+    ASSERT_EQ(Steps(mb), OneTo(12));
+    for (size_t i = 6; i < 12; ++i) {
+      const double a = ma[i]["loss"].get<double>(), b = mb[i]["loss"].get<double>();
+      EXPECT_LE(std::abs(a - b), 1e-3 * std::abs(a)) << "step " << i + 1;
+      std::printf("moe %s step %zu: loss %.6f (ep2 %.6f, difference %.2e)\n", layout.name.c_str(),
+                  i + 1, b, a, std::abs(a - b));
+    }
+  }
 }
 
 // examples/tiny-moe.yaml as shipped (2 ranks, ep 2) trains with a falling loss.

@@ -28,10 +28,12 @@ TEST(ControllerEventsTest, EveryKindAUserActsOnIsALine) {
   for (const Case& c :
        {Case{"checkpoint_committed", "checkpoint committed"},
         Case{"checkpoint_refused", "checkpoint refused"},
-        Case{"checkpoint_failed", "checkpoint failed"}, Case{"recipe_applied", "recipe applied"},
-        Case{"layer_demoted", "health policy"}, Case{"step_skipped", "step skipped"},
-        Case{"worker_lost", "worker lost"}, Case{"run_finished", "run finished"},
-        Case{"run_failed", "run failed"}, Case{"run_stopped", "run stopped"}}) {
+        Case{"checkpoint_failed", "checkpoint failed"},
+        Case{"resume_resharded", "resumed at another layout"},
+        Case{"recipe_applied", "recipe applied"}, Case{"layer_demoted", "health policy"},
+        Case{"step_skipped", "step skipped"}, Case{"worker_lost", "worker lost"},
+        Case{"run_finished", "run finished"}, Case{"run_failed", "run failed"},
+        Case{"run_stopped", "run stopped"}}) {
     SCOPED_TRACE(c.kind);
     const std::optional<std::string> line = EventLine(Make(c.kind, 42, "the message"));
     ASSERT_TRUE(line.has_value());
