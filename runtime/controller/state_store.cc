@@ -8,7 +8,7 @@
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
-#include "runtime/core/checkpoint_io.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt::controller {

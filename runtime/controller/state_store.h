@@ -2,7 +2,7 @@
 // knows every run, its recipe versions, checkpoints and events.
 //
 // Layout: <state-dir>/runs/<run_id>.run, one v1::RunRecord (proto/fp8rt/v1/controller_state.proto)
-// per run, stored as a shard file (runtime/core/checkpoint_io.h) with the single section
+// per run, stored as a shard file (runtime/checkpoint/checkpoint_io.h) with the single section
 // kRunRecordSection. The shard format brings the checksums and the atomic write (temp file, fsync,
 // rename, fsync of the folder), so a crash leaves either the old record or the new one, and a torn
 // or bit-rotten file is detected rather than half-parsed. <state-dir>/run-tokens.tokens holds the

@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
-#include "runtime/core/checkpoint_dir.h"
+#include "runtime/checkpoint/checkpoint_dir.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt::worker {

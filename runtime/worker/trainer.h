@@ -58,7 +58,7 @@
 //                                 for the sites the rank used, and per MoE block
 //                                 {step, moe, expert_tokens, dropped}
 //   checkpoints/step-NNNNNNNN/    every checkpoint.every steps and at the last step
-//                                 (runtime/core/checkpoint_dir.h), checkpoint.keep kept
+//                                 (runtime/checkpoint/checkpoint_dir.h), checkpoint.keep kept
 //
 // A fresh run refuses a run folder that already holds metrics or committed checkpoints (pass
 // --resume or choose another folder: nothing is overwritten). A resume starts after the newest

@@ -19,6 +19,7 @@
 // printed (FP8RT_FAULT_SEED=N reruns the same trials), and so is each trial's choice.
 #include <fcntl.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <chrono>
 #include <cstddef>
@@ -34,14 +35,12 @@
 #include <string>
 #include <vector>
 
-#include <xxhash.h>
-
 #include "fp8rt/v1/control.grpc.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "runtime/core/checkpoint_dir.h"
-#include "runtime/core/checkpoint_io.h"
+#include "runtime/checkpoint/checkpoint_dir.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "runtime/core/fault_point.h"
 #include "tests/support/test_support.h"
 

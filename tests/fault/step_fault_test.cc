@@ -35,7 +35,7 @@
 #include "fp8rt/v1/scaling.pb.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "runtime/core/checkpoint_io.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "tests/support/test_support.h"
 
 namespace fp8rt {

@@ -38,10 +38,10 @@
 #include <vector>
 
 #include "fp8rt/v1/control.pb.h"
+#include "runtime/checkpoint/checkpoint_dir.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "runtime/controller/controller.h"
 #include "runtime/controller/metrics.h"
-#include "runtime/core/checkpoint_dir.h"
-#include "runtime/core/checkpoint_io.h"
 #include "runtime/spec/run_spec.h"
 #include "tests/fuzz/fuzz_support.h"
 

@@ -18,8 +18,8 @@
 #include "fp8rt/v1/checkpoint.pb.h"
 #include "fp8rt/v1/control.pb.h"
 #include "fp8rt/v1/scaling.pb.h"
-#include "runtime/core/checkpoint_dir.h"
-#include "runtime/core/checkpoint_io.h"
+#include "runtime/checkpoint/checkpoint_dir.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "runtime/spec/run_spec.h"
 #include "tests/fuzz/fuzz_support.h"
 

@@ -1,4 +1,4 @@
-// Fuzz target: checkpoint manifests (runtime/core/checkpoint_dir.h, ParseManifest: the checks
+// Fuzz target: checkpoint manifests (runtime/checkpoint/checkpoint_dir.h, ParseManifest: the checks
 // CheckpointDir::Verify makes of a MANIFEST before it opens any shard).
 //
 // The input is a whole MANIFEST file: a shard file with one section "manifest" holding a
@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "fp8rt/v1/checkpoint.pb.h"
-#include "runtime/core/checkpoint_dir.h"
-#include "runtime/core/checkpoint_io.h"
+#include "runtime/checkpoint/checkpoint_dir.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "tests/fuzz/fuzz_support.h"
 
 namespace fp8rt::fuzz {

@@ -1,5 +1,5 @@
-// Fuzz target: checkpoint shard files (runtime/core/checkpoint_io.h, ShardReader::FromBytes, the
-// parser behind ShardReader::Open).
+// Fuzz target: checkpoint shard files (runtime/checkpoint/checkpoint_io.h, ShardReader::FromBytes,
+// the parser behind ShardReader::Open).
 //
 // The input is a whole shard file. It is parsed twice: as it is, then with its checksums fixed
 // (fuzz_support.h), so that mutations of lengths, names and bytes reach the checks behind the
@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "fp8rt/v1/checkpoint.pb.h"
-#include "runtime/core/checkpoint_io.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "tests/fuzz/fuzz_support.h"
 
 namespace fp8rt::fuzz {

@@ -1,7 +1,7 @@
 // fp8rt-controller as the workers and users meet it: the real binary (fork/exec on free ports),
 // driven through the generated gRPC stubs of proto/fp8rt/v1/control.proto by fake workers and
 // users. Expected values come from the contract (control.proto, the run spec, the checkpoint
-// layout of runtime/core/checkpoint_dir.h), not from the controller's own output.
+// layout of runtime/checkpoint/checkpoint_dir.h), not from the controller's own output.
 //
 // Index:
 //   ControllerProcess          start (waits for --ready-file), SIGTERM, exit status, stderr
@@ -28,16 +28,16 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "fp8rt/v1/control.grpc.pb.h"
 #include "fp8rt/v1/control.pb.h"
-#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "runtime/core/checkpoint_dir.h"
-#include "runtime/core/checkpoint_io.h"
+#include "runtime/checkpoint/checkpoint_dir.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "runtime/spec/run_spec.h"
 #include "tests/support/test_support.h"
 

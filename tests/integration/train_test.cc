@@ -54,7 +54,7 @@
 #include "gtest/gtest.h"
 #include "kernels/ops.h"
 #include "nlohmann/json.hpp"
-#include "runtime/core/checkpoint_io.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "tests/support/test_support.h"
 
 namespace fp8rt {

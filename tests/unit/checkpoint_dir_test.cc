@@ -1,5 +1,5 @@
-// Tests of runtime/core/checkpoint_dir.h, in a fresh folder under /tmp per test. Names and paths
-// are checked against the layout the header documents; shard checksums against XXH64 computed
+// Tests of runtime/checkpoint/checkpoint_dir.h, in a fresh folder under /tmp per test. Names and
+// paths are checked against the layout the header documents; shard checksums against XXH64 computed
 // here on the bytes read back from disk; corruption is made by hand (one flipped byte, a deleted
 // or swapped file) and must be refused with a message naming the file:
 //   - names and paths; a full save (PrepareTemp, two ranks' ShardWriter, Commit) lists, verifies
@@ -10,7 +10,7 @@
 //   - every single-byte flip of the newest checkpoint's MANIFEST or a shard, a deleted or swapped
 //     shard, and a MANIFEST of another step make FindNewestValid fall back to the previous one;
 //   - Prune keeps the newest N and never the newest; RemoveStaleTemps removes only temp folders.
-#include "runtime/core/checkpoint_dir.h"
+#include "runtime/checkpoint/checkpoint_dir.h"
 
 #include <stdlib.h>
 #include <xxhash.h>
@@ -29,7 +29,7 @@
 #include "fp8rt/v1/checkpoint.pb.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "runtime/core/checkpoint_io.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "tests/support/test_support.h"
 
 namespace fp8rt {

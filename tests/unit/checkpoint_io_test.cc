@@ -1,12 +1,12 @@
-// Tests of runtime/core/checkpoint_io.h. Expected bytes and checksums are computed here from the
-// format written in the header (magic, little-endian fields, XXH64 with seed 0, called directly on
-// the bytes read back from disk), never captured from the writer:
+// Tests of runtime/checkpoint/checkpoint_io.h. Expected bytes and checksums are computed here from
+// the format written in the header (magic, little-endian fields, XXH64 with seed 0, called directly
+// on the bytes read back from disk), never captured from the writer:
 //   - sections round-trip: empty, 1 MiB of random bytes, names with arbitrary bytes, protos;
 //   - a one-section file is byte-for-byte the layout the header documents;
 //   - the reported checksum is XXH64 of the file; no temp file is left, after success or failure;
 //   - every single-byte flip of a small shard (and a sample of a large one) and every truncation
 //     is DataLoss naming the file and an offset; a missing section is NotFound naming it.
-#include "runtime/core/checkpoint_io.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 
 #include <stdlib.h>
 #include <xxhash.h>

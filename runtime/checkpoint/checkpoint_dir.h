@@ -39,8 +39,8 @@
 // Threads and processes: a CheckpointDir is immutable after construction and holds no open files;
 // its methods may be called from any thread. Saving assumes one committer per run folder (rank 0):
 // two processes preparing, committing or pruning the same step at once are not coordinated.
-#ifndef FP8RT_RUNTIME_CORE_CHECKPOINT_DIR_H_
-#define FP8RT_RUNTIME_CORE_CHECKPOINT_DIR_H_
+#ifndef FP8RT_RUNTIME_CHECKPOINT_CHECKPOINT_DIR_H_
+#define FP8RT_RUNTIME_CHECKPOINT_CHECKPOINT_DIR_H_
 
 #include <cstdint>
 #include <string>
@@ -162,4 +162,4 @@ class CheckpointDir {
 
 }  // namespace fp8rt
 
-#endif  // FP8RT_RUNTIME_CORE_CHECKPOINT_DIR_H_
+#endif  // FP8RT_RUNTIME_CHECKPOINT_CHECKPOINT_DIR_H_

@@ -3,7 +3,7 @@
 // Index: names and step parsing, filesystem helpers (Exists, SyncFolder, RemoveFolder, HashFile),
 // the manifest shape check shared by Commit and Verify, ParseManifest, then CheckpointDir's
 // methods.
-#include "runtime/core/checkpoint_dir.h"
+#include "runtime/checkpoint/checkpoint_dir.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -22,13 +22,13 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
-#include "google/protobuf/util/message_differencer.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "runtime/core/status.h"
-#include "runtime/core/checkpoint_io.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "runtime/core/fault_point.h"
+#include "runtime/core/status.h"
 
 namespace fp8rt {
 namespace {

@@ -2,7 +2,7 @@
 //
 // Index: little-endian encoding helpers, XXH64 helpers, file helpers (WriteAll, SyncFolder),
 // ShardWriter, the verifying parser (ParseShard), ShardReader.
-#include "runtime/core/checkpoint_io.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

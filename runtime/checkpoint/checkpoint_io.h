@@ -40,8 +40,8 @@
 // may change after Add returns); it is not thread-safe. A ShardReader owns the whole file in
 // memory and is immutable after Open, so any number of threads may read sections concurrently;
 // the spans it returns live as long as the reader.
-#ifndef FP8RT_RUNTIME_CORE_CHECKPOINT_IO_H_
-#define FP8RT_RUNTIME_CORE_CHECKPOINT_IO_H_
+#ifndef FP8RT_RUNTIME_CHECKPOINT_CHECKPOINT_IO_H_
+#define FP8RT_RUNTIME_CHECKPOINT_CHECKPOINT_IO_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -146,4 +146,4 @@ class ShardReader {
 
 }  // namespace fp8rt
 
-#endif  // FP8RT_RUNTIME_CORE_CHECKPOINT_IO_H_
+#endif  // FP8RT_RUNTIME_CHECKPOINT_CHECKPOINT_IO_H_
