@@ -9,8 +9,9 @@ Index:
   self_test        a fake tree with known violations: proves the check can fail
 
 Dependencies flow one way: runtime/core <- kernels <- parallel <- runtime/train <- runtime/model
-<- runtime/worker. The controller and the fp8rt CLI see only the proto and runtime/core (where
-the checkpoint code of DESIGN's runtime/checkpoint lives today) and runtime/spec (the run spec);
+<- runtime/worker. runtime/checkpoint (the checkpoint formats, issue 19) sits on runtime/core.
+The controller sees the proto, runtime/core, runtime/checkpoint and runtime/spec (the run spec);
+the fp8rt CLI the same without runtime/checkpoint;
 the commands that need numerics are sibling programs (launcher/bench, launcher/quantize,
 launcher/model). tests/ may include anything. A source file in a folder this table does not
 know fails too, so that a new folder gets its rule when it is added, not after a reviewer
@@ -33,6 +34,7 @@ PROTO_GRPC = "proto(grpc)"
 
 _CLI = ["launcher", "launcher/client", "launcher/launch", "launcher/k8s"]
 _NUMERICS_BELOW_WORKER = ["runtime/model", "runtime/train", "parallel", "kernels", "runtime/core"]
+CHECKPOINT = "runtime/checkpoint"
 SPEC = "runtime/spec"
 
 # folder -> (folders it may include, why). Its own folder is always allowed. A file belongs to the
@@ -42,6 +44,10 @@ FOLDERS = {
         [PROTO],
         "the ground floor: nothing of the project but proto messages (checkpoint manifest, run "
         "spec)"),
+    "runtime/checkpoint": (
+        ["runtime/core", PROTO],
+        "the checkpoint formats (shard files, committed folders, the resume check): runtime/core "
+        "and the proto messages, shared by the worker and the controller"),
     "runtime/spec": (
         ["runtime/core", PROTO],
         "the run spec: runtime/core and the proto messages"),
@@ -59,14 +65,14 @@ FOLDERS = {
         ["runtime/train", "parallel", "kernels", "runtime/core", PROTO],
         "layers: train, parallel, kernels, runtime/core"),
     "runtime/worker": (
-        _NUMERICS_BELOW_WORKER + [SPEC, PROTO, PROTO_GRPC],
+        _NUMERICS_BELOW_WORKER + [CHECKPOINT, SPEC, PROTO, PROTO_GRPC],
         "the step loop: every layer below it, and the controller only through the proto (its "
         "own gRPC client, runtime/worker/controller_client.h), never runtime/controller or the "
         "CLI"),
     "runtime/controller": (
-        ["runtime/core", SPEC, PROTO, PROTO_GRPC],
-        "fp8rt-controller: proto and runtime/core only, never kernels, parallel, train, model "
-        "or worker"),
+        ["runtime/core", CHECKPOINT, SPEC, PROTO, PROTO_GRPC],
+        "fp8rt-controller: proto, runtime/core and runtime/checkpoint only, never kernels, "
+        "parallel, train, model or worker"),
     # The fp8rt CLI itself (launcher/main.cc and the folders linked into it or exec'd without
     # numerics) sees what the controller sees, plus its own folders.
     **{f: (_CLI + ["runtime/core", SPEC, PROTO, PROTO_GRPC],
@@ -77,12 +83,12 @@ FOLDERS = {
         ["kernels", "runtime/core", PROTO],
         "fp8rt-quantize, a sibling program: kernels and runtime/core"),
     "launcher/bench": (
-        ["runtime/worker"] + _NUMERICS_BELOW_WORKER + [SPEC, PROTO, PROTO_GRPC],
+        ["runtime/worker"] + _NUMERICS_BELOW_WORKER + [CHECKPOINT, SPEC, PROTO, PROTO_GRPC],
         "fp8rt-bench*, sibling programs: the worker and everything below it (the step bench "
         "runs the Trainer), the controller only over gRPC, never runtime/controller or the "
         "CLI"),
     "launcher/model": (
-        ["runtime/worker"] + _NUMERICS_BELOW_WORKER + [SPEC, PROTO],
+        ["runtime/worker"] + _NUMERICS_BELOW_WORKER + [CHECKPOINT, SPEC, PROTO],
         "fp8rt-model (export, eval, generate), a sibling program: the worker's weights and "
         "everything below it, never runtime/controller or the CLI"),
     # Not layered: tests may include anything.
