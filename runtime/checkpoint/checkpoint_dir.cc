@@ -351,12 +351,15 @@ absl::StatusOr<v1::CheckpointManifest> CheckpointDir::Verify(int64_t step) const
   return manifest;
 }
 
+bool SameLayout(const v1::CheckpointManifest& m, const v1::RunSpec& spec) {
+  const v1::RunSpec::Parallel& p = spec.parallel();
+  return m.dp() == p.dp() && m.tp() == p.tp() && std::max(1, m.ep()) == std::max(1, p.ep());
+}
+
 absl::Status CheckResumable(const ResumePoint& point, const v1::RunSpec& spec) {
   const v1::CheckpointManifest& m = point.manifest;
   const v1::RunSpec::Parallel& p = spec.parallel();
-  const bool same_layout =
-      m.dp() == p.dp() && m.tp() == p.tp() && std::max(1, m.ep()) == std::max(1, p.ep());
-  if (!same_layout) {
+  if (!SameLayout(m, spec)) {
     const std::string layouts =
         absl::StrCat("checkpoint ", point.dir, " was written at dp=", m.dp(), " tp=", m.tp(),
                      " ep=", m.ep(), " on ", m.world_size(), " ranks; this run has dp=", p.dp(),

@@ -6,6 +6,7 @@
 //   ResumePoint     the checkpoint a resume starts from: step, folder, manifest.
 //   ParseManifest   a MANIFEST already read, checked without the shards (what Verify checks first).
 //   CheckResumable  whether a verified checkpoint fits a run's model and layout.
+//   SameLayout      whether it was written at the run's layout (else it is resharded).
 //   CheckpointDir   PrepareTemp / Commit (save), ListCommitted / Verify / FindNewestValid
 //                   (resume), Prune / RemoveStaleTemps (housekeeping).
 //
@@ -88,6 +89,10 @@ class ShardReader;
 // trains, by the controller's Register and by a standalone rank 0, so that such a resume is
 // refused up front (the workers exit 2; `fp8rt launch --max-restarts` does not retry it).
 [[nodiscard]] absl::Status CheckResumable(const ResumePoint& point, const v1::RunSpec& spec);
+
+// Whether `manifest` was written at the layout of `spec` (parallel.dp, tp and ep, an ep of 0
+// counting as 1): if not, a resume reshards it.
+bool SameLayout(const v1::CheckpointManifest& manifest, const v1::RunSpec& spec);
 
 class CheckpointDir {
  public:

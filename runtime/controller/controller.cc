@@ -492,7 +492,7 @@ absl::StatusOr<v1::RegisterResponse> Controller::RegisterRank0(const v1::Registe
       const v1::CheckpointManifest& m = resume->manifest;
       const v1::RunSpec& s = request.spec();
       const int ep = std::max(1, s.parallel().ep());
-      if (m.dp() != s.parallel().dp() || m.tp() != s.parallel().tp() || std::max(1, m.ep()) != ep) {
+      if (!SameLayout(m, s)) {
         AddEventLocked(
             run, "resume_resharded", resume_step,
             absl::StrCat("checkpoint of step ", resume_step, " written at dp=", m.dp(),

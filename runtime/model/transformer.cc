@@ -339,17 +339,26 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
   return p;
 }
 
+void ShardCut::ForEach(const std::function<void(size_t, int64_t)>& fn) const {
+  const int64_t rows = local_rows(), cols = local_cols(), n = count();
+  const int64_t row0 = shape.split == TpSplit::kRows ? tp_rank * rows : 0;
+  const int64_t col0 = shape.split == TpSplit::kCols ? tp_rank * cols : 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t li = fsdp_rank * n + i;
+    if (li >= rows * cols) break;  // padding
+    const int64_t r = row0 + li / cols, c = col0 + li % cols;
+    fn(static_cast<size_t>(i), r * shape.cols + c);
+  }
+}
+
 void Transformer::ForEachShardElement(const Param& p,
                                       const std::function<void(size_t, int64_t)>& fn) const {
-  const int64_t fsdp_rank = p.group->rank();
-  const int64_t row0 = p.split == TpSplit::kRows ? tp_rank_ * p.local_rows : 0;
-  const int64_t col0 = p.split == TpSplit::kCols ? tp_rank_ * p.local_cols : 0;
-  for (int64_t i = 0; i < p.shard_count; ++i) {
-    const int64_t li = fsdp_rank * p.shard_count + i;
-    if (li >= p.local_count()) break;  // padding stays 0
-    const int64_t r = row0 + li / p.local_cols, c = col0 + li % p.local_cols;
-    fn(static_cast<size_t>(i), r * p.cols + c);
-  }
+  ShardCut{.shape = {p.rows, p.cols, p.split},
+           .tp = tp_,
+           .tp_rank = tp_rank_,
+           .fsdp = p.group->size(),
+           .fsdp_rank = p.group->rank()}
+      .ForEach(fn);
 }
 
 std::map<std::string, LogicalShape> Transformer::ParamShapes() const {

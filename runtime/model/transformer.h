@@ -183,6 +183,27 @@ struct LogicalShape {
 };
 using LogicalParams = std::map<std::string, std::vector<float>>;
 
+// How one rank's FSDP shard of a parameter is cut from its logical tensor: the rank's TP piece
+// (rows or columns tp_rank of tp, or the whole tensor), flattened, then elements
+// [fsdp_rank * count, +count) of it with count = ceil(piece / fsdp), the tail past the piece
+// being padding. What Transformer::AddParam allocates, and what a checkpoint written at any
+// layout is read back with (worker::AssembleLogical).
+struct ShardCut {
+  LogicalShape shape;
+  int64_t tp = 1, tp_rank = 0;      // the tensor-parallel split
+  int64_t fsdp = 1, fsdp_rank = 0;  // the FSDP group: dp, or dp / ep for MoE experts
+  int64_t local_rows() const {
+    return shape.split == TpSplit::kRows ? shape.rows / tp : shape.rows;
+  }
+  int64_t local_cols() const {
+    return shape.split == TpSplit::kCols ? shape.cols / tp : shape.cols;
+  }
+  int64_t count() const { return (local_rows() * local_cols() + fsdp - 1) / fsdp; }
+  // fn(i, logical): shard element i is element `logical` of the row-major logical tensor; the
+  // padding is skipped.
+  void ForEach(const std::function<void(size_t, int64_t)>& fn) const;
+};
+
 struct SiteReport {
   std::string site;              // "blocks.0.mlp.fc1/input"
   float amax = 0.0f;             // synchronised over all ranks

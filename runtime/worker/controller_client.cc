@@ -57,9 +57,9 @@ ControllerClient::~ControllerClient() {
   if (reporter_.joinable()) reporter_.join();
 }
 
-void ControllerClient::Prepare(grpc::ClientContext* context) const {
+void ControllerClient::Prepare(grpc::ClientContext* context, bool wait_for_ready) const {
   context->set_deadline(std::chrono::system_clock::now() + options_.timeout);
-
+  context->set_wait_for_ready(wait_for_ready);
   context->AddMetadata("authorization", "Bearer " + options_.token);
 }
 
@@ -73,10 +73,9 @@ absl::Status ControllerClient::Convert(const char* rpc, const grpc::Status& stat
 absl::StatusOr<v1::RegisterResponse> ControllerClient::Register(
     const v1::RegisterRequest& request) {
   grpc::ClientContext context;
-  Prepare(&context);
   // The first call of a worker: wait (up to the deadline) for the channel to connect, so that a
   // controller still starting, or a connection burst of many ranks, is not an error at once.
-  context.set_wait_for_ready(true);
+  Prepare(&context, /*wait_for_ready=*/true);
   v1::RegisterResponse response;
   absl::Status s = Convert("Register", stub_->Register(&context, request, &response));
   if (!s.ok()) return s;
@@ -87,10 +86,9 @@ absl::StatusOr<v1::RegisterResponse> ControllerClient::Register(
 
 absl::Status ControllerClient::HeartbeatOnce(int rank, int64_t step) {
   grpc::ClientContext context;
-  Prepare(&context);
   // Background calls wait (within the deadline) for a connection lost to a controller restart
   // to be made again, rather than failing at once.
-  context.set_wait_for_ready(true);
+  Prepare(&context, /*wait_for_ready=*/true);
   v1::HeartbeatRequest request;
   request.set_run_id(options_.run_id);
   request.set_rank(rank);
@@ -139,13 +137,6 @@ Directives ControllerClient::Latest() const {
   return latest_;
 }
 
-absl::Status ControllerClient::ReportStep(const v1::ReportStepRequest& request) {
-  grpc::ClientContext context;
-  Prepare(&context);
-  v1::ReportStepResponse response;
-  return Convert("ReportStep", stub_->ReportStep(&context, request, &response));
-}
-
 void ControllerClient::QueueReport(v1::ReportStepRequest request) {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -170,10 +161,8 @@ void ControllerClient::ReportLoop() {
     reports_.pop_front();
     request.set_reports_dropped(reports_dropped_);
     grpc::ClientContext context;
-    Prepare(&context);
-    context.set_wait_for_ready(true);  // as the heartbeats
+    Prepare(&context, /*wait_for_ready=*/true);  // as the heartbeats
     report_context_ = &context;
-    report_in_flight_ = true;
     lock.unlock();
     v1::ReportStepResponse response;
     const absl::Status s = Convert("ReportStep", stub_->ReportStep(&context, request, &response));
@@ -190,7 +179,6 @@ void ControllerClient::ReportLoop() {
     report_failing_ = !s.ok();
     lock.lock();
     report_context_ = nullptr;
-    report_in_flight_ = false;
     if (!s.ok()) ++reports_dropped_;
     if (reports_.empty()) report_cv_.notify_all();  // FlushReports
   }
@@ -199,7 +187,7 @@ void ControllerClient::ReportLoop() {
 bool ControllerClient::FlushReports(std::chrono::milliseconds budget) {
   std::unique_lock<std::mutex> lock(mu_);
   return report_cv_.wait_for(lock, budget, [this]() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return stopping_ || (reports_.empty() && !report_in_flight_);
+    return stopping_ || (reports_.empty() && report_context_ == nullptr);
   });
 }
 

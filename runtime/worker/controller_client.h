@@ -69,16 +69,12 @@ class ControllerClient {
   // thread; it must be thread-safe). Failures are counted, not fatal: the controller marks a rank
   // lost only after its timeout.
   void StartHeartbeats(int rank, std::chrono::milliseconds interval, std::function<int64_t()> step);
-  // One heartbeat now (also what the thread sends).
-  absl::Status HeartbeatOnce(int rank, int64_t step);
   // Wakes the heartbeat thread to send one now (rank 0 calls it once per step, so that a recipe
   // update reaches the step loop within a step while the controller answers). Never blocks; a
   // no-op while the thread is inside a call.
   void KickHeartbeat();
   Directives Latest() const;
 
-  // One synchronous ReportStep (tests and tools; the step loop uses QueueReport).
-  absl::Status ReportStep(const v1::ReportStepRequest& request);
   // Queues a step report for the report thread (started on first use), which sends them in order.
   // At most kReportQueue wait: when the queue is full the oldest waiting report is dropped, so
   // the newest step always reaches the controller once it answers again. Never blocks.
@@ -95,12 +91,15 @@ class ControllerClient {
 
  private:
   explicit ControllerClient(const ControllerOptions& options);
-  void Prepare(grpc::ClientContext* context) const;
+  // Deadline and token; `wait_for_ready`: wait within the deadline for a connection to be made.
+  void Prepare(grpc::ClientContext* context, bool wait_for_ready = false) const;
   absl::Status Convert(const char* rpc, const grpc::Status& status) const;
 
   const ControllerOptions options_;  // fixed after construction
   std::unique_ptr<v1::Control::Stub> stub_;
 
+  // One heartbeat, what the heartbeat thread sends.
+  absl::Status HeartbeatOnce(int rank, int64_t step);
   void ReportLoop();
 
   mutable std::mutex mu_;
@@ -113,7 +112,6 @@ class ControllerClient {
 
   // The report thread's state.
   std::deque<v1::ReportStepRequest> reports_ ABSL_GUARDED_BY(mu_);
-  bool report_in_flight_ ABSL_GUARDED_BY(mu_) = false;
   grpc::ClientContext* report_context_ ABSL_GUARDED_BY(mu_) = nullptr;  // the call in flight
   int64_t reports_dropped_ ABSL_GUARDED_BY(mu_) = 0;
   bool report_failing_ = false;        // report thread only: the last call failed (said once)

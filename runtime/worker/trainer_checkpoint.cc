@@ -330,12 +330,20 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
                          ShardReader::Open(folder + "/" + std::string(kManifestFileName)));
   FP8RT_ASSIGN_OR_RETURN(const v1::CheckpointManifest manifest,
                          ParseManifest(*manifest_file, chosen));
-  const bool reshard = manifest.dp() != layout.config.dp || manifest.tp() != layout.config.tp ||
-                       std::max(1, manifest.ep()) != std::max(1, layout.config.ep);
+  const bool reshard = !SameLayout(manifest, spec_);
   if (reshard) FP8RT_RETURN_IF_ERROR(CheckResumable(ResumePoint{chosen, folder, manifest}, spec_));
-  // Resharding reads the run's counters and recipe from rank 0's shard (every rank wrote the same).
-  const std::string path = folder + "/" + ShardFileName(reshard ? 0 : world.rank());
-  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> reader, ShardReader::Open(path));
+  // Resharding opens every shard once; otherwise this rank opens its own.
+  std::vector<std::unique_ptr<ShardReader>> shards;
+  if (reshard) {
+    FP8RT_ASSIGN_OR_RETURN(shards, OpenShards(folder, manifest));
+  } else {
+    FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> own,
+                           ShardReader::Open(folder + "/" + ShardFileName(world.rank())));
+    shards.push_back(std::move(own));
+  }
+  // The run's counters and recipe: rank 0's when resharding (every rank wrote the same).
+  const ShardReader* reader = shards[0].get();
+  const std::string& path = reader->path();
   int64_t step = 0, applied = 0;
   uint64_t position = 0;
   FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "meta/step", &step, 1));
@@ -359,8 +367,6 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
     return absl::DataLossError(absl::StrCat(path, ": meta/step ", step, " applied_steps ", applied,
                                             " do not match checkpoint step ", chosen));
   }
-  // The other ranks' shards, when resharding: their scaling states must equal rank 0's.
-  std::vector<std::unique_ptr<ShardReader>> others;
   if (!reshard) {
     for (model::Param& p : model_->params()) {
       const size_t n = p.master.size();
@@ -370,24 +376,23 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
     }
   } else {
     FP8RT_ASSIGN_OR_RETURN(std::vector<model::LogicalParams> logical,
-                           AssembleLogical(folder, manifest, model_->ParamShapes(),
+                           AssembleLogical(shards, manifest, model_->ParamShapes(),
                                            {"master/", "adam_m/", "adam_v/"}));
     using Array = model::Transformer::ShardArray;
     FP8RT_RETURN_IF_ERROR(model_->SetLogicalShards(logical[0], Array::kMaster));
     FP8RT_RETURN_IF_ERROR(model_->SetLogicalShards(logical[1], Array::kAdamM));
     FP8RT_RETURN_IF_ERROR(model_->SetLogicalShards(logical[2], Array::kAdamV));
-    for (int r = 1; r < manifest.world_size(); ++r) {
-      FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> other,
-                             ShardReader::Open(folder + "/" + ShardFileName(r)));
-      others.push_back(std::move(other));
-    }
   }
   for (model::QuantSite* s : model_->sites()) {
     const std::string section = "scaling/" + s->name();
     // FP8 scaling states are identical on every rank after the amax sync: a checkpoint whose
     // ranks disagree cannot be resharded (which rank's would the new ranks take?).
-    for (const std::unique_ptr<ShardReader>& other : others) {
-      FP8RT_ASSIGN_OR_RETURN(const std::span<const std::byte> mine, reader->Section(section));
+    std::span<const std::byte> mine;
+    if (shards.size() > 1) {
+      FP8RT_ASSIGN_OR_RETURN(mine, reader->Section(section));
+    }
+    for (size_t r = 1; r < shards.size(); ++r) {
+      const ShardReader* other = shards[r].get();
       FP8RT_ASSIGN_OR_RETURN(const std::span<const std::byte> theirs, other->Section(section));
       if (mine.size() != theirs.size() ||
           std::memcmp(mine.data(), theirs.data(), mine.size()) != 0) {

@@ -59,68 +59,75 @@ absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& run_d
   }
   FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<SoloModel> solo, MakeSoloModel(w.spec));
   w.shapes = solo->model->ParamShapes();
-  FP8RT_ASSIGN_OR_RETURN(
-      std::vector<model::LogicalParams> all,
-      AssembleLogical(dir.CommittedDir(w.step), manifest, w.shapes, {"master/"}));
+  FP8RT_ASSIGN_OR_RETURN(const std::vector<std::unique_ptr<ShardReader>> shards,
+                         OpenShards(dir.CommittedDir(w.step), manifest));
+  FP8RT_ASSIGN_OR_RETURN(std::vector<model::LogicalParams> all,
+                         AssembleLogical(shards, manifest, w.shapes, {"master/"}));
   w.params = std::move(all[0]);
   return w;
 }
 
-absl::StatusOr<std::vector<model::LogicalParams>> AssembleLogical(
-    const std::string& folder, const v1::CheckpointManifest& manifest,
-    const std::map<std::string, model::LogicalShape>& shapes,
-    const std::vector<std::string>& prefixes) {
+absl::StatusOr<std::vector<std::unique_ptr<ShardReader>>> OpenShards(
+    const std::string& folder, const v1::CheckpointManifest& manifest) {
   const int64_t tp = manifest.tp(), dp = manifest.dp();
   if (tp < 1 || dp < 1 || manifest.world_size() != tp * dp ||
       manifest.shards_size() != manifest.world_size()) {
     return absl::DataLossError(absl::StrCat(folder, "/MANIFEST", ": layout dp=", dp, " tp=", tp,
                                             " does not match ", manifest.shards_size(), " shards"));
   }
+  std::vector<std::unique_ptr<ShardReader>> shards(static_cast<size_t>(manifest.world_size()));
+  for (const v1::CheckpointShard& shard : manifest.shards()) {
+    // ParseManifest checked that the ranks are 0 .. world_size - 1, each once.
+    FP8RT_ASSIGN_OR_RETURN(shards[static_cast<size_t>(shard.rank())],
+                           ShardReader::Open(folder + "/" + shard.file()));
+  }
+  return shards;
+}
+
+absl::StatusOr<std::vector<model::LogicalParams>> AssembleLogical(
+    const std::vector<std::unique_ptr<ShardReader>>& shards, const v1::CheckpointManifest& manifest,
+    const std::map<std::string, model::LogicalShape>& shapes,
+    const std::vector<std::string>& prefixes) {
+  const int dp = manifest.dp(), tp = manifest.tp(), ep = std::max(1, manifest.ep());
   std::vector<model::LogicalParams> out(prefixes.size());
   for (model::LogicalParams& params : out) {
     for (const auto& [name, s] : shapes) {
       params[name] = std::vector<float>(static_cast<size_t>(s.rows * s.cols), 0.0f);
     }
   }
-  const int ep = std::max(1, manifest.ep());
-  for (const v1::CheckpointShard& shard : manifest.shards()) {
-    const std::string path = folder + "/" + shard.file();
-    FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> reader, ShardReader::Open(path));
-    absl::StatusOr<parallel::MeshLayout> layout = parallel::MeshLayout::Create(
-        {static_cast<int>(dp), static_cast<int>(tp), ep}, manifest.world_size(), shard.rank());
+  for (size_t rank = 0; rank < shards.size(); ++rank) {
+    const ShardReader& reader = *shards[rank];
+    absl::StatusOr<parallel::MeshLayout> layout =
+        parallel::MeshLayout::Create({dp, tp, ep}, manifest.world_size(), static_cast<int>(rank));
     if (!layout.ok()) {
-      return absl::DataLossError(absl::StrCat(folder, "/MANIFEST: ", layout.status().message()));
+      return absl::DataLossError(
+          absl::StrCat(reader.path(), ": the MANIFEST's layout: ", layout.status().message()));
     }
-    const int64_t tp_rank = layout->tp_rank;
     for (const auto& [name, s] : shapes) {
       // A rank holds the experts of its ep rank only, each FSDP-sharded over its
       // expert-data-parallel group (dp / ep ranks); every other parameter is FSDP-sharded over
-      // the dp group. As Transformer::AddParam cuts them.
+      // the dp group.
       const bool expert = name.find(".experts.") != std::string::npos;
-      if (expert && !reader->HasSection(prefixes[0] + name)) continue;  // another rank's expert
-      const int64_t fsdp = expert ? dp / ep : dp;
-      const int64_t fsdp_rank = expert ? layout->edp_rank : layout->dp_rank;
-      const int64_t local_rows = s.split == model::TpSplit::kRows ? s.rows / tp : s.rows;
-      const int64_t local_cols = s.split == model::TpSplit::kCols ? s.cols / tp : s.cols;
-      const int64_t local = local_rows * local_cols, count = (local + fsdp - 1) / fsdp;
-      const int64_t row0 = s.split == model::TpSplit::kRows ? tp_rank * local_rows : 0;
-      const int64_t col0 = s.split == model::TpSplit::kCols ? tp_rank * local_cols : 0;
+      if (expert && !reader.HasSection(prefixes[0] + name)) continue;  // another rank's expert
+      const model::ShardCut cut{.shape = s,
+                                .tp = tp,
+                                .tp_rank = layout->tp_rank,
+                                .fsdp = expert ? dp / ep : dp,
+                                .fsdp_rank = expert ? layout->edp_rank : layout->dp_rank};
+      const int64_t count = cut.count();
       for (size_t k = 0; k < prefixes.size(); ++k) {
         const std::string section = prefixes[k] + name;
-        FP8RT_ASSIGN_OR_RETURN(const std::span<const std::byte> bytes, reader->Section(section));
+        FP8RT_ASSIGN_OR_RETURN(const std::span<const std::byte> bytes, reader.Section(section));
         if (bytes.size() != static_cast<size_t>(count) * sizeof(float)) {
           return absl::DataLossError(absl::StrCat(
-              path, ": section ", section, " has ", bytes.size(), " bytes, expected ",
+              reader.path(), ": section ", section, " has ", bytes.size(), " bytes, expected ",
               count * static_cast<int64_t>(sizeof(float)), " at dp=", dp, " tp=", tp, " ep=", ep));
         }
         std::vector<float>& dst = out[k][name];
-        for (int64_t i = 0; i < count; ++i) {
-          const int64_t li = fsdp_rank * count + i;
-          if (li >= local) break;  // FSDP padding
-          float v;
-          std::memcpy(&v, bytes.data() + i * static_cast<int64_t>(sizeof(float)), sizeof(float));
-          dst[static_cast<size_t>((row0 + li / local_cols) * s.cols + col0 + li % local_cols)] = v;
-        }
+        cut.ForEach([&](size_t i, int64_t logical) {
+          std::memcpy(&dst[static_cast<size_t>(logical)], bytes.data() + i * sizeof(float),
+                      sizeof(float));
+        });
       }
     }
   }

@@ -5,7 +5,9 @@
 // Index:
 //   ReadCheckpointWeights  a committed checkpoint's run spec, step and logical parameters,
 //                          assembled on one process from every rank's shard
-//   AssembleLogical        the same for any section family (master, Adam moments): resharding
+//   OpenShards             every rank's shard of a checkpoint, each read once
+//   AssembleLogical        the logical tensors of any section family (master, Adam moments):
+//                          resharding
 //   ExportHuggingFace      DIR/model.safetensors and DIR/config.json (runtime/model/hf_weights.h)
 //   LoadHuggingFace        a safetensors file into a model's shards (init.from, --weights)
 //   SoloModel              the spec's model on one process (CPU ops, FP32 GEMMs), for the
@@ -29,6 +31,7 @@
 #include "fp8rt/v1/run_spec.pb.h"
 #include "parallel/mesh.h"
 #include "parallel/solo_communicator.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "runtime/model/transformer.h"
 
 namespace fp8rt::worker {
@@ -47,15 +50,19 @@ struct CheckpointWeights {
 absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& run_dir,
                                                         std::optional<int64_t> step);
 
+// Every rank's shard of the committed checkpoint in `folder`, indexed by rank, each read whole
+// and its checksums verified. DataLoss naming the MANIFEST when its layout and shards disagree.
+absl::StatusOr<std::vector<std::unique_ptr<ShardReader>>> OpenShards(
+    const std::string& folder, const v1::CheckpointManifest& manifest);
+
 // The logical tensors of each section family in `prefixes` ("master/", "adam_m/", "adam_v/"),
-// one LogicalParams per prefix, assembled from every rank's shard of the committed checkpoint in
-// `folder` written at the dp x tp x ep layout `manifest` records: shard r holds, for each
-// parameter of `shapes`, rank r's FSDP shard of its TP piece (parallel::MeshLayout of r), and of
-// the MoE experts (".experts." in the name) only its ep rank's, FSDP-sharded over its
-// expert-data-parallel group; as Transformer::AddParam cuts them. DataLoss naming the file and
-// section for a wrong size.
+// one LogicalParams per prefix, assembled from `shards` (OpenShards) of a checkpoint written at
+// the dp x tp x ep layout `manifest` records: rank r's shard holds, for each parameter of
+// `shapes`, its model::ShardCut at r's parallel::MeshLayout, and of the MoE experts (".experts."
+// in the name) only its ep rank's, cut over its expert-data-parallel group. DataLoss naming the
+// file and section for a wrong size.
 absl::StatusOr<std::vector<model::LogicalParams>> AssembleLogical(
-    const std::string& folder, const v1::CheckpointManifest& manifest,
+    const std::vector<std::unique_ptr<ShardReader>>& shards, const v1::CheckpointManifest& manifest,
     const std::map<std::string, model::LogicalShape>& shapes,
     const std::vector<std::string>& prefixes);
 
