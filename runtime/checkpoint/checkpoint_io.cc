@@ -9,10 +9,12 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
@@ -229,12 +231,66 @@ struct ParsedShard {
   std::vector<std::string> names;
   std::vector<uint64_t> offsets;
   std::vector<uint64_t> sizes;
+  std::vector<uint64_t> checksums;  // as stored; verified already unless the shard is ranged
 };
 
-// Verifies `data` (the whole file) and lists its sections. Every check is bounded by the file size
+// Reads all of [offset, offset + size) of fd into out, retrying on EINTR and short reads.
+absl::Status PreadAll(int fd, uint64_t offset, size_t size, std::byte* out,
+                      const std::string& path) {
+  size_t got = 0;
+  while (got < size) {
+    const ssize_t r = ::pread(fd, out + got, size - got, static_cast<off_t>(offset + got));
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return absl::ErrnoToStatus(errno, absl::StrCat("checkpoint shard ", path, ": read"));
+    }
+    if (r == 0) {
+      return absl::DataLossError(absl::StrCat("corrupt checkpoint shard ", path, " at offset ",
+                                              offset + got, ": file shrank while being read"));
+    }
+    got += static_cast<size_t>(r);
+  }
+  return absl::OkStatus();
+}
+
+// What ParseShard reads: the whole file in memory, or an open file read by ranges (then only the
+// structure is checked: the section checksums are verified when a section is read, and the
+// whole-file checksum not at all).
+struct ShardSource {
+  uint64_t size = 0;
+  std::span<const std::byte> memory;  // the whole file; empty when ranged
+  int fd = -1;                        // the open file when ranged
+  bool ranged() const { return fd >= 0; }
+  // Bytes [offset, offset + n), which the caller checked lie inside the file.
+  absl::StatusOr<std::vector<std::byte>> Read(uint64_t offset, size_t n,
+                                              const std::string& path) const {
+    std::vector<std::byte> out(n);
+    if (!ranged()) {
+      std::memcpy(out.data(), memory.data() + offset, n);
+      return out;
+    }
+    FP8RT_RETURN_IF_ERROR(PreadAll(fd, offset, n, out.data(), path));
+    return out;
+  }
+  // XXH64 of bytes [0, n).
+  absl::StatusOr<uint64_t> Hash(uint64_t n, const std::string& path) const {
+    if (!ranged()) return Xxh64(memory.data(), n);
+    Xxh64Stream stream;
+    std::vector<std::byte> buffer(1 << 20);
+    for (uint64_t at = 0; at < n;) {
+      const size_t chunk = static_cast<size_t>(std::min<uint64_t>(buffer.size(), n - at));
+      FP8RT_RETURN_IF_ERROR(PreadAll(fd, at, chunk, buffer.data(), path));
+      stream.Update(buffer.data(), chunk);
+      at += chunk;
+    }
+    return stream.Digest();
+  }
+};
+
+// Verifies the shard in `source` and lists its sections. Every check is bounded by the file size
 // before it reads, so a corrupt length never reads out of bounds or allocates by it.
-absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const std::byte> data) {
-  const uint64_t n = data.size();
+absl::StatusOr<ParsedShard> ParseShard(const std::string& path, const ShardSource& source) {
+  const uint64_t n = source.size;
   auto loss = [&](uint64_t offset, std::string_view section, std::string_view what) {
     std::string where =
         section.empty() ? std::string()
@@ -244,9 +300,12 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
   };
 
   // Magic: the first differing byte, or truncation inside it.
+  FP8RT_ASSIGN_OR_RETURN(
+      const std::vector<std::byte> magic,
+      source.Read(0, static_cast<size_t>(std::min<uint64_t>(n, kShardMagic.size())), path));
   for (uint64_t i = 0; i < kShardMagic.size(); ++i) {
     if (i >= n) return loss(n, {}, absl::StrCat("truncated: file is ", n, " bytes (in the magic)"));
-    if (static_cast<char>(data[i]) != kShardMagic[i]) {
+    if (static_cast<char>(magic[i]) != kShardMagic[i]) {
       return loss(i, {}, absl::StrCat("bad magic (expected \"", std::string(kShardMagic), "\")"));
     }
   }
@@ -255,12 +314,17 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
                 absl::StrCat("truncated: file is ", n, " bytes, a shard has at least ",
                              kHeaderBytes + kTrailerBytes));
   }
-  const uint32_t version = LoadU32(&data[8]);
+  FP8RT_ASSIGN_OR_RETURN(const std::vector<std::byte> header, source.Read(8, 8, path));
+  const uint64_t body_end = n - kTrailerBytes;  // where the trailer starts
+  FP8RT_ASSIGN_OR_RETURN(const std::vector<std::byte> trailer_bytes,
+                         source.Read(body_end, kTrailerBytes, path));
+  const uint64_t trailer = LoadU64(trailer_bytes.data());
+  const uint32_t version = LoadU32(&header[0]);
   if (version != kShardFormatVersion) {
     // Intact (its whole-file checksum holds): written by another fp8rt, not corrupt, so refused
     // as such (FailedPrecondition) rather than skipped like a damaged file.
-    const uint64_t trailer = n - kTrailerBytes;
-    if (Xxh64(data.data(), trailer) == LoadU64(&data[trailer])) {
+    FP8RT_ASSIGN_OR_RETURN(const uint64_t body_hash, source.Hash(body_end, path));
+    if (body_hash == trailer) {
       return absl::FailedPreconditionError(absl::StrCat(
           "checkpoint shard ", path, " is in shard format version ", version,
           ", which this build cannot read (it reads version ", kShardFormatVersion,
@@ -270,8 +334,7 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
                 absl::StrCat("unknown format version ", version, " (this build reads version ",
                              kShardFormatVersion, ")"));
   }
-  const uint64_t body_end = n - kTrailerBytes;  // where the trailer starts
-  const uint32_t count = LoadU32(&data[12]);
+  const uint32_t count = LoadU32(&header[4]);
   if (static_cast<uint64_t>(count) * kMinSectionBytes > body_end - kHeaderBytes) {
     return loss(12, {},
                 absl::StrCat("section count ", count, " cannot fit in a ", n,
@@ -282,6 +345,7 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
   parsed.names.reserve(count);
   parsed.offsets.reserve(count);
   parsed.sizes.reserve(count);
+  parsed.checksums.reserve(count);
   std::set<std::string, std::less<>> seen_names;  // duplicates are corruption
   uint64_t pos = kHeaderBytes;
   for (uint32_t i = 0; i < count; ++i) {
@@ -289,7 +353,8 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
     if (body_end - pos < 4) {
       return loss(pos, {}, absl::StrCat("truncated: ", label, " name length runs past the end"));
     }
-    const uint32_t name_len = LoadU32(&data[pos]);
+    FP8RT_ASSIGN_OR_RETURN(const std::vector<std::byte> len_bytes, source.Read(pos, 4, path));
+    const uint32_t name_len = LoadU32(len_bytes.data());
     if (name_len == 0 || name_len > kMaxShardSectionNameBytes) {
       return loss(pos, {},
                   absl::StrCat(label, " name length ", name_len, " is outside [1, ",
@@ -298,7 +363,9 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
     if (body_end - pos - 4 < name_len) {
       return loss(pos, {}, absl::StrCat("truncated: ", label, " name runs past the end"));
     }
-    std::string name(reinterpret_cast<const char*>(&data[pos + 4]), name_len);
+    FP8RT_ASSIGN_OR_RETURN(const std::vector<std::byte> name_bytes,
+                           source.Read(pos + 4, name_len, path));
+    std::string name(reinterpret_cast<const char*>(name_bytes.data()), name_len);
     const uint64_t name_offset = pos + 4;
     pos += 4 + name_len;
     if (!seen_names.insert(name).second) {
@@ -307,8 +374,9 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
     if (body_end - pos < 16) {
       return loss(pos, name, "truncated: byte length and checksum run past the end");
     }
-    const uint64_t length = LoadU64(&data[pos]);
-    const uint64_t stored = LoadU64(&data[pos + 8]);
+    FP8RT_ASSIGN_OR_RETURN(const std::vector<std::byte> fields, source.Read(pos, 16, path));
+    const uint64_t length = LoadU64(&fields[0]);
+    const uint64_t stored = LoadU64(&fields[8]);
     const uint64_t length_offset = pos;
     pos += 16;
     if (length > body_end - pos) {
@@ -316,16 +384,19 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
                   absl::StrCat("truncated: byte length ", length, " runs past the end (",
                                body_end - pos, " bytes left before the trailer)"));
     }
-    const uint64_t computed = Xxh64(&data[pos], length);
-    if (computed != stored) {
-      return loss(pos, name,
-                  absl::StrCat("section checksum mismatch over bytes [", pos, ", ", pos + length,
-                               "): stored ", Hex(stored), " (at offset ", length_offset + 8,
-                               "), computed ", Hex(computed)));
+    if (!source.ranged()) {
+      const uint64_t computed = Xxh64(&source.memory[pos], length);
+      if (computed != stored) {
+        return loss(pos, name,
+                    absl::StrCat("section checksum mismatch over bytes [", pos, ", ", pos + length,
+                                 "): stored ", Hex(stored), " (at offset ", length_offset + 8,
+                                 "), computed ", Hex(computed)));
+      }
     }
     parsed.names.push_back(std::move(name));
     parsed.offsets.push_back(pos);
     parsed.sizes.push_back(length);
+    parsed.checksums.push_back(stored);
     pos += length;
   }
   if (pos != body_end) {
@@ -333,59 +404,78 @@ absl::StatusOr<ParsedShard> ParseShard(const std::string& path, std::span<const 
                 absl::StrCat(body_end - pos, " unexpected bytes after the last of ", count,
                              " sections (section count or a length is corrupt)"));
   }
-  const uint64_t stored = LoadU64(&data[body_end]);
-  const uint64_t computed = Xxh64(data.data(), body_end);
-  if (computed != stored) {
-    return loss(body_end, {},
-                absl::StrCat("whole-file checksum mismatch over bytes [0, ", body_end, "): stored ",
-                             Hex(stored), ", computed ", Hex(computed)));
+  if (!source.ranged()) {
+    const uint64_t computed = Xxh64(source.memory.data(), body_end);
+    if (computed != trailer) {
+      return loss(body_end, {},
+                  absl::StrCat("whole-file checksum mismatch over bytes [0, ", body_end,
+                               "): stored ", Hex(trailer), ", computed ", Hex(computed)));
+    }
   }
   return parsed;
+}
+
+std::vector<ShardReader::SectionRef> ToRefs(ParsedShard parsed) {
+  std::vector<ShardReader::SectionRef> sections;
+  sections.reserve(parsed.names.size());
+  for (size_t i = 0; i < parsed.names.size(); ++i) {
+    sections.push_back(ShardReader::SectionRef{std::move(parsed.names[i]), parsed.offsets[i],
+                                               parsed.sizes[i], parsed.checksums[i]});
+  }
+  return sections;
+}
+
+// Opens `path` for reading, as a regular file, and returns the descriptor and its size.
+absl::StatusOr<std::pair<int, uint64_t>> OpenRegular(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("checkpoint shard ", path, ": open"));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    return absl::ErrnoToStatus(e, absl::StrCat("checkpoint shard ", path, ": fstat"));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint shard ", path, ": not a regular file"));
+  }
+  return std::make_pair(fd, static_cast<uint64_t>(st.st_size));
 }
 
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardReader>> ShardReader::Open(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("checkpoint shard ", path, ": open"));
+  FP8RT_ASSIGN_OR_RETURN(const auto opened, OpenRegular(path));
+  const int fd = opened.first;
   absl::Cleanup close_fd = [fd] { ::close(fd); };
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    return absl::ErrnoToStatus(errno, absl::StrCat("checkpoint shard ", path, ": fstat"));
-  }
-  if (!S_ISREG(st.st_mode)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("checkpoint shard ", path, ": not a regular file"));
-  }
-  std::vector<std::byte> data(static_cast<size_t>(st.st_size));
-  size_t got = 0;
-  while (got < data.size()) {
-    const ssize_t r = ::read(fd, data.data() + got, data.size() - got);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return absl::ErrnoToStatus(errno, absl::StrCat("checkpoint shard ", path, ": read"));
-    }
-    if (r == 0) {
-      return absl::DataLossError(absl::StrCat("corrupt checkpoint shard ", path, " at offset ", got,
-                                              ": file shrank while being read (expected ",
-                                              data.size(), " bytes)"));
-    }
-    got += static_cast<size_t>(r);
-  }
+  std::vector<std::byte> data(static_cast<size_t>(opened.second));
+  FP8RT_RETURN_IF_ERROR(PreadAll(fd, 0, data.size(), data.data(), path));
   return FromBytes(path, std::move(data));
 }
 
 absl::StatusOr<std::unique_ptr<ShardReader>> ShardReader::FromBytes(std::string name,
                                                                     std::vector<std::byte> data) {
-  FP8RT_ASSIGN_OR_RETURN(ParsedShard parsed, ParseShard(name, data));
-  std::vector<SectionRef> sections;
-  sections.reserve(parsed.names.size());
-  for (size_t i = 0; i < parsed.names.size(); ++i) {
-    sections.push_back(SectionRef{std::move(parsed.names[i]), parsed.offsets[i], parsed.sizes[i]});
-  }
+  FP8RT_ASSIGN_OR_RETURN(
+      ParsedShard parsed,
+      ParseShard(name, ShardSource{.size = data.size(), .memory = data, .fd = -1}));
   const uint64_t file_xxh64 = Xxh64(data.data(), data.size());
+  const uint64_t size = data.size();
+  return std::unique_ptr<ShardReader>(new ShardReader(std::move(name), std::move(data), size, -1,
+                                                      ToRefs(std::move(parsed)), file_xxh64));
+}
+
+absl::StatusOr<std::unique_ptr<ShardReader>> ShardReader::OpenRanged(const std::string& path) {
+  FP8RT_ASSIGN_OR_RETURN(const auto opened, OpenRegular(path));
+  const int fd = opened.first;
+  absl::StatusOr<ParsedShard> parsed =
+      ParseShard(path, ShardSource{.size = opened.second, .memory = {}, .fd = fd});
+  if (!parsed.ok()) {
+    ::close(fd);
+    return parsed.status();
+  }
   return std::unique_ptr<ShardReader>(
-      new ShardReader(std::move(name), std::move(data), std::move(sections), file_xxh64));
+      new ShardReader(path, {}, opened.second, fd, ToRefs(*std::move(parsed)), 0));
 }
 
 namespace {
@@ -396,13 +486,19 @@ std::map<std::string, size_t, std::less<>> IndexByName(const auto& sections) {
 }
 }  // namespace
 
-ShardReader::ShardReader(std::string path, std::vector<std::byte> data,
+ShardReader::ShardReader(std::string path, std::vector<std::byte> data, uint64_t file_size, int fd,
                          std::vector<SectionRef> sections, uint64_t file_xxh64)
     : path_(std::move(path)),
       data_(std::move(data)),
+      file_size_(file_size),
+      fd_(fd),
       sections_(std::move(sections)),
       index_(IndexByName(sections_)),
       file_xxh64_(file_xxh64) {}
+
+ShardReader::~ShardReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
 
 std::vector<std::string> ShardReader::SectionNames() const {
   std::vector<std::string> names;
@@ -420,7 +516,30 @@ absl::StatusOr<std::span<const std::byte>> ShardReader::Section(std::string_view
                                             absl::CEscape(std::string(name)), "\""));
   }
   const SectionRef& s = sections_[it->second];
-  return std::span<const std::byte>(data_.data() + s.offset, s.size);
+  if (fd_ < 0) return std::span<const std::byte>(data_.data() + s.offset, s.size);
+  // Ranged: read the section once, verify its checksum, keep it.
+  std::lock_guard<std::mutex> lock(mu_);
+  auto cached = loaded_.find(s.name);
+  if (cached == loaded_.end()) {
+    std::vector<std::byte> bytes(static_cast<size_t>(s.size));
+    FP8RT_RETURN_IF_ERROR(PreadAll(fd_, s.offset, bytes.size(), bytes.data(), path_));
+    const uint64_t computed = Xxh64(bytes.data(), bytes.size());
+    if (computed != s.xxh64) {
+      return absl::DataLossError(absl::StrCat(
+          "corrupt checkpoint shard ", path_, ", section \"", absl::CEscape(s.name),
+          "\" at offset ", s.offset, ": section checksum mismatch over bytes [", s.offset, ", ",
+          s.offset + s.size, "): stored ", Hex(s.xxh64), ", computed ", Hex(computed)));
+    }
+    bytes_read_ += s.size;
+    cached = loaded_.emplace(s.name, std::move(bytes)).first;
+  }
+  return std::span<const std::byte>(cached->second.data(), cached->second.size());
+}
+
+uint64_t ShardReader::bytes_read() const {
+  if (fd_ < 0) return file_size_;
+  std::lock_guard<std::mutex> lock(mu_);
+  return bytes_read_;
 }
 
 absl::Status ShardReader::ParseProto(std::string_view name,

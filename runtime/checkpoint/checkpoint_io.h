@@ -3,7 +3,8 @@
 // Defines:
 //   ShardWriteResult  size and whole-file XXH64 of a written shard (what the rank acknowledges).
 //   ShardWriter       collects sections, then writes them atomically (temp file, fsync, rename).
-//   ShardReader       reads a shard and verifies every checksum before handing out a byte.
+//   ShardReader       reads a shard and verifies every checksum before handing out a byte; or,
+//                     opened ranged, reads only the sections asked for (resharding a resume).
 //
 // A section is a name (any bytes, 1..kMaxShardSectionNameBytes long, e.g.
 // "master/blocks.0.mlp.fc1", "adam_m/blocks.0.mlp.fc1", "scaling/blocks.0.mlp.fc1/weight", "rng",
@@ -40,6 +41,12 @@
 // may change after Add returns); it is not thread-safe. A ShardReader owns the whole file in
 // memory and is immutable after Open, so any number of threads may read sections concurrently;
 // the spans it returns live as long as the reader.
+//
+// Ranged readers (OpenRanged): the file stays open and only its structure (magic, version,
+// section table, lengths) is checked at open, by reading the section headers alone. A section's
+// bytes are read when first asked for, and its checksum verified then (DataLoss as above); the
+// whole-file checksum is not checked, so use them on a checkpoint whose shards were verified
+// against their MANIFEST already (CheckpointDir::Verify). They are thread-safe too.
 #ifndef FP8RT_RUNTIME_CHECKPOINT_CHECKPOINT_IO_H_
 #define FP8RT_RUNTIME_CHECKPOINT_CHECKPOINT_IO_H_
 
@@ -47,6 +54,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -108,14 +116,22 @@ class ShardReader {
   // the fuzz target (tests/fuzz) calls it directly.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<ShardReader>> FromBytes(
       std::string name, std::vector<std::byte> data);
+  // Opens `path` ranged (see the file comment): reads its section headers only.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<ShardReader>> OpenRanged(
+      const std::string& path);
+  ~ShardReader();
 
   ShardReader(const ShardReader&) = delete;
   ShardReader& operator=(const ShardReader&) = delete;
 
   const std::string& path() const { return path_; }
-  uint64_t file_size() const { return data_.size(); }
-  // XXH64 of the whole file: compare with the checksum the rank acknowledged.
+  uint64_t file_size() const { return file_size_; }
+  // XXH64 of the whole file: compare with the checksum the rank acknowledged. 0 when ranged (the
+  // whole file was not read).
   uint64_t file_xxh64() const { return file_xxh64_; }
+  bool ranged() const { return fd_ >= 0; }
+  // Bytes read from the file: all of it, or (ranged) the sections read so far.
+  uint64_t bytes_read() const;
 
   // Section names in file order.
   std::vector<std::string> SectionNames() const;
@@ -126,22 +142,29 @@ class ShardReader {
   [[nodiscard]] absl::Status ParseProto(std::string_view name,
                                         google::protobuf::MessageLite* message) const;
 
- private:
   struct SectionRef {
     std::string name;
-    uint64_t offset;  // of the section's bytes in data_
+    uint64_t offset;  // of the section's bytes in the file (and in data_)
     uint64_t size;
+    uint64_t xxh64;  // as stored in the file
   };
 
-  ShardReader(std::string path, std::vector<std::byte> data, std::vector<SectionRef> sections,
-              uint64_t file_xxh64);
+ private:
+  ShardReader(std::string path, std::vector<std::byte> data, uint64_t file_size, int fd,
+              std::vector<SectionRef> sections, uint64_t file_xxh64);
 
   // All fixed at Open.
   const std::string path_;
-  const std::vector<std::byte> data_;                       // the whole file
+  const std::vector<std::byte> data_;  // the whole file; empty when ranged
+  const uint64_t file_size_;
+  const int fd_;                                            // the open file when ranged, else -1
   const std::vector<SectionRef> sections_;                  // in file order
   const std::map<std::string, size_t, std::less<>> index_;  // name -> position in sections_
   const uint64_t file_xxh64_;
+  // Ranged: the sections read so far (map nodes do not move, so their spans stay valid).
+  mutable std::mutex mu_;
+  mutable std::map<std::string, std::vector<std::byte>, std::less<>> loaded_;
+  mutable uint64_t bytes_read_ = 0;
 };
 
 }  // namespace fp8rt

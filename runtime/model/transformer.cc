@@ -340,25 +340,24 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
 }
 
 void ShardCut::ForEach(const std::function<void(size_t, int64_t)>& fn) const {
-  const int64_t rows = local_rows(), cols = local_cols(), n = count();
-  const int64_t row0 = shape.split == TpSplit::kRows ? tp_rank * rows : 0;
-  const int64_t col0 = shape.split == TpSplit::kCols ? tp_rank * cols : 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t li = fsdp_rank * n + i;
-    if (li >= rows * cols) break;  // padding
-    const int64_t r = row0 + li / cols, c = col0 + li % cols;
-    fn(static_cast<size_t>(i), r * shape.cols + c);
+  const int64_t cols = local_cols(), r0 = row0(), c0 = col0(), begin = flat_begin();
+  for (int64_t i = 0, n = flat_count(); i < n; ++i) {
+    const int64_t li = begin + i;
+    fn(static_cast<size_t>(i), (r0 + li / cols) * shape.cols + c0 + li % cols);
   }
+}
+
+ShardCut Transformer::CutOf(const Param& p) const {
+  return ShardCut{.shape = {p.rows, p.cols, p.split},
+                  .tp = tp_,
+                  .tp_rank = tp_rank_,
+                  .fsdp = p.group->size(),
+                  .fsdp_rank = p.group->rank()};
 }
 
 void Transformer::ForEachShardElement(const Param& p,
                                       const std::function<void(size_t, int64_t)>& fn) const {
-  ShardCut{.shape = {p.rows, p.cols, p.split},
-           .tp = tp_,
-           .tp_rank = tp_rank_,
-           .fsdp = p.group->size(),
-           .fsdp_rank = p.group->rank()}
-      .ForEach(fn);
+  CutOf(p).ForEach(fn);
 }
 
 std::map<std::string, LogicalShape> Transformer::ParamShapes() const {

@@ -63,6 +63,7 @@
 #ifndef FP8RT_RUNTIME_MODEL_TRANSFORMER_H_
 #define FP8RT_RUNTIME_MODEL_TRANSFORMER_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -202,6 +203,14 @@ struct ShardCut {
   // fn(i, logical): shard element i is element `logical` of the row-major logical tensor; the
   // padding is skipped.
   void ForEach(const std::function<void(size_t, int64_t)>& fn) const;
+  // The piece's first row and column in the logical tensor, and the first element of the piece
+  // this shard holds and how many (no padding).
+  int64_t row0() const { return shape.split == TpSplit::kRows ? tp_rank * local_rows() : 0; }
+  int64_t col0() const { return shape.split == TpSplit::kCols ? tp_rank * local_cols() : 0; }
+  int64_t flat_begin() const { return fsdp_rank * count(); }
+  int64_t flat_count() const {
+    return std::clamp<int64_t>(local_rows() * local_cols() - flat_begin(), 0, count());
+  }
 };
 
 struct SiteReport {
@@ -231,6 +240,8 @@ class Transformer {
   std::vector<Param>& params() { return params_; }
   // Every parameter's logical shape and TP split, by name.
   std::map<std::string, LogicalShape> ParamShapes() const;
+  // How this rank's shard of `p` is cut from its logical tensor.
+  ShardCut CutOf(const Param& p) const;
   // Sets this rank's FP32 master shard of every parameter from its logical tensor (the elements
   // AddParam's initialisation would have written): init.from and weights files. InvalidArgument
   // naming the parameter for a missing one or a wrong size, before anything is changed. Adam

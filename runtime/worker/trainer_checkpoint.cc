@@ -127,6 +127,12 @@ absl::Status Trainer::SaveCheckpoint() {
   if (st.ok()) st = w.Add("rng", Bytes(rng, 2));
   if (st.ok()) st = w.Add("meta/recipe_version", Bytes(&recipe_version_, 1));
   if (st.ok()) st = w.AddProto("recipe", RecipeToProto(model_->recipe()));
+  // Where each tensor section lies in its logical tensor, so that any layout can read it back.
+  v1::ShardRanges ranges;
+  for (const model::Param& p : model_->params()) {
+    *ranges.add_tensors() = RangeOf(p.name, model_->CutOf(p));
+  }
+  if (st.ok()) st = w.AddProto("ranges", ranges);
   for (const model::Param& p : model_->params()) {
     const size_t n = p.master.size();
     if (st.ok()) st = w.Add("master/" + p.name, Bytes(p.master.data(), n));
@@ -332,10 +338,12 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
                          ParseManifest(*manifest_file, chosen));
   const bool reshard = !SameLayout(manifest, spec_);
   if (reshard) FP8RT_RETURN_IF_ERROR(CheckResumable(ResumePoint{chosen, folder, manifest}, spec_));
-  // Resharding opens every shard once; otherwise this rank opens its own.
+  // Resharding opens every shard ranged (rank 0 verified them all against the MANIFEST before
+  // choosing the checkpoint), to read only the sections holding what this rank needs; otherwise
+  // this rank reads its own whole.
   std::vector<std::unique_ptr<ShardReader>> shards;
   if (reshard) {
-    FP8RT_ASSIGN_OR_RETURN(shards, OpenShards(folder, manifest));
+    FP8RT_ASSIGN_OR_RETURN(shards, OpenShards(folder, manifest, /*ranged=*/true));
   } else {
     FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> own,
                            ShardReader::Open(folder + "/" + ShardFileName(world.rank())));
@@ -375,9 +383,11 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
       FP8RT_RETURN_IF_ERROR(ReadSection(*reader, "adam_v/" + p.name, p.v.data(), n));
     }
   } else {
+    std::map<std::string, model::ShardCut> need;
+    for (const model::Param& p : model_->params()) need.emplace(p.name, model_->CutOf(p));
     FP8RT_ASSIGN_OR_RETURN(std::vector<model::LogicalParams> logical,
                            AssembleLogical(shards, manifest, model_->ParamShapes(),
-                                           {"master/", "adam_m/", "adam_v/"}));
+                                           {"master/", "adam_m/", "adam_v/"}, &need));
     using Array = model::Transformer::ShardArray;
     FP8RT_RETURN_IF_ERROR(model_->SetLogicalShards(logical[0], Array::kMaster));
     FP8RT_RETURN_IF_ERROR(model_->SetLogicalShards(logical[1], Array::kAdamM));
@@ -461,6 +471,15 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
                    was.train().micro_batch(), was.train().grad_accum(), layout.config.dp,
                    layout.config.tp, layout.config.ep, layout.world_size,
                    spec_.train().micro_batch(), spec_.train().grad_accum());
+      uint64_t read = 0, total = 0;
+      for (const std::unique_ptr<ShardReader>& shard : shards) {
+        read += shard->bytes_read();
+        total += shard->file_size();
+      }
+      std::fprintf(stderr,
+                   "fp8rt-worker: resharding: rank 0 read %llu of the checkpoint's %llu bytes "
+                   "(only the sections holding its elements)\n",
+                   static_cast<unsigned long long>(read), static_cast<unsigned long long>(total));
     }
     std::fprintf(stderr, "fp8rt-worker: resuming after step %lld from %s\n",
                  static_cast<long long>(step), folder.c_str());

@@ -5,9 +5,12 @@
 // Index:
 //   ReadCheckpointWeights  a committed checkpoint's run spec, step and logical parameters,
 //                          assembled on one process from every rank's shard
-//   OpenShards             every rank's shard of a checkpoint, each read once
-//   AssembleLogical        the logical tensors of any section family (master, Adam moments):
-//                          resharding
+//   OpenShards             every rank's shard of a checkpoint, each read once (or ranged)
+//   RangeOf                a shard's TensorRange for a parameter cut by a model::ShardCut
+//   ShardTensorRanges      where a shard's tensors lie in the logical tensors (its "ranges"
+//                          section, or for older shards its MANIFEST's layout)
+//   AssembleLogical        the logical tensors of any section family (master, Adam moments),
+//                          all of them or only the elements a rank needs: resharding
 //   ExportHuggingFace      DIR/model.safetensors and DIR/config.json (runtime/model/hf_weights.h)
 //   LoadHuggingFace        a safetensors file into a model's shards (init.from, --weights)
 //   SoloModel              the spec's model on one process (CPU ops, FP32 GEMMs), for the
@@ -51,20 +54,38 @@ absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& run_d
                                                         std::optional<int64_t> step);
 
 // Every rank's shard of the committed checkpoint in `folder`, indexed by rank, each read whole
-// and its checksums verified. DataLoss naming the MANIFEST when its layout and shards disagree.
+// and its checksums verified, or with `ranged` opened ShardReader::OpenRanged (a section is read
+// and verified when asked for; for a checkpoint CheckpointDir::Verify passed). DataLoss naming
+// the MANIFEST when its layout and shards disagree.
 absl::StatusOr<std::vector<std::unique_ptr<ShardReader>>> OpenShards(
-    const std::string& folder, const v1::CheckpointManifest& manifest);
+    const std::string& folder, const v1::CheckpointManifest& manifest, bool ranged = false);
+
+// The range of parameter `param` that a shard cut by `cut` holds (what every shard's "ranges"
+// section records).
+v1::TensorRange RangeOf(const std::string& param, const model::ShardCut& cut);
+
+// Where the tensors of `shard` (rank `rank` of the checkpoint `manifest` describes) lie in the
+// logical tensors `shapes`: its "ranges" section, each range checked against the shape and the
+// section sizes; a shard written before ranges were recorded has them worked out from the
+// MANIFEST's dp x tp x ep layout (each parameter's model::ShardCut at the rank's
+// parallel::MeshLayout; the MoE experts, ".experts." in the name, of its ep rank only, cut over
+// its expert-data-parallel group). DataLoss naming the file and the parameter.
+absl::StatusOr<std::vector<v1::TensorRange>> ShardTensorRanges(
+    const ShardReader& shard, const v1::CheckpointManifest& manifest, int rank,
+    const std::map<std::string, model::LogicalShape>& shapes);
 
 // The logical tensors of each section family in `prefixes` ("master/", "adam_m/", "adam_v/"),
-// one LogicalParams per prefix, assembled from `shards` (OpenShards) of a checkpoint written at
-// the dp x tp x ep layout `manifest` records: rank r's shard holds, for each parameter of
-// `shapes`, its model::ShardCut at r's parallel::MeshLayout, and of the MoE experts (".experts."
-// in the name) only its ep rank's, cut over its expert-data-parallel group. DataLoss naming the
-// file and section for a wrong size.
+// one LogicalParams per prefix, assembled from `shards` (OpenShards) by their ranges
+// (ShardTensorRanges), with no assumption on how many ranks wrote them. With `need` (a cut per
+// parameter: a rank of the resuming layout) only the elements those cuts hold are filled, the rest
+// left zero, and a shard's section is read only when it holds one of them that no earlier shard
+// held (ranged readers then read only those sections). DataLoss naming the file and section for
+// a wrong size, or the folder and parameter for an element no shard holds.
 absl::StatusOr<std::vector<model::LogicalParams>> AssembleLogical(
     const std::vector<std::unique_ptr<ShardReader>>& shards, const v1::CheckpointManifest& manifest,
     const std::map<std::string, model::LogicalShape>& shapes,
-    const std::vector<std::string>& prefixes);
+    const std::vector<std::string>& prefixes,
+    const std::map<std::string, model::ShardCut>* need = nullptr);
 
 // Writes out_dir/model.safetensors (FP32, or BF16 rounded to nearest even with bf16) and
 // out_dir/config.json, creating out_dir. InvalidArgument naming the model field for a shape that

@@ -44,6 +44,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <regex>
 #include <set>
 #include <string>
 #include <thread>
@@ -559,6 +560,21 @@ TEST_F(TrainTest, ResumeAtAnotherLayoutContinuesTheRun) {
     EXPECT_THAT(r.err,
                 HasSubstr("resharding: the checkpoint was written at dp=2 tp=2 ep=1 on 4 ranks"));
     EXPECT_THAT(r.err, HasSubstr("resuming after step 6"));
+    // The shards record their logical ranges, and a rank reads only the sections holding the
+    // elements it needs: at dp4 a rank needs a quarter of each tensor, which lies in one or two
+    // of the four shards; on 1 rank it needs every element once (the tensors tp does not split
+    // are held by both tp ranks, so at least half of the bytes).
+    const std::regex read_re("rank 0 read ([0-9]+) of the checkpoint's ([0-9]+) bytes");
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.err, m, read_re)) << r.err;
+    const double read = std::stod(m[1].str()), total = std::stod(m[2].str());
+    std::printf("%s: rank 0 read %.0f of %.0f checkpoint bytes (%.2f)\n", layout.name.c_str(), read,
+                total, read / total);
+    if (layout.np == 4) {
+      EXPECT_LT(read, 0.6 * total) << "dp4 reads only the ranges it needs";
+    } else if (layout.np == 1) {
+      EXPECT_GT(read, 0.5 * total) << "one rank needs every element";
+    }
     const std::vector<Json> mb = ReadJsonl(run / "metrics.jsonl");
     ASSERT_EQ(Steps(mb), OneTo(12)) << "each step once: 1-6 kept, 7-12 trained again";
     for (size_t i = 6; i < 12; ++i) {

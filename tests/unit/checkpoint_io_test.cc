@@ -5,7 +5,10 @@
 //   - a one-section file is byte-for-byte the layout the header documents;
 //   - the reported checksum is XXH64 of the file; no temp file is left, after success or failure;
 //   - every single-byte flip of a small shard (and a sample of a large one) and every truncation
-//     is DataLoss naming the file and an offset; a missing section is NotFound naming it.
+//     is DataLoss naming the file and an offset; a missing section is NotFound naming it;
+//   - a ranged reader reads nothing but the section headers at open and each section asked for
+//     once (bytes_read), gives the same bytes, and detects every byte flip outside the trailer at
+//     open or when the damaged section is read.
 #include "runtime/checkpoint/checkpoint_io.h"
 
 #include <stdlib.h>
@@ -380,6 +383,95 @@ TEST_F(CheckpointIoTest, MissingFileIsNotFoundNamingIt) {
   ASSERT_FALSE(reader.ok());
   EXPECT_EQ(reader.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(reader.status().message(), HasSubstr(path));
+}
+
+TEST_F(CheckpointIoTest, RangedReaderReadsOnlyTheSectionsAskedFor) {
+  const Bytes big = RandomBytes(1 << 20, 8), small = RandomBytes(100, 9);
+  ShardWriter writer;
+  ASSERT_TRUE(writer.Add("master/blocks.0.mlp.fc1", big).ok());
+  ASSERT_TRUE(writer.Add("meta/step", small).ok());
+  const std::string path = Path("ranged.shard");
+  auto written = writer.Write(path);
+  ASSERT_TRUE(written.ok()) << written.status();
+
+  auto reader = ShardReader::OpenRanged(path);
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  const ShardReader& r = **reader;
+  EXPECT_TRUE(r.ranged());
+  EXPECT_EQ(r.file_size(), written->size);
+  EXPECT_EQ(r.bytes_read(), 0u) << "open reads the section headers only";
+  EXPECT_THAT(r.SectionNames(), ElementsAre("master/blocks.0.mlp.fc1", "meta/step"));
+  auto got = r.Section("meta/step");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(ToBytes(*got), small);
+  EXPECT_EQ(r.bytes_read(), small.size()) << "the 1 MiB section was not read";
+  ASSERT_TRUE(r.Section("meta/step").ok());
+  EXPECT_EQ(r.bytes_read(), small.size()) << "a section is read once";
+  auto whole = r.Section("master/blocks.0.mlp.fc1");
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_EQ(ToBytes(*whole), big);
+  EXPECT_EQ(r.bytes_read(), small.size() + big.size());
+  EXPECT_EQ(r.Section("absent").status().code(), absl::StatusCode::kNotFound);
+  // A full reader reports the whole file read.
+  auto full = ShardReader::Open(path);
+  ASSERT_TRUE(full.ok());
+  EXPECT_FALSE((*full)->ranged());
+  EXPECT_EQ((*full)->bytes_read(), written->size);
+}
+
+TEST_F(CheckpointIoTest, RangedReaderDetectsEveryByteFlipOutsideTheTrailer) {
+  const SmallShard small = MakeSmallShard();
+  ShardWriter writer;
+  for (size_t i = 0; i < small.names.size(); ++i) {
+    ASSERT_TRUE(writer.Add(small.names[i], small.contents[i]).ok());
+  }
+  ASSERT_TRUE(writer.Write(Path("good.shard")).ok());
+  const Bytes good = ReadFile(Path("good.shard"));
+  std::vector<std::pair<size_t, size_t>> data_ranges;  // from the documented layout
+  size_t pos = 16;
+  for (size_t i = 0; i < small.names.size(); ++i) {
+    pos += 4 + small.names[i].size() + 16;
+    data_ranges.emplace_back(pos, pos + small.contents[i].size());
+    pos += small.contents[i].size();
+  }
+  ASSERT_EQ(pos + 8, good.size());
+  const std::string path = Path("flipped.shard");
+  for (size_t i = 0; i < good.size(); ++i) {
+    Bytes bad = good;
+    bad[i] ^= std::byte{0x10};
+    WriteFile(path, bad);
+    const std::string what = "byte " + std::to_string(i);
+    auto reader = ShardReader::OpenRanged(path);
+    if (!reader.ok()) {
+      EXPECT_EQ(reader.status().code(), absl::StatusCode::kDataLoss) << what;
+      EXPECT_THAT(reader.status().message(), HasSubstr(path)) << what;
+      EXPECT_LT(i, good.size() - 8) << what << ": the trailer is not checked when ranged";
+      continue;
+    }
+    // Opened: read every section back, as the loader would.
+    std::vector<absl::StatusCode> codes;
+    for (size_t s = 0; s < small.names.size(); ++s) {
+      auto section = (*reader)->Section(small.names[s]);
+      codes.push_back(section.ok() && ToBytes(*section) == small.contents[s]
+                          ? absl::StatusCode::kOk
+                          : section.status().code());
+      const bool inside = i >= data_ranges[s].first && i < data_ranges[s].second;
+      if (inside) {
+        EXPECT_EQ(section.status().code(), absl::StatusCode::kDataLoss) << what;
+        EXPECT_THAT(section.status().message(),
+                    AllOf(HasSubstr("checksum"), HasSubstr(path),
+                          HasSubstr("offset " + std::to_string(data_ranges[s].first))))
+            << what;
+      }
+    }
+    const bool all_ok = std::all_of(codes.begin(), codes.end(),
+                                    [](absl::StatusCode c) { return c == absl::StatusCode::kOk; });
+    if (i >= good.size() - 8) {
+      EXPECT_TRUE(all_ok) << what << ": a trailer flip does not change any section";
+    } else {
+      EXPECT_FALSE(all_ok) << what << ": a flip outside the trailer went unnoticed";
+    }
+  }
 }
 
 }  // namespace
