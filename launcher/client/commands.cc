@@ -22,13 +22,16 @@
 #include "CLI/CLI.hpp"
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "launcher/client/control_client.h"
 #include "launcher/client/format.h"
+#include "runtime/core/quote.h"
 #include "runtime/core/status.h"
+#include "runtime/spec/run_spec.h"
 
 namespace fp8rt::cli {
 namespace {
@@ -166,7 +169,31 @@ void PrintRunDetails(const v1::Run& run) {
   std::fputs(table.Render().c_str(), stdout);
 }
 
+// One layer's effective recipe in words: "bf16 (precision.exclude)", or "fp8 delayed hybrid
+// margin 0 history 16 max (override #1)".
+std::string LayerRecipeText(const v1::LayerRecipe& r) {
+  std::string text = EnumWord(Precision::Mode_descriptor(), r.mode());
+  if (r.mode() == Precision::MODE_FP8) {
+    absl::StrAppend(&text, " ", EnumWord(Precision::Scaling_descriptor(), r.scaling()), " ",
+                    EnumWord(Precision::Format_descriptor(), r.format()), " margin ", r.margin(),
+                    " history ", r.amax_history_len(), " ",
+                    EnumWord(Precision::AmaxComputeAlgo_descriptor(), r.amax_compute_algo()));
+  }
+  if (r.override_index() == -2) absl::StrAppend(&text, " (precision.exclude)");
+  if (r.override_index() >= 0) absl::StrAppend(&text, " (override #", r.override_index(), ")");
+  return text;
+}
+
 void PrintLayers(const std::string& run_id, const v1::GetLayersResponse& layers) {
+  if (!layers.recipes().empty()) {
+    std::printf("run %s: each layer's recipe (version %lld)\n", run_id.c_str(),
+                static_cast<long long>(layers.recipes(0).recipe_version()));
+    Table recipes({{"LAYER"}, {"RECIPE"}});
+    for (const v1::LayerRecipe& r : layers.recipes()) {
+      recipes.AddRow({r.layer(), LayerRecipeText(r)});
+    }
+    std::fputs(recipes.Render().c_str(), stdout);
+  }
   if (layers.sites().empty()) {
     std::printf("run %s: no FP8 statistics reported yet\n", run_id.c_str());
     return;
@@ -219,6 +246,9 @@ void PrintRecipe(const std::string& run_id, const v1::RecipeVersion& version) {
                   : absl::StrCat("applied at step ", version.applied_step()).c_str());
   Table table({{"  FIELD"}, {"VALUE"}});
   table.AddRow({"  exclude", ExcludeText(r)});
+  std::vector<std::string> overrides;
+  for (const Precision::Override& o : r.overrides()) overrides.push_back(DescribeOverride(o));
+  table.AddRow({"  overrides", overrides.empty() ? "(none)" : absl::StrJoin(overrides, "; ")});
   table.AddRow({"  scaling", EnumWord(Precision::Scaling_descriptor(), r.scaling())});
   table.AddRow({"  amax_history_len", absl::StrCat(r.amax_history_len())});
   table.AddRow({"  amax_compute_algo",
@@ -254,6 +284,9 @@ struct RecipeFlags {
   int amax_history_len = 0;
   int margin = 0;
   std::string reason;  // --reason TEXT (default: a summary of the changes)
+  // --override 'GLOB:key=value,...' (repeatable; replaces the override list), --clear-overrides
+  std::vector<std::string> overrides;
+  bool clear_overrides = false;
 
   // Set by the CLI: which options were given.
   CLI::Option* exclude_opt = nullptr;
@@ -276,6 +309,62 @@ std::vector<std::string> LayerList(const std::vector<std::string>& values) {
     }
   }
   return names;
+}
+
+// --override 'GLOB:key=value,...': the layers glob, then any of mode, scaling, format, margin,
+// amax_history_len, amax_compute_algo (the spec's precision.overrides fields). InvalidArgument
+// naming --override and quoting a bounded prefix of the bad part.
+absl::StatusOr<Precision::Override> ParseOverrideFlag(const std::string& text) {
+  const size_t colon = text.find(':');
+  if (colon == std::string::npos || colon == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--override: expected GLOB:key=value[,key=value...], got ",
+                     QuoteBounded(text)));
+  }
+  Precision::Override o;
+  o.set_layers(text.substr(0, colon));
+  for (absl::string_view part : absl::StrSplit(text.substr(colon + 1), ',', absl::SkipEmpty())) {
+    part = absl::StripAsciiWhitespace(part);
+    const size_t eq = part.find('=');
+    const std::string key(part.substr(0, eq));
+    const std::string value(eq == absl::string_view::npos ? "" : part.substr(eq + 1));
+    const std::string flag = absl::StrCat("--override ", key);
+    auto number = [&](int lo, int hi) -> absl::StatusOr<int> {
+      int v = 0;
+      if (!absl::SimpleAtoi(value, &v) || v < lo || v > hi) {
+        return absl::InvalidArgumentError(absl::StrCat(flag, ": expected an integer in [", lo,
+                                                       ", ", hi, "], got ", QuoteBounded(value)));
+      }
+      return v;
+    };
+    if (key == "mode") {
+      FP8RT_ASSIGN_OR_RETURN(const int v, ParseEnumWord(Precision::Mode_descriptor(), value, flag));
+      o.set_mode(static_cast<Precision::Mode>(v));
+    } else if (key == "scaling") {
+      FP8RT_ASSIGN_OR_RETURN(const int v,
+                             ParseEnumWord(Precision::Scaling_descriptor(), value, flag));
+      o.set_scaling(static_cast<Precision::Scaling>(v));
+    } else if (key == "format") {
+      FP8RT_ASSIGN_OR_RETURN(const int v,
+                             ParseEnumWord(Precision::Format_descriptor(), value, flag));
+      o.set_format(static_cast<Precision::Format>(v));
+    } else if (key == "amax_compute_algo") {
+      FP8RT_ASSIGN_OR_RETURN(const int v,
+                             ParseEnumWord(Precision::AmaxComputeAlgo_descriptor(), value, flag));
+      o.set_amax_compute_algo(static_cast<Precision::AmaxComputeAlgo>(v));
+    } else if (key == "margin") {
+      FP8RT_ASSIGN_OR_RETURN(const int v, number(0, 32));
+      o.set_margin(v);
+    } else if (key == "amax_history_len") {
+      FP8RT_ASSIGN_OR_RETURN(const int v, number(1, 4096));
+      o.set_amax_history_len(v);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--override: unknown key ", QuoteBounded(key),
+          " (expected mode, scaling, format, margin, amax_history_len, amax_compute_algo)"));
+    }
+  }
+  return o;
 }
 
 // A recipe setter for one enum flag: parses the word (InvalidArgument naming the flag).
@@ -321,13 +410,23 @@ absl::Status ApplyRecipeFlags(const RecipeFlags& f, v1::Recipe* recipe) {
   const std::vector<std::string> add = LayerList(f.exclude_add);
   const std::vector<std::string> remove = LayerList(f.exclude_remove);
   if (f.exclude_opt->count() > 0 || !add.empty() || !remove.empty()) changed = true;
+  std::vector<Precision::Override> overrides;
+  for (const std::string& text : f.overrides) {
+    FP8RT_ASSIGN_OR_RETURN(Precision::Override o, ParseOverrideFlag(text));
+    overrides.push_back(std::move(o));
+  }
+  if (!overrides.empty() || f.clear_overrides) changed = true;
   if (!changed) {
     return absl::InvalidArgumentError(
         "nothing to change: give at least one of --exclude, --exclude-add, --exclude-remove, "
-        "--scaling, --amax-history-len, --amax-compute-algo, --margin, --fsdp-gather, "
-        "--grad-reduce");
+        "--override, --clear-overrides, --scaling, --amax-history-len, --amax-compute-algo, "
+        "--margin, --fsdp-gather, --grad-reduce");
   }
   if (recipe == nullptr) return absl::OkStatus();
+  if (!overrides.empty() || f.clear_overrides) {
+    recipe->clear_overrides();
+    for (Precision::Override& o : overrides) *recipe->add_overrides() = std::move(o);
+  }
 
   if (f.exclude_opt->count() > 0) {
     recipe->clear_exclude();
@@ -559,11 +658,13 @@ const char kControlCommandsUsage[] =
     "  runs token RUN [--out FILE]\n"
     "                  a new token valid for RUN only (admin token needed); printed, or\n"
     "                  written to FILE (mode 0600)\n"
-    "  layers RUN      the per-layer FP8 table: amax, scale, underflow %, saturation %\n"
+    "  layers RUN      each layer's effective recipe, and the per-layer FP8 table: amax,\n"
+    "                  scale, underflow %, saturation %\n"
     "  recipe get RUN | recipe set RUN [--exclude a,b | --exclude-add L | --exclude-remove L]\n"
     "                  [--scaling delayed|current|block] [--amax-history-len N]\n"
     "                  [--amax-compute-algo max|most_recent] [--margin M]\n"
     "                  [--fsdp-gather fp8|bf16] [--grad-reduce bf16|fp32] [--reason TEXT]\n"
+    "                  [--override 'GLOB:key=value,...' ... | --clear-overrides]\n"
     "                  the FP8 recipe; set schedules a new version a few steps ahead\n"
     "  checkpoints list RUN | checkpoints save RUN\n"
     "                  committed checkpoints; save asks for one at the next step\n"
@@ -639,6 +740,14 @@ int RunControlCommand(int argc, char** argv) {
   f.grad_reduce_opt =
       set->add_option("--grad-reduce", f.grad_reduce,
                       absl::StrJoin(EnumWords(Precision::GradReduce_descriptor()), "|"));
+  CLI::Option* override_opt =
+      set->add_option("--override", f.overrides,
+                      "a per-layer recipe, GLOB:key=value,... (mode, scaling, format, margin, "
+                      "amax_history_len, amax_compute_algo); repeatable, the first match wins, "
+                      "replaces the list")
+          ->type_name("GLOB:K=V,...");
+  set->add_flag("--clear-overrides", f.clear_overrides, "remove every per-layer recipe")
+      ->excludes(override_opt);
   f.reason_opt = set->add_option("--reason", f.reason,
                                  "why (recorded with the version; default: the changes)");
 

@@ -33,6 +33,7 @@
 #include "runtime/core/fault_point.h"
 #include "runtime/core/quote.h"
 #include "runtime/core/status.h"
+#include "runtime/spec/run_spec.h"
 
 namespace fp8rt::controller {
 namespace {
@@ -1061,7 +1062,32 @@ absl::StatusOr<v1::GetLayersResponse> Controller::GetLayers(const v1::GetLayersR
   FP8RT_RETURN_IF_ERROR(ValidateRunId(request.run_id()));
   absl::MutexLock lock(&mu_);
   FP8RT_ASSIGN_OR_RETURN(RunEntry * run, GetLocked(request.run_id()));
-  return run->record.layers();
+  v1::GetLayersResponse layers = run->record.layers();
+  // The recipe in force: the newest version the workers applied, else the spec's (version 1).
+  const v1::RecipeVersion* in_force = &*run->record.recipes().begin();
+  for (const v1::RecipeVersion& v : run->record.recipes()) {
+    if (v.applied_step() > 0 || v.version() == 1) in_force = &v;
+  }
+  const v1::RunSpec spec = WithRecipe(run->record.run().spec(), in_force->recipe());
+  layers.clear_recipes();
+  for (const std::string& name : LayerNames(spec)) {
+    int matched = -1;
+    const v1::RunSpec::Precision p = LayerPrecision(spec.precision(), name, &matched);
+    v1::LayerRecipe* r = layers.add_recipes();
+    r->set_layer(name);
+    r->set_mode(p.mode());
+    r->set_scaling(p.scaling());
+    r->set_format(p.format());
+    r->set_margin(p.margin());
+    r->set_amax_history_len(p.amax_history_len());
+    r->set_amax_compute_algo(p.amax_compute_algo());
+    const auto& excluded = spec.precision().exclude();
+    r->set_override_index(std::find(excluded.begin(), excluded.end(), name) != excluded.end()
+                              ? -2
+                              : matched);
+    r->set_recipe_version(in_force->version());
+  }
+  return layers;
 }
 
 absl::StatusOr<v1::RecipeVersion> Controller::GetRecipe(const v1::GetRecipeRequest& request) {
@@ -1083,6 +1109,8 @@ absl::StatusOr<v1::RecipeVersion> Controller::UpdateRecipe(const v1::UpdateRecip
   }
   FP8RT_RETURN_IF_ERROR(
       CheckCount("recipe.exclude", request.recipe().exclude_size(), kMaxRecipeExcludes));
+  FP8RT_RETURN_IF_ERROR(CheckCount("recipe.overrides", request.recipe().overrides_size(),
+                                   kMaxPrecisionOverrides));
   v1::RecipeVersion result;
   {
     absl::MutexLock lock(&mu_);

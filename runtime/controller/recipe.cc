@@ -1,6 +1,6 @@
 // Recipe and spec checks of the controller (see recipe.h). Contents:
 //   LayerNames / IsBlockLayer / LayerList   the layers a recipe may name
-//   RecipeFromSpec / WithRecipe / SameRecipe
+//   SameRecipe
 //   ValidateSpec / ValidateRecipe
 //   DescribeRecipeChange
 #include "runtime/controller/recipe.h"
@@ -146,31 +146,6 @@ bool IsBlockLayer(std::string_view name, const v1::RunSpec& spec) {
   return std::find(names.begin(), names.end(), name) != names.end();
 }
 
-v1::Recipe RecipeFromSpec(const v1::RunSpec& spec) {
-  const Precision& p = spec.precision();
-  v1::Recipe r;
-  *r.mutable_exclude() = p.exclude();
-  r.set_scaling(p.scaling());
-  r.set_amax_history_len(p.amax_history_len());
-  r.set_amax_compute_algo(p.amax_compute_algo());
-  r.set_margin(p.margin());
-  r.set_fsdp_gather(p.fsdp_gather());
-  r.set_grad_reduce(p.grad_reduce());
-  return r;
-}
-
-v1::RunSpec WithRecipe(v1::RunSpec spec, const v1::Recipe& recipe) {
-  Precision* p = spec.mutable_precision();
-  *p->mutable_exclude() = recipe.exclude();
-  p->set_scaling(recipe.scaling());
-  p->set_amax_history_len(recipe.amax_history_len());
-  p->set_amax_compute_algo(recipe.amax_compute_algo());
-  p->set_margin(recipe.margin());
-  p->set_fsdp_gather(recipe.fsdp_gather());
-  p->set_grad_reduce(recipe.grad_reduce());
-  return spec;
-}
-
 bool SameRecipe(const v1::Recipe& a, const v1::Recipe& b) {
   return google::protobuf::util::MessageDifferencer::Equals(a, b);
 }
@@ -216,6 +191,13 @@ absl::Status ValidateRecipe(const v1::Recipe& recipe, const v1::RunSpec& spec, i
   }
   absl::Status s = CheckExclude(recipe.exclude(), spec, "recipe.exclude");
   if (!s.ok()) return s;
+  // The per-layer recipes, named as the recipe's own field.
+  s = ValidatePrecisionOverrides(WithRecipe(spec, recipe));
+  if (!s.ok()) {
+    std::string message(s.message());
+    if (message.starts_with("precision.")) message.erase(0, std::string_view("precision.").size());
+    return absl::InvalidArgumentError(absl::StrCat("recipe.", message));
+  }
   // What is left to fail in the merged spec depends on the scaling: block scaling needs whole
   // 128-wide blocks per tensor-parallel shard and whole 128-row blocks per FSDP shard.
   s = ValidateWithoutDataFile(WithRecipe(spec, recipe), world_size);
@@ -248,6 +230,18 @@ std::string DescribeRecipeChange(const v1::Recipe& from, const v1::Recipe& to) {
   }
   for (const std::string& name : a) {
     if (!b.contains(name)) parts.push_back(absl::StrCat("exclude -", name));
+  }
+  const bool same_overrides =
+      from.overrides_size() == to.overrides_size() &&
+      std::equal(from.overrides().begin(), from.overrides().end(), to.overrides().begin(),
+                 [](const auto& a, const auto& b) {
+                   return google::protobuf::util::MessageDifferencer::Equals(a, b);
+                 });
+  if (!same_overrides) {
+    std::vector<std::string> now;
+    for (const auto& o : to.overrides()) now.push_back(DescribeOverride(o));
+    parts.push_back(absl::StrCat("overrides [", now.empty() ? "none" : absl::StrJoin(now, "; "),
+                                 "]"));
   }
   return parts.empty() ? "no change" : absl::StrJoin(parts, ", ");
 }

@@ -27,6 +27,7 @@
 #include "absl/status/status.h"
 #include "fp8rt/v1/control.pb.h"
 #include "fp8rt/v1/run_spec.pb.h"
+#include "runtime/spec/spec_recipe.h"
 
 namespace fp8rt::controller {
 
@@ -36,11 +37,10 @@ std::vector<std::string> LayerNames(const v1::RunSpec& spec);
 // True for the layers of LayerNames(spec) inside the blocks (every one but lm_head).
 bool IsBlockLayer(std::string_view name, const v1::RunSpec& spec);
 
-// The part of a run spec's precision section that can change while a run trains.
-v1::Recipe RecipeFromSpec(const v1::RunSpec& spec);
-
-// `spec` with its precision section's recipe fields replaced by `recipe`.
-v1::RunSpec WithRecipe(v1::RunSpec spec, const v1::Recipe& recipe);
+// The part of a run spec's precision section that can change while a run trains, and back
+// (runtime/spec/spec_recipe.h, which the workers share).
+inline v1::Recipe RecipeFromSpec(const v1::RunSpec& spec) { return SpecRecipe(spec); }
+using ::fp8rt::WithRecipe;
 
 // Field-by-field equality.
 bool SameRecipe(const v1::Recipe& a, const v1::Recipe& b);

@@ -404,7 +404,7 @@ absl::Status Transformer::Build(uint64_t seed) {
   const float resid_std = std_dev / std::sqrt(2.0f * static_cast<float>(L));
   auto make_linear = [&](const std::string& name, int64_t in, int64_t out) {
     linears_.push_back(
-        std::make_unique<Linear>(name, in, out, LayerPrecision(name), recipe_.sites));
+        std::make_unique<Linear>(name, in, out, LayerPrecision(name), LayerSites(name)));
     linears_.back()->set_save_fp8_input(recipe_.save_fp8_activations);
     all_linears_.push_back(linears_.back().get());
     return linears_.back().get();
@@ -466,7 +466,7 @@ absl::Status Transformer::Build(uint64_t seed) {
                        std_dev, &m.router());
       for (int64_t e = 0; e < shape_.moe.experts; ++e) {
         for (Linear* lin : m.expert_linears(e)) {
-          lin->Reconfigure(LayerPrecision(lin->name()), recipe_.sites);
+          lin->Reconfigure(LayerPrecision(lin->name()), LayerSites(lin->name()));
           all_linears_.push_back(lin);
         }
         if (!m.IsLocal(e)) continue;
@@ -531,7 +531,16 @@ GemmPrecision Transformer::LayerPrecision(const std::string& name) const {
       std::find(recipe_.exclude.begin(), recipe_.exclude.end(), name) != recipe_.exclude.end()) {
     return GemmPrecision::kBf16;
   }
+  if (recipe_.precision == GemmPrecision::kFp8) {
+    const auto it = recipe_.layers.find(name);
+    if (it != recipe_.layers.end()) return it->second.precision;
+  }
   return recipe_.precision;
+}
+
+const Fp8SiteConfigs& Transformer::LayerSites(const std::string& name) const {
+  const auto it = recipe_.layers.find(name);
+  return it != recipe_.layers.end() ? it->second.sites : recipe_.sites;
 }
 
 void Transformer::CollectSites() {
@@ -554,7 +563,7 @@ absl::Status Transformer::ApplyRecipe(const ModelRecipe& recipe) {
   for (Linear* lin : all_linears_) {
     if (lin == lm_head_ || lin->precision() == GemmPrecision::kFp32) continue;  // never FP8
     if (lin->name().ends_with(".router")) continue;                             // FP32 always
-    lin->Reconfigure(LayerPrecision(lin->name()), recipe_.sites);
+    lin->Reconfigure(LayerPrecision(lin->name()), LayerSites(lin->name()));
   }
   for (const std::unique_ptr<Linear>& lin : linears_) {
     if (lin.get() != lm_head_) lin->set_save_fp8_input(recipe_.save_fp8_activations);

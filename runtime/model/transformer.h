@@ -121,10 +121,18 @@ struct MoeBlockStats {
 
 enum class FsdpGatherDType : uint8_t { kFp8, kBf16 };
 
+// One layer's own recipe (precision.overrides, resolved per layer by the worker).
+struct LayerRecipe {
+  GemmPrecision precision = GemmPrecision::kFp8;  // kFp8 or kBf16
+  Fp8SiteConfigs sites;
+};
+
 struct ModelRecipe {
   GemmPrecision precision = GemmPrecision::kFp8;  // of the block GEMMs
   Fp8SiteConfigs sites;                           // formats and scaling of the FP8 sites
   std::vector<std::string> exclude;               // layers kept out of FP8 (run in BF16)
+  // Layers with a recipe of their own, by name (fp8 runs only; exclude comes first).
+  std::map<std::string, LayerRecipe> layers;
   FsdpGatherDType fsdp_gather = FsdpGatherDType::kFp8;
   parallel::GradReduceDType grad_reduce = parallel::GradReduceDType::kFP32;
   // parallel.reshard_after_forward: free a unit's gathered weights after its forward and gather
@@ -364,6 +372,8 @@ class Transformer {
   static absl::Status CheckRecipe(const ModelShape& shape, const ModelRecipe& recipe, int64_t tp,
                                   int64_t dp, const std::vector<std::string>& layers);
   GemmPrecision LayerPrecision(const std::string& name) const;
+  // The FP8 site configs of layer `name`: its own recipe's (ModelRecipe::layers), else the run's.
+  const Fp8SiteConfigs& LayerSites(const std::string& name) const;
   void CollectSites();
 
   const ModelShape shape_;

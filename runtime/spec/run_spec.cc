@@ -29,6 +29,8 @@
 #include "absl/strings/str_split.h"
 #include "google/protobuf/descriptor.h"
 #include "google/protobuf/message.h"
+#include "runtime/core/glob.h"
+#include "runtime/core/quote.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt {
@@ -254,7 +256,26 @@ class Parser {
     }
     if (field->is_repeated()) {
       if (field->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
-        return Error(key_mark, path, "lists of sections are not supported");
+        // A list of sections (precision.overrides): each item a map of its own fields.
+        if (!node.IsSequence() && !node.IsNull()) {
+          return Error(MarkOf(node, key_mark), path,
+                       absl::StrCat("expected a list of maps, got ", Describe(node)));
+        }
+        refl->ClearField(msg, field);
+        if (node.IsSequence()) {
+          size_t i = 0;
+          for (const YAML::Node& item : node) {
+            const std::string item_path = absl::StrCat(path, "[", i++, "]");
+            if (!item.IsMap()) {
+              return Error(MarkOf(item, key_mark), item_path,
+                           absl::StrCat("expected a map, got ", Describe(item)));
+            }
+            FP8RT_RETURN_IF_ERROR(
+                ApplyMap(item, MarkOf(item, key_mark), item_path, refl->AddMessage(msg, field)));
+          }
+        }
+        seen_->insert(path);
+        return absl::OkStatus();
       }
       std::vector<YAML::Node> items;
       if (node.IsSequence()) {
@@ -604,6 +625,121 @@ absl::Status ValidateEval(const v1::RunSpec& spec, DataFileCheck data_file) {
 
 }  // namespace
 
+absl::Status ValidatePrecisionOverrides(const v1::RunSpec& spec) {
+  using P = v1::RunSpec::Precision;
+  const P& pr = spec.precision();
+  if (pr.overrides_size() == 0) return absl::OkStatus();
+  if (pr.overrides_size() > kMaxPrecisionOverrides) {
+    return FieldError("precision.overrides", absl::StrCat("at most ", kMaxPrecisionOverrides,
+                                                          " entries, got ", pr.overrides_size()));
+  }
+  for (int i = 0; i < pr.overrides_size(); ++i) {
+    const std::string field = absl::StrCat("precision.overrides[", i, "].layers");
+    if (pr.overrides(i).layers().size() > kMaxLayerPatternBytes) {
+      return FieldError(field, absl::StrCat("at most ", kMaxLayerPatternBytes, " bytes, got ",
+                                            pr.overrides(i).layers().size()));
+    }
+  }
+  if (pr.mode() != P::MODE_FP8) {
+    return FieldError("precision.overrides", "per-layer recipes need precision.mode fp8");
+  }
+  const std::vector<std::string> layers = ModelLayerNames(spec);
+  for (int i = 0; i < pr.overrides_size(); ++i) {
+    const P::Override& o = pr.overrides(i);
+    const std::string at = absl::StrCat("precision.overrides[", i, "]");
+    if (o.layers().empty()) return FieldError(at + ".layers", "empty pattern");
+    if (!P::Mode_IsValid(o.mode()) || o.mode() == P::MODE_FP32) {
+      return FieldError(at + ".mode", "must be fp8 or bf16");
+    }
+    if (!P::Scaling_IsValid(o.scaling())) {
+      return FieldError(at + ".scaling", absl::StrCat(o.scaling(), " is not a value of the enum"));
+    }
+    if (!P::Format_IsValid(o.format())) {
+      return FieldError(at + ".format", absl::StrCat(o.format(), " is not a value of the enum"));
+    }
+    if (!P::AmaxComputeAlgo_IsValid(o.amax_compute_algo())) {
+      return FieldError(at + ".amax_compute_algo",
+                        absl::StrCat(o.amax_compute_algo(), " is not a value of the enum"));
+    }
+    if (o.has_margin() && (o.margin() < 0 || o.margin() > 32)) {
+      return FieldError(at + ".margin", absl::StrCat("must be in [0, 32], got ", o.margin()));
+    }
+    if (o.amax_history_len() < 0 || o.amax_history_len() > 4096) {
+      return FieldError(at + ".amax_history_len",
+                        absl::StrCat("must be in [1, 4096] (0: the section's), got ",
+                                     o.amax_history_len()));
+    }
+    const bool matches = std::any_of(layers.begin(), layers.end(), [&](const std::string& name) {
+      return GlobMatch(o.layers(), name);
+    });
+    if (!matches) {
+      return FieldError(at + ".layers",
+                        absl::StrCat(QuoteBounded(o.layers()), " matches no layer of the model (",
+                                     layers.size() > 4 ? absl::StrCat(layers[0], ", ", layers[1],
+                                                                      ", ... ", layers.back())
+                                                       : absl::StrJoin(layers, ", "),
+                                     ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string DescribeOverride(const v1::RunSpec::Precision::Override& o) {
+  using P = v1::RunSpec::Precision;
+  auto label = [](const std::string& name, std::string_view prefix) {
+    std::string v = name.starts_with(prefix) ? name.substr(prefix.size()) : name;
+    for (char& c : v) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return v;
+  };
+  std::vector<std::string> parts;
+  if (o.mode() != P::MODE_UNSPECIFIED) parts.push_back(label(P::Mode_Name(o.mode()), "MODE_"));
+  if (o.scaling() != P::SCALING_UNSPECIFIED) {
+    parts.push_back("scaling " + label(P::Scaling_Name(o.scaling()), "SCALING_"));
+  }
+  if (o.format() != P::FORMAT_UNSPECIFIED) {
+    parts.push_back("format " + label(P::Format_Name(o.format()), "FORMAT_"));
+  }
+  if (o.has_margin()) parts.push_back(absl::StrCat("margin ", o.margin()));
+  if (o.amax_history_len() > 0) {
+    parts.push_back(absl::StrCat("amax_history_len ", o.amax_history_len()));
+  }
+  if (o.amax_compute_algo() != P::AMAX_COMPUTE_ALGO_UNSPECIFIED) {
+    parts.push_back("amax_compute_algo " +
+                    label(P::AmaxComputeAlgo_Name(o.amax_compute_algo()), "AMAX_COMPUTE_ALGO_"));
+  }
+  return absl::StrCat(QuoteBounded(o.layers()), ": ",
+                      parts.empty() ? "(no change)" : absl::StrJoin(parts, ", "));
+}
+
+v1::RunSpec::Precision LayerPrecision(const v1::RunSpec::Precision& p, std::string_view layer,
+                                      int* matched) {
+  using P = v1::RunSpec::Precision;
+  P out = p;
+  out.clear_overrides();
+  out.clear_exclude();
+  if (matched != nullptr) *matched = -1;
+  if (p.mode() != P::MODE_FP8) return out;
+  if (std::find(p.exclude().begin(), p.exclude().end(), layer) != p.exclude().end()) {
+    out.set_mode(P::MODE_BF16);
+    return out;
+  }
+  for (int i = 0; i < p.overrides_size(); ++i) {
+    const P::Override& o = p.overrides(i);
+    if (!GlobMatch(o.layers(), layer)) continue;
+    if (matched != nullptr) *matched = i;
+    if (o.mode() != P::MODE_UNSPECIFIED) out.set_mode(o.mode());
+    if (o.scaling() != P::SCALING_UNSPECIFIED) out.set_scaling(o.scaling());
+    if (o.format() != P::FORMAT_UNSPECIFIED) out.set_format(o.format());
+    if (o.has_margin()) out.set_margin(o.margin());
+    if (o.amax_history_len() > 0) out.set_amax_history_len(o.amax_history_len());
+    if (o.amax_compute_algo() != P::AMAX_COMPUTE_ALGO_UNSPECIFIED) {
+      out.set_amax_compute_algo(o.amax_compute_algo());
+    }
+    break;
+  }
+  return out;
+}
+
 std::vector<std::string> ModelLayerNames(const v1::RunSpec& spec) {
   const v1::RunSpec::Model m = ResolveModel(spec.model());
   const bool swiglu = m.mlp() == v1::RunSpec::Model::MLP_SWIGLU;
@@ -763,7 +899,14 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
   }
 
   const auto& pr = spec.precision();
-  if (pr.scaling() == v1::RunSpec::Precision::SCALING_BLOCK) {
+  FP8RT_RETURN_IF_ERROR(ValidatePrecisionOverrides(spec));
+  // Block scaling anywhere (the section's or an override's) needs the model's block shapes.
+  bool any_block = pr.scaling() == v1::RunSpec::Precision::SCALING_BLOCK;
+  for (const auto& o : pr.overrides()) {
+    any_block |= o.scaling() == v1::RunSpec::Precision::SCALING_BLOCK &&
+                 o.mode() != v1::RunSpec::Precision::MODE_BF16;
+  }
+  if (any_block) {
     const struct {
       const char* field;
       int32_t value;
@@ -781,7 +924,7 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
     // FSDP gathers FP8 weights as whole rows (whole 128-row blocks with block scaling) of each
     // tensor-parallel piece: attn.qkv has (heads + 2 kv_heads) * head size / tp rows, attn.proj
     // d_model, mlp.fc1 (mlp.gate, mlp.up) d_ff / tp, mlp.fc2 (mlp.down) d_model.
-    const bool block = pr.scaling() == v1::RunSpec::Precision::SCALING_BLOCK;
+    const bool block = any_block;
     const int64_t unit = (block ? 128 : 1) * int64_t{par.dp()};
     const struct {
       const char* field;

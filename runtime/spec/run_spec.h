@@ -70,6 +70,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -142,6 +143,27 @@ v1::RunSpec::Model ResolveModel(const v1::RunSpec::Model& model);
 // (the router is always FP32 and not listed). runtime/model's Transformer::LayerNames builds the
 // same list from the model's shape (a test holds them equal).
 std::vector<std::string> ModelLayerNames(const v1::RunSpec& spec);
+
+// precision.overrides: at most this many entries, each pattern at most this many bytes.
+inline constexpr int kMaxPrecisionOverrides = 256;
+inline constexpr size_t kMaxLayerPatternBytes = 256;
+
+// precision.overrides alone (ValidateRunSpec runs it too): the count and every pattern's length
+// first (a long pattern is refused before anything quotes it, and then by a bounded prefix),
+// then each entry's values (mode fp8 or bf16, enums the proto defines, margin in [0, 32],
+// amax_history_len in [0, 4096]), then that each pattern matches a layer of ModelLayerNames.
+// Needs precision.mode fp8. InvalidArgument "precision.overrides[i].<field>: ...".
+[[nodiscard]] absl::Status ValidatePrecisionOverrides(const v1::RunSpec& spec);
+
+// One override in a line: "'blocks.*.mlp.fc2': bf16" or "'blocks.0.*': scaling current, margin 2".
+std::string DescribeOverride(const v1::RunSpec::Precision::Override& o);
+
+// The precision section one layer trains with: `p` without its exclude list and overrides, its
+// mode bf16 when precision.exclude names the layer, else with the fields the first override
+// whose `layers` glob (runtime/core/glob.h) matches the layer sets. `matched`, when given, is set
+// to that override's index (-1: none). Outside fp8 mode, `p`'s own values.
+v1::RunSpec::Precision LayerPrecision(const v1::RunSpec::Precision& p, std::string_view layer,
+                                      int* matched = nullptr);
 
 // data.val_fraction's split of a corpus of `tokens` tokens: training reads tokens [0, split),
 // validation [split, tokens), split = floor(tokens * (1 - val_fraction)) (nanoGPT's

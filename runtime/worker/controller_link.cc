@@ -124,7 +124,7 @@ absl::Status Trainer::ShareDirectives() {
   if (head[0] <= recipe_version_ || step < head[1]) return absl::OkStatus();
   v1::Recipe recipe;
   if (!recipe.ParseFromString(bytes)) return absl::DataLossError("unreadable recipe broadcast");
-  const absl::Status applied = model_->ApplyRecipe(MergeRecipe(model_->recipe(), recipe));
+  const absl::Status applied = model_->ApplyRecipe(MergeRecipe(spec_, recipe));
   if (world.rank() == 0) {
     if (applied.ok()) {
       std::fprintf(stderr, "fp8rt-worker: recipe version %lld applied at step %lld: %s\n",
@@ -137,7 +137,10 @@ absl::Status Trainer::ShareDirectives() {
     }
   }
   recipe_version_ = head[0];  // a refused version is not retried
-  if (applied.ok()) recipe_applied_step_ = step;
+  if (applied.ok()) {
+    recipe_applied_step_ = step;
+    live_recipe_ = recipe;
+  }
   return absl::OkStatus();
 }
 

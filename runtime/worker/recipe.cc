@@ -4,24 +4,26 @@
 #include <algorithm>
 
 #include "runtime/spec/run_spec.h"
+#include "runtime/spec/spec_recipe.h"
 
 namespace fp8rt::worker {
 using v1::RunSpec;
 
-model::ModelRecipe RecipeFromSpec(const RunSpec& spec) {
-  const RunSpec::Precision& p = spec.precision();
-  model::ModelRecipe recipe;
-  switch (p.mode()) {
+namespace {
+
+model::GemmPrecision ModeOf(RunSpec::Precision::Mode mode) {
+  switch (mode) {
     case RunSpec::Precision::MODE_FP32:
-      recipe.precision = model::GemmPrecision::kFp32;
-      break;
+      return model::GemmPrecision::kFp32;
     case RunSpec::Precision::MODE_BF16:
-      recipe.precision = model::GemmPrecision::kBf16;
-      break;
+      return model::GemmPrecision::kBf16;
     default:
-      recipe.precision = model::GemmPrecision::kFp8;
-      break;
+      return model::GemmPrecision::kFp8;
   }
+}
+
+// The FP8 sites' configs a precision section (the run's, or one layer's) gives.
+model::Fp8SiteConfigs SitesOf(const RunSpec::Precision& p) {
   train::ScalingConfig base;
   switch (p.scaling()) {
     case RunSpec::Precision::SCALING_CURRENT:
@@ -40,13 +42,29 @@ model::ModelRecipe RecipeFromSpec(const RunSpec& spec) {
                   : train::AmaxAlgo::kMax;
   base.margin = p.margin();
   base.format = kernels::Fp8Format::kE4M3;
-  recipe.sites.input = base;
-  recipe.sites.weight = base;
-  recipe.sites.grad_output = base;
+  model::Fp8SiteConfigs sites{.input = base, .weight = base, .grad_output = base};
   if (p.format() != RunSpec::Precision::FORMAT_E4M3) {
-    recipe.sites.grad_output.format = kernels::Fp8Format::kE5M2;  // HYBRID
+    sites.grad_output.format = kernels::Fp8Format::kE5M2;  // HYBRID
   }
+  return sites;
+}
+
+}  // namespace
+
+model::ModelRecipe RecipeFromSpec(const RunSpec& spec) {
+  const RunSpec::Precision& p = spec.precision();
+  model::ModelRecipe recipe;
+  recipe.precision = ModeOf(p.mode());
+  recipe.sites = SitesOf(p);
   recipe.exclude.assign(p.exclude().begin(), p.exclude().end());
+  if (recipe.precision == model::GemmPrecision::kFp8 && p.overrides_size() > 0) {
+    for (const std::string& layer : ModelLayerNames(spec)) {
+      int matched = -1;
+      const RunSpec::Precision lp = LayerPrecision(p, layer, &matched);
+      if (matched < 0) continue;
+      recipe.layers[layer] = model::LayerRecipe{.precision = ModeOf(lp.mode()), .sites = SitesOf(lp)};
+    }
+  }
   recipe.fsdp_gather = p.fsdp_gather() == RunSpec::Precision::FSDP_GATHER_BF16
                            ? model::FsdpGatherDType::kBf16
                            : model::FsdpGatherDType::kFp8;
@@ -60,6 +78,10 @@ model::ModelRecipe RecipeFromSpec(const RunSpec& spec) {
   return recipe;
 }
 
+model::ModelRecipe MergeRecipe(const RunSpec& spec, const v1::Recipe& r) {
+  return RecipeFromSpec(WithRecipe(spec, r));
+}
+
 train::TokenFormat FormatFromSpec(const RunSpec& spec) {
   switch (spec.data().format()) {
     case RunSpec::Data::FORMAT_U16:
@@ -71,58 +93,6 @@ train::TokenFormat FormatFromSpec(const RunSpec& spec) {
     default:
       return train::TokenFormat::kText;
   }
-}
-
-// The live part of a recipe (control.proto Recipe) applied onto the model's recipe.
-model::ModelRecipe MergeRecipe(model::ModelRecipe base, const v1::Recipe& r) {
-  base.exclude.assign(r.exclude().begin(), r.exclude().end());
-  for (train::ScalingConfig* c : {&base.sites.input, &base.sites.weight, &base.sites.grad_output}) {
-    switch (r.scaling()) {
-      case RunSpec::Precision::SCALING_CURRENT:
-        c->strategy = train::ScalingStrategy::kCurrent;
-        break;
-      case RunSpec::Precision::SCALING_BLOCK:
-        c->strategy = train::ScalingStrategy::kBlock;
-        break;
-      default:
-        c->strategy = train::ScalingStrategy::kDelayed;
-        break;
-    }
-    if (r.amax_history_len() > 0) c->history_len = r.amax_history_len();
-    c->algo = r.amax_compute_algo() == RunSpec::Precision::AMAX_COMPUTE_ALGO_MOST_RECENT
-                  ? train::AmaxAlgo::kMostRecent
-                  : train::AmaxAlgo::kMax;
-    c->margin = r.margin();
-  }
-  base.fsdp_gather = r.fsdp_gather() == RunSpec::Precision::FSDP_GATHER_BF16
-                         ? model::FsdpGatherDType::kBf16
-                         : model::FsdpGatherDType::kFp8;
-  base.grad_reduce = r.grad_reduce() == RunSpec::Precision::GRAD_REDUCE_BF16
-                         ? parallel::GradReduceDType::kBF16
-                         : parallel::GradReduceDType::kFP32;
-  return base;
-}
-
-v1::Recipe RecipeToProto(const model::ModelRecipe& m) {
-  v1::Recipe r;
-  for (const std::string& e : m.exclude) r.add_exclude(e);
-  const train::ScalingConfig& c = m.sites.weight;
-  r.set_scaling(c.strategy == train::ScalingStrategy::kCurrent ? RunSpec::Precision::SCALING_CURRENT
-                : c.strategy == train::ScalingStrategy::kBlock
-                    ? RunSpec::Precision::SCALING_BLOCK
-                    : RunSpec::Precision::SCALING_DELAYED);
-  r.set_amax_history_len(c.history_len);
-  r.set_amax_compute_algo(c.algo == train::AmaxAlgo::kMostRecent
-                              ? RunSpec::Precision::AMAX_COMPUTE_ALGO_MOST_RECENT
-                              : RunSpec::Precision::AMAX_COMPUTE_ALGO_MAX);
-  r.set_margin(c.margin);
-  r.set_fsdp_gather(m.fsdp_gather == model::FsdpGatherDType::kBf16
-                        ? RunSpec::Precision::FSDP_GATHER_BF16
-                        : RunSpec::Precision::FSDP_GATHER_FP8);
-  r.set_grad_reduce(m.grad_reduce == parallel::GradReduceDType::kBF16
-                        ? RunSpec::Precision::GRAD_REDUCE_BF16
-                        : RunSpec::Precision::GRAD_REDUCE_FP32);
-  return r;
 }
 
 model::ModelShape ShapeFromSpec(const RunSpec& spec) {

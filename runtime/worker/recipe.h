@@ -2,9 +2,10 @@
 // recipe (control.proto Recipe) onto model::ModelRecipe, and back for checkpoints and reports.
 //
 // Index:
-//   RecipeFromSpec  the spec's precision section as the model's recipe
-//   MergeRecipe     a live recipe update applied onto the model's recipe
-//   RecipeToProto   the live part of the model's recipe (saved in checkpoints)
+//   RecipeFromSpec  the spec's precision section as the model's recipe, precision.overrides
+//                   resolved per layer into ModelRecipe::layers
+//   MergeRecipe     the model's recipe under a live recipe (an update, or a checkpoint's):
+//                   the spec with the recipe's fields (runtime/spec/spec_recipe.h)
 //   FormatFromSpec  the spec's data format as the loader's token format
 //   ShapeFromSpec   the spec's model (family defaults resolved) and moe sections as the model's
 //                   shape
@@ -22,8 +23,8 @@
 namespace fp8rt::worker {
 
 model::ModelRecipe RecipeFromSpec(const v1::RunSpec& spec);
-model::ModelRecipe MergeRecipe(model::ModelRecipe base, const v1::Recipe& r);
-v1::Recipe RecipeToProto(const model::ModelRecipe& m);
+// precision.overrides are resolved per layer here (LayerPrecision) into ModelRecipe::layers.
+model::ModelRecipe MergeRecipe(const v1::RunSpec& spec, const v1::Recipe& r);
 train::TokenFormat FormatFromSpec(const v1::RunSpec& spec);
 model::ModelShape ShapeFromSpec(const v1::RunSpec& spec);
 

@@ -19,6 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/memory_stats.h"
 #include "runtime/spec/run_spec.h"
+#include "runtime/spec/spec_recipe.h"
 #include "runtime/core/status.h"
 #include "runtime/worker/recipe.h"
 #include "runtime/worker/weights.h"
@@ -27,7 +28,7 @@ namespace fp8rt::worker {
 using v1::RunSpec;
 
 Trainer::Trainer(const RunSpec& spec, const TrainerOptions& options, const kernels::OpTable& ops)
-    : spec_(spec), options_(options), ops_(ops) {}
+    : spec_(spec), options_(options), ops_(ops), live_recipe_(SpecRecipe(spec)) {}
 
 Trainer::~Trainer() = default;
 

@@ -213,6 +213,7 @@ class Trainer {
   std::atomic<int64_t> progress_{0};  // steps done, read by the heartbeat thread
   int64_t resume_step_ = -1;          // from the controller's Register answer
   int64_t recipe_version_ = 1;        // applied recipe version
+  v1::Recipe live_recipe_;             // and its recipe (the spec's until an update; checkpoints)
   int64_t recipe_applied_step_ = 0;   // the step a new version was applied at, for the report
   bool stop_requested_ = false;
   bool save_requested_ = false;

@@ -126,7 +126,7 @@ absl::Status Trainer::SaveCheckpoint() {
   if (st.ok()) st = w.Add("meta/layout", Bytes(layout_ints, 4));
   if (st.ok()) st = w.Add("rng", Bytes(rng, 2));
   if (st.ok()) st = w.Add("meta/recipe_version", Bytes(&recipe_version_, 1));
-  if (st.ok()) st = w.AddProto("recipe", RecipeToProto(model_->recipe()));
+  if (st.ok()) st = w.AddProto("recipe", live_recipe_);
   // Where each tensor section lies in its logical tensor, so that any layout can read it back.
   v1::ShardRanges ranges;
   for (const model::Param& p : model_->params()) {
@@ -364,10 +364,11 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
     v1::Recipe recipe;
     FP8RT_RETURN_IF_ERROR(reader->ParseProto("recipe", &recipe));
     if (version > 1) {
-      absl::Status applied = model_->ApplyRecipe(MergeRecipe(model_->recipe(), recipe));
+      absl::Status applied = model_->ApplyRecipe(MergeRecipe(spec_, recipe));
       if (!applied.ok()) {
         return absl::DataLossError(absl::StrCat(path, ": recipe: ", applied.message()));
       }
+      live_recipe_ = recipe;
     }
     recipe_version_ = version;
   }

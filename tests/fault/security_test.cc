@@ -758,6 +758,25 @@ TEST(InputValidationTest, EachClassIsRefusedNamingTheFieldInAShortMessage) {
     expect_refused(s, "recipe.exclude[0]: no layer named '" + std::string(64, 'x') +
                           "'...(200 bytes)");
   }
+  // The same for a per-layer recipe's pattern (precision.overrides): length first, then a
+  // bounded quote of a pattern that matches no layer, and enum numbers the proto lacks.
+  {
+    v1::Recipe r = current.recipe();
+    r.add_overrides()->set_layers(std::string(1 << 20, 'G'));
+    expect_refused(update(r), "recipe.overrides[0].layers: at most 256 bytes, got 1048576");
+    r = current.recipe();
+    r.add_overrides()->set_layers(std::string(200, 'g'));
+    expect_refused(update(r), "recipe.overrides[0].layers: '" + std::string(64, 'g') +
+                                  "'...(200 bytes) matches no layer");
+    r = current.recipe();
+    for (int i = 0; i < 100000; ++i) r.add_overrides()->set_layers("blocks.*");
+    expect_refused(update(r), "recipe.overrides: at most 256");
+    r = current.recipe();
+    v1::RunSpec::Precision::Override* o = r.add_overrides();
+    o->set_layers("blocks.*");
+    o->set_mode(static_cast<v1::RunSpec::Precision::Mode>(77));
+    expect_refused(update(r), "recipe.overrides[0].mode");
+  }
   // An enum number the proto does not define: refused, and no new version stored.
   {
     v1::Recipe r = current.recipe();
@@ -789,6 +808,11 @@ TEST(InputValidationTest, EachClassIsRefusedNamingTheFieldInAShortMessage) {
     req.mutable_spec()->mutable_precision()->add_exclude(std::string(1 << 20, 'E'));
     expect_refused(c->control().Register(BearerContext(kAdminToken).get(), req, &resp),
                    "spec.precision.exclude[0]: at most 256 bytes");
+    *req.mutable_spec() = SmallSpec();
+    req.mutable_spec()->mutable_precision()->add_overrides()->set_layers(
+        std::string(1 << 20, 'O'));
+    expect_refused(c->control().Register(BearerContext(kAdminToken).get(), req, &resp),
+                   "precision.overrides[0].layers: at most 256 bytes");
   }
   // Steps: a heartbeat at 2^63 - 1 is refused, and the next recipe is scheduled at a sane step.
   {

@@ -120,6 +120,13 @@ std::vector<std::vector<std::string>> RowsStartingWith(const std::string& text,
   return rows;
 }
 
+// A row of `fp8rt layers`' statistics table (LAYER TENSOR ...), not of its recipe table
+// (LAYER RECIPE...), which lists the same layers first.
+bool IsSiteRow(const std::vector<std::string>& row) {
+  return row.size() >= 2 && row[0].rfind("blocks.", 0) == 0 &&
+         (row[1] == "input" || row[1] == "weight" || row[1] == "grad_output");
+}
+
 // ---------------------------------------------------------------------------------------------
 // What the fake worker reports
 
@@ -321,7 +328,10 @@ class CliControlTest : public ::testing::Test {
   }
 
   // Reports step `step` (loss Loss(step)) with `sites`.
-  void ReportStep(int step, const std::vector<v1::SiteStats>& sites) {
+  // `recipe_version` and `applied_step`: the version the fake worker trains with, and the step it
+  // applied it at (0: none newly applied).
+  void ReportStep(int step, const std::vector<v1::SiteStats>& sites, int64_t recipe_version = 1,
+                  int64_t applied_step = 0) {
     v1::ReportStepRequest report;
     report.set_run_id(run_id_);
     v1::StepMetrics* m = report.mutable_metrics();
@@ -331,7 +341,8 @@ class CliControlTest : public ::testing::Test {
     m->set_lr(1e-3);
     m->set_tokens_per_s(1000.0 * step);
     m->set_step_time_s(0.5);
-    m->set_recipe_version(1);
+    m->set_recipe_version(recipe_version);
+    report.set_recipe_applied_step(applied_step);
     for (const v1::SiteStats& site : sites) *report.add_sites() = site;
     v1::ReportStepResponse reported;
     const grpc::Status s = control_->ReportStep(Ctx().get(), report, &reported);
@@ -561,7 +572,7 @@ TEST_F(CliControlTest, LayersShowsEverySiteOfTheLatestStep) {
   // Header line, column titles, then one row per site in the expected order.
   std::vector<std::vector<std::string>> site_rows;
   for (const auto& row : rows) {
-    if (!row.empty() && row[0].rfind("blocks.", 0) == 0) site_rows.push_back(row);
+    if (IsSiteRow(row)) site_rows.push_back(row);
   }
   ASSERT_EQ(site_rows.size(), expected.size()) << table.out;
   for (size_t i = 0; i < expected.size(); ++i) {
@@ -606,7 +617,7 @@ TEST_F(CliControlTest, LayersSortBlocksNumericallyAndShowExperts) {
   EXPECT_THAT(table.out, HasSubstr("EXPERT"));
   std::vector<std::vector<std::string>> rows;
   for (const auto& row : RowsStartingWith(table.out, {})) {
-    if (row[0].rfind("blocks.", 0) == 0) rows.push_back(row);
+    if (IsSiteRow(row)) rows.push_back(row);
   }
   ASSERT_EQ(rows.size(), expected.size()) << table.out;
   for (size_t i = 0; i < expected.size(); ++i) {
@@ -681,6 +692,100 @@ TEST_F(CliControlTest, RecipeSetSchedulesANewVersion) {
   EXPECT_EQ(removed["recipe"]["exclude"], Json({"blocks.0.attn.qkv"}));
   const Json cleared = Fp8rtJson({"recipe", "set", run_id_, "--exclude", ""});
   EXPECT_EQ(cleared["recipe"]["exclude"], Json::array());
+}
+
+// Per-layer recipes (precision.overrides) through `fp8rt recipe set --override`, and each
+// layer's effective recipe in `fp8rt layers`: the spec's until the workers report the new
+// version applied, then the first matching override's.
+TEST_F(CliControlTest, LayersShowEachLayersRecipeAndRecipeSetTakesOverrides) {
+  ASSERT_NO_FATAL_FAILURE(CreateRun());
+  const size_t kModelLayers = kLayers * 4 + 1;  // four GEMMs a block, and lm_head
+  Json layers = Fp8rtJson({"layers", run_id_});
+  ASSERT_EQ(layers["recipes"].size(), kModelLayers) << layers.dump();
+  for (const Json& r : layers["recipes"]) {
+    EXPECT_EQ(r["mode"], "fp8") << r.dump();
+    EXPECT_EQ(r["scaling"], "delayed") << r.dump();
+    EXPECT_EQ(r["override_index"], -1) << r.dump();
+    EXPECT_EQ(r["recipe_version"], 1) << r.dump();
+  }
+  EXPECT_EQ(layers["recipes"][0]["layer"], "blocks.0.attn.qkv");
+  EXPECT_EQ(layers["recipes"][kModelLayers - 1]["layer"], "lm_head");
+
+  const Result set = Fp8rt({"recipe", "set", run_id_, "--override", "blocks.1.mlp.*:mode=bf16",
+                            "--override", "blocks.*:scaling=current, margin=2"});
+  ASSERT_EQ(set.exit_code, 0) << set.err;
+  EXPECT_THAT(set.out, HasSubstr("recipe version 2"));
+  const Json now = Fp8rtJson({"recipe", "get", run_id_});
+  ASSERT_EQ(now["recipe"]["overrides"].size(), 2u) << now.dump();
+  EXPECT_EQ(now["recipe"]["overrides"][0]["layers"], "blocks.1.mlp.*");
+  EXPECT_EQ(now["recipe"]["overrides"][0]["mode"], "bf16");
+  EXPECT_EQ(now["recipe"]["overrides"][1]["scaling"], "current");
+  EXPECT_EQ(now["recipe"]["overrides"][1]["margin"], 2);
+  const Result get = Fp8rt({"recipe", "get", run_id_});
+  EXPECT_THAT(get.out,
+              HasSubstr("'blocks.1.mlp.*': bf16; 'blocks.*': scaling current, margin 2"));
+  // The workers get it in their heartbeat.
+  const v1::HeartbeatResponse beat = Heartbeat();
+  EXPECT_EQ(beat.recipe().version(), 2);
+  ASSERT_EQ(beat.recipe().recipe().overrides_size(), 2);
+
+  // Not applied yet: the layers still show version 1.
+  layers = Fp8rtJson({"layers", run_id_});
+  EXPECT_EQ(layers["recipes"][0]["recipe_version"], 1);
+  // The worker applies it at step 6.
+  ASSERT_NO_FATAL_FAILURE(ReportStep(6, {}, 2, 6));
+  layers = Fp8rtJson({"layers", run_id_});
+  std::map<std::string, Json> by_layer;
+  for (const Json& r : layers["recipes"]) by_layer[r["layer"].get<std::string>()] = r;
+  ASSERT_EQ(by_layer.size(), kModelLayers);
+  for (const char* name : {"blocks.1.mlp.fc1", "blocks.1.mlp.fc2"}) {
+    SCOPED_TRACE(name);
+    EXPECT_EQ(by_layer[name]["mode"], "bf16");
+    EXPECT_EQ(by_layer[name]["override_index"], 0) << "the first match wins";
+    EXPECT_EQ(by_layer[name]["recipe_version"], 2);
+  }
+  for (const char* name : {"blocks.0.attn.qkv", "blocks.0.mlp.fc2", "blocks.1.attn.proj"}) {
+    SCOPED_TRACE(name);
+    EXPECT_EQ(by_layer[name]["mode"], "fp8");
+    EXPECT_EQ(by_layer[name]["scaling"], "current");
+    EXPECT_EQ(by_layer[name]["margin"], 2);
+    EXPECT_EQ(by_layer[name]["amax_history_len"], 16) << "the run's, unset in the override";
+    EXPECT_EQ(by_layer[name]["override_index"], 1);
+  }
+  EXPECT_EQ(by_layer["lm_head"]["scaling"], "delayed");
+  EXPECT_EQ(by_layer["lm_head"]["override_index"], -1);
+  // The table: a row per layer with its recipe in words.
+  const Result table = Fp8rt({"layers", run_id_});
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_THAT(table.out, HasSubstr("each layer's recipe (version 2)"));
+  const auto fc2 = RowsStartingWith(table.out, {"blocks.1.mlp.fc2", "bf16"});
+  ASSERT_EQ(fc2.size(), 1u) << table.out;
+  EXPECT_EQ(fc2[0].back(), "#0)");
+  const auto qkv = RowsStartingWith(table.out, {"blocks.0.attn.qkv", "fp8", "current"});
+  ASSERT_EQ(qkv.size(), 1u) << table.out;
+  EXPECT_THAT(qkv[0], ::testing::Contains("2"));
+  EXPECT_EQ(qkv[0].back(), "#1)");
+
+  // A pattern that matches no layer is refused by the controller, naming the entry.
+  const Result none = Fp8rt({"recipe", "set", run_id_, "--override", "blocks.9.*:mode=bf16"});
+  EXPECT_EQ(none.exit_code, 2) << none.err;
+  EXPECT_THAT(none.err, HasSubstr("recipe.overrides[0].layers"));
+  EXPECT_THAT(none.err, HasSubstr("'blocks.9.*' matches no layer"));
+  // Bad flags are refused by the CLI, naming the key.
+  const Result key = Fp8rt({"recipe", "set", run_id_, "--override", "blocks.*:colour=red"});
+  EXPECT_EQ(key.exit_code, 2) << key.err;
+  EXPECT_THAT(key.err, HasSubstr("--override: unknown key 'colour'"));
+  const Result margin = Fp8rt({"recipe", "set", run_id_, "--override", "blocks.*:margin=40"});
+  EXPECT_EQ(margin.exit_code, 2) << margin.err;
+  EXPECT_THAT(margin.err, HasSubstr("--override margin"));
+  const Result shape = Fp8rt({"recipe", "set", run_id_, "--override", "mode=bf16"});
+  EXPECT_EQ(shape.exit_code, 2) << shape.err;
+  EXPECT_THAT(shape.err, HasSubstr("expected GLOB:key=value"));
+  EXPECT_EQ(Fp8rtJson({"recipe", "get", run_id_})["version"], 2) << "nothing stored";
+  // --clear-overrides removes them.
+  const Json cleared = Fp8rtJson({"recipe", "set", run_id_, "--clear-overrides"});
+  EXPECT_EQ(cleared["version"], 3);
+  EXPECT_EQ(cleared["recipe"]["overrides"], Json::array());
 }
 
 TEST_F(CliControlTest, RecipeSetRejectsBadValuesWithExit2) {

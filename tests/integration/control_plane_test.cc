@@ -25,10 +25,13 @@
 #include <thread>
 #include <vector>
 
+#include "fp8rt/v1/scaling.pb.h"
 #include "fp8rt/v1/control.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "runtime/checkpoint/checkpoint_dir.h"
+#include "runtime/checkpoint/checkpoint_io.h"
 #include "tests/support/test_support.h"
 
 namespace fp8rt {
@@ -404,6 +407,132 @@ TEST_F(ControlPlaneTest, ValidationLossReachesTheRunViewAndPrometheus) {
 // 20 s, the run's median step time stays within 10% of before; after SIGCONT it shows the newest
 // step, with the undelivered reports counted. Killed and restarted on its state folder at the
 // same address, it receives the run's reports again.
+// Per-layer recipes (precision.overrides, issue 20) on real workers: the spec's overrides from
+// step 1, a live list through `fp8rt recipe set --override` applied by both ranks at one step,
+// each layer's recipe in `fp8rt layers`, and the live list stored in the checkpoints and restored
+// by a resume without the controller (so from the checkpoint alone).
+TEST_F(ControlPlaneTest, PerLayerRecipesFromTheSpecLiveAndThroughAResume) {
+  {  // The spec sends the MLP of block 1 to BF16.
+    std::string spec = ReadFile(spec_);
+    const std::string at = "  exclude: []\n";
+    ASSERT_NE(spec.find(at), std::string::npos);
+    spec.replace(spec.find(at), at.size(),
+                 at + "  overrides:\n    - {layers: 'blocks.1.mlp.*', mode: bf16}\n");
+    std::ofstream(spec_) << spec;
+  }
+  const fs::path run_dir = dir_ / "overrides";
+  Process launch(
+      LaunchArgv(run_dir.string(), {"--set", "train.steps=30", "--set", "train.warmup=5", "--set",
+                                    "checkpoint.every=10", "--set", "metrics.every=1"}),
+      dir_ / "launch.log");
+  int64_t step_seen = 0;
+  for (int i = 0; i < 600 && step_seen < 5; ++i) {
+    step_seen = GetRun("tiny-e2e").last_step().step();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GE(step_seen, 5) << ReadFile(dir_ / "launch.log");
+  // Live: the list is replaced, block 1's MLP kept in BF16, block 0's fc1 sent there too, and
+  // block 0's attention switched to current scaling with a margin of 3.
+  const std::string cli = "FP8RT_CONTROLLER=" + address_ +
+                          " FP8RT_TOKEN_FILE=" + token_file_.string() + " " + kBin + "/fp8rt ";
+  const std::string set =
+      Capture(cli +
+              "recipe set tiny-e2e --override 'blocks.1.mlp.*:mode=bf16' --override "
+              "'blocks.0.mlp.fc1:mode=bf16' --override "
+              "'blocks.0.attn.*:scaling=current,margin=3' --reason 'test: per-layer' 2>&1");
+  ASSERT_NE(set.find("recipe version 2"), std::string::npos) << set;
+  ASSERT_EQ(launch.Wait(), 0) << ReadFile(dir_ / "launch.log")
+                              << ReadFile(run_dir / "logs/launch.log");
+  int64_t applied = 0;
+  {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::GetRecipeRequest req;
+    req.set_run_id("tiny-e2e");
+    v1::RecipeVersion v;
+    ASSERT_TRUE(runs_->GetRecipe(&ctx, req, &v).ok());
+    ASSERT_EQ(v.version(), 2);
+    applied = v.applied_step();
+    ASSERT_GT(applied, step_seen);
+    ASSERT_LE(applied, 30);
+  }
+  // Both ranks: block 1's MLP never quantized, block 0's fc1 until the applied step only.
+  auto sites_by_step = [&](const char* rank_file) {
+    std::map<int64_t, std::set<std::string>> sites;
+    for (const Json& j : ReadJsonl(run_dir / "fp8_stats" / rank_file)) {
+      if (j.contains("site")) sites[j["step"].get<int64_t>()].insert(j["site"].get<std::string>());
+    }
+    return sites;
+  };
+  for (const char* rank_file : {"rank-00000.jsonl", "rank-00001.jsonl"}) {
+    SCOPED_TRACE(rank_file);
+    const auto sites = sites_by_step(rank_file);
+    ASSERT_EQ(sites.size(), 30u);
+    for (const auto& [step, names] : sites) {
+      EXPECT_EQ(names.count("blocks.1.mlp.fc1/input") + names.count("blocks.1.mlp.fc2/weight"), 0u)
+          << "step " << step;
+      EXPECT_EQ(names.count("blocks.0.mlp.fc1/input") == 0, step >= applied) << "step " << step;
+      EXPECT_EQ(names.count("blocks.0.attn.qkv/input"), 1u) << "step " << step;
+      EXPECT_EQ(names.count("blocks.0.mlp.fc2/input"), 1u) << "step " << step;
+    }
+  }
+  // `fp8rt layers`: each layer's effective recipe, from version 2.
+  const Json layers = Json::parse(Capture(cli + "layers tiny-e2e --json"), nullptr, false);
+  ASSERT_FALSE(layers.is_discarded());
+  std::map<std::string, Json> recipe;
+  for (const Json& r : layers["recipes"]) recipe[r["layer"].get<std::string>()] = r;
+  ASSERT_EQ(recipe.size(), 9u) << layers.dump();
+  EXPECT_EQ(recipe["blocks.1.mlp.fc2"]["mode"], "bf16");
+  EXPECT_EQ(recipe["blocks.0.mlp.fc1"]["mode"], "bf16");
+  EXPECT_EQ(recipe["blocks.0.mlp.fc1"]["override_index"], 1);
+  EXPECT_EQ(recipe["blocks.0.attn.proj"]["scaling"], "current");
+  EXPECT_EQ(recipe["blocks.0.attn.proj"]["margin"], 3);
+  EXPECT_EQ(recipe["blocks.1.attn.proj"]["scaling"], "delayed");
+  EXPECT_EQ(recipe["blocks.1.attn.proj"]["recipe_version"], 2);
+  // The checkpoint of step 30 holds the live recipe and the sites' configs under it.
+  {
+    auto shard = ShardReader::Open((run_dir / "checkpoints/step-00000030" / ShardFileName(1))
+                                       .string());
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    v1::Recipe saved;
+    ASSERT_TRUE((*shard)->ParseProto("recipe", &saved).ok());
+    ASSERT_EQ(saved.overrides_size(), 3);
+    EXPECT_EQ(saved.overrides(2).layers(), "blocks.0.attn.*");
+    v1::ScalingState qkv, fc2;
+    ASSERT_TRUE((*shard)->ParseProto("scaling/blocks.0.attn.qkv/input", &qkv).ok());
+    ASSERT_TRUE((*shard)->ParseProto("scaling/blocks.0.mlp.fc2/input", &fc2).ok());
+    EXPECT_EQ(qkv.strategy(), v1::SCALING_STRATEGY_CURRENT);
+    EXPECT_EQ(qkv.margin(), 3);
+    EXPECT_EQ(fc2.strategy(), v1::SCALING_STRATEGY_DELAYED);
+    EXPECT_EQ(fc2.margin(), 0);
+  }
+  // Resumed without the controller: the checkpoint alone restores version 2, so block 0's fc1
+  // stays in BF16 for steps 31-40.
+  Process resumed({kBin + "/fp8rt", "launch", spec_.string(), "--np", "2", "--no-controller",
+                   "--run-dir", run_dir.string(), "--resume", "--set", "train.steps=40", "--set",
+                   "train.warmup=5", "--set", "checkpoint.every=10", "--set", "metrics.every=1"},
+                  dir_ / "launch2.log");
+  ASSERT_EQ(resumed.Wait(), 0) << ReadFile(dir_ / "launch2.log")
+                               << ReadFile(run_dir / "logs/launch.log");
+  EXPECT_NE(ReadFile(run_dir / "logs/launch.log").find("resuming after step 30"),
+            std::string::npos);
+  for (const char* rank_file : {"rank-00000.jsonl", "rank-00001.jsonl"}) {
+    SCOPED_TRACE(rank_file);
+    const auto sites = sites_by_step(rank_file);
+    ASSERT_TRUE(sites.contains(40));
+    for (int64_t step = 31; step <= 40; ++step) {
+      ASSERT_TRUE(sites.contains(step)) << step;
+      EXPECT_EQ(sites.at(step).count("blocks.0.mlp.fc1/input"), 0u) << "step " << step;
+      EXPECT_EQ(sites.at(step).count("blocks.1.mlp.fc1/input"), 0u) << "step " << step;
+      EXPECT_EQ(sites.at(step).count("blocks.0.attn.qkv/input"), 1u) << "step " << step;
+    }
+  }
+  const std::vector<Json> metrics = ReadJsonl(run_dir / "metrics.jsonl");
+  ASSERT_FALSE(metrics.empty());
+  EXPECT_EQ(metrics.back()["step"].get<int64_t>(), 40);
+  EXPECT_EQ(metrics.back()["recipe_version"].get<int64_t>(), 2);
+}
+
 TEST_F(ControlPlaneTest, AStoppedOrRestartedControllerNeverHoldsTheSteps) {
   const fs::path run_dir = dir_ / "stall";
   const std::string id = "tiny-e2e";

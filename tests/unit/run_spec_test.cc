@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "runtime/core/glob.h"
 
 namespace fp8rt {
 namespace {
@@ -754,6 +755,133 @@ TEST(RunSpecTest, EmptyFileReportsTheFirstMissingRequiredKey) {
   ExpectInvalid(Parse("# nothing but a comment\n").status(),
                 {"run.yaml: model.layers: required key missing"});
 }
+
+// precision.overrides (issue 20 point 1): a list of per-layer recipes, the first match wins.
+
+std::string OverrideSpec(const std::string& data_path, const std::string& overrides) {
+  return absl::StrCat(MinimalSpec(data_path), "precision:\n  mode: fp8\n  margin: 1\n",
+                      "  amax_history_len: 16\n  exclude: [blocks.1.attn.proj]\n", overrides);
+}
+
+TEST(PrecisionOverridesTest, GlobMatchesWholeNames) {
+  EXPECT_TRUE(GlobMatch("blocks.*.mlp.fc2", "blocks.0.mlp.fc2"));
+  EXPECT_TRUE(GlobMatch("blocks.*.mlp.fc2", "blocks.11.mlp.fc2"));
+  EXPECT_FALSE(GlobMatch("blocks.*.mlp.fc2", "blocks.0.mlp.fc1"));
+  EXPECT_FALSE(GlobMatch("blocks.0", "blocks.0.mlp.fc1")) << "the whole name, not a prefix";
+  EXPECT_TRUE(GlobMatch("blocks.?.attn.*", "blocks.3.attn.qkv"));
+  EXPECT_FALSE(GlobMatch("blocks.?.attn.*", "blocks.13.attn.qkv")) << "? is one character";
+  EXPECT_TRUE(GlobMatch("*", ""));
+  EXPECT_TRUE(GlobMatch("**a*", "bab"));
+  EXPECT_FALSE(GlobMatch("", "a"));
+  EXPECT_TRUE(GlobMatch("a*b*c", "aXbYbZc"));
+  EXPECT_FALSE(GlobMatch("a*b*c", "aXbYbZ"));
+}
+
+TEST(PrecisionOverridesTest, ReadFromYamlAndResolvedPerLayerFirstMatchWins) {
+  TempDir dir;
+  const absl::StatusOr<v1::RunSpec> spec = Parse(OverrideSpec(dir.DataFile(), R"(  overrides:
+    - {layers: "blocks.0.mlp.*", mode: bf16}
+    - layers: "blocks.*.mlp.*"
+      scaling: current
+      margin: 3
+    - {layers: "blocks.*", format: e4m3, amax_history_len: 4, amax_compute_algo: most_recent}
+)"));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  ASSERT_TRUE(ValidateRunSpec(*spec, 1).ok()) << ValidateRunSpec(*spec, 1);
+  const Precision& p = spec->precision();
+  ASSERT_EQ(p.overrides_size(), 3);
+  EXPECT_EQ(p.overrides(0).layers(), "blocks.0.mlp.*");
+  EXPECT_EQ(p.overrides(0).mode(), Precision::MODE_BF16);
+  EXPECT_FALSE(p.overrides(0).has_margin());
+  EXPECT_EQ(p.overrides(1).scaling(), Precision::SCALING_CURRENT);
+  EXPECT_EQ(p.overrides(1).margin(), 3);
+
+  int matched = 99;
+  // The first override wins over the second, which also matches.
+  Precision fc1 = LayerPrecision(p, "blocks.0.mlp.fc1", &matched);
+  EXPECT_EQ(matched, 0);
+  EXPECT_EQ(fc1.mode(), Precision::MODE_BF16);
+  EXPECT_EQ(fc1.margin(), 1) << "unset fields are the section's";
+  EXPECT_EQ(fc1.overrides_size(), 0);
+  EXPECT_EQ(fc1.exclude_size(), 0);
+  // The second: scaling and margin set, the rest the section's (not the third override's).
+  Precision fc2 = LayerPrecision(p, "blocks.1.mlp.fc2", &matched);
+  EXPECT_EQ(matched, 1);
+  EXPECT_EQ(fc2.mode(), Precision::MODE_FP8);
+  EXPECT_EQ(fc2.scaling(), Precision::SCALING_CURRENT);
+  EXPECT_EQ(fc2.margin(), 3);
+  EXPECT_EQ(fc2.amax_history_len(), 16);
+  EXPECT_EQ(fc2.format(), p.format());
+  // The third.
+  Precision qkv = LayerPrecision(p, "blocks.1.attn.qkv", &matched);
+  EXPECT_EQ(matched, 2);
+  EXPECT_EQ(qkv.format(), Precision::FORMAT_E4M3);
+  EXPECT_EQ(qkv.amax_history_len(), 4);
+  EXPECT_EQ(qkv.amax_compute_algo(), Precision::AMAX_COMPUTE_ALGO_MOST_RECENT);
+  EXPECT_EQ(qkv.scaling(), p.scaling());
+  // precision.exclude comes before every override.
+  Precision proj = LayerPrecision(p, "blocks.1.attn.proj", &matched);
+  EXPECT_EQ(proj.mode(), Precision::MODE_BF16);
+  EXPECT_EQ(matched, -1);
+  // No match: the section's values.
+  Precision head = LayerPrecision(p, "lm_head", &matched);
+  EXPECT_EQ(matched, -1);
+  EXPECT_EQ(head.mode(), Precision::MODE_FP8);
+  EXPECT_EQ(head.margin(), 1);
+
+  EXPECT_EQ(DescribeOverride(p.overrides(1)), "'blocks.*.mlp.*': scaling current, margin 3");
+}
+
+TEST(PrecisionOverridesTest, ErrorsNameTheEntryAndField) {
+  TempDir dir;
+  auto validate = [&](const std::string& overrides, const std::string& mode = "fp8") {
+    std::string text = OverrideSpec(dir.DataFile(), overrides);
+    text.replace(text.find("mode: fp8"), 9, "mode: " + mode);
+    const absl::StatusOr<v1::RunSpec> spec = Parse(text);
+    if (!spec.ok()) return spec.status();
+    return ValidateRunSpec(*spec, 1);
+  };
+  // A pattern that matches no layer names the entry and quotes the pattern.
+  ExpectInvalid(validate("  overrides:\n    - {layers: 'blocks.0.mlp.*', mode: bf16}\n"
+                         "    - {layers: 'blocks.7.*', mode: bf16}\n"),
+                {"precision.overrides[1].layers", "'blocks.7.*' matches no layer of the model",
+                 "blocks.0.attn.qkv"});
+  ExpectInvalid(validate("  overrides:\n    - {layers: 'blocks.0.mlp.fc3'}\n"),
+                {"precision.overrides[0].layers", "matches no layer"});
+  ExpectInvalid(validate("  overrides:\n    - {layers: '', mode: bf16}\n"),
+                {"precision.overrides[0].layers", "empty pattern"});
+  ExpectInvalid(validate("  overrides:\n    - {layers: 'blocks.*', mode: fp32}\n"),
+                {"precision.overrides[0].mode", "fp8 or bf16"});
+  ExpectInvalid(validate("  overrides:\n    - {layers: 'blocks.*', margin: 33}\n"),
+                {"precision.overrides[0].margin", "[0, 32]"});
+  ExpectInvalid(validate("  overrides:\n    - {layers: 'blocks.*', amax_history_len: 5000}\n"),
+                {"precision.overrides[0].amax_history_len"});
+  // Words outside the enum are refused by the parser, naming the list item.
+  ExpectInvalid(validate("  overrides:\n    - {layers: 'blocks.*', scaling: wavy}\n"),
+                {"precision.overrides[0].scaling", "expected one of", "'wavy'"});
+  ExpectInvalid(validate("  overrides:\n    - {layers: 'blocks.*', colour: red}\n"),
+                {"precision.overrides[0].colour", "unknown key"});
+  ExpectInvalid(validate("  overrides: {layers: 'blocks.*'}\n"),
+                {"precision.overrides", "expected a list of maps"});
+  ExpectInvalid(validate("  overrides: ['blocks.*']\n"),
+                {"precision.overrides[0]", "expected a map"});
+  // Per-layer recipes are FP8 recipes.
+  ExpectInvalid(validate("  overrides:\n    - {layers: 'blocks.*', margin: 2}\n", "bf16"),
+                {"precision.overrides", "need precision.mode fp8"});
+  // A long pattern is refused by its length, quoted by a bounded prefix only.
+  const std::string huge(100000, 'x');
+  const absl::Status s = validate("  overrides:\n    - {layers: '" + huge + "'}\n");
+  ExpectInvalid(s, {"precision.overrides[0].layers", "at most 256 bytes, got 100000"});
+  EXPECT_LT(s.message().size(), 400u);
+  // Out-of-range enum numbers (from a proto, not YAML) name the field.
+  absl::StatusOr<v1::RunSpec> spec =
+      Parse(OverrideSpec(dir.DataFile(), "  overrides:\n    - {layers: 'blocks.*'}\n"));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  spec->mutable_precision()->mutable_overrides(0)->set_scaling(
+      static_cast<Precision::Scaling>(99));
+  ExpectInvalid(ValidateRunSpec(*spec, 1), {"precision.overrides[0].scaling", "99"});
+}
+
 
 }  // namespace
 }  // namespace fp8rt
