@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "launcher/client/commands.h"
+#include "launcher/report/report.h"
 
 namespace {
 
@@ -50,7 +51,10 @@ constexpr const char* kUsageModel =
     "                  mean loss over non-overlapping windows of seq_len + 1 tokens\n"
     "  generate (--run-dir DIR | --weights F --spec S) --prompt TEXT --tokens N\n"
     "           [--temperature T] [--top-k K] [--seed S]\n"
-    "                  sample a byte-level model; the same seed gives the same text\n";
+    "                  sample a byte-level model; the same seed gives the same text\n"
+    "  report RUN_DIR [--out FILE]\n"
+    "                  one self-contained HTML file of the run (loss, tokens/s, recipes,\n"
+    "                  events, checkpoints, per-site FP8 heatmaps); default RUN_DIR/report.html\n";
 constexpr const char* kUsageTail =
     "  help            this text\n"
     "\n"
@@ -107,6 +111,7 @@ int main(int argc, char** argv) {
     // One program for the three (fp8rt-model), which takes the command as its first argument.
     return ExecSibling("model", argc, argv, /*first=*/1);
   }
+  if (command == "report") return fp8rt::report::RunReportCommand(argc - 1, argv + 1);
   if (fp8rt::cli::IsControlCommand(command)) return fp8rt::cli::RunControlCommand(argc, argv);
   std::fprintf(stderr, "fp8rt: unknown command '%s'\n\n", command.c_str());
   PrintUsage(stderr);

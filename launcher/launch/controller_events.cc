@@ -1,10 +1,12 @@
 // Following a run's controller events for `fp8rt launch` (see controller_events.h).
 #include "launcher/launch/controller_events.h"
 
+#include <cstdio>
 #include <map>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "launcher/client/format.h"
 
 namespace fp8rt::launch {
 
@@ -34,8 +36,12 @@ bool IsEndEvent(const v1::Event& event) {
 }
 
 ControllerEvents::ControllerEvents(std::unique_ptr<cli::ControllerClient> client,
-                                   std::string run_id, int64_t since_unix_ms)
-    : client_(std::move(client)), run_id_(std::move(run_id)), since_unix_ms_(since_unix_ms) {
+                                   std::string run_id, int64_t since_unix_ms,
+                                   std::string events_file)
+    : client_(std::move(client)),
+      run_id_(std::move(run_id)),
+      since_unix_ms_(since_unix_ms),
+      events_file_(std::move(events_file)) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -61,6 +67,14 @@ void ControllerEvents::Loop() {
       if (e.id() <= last_id_) return;  // sent again after a reconnection
       last_id_ = e.id();
       if (e.unix_ms() < since_unix_ms_) return;
+      if (!events_file_.empty()) {
+        // Best effort: the record is for reports; the terminal lines below do not depend on it.
+        if (std::FILE* f = std::fopen(events_file_.c_str(), "a")) {
+          const std::string line = cli::ToJson(e).dump() + "\n";
+          std::fputs(line.c_str(), f);
+          std::fclose(f);
+        }
+      }
       if (std::optional<std::string> line = EventLine(e)) lines_.push_back(std::move(*line));
       if (IsEndEvent(e)) {
         ended_ = true;

@@ -40,8 +40,11 @@ class ControllerEvents {
  public:
   // Follows `run_id`'s events stamped at or after `since_unix_ms` (the launcher's start: a resumed
   // run's earlier events are not printed again).
+  // `events_file`, unless empty, gets every such event (of every kind) appended as one JSON line
+  // (the CLI's --json mapping of v1::Event): the run folder's events.jsonl, which `fp8rt report`
+  // draws on its timeline.
   ControllerEvents(std::unique_ptr<cli::ControllerClient> client, std::string run_id,
-                   int64_t since_unix_ms);
+                   int64_t since_unix_ms, std::string events_file = "");
   ~ControllerEvents();  // cancels the stream and joins the thread
   ControllerEvents(const ControllerEvents&) = delete;
   ControllerEvents& operator=(const ControllerEvents&) = delete;
@@ -57,6 +60,7 @@ class ControllerEvents {
   const std::unique_ptr<cli::ControllerClient> client_;
   const std::string run_id_;
   const int64_t since_unix_ms_;
+  const std::string events_file_;
 
   std::mutex mu_;
   std::condition_variable cv_;

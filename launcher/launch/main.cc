@@ -673,10 +673,10 @@ void KillProcessTree(pid_t root) {
 // a hung rank would not act on SIGTERM, and mpirun answers SIGTERM by waking stopped ranks first;
 // the run restarts from its newest committed checkpoint, so there is nothing to save).
 // The controller's events that arrived, a line each, between the progress lines.
-void PrintEvents(launch::ControllerEvents* events, Progress* progress) {
+void PrintEvents(launch::ControllerEvents* events, Progress* progress, bool quiet = false) {
   if (events == nullptr) return;
   const std::vector<std::string> lines = events->TakeLines();
-  if (lines.empty()) return;
+  if (lines.empty() || quiet) return;
   progress->Finish();
   for (const std::string& line : lines) std::fprintf(stderr, "fp8rt launch: %s\n", line.c_str());
 }
@@ -688,7 +688,7 @@ int WaitForMpirun(pid_t pid, MetricsTail* metrics, Progress* progress, bool quie
     for (const std::string& line : metrics->ReadNewLines()) {
       if (std::optional<StepRecord> record = ParseRecord(line)) progress->Add(*record);
     }
-    PrintEvents(events, progress);
+    PrintEvents(events, progress, quiet);
     progress->Refresh();
   };
   for (;;) {
@@ -977,9 +977,10 @@ int Launch(const Options& options) {
     }
     watchdog = std::make_unique<RunWatchdog>(std::move(*client), run_id);
   }
-  // The controller's events, printed as they happen (not with --quiet).
+  // The controller's events, printed as they happen (not with --quiet) and recorded in the run
+  // folder's events.jsonl (for `fp8rt report`).
   std::unique_ptr<launch::ControllerEvents> events;
-  if (!plane.address.empty() && !options.quiet) {
+  if (!plane.address.empty()) {
     cli::ConnectionOptions connection;
     connection.controller = plane.address;
     connection.token_file = plane.token_file;
@@ -992,7 +993,8 @@ int Launch(const Options& options) {
     const int64_t now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                                std::chrono::system_clock::now().time_since_epoch())
                                .count();
-    events = std::make_unique<launch::ControllerEvents>(std::move(*client), run_id, now_ms);
+    events = std::make_unique<launch::ControllerEvents>(std::move(*client), run_id, now_ms,
+                                                        (run_dir / "events.jsonl").string());
   }
   MetricsTail metrics(run_dir / "metrics.jsonl");  // before the start: earlier lines are skipped
   Progress progress(spec->train().steps(), isatty(STDERR_FILENO) == 1, options.quiet);
@@ -1041,7 +1043,7 @@ int Launch(const Options& options) {
   if (events != nullptr) {
     const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
     (void)events->WaitForEnd(std::chrono::seconds(ok ? 3 : 1));
-    PrintEvents(events.get(), &progress);
+    PrintEvents(events.get(), &progress, options.quiet);
     events.reset();
   }
   StopController(plane);

@@ -32,7 +32,7 @@ import tempfile
 PROTO = "proto"
 PROTO_GRPC = "proto(grpc)"
 
-_CLI = ["launcher", "launcher/client", "launcher/launch", "launcher/k8s"]
+_CLI = ["launcher", "launcher/client", "launcher/launch", "launcher/k8s", "launcher/report"]
 _NUMERICS_BELOW_WORKER = ["runtime/model", "runtime/train", "parallel", "kernels", "runtime/core"]
 CHECKPOINT = "runtime/checkpoint"
 SPEC = "runtime/spec"
