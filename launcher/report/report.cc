@@ -384,6 +384,7 @@ std::string Timeline(const RunData& run, const StepAxis& ax) {
       {"recipe_applied", "#1f77b4"},       {"recipe_updated", "#9ecae1"},
       {"checkpoint_committed", "#2ca02c"}, {"checkpoint_refused", "#d62728"},
       {"layer_demoted", "#ff7f0e"},        {"fp8_health", "#ffbb78"},
+      {"layer_recipe_changed", "#ff7f0e"}, {"layer_promoted", "#8c564b"},
       {"worker_lost", "#d62728"},          {"run_failed", "#d62728"},
       {"run_finished", "#333333"},         {"step_skipped", "#e377c2"}};
   for (const EventRow& e : run.events) {

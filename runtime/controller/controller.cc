@@ -27,6 +27,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "google/protobuf/util/message_differencer.h"
 #include "runtime/checkpoint/checkpoint_dir.h"
 #include "runtime/controller/recipe.h"
 #include "runtime/core/check.h"
@@ -763,6 +764,7 @@ void Controller::ApplyHealthPolicyLocked(RunEntry* run, const v1::ReportStepRequ
   const int intervals = std::max(1, health.intervals());
   const int64_t step = request.metrics().step();
   std::map<std::string, int> saturation, underflow;  // the new streaks
+  std::set<std::string> unhealthy;                     // layers above a threshold in this report
   for (const v1::SiteStats& site : request.sites()) {
     const std::string name = SiteName(site);
     const struct {
@@ -779,36 +781,150 @@ void Controller::ApplyHealthPolicyLocked(RunEntry* run, const v1::ReportStepRequ
     };
     for (const auto& c : checks) {
       if (!(c.threshold > 0 && c.ratio > c.threshold)) continue;
+      unhealthy.insert(site.layer());
       const auto it = c.old_streaks->find(name);
       const int streak = (it == c.old_streaks->end() ? 0 : it->second) + 1;
       (*c.new_streaks)[name] = streak;
       if (streak != intervals) continue;  // once per streak
+      // Percentages with two decimals, or two significant digits below 0.01%.
+      auto percent = [](double ratio) {
+        return ratio * 100 >= 0.01 ? absl::StrFormat("%.2f%%", ratio * 100)
+                                   : absl::StrFormat("%.2g%%", ratio * 100);
+      };
       const std::string finding =
-          absl::StrFormat("%s: %s %.2f%% above %.2f%% for %d intervals", name, c.what,
-                          c.ratio * 100, c.threshold * 100, intervals);
+          absl::StrFormat("%s: %s %s above %s for %d intervals", name, c.what, percent(c.ratio),
+                          percent(c.threshold), intervals);
       AddEventLocked(run, "fp8_health", step, finding);
-      const std::string& layer = site.layer();
-      const v1::RecipeVersion& newest = NewestRecipeLocked(*run);
-      const auto& excluded = newest.recipe().exclude();
-      const auto& demoted = run->record.demoted_layers();
-      if (!health.demote() || !IsBlockLayer(layer, spec) ||
-          std::find(excluded.begin(), excluded.end(), layer) != excluded.end() ||
-          std::find(demoted.begin(), demoted.end(), layer) != demoted.end()) {
-        continue;
-      }
-      v1::Recipe recipe = newest.recipe();
-      recipe.add_exclude(layer);
-      const int64_t effective = run->record.latest_step() + options_.recipe_lead_steps;
-      const v1::RecipeVersion& v =
-          AddRecipeLocked(run, recipe, effective, "health-policy", finding);
-      run->record.add_demoted_layers(layer);
-      AddEventLocked(run, "layer_demoted", step,
-                     absl::StrCat(layer, " leaves FP8 (BF16 from step ", effective,
-                                  ", recipe version ", v.version(), "): ", finding));
+      TakeHealthActionLocked(run, site.layer(), step, finding);
     }
   }
   run->saturation_streak = std::move(saturation);
   run->underflow_streak = std::move(underflow);
+  PromoteHealthyLayersLocked(run, step, unhealthy);
+}
+
+void Controller::TakeHealthActionLocked(RunEntry* run, const std::string& layer, int64_t step,
+                                        const std::string& finding) {
+  using Health = v1::RunSpec::Health;
+  using Precision = v1::RunSpec::Precision;
+  const v1::RunSpec& spec = run->record.run().spec();
+  const Health& health = spec.health();
+  const Health::Action action = health.action() != Health::ACTION_UNSPECIFIED ? health.action()
+                                : health.demote()                            ? Health::ACTION_DEMOTE
+                                                                              : Health::ACTION_REPORT;
+  if (action == Health::ACTION_REPORT || !IsBlockLayer(layer, spec) ||
+      run->health_actions.contains(layer)) {
+    return;
+  }
+  v1::Recipe recipe = NewestRecipeLocked(*run).recipe();
+  const auto& excluded = recipe.exclude();
+  const auto& demoted = run->record.demoted_layers();
+  if (std::find(excluded.begin(), excluded.end(), layer) != excluded.end() ||
+      std::find(demoted.begin(), demoted.end(), layer) != demoted.end()) {
+    return;  // already out of FP8
+  }
+  // The lead is counted from the newest step reported; overflow-safe (steps are capped).
+  const int64_t effective = run->record.latest_step() + options_.recipe_lead_steps;
+  RunEntry::HealthAction taken;
+  taken.effective_step = effective;
+  std::string kind, what;
+  if (action == Health::ACTION_DEMOTE) {
+    recipe.add_exclude(layer);
+    taken.excluded = true;
+    kind = "layer_demoted";
+    what = absl::StrCat(layer, " leaves FP8 (BF16 from step ", effective);
+  } else {
+    // An override in front of the list (the first match wins) carrying the layer's whole
+    // effective recipe, so that only the one field changes.
+    const Precision now = LayerPrecision(WithRecipe(spec, recipe).precision(), layer);
+    Precision::Override o;
+    o.set_layers(layer);
+    o.set_mode(Precision::MODE_FP8);
+    o.set_scaling(now.scaling());
+    o.set_format(now.format());
+    o.set_margin(now.margin());
+    o.set_amax_history_len(now.amax_history_len());
+    o.set_amax_compute_algo(now.amax_compute_algo());
+    if (action == Health::ACTION_RAISE_MARGIN) {
+      const int raised =
+          std::min(32, now.margin() + (health.margin_step() > 0 ? health.margin_step() : 2));
+      o.set_margin(raised);
+      what = absl::StrCat(layer, ": margin ", now.margin(), " -> ", raised, " (from step ",
+                          effective);
+    } else {
+      o.set_scaling(Precision::SCALING_BLOCK);
+      what = absl::StrCat(layer, ": block scaling (from step ", effective);
+    }
+    if (o.margin() == now.margin() && o.scaling() == now.scaling()) {
+      taken.failed = true;
+      run->health_actions[layer] = taken;
+      AddEventLocked(run, "health_action_failed", step,
+                     absl::StrCat(layer, ": nothing left to change (margin ", now.margin(),
+                                  ", the most there is 32): ", finding));
+      return;
+    }
+    recipe.mutable_overrides()->Add(std::move(o));
+    std::rotate(recipe.mutable_overrides()->rbegin(), recipe.mutable_overrides()->rbegin() + 1,
+                recipe.mutable_overrides()->rend());
+    taken.added = recipe.overrides(0);
+    // The policy's recipe is checked as a user's would be (count, shapes block scaling needs).
+    const absl::Status valid = ValidateRecipe(recipe, spec, run->record.run().world_size());
+    if (!valid.ok()) {
+      taken.failed = true;
+      run->health_actions[layer] = taken;
+      AddEventLocked(run, "health_action_failed", step,
+                     absl::StrCat(what, ") refused: ", valid.message(), ": ", finding));
+      return;
+    }
+    kind = "layer_recipe_changed";
+  }
+  const v1::RecipeVersion& v = AddRecipeLocked(run, recipe, effective, "health-policy", finding);
+  if (taken.excluded) run->record.add_demoted_layers(layer);
+  run->health_actions[layer] = taken;
+  AddEventLocked(run, kind, step,
+                 absl::StrCat(what, ", recipe version ", v.version(), "): ", finding));
+}
+
+void Controller::PromoteHealthyLayersLocked(RunEntry* run, int64_t step,
+                                            const std::set<std::string>& unhealthy) {
+  const int promote_after = run->record.run().spec().health().promote_after();
+  for (auto it = run->health_actions.begin(); it != run->health_actions.end();) {
+    RunEntry::HealthAction& a = it->second;
+    const std::string& layer = it->first;
+    if (a.failed || step < a.effective_step) {
+      ++it;
+      continue;
+    }
+    a.healthy = unhealthy.contains(layer) ? 0 : a.healthy + 1;
+    if (promote_after <= 0 || a.healthy < promote_after) {
+      ++it;
+      continue;
+    }
+    // The recipe as it is now, without what the action added (other changes since are kept).
+    v1::Recipe recipe = NewestRecipeLocked(*run).recipe();
+    if (a.excluded) {
+      auto* ex = recipe.mutable_exclude();
+      ex->erase(std::remove(ex->begin(), ex->end(), layer), ex->end());
+      auto* demoted = run->record.mutable_demoted_layers();
+      demoted->erase(std::remove(demoted->begin(), demoted->end(), layer), demoted->end());
+    } else {
+      auto* ov = recipe.mutable_overrides();
+      for (int i = 0; i < ov->size(); ++i) {
+        if (google::protobuf::util::MessageDifferencer::Equals(ov->Get(i), a.added)) {
+          ov->DeleteSubrange(i, 1);
+          break;
+        }
+      }
+    }
+    const int64_t effective = run->record.latest_step() + options_.recipe_lead_steps;
+    const std::string reason = absl::StrCat(layer, ": healthy for ", a.healthy,
+                                            " intervals (health.promote_after)");
+    const v1::RecipeVersion& v = AddRecipeLocked(run, recipe, effective, "health-policy", reason);
+    AddEventLocked(run, "layer_promoted", step,
+                   absl::StrCat(layer, " back to its recipe before the health action (from step ",
+                                effective, ", recipe version ", v.version(), "): ", reason));
+    it = run->health_actions.erase(it);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1094,7 +1210,13 @@ absl::StatusOr<v1::RecipeVersion> Controller::GetRecipe(const v1::GetRecipeReque
   FP8RT_RETURN_IF_ERROR(ValidateRunId(request.run_id()));
   absl::MutexLock lock(&mu_);
   FP8RT_ASSIGN_OR_RETURN(RunEntry * run, GetLocked(request.run_id()));
-  return NewestRecipeLocked(*run);
+  if (request.version() == 0) return NewestRecipeLocked(*run);
+  for (const v1::RecipeVersion& v : run->record.recipes()) {
+    if (v.version() == request.version()) return v;
+  }
+  return absl::NotFoundError(absl::StrCat("run ", request.run_id(), ": no recipe version ",
+                                          request.version(), " (newest ",
+                                          NewestRecipeLocked(*run).version(), ")"));
 }
 
 absl::StatusOr<v1::RecipeVersion> Controller::UpdateRecipe(const v1::UpdateRecipeRequest& request) {

@@ -49,6 +49,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -59,6 +60,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "fp8rt/v1/control.pb.h"
+#include "fp8rt/v1/run_spec.pb.h"
 #include "fp8rt/v1/controller_state.pb.h"
 #include "runtime/controller/metrics.h"
 #include "runtime/controller/state_store.h"
@@ -131,6 +133,18 @@ struct RunEntry {
   // Health policy: site key -> consecutive intervals above the saturation / underflow threshold.
   std::map<std::string, int> saturation_streak;
   std::map<std::string, int> underflow_streak;
+  // Health policy actions in force, by layer: what the action added to the recipe (to take it
+  // back on promotion), the step it takes effect and the healthy intervals counted since. Not
+  // persisted: after a controller restart no promotion follows (record.demoted_layers still
+  // keeps a layer from being demoted twice).
+  struct HealthAction {
+    bool excluded = false;                     // demote: the layer was added to exclude
+    v1::RunSpec::Precision::Override added;    // raise_margin, block_scaling: the override
+    int64_t effective_step = 0;
+    int healthy = 0;
+    bool failed = false;  // the action could not be taken (event health_action_failed)
+  };
+  std::map<std::string, HealthAction> health_actions;
   // Last cumulative bytes of each (op, dtype), to turn them into counter increments.
   std::map<std::pair<std::string, std::string>, int64_t> comm_last;
   uint64_t change_seq = 0;     // bumped by every change to `record`
@@ -221,6 +235,14 @@ class Controller {
                                      int64_t effective_step, const std::string& source,
                                      const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ApplyHealthPolicyLocked(RunEntry* run, const v1::ReportStepRequest& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The health action on `layer` (health.action), after a finding; a new recipe version.
+  void TakeHealthActionLocked(RunEntry* run, const std::string& layer, int64_t step,
+                              const std::string& finding) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Counts healthy intervals of the layers acted on; with health.promote_after, gives a layer
+  // its recipe back (event layer_promoted).
+  void PromoteHealthyLayersLocked(RunEntry* run, int64_t step,
+                                  const std::set<std::string>& unhealthy)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ExportRunLocked(const RunEntry& run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void MarkChangedLocked(RunEntry* run) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { ++run->change_seq; }

@@ -177,8 +177,24 @@ absl::Status RunFp8Gemm(const LinearContext& ctx, kernels::Fp8GemmArgs g) {
 
 }  // namespace
 
+const float* Linear::WithInputOutlier(const float* x, int64_t n) {
+  if (!outlier_armed_ || n * in_ == 0) return x;
+  const size_t count = static_cast<size_t>(n * in_);
+  outlier_x_.assign(x, x + count);
+  if (outlier_forwards_left_ > 0) {
+    float ref = 0.0f;
+    for (float v : outlier_x_) ref = std::max(ref, std::fabs(v));
+    for (float h : input_site_.state().history()) ref = std::max(ref, h);
+    outlier_value_ = outlier_growth_ * ref;
+    --outlier_forwards_left_;
+  }
+  outlier_x_[0] = outlier_value_;
+  return outlier_x_.data();
+}
+
 absl::Status Linear::ForwardFp8(const LinearContext& ctx, const float* x, int64_t n, float* y) {
   if (w_fp8_ == nullptr) return absl::FailedPreconditionError(name_ + ": no FP8 weight set");
+  x = WithInputOutlier(x, n);
   FP8RT_RETURN_IF_ERROR(
       QuantizeActivation(ctx, input_site_, input_pending_, x, n, in_, &x_codes_, &x_scale_inv_));
   kernels::Fp8GemmArgs g;

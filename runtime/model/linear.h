@@ -187,6 +187,18 @@ class Linear {
   // after waiting for the backend. The model calls it once its pass has synchronised; a site
   // quantized twice before it is flushed flushes itself first.
   absl::Status FlushStats();
+  // Test fault (FP8RT_FAULT outlier_act, CPU backend): from the next FP8 forward on, element 0 of
+  // the input this layer quantizes becomes `growth` x the larger of its input site's amax
+  // history maximum and the input's own amax, for `grow_forwards` forwards, then holds its last
+  // value. With delayed scaling the value then lies beyond the range the scale covers whenever
+  // growth > 2^margin: the site saturates every step while it grows. The layer's output and
+  // gradients see the outlier too. Only the quantized copy is changed; `x` is not written.
+  void ArmInputOutlier(float growth, int64_t grow_forwards) {
+    outlier_growth_ = growth;
+    outlier_forwards_left_ = grow_forwards;
+    outlier_armed_ = true;
+  }
+
   // Forgets statistics not yet recorded (a step that failed part-way, before a new one).
   void DropPendingStats() {
     input_pending_.pending = false;
@@ -194,6 +206,14 @@ class Linear {
   }
 
  private:
+  // ArmInputOutlier's state and its copy of the input.
+  bool outlier_armed_ = false;
+  float outlier_growth_ = 1.0f, outlier_value_ = 0.0f;
+  int64_t outlier_forwards_left_ = 0;
+  std::vector<float> outlier_x_;
+  // The input with the outlier in element 0 (ArmInputOutlier), or `x` when unarmed.
+  const float* WithInputOutlier(const float* x, int64_t n);
+
   // The statistics of a site's last quantization, not yet recorded into the site.
   struct PendingStats {
     kernels::DeviceArray<kernels::QuantStats> stats;  // backend memory, written by the op

@@ -1165,6 +1165,17 @@ void Transformer::ArmActivationFault(int64_t block, float value) {
   fault_value_ = value;
 }
 
+bool Transformer::ArmInputOutlier(const std::string& layer, float growth,
+                                  int64_t grow_forwards) {
+  bool armed = false;
+  for (Linear* lin : all_linears_) {
+    if (lin->name() != layer) continue;
+    lin->ArmInputOutlier(growth, grow_forwards);
+    armed = true;
+  }
+  return armed;
+}
+
 absl::Status Transformer::ReduceGrads() {
   absl::Status status;
   for (size_t u = 0; u < units_.size(); ++u) {

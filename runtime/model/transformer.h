@@ -322,6 +322,9 @@ class Transformer {
   // before its attention norm), once. Unarmed, the forward pays one integer compare per block.
   // `block` must be in [0, shape().layers).
   void ArmActivationFault(int64_t block, float value);
+  // Test fault (FP8RT_FAULT outlier_act): Linear::ArmInputOutlier on the layer named `layer`
+  // (every rank's copy of an expert layer). False when the model has no such layer.
+  bool ArmInputOutlier(const std::string& layer, float growth, int64_t grow_forwards);
 
   // Ends the step's scaling: every site's amax of the step, MAX-reduced over all ranks in one
   // collective, is recorded in its scaling state (kCommit), or the states stay as they were

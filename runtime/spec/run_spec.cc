@@ -474,7 +474,7 @@ std::string Join(const std::string& prefix, const std::string& name) {
 // Enums added after specs were first stored (controller state, programs building a RunSpec by
 // hand) whose zero value means their default instead of "not set".
 constexpr const char* kUnsetMeansDefault[] = {"device", "model.family", "model.norm", "model.mlp",
-                                               "model.positions"};
+                                               "model.positions", "health.action"};
 
 bool UnsetMeansDefault(const std::string& path) {
   return std::any_of(std::begin(kUnsetMeansDefault), std::end(kUnsetMeansDefault),
@@ -965,6 +965,31 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
     }
   }
   FP8RT_RETURN_IF_ERROR(CheckPositive("health.intervals", h.intervals()));
+  if (!v1::RunSpec::Health::Action_IsValid(h.action())) {
+    return FieldError("health.action", absl::StrCat(h.action(), " is not a value of the enum"));
+  }
+  if (h.margin_step() < 0 || h.margin_step() > 32) {
+    return FieldError("health.margin_step",
+                      absl::StrCat("must be in [1, 32] (0: 2), got ", h.margin_step()));
+  }
+  if (h.promote_after() < 0 || h.promote_after() > 1000000) {
+    return FieldError("health.promote_after",
+                      absl::StrCat("must be in [0, 1000000] (0: never), got ", h.promote_after()));
+  }
+  if (h.action() == v1::RunSpec::Health::ACTION_BLOCK_SCALING &&
+      spec.precision().mode() == v1::RunSpec::Precision::MODE_FP8) {
+    // The action adds a block-scaled per-layer recipe at run time: the shapes must allow it now.
+    v1::RunSpec block = spec;
+    block.mutable_precision()->set_scaling(v1::RunSpec::Precision::SCALING_BLOCK);
+    block.mutable_precision()->clear_overrides();
+    block.mutable_health()->clear_action();
+    const absl::Status s = ValidateRunSpec(block, world_size, DataFileCheck::kSkip);
+    if (!s.ok()) {
+      return FieldError("health.action",
+                        absl::StrCat("block_scaling needs shapes block scaling can split: ",
+                                     s.message()));
+    }
+  }
 
   const auto& moe = spec.moe();
   if (moe.experts() < 0) return FieldError("moe.experts", "must be >= 0 (0 = no MoE)");

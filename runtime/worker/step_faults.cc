@@ -4,7 +4,9 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <limits>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -26,38 +28,47 @@ absl::StatusOr<FaultSpec> FaultSpec::Parse(const std::string& text) {
   auto bad = [&] {
     return absl::InvalidArgumentError(absl::StrCat(
         "FP8RT_FAULT='", text,
-        "': expected KIND:rank=R:step=S with KIND nan_grad, inf_grad, kill or hang, or "
-        "KIND:rank=R:step=S[:block=B] with KIND nan_act or inf_act"));
+        "': expected KIND:rank=R:step=S with KIND nan_grad, inf_grad, kill or hang, "
+        "KIND:rank=R:step=S[:block=B] with KIND nan_act or inf_act, or "
+        "outlier_act:rank=R:step=S:layer=NAME[:growth=G][:steps=N]"));
   };
   std::vector<std::string> parts = absl::StrSplit(text, ':');
   static const std::pair<const char*, Kind> kKinds[] = {
       {"nan_grad", Kind::kNanGrad}, {"inf_grad", Kind::kInfGrad}, {"nan_act", Kind::kNanAct},
-      {"inf_act", Kind::kInfAct},   {"kill", Kind::kKill},        {"hang", Kind::kHang}};
+      {"inf_act", Kind::kInfAct},   {"kill", Kind::kKill},        {"hang", Kind::kHang},
+      {"outlier_act", Kind::kOutlierAct}};
   for (const auto& [name, kind] : kKinds) {
     if (parts[0] == name) f.kind = kind;
   }
   if (f.kind == Kind::kNone) return bad();
-  if (parts.size() != 3 && !(f.act() && parts.size() == 4)) return bad();
-  bool seen[3] = {false, false, false};  // rank, step, block
+  // The keys each kind takes; rank and step are required.
+  std::vector<std::string> keys = {"rank", "step"};
+  if (f.act()) keys.push_back("block");
+  if (f.kind == Kind::kOutlierAct) keys.insert(keys.end(), {"layer", "growth", "steps"});
+  std::set<std::string> seen;
   for (size_t i = 1; i < parts.size(); ++i) {
-    std::vector<std::string> kv = absl::StrSplit(parts[i], '=');
-    if (kv.size() != 2) return bad();
-    int64_t value = 0;
-    if (!absl::SimpleAtoi(kv[1], &value) || value < 0) return bad();
-    if (kv[0] == "rank" && !seen[0]) {
-      f.rank = static_cast<int>(value);
-      seen[0] = true;
-    } else if (kv[0] == "step" && !seen[1]) {
-      f.step = value;
-      seen[1] = true;
-    } else if (kv[0] == "block" && f.act() && !seen[2]) {
-      f.block = value;
-      seen[2] = true;
-    } else {
+    std::vector<std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
+    if (kv.size() != 2 || std::find(keys.begin(), keys.end(), kv[0]) == keys.end() ||
+        !seen.insert(kv[0]).second) {
       return bad();
     }
+    if (kv[0] == "layer") {
+      if (kv[1].empty()) return bad();
+      f.layer = kv[1];
+      continue;
+    }
+    int64_t value = 0;
+    if (!absl::SimpleAtoi(kv[1], &value) || value < 0) return bad();
+    if (kv[0] == "rank") f.rank = static_cast<int>(value);
+    if (kv[0] == "step") f.step = value;
+    if (kv[0] == "block") f.block = value;
+    if (kv[0] == "growth") f.growth = value;
+    if (kv[0] == "steps") f.grow_steps = value;
   }
-  if (!seen[0] || !seen[1] || f.step < 1) return bad();
+  if (!seen.contains("rank") || !seen.contains("step") || f.step < 1) return bad();
+  if (f.kind == Kind::kOutlierAct && (f.layer.empty() || f.growth < 1 || f.growth > 1024)) {
+    return bad();
+  }
   return f;
 }
 
@@ -66,7 +77,13 @@ absl::StatusOr<FaultSpec> FaultSpec::FromEnvironment() {
   return Parse(fault == nullptr ? "" : fault);
 }
 
-absl::Status StepFaults::CheckModel(int64_t layers) const {
+absl::Status StepFaults::CheckModel(int64_t layers,
+                                    const std::vector<std::string>& layer_names) const {
+  if (spec_.kind == FaultSpec::Kind::kOutlierAct &&
+      std::find(layer_names.begin(), layer_names.end(), spec_.layer) == layer_names.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("FP8RT_FAULT: layer=", spec_.layer,
+                                                   " is not a layer of the model"));
+  }
   if (spec_.act() && spec_.block >= layers) {
     return absl::InvalidArgumentError(absl::StrCat("FP8RT_FAULT: block=", spec_.block,
                                                    " but the model has ", layers,
@@ -86,6 +103,15 @@ void StepFaults::BeforeStep(int64_t step) const {
 
 void StepFaults::BeforeForward(int64_t step, model::Transformer& model) const {
   if (spec_.act() && Due(step)) model.ArmActivationFault(spec_.block, spec_.value());
+  if (spec_.kind == FaultSpec::Kind::kOutlierAct && Due(step)) {
+    std::fprintf(stderr,
+                 "fp8rt-worker: rank %d: FP8RT_FAULT puts a growing outlier (x%lld a step for %lld "
+                 "steps) into the input of %s from step %lld\n",
+                 rank_, static_cast<long long>(spec_.growth),
+                 static_cast<long long>(spec_.grow_steps), spec_.layer.c_str(),
+                 static_cast<long long>(step));
+    model.ArmInputOutlier(spec_.layer, static_cast<float>(spec_.growth), spec_.grow_steps);
+  }
 }
 
 absl::StatusOr<bool> StepFaults::AfterReduceGrads(int64_t step, model::Transformer& model,

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -36,11 +37,17 @@ struct FaultSpec {
     kNanAct,
     kInfAct,
     kKill,
-    kHang
+    kHang,
+    kOutlierAct
   } kind = Kind::kNone;
   int rank = -1;
   int64_t step = -1;
   int64_t block = 0;  // nan_act / inf_act: the block whose input is poisoned
+  // outlier_act: the layer whose FP8 input gets the outlier, its growth per forward and how many
+  // forwards it grows (then it holds).
+  std::string layer;
+  int64_t growth = 2;
+  int64_t grow_steps = 10;
   bool grad() const { return kind == Kind::kNanGrad || kind == Kind::kInfGrad; }
   bool act() const { return kind == Kind::kNanAct || kind == Kind::kInfAct; }
   // The value a nan_* / inf_* fault injects.
@@ -59,14 +66,16 @@ class StepFaults {
   StepFaults(const FaultSpec& spec, int rank, bool resumed)
       : spec_(spec), rank_(rank), resumed_(resumed) {}
 
-  // InvalidArgument naming FP8RT_FAULT when an activation fault names a block the model lacks.
-  absl::Status CheckModel(int64_t layers) const;
+  // InvalidArgument naming FP8RT_FAULT when an activation fault names a block (`layers`: the
+  // model's block count) or a layer (`layer_names`) the model lacks.
+  absl::Status CheckModel(int64_t layers, const std::vector<std::string>& layer_names) const;
 
   // Start of step `step`, before anything of it runs: kill (SIGKILL) or hang (SIGSTOP) this
   // rank, after a line on stderr. Returns when no such fault is due.
   void BeforeStep(int64_t step) const;
   // After the step's gathers, before its first forward: arms nan_act / inf_act in the model (the
-  // first micro-batch's forward writes the value into the input of the fault's block).
+  // first micro-batch's forward writes the value into the input of the fault's block), and
+  // outlier_act in the fault's layer (from this step on, model::Linear::ArmInputOutlier).
   void BeforeForward(int64_t step, model::Transformer& model) const;
   // After model.ReduceGrads(), before the optimizer: nan_grad / inf_grad put their value into
   // this rank's gradient shard. True when it fired (the rank then counts among the step's

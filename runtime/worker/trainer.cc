@@ -47,7 +47,7 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
   FP8RT_ASSIGN_OR_RETURN(
       t->model_,
       model::Transformer::Create(shape, RecipeFromSpec(spec), spec.train().seed(), *t->mesh_, ops));
-  FP8RT_RETURN_IF_ERROR(t->faults_.CheckModel(shape.layers));
+  FP8RT_RETURN_IF_ERROR(t->faults_.CheckModel(shape.layers, ModelLayerNames(spec)));
   if (!spec.init().from().empty() && !options.resume) {
     // init.from: the weights of a safetensors file instead of the seeded ones (a resume takes
     // the checkpoint's).

@@ -533,6 +533,127 @@ TEST_F(ControlPlaneTest, PerLayerRecipesFromTheSpecLiveAndThroughAResume) {
   EXPECT_EQ(metrics.back()["recipe_version"].get<int64_t>(), 2);
 }
 
+// The FP8 health policy's whole loop on real workers (issue 20 point 3): rank 0 puts a growing
+// outlier into the input of blocks.0.mlp.fc2 from step 4 (FP8RT_FAULT outlier_act, x2 a step for
+// 12 steps), so that with delayed scaling and margin 0 the site saturates every step. After 3
+// saturated intervals the controller's policy (health.action raise_margin, margin_step 2) gives
+// the layer margin 2 through a new recipe version, which both ranks apply at one step; from
+// there the x2 growth fits in the margin's x4 and the site stops saturating. Six healthy
+// intervals later (health.promote_after) the layer gets its recipe back. Seen on the launcher's
+// terminal, in the controller's Prometheus metrics, in `fp8rt layers` and in the checkpoint.
+TEST_F(ControlPlaneTest, HealthPolicyRaisesTheMarginOfASaturatingLayerAndPromotesItBack) {
+  std::ofstream(spec_, std::ios::app) << "\nhealth:\n  saturation_threshold: 0.0000001\n"
+                                         "  intervals: 3\n  action: raise_margin\n"
+                                         "  margin_step: 2\n  promote_after: 6\n";
+  const fs::path run_dir = dir_ / "health";
+  const std::string site = "blocks.0.mlp.fc2/input";
+  setenv("FP8RT_FAULT", "outlier_act:rank=0:step=4:layer=blocks.0.mlp.fc2:growth=2:steps=12", 1);
+  Process launch(
+      LaunchArgv(run_dir.string(), {"--set", "train.steps=28", "--set", "train.warmup=5", "--set",
+                                    "checkpoint.every=28", "--set", "metrics.every=1"}),
+      dir_ / "launch.log");
+  unsetenv("FP8RT_FAULT");
+  ASSERT_EQ(launch.Wait(), 0) << ReadFile(dir_ / "launch.log")
+                              << ReadFile(run_dir / "logs/launch.log");
+  // The versions the policy issued: 2 raises the margin, 3 gives the recipe back.
+  std::vector<v1::RecipeVersion> versions;
+  for (int64_t version : {2, 3}) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::GetRecipeRequest req;
+    req.set_run_id("tiny-e2e");
+    req.set_version(version);
+    v1::RecipeVersion v;
+    const grpc::Status s = runs_->GetRecipe(&ctx, req, &v);
+    ASSERT_TRUE(s.ok()) << "version " << version << ": " << s.error_message()
+                        << ReadFile(dir_ / "controller.log");
+    EXPECT_EQ(v.source(), "health-policy");
+    versions.push_back(v);
+  }
+  ASSERT_EQ(versions[0].recipe().overrides_size(), 1);
+  const auto& raised = versions[0].recipe().overrides(0);
+  EXPECT_EQ(raised.layers(), "blocks.0.mlp.fc2");
+  EXPECT_EQ(raised.margin(), 2);
+  EXPECT_EQ(raised.scaling(), v1::RunSpec::Precision::SCALING_DELAYED) << "the rest unchanged";
+  EXPECT_NE(versions[0].reason().find(site + ": saturation"), std::string::npos)
+      << versions[0].reason();
+  EXPECT_EQ(versions[1].recipe().overrides_size(), 0) << "promoted: the spec's recipe again";
+  const int64_t applied = versions[0].applied_step(), promoted = versions[1].applied_step();
+  std::printf("outlier from step 4, margin 2 applied at step %lld, promoted at step %lld\n",
+              static_cast<long long>(applied), static_cast<long long>(promoted));
+  // Within K = 3 intervals the policy acted: the report of step 6 made the version, due
+  // recipe_lead_steps later (a step or two more when rank 0's reports lag).
+  EXPECT_GE(applied, 9);
+  EXPECT_LE(applied, 13) << "the growth lasts to step 15";
+  EXPECT_GT(promoted, applied + 6);
+
+  // Rank 0's statistics: saturating from step 4 until the margin applies, then not, although
+  // the outlier keeps doubling to step 15. Both ranks quantize with the same scale at every
+  // step: they switched at the same step.
+  std::map<int64_t, Json> r0, r1;
+  for (const Json& j : ReadJsonl(run_dir / "fp8_stats/rank-00000.jsonl")) {
+    if (j.value("site", "") == site) r0[j["step"].get<int64_t>()] = j;
+  }
+  for (const Json& j : ReadJsonl(run_dir / "fp8_stats/rank-00001.jsonl")) {
+    if (j.value("site", "") == site) r1[j["step"].get<int64_t>()] = j;
+  }
+  ASSERT_EQ(r0.size(), 28u);
+  ASSERT_EQ(r1.size(), 28u);
+  for (int64_t step = 1; step <= 28; ++step) {
+    SCOPED_TRACE(step);
+    const double sat = r0[step]["saturation_ratio"].get<double>();
+    if (step < 4) {
+      EXPECT_EQ(sat, 0.0);
+    } else if (step < applied) {
+      EXPECT_GT(sat, 0.0) << "the outlier saturates at margin 0";
+    } else if (step <= 15) {
+      EXPECT_EQ(sat, 0.0) << "x2 a step fits in margin 2";
+    }
+    // (Step 1 has no history yet: each rank scales by its own amax before the first sync.)
+    if (step > 1) {
+      EXPECT_EQ(r0[step]["scale"].get<float>(), r1[step]["scale"].get<float>());
+    }
+  }
+  const std::vector<Json> metrics = ReadJsonl(run_dir / "metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 28u);
+  for (const Json& m : metrics) {
+    const int64_t step = m["step"].get<int64_t>();
+    EXPECT_EQ(m["recipe_version"].get<int64_t>(), step >= promoted ? 3 : step >= applied ? 2 : 1)
+        << m.dump();
+  }
+  // The launcher's terminal.
+  const std::string out = ReadFile(dir_ / "launch.log");
+  EXPECT_NE(out.find("health policy: blocks.0.mlp.fc2: margin 0 -> 2 (from step "),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("health policy: blocks.0.mlp.fc2 back to its recipe"), std::string::npos)
+      << out;
+  // Prometheus (the controller's exposition, which the first test scrapes with a real server).
+  const std::string scrape = Capture("curl -s http://" + metrics_ + "/metrics");
+  auto sample = [&](const std::string& name, const std::string& label) {
+    std::istringstream lines(scrape);
+    for (std::string line; std::getline(lines, line);) {
+      if (line.starts_with(name + "{") && line.find(label) != std::string::npos &&
+          line.find("run=\"tiny-e2e\"") != std::string::npos) {
+        return std::stod(line.substr(line.rfind(' ') + 1));
+      }
+    }
+    return -1.0;
+  };
+  EXPECT_EQ(sample("fp8rt_events_total", "kind=\"layer_recipe_changed\""), 1.0) << scrape;
+  EXPECT_EQ(sample("fp8rt_events_total", "kind=\"layer_promoted\""), 1.0) << scrape;
+  EXPECT_EQ(sample("fp8rt_recipe_version", ""), 3.0) << scrape;
+  // The checkpoint of step 28, both ranks: the site is back at margin 0.
+  for (int rank : {0, 1}) {
+    auto shard = ShardReader::Open(
+        (run_dir / "checkpoints/step-00000028" / ShardFileName(rank)).string());
+    ASSERT_TRUE(shard.ok()) << shard.status();
+    v1::ScalingState state;
+    ASSERT_TRUE((*shard)->ParseProto("scaling/" + site, &state).ok());
+    EXPECT_EQ(state.margin(), 0);
+  }
+}
+
 TEST_F(ControlPlaneTest, AStoppedOrRestartedControllerNeverHoldsTheSteps) {
   const fs::path run_dir = dir_ / "stall";
   const std::string id = "tiny-e2e";

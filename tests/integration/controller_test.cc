@@ -826,6 +826,100 @@ TEST_F(ControllerTest, HealthPolicyDemotesASaturatingLayerOnce) {
   EXPECT_TRUE(lm_head_health);  // reported, but lm_head is not demoted
 }
 
+// health.action demote with health.promote_after: the layer leaves FP8, its healthy intervals are
+// counted from the step the demotion takes effect (a demoted layer reports no FP8 statistics),
+// and after promote_after of them it gets FP8 back through a new version (event
+// layer_promoted); a layer that saturates again is demoted again.
+TEST_F(ControllerTest, HealthPolicyPromotesADemotedLayerAfterHealthyIntervals) {
+  const std::string run = "health-p";
+  v1::RunSpec spec = SmallSpec();
+  spec.mutable_health()->set_saturation_threshold(0.001);
+  spec.mutable_health()->set_intervals(2);
+  spec.mutable_health()->set_action(v1::RunSpec::Health::ACTION_DEMOTE);
+  spec.mutable_health()->set_promote_after(3);
+  RegisterAll(c(), run, RunDir(run), spec);
+  const std::vector<v1::SiteStats> sick = {
+      Site("blocks.0.mlp.fc1", v1::TENSOR_ROLE_GRAD_OUTPUT, 60000.0f, 0.01),
+      Site("blocks.0.mlp.fc2", v1::TENSOR_ROLE_INPUT, 2.0f, 0.0)};
+  const std::vector<v1::SiteStats> healthy = {
+      Site("blocks.0.mlp.fc2", v1::TENSOR_ROLE_INPUT, 2.0f, 0.0)};
+  ASSERT_TRUE(ReportStep(c(), run, 1, sick).ok());
+  ASSERT_TRUE(ReportStep(c(), run, 2, sick).ok());
+  v1::RecipeVersion v = GetRecipe(c(), run);
+  ASSERT_EQ(v.version(), 2);
+  EXPECT_THAT(v.recipe().exclude(), ::testing::ElementsAre("blocks.0.mlp.fc1"));
+  EXPECT_EQ(v.effective_step(), 5);
+  // Before the demotion takes effect nothing is counted; from step 5, three healthy intervals.
+  ASSERT_TRUE(ReportStep(c(), run, 3, healthy).ok());
+  ASSERT_TRUE(ReportStep(c(), run, 4, healthy).ok());
+  ASSERT_TRUE(ReportStep(c(), run, 5, healthy).ok());
+  ASSERT_TRUE(ReportStep(c(), run, 6, healthy).ok());
+  EXPECT_EQ(GetRecipe(c(), run).version(), 2) << "two healthy intervals are not three";
+  ASSERT_TRUE(ReportStep(c(), run, 7, healthy).ok());
+  v = GetRecipe(c(), run);
+  ASSERT_EQ(v.version(), 3);
+  EXPECT_EQ(v.source(), "health-policy");
+  EXPECT_THAT(v.recipe().exclude(), ::testing::IsEmpty());
+  EXPECT_EQ(v.effective_step(), 10);
+  EXPECT_THAT(v.reason(), HasSubstr("blocks.0.mlp.fc1: healthy for 3 intervals"));
+  // Saturating again: demoted again.
+  ASSERT_TRUE(ReportStep(c(), run, 10, sick).ok());
+  ASSERT_TRUE(ReportStep(c(), run, 11, sick).ok());
+  v = GetRecipe(c(), run);
+  EXPECT_EQ(v.version(), 4);
+  EXPECT_THAT(v.recipe().exclude(), ::testing::ElementsAre("blocks.0.mlp.fc1"));
+  const auto events = WatchUntil(
+      c(), run, [](const v1::Event& e) { return e.kind() == "layer_promoted"; },
+      std::chrono::seconds(10));
+  ASSERT_TRUE(HasEvent(events, "layer_promoted"));
+  // Older versions stay readable by number.
+  v1::GetRecipeRequest req;
+  req.set_run_id(run);
+  req.set_version(2);
+  v1::RecipeVersion old;
+  ASSERT_TRUE(c().runs().GetRecipe(Ctx().get(), req, &old).ok());
+  EXPECT_EQ(old.version(), 2);
+  req.set_version(99);
+  const grpc::Status missing = c().runs().GetRecipe(Ctx().get(), req, &old);
+  EXPECT_EQ(missing.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(missing.error_message(), HasSubstr("no recipe version 99 (newest 4)"));
+}
+
+// health.action raise_margin on synthetic reports: an override in front of the list carrying the
+// layer's recipe with the margin raised; block_scaling is refused up front on shapes block
+// scaling cannot split, naming health.action.
+TEST_F(ControllerTest, HealthPolicyRaisesTheMarginAndRefusesBlockScalingItCannotApply) {
+  const std::string run = "health-m";
+  v1::RunSpec spec = SmallSpec();
+  spec.mutable_health()->set_saturation_threshold(0.001);
+  spec.mutable_health()->set_intervals(1);
+  spec.mutable_health()->set_action(v1::RunSpec::Health::ACTION_RAISE_MARGIN);
+  spec.mutable_health()->set_margin_step(3);
+  auto* o = spec.mutable_precision()->add_overrides();
+  o->set_layers("blocks.*");
+  o->set_scaling(v1::RunSpec::Precision::SCALING_CURRENT);
+  RegisterAll(c(), run, RunDir(run), spec);
+  ASSERT_TRUE(ReportStep(c(), run, 1,
+                         {Site("blocks.0.mlp.fc1", v1::TENSOR_ROLE_INPUT, 60000.0f, 0.01)})
+                  .ok());
+  const v1::RecipeVersion v = GetRecipe(c(), run);
+  ASSERT_EQ(v.version(), 2);
+  ASSERT_EQ(v.recipe().overrides_size(), 2);
+  EXPECT_EQ(v.recipe().overrides(0).layers(), "blocks.0.mlp.fc1");
+  EXPECT_EQ(v.recipe().overrides(0).margin(), 3);
+  EXPECT_EQ(v.recipe().overrides(0).scaling(), v1::RunSpec::Precision::SCALING_CURRENT)
+      << "the layer's own recipe (its override's scaling) is carried";
+  EXPECT_EQ(v.recipe().overrides(1).layers(), "blocks.*");
+
+  v1::RunSpec block = SmallSpec();
+  block.mutable_health()->set_saturation_threshold(0.001);
+  block.mutable_health()->set_action(v1::RunSpec::Health::ACTION_BLOCK_SCALING);
+  v1::RegisterResponse resp;
+  const grpc::Status s = Register(c(), "health-b", 0, 2, RunDir("health-b"), &block, false, &resp);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(s.error_message(), HasSubstr("health.action"));
+}
+
 // A step's memory peaks (one per category, max over ranks) become fp8rt_memory_peak_bytes{run,
 // category}; the next report replaces them (a category it leaves out disappears); oversized
 // reports are refused naming the field.

@@ -31,6 +31,8 @@ TEST(ControllerEventsTest, EveryKindAUserActsOnIsALine) {
         Case{"checkpoint_failed", "checkpoint failed"},
         Case{"resume_resharded", "resumed at another layout"},
         Case{"recipe_applied", "recipe applied"}, Case{"layer_demoted", "health policy"},
+        Case{"layer_recipe_changed", "health policy"}, Case{"layer_promoted", "health policy"},
+        Case{"health_action_failed", "health policy"},
         Case{"step_skipped", "step skipped"}, Case{"worker_lost", "worker lost"},
         Case{"run_finished", "run finished"}, Case{"run_failed", "run failed"},
         Case{"run_stopped", "run stopped"}}) {

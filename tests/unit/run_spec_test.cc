@@ -883,5 +883,33 @@ TEST(PrecisionOverridesTest, ErrorsNameTheEntryAndField) {
 }
 
 
+// health.action (issue 20 point 3): the words, and the checks of margin_step and promote_after.
+TEST(HealthPolicySpecTest, ActionMarginStepAndPromoteAfter) {
+  TempDir dir;
+  const absl::StatusOr<v1::RunSpec> spec = Parse(absl::StrCat(
+      MinimalSpec(dir.DataFile()),
+      "health: {saturation_threshold: 0.001, action: raise_margin, margin_step: 3, "
+      "promote_after: 5}\n"));
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_EQ(spec->health().action(), v1::RunSpec::Health::ACTION_RAISE_MARGIN);
+  EXPECT_EQ(spec->health().margin_step(), 3);
+  EXPECT_EQ(spec->health().promote_after(), 5);
+  EXPECT_TRUE(ValidateRunSpec(*spec, 1).ok()) << ValidateRunSpec(*spec, 1);
+  // Unset: the older `demote` flag decides (the spec stays valid).
+  const absl::StatusOr<v1::RunSpec> plain = Parse(MinimalSpec(dir.DataFile()));
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->health().action(), v1::RunSpec::Health::ACTION_UNSPECIFIED);
+  EXPECT_TRUE(ValidateRunSpec(*plain, 1).ok()) << ValidateRunSpec(*plain, 1);
+  ExpectInvalid(Parse(MinimalSpec(dir.DataFile()) + "health: {action: panic}\n").status(),
+                {"health.action: expected one of demote, raise_margin, block_scaling, report",
+                 "'panic'"});
+  ExpectInvalid(ValidateWith(dir, {"health.margin_step=40"}, 1), {"health.margin_step"});
+  ExpectInvalid(ValidateWith(dir, {"health.promote_after=-1"}, 1), {"health.promote_after"});
+  // block_scaling needs shapes block scaling can split, checked up front (d_model 128 rows do
+  // not make whole 128-row blocks on each of 2 FSDP ranks).
+  ExpectInvalid(ValidateWith(dir, {"health.action=block_scaling", "parallel.dp=2"}, 2),
+                {"health.action", "block_scaling needs shapes block scaling can split"});
+}
+
 }  // namespace
 }  // namespace fp8rt
