@@ -7,6 +7,10 @@
 //   kBlock scaling (DeepSeek-V3): A has one scale_inv per 1x128 tile (grid M x ceil(K/128)), B one
 //     per 128x128 block (grid ceil(N/128) x ceil(K/128)); each 128-wide slice of K is multiplied
 //     out in FP32, scaled by sa(m, kb) * sb(n/128, kb) and added into the FP32 result.
+//   kMx32 scaling (OCP MX v1.0, MXFP8): A and B each have one E8M0 scale per 1x32 block along K
+//     (grids M x ceil(K/32) and N x ceil(K/32) of codes, a_e8m0 / b_e8m0; the scale of code e is
+//     2^(e - 127), code 255 is NaN). Each element is multiplied by its own block's scale, which
+//     is exact (a power of two), and the products are summed in FP32. scale_inv is not read.
 // The `bf16` precision mode GEMM takes FP32 (or BF16) operands, rounds FP32 ones to BF16 (nearest
 // even) and multiplies them with FP32 accumulation, as a BF16 tensor core does.
 //
@@ -24,7 +28,7 @@
 
 namespace fp8rt::kernels {
 
-enum class GemmScaling : uint8_t { kTensor, kBlock };
+enum class GemmScaling : uint8_t { kTensor, kBlock, kMx32 };
 enum class OutputType : uint8_t { kF32, kBF16 };
 
 struct Fp8GemmArgs {
@@ -38,6 +42,8 @@ struct Fp8GemmArgs {
   GemmScaling scaling = GemmScaling::kTensor;
   const float* a_scale_inv = nullptr;  // 1 value, or M x ceil(K/128) for kBlock
   const float* b_scale_inv = nullptr;  // 1 value, or ceil(N/128) x ceil(K/128) for kBlock
+  const uint8_t* a_e8m0 = nullptr;     // kMx32: M x ceil(K/32) E8M0 codes
+  const uint8_t* b_e8m0 = nullptr;     // kMx32: N x ceil(K/32) E8M0 codes
   OutputType out_type = OutputType::kF32;
   void* d = nullptr;          // M x N, float or BF16 bits
   bool accumulate = false;    // D += result instead of D = result (FP32 output only)

@@ -33,8 +33,13 @@ absl::Status ValidateCommon(int64_t m, int64_t n, int64_t k, const void* a, cons
 }  // namespace
 
 absl::Status ValidateGemmArgs(const Fp8GemmArgs& args, size_t required_workspace) {
-  if (args.a_scale_inv == nullptr) return absl::InvalidArgumentError("a_scale_inv is null");
-  if (args.b_scale_inv == nullptr) return absl::InvalidArgumentError("b_scale_inv is null");
+  if (args.scaling == GemmScaling::kMx32) {
+    if (args.a_e8m0 == nullptr) return absl::InvalidArgumentError("a_e8m0 is null (kMx32)");
+    if (args.b_e8m0 == nullptr) return absl::InvalidArgumentError("b_e8m0 is null (kMx32)");
+  } else {
+    if (args.a_scale_inv == nullptr) return absl::InvalidArgumentError("a_scale_inv is null");
+    if (args.b_scale_inv == nullptr) return absl::InvalidArgumentError("b_scale_inv is null");
+  }
   return ValidateCommon(args.m, args.n, args.k, args.a, args.b, args.d, args.out_type,
                         args.accumulate, args.workspace_bytes, args.workspace, required_workspace);
 }

@@ -16,7 +16,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -391,11 +393,55 @@ absl::Status GemmBf16CpuF32(const Bf16GemmArgs& args) {
   return F32Matmul(m, n, k, a32, b32, args.out_type, args.accumulate, args.d, 1.0f, acc);
 }
 
+// Codes times their 1x32 block's E8M0 scale, into FP32 (exact: the scale is a power of two and
+// the product of a 3- or 2-bit-mantissa value with it stays in FP32's range for scales of real
+// data); rows x k codes, rows x ceil(k/32) scales.
+void DecodeMx32(const uint8_t* codes, const uint8_t* e8m0, int64_t rows, int64_t k,
+                Fp8Format format, float* out) {
+  const int64_t kb = (k + 31) / 32;
+  float lut[256];
+  for (int c = 0; c < 256; ++c) lut[c] = DecodeFp8(static_cast<uint8_t>(c), format);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < kb; ++b) {
+      const uint8_t e = e8m0[r * kb + b];
+      const float scale = e == 255 ? std::numeric_limits<float>::quiet_NaN()
+                                   : std::ldexp(1.0f, static_cast<int>(e) - 127);
+      const int64_t c1 = std::min(k, (b + 1) * 32);
+      for (int64_t c = b * 32; c < c1; ++c) out[r * k + c] = lut[codes[r * k + c]] * scale;
+    }
+  }
+}
+
+// kMx32: both operands decoded with their block scales into FP32, then the BF16 GEMM, whose
+// rounding of those values to BF16 is exact (at most 3 mantissa bits), with FP32 accumulation.
+absl::Status GemmMx32Cpu(const Fp8GemmArgs& args) {
+  const int64_t m = args.m, n = args.n, k = args.k;
+  Carver ws(args.workspace);
+  auto* a32 = ws.Take<float>(static_cast<size_t>(m * k) * 4);
+  auto* b32 = ws.Take<float>(static_cast<size_t>(n * k) * 4);
+  DecodeMx32(args.a, args.a_e8m0, m, k, args.a_format, a32);
+  DecodeMx32(args.b, args.b_e8m0, n, k, args.b_format, b32);
+  Bf16GemmArgs g;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.a = a32;
+  g.b = b32;
+  g.out_type = args.out_type;
+  g.d = args.d;
+  g.accumulate = args.accumulate;
+  g.workspace_bytes = GemmWorkspaceBytes(g);
+  g.workspace = ws.Take<uint8_t>(g.workspace_bytes);
+  return GemmBf16Cpu(g, {});
+}
+
 }  // namespace
 
 absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream) {
   const size_t required = GemmWorkspaceBytes(args);
   FP8RT_RETURN_IF_ERROR(ValidateGemmArgs(args, required));
+  if (args.scaling == GemmScaling::kMx32) return GemmMx32Cpu(args);
   if (!Bf16MatmulAvailable()) return GemmFp8CpuF32(args);
   const int64_t m = args.m, n = args.n, k = args.k;
   Carver ws(args.workspace);
@@ -492,6 +538,15 @@ namespace fp8rt::kernels {
 size_t GemmWorkspaceBytes(const Fp8GemmArgs& args) {
   const size_t m = static_cast<size_t>(args.m), n = static_cast<size_t>(args.n),
                k = static_cast<size_t>(args.k);
+  if (args.scaling == GemmScaling::kMx32) {  // [A as FP32][B as FP32][the BF16 GEMM's]
+    Bf16GemmArgs g;
+    g.m = args.m;
+    g.n = args.n;
+    g.k = args.k;
+    g.out_type = args.out_type;
+    return cpu_internal::Padded(m * k * 4) + cpu_internal::Padded(n * k * 4) +
+           cpu_internal::Padded(GemmWorkspaceBytes(g));
+  }
   if (cpu_internal::UsesF32Matmul()) {
     size_t f32 = cpu_internal::Padded(m * k * 4) + cpu_internal::Padded(n * k * 4);
     if (args.scaling != GemmScaling::kTensor) f32 += cpu_internal::Padded((m < 256 ? m : 256) * n * 4);

@@ -29,6 +29,13 @@ __device__ __forceinline__ float LoadOperand(const void* p, int64_t i) {
   }
 }
 
+// The E8M0 scale 2^(e - 127) of an MX block (e = 255: NaN), built from its bits.
+__device__ __forceinline__ float E8m0Scale(uint8_t e) {
+  if (e == 255) return __int_as_float(0x7fc00000);
+  if (e == 0) return __int_as_float(0x00400000);  // 2^-127, a subnormal
+  return __int_as_float(static_cast<int>(e) << 23);
+}
+
 template <OperandKind KA, OperandKind KB>
 __global__ void __launch_bounds__(kThreads) FallbackGemmKernel(FallbackGemmParams p) {
   __shared__ float as[kStepK][kTile + 4];  // as[kk][row of the tile]
@@ -37,6 +44,7 @@ __global__ void __launch_bounds__(kThreads) FallbackGemmKernel(FallbackGemmParam
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const bool block = p.scaling == GemmScaling::kBlock;
+  const bool mx = p.scaling == GemmScaling::kMx32;
   const int64_t kb_count = (p.k + 127) / 128;
   float part[4][4] = {};  // FP32 partial sums (of the current 128-slice with block scaling)
   float acc[4][4] = {};   // block scaling: the scaled sum of the finished slices
@@ -57,6 +65,11 @@ __global__ void __launch_bounds__(kThreads) FallbackGemmKernel(FallbackGemmParam
       const int64_t gm = m0 + row, gn = n0 + row;
       as[kk][row] = (gm < p.m && gk < p.k) ? LoadOperand<KA>(p.a, gm * p.k + gk) : 0.0f;
       bs[kk][row] = (gn < p.n && gk < p.k) ? LoadOperand<KB>(p.b, gn * p.k + gk) : 0.0f;
+      if (mx) {  // exact: a power of two
+        const int64_t kb32 = (p.k + 31) / 32;
+        if (gm < p.m && gk < p.k) as[kk][row] *= E8m0Scale(p.a_e8m0[gm * kb32 + gk / 32]);
+        if (gn < p.n && gk < p.k) bs[kk][row] *= E8m0Scale(p.b_e8m0[gn * kb32 + gk / 32]);
+      }
     }
     __syncthreads();
 #pragma unroll 8

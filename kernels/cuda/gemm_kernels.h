@@ -20,7 +20,9 @@ enum class OperandKind : uint8_t { kE4M3, kE5M2, kBF16 };
 // product is exact in FP32, so only the summation rounds. Scaling as kernels/gemm.h defines it:
 //   kTensor: D = (sa * sb) * sum [+ D], sa and sb single device values (null: 1, the BF16 GEMM);
 //   kBlock:  per 128-wide slice kb of K, sum_kb in FP32, then D += (sa(m, kb) * sb(n/128, kb)) *
-//            sum_kb, in slice order, starting from 0 (or from D with accumulate).
+//            sum_kb, in slice order, starting from 0 (or from D with accumulate);
+//   kMx32:   each element times its 1x32 block's E8M0 scale 2^(e - 127) as it is loaded (exact),
+//            then as kTensor with sa = sb = 1.
 struct FallbackGemmParams {
   int64_t m = 0, n = 0, k = 0;
   const void* a = nullptr;
@@ -30,6 +32,8 @@ struct FallbackGemmParams {
   GemmScaling scaling = GemmScaling::kTensor;
   const float* a_scale_inv = nullptr;  // device
   const float* b_scale_inv = nullptr;  // device
+  const uint8_t* a_e8m0 = nullptr;     // device, kMx32: M x ceil(K/32) E8M0 codes
+  const uint8_t* b_e8m0 = nullptr;     // device, kMx32: N x ceil(K/32)
   OutputType out_type = OutputType::kF32;
   void* d = nullptr;
   bool accumulate = false;

@@ -113,6 +113,10 @@ absl::StatusOr<nlohmann::ordered_json> QuantizeBench(const QuantizeBenchOptions&
 
 absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options) {
   if (options.size < 16) return absl::InvalidArgumentError("--size must be >= 16");
+  if (options.scaling != "tensor" && options.scaling != "mx32") {
+    return absl::InvalidArgumentError("--scaling must be tensor or mx32");
+  }
+  const bool mx = options.scaling == "mx32";
   const int64_t s = options.size;
   std::vector<float> a(static_cast<size_t>(s * s)), b(static_cast<size_t>(s * s)),
       d(static_cast<size_t>(s * s)), d_ref(static_cast<size_t>(s * s));
@@ -143,6 +147,33 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
   g.workspace = ws.data();
   g.workspace_bytes = ws.size();
   if (absl::Status st = ops.gemm_fp8(g, {}); !st.ok()) return st;
+
+  // MXFP8 operands: one E8M0 scale per 1x32 block along K (OCP MX v1.0), the same data.
+  const int64_t kb32 = (s + 31) / 32;
+  std::vector<uint8_t> a8mx(a.size()), b8mx(b.size()), a_e8m0(static_cast<size_t>(s * kb32)),
+      b_e8m0(static_cast<size_t>(s * kb32));
+  for (auto [src, dst, e8m0] : {std::tuple{&a, &a8mx, &a_e8m0}, std::tuple{&b, &b8mx, &b_e8m0}}) {
+    kernels::QuantizeArgs q;
+    q.granularity = kernels::Granularity::kMx32;
+    q.input = src->data();
+    q.rows = s;
+    q.cols = s;
+    q.codes = dst->data();
+    q.e8m0_scales = e8m0->data();
+    if (absl::Status st = ops.quantize(q, {}); !st.ok()) return st;
+  }
+  std::vector<float> dmx(d.size());
+  kernels::Fp8GemmArgs gmx = g;
+  gmx.scaling = kernels::GemmScaling::kMx32;
+  gmx.a = a8mx.data();
+  gmx.b = b8mx.data();
+  gmx.a_e8m0 = a_e8m0.data();
+  gmx.b_e8m0 = b_e8m0.data();
+  gmx.d = dmx.data();
+  AlignedBuffer wsmx(kernels::GemmWorkspaceBytes(gmx));
+  gmx.workspace = wsmx.data();
+  gmx.workspace_bytes = wsmx.size();
+  if (absl::Status st = ops.gemm_fp8(gmx, {}); !st.ok()) return st;
 
   kernels::Bf16GemmArgs g16;
   g16.m = g16.n = g16.k = s;
@@ -177,6 +208,7 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
          stream.wait();
        }},
       {"fp8_e4m3_tensor", [&] { (void)ops.gemm_fp8(g, {}); }},
+      {"fp8_e4m3_mx32", [&] { (void)ops.gemm_fp8(gmx, {}); }},
       {"bf16", [&] { (void)ops.gemm_bf16(g16, {}); }},
   };
   auto t = RunInterleaved(cases, options.rounds, options.samples);
@@ -188,20 +220,28 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
   (void)ops.gemm_fp8(g, {});
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, s, s, s, 1.0f, a.data(), s, b.data(), s,
               0.0f, d_ref.data(), s);
-  double err2 = 0.0, ref2 = 0.0;
+  (void)ops.gemm_fp8(gmx, {});
+  double err2 = 0.0, ref2 = 0.0, err2mx = 0.0;
   for (size_t i = 0; i < d.size(); ++i) {
     err2 += (static_cast<double>(d[i]) - d_ref[i]) * (static_cast<double>(d[i]) - d_ref[i]);
+    err2mx += (static_cast<double>(dmx[i]) - d_ref[i]) * (static_cast<double>(dmx[i]) - d_ref[i]);
     ref2 += static_cast<double>(d_ref[i]) * d_ref[i];
   }
 
+  const std::string headline = mx ? "fp8_e4m3_mx32" : "fp8_e4m3_tensor";
   nlohmann::ordered_json j;
   j["benchmark"] = "gemm";
-  j["ratio"] = fp32_best / t["fp8_e4m3_tensor"].best_seconds;
+  j["scaling"] = options.scaling;
+  j["ratio"] = fp32_best / t[headline].best_seconds;
   j["ratio_definition"] =
-      "FP8 GEMM throughput (E4M3, tensor scales, FP32 out, decode included) over the faster "
-      "FP32 GEMM (OpenBLAS sgemm or oneDNN f32), fastest of interleaved samples";
+      mx ? "MXFP8 GEMM throughput (E4M3, E8M0 scale per 1x32 block along K, FP32 out, decode "
+           "and scaling included) over the faster FP32 GEMM (OpenBLAS sgemm or oneDNN f32), "
+           "fastest of interleaved samples"
+         : "FP8 GEMM throughput (E4M3, tensor scales, FP32 out, decode included) over the faster "
+           "FP32 GEMM (OpenBLAS sgemm or oneDNN f32), fastest of interleaved samples";
   j["ratio_median"] = std::min(t["sgemm_openblas"].median_seconds, t["f32_onednn"].median_seconds) /
-                      t["fp8_e4m3_tensor"].median_seconds;
+                      t[headline].median_seconds;
+  j["mx32_over_tensor"] = t["fp8_e4m3_tensor"].best_seconds / t["fp8_e4m3_mx32"].best_seconds;
   j["m"] = s;
   j["n"] = s;
   j["k"] = s;
@@ -212,7 +252,10 @@ absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options
                  {"sgemm_openblas", flop / t["sgemm_openblas"].best_seconds / 1e12}};
   j["bf16_over_fp32"] = fp32_best / t["bf16"].best_seconds;
   j["fp8_vs_fp32_rel_rms_diff"] = std::sqrt(err2 / ref2);
-  for (const char* name : {"fp8_e4m3_tensor", "bf16", "f32_onednn", "sgemm_openblas"}) {
+  j["mx32_vs_fp32_rel_rms_diff"] = std::sqrt(err2mx / ref2);
+  j["tflops"]["fp8_mx32"] = flop / t["fp8_e4m3_mx32"].best_seconds / 1e12;
+  for (const char* name :
+       {"fp8_e4m3_tensor", "fp8_e4m3_mx32", "bf16", "f32_onednn", "sgemm_openblas"}) {
     j["timings"][name] = TimingJson(t[name]);
   }
   return j;

@@ -3,6 +3,8 @@
 #ifndef FP8RT_LAUNCHER_BENCH_BENCH_KERNELS_H_
 #define FP8RT_LAUNCHER_BENCH_BENCH_KERNELS_H_
 
+#include <string>
+
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
 
@@ -21,9 +23,11 @@ struct GemmBenchOptions {
   int size = 2048;  // M = N = K
   int rounds = 5;   // interleaved rounds of the four GEMMs
   int samples = 3;  // samples of each case per round
+  std::string scaling = "tensor";  // the FP8 GEMM of the headline ratio: tensor or mx32
 };
-// FP8 GEMM (E4M3 x E4M3, tensor scales, FP32 out) over FP32 GEMM of the same shape; the FP32
-// baseline is the faster of OpenBLAS sgemm and oneDNN's f32 matmul.
+// FP8 GEMM (E4M3 x E4M3, FP32 out; tensor scales, or MXFP8's E8M0 scale per 1x32 block with
+// --scaling mx32) over FP32 GEMM of the same shape; the FP32 baseline is the faster of OpenBLAS
+// sgemm and oneDNN's f32 matmul. Both FP8 GEMMs are timed in the same rounds either way.
 absl::StatusOr<nlohmann::ordered_json> GemmBench(const GemmBenchOptions& options);
 
 struct AttentionBenchOptions {

@@ -379,13 +379,16 @@ void PrintHuman(const nlohmann::ordered_json& j) {
     std::cout << absl::StrFormat(
         "GEMM %dx%dx%d, %d threads (TFLOP/s)\n"
         "  fp8 (e4m3, tensor scales)  %7.3f\n"
+        "  fp8 (e4m3, mx32 E8M0)      %7.3f  (mx32 / tensor time ratio %.2f)\n"
         "  bf16                       %7.3f\n"
         "  f32 oneDNN                 %7.3f\n"
         "  f32 OpenBLAS sgemm         %7.3f\n"
-        "  ratio fp8 / best fp32      %7.2f  (target >= 4)\n",
+        "  ratio fp8 (%s) / best fp32 %7.2f  (target >= 4)\n",
         j["m"].get<int>(), j["n"].get<int>(), j["k"].get<int>(), j["threads"].get<int>(),
-        t["fp8"].get<double>(), t["bf16"].get<double>(), t["f32_onednn"].get<double>(),
-        t["sgemm_openblas"].get<double>(), j["ratio"].get<double>());
+        t["fp8"].get<double>(), t["fp8_mx32"].get<double>(),
+        j["mx32_over_tensor"].get<double>(), t["bf16"].get<double>(),
+        t["f32_onednn"].get<double>(), t["sgemm_openblas"].get<double>(),
+        j["scaling"].get<std::string>(), j["ratio"].get<double>());
   }
 }
 
@@ -426,6 +429,9 @@ int main(int argc, char** argv) {
   gemm->add_option("--size", gopt.size, "M = N = K (default 2048)");
   gemm->add_option("--rounds", gopt.rounds, "interleaved rounds (default 5)");
   gemm->add_option("--samples", gopt.samples, "samples of each case per round (default 3)");
+  gemm->add_option("--scaling", gopt.scaling,
+                   "tensor (default) or mx32: the FP8 GEMM of the headline ratio (both are timed)")
+      ->check(CLI::IsMember({"tensor", "mx32"}));
   gemm->add_flag("--json", json, "print one JSON object");
   gemm->add_option("--device", device, "cpu (default) or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}));

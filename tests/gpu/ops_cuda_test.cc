@@ -812,6 +812,83 @@ INSTANTIATE_TEST_SUITE_P(
                           std::get<4>(info.param) == GemmPath::kAuto ? "_auto" : "_fallback");
     });
 
+// kMx32 (OCP MX v1.0 E8M0 scales per 1x32 block of K, issue 20): the CUDA backend against the
+// CPU backend on the same codes and scales, within the FP32-summation bound of each; shapes with
+// whole and partial 32-blocks, both output types, E4M3 and E5M2 operands.
+TEST_F(CudaTest, Mx32GemmMatchesTheCpuBackend) {
+  struct Case {
+    int64_t m, n, k;
+    Fp8Format a_format, b_format;
+    OutputType out;
+  };
+  for (const Case& t : {Case{17, 33, 65, Fp8Format::kE4M3, Fp8Format::kE4M3, OutputType::kF32},
+                        Case{128, 256, 192, Fp8Format::kE4M3, Fp8Format::kE5M2, OutputType::kF32},
+                        Case{128, 256, 192, Fp8Format::kE4M3, Fp8Format::kE4M3, OutputType::kBF16},
+                        Case{64, 48, 100, Fp8Format::kE5M2, Fp8Format::kE4M3, OutputType::kF32}}) {
+    const std::string where = absl::StrCat(t.m, "x", t.n, "x", t.k);
+    const int64_t kb = (t.k + 31) / 32;
+    const std::vector<uint8_t> a = Fp8Operand(t.m, t.k, t.a_format, GemmData::kRandom, 11);
+    const std::vector<uint8_t> b = Fp8Operand(t.n, t.k, t.b_format, GemmData::kRandom, 12);
+    std::mt19937 rng(13);
+    std::uniform_int_distribution<int> code(120, 134);  // 2^-7 .. 2^7
+    std::vector<uint8_t> ea(static_cast<size_t>(t.m * kb)), eb(static_cast<size_t>(t.n * kb));
+    for (auto& e : ea) e = static_cast<uint8_t>(code(rng));
+    for (auto& e : eb) e = static_cast<uint8_t>(code(rng));
+    const size_t out_bytes = static_cast<size_t>(t.m * t.n) * (t.out == OutputType::kF32 ? 4 : 2);
+    Fp8GemmArgs args;
+    args.m = t.m;
+    args.n = t.n;
+    args.k = t.k;
+    args.a_format = t.a_format;
+    args.b_format = t.b_format;
+    args.scaling = GemmScaling::kMx32;
+    args.out_type = t.out;
+    Fp8GemmArgs c = args;
+    std::vector<uint8_t> cpu_d(out_bytes, 0);
+    c.a = a.data();
+    c.b = b.data();
+    c.a_e8m0 = ea.data();
+    c.b_e8m0 = eb.data();
+    c.d = cpu_d.data();
+    std::vector<uint8_t> cpu_ws(GemmWorkspaceBytes(c) + 64);
+    c.workspace = cpu_ws.data() + (64 - reinterpret_cast<uintptr_t>(cpu_ws.data()) % 64) % 64;
+    c.workspace_bytes = GemmWorkspaceBytes(c);
+    ASSERT_TRUE(cpu_.gemm_fp8(c, {}).ok()) << where;
+
+    const DeviceBuffer d_a = Upload(a), d_b = Upload(b), d_ea = Upload(ea), d_eb = Upload(eb);
+    DeviceBuffer d_d(out_bytes);
+    const size_t ws_bytes = CudaGemmWorkspaceBytes(args) + kCublasLtWorkspaceBytes;
+    DeviceBuffer ws(ws_bytes);
+    Fp8GemmArgs g = args;
+    g.a = d_a.as<uint8_t>();
+    g.b = d_b.as<uint8_t>();
+    g.a_e8m0 = d_ea.as<uint8_t>();
+    g.b_e8m0 = d_eb.as<uint8_t>();
+    g.d = d_d.as();
+    g.workspace = ws.as();
+    g.workspace_bytes = ws_bytes;
+    ASSERT_TRUE(gpu_->gemm_fp8(g, stream()).ok()) << where;
+    Sync();
+    // S = sum_k |a 2^(ea-127)| |b 2^(eb-127)| in double.
+    std::vector<double> abs_sum(static_cast<size_t>(t.m * t.n));
+    for (int64_t i = 0; i < t.m; ++i) {
+      for (int64_t j = 0; j < t.n; ++j) {
+        double sum = 0.0;
+        for (int64_t l = 0; l < t.k; ++l) {
+          sum += std::fabs(Fp8Value(a[i * t.k + l], t.a_format)) *
+                 std::ldexp(1.0, ea[i * kb + l / 32] - 127) *
+                 std::fabs(Fp8Value(b[j * t.k + l], t.b_format)) *
+                 std::ldexp(1.0, eb[j * kb + l / 32] - 127);
+        }
+        abs_sum[static_cast<size_t>(i * t.n + j)] = sum;
+      }
+    }
+    CompareGemm(Download<uint8_t>(d_d, out_bytes), cpu_d, abs_sum, t.out, GemmData::kRandom,
+                HighamBound(t.k), HighamBound(t.k), where + " (mx32)");
+    if (HasFailure()) return;
+  }
+}
+
 TEST_F(CudaTest, BlockScaledGemmOnHopperRunsOnCublasLt) {
   int device = 0, major = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);

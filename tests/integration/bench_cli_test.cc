@@ -54,6 +54,21 @@ TEST(BenchCliTest, GemmReportsARatioAndAnAccurateResult) {
   // E4M3 inputs carry ~2^-4 relative error each; the FP8 product must still track FP32 closely.
   EXPECT_LT(j["fp8_vs_fp32_rel_rms_diff"].get<double>(), 0.1);
   EXPECT_EQ(j["m"].get<int>(), 256);
+  EXPECT_EQ(j["scaling"], "tensor");
+  // MXFP8 (E8M0 per 1x32 block) is timed in the same rounds; its blocks track the data more
+  // closely than one tensor scale, so its result is at least as close to FP32.
+  EXPECT_GT(j["mx32_over_tensor"].get<double>(), 0.0);
+  EXPECT_LT(j["mx32_vs_fp32_rel_rms_diff"].get<double>(), 0.1);
+
+  const auto mx = RunBench("gemm --size 256 --rounds 1 --samples 1 --scaling mx32 --json", &rc);
+  ASSERT_EQ(rc, 0);
+  EXPECT_EQ(mx["scaling"], "mx32");
+  EXPECT_NE(mx["ratio_definition"].get<std::string>().find("MXFP8"), std::string::npos);
+  EXPECT_DOUBLE_EQ(mx["ratio"].get<double>() * mx["timings"]["fp8_e4m3_mx32"]["best_s"].get<double>(),
+                   std::min(mx["timings"]["sgemm_openblas"]["best_s"].get<double>(),
+                            mx["timings"]["f32_onednn"]["best_s"].get<double>()));
+  RunBench("gemm --size 256 --scaling wavy", &rc);
+  EXPECT_NE(rc, 0) << "an unknown --scaling is refused";
 }
 
 TEST(BenchCliTest, CommRunsMpiRanksAndMovesHalfTheBytesInFp8) {

@@ -275,14 +275,19 @@ struct Fp8Problem {
   GemmScaling scaling = GemmScaling::kTensor;
   std::vector<uint8_t> a;          // M x K codes
   std::vector<uint8_t> b;          // N x K codes
-  std::vector<float> a_scale_inv;  // 1, or M x ceil(K/128)
-  std::vector<float> b_scale_inv;  // 1, or ceil(N/128) x ceil(K/128)
+  std::vector<float> a_scale_inv;  // 1, or M x ceil(K/128), or M x ceil(K/32) (kMx32)
+  std::vector<float> b_scale_inv;  // 1, or ceil(N/128) x ceil(K/128), or N x ceil(K/32) (kMx32)
+  // kMx32: the E8M0 codes of those scales (powers of two), code = log2(scale) + 127 as OCP MX
+  // v1.0 defines it; the kernel gets the codes, the reference the scales.
+  std::vector<uint8_t> a_e8m0, b_e8m0;
 };
 
 int64_t AScaleCount(const Shape& s, GemmScaling scaling) {
+  if (scaling == GemmScaling::kMx32) return s.m * CeilDiv(s.k, 32);
   return scaling == GemmScaling::kTensor ? 1 : s.m * CeilDiv(s.k, 128);
 }
 int64_t BScaleCount(const Shape& s, GemmScaling scaling) {
+  if (scaling == GemmScaling::kMx32) return s.n * CeilDiv(s.k, 32);
   return scaling == GemmScaling::kTensor ? 1 : CeilDiv(s.n, 128) * CeilDiv(s.k, 128);
 }
 
@@ -291,11 +296,14 @@ std::vector<double> DecodeScaled(const std::vector<uint8_t>& codes, Fp8Format fo
                                  const std::vector<float>& scale_inv, int64_t rows, int64_t k,
                                  GemmScaling scaling, int64_t block_rows) {
   std::vector<double> out(rows * k);
-  const int64_t kb = CeilDiv(k, 128);
+  const bool mx = scaling == GemmScaling::kMx32;  // 1 x 32 blocks, one row each
+  const int64_t width = mx ? 32 : 128, kb = CeilDiv(k, width);
+  if (mx) block_rows = 1;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < k; ++c) {
-      const double s = scaling == GemmScaling::kTensor ? scale_inv[0]
-                                                       : scale_inv[(r / block_rows) * kb + c / 128];
+      const double s = scaling == GemmScaling::kTensor
+                           ? scale_inv[0]
+                           : scale_inv[(r / block_rows) * kb + c / width];
       out[r * k + c] = RefDecodeFp8(codes[r * k + c], format) * s;
     }
   }
@@ -325,6 +333,8 @@ Fp8GemmArgs MakeArgs(const Fp8Problem& p, OutputType out, bool accumulate) {
   args.scaling = p.scaling;
   args.a_scale_inv = p.a_scale_inv.data();
   args.b_scale_inv = p.b_scale_inv.data();
+  args.a_e8m0 = p.a_e8m0.empty() ? nullptr : p.a_e8m0.data();
+  args.b_e8m0 = p.b_e8m0.empty() ? nullptr : p.b_e8m0.data();
   args.out_type = out;
   args.accumulate = accumulate;
   return args;
@@ -364,6 +374,20 @@ std::vector<uint8_t> SmallValueCodes(Fp8Format format) {
   return codes;
 }
 
+// kMx32: each scale rounded to the nearest power of two (MX scales are), and its E8M0 code.
+void MxScales(Fp8Problem& p) {
+  if (p.scaling != GemmScaling::kMx32) return;
+  for (auto [scales, codes] : {std::pair{&p.a_scale_inv, &p.a_e8m0},
+                               std::pair{&p.b_scale_inv, &p.b_e8m0}}) {
+    codes->resize(scales->size());
+    for (size_t i = 0; i < scales->size(); ++i) {
+      const int e = static_cast<int>(std::lround(std::log2((*scales)[i])));
+      (*scales)[i] = std::ldexp(1.0f, e);
+      (*codes)[i] = static_cast<uint8_t>(e + 127);
+    }
+  }
+}
+
 // Data on which the exact sum is an FP32 value whatever the summation order: operand values are
 // multiples of 1/2 with |v| <= 4 and scales are 2^j, |j| <= 2. Every scaled product is then a
 // multiple of 2^-6 with magnitude <= 16 * 16, so any partial sum over K <= 384 terms, with or
@@ -389,6 +413,7 @@ Fp8Problem ExactProblem(const Shape& s, Fp8Format a_format, Fp8Format b_format, 
   p.b_scale_inv.resize(BScaleCount(s, scaling));
   for (auto& v : p.a_scale_inv) v = std::ldexp(1.0f, exp_pick(rng));
   for (auto& v : p.b_scale_inv) v = std::ldexp(1.0f, exp_pick(rng));
+  MxScales(p);
   return p;
 }
 
@@ -423,11 +448,14 @@ Fp8Problem RandomProblem(const Shape& s, Fp8Format a_format, Fp8Format b_format,
   p.b_scale_inv.resize(BScaleCount(s, scaling));
   for (auto& v : p.a_scale_inv) v = RandomScale(rng);
   for (auto& v : p.b_scale_inv) v = RandomScale(rng);
+  MxScales(p);
   return p;
 }
 
 const char* FormatName(Fp8Format f) { return f == Fp8Format::kE4M3 ? "e4m3" : "e5m2"; }
-const char* ScalingName(GemmScaling s) { return s == GemmScaling::kTensor ? "tensor" : "block"; }
+const char* ScalingName(GemmScaling s) {
+  return s == GemmScaling::kTensor ? "tensor" : s == GemmScaling::kBlock ? "block" : "mx32";
+}
 const char* OutName(OutputType o) { return o == OutputType::kF32 ? "f32" : "bf16"; }
 
 // ---------------------------------------------------------------------------------------------
@@ -484,7 +512,7 @@ std::vector<Fp8Case> Fp8Cases(bool with_bf16_output) {
   for (Fp8Format a : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
     for (Fp8Format b : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
       for (const Shape& s : kShapes) {
-        for (GemmScaling sc : {GemmScaling::kTensor, GemmScaling::kBlock}) {
+        for (GemmScaling sc : {GemmScaling::kTensor, GemmScaling::kBlock, GemmScaling::kMx32}) {
           cases.push_back({a, b, s, sc, OutputType::kF32});
           if (with_bf16_output) cases.push_back({a, b, s, sc, OutputType::kBF16});
         }
@@ -843,6 +871,42 @@ TEST_F(GemmValidationTest, Fp8NullPointers) {
   args = args_;
   args.b_scale_inv = nullptr;
   ExpectInvalid(Fp8(args), {"b_scale_inv"});
+}
+
+TEST_F(GemmValidationTest, Mx32NeedsTheE8m0Scales) {
+  Fp8GemmArgs args = args_;
+  args.scaling = GemmScaling::kMx32;
+  ExpectInvalid(Fp8(args), {"a_e8m0 is null"});
+  const std::vector<uint8_t> ones(64, 127);  // scale 1 for every block of every row
+  args.a_e8m0 = ones.data();
+  ExpectInvalid(Fp8(args), {"b_e8m0 is null"});
+}
+
+// OCP MX v1.0: E8M0 code e scales by 2^(e - 127) and code 255 is NaN. One row, one column, two
+// blocks of K = 64: ones everywhere, block scales chosen per block.
+TEST(GemmMx32Test, E8m0ScalesAreAppliedExactlyPerBlock) {
+  const Shape s{1, 1, 64};
+  Fp8Problem p;
+  p.shape = s;
+  p.scaling = GemmScaling::kMx32;
+  const uint8_t one = EncodeFp8(1.0f, Fp8Format::kE4M3);
+  p.a.assign(64, one);
+  p.b.assign(64, one);
+  p.a_scale_inv = {1.0f};
+  p.b_scale_inv = {1.0f};
+  auto run = [&](uint8_t a0, uint8_t a1, uint8_t b0, uint8_t b1) {
+    p.a_e8m0 = {a0, a1};
+    p.b_e8m0 = {b0, b1};
+    absl::StatusOr<std::vector<float>> d = RunFp8Gemm(p, OutputType::kF32, false);
+    EXPECT_TRUE(d.ok()) << d.status();
+    return d.ok() ? (*d)[0] : 0.0f;
+  };
+  EXPECT_EQ(run(127, 127, 127, 127), 64.0f);
+  // 32 * 2^3 * 2^-2 + 32 * 2^0 * 2^1: each block its own pair of scales.
+  EXPECT_EQ(run(130, 127, 125, 128), 32.0f * 2.0f + 32.0f * 2.0f);
+  // Far from 1: 32 * 2^100 * 2^-90 + 32 * 2^-120 * 2^-3, exact in FP32 (2^15 + 2^-118).
+  EXPECT_EQ(run(227, 7, 37, 124), std::ldexp(1.0f, 15) + std::ldexp(1.0f, -118));
+  EXPECT_TRUE(std::isnan(run(255, 127, 127, 127))) << "code 255 is NaN";
 }
 
 TEST_F(GemmValidationTest, Fp8WorkspaceTooSmall) {
