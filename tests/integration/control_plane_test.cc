@@ -122,6 +122,20 @@ class ControlPlaneTest : public ::testing::Test {
     return run;
   }
 
+  // Recipe version `version` of tiny-e2e (0: the newest); `ok` false when the call fails.
+  v1::RecipeVersion Recipe(int64_t version, bool* ok) {
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    v1::GetRecipeRequest req;
+    req.set_run_id("tiny-e2e");
+    req.set_version(version);
+    v1::RecipeVersion v;
+    const grpc::Status s = runs_->GetRecipe(&ctx, req, &v);
+    *ok = s.ok();
+    if (!s.ok()) ADD_FAILURE() << "GetRecipe " << version << ": " << s.error_message();
+    return v;
+  }
+
   std::vector<std::string> LaunchArgv(const std::string& run_dir,
                                       const std::vector<std::string>& extra) {
     std::vector<std::string> argv = {
@@ -169,14 +183,9 @@ TEST_F(ControlPlaneTest, RecipeUpdatePrometheusAndCheckpointsThroughTheControlle
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   ASSERT_GE(step_seen, 5) << ReadFile(dir_ / "launch.log") << ReadFile(run_dir / "logs/launch.log");
-  v1::RecipeVersion current;
-  {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::GetRecipeRequest req;
-    req.set_run_id("tiny-e2e");
-    ASSERT_TRUE(runs_->GetRecipe(&ctx, req, &current).ok());
-  }
+  bool ok = false;
+  const v1::RecipeVersion current = Recipe(0, &ok);
+  ASSERT_TRUE(ok);
   v1::RecipeVersion updated;
   {
     grpc::ClientContext ctx;
@@ -199,12 +208,9 @@ TEST_F(ControlPlaneTest, RecipeUpdatePrometheusAndCheckpointsThroughTheControlle
   // the version reached rank 0 (whose heartbeats run off the step's path) after it.
   int64_t effective = 0;
   {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::GetRecipeRequest req;
-    req.set_run_id("tiny-e2e");
-    v1::RecipeVersion v;
-    ASSERT_TRUE(runs_->GetRecipe(&ctx, req, &v).ok());
+    bool ok = false;
+    const v1::RecipeVersion v = Recipe(0, &ok);
+    ASSERT_TRUE(ok);
     EXPECT_EQ(v.version(), 2);
     effective = v.applied_step();
     EXPECT_GE(effective, scheduled);
@@ -445,12 +451,9 @@ TEST_F(ControlPlaneTest, PerLayerRecipesFromTheSpecLiveAndThroughAResume) {
                               << ReadFile(run_dir / "logs/launch.log");
   int64_t applied = 0;
   {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::GetRecipeRequest req;
-    req.set_run_id("tiny-e2e");
-    v1::RecipeVersion v;
-    ASSERT_TRUE(runs_->GetRecipe(&ctx, req, &v).ok());
+    bool ok = false;
+    const v1::RecipeVersion v = Recipe(0, &ok);
+    ASSERT_TRUE(ok);
     ASSERT_EQ(v.version(), 2);
     applied = v.applied_step();
     ASSERT_GT(applied, step_seen);
@@ -558,15 +561,9 @@ TEST_F(ControlPlaneTest, HealthPolicyRaisesTheMarginOfASaturatingLayerAndPromote
   // The versions the policy issued: 2 raises the margin, 3 gives the recipe back.
   std::vector<v1::RecipeVersion> versions;
   for (int64_t version : {2, 3}) {
-    grpc::ClientContext ctx;
-    Prepare(&ctx);
-    v1::GetRecipeRequest req;
-    req.set_run_id("tiny-e2e");
-    req.set_version(version);
-    v1::RecipeVersion v;
-    const grpc::Status s = runs_->GetRecipe(&ctx, req, &v);
-    ASSERT_TRUE(s.ok()) << "version " << version << ": " << s.error_message()
-                        << ReadFile(dir_ / "controller.log");
+    bool ok = false;
+    const v1::RecipeVersion v = Recipe(version, &ok);
+    ASSERT_TRUE(ok) << ReadFile(dir_ / "controller.log");
     EXPECT_EQ(v.source(), "health-policy");
     versions.push_back(v);
   }
