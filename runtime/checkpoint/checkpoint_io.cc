@@ -266,7 +266,8 @@ struct ShardSource {
                                               const std::string& path) const {
     std::vector<std::byte> out(n);
     if (!ranged()) {
-      std::memcpy(out.data(), memory.data() + offset, n);
+      // n == 0 (an empty or truncated file) may come with a null `memory`: memcpy must not see it.
+      if (n > 0) std::memcpy(out.data(), memory.data() + offset, n);
       return out;
     }
     FP8RT_RETURN_IF_ERROR(PreadAll(fd, offset, n, out.data(), path));
