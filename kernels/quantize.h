@@ -37,6 +37,7 @@ enum class Granularity : uint8_t {
   kBlock128x128,  // one scale per 128x128 block (weights; DeepSeek-V3)
   kMx32,          // one E8M0 scale per 1x32 block (OCP MX v1.0)
 };
+inline constexpr int64_t kMx32BlockSize = 32;  // values per mx32 block
 
 // "tensor", "row", "1x128", "128x128", "mx32".
 std::string_view GranularityName(Granularity granularity);

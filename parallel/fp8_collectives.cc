@@ -325,6 +325,7 @@ absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, i
   out->rows = rows;
   out->cols = cols;
   out->block = block;
+  out->mx32 = false;
   out->scale = block ? 1.0f : scale;
   out->codes.Reset(ops, static_cast<size_t>(rows * cols));
   out->scale_inv.Reset(ops, static_cast<size_t>(kernels::GetScaleGrid(g, rows, cols).size()));
@@ -348,6 +349,92 @@ absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, i
   return absl::OkStatus();
 }
 
+absl::Status QuantizeMx32Both(const kernels::OpTable& ops, const float* src, int64_t rows,
+                              int64_t cols, kernels::Fp8Format format, uint8_t* codes,
+                              uint8_t* e8m0, uint8_t* col_codes, uint8_t* col_e8m0,
+                              kernels::QuantStats* stats,
+                              kernels::DeviceArray<std::byte>* scratch) {
+  constexpr const char* kFn = "QuantizeMx32Both";
+  if (rows <= 0 || cols <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kFn, ": rows and cols must be > 0, got ", rows, " x ", cols));
+  }
+  if (src == nullptr || codes == nullptr || e8m0 == nullptr || col_codes == nullptr ||
+      col_e8m0 == nullptr || scratch == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(kFn, ": null input or output"));
+  }
+  if (absl::Status s = CheckFormat(format, kFn); !s.ok()) return s;
+  if (absl::Status s = CheckOp(reinterpret_cast<const void*>(ops.quantize), ops, "quantize", kFn);
+      !s.ok()) {
+    return s;
+  }
+  const int64_t count = rows * cols;
+  const int64_t col_grid = kernels::GetScaleGrid(Granularity::kMx32, cols, rows).size();
+  // [W^T in FP32][W^T codes][their E8M0 grid]
+  const size_t bytes = static_cast<size_t>(count) * (sizeof(float) + 1) +
+                       static_cast<size_t>(col_grid);
+  if (&scratch->ops() != &ops || scratch->size() < bytes) {
+    FP8RT_RETURN_IF_ERROR(Synchronize(ops));  // earlier work may still read the old buffer
+    scratch->Reset(ops, bytes);
+  }
+  float* t32 = reinterpret_cast<float*>(scratch->data());
+  uint8_t* t_codes = reinterpret_cast<uint8_t*>(t32 + count);
+  uint8_t* t_e8m0 = t_codes + count;
+
+  kernels::QuantizeArgs q;
+  q.format = format;
+  q.input_type = kernels::InputType::kF32;
+  q.granularity = Granularity::kMx32;
+  q.input = src;
+  q.rows = rows;
+  q.cols = cols;
+  q.codes = codes;
+  q.e8m0_scales = e8m0;
+  q.stats = stats;
+  FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
+  FP8RT_RETURN_IF_ERROR(ops.layer->transpose(t32, src, rows, cols, kernels::Stream{}));
+  q.input = t32;
+  q.rows = cols;
+  q.cols = rows;
+  q.codes = t_codes;
+  q.e8m0_scales = t_e8m0;
+  q.stats = nullptr;
+  FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
+  FP8RT_RETURN_IF_ERROR(
+      ops.layer->transpose_bytes(col_codes, t_codes, cols, rows, kernels::Stream{}));
+  const kernels::ScaleGrid tg = kernels::GetScaleGrid(Granularity::kMx32, cols, rows);
+  return ops.layer->transpose_bytes(col_e8m0, t_e8m0, tg.rows, tg.cols, kernels::Stream{});
+}
+
+absl::Status QuantizeMx32Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
+                               int64_t cols, kernels::Fp8Format format, Fp8Shard* out) {
+  constexpr const char* kFn = "QuantizeMx32Shard";
+  if (out == nullptr) return absl::InvalidArgumentError(absl::StrCat(kFn, ": out is null"));
+  if (rows <= 0 || rows % kernels::kMx32BlockSize != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        kFn, ": rows must be a positive multiple of 32 with mx32 scaling (shards are whole "
+             "32-row blocks of the column-wise copy), got ", rows));
+  }
+  out->rows = rows;
+  out->cols = cols;
+  out->block = false;
+  out->mx32 = true;
+  out->scale = 1.0f;
+  out->codes.Reset(ops, static_cast<size_t>(rows * cols));
+  out->col_codes.Reset(ops, static_cast<size_t>(rows * cols));
+  out->e8m0.Reset(ops, static_cast<size_t>(kernels::GetScaleGrid(Granularity::kMx32, rows, cols).size()));
+  out->col_e8m0.Reset(ops, static_cast<size_t>(rows / kernels::kMx32BlockSize * cols));
+  out->scale_inv.clear();
+  out->stats_out.Reset(ops, 1);
+  kernels::DeviceArray<std::byte> scratch(ops, kernels::MemCategory::kScratch);
+  FP8RT_RETURN_IF_ERROR(QuantizeMx32Both(ops, shard, rows, cols, format, out->codes.data(),
+                                         out->e8m0.data(), out->col_codes.data(),
+                                         out->col_e8m0.data(), out->stats_out.data(), &scratch));
+  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+  out->stats = out->stats_out[0];
+  return absl::OkStatus();
+}
+
 absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& ops,
                                  const Fp8Shard& shard, Fp8Weight* out,
                                  std::vector<std::unique_ptr<PendingCollective>>* pending) {
@@ -366,6 +453,22 @@ absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& op
   out->amax = shard.stats.amax;
   out->codes.Reset(ops, shard.codes.size() * static_cast<size_t>(n));
   out->scale_inv.Reset(ops, shard.scale_inv.size() * static_cast<size_t>(shard.block ? n : 1));
+  if (shard.mx32) {
+    // Both quantizations and their grids: each is whole rows (32-row blocks) of the full one.
+    const kernels::DeviceArray<uint8_t>* from[] = {&shard.e8m0, &shard.col_codes, &shard.col_e8m0};
+    kernels::DeviceArray<uint8_t>* to[] = {&out->e8m0, &out->col_codes, &out->col_e8m0};
+    for (int i = 0; i < 3; ++i) to[i]->Reset(ops, from[i]->size() * static_cast<size_t>(n));
+    FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+    for (int i = 0; i < 4; ++i) {
+      const kernels::DeviceArray<uint8_t>& src = i == 0 ? shard.codes : *from[i - 1];
+      kernels::DeviceArray<uint8_t>& dst = i == 0 ? out->codes : *to[i - 1];
+      FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<PendingCollective> g,
+                             group.StartAllGather(src.data(), static_cast<int64_t>(src.size()),
+                                                  dst.data(), DType::kU8));
+      pending->push_back(std::move(g));
+    }
+    return absl::OkStatus();
+  }
   if (!shard.block) {
     FP8RT_RETURN_IF_ERROR(
         ops.layer->copy(out->scale_inv.data(), shard.scale_inv.data(), 1, kernels::Stream{}));

@@ -72,11 +72,22 @@ struct Fp8GatherOptions {
 // codes and scale_inv are memory of the op table of the call that filled them, which must
 // outlive them (a default-constructed weight holds empty CPU arrays); shard_stats and amax are
 // host values.
+//
+// MXFP8 (mx32) weights hold two quantizations of the same values, both from the FP32 master
+// (OCP MX v1.0 quantizes along the GEMM's K, which is the column index for the forward's W and
+// the row index for the input gradient's W^T; requantizing one copy from the other would round
+// twice): `codes` with `e8m0` (one E8M0 scale per 1x32 block along a row) and `col_codes` with
+// `col_e8m0` (one per 32x1 block down a column), both in W's row-major layout, so that a shard of
+// whole 32-row blocks gathers like the codes (the grids in rank order are the full grids).
+// scale_inv is empty for mx32.
 struct Fp8Weight {
   int64_t rows = 0;
   int64_t cols = 0;
   kernels::DeviceArray<uint8_t> codes;    // rows x cols
   kernels::DeviceArray<float> scale_inv;  // 1 value (tensor) or ceil(rows/128) x ceil(cols/128)
+  kernels::DeviceArray<uint8_t> e8m0;       // mx32: rows x ceil(cols/32)
+  kernels::DeviceArray<uint8_t> col_codes;  // mx32: rows x cols, 32x1 blocks
+  kernels::DeviceArray<uint8_t> col_e8m0;   // mx32: ceil(rows/32) x cols
   kernels::QuantStats shard_stats;        // statistics of this rank's shard
   float amax = 0.0f;  // kTensorCurrent: the synced amax; otherwise this shard's amax
 
@@ -113,13 +124,17 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
 // (tensor scale, or 128x128 blocks: rows a multiple of 128). Kept across the step, so that the
 // weight's gathers for the forward and the backward of every micro-batch move FP8 bytes and
 // quantize nothing. codes and scale_inv are memory of the op table that filled them.
+//
+// mx32: rows a multiple of 32, both quantizations of Fp8Weight (codes/e8m0, col_codes/col_e8m0).
 struct Fp8Shard {
   int64_t rows = 0;
   int64_t cols = 0;
   bool block = false;
+  bool mx32 = false;
   float scale = 1.0f;                     // tensor scaling: the scale of the codes
   kernels::DeviceArray<uint8_t> codes;    // rows x cols
   kernels::DeviceArray<float> scale_inv;  // 1 value (tensor) or the shard's 128x128 grid
+  kernels::DeviceArray<uint8_t> e8m0, col_codes, col_e8m0;  // mx32 (see Fp8Weight)
   kernels::QuantStats stats;              // of the quantization (host copy)
   kernels::DeviceArray<kernels::QuantStats> stats_out;  // where the op writes them
 };
@@ -131,9 +146,25 @@ absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, i
                               int64_t cols, kernels::Fp8Format format, bool block, float scale,
                               int margin, Fp8Shard* out);
 
+// MXFP8 both ways (see Fp8Weight): `rows` x `cols` FP32 `src` into codes and e8m0 (1x32 blocks
+// along each row) and into col_codes and col_e8m0 (32x1 blocks down each column; quantized as the
+// transpose, whose rows are W's columns, then transposed back: bit for bit the codes and scales
+// of quantizing W^T). Every output is memory of `ops` of the sizes Fp8Weight gives. `stats`
+// (optional, backend memory) receives the statistics of the row-wise quantization (the values are
+// the same either way). Queued on the default stream; `scratch` grows to hold the transposes.
+absl::Status QuantizeMx32Both(const kernels::OpTable& ops, const float* src, int64_t rows,
+                              int64_t cols, kernels::Fp8Format format, uint8_t* codes,
+                              uint8_t* e8m0, uint8_t* col_codes, uint8_t* col_e8m0,
+                              kernels::QuantStats* stats, kernels::DeviceArray<std::byte>* scratch);
+
+// QuantizeFp8Shard for mx32: `rows` (a multiple of 32) x `cols` FP32 `shard` into `out` both ways.
+// Waits for the backend: out->stats is final on return.
+absl::Status QuantizeMx32Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
+                               int64_t cols, kernels::Fp8Format format, Fp8Shard* out);
+
 // Starts the all-gather of every rank's `shard` (the same shape everywhere) into `out`: the FP8
 // codes and, with block scaling, the block scales (the shards are whole block rows, so the grids
-// in rank order are the full grid); tensor scaling copies the one scale_inv, which every rank
+// in rank order are the full grid); mx32 gathers both quantizations and their E8M0 grids; tensor scaling copies the one scale_inv, which every rank
 // has alike. Appends the collectives to `pending`: `out` may be used once each has been waited
 // for. `shard` must stay unchanged until then. `out`'s buffers keep their memory category.
 absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& ops,

@@ -22,8 +22,12 @@ Linear::Linear(std::string name, int64_t in, int64_t out, GemmPrecision precisio
   // The FP8 input is kept from the forward for the backward; the rest is scratch.
   x_codes_.set_category(kernels::MemCategory::kSavedActivations);
   x_scale_inv_.set_category(kernels::MemCategory::kSavedActivations);
+  x_e8m0_.set_category(kernels::MemCategory::kSavedActivations);
+  xt_codes_.set_category(kernels::MemCategory::kSavedActivations);
+  xt_e8m0_.set_category(kernels::MemCategory::kSavedActivations);
   dy_codes_.set_category(kernels::MemCategory::kScratch);
   dy_scale_inv_.set_category(kernels::MemCategory::kScratch);
+  dy_e8m0_.set_category(kernels::MemCategory::kScratch);
 }
 
 void Linear::Reconfigure(GemmPrecision precision, const Fp8SiteConfigs& sites) {
@@ -37,10 +41,15 @@ bool Linear::block_scaling() const {
   return weight_site_.state().config().strategy == train::ScalingStrategy::kBlock;
 }
 
+bool Linear::mx32() const {
+  return weight_site_.state().config().strategy == train::ScalingStrategy::kMx32;
+}
+
 absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& site,
                                         PendingStats& pending, const float* src, int64_t rows,
                                         int64_t cols, kernels::DeviceArray<uint8_t>* codes,
-                                        kernels::DeviceArray<float>* scale_inv) {
+                                        kernels::DeviceArray<float>* scale_inv,
+                                        kernels::DeviceArray<uint8_t>* e8m0) {
   const train::ScalingState& state = site.state();
   const train::ScalingConfig& cfg = state.config();
   const kernels::OpTable& ops = *ctx.ops;
@@ -58,7 +67,12 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
   q.power_of_two_scales = cfg.power_of_two;
   q.codes = codes->data();
   q.stats = pending.stats.data();
-  if (cfg.strategy == train::ScalingStrategy::kBlock) {
+  if (cfg.strategy == train::ScalingStrategy::kMx32) {
+    q.granularity = kernels::Granularity::kMx32;
+    e8m0->Reset(ops, static_cast<size_t>(kernels::GetScaleGrid(q.granularity, rows, cols).size()));
+    q.e8m0_scales = e8m0->data();
+    pending.from_amax = true;
+  } else if (cfg.strategy == train::ScalingStrategy::kBlock) {
     q.granularity = kernels::Granularity::kTile1x128;
     scale_inv->Reset(ops,
                      static_cast<size_t>(kernels::GetScaleGrid(q.granularity, rows, cols).size()));
@@ -195,27 +209,112 @@ const float* Linear::WithInputOutlier(const float* x, int64_t n) {
 absl::Status Linear::ForwardFp8(const LinearContext& ctx, const float* x, int64_t n, float* y) {
   if (w_fp8_ == nullptr) return absl::FailedPreconditionError(name_ + ": no FP8 weight set");
   x = WithInputOutlier(x, n);
-  FP8RT_RETURN_IF_ERROR(
-      QuantizeActivation(ctx, input_site_, input_pending_, x, n, in_, &x_codes_, &x_scale_inv_));
+  FP8RT_RETURN_IF_ERROR(QuantizeActivation(ctx, input_site_, input_pending_, x, n, in_, &x_codes_,
+                                           &x_scale_inv_, &x_e8m0_));
+  const kernels::Fp8Format input_format = input_site_.state().config().format;
+  if (mx32()) {
+    // x^T along the tokens for dW, now, from x (the backward never reads x).
+    xt_codes_.Reset(*ctx.ops, static_cast<size_t>(n * in_));
+    xt_e8m0_.Reset(*ctx.ops, static_cast<size_t>(
+                                 kernels::GetScaleGrid(kernels::Granularity::kMx32, in_, n).size()));
+    FP8RT_RETURN_IF_ERROR(QuantizeMx32Transposed(ctx, input_format, x, n, in_, xt_codes_.data(),
+                                                 xt_e8m0_.data()));
+  }
   kernels::Fp8GemmArgs g;
   g.m = n;
   g.n = out_;
   g.k = in_;
   g.a = x_codes_.data();
-  g.a_format = input_site_.state().config().format;
-  g.a_scale_inv = x_scale_inv_.data();
+  g.a_format = input_format;
   g.b = w_fp8_->codes.data();
   g.b_format = weight_site_.state().config().format;
-  g.b_scale_inv = w_fp8_->scale_inv.data();
-  g.scaling = block_scaling() ? kernels::GemmScaling::kBlock : kernels::GemmScaling::kTensor;
+  if (mx32()) {
+    g.scaling = kernels::GemmScaling::kMx32;
+    g.a_e8m0 = x_e8m0_.data();
+    g.b_e8m0 = w_fp8_->e8m0.data();
+  } else {
+    g.a_scale_inv = x_scale_inv_.data();
+    g.b_scale_inv = w_fp8_->scale_inv.data();
+    g.scaling = block_scaling() ? kernels::GemmScaling::kBlock : kernels::GemmScaling::kTensor;
+  }
   g.d = y;
+  return RunFp8Gemm(ctx, g);
+}
+
+absl::Status Linear::QuantizeMx32Transposed(const LinearContext& ctx, kernels::Fp8Format format,
+                                            const float* src, int64_t rows, int64_t cols,
+                                            uint8_t* codes, uint8_t* e8m0) {
+  FP8RT_ASSIGN_OR_RETURN(
+      float* t, ctx.scratch->Get<float>(Scratch::kDequant, static_cast<size_t>(rows * cols)));
+  FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(t, src, rows, cols, {}));
+  kernels::QuantizeArgs q;
+  q.format = format;
+  q.granularity = kernels::Granularity::kMx32;
+  q.input = t;
+  q.rows = cols;
+  q.cols = rows;
+  q.codes = codes;
+  q.e8m0_scales = e8m0;
+  return ctx.ops->quantize(q, {});
+}
+
+absl::Status Linear::BackwardMx32(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
+                                  float* dw) {
+  const kernels::Fp8Format grad_format = grad_site_.state().config().format;
+  kernels::Fp8GemmArgs g;
+  g.scaling = kernels::GemmScaling::kMx32;
+  // dx[n, in] += dy[n, out] (W^T)[in, out]^T, K = out: dy along out (the site's quantization),
+  // W^T from the weight's column-wise copy (its 32x1 blocks run along out).
+  if (dx != nullptr) {
+    const kernels::ScaleGrid cg = kernels::GetScaleGrid(kernels::Granularity::kMx32, in_, out_);
+    FP8RT_ASSIGN_OR_RETURN(
+        uint8_t * wt, ctx.scratch->Get<uint8_t>(Scratch::kCodesB, static_cast<size_t>(in_ * out_)));
+    FP8RT_ASSIGN_OR_RETURN(
+        uint8_t * ws, ctx.scratch->Get<uint8_t>(Scratch::kScalesB, static_cast<size_t>(cg.size())));
+    FP8RT_RETURN_IF_ERROR(
+        ctx.ops->layer->transpose_bytes(wt, w_fp8_->col_codes.data(), out_, in_, {}));
+    // col_e8m0 is ceil(out/32) x in: transposed, in x ceil(out/32), the grid of W^T.
+    FP8RT_RETURN_IF_ERROR(
+        ctx.ops->layer->transpose_bytes(ws, w_fp8_->col_e8m0.data(), cg.cols, in_, {}));
+    g.m = n;
+    g.n = in_;
+    g.k = out_;
+    g.a = dy_codes_.data();
+    g.a_format = grad_format;
+    g.a_e8m0 = dy_e8m0_.data();
+    g.b = wt;
+    g.b_format = weight_site_.state().config().format;
+    g.b_e8m0 = ws;
+    g.d = dx;
+    g.accumulate = true;
+    FP8RT_RETURN_IF_ERROR(RunFp8Gemm(ctx, g));
+  }
+  // dw[out, in] += (dy^T)[out, n] (x^T)[in, n]^T, K = n: both along the tokens.
+  const kernels::ScaleGrid ag = kernels::GetScaleGrid(kernels::Granularity::kMx32, out_, n);
+  FP8RT_ASSIGN_OR_RETURN(
+      uint8_t * dyt, ctx.scratch->Get<uint8_t>(Scratch::kCodesA, static_cast<size_t>(out_ * n)));
+  FP8RT_ASSIGN_OR_RETURN(
+      uint8_t * dyt_e8m0, ctx.scratch->Get<uint8_t>(Scratch::kScalesA, static_cast<size_t>(ag.size())));
+  FP8RT_RETURN_IF_ERROR(QuantizeMx32Transposed(ctx, grad_format, dy, n, out_, dyt, dyt_e8m0));
+  g.m = out_;
+  g.n = in_;
+  g.k = n;
+  g.a = dyt;
+  g.a_format = grad_format;
+  g.a_e8m0 = dyt_e8m0;
+  g.b = xt_codes_.data();
+  g.b_format = input_site_.state().config().format;
+  g.b_e8m0 = xt_e8m0_.data();
+  g.d = dw;
+  g.accumulate = true;
   return RunFp8Gemm(ctx, g);
 }
 
 absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
                                  float* dw) {
-  FP8RT_RETURN_IF_ERROR(
-      QuantizeActivation(ctx, grad_site_, grad_pending_, dy, n, out_, &dy_codes_, &dy_scale_inv_));
+  FP8RT_RETURN_IF_ERROR(QuantizeActivation(ctx, grad_site_, grad_pending_, dy, n, out_,
+                                           &dy_codes_, &dy_scale_inv_, &dy_e8m0_));
+  if (mx32()) return BackwardMx32(ctx, dy, n, dx, dw);
   const bool block = block_scaling();
   const kernels::Fp8Format grad_format = grad_site_.state().config().format;
   const kernels::Fp8Format input_format = input_site_.state().config().format;

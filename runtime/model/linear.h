@@ -16,6 +16,12 @@
 // one scale per 1x128 tile and W one per 128x128 block (DeepSeek-V3); W^T keeps W's blocks
 // (transposed), while x^T and dy^T are quantized again from FP32 in the tile shape their GEMM
 // needs (x^T in 128x128 blocks as a B operand, dy^T in 1x128 tiles along the tokens).
+// MXFP8 (mx32, OCP MX v1.0): every operand gets one E8M0 scale per 1x32 block along its GEMM's
+// K, so no operand is a transpose of another's codes: x is quantized along `in` for the forward
+// and x^T along the tokens for dW (both from x, in the forward, so that the backward reads
+// neither x nor a double rounding); dy along `out` for dX and dy^T along the tokens for dW; W
+// along `in` for the forward and down its columns for dX (the two copies of parallel::Fp8Weight,
+// both from the FP32 master).
 // A site that quantizes with the scale of the tensor in hand (current scaling, or delayed scaling
 // before its history has an amax) takes the max of the amax over the tensor-parallel group
 // first, because a TP-split tensor (the input of a row-parallel layer, the output gradient of a
@@ -149,6 +155,7 @@ class Linear {
   int64_t out() const { return out_; }
   GemmPrecision precision() const { return precision_; }
   bool block_scaling() const;
+  bool mx32() const;  // MXFP8 (the weight site's strategy is kMx32)
   // A live recipe change: the GEMM precision (e.g. a layer excluded from FP8 runs in BF16) and
   // the sites' scaling configs (histories carried over). Takes effect at the next Forward.
   void Reconfigure(GemmPrecision precision, const Fp8SiteConfigs& sites);
@@ -165,7 +172,8 @@ class Linear {
   }
 
   // The weight for this step: FP32 [out, in] (fp32 and bf16 precision) or FP8 (fp8 precision,
-  // codes [out, in] with one scale_inv or 128x128 block scales). The caller keeps it alive.
+  // codes [out, in] with one scale_inv or 128x128 block scales, or mx32's two quantizations).
+  // The caller keeps it alive.
   void SetWeight(const float* w) { w_f32_ = w; }
   void SetWeight(const parallel::Fp8Weight* w) { w_fp8_ = w; }
 
@@ -224,13 +232,21 @@ class Linear {
   };
   static void Flush(QuantSite& site, PendingStats& p);
 
-  // Quantizes a rows x cols FP32 tensor for `site` (tensor or 1x128 granularity) into codes and
-  // scale_inv, recording the statistics. Synchronises the amax over TP when the scale comes
-  // from the tensor.
+  // Quantizes a rows x cols FP32 tensor for `site` (tensor, 1x128 or mx32 granularity) into codes
+  // and scale_inv (mx32: E8M0 codes into e8m0), recording the statistics. Synchronises the amax
+  // over TP when the scale comes from the tensor.
   absl::Status QuantizeActivation(const LinearContext& ctx, QuantSite& site, PendingStats& pending,
                                   const float* src, int64_t rows, int64_t cols,
                                   kernels::DeviceArray<uint8_t>* codes,
-                                  kernels::DeviceArray<float>* scale_inv);
+                                  kernels::DeviceArray<float>* scale_inv,
+                                  kernels::DeviceArray<uint8_t>* e8m0);
+  // mx32: rows x cols FP32 `src` transposed and quantized along its new rows (`rows` becomes K)
+  // into codes and e8m0 (no statistics: the values are a site's already counted).
+  absl::Status QuantizeMx32Transposed(const LinearContext& ctx, kernels::Fp8Format format,
+                                      const float* src, int64_t rows, int64_t cols,
+                                      uint8_t* codes, uint8_t* e8m0);
+  absl::Status BackwardMx32(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
+                            float* dw);
   absl::Status ForwardFp8(const LinearContext& ctx, const float* x, int64_t n, float* y);
   absl::Status BackwardFp8(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
                            float* dw);
@@ -252,9 +268,12 @@ class Linear {
   int64_t n_ = 0;
   kernels::DeviceArray<uint8_t> x_codes_;  // FP8: x quantized (tensor scaling: reused transposed)
   kernels::DeviceArray<float> x_scale_inv_;
+  kernels::DeviceArray<uint8_t> x_e8m0_;             // mx32: x's block scales
+  kernels::DeviceArray<uint8_t> xt_codes_, xt_e8m0_;  // mx32: x^T along the tokens, for dW
   // Backward temporaries kept to avoid reallocation.
   kernels::DeviceArray<uint8_t> dy_codes_;
   kernels::DeviceArray<float> dy_scale_inv_;
+  kernels::DeviceArray<uint8_t> dy_e8m0_;
   PendingStats input_pending_, grad_pending_;
   kernels::DeviceArray<float> amax_out_;  // a current-scaled amax, in the backend's memory
 };

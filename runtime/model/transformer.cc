@@ -220,9 +220,16 @@ absl::Status Transformer::CheckRecipe(const ModelShape& shape, const ModelRecipe
   };
   if (recipe.precision == GemmPrecision::kFp8) {
     // FP8 weights are gathered as whole rows of FP8 codes: each DP rank owns whole rows (and
-    // whole 128-row blocks with block scaling).
-    const bool block = recipe.sites.weight.strategy == train::ScalingStrategy::kBlock;
-    const int64_t row_unit = block ? 128 * dp : dp;
+    // whole 128-row blocks with block scaling, whole 32-row blocks with mx32), whichever
+    // layer has the recipe.
+    bool block = recipe.sites.weight.strategy == train::ScalingStrategy::kBlock;
+    bool mx32 = recipe.sites.weight.strategy == train::ScalingStrategy::kMx32;
+    for (const auto& [layer, lr] : recipe.layers) {
+      if (lr.precision != GemmPrecision::kFp8) continue;
+      block |= lr.sites.weight.strategy == train::ScalingStrategy::kBlock;
+      mx32 |= lr.sites.weight.strategy == train::ScalingStrategy::kMx32;
+    }
+    const int64_t row_unit = (block ? 128 : mx32 ? 32 : 1) * dp;
     const struct {
       const char* field;
       int64_t rows;
@@ -236,7 +243,9 @@ absl::Status Transformer::CheckRecipe(const ModelShape& shape, const ModelRecipe
                                 " rows per tensor-parallel rank cannot "
                                 "be cut into parallel.dp=",
                                 dp, " shards of whole ",
-                                block ? "128-row blocks (precision.scaling block)" : "rows"));
+                                block  ? "128-row blocks (precision.scaling block)"
+                                : mx32 ? "32-row blocks (precision.scaling mx32)"
+                                       : "rows"));
       }
     }
   }
@@ -585,6 +594,12 @@ absl::Status Transformer::QuantizeWeightShard(Param& p, float weight_scale) {
   const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
   const bool block = cfg.strategy == train::ScalingStrategy::kBlock;
   const int64_t shard_rows = p.local_rows / p.group->size();
+  if (cfg.strategy == train::ScalingStrategy::kMx32) {
+    FP8RT_RETURN_IF_ERROR(parallel::QuantizeMx32Shard(ops_, p.master.data(), shard_rows,
+                                                      p.local_cols, cfg.format, &p.fp8_shard));
+    RecordWeightShard(p, weight_scale);
+    return absl::OkStatus();
+  }
   FP8RT_RETURN_IF_ERROR(parallel::QuantizeFp8Shard(ops_, p.master.data(), shard_rows,
                                                    p.local_cols, cfg.format, block, weight_scale,
                                                    cfg.margin, &p.fp8_shard));
@@ -593,12 +608,12 @@ absl::Status Transformer::QuantizeWeightShard(Param& p, float weight_scale) {
 }
 
 // The weight site's statistics of the step: this rank's shard, once per step (the amax is
-// MAX-reduced over the ranks in SyncScaling). A block-scaled site records the scale its amax
-// gives.
+// MAX-reduced over the ranks in SyncScaling). A block- or mx32-scaled site records the scale its
+// amax gives.
 void Transformer::RecordWeightShard(Param& p, float weight_scale) {
   const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
   p.linear->weight_site().Record(
-      p.fp8_shard.stats, p.fp8_shard.block ? kernels::ComputeScale(p.fp8_shard.stats.amax,
+      p.fp8_shard.stats, p.fp8_shard.block || p.fp8_shard.mx32 ? kernels::ComputeScale(p.fp8_shard.stats.amax,
                                                                     cfg.format, cfg.margin,
                                                                     cfg.power_of_two)
                                             : weight_scale);
@@ -639,6 +654,26 @@ absl::Status Transformer::StartUnshard(size_t unit) {
                               .output = p.full.data(),
                               .count = static_cast<int64_t>(p.gather_bf16.size())};
     FP8RT_RETURN_IF_ERROR(ops_.convert(conv, {}));
+    p.fp8.rows = p.local_rows;
+    p.fp8.cols = p.local_cols;
+    if (cfg.strategy == train::ScalingStrategy::kMx32) {
+      const size_t grid = static_cast<size_t>(
+          kernels::GetScaleGrid(kernels::Granularity::kMx32, p.local_rows, p.local_cols).size());
+      const size_t col_grid = static_cast<size_t>(
+          kernels::GetScaleGrid(kernels::Granularity::kMx32, p.local_cols, p.local_rows).size());
+      parallel::ResizeFp8Weight(ops_, static_cast<size_t>(p.local_count()), 0, &p.fp8);
+      p.fp8.e8m0.Reset(ops_, grid);
+      p.fp8.col_codes.Reset(ops_, static_cast<size_t>(p.local_count()));
+      p.fp8.col_e8m0.Reset(ops_, col_grid);
+      FP8RT_RETURN_IF_ERROR(parallel::QuantizeMx32Both(
+          ops_, p.full.data(), p.local_rows, p.local_cols, cfg.format, p.fp8.codes.data(),
+          p.fp8.e8m0.data(), p.fp8.col_codes.data(), p.fp8.col_e8m0.data(), nullptr,
+          &mx32_scratch_));
+      FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
+      p.full.clear();
+      p.gather_bf16.clear();
+      continue;
+    }
     kernels::QuantizeArgs q;
     q.format = cfg.format;
     q.granularity = block ? kernels::Granularity::kBlock128x128 : kernels::Granularity::kTensor;
@@ -648,8 +683,6 @@ absl::Status Transformer::StartUnshard(size_t unit) {
     q.has_scale = !block;
     q.scale = p.fp8_shard.scale;
     q.margin = cfg.margin;
-    p.fp8.rows = p.local_rows;
-    p.fp8.cols = p.local_cols;
     parallel::ResizeFp8Weight(
         ops_, static_cast<size_t>(p.local_count()),
         static_cast<size_t>(kernels::GetScaleGrid(q.granularity, q.rows, q.cols).size()), &p.fp8);
@@ -700,6 +733,9 @@ void Transformer::Reshard(size_t unit) {
     p.full.clear();
     p.fp8.codes.clear();
     p.fp8.scale_inv.clear();
+    p.fp8.e8m0.clear();
+    p.fp8.col_codes.clear();
+    p.fp8.col_e8m0.clear();
   }
 }
 
@@ -758,11 +794,13 @@ void Transformer::AttachFp8Shards(std::span<train::ParamShard> shards) {
     if (p.linear == nullptr || p.linear->precision() != GemmPrecision::kFp8) continue;
     const train::ScalingState& st = p.linear->weight_site().state();
     const bool block = st.config().strategy == train::ScalingStrategy::kBlock;
-    if (!block && st.UsesCurrentScaling()) continue;  // BeginStep quantizes it
+    if (st.config().strategy == train::ScalingStrategy::kMx32) continue;  // BeginStep quantizes it
+    if (!block && st.UsesCurrentScaling()) continue;                       // so does it this
     parallel::Fp8Shard& f = p.fp8_shard;
     f.rows = p.local_rows / p.group->size();
     f.cols = p.local_cols;
     f.block = block;
+    f.mx32 = false;
     f.scale = block ? 1.0f : st.scale();
     f.codes.Reset(ops_, static_cast<size_t>(p.shard_count));
     f.scale_inv.Reset(ops_, static_cast<size_t>(
@@ -817,8 +855,7 @@ absl::Status Transformer::BeginStep() {
   for (const Linear* lin : all_linears_) {
     if (lin->precision() != GemmPrecision::kFp8) continue;
     const train::ScalingState& st = lin->weight_site().state();
-    if (st.config().strategy == train::ScalingStrategy::kBlock || !st.UsesCurrentScaling())
-      continue;
+    if (train::PerBlockScales(st.config().strategy) || !st.UsesCurrentScaling()) continue;
     current.push_back(lin);
     if (auto it = param_of.find(lin); it != param_of.end()) {
       kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
@@ -861,6 +898,9 @@ absl::Status Transformer::BeginStep() {
     if (recipe_.fsdp_gather == FsdpGatherDType::kBf16) {
       p.fp8_shard.codes.clear();  // only the scale and the statistics are used
       p.fp8_shard.scale_inv.clear();
+      p.fp8_shard.e8m0.clear();
+      p.fp8_shard.col_codes.clear();
+      p.fp8_shard.col_e8m0.clear();
     }
   }
   return absl::OkStatus();

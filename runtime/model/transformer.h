@@ -398,6 +398,8 @@ class Transformer {
   // The temporaries of the gradient reduce-scatters: one set for all parameters (they reduce
   // one after another), sized by the largest.
   parallel::GradReduceBuffers reduce_buffers_;
+  // mx32 weights quantized after a BF16 gather: the transposes of QuantizeMx32Both.
+  kernels::DeviceArray<std::byte> mx32_scratch_{kernels::CpuOps(), kernels::MemCategory::kScratch};
   // BeginStep: the shard amax of each current-scaled FP8 weight, written by the amax op.
   kernels::DeviceArray<float> weight_amaxes_;
   // Indices of the non-block parameters and layers.

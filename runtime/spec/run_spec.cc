@@ -900,32 +900,40 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
 
   const auto& pr = spec.precision();
   FP8RT_RETURN_IF_ERROR(ValidatePrecisionOverrides(spec));
-  // Block scaling anywhere (the section's or an override's) needs the model's block shapes.
+  // Block or mx32 scaling anywhere (the section's or an override's) needs the model's block
+  // shapes: whole 128 (block) or 32 (mx32) columns per tensor-parallel shard, so that no block
+  // straddles two ranks and every layout quantizes the same blocks.
   bool any_block = pr.scaling() == v1::RunSpec::Precision::SCALING_BLOCK;
+  bool any_mx32 = pr.scaling() == v1::RunSpec::Precision::SCALING_MX32;
   for (const auto& o : pr.overrides()) {
-    any_block |= o.scaling() == v1::RunSpec::Precision::SCALING_BLOCK &&
-                 o.mode() != v1::RunSpec::Precision::MODE_BF16;
+    if (o.mode() == v1::RunSpec::Precision::MODE_BF16) continue;
+    any_block |= o.scaling() == v1::RunSpec::Precision::SCALING_BLOCK;
+    any_mx32 |= o.scaling() == v1::RunSpec::Precision::SCALING_MX32;
   }
-  if (any_block) {
+  if (any_block || any_mx32) {
+    const int32_t width = any_block ? 128 : 32;
     const struct {
       const char* field;
       int32_t value;
     } block[] = {{"model.d_model", m.d_model()}, {"model.d_ff", m.d_ff()}};
     for (const auto& [field, value] : block) {
-      if ((value / par.tp()) % 128 != 0) {
+      if ((value / par.tp()) % width != 0) {
         return FieldError(
-            field, absl::StrCat("precision.scaling block needs a multiple of 128 per tensor-"
-                                "parallel shard, got ",
-                                value, " / parallel.tp ", par.tp(), " = ", value / par.tp()));
+            field, absl::StrCat("precision.scaling ", any_block ? "block" : "mx32",
+                                " needs a multiple of ", width,
+                                " per tensor-parallel shard, got ", value, " / parallel.tp ",
+                                par.tp(), " = ", value / par.tp()));
       }
     }
   }
   if (pr.mode() == v1::RunSpec::Precision::MODE_FP8) {
     // FSDP gathers FP8 weights as whole rows (whole 128-row blocks with block scaling) of each
     // tensor-parallel piece: attn.qkv has (heads + 2 kv_heads) * head size / tp rows, attn.proj
-    // d_model, mlp.fc1 (mlp.gate, mlp.up) d_ff / tp, mlp.fc2 (mlp.down) d_model.
+    // d_model, mlp.fc1 (mlp.gate, mlp.up) d_ff / tp, mlp.fc2 (mlp.down) d_model. mx32 gathers
+    // a column-wise copy too, whose 32x1 blocks must not straddle two shards.
     const bool block = any_block;
-    const int64_t unit = (block ? 128 : 1) * int64_t{par.dp()};
+    const int64_t rows_per_block = block ? 128 : any_mx32 ? 32 : 1;
+    const int64_t unit = rows_per_block * int64_t{par.dp()};
     const struct {
       const char* field;
       int64_t rows;
@@ -938,7 +946,8 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
         return FieldError(
             field,
             absl::StrCat("FSDP cuts each FP8 weight into parallel.dp = ", par.dp(),
-                         " shards of whole ", block ? "128-row blocks" : "rows",
+                         " shards of whole ",
+                         rows_per_block > 1 ? absl::StrCat(rows_per_block, "-row blocks") : "rows",
                          ", but a weight here has ", rows, " rows per tensor-parallel rank"));
       }
     }

@@ -19,17 +19,20 @@ std::string_view ScalingStrategyName(ScalingStrategy strategy) {
       return "current";
     case ScalingStrategy::kBlock:
       return "block";
+    case ScalingStrategy::kMx32:
+      return "mx32";
   }
   return "?";
 }
 
 absl::StatusOr<ScalingStrategy> ParseScalingStrategy(std::string_view name) {
   for (ScalingStrategy s :
-       {ScalingStrategy::kDelayed, ScalingStrategy::kCurrent, ScalingStrategy::kBlock}) {
+       {ScalingStrategy::kDelayed, ScalingStrategy::kCurrent, ScalingStrategy::kBlock,
+        ScalingStrategy::kMx32}) {
     if (name == ScalingStrategyName(s)) return s;
   }
   return absl::InvalidArgumentError(absl::StrCat("unknown scaling '", std::string(name),
-                                                 "' (expected delayed, current or block)"));
+                                                 "' (expected delayed, current, block or mx32)"));
 }
 
 std::string_view AmaxAlgoName(AmaxAlgo algo) {
@@ -100,6 +103,8 @@ v1::ScalingStrategy StrategyToProto(ScalingStrategy s) {
       return v1::SCALING_STRATEGY_CURRENT;
     case ScalingStrategy::kBlock:
       return v1::SCALING_STRATEGY_BLOCK;
+    case ScalingStrategy::kMx32:
+      return v1::SCALING_STRATEGY_MX32;
   }
   return v1::SCALING_STRATEGY_UNSPECIFIED;
 }
@@ -150,6 +155,9 @@ absl::StatusOr<ScalingState> ScalingState::FromProto(const v1::ScalingState& pro
       break;
     case v1::SCALING_STRATEGY_BLOCK:
       config.strategy = ScalingStrategy::kBlock;
+      break;
+    case v1::SCALING_STRATEGY_MX32:
+      config.strategy = ScalingStrategy::kMx32;
       break;
     default:
       return BadField("strategy", absl::StrCat("unknown or unspecified value ", proto.strategy()));

@@ -7,6 +7,8 @@
 //   kCurrent  quantize with the scale from this tensor's own amax.
 //   kBlock    per-block scales computed by the kernel (1x128 / 128x128); the state only records
 //             amaxes for the metrics.
+//   kMx32     MXFP8 (OCP MX v1.0): one E8M0 scale per 1x32 block along each GEMM's K, computed
+//             by the kernel; like kBlock the state only records amaxes.
 //
 // Use per step:  if (state.UsesCurrentScaling()) quantize computing the scale from the tensor;
 //                else quantize with state.scale();  then state.Update(amax), with the amax
@@ -31,10 +33,14 @@ class ScalingState;
 
 namespace fp8rt::train {
 
-enum class ScalingStrategy : uint8_t { kDelayed, kCurrent, kBlock };
+enum class ScalingStrategy : uint8_t { kDelayed, kCurrent, kBlock, kMx32 };
 enum class AmaxAlgo : uint8_t { kMax, kMostRecent };
 
-std::string_view ScalingStrategyName(ScalingStrategy strategy);  // "delayed", "current", "block"
+std::string_view ScalingStrategyName(ScalingStrategy strategy);  // "delayed", "current", "block", "mx32"
+// Block and mx32 scales come from each block of the tensor in hand (no history is used).
+inline bool PerBlockScales(ScalingStrategy s) {
+  return s == ScalingStrategy::kBlock || s == ScalingStrategy::kMx32;
+}
 absl::StatusOr<ScalingStrategy> ParseScalingStrategy(std::string_view name);
 std::string_view AmaxAlgoName(AmaxAlgo algo);  // "max", "most_recent"
 absl::StatusOr<AmaxAlgo> ParseAmaxAlgo(std::string_view name);

@@ -32,6 +32,9 @@ model::Fp8SiteConfigs SitesOf(const RunSpec::Precision& p) {
     case RunSpec::Precision::SCALING_BLOCK:
       base.strategy = train::ScalingStrategy::kBlock;
       break;
+    case RunSpec::Precision::SCALING_MX32:
+      base.strategy = train::ScalingStrategy::kMx32;
+      break;
     default:
       base.strategy = train::ScalingStrategy::kDelayed;
       break;

@@ -372,7 +372,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         Fp8Case{"delayed_hybrid", train::ScalingStrategy::kDelayed, kernels::Fp8Format::kE5M2},
         Fp8Case{"current_e4m3", train::ScalingStrategy::kCurrent, kernels::Fp8Format::kE4M3},
-        Fp8Case{"block_hybrid", train::ScalingStrategy::kBlock, kernels::Fp8Format::kE5M2}),
+        Fp8Case{"block_hybrid", train::ScalingStrategy::kBlock, kernels::Fp8Format::kE5M2},
+        Fp8Case{"mx32_hybrid", train::ScalingStrategy::kMx32, kernels::Fp8Format::kE5M2},
+        Fp8Case{"mx32_e4m3", train::ScalingStrategy::kMx32, kernels::Fp8Format::kE4M3}),
     [](const ::testing::TestParamInfo<Fp8Case>& info) { return std::string(info.param.name); });
 
 // precision.save_fp8_activations keeps an FP8 GEMM's input for the backward only as its FP8
@@ -382,6 +384,8 @@ INSTANTIATE_TEST_SUITE_P(
 // from x: the weight gradients' B operand is rounded twice (x -> tile FP8 -> block FP8), so
 // they differ by at most that second rounding (they must still point the same way: cosine >
 // 0.999), while the input gradients and the loss, which never read x^T, stay bit-identical.
+// With mx32 the forward quantizes x^T from x itself (MXFP8 needs it along the tokens), so the
+// backward is bit-identical again.
 // The saved-activation bytes must fall by at least the FP32 copies it no longer keeps.
 class SaveFp8Test : public ::testing::TestWithParam<train::ScalingStrategy> {};
 
@@ -436,7 +440,8 @@ TEST_P(SaveFp8Test, GradientsMatchTheFp32SavingPath) {
 INSTANTIATE_TEST_SUITE_P(Strategies, SaveFp8Test,
                          ::testing::Values(train::ScalingStrategy::kDelayed,
                                            train::ScalingStrategy::kCurrent,
-                                           train::ScalingStrategy::kBlock));
+                                           train::ScalingStrategy::kBlock,
+                                           train::ScalingStrategy::kMx32));
 
 // FSDP's FP8 weight shards come from the optimizer's update pass (AttachFp8Shards): with delayed
 // tensor scaling once the weight site has a history (step 2 on), with 128x128 block scaling from
