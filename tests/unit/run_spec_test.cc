@@ -485,6 +485,14 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
       {{"model.d_model=256", "model.d_ff=384", "precision.scaling=block", "parallel.tp=2"},
        2,
        {"model.d_ff", "384 / parallel.tp 2 = 192"}},
+      // mx32: 32-wide blocks along K in every TP piece, 32-row blocks in every FSDP shard.
+      {{"model.d_model=80", "model.heads=4", "precision.scaling=mx32"},
+       1,
+       {"model.d_model", "precision.scaling mx32", "multiple of 32"}},
+      {{"model.d_model=64", "model.heads=2", "model.d_ff=128", "precision.scaling=mx32",
+        "parallel.dp=4"},
+       4,
+       {"model.d_model", "32-row blocks", "192 rows"}},
       {{"model.d_model=130", "model.heads=4"}, 1, {"model.d_model", "multiple of model.heads 4"}},
       // FSDP over 4 ranks cannot cut 3 * 66 / 2 = 99 rows of attn.qkv into whole rows.
       {{"model.d_model=66", "model.heads=2", "model.d_ff=64", "parallel.dp=4", "parallel.tp=2"},
@@ -523,6 +531,7 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
   EXPECT_TRUE(ValidateWith(dir, {"parallel.dp=4", "parallel.ep=2", "moe.experts=4"}, 4).ok());
   EXPECT_TRUE(
       ValidateWith(dir, {"model.d_model=256", "precision.scaling=block", "parallel.tp=2"}, 2).ok());
+  EXPECT_TRUE(ValidateWith(dir, {"precision.scaling=mx32", "parallel.dp=2"}, 2).ok());
   EXPECT_TRUE(ValidateWith(dir, {"train.warmup=10", "train.min_lr=3e-4"}, 1).ok());
   EXPECT_TRUE(ValidateWith(dir, {"data.format=llmc", "model.vocab=50257"}, 1).ok());
   // Outside fp8 mode nothing is gathered in FP8.
