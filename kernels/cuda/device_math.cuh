@@ -7,6 +7,7 @@
 //                         one value: code and the QuantStats counts (kernels/cpu/quantize_cpu.cc)
 //   ComputeScale          kernels/quantize_common.cc ComputeScale on the finite amax bits
 //   Mx32Exponent          Mx32ScaleExponent, from the bits
+//   Mx32ScaleTileOffset   where cuBLASLt's VEC32_UE8M0 mode reads an E8M0 scale
 //   DecodeFp8, DecodeE8M0, FloatToBf16, PowerOfTwo
 //   WarpMax, BlockMax, FlushStats   reductions; FlushStats ends in one atomic per field per block
 //
@@ -141,6 +142,17 @@ __device__ __forceinline__ int Mx32Exponent(uint32_t amax_bits, int emax) {
   const int floor_log2 =
       biased != 0 ? biased - 127 : -149 + (31 - __clz(static_cast<int>(amax_bits)));
   return min(127, max(-127, floor_log2 - emax));
+}
+
+// cuBLASLt's layout of VEC32_UE8M0 scales (cuBLAS documentation, "1D block scaling factors
+// layout"): the grid of one operand, `rows` (its M or N) x `cols` = K / 32 E8M0 codes, is stored
+// in tiles of 128 rows x 4 columns, 512 bytes each, the tiles of one 128-row band contiguous
+// along K (band-major, `cols_pad` = cols rounded up to 4); inside a tile, row r and column c
+// lie at byte (r % 32) * 16 + (r % 128) / 32 * 4 + c. Rows are padded to 128.
+__device__ __forceinline__ int64_t Mx32ScaleTileOffset(int64_t row, int64_t col,
+                                                      int64_t cols_pad) {
+  const int64_t tile = (row / 128) * (cols_pad / 4) + col / 4;
+  return tile * 512 + (row % 32) * 16 + (row % 128) / 32 * 4 + col % 4;
 }
 
 // FP8 code -> FP32, exact (DecodeFp8 in kernels/formats.cc); NaN codes give the quiet NaN.

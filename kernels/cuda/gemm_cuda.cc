@@ -13,6 +13,11 @@
 // Descriptors live on the stack (the cublasLt*Init functions on the opaque structs); the
 // heuristic's algorithm choice is cached per problem signature, since the query costs more than
 // a small matmul.
+//
+// mx32 (MXFP8) goes to cuBLASLt's VEC32_UE8M0 scale mode on GPUs that have it (compute
+// capability 10.0 and later: Blackwell's block-scaled tensor cores; Hopper has none) for shapes
+// with K a multiple of 128, the scales first rearranged into cuBLASLt's tiled layout
+// (LaunchMx32ScaleLayout); elsewhere, or when cuBLASLt offers no algorithm, the fallback kernel.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -46,6 +51,11 @@ std::atomic<int64_t> g_fallback_calls{0};
 }  // namespace
 
 size_t CudaGemmWorkspaceBytes(const Fp8GemmArgs& args) {
+  if (args.scaling == GemmScaling::kMx32) {
+    const int64_t kb = CeilDiv(args.k, 32);
+    return Padded(static_cast<size_t>(cuda_internal::Mx32TiledBytes(args.m, kb))) +
+           Padded(static_cast<size_t>(cuda_internal::Mx32TiledBytes(args.n, kb)));
+  }
   if (args.scaling != GemmScaling::kBlock) return 0;
   const int64_t kb = CeilDiv(args.k, 128), nb = CeilDiv(args.n, 128);
   return Padded(static_cast<size_t>(kb * RoundUp4(args.m)) * sizeof(float)) +
@@ -120,8 +130,8 @@ struct LtProblem {
   const void* b = nullptr;  // k x n, ld k
   void* d = nullptr;        // m x n, ld m; also C
   bool fp8 = false;
-  const float* a_scale = nullptr;  // device
-  const float* b_scale = nullptr;  // device
+  const void* a_scale = nullptr;  // device: FP32 scale(s), or tiled E8M0 codes (VEC32_UE8M0)
+  const void* b_scale = nullptr;  // device
   int32_t a_scale_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
   int32_t b_scale_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
   float beta = 0.0f;
@@ -304,19 +314,27 @@ absl::Status GemmFp8Cuda(const Fp8GemmArgs& args, Stream stream_arg) {
   Carver ws(args.workspace, args.workspace_bytes);
   float* a_scales = nullptr;
   float* b_scales = nullptr;
+  uint8_t* a_mx = nullptr;
+  uint8_t* b_mx = nullptr;
+  const int64_t kb32 = CeilDiv(args.k, 32);
   if (block) {
     a_scales = ws.Take<float>(static_cast<size_t>(kb * RoundUp4(args.m)) * sizeof(float));
     b_scales = ws.Take<float>(static_cast<size_t>(nb * RoundUp4(kb)) * sizeof(float));
+  } else if (mx) {
+    a_mx = ws.Take<uint8_t>(static_cast<size_t>(cuda_internal::Mx32TiledBytes(args.m, kb32)));
+    b_mx = ws.Take<uint8_t>(static_cast<size_t>(cuda_internal::Mx32TiledBytes(args.n, kb32)));
   }
-  // kMx32 runs on the fallback kernel for now: cuBLASLt's VEC32_UE8M0 mode wants its scales in
-  // a swizzled tile layout that no GPU has checked here yet (docs/perf.md, issue 20).
-  bool use_lt = !g_force_fallback.load() && !mx &&
+  bool use_lt = !g_force_fallback.load() &&
                 !(args.a_format == Fp8Format::kE5M2 && args.b_format == Fp8Format::kE5M2) &&
                 args.m % 16 == 0 && args.n % 16 == 0 && args.k % 16 == 0 && Aligned16(args.a) &&
                 Aligned16(args.b) && Aligned16(args.d);
   if (use_lt && block) {
     FP8RT_ASSIGN_OR_RETURN(const int cc, CurrentDeviceComputeCapability());
     use_lt = cc == 90 && args.k % 128 == 0;
+  }
+  if (use_lt && mx) {
+    FP8RT_ASSIGN_OR_RETURN(const int cc, CurrentDeviceComputeCapability());
+    use_lt = cc >= 100 && args.k % 128 == 0;
   }
   if (use_lt) {
     LtProblem p;
@@ -339,6 +357,16 @@ absl::Status GemmFp8Cuda(const Fp8GemmArgs& args, Stream stream_arg) {
       p.b_scale = a_scales;
       p.a_scale_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
       p.b_scale_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    } else if (mx) {
+      // cuBLASLt's A is our B (see the file comment): its scales are b_e8m0, tiled.
+      CUDA_RETURN_IF_ERROR(
+          cuda_internal::LaunchMx32ScaleLayout(args.b_e8m0, args.n, kb32, b_mx, stream));
+      CUDA_RETURN_IF_ERROR(
+          cuda_internal::LaunchMx32ScaleLayout(args.a_e8m0, args.m, kb32, a_mx, stream));
+      p.a_scale = b_mx;
+      p.b_scale = a_mx;
+      p.a_scale_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
+      p.b_scale_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC32_UE8M0;
     } else {
       p.a_scale = args.b_scale_inv;
       p.b_scale = args.a_scale_inv;

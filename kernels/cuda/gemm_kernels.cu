@@ -202,6 +202,28 @@ cudaError_t LaunchBlockScaleLayout(const float* a_scale_inv, int64_t m, int64_t 
   return cudaGetLastError();
 }
 
+__global__ void Mx32ScaleLayoutKernel(const uint8_t* src, int64_t rows, int64_t cols,
+                                      uint8_t* dst, int64_t rows_pad, int64_t cols_pad) {
+  const int64_t total = rows_pad * cols_pad;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t r = i / cols_pad, c = i % cols_pad;
+    dst[Mx32ScaleTileOffset(r, c, cols_pad)] =
+        r < rows && c < cols ? src[r * cols + c] : uint8_t{127};
+  }
+}
+
+cudaError_t LaunchMx32ScaleLayout(const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst,
+                                  cudaStream_t stream) {
+  const int64_t rows_pad = (rows + 127) / 128 * 128, cols_pad = (cols + 3) / 4 * 4;
+  const int64_t total = rows_pad * cols_pad;
+  if (total == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 4096);
+  Mx32ScaleLayoutKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      src, rows, cols, dst, rows_pad, cols_pad);
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchRoundToBf16(const float* in, int64_t n, uint16_t* out, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 8192);

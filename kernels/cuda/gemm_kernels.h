@@ -51,6 +51,16 @@ cudaError_t LaunchBlockScaleLayout(const float* a_scale_inv, int64_t m, int64_t 
                                    int64_t nb_count, float* b_out, int64_t kb_pad,
                                    cudaStream_t stream);
 
+// mx32 scales for cuBLASLt's VEC32_UE8M0 mode: the row-major `rows` x `cols` E8M0 grid `src`
+// (our layout: one code per 1x32 block along K) into `dst` in cuBLASLt's tiled layout
+// (Mx32ScaleTileOffset in device_math.cuh), Mx32TiledBytes(rows, cols) bytes; padding entries are
+// 127 (2^0), never read for in-range blocks.
+inline int64_t Mx32TiledBytes(int64_t rows, int64_t cols) {
+  return (rows + 127) / 128 * 128 * ((cols + 3) / 4 * 4);
+}
+cudaError_t LaunchMx32ScaleLayout(const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst,
+                                  cudaStream_t stream);
+
 // FP32 -> BF16 bits, nearest even (FloatToBf16), for the operands of the BF16 GEMM.
 cudaError_t LaunchRoundToBf16(const float* in, int64_t n, uint16_t* out, cudaStream_t stream);
 

@@ -12,7 +12,8 @@
 // Index: encoder on a sweep of all float bit patterns (every 97th) and 2^22 random patterns; the
 // per-value statistics through a whole CPU quantize; ComputeScale over amaxes of every binade,
 // margins and power-of-two scales; Mx32Exponent; PowerOfTwo; decoding of all 256 FP8 and E8M0
-// codes; FloatToBf16. Tolerances: none, every comparison is bit for bit.
+// codes; FloatToBf16; the tiled layout of cuBLASLt's VEC32_UE8M0 scales. Tolerances: none, every
+// comparison is bit for bit.
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -206,6 +207,28 @@ TEST(DeviceMathTest, FloatToBf16EqualsTheHost) {
   for (uint32_t b : Patterns())
     mismatches += dev::FloatToBf16(FromBits(b)) != FloatToBf16(FromBits(b));
   EXPECT_EQ(mismatches, 0);
+}
+
+// cuBLASLt's VEC32_UE8M0 layout as the cuBLAS documentation draws it, walked in storage order:
+// 512-byte tiles, each a 32 x 16 byte array whose row i holds, for the four 32-row groups g of the
+// tile's 128 rows, the 4 scale columns of row g * 32 + i; the tiles of one 128-row band follow
+// each other along K. Every (row, column) of a padded grid must land on its storage byte, so the
+// map is also a bijection onto [0, rows_pad * cols_pad).
+TEST(DeviceMathTest, Mx32ScaleTileOffsetIsCublasLtsTiledLayout) {
+  for (const auto& [rows_pad, cols_pad] :
+       {std::pair<int64_t, int64_t>{128, 4}, {256, 12}, {384, 8}}) {
+    const int64_t bands = rows_pad / 128, tiles_per_band = cols_pad / 4;
+    for (int64_t storage = 0; storage < rows_pad * cols_pad; ++storage) {
+      const int64_t tile = storage / 512, in_tile = storage % 512;
+      const int64_t band = tile / tiles_per_band, k_tile = tile % tiles_per_band;
+      ASSERT_LT(band, bands);
+      const int64_t i = in_tile / 16, j = in_tile % 16;  // the 32 x 16 view
+      const int64_t row = band * 128 + (j / 4) * 32 + i;
+      const int64_t col = k_tile * 4 + j % 4;
+      ASSERT_EQ(dev::Mx32ScaleTileOffset(row, col, cols_pad), storage)
+          << "row " << row << " col " << col << " of " << rows_pad << " x " << cols_pad;
+    }
+  }
 }
 
 }  // namespace

@@ -824,7 +824,11 @@ TEST_F(CudaTest, Mx32GemmMatchesTheCpuBackend) {
   for (const Case& t : {Case{17, 33, 65, Fp8Format::kE4M3, Fp8Format::kE4M3, OutputType::kF32},
                         Case{128, 256, 192, Fp8Format::kE4M3, Fp8Format::kE5M2, OutputType::kF32},
                         Case{128, 256, 192, Fp8Format::kE4M3, Fp8Format::kE4M3, OutputType::kBF16},
-                        Case{64, 48, 100, Fp8Format::kE5M2, Fp8Format::kE4M3, OutputType::kF32}}) {
+                        Case{64, 48, 100, Fp8Format::kE5M2, Fp8Format::kE4M3, OutputType::kF32},
+                        // K a multiple of 128: cuBLASLt's VEC32_UE8M0 mode on compute
+                        // capability 10.0+, the fallback kernel before.
+                        Case{256, 128, 256, Fp8Format::kE4M3, Fp8Format::kE4M3, OutputType::kBF16},
+                        Case{128, 256, 384, Fp8Format::kE5M2, Fp8Format::kE4M3, OutputType::kF32}}) {
     const std::string where = absl::StrCat(t.m, "x", t.n, "x", t.k);
     const int64_t kb = (t.k + 31) / 32;
     const std::vector<uint8_t> a = Fp8Operand(t.m, t.k, t.a_format, GemmData::kRandom, 11);
@@ -887,6 +891,46 @@ TEST_F(CudaTest, Mx32GemmMatchesTheCpuBackend) {
                 HighamBound(t.k), HighamBound(t.k), where + " (mx32)");
     if (HasFailure()) return;
   }
+}
+
+// MXFP8 on cuBLASLt (VEC32_UE8M0, its scales rearranged by LaunchMx32ScaleLayout): Blackwell and
+// later. Correctness is Mx32GemmMatchesTheCpuBackend's (its K % 128 cases take this path there);
+// this checks that the path is taken, so that a layout cuBLASLt refuses does not hide behind the
+// fallback kernel.
+TEST_F(CudaTest, Mx32GemmOnBlackwellRunsOnCublasLt) {
+  int device = 0, major = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), cudaSuccess);
+  if (major < 10) {
+    GTEST_SKIP() << "cuBLASLt's VEC32_UE8M0 (MXFP8) scale mode needs compute capability 10.0 or "
+                    "later; this GPU runs mx32 on the fallback kernel";
+  }
+  const int64_t m = 256, n = 512, k = 384, kb = k / 32;
+  const DeviceBuffer a = Upload(Fp8Operand(m, k, Fp8Format::kE4M3, GemmData::kRandom, 1));
+  const DeviceBuffer b = Upload(Fp8Operand(n, k, Fp8Format::kE4M3, GemmData::kRandom, 2));
+  const DeviceBuffer ea = Upload(std::vector<uint8_t>(static_cast<size_t>(m * kb), 127));
+  const DeviceBuffer eb = Upload(std::vector<uint8_t>(static_cast<size_t>(n * kb), 128));
+  DeviceBuffer d(static_cast<size_t>(m * n) * 2);
+  Fp8GemmArgs g;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.scaling = GemmScaling::kMx32;
+  g.out_type = OutputType::kBF16;
+  const size_t ws_bytes = CudaGemmWorkspaceBytes(g) + kCublasLtWorkspaceBytes;
+  DeviceBuffer ws(ws_bytes);
+  g.a = a.as<uint8_t>();
+  g.b = b.as<uint8_t>();
+  g.a_e8m0 = ea.as<uint8_t>();
+  g.b_e8m0 = eb.as<uint8_t>();
+  g.d = d.as();
+  g.workspace = ws.as();
+  g.workspace_bytes = ws_bytes;
+  const cuda_testing::GemmPathCounts before = cuda_testing::GetGemmPathCounts();
+  ASSERT_TRUE(gpu_->gemm_fp8(g, stream()).ok());
+  Sync();
+  EXPECT_GT(cuda_testing::GetGemmPathCounts().cublaslt, before.cublaslt)
+      << "cuBLASLt declined VEC32_UE8M0 scaling for " << m << "x" << n << "x" << k;
 }
 
 TEST_F(CudaTest, BlockScaledGemmOnHopperRunsOnCublasLt) {

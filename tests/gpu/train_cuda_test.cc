@@ -3,7 +3,7 @@
 // through the CUDA op table, in-process and without MPI (the GPU machines have no Open MPI: the
 // CPU run uses a SoloCommunicatorFactory and the CUDA run NCCL bootstrapped over a solo world).
 //
-// For each precision mode (fp32; bf16; fp8 with delayed, current and block scaling; fp8 with
+// For each precision mode (fp32; bf16; fp8 with delayed, current, block and mx32 scaling; fp8 with
 // MoE blocks):
 //   MatchesTheCpuRun      kSteps steps from the same weights on the same text: every loss finite,
 //                         no step skipped, each step's loss within the mode's tolerance of the
@@ -201,6 +201,7 @@ INSTANTIATE_TEST_SUITE_P(
         Mode{"fp8_delayed", {"precision.mode=fp8", "precision.scaling=delayed"}, 5e-3},
         Mode{"fp8_current", {"precision.mode=fp8", "precision.scaling=current"}, 5e-3},
         Mode{"fp8_block", {"precision.mode=fp8", "precision.scaling=block"}, 5e-3},
+        Mode{"fp8_mx32", {"precision.mode=fp8", "precision.scaling=mx32"}, 5e-3},
         // MoE in every second block (4 experts, top-2, all local): routing on the host over
         // managed memory; a router probability that differs in its last bit can swap a
         // near-tied expert, hence the wider tolerance.
