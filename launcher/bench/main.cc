@@ -469,6 +469,9 @@ int main(int argc, char** argv) {
                    "fp32,bf16 (default) or fp32: leave out PyTorch's BF16-autocast step (no fast "
                    "path on a CPU without BF16 instructions)")
       ->check(CLI::IsMember({"fp32,bf16", "fp32"}));
+  bool step_mx32 = false;
+  step->add_flag("--mx32", step_mx32,
+                 "also time the FP8 step with precision.scaling mx32 (MXFP8) in the same rounds");
   step->add_flag("--json", json, "print one JSON object");
   MemoryBenchOptions mopt;
   bool no_baseline = false;
@@ -539,6 +542,7 @@ int main(int argc, char** argv) {
     if (step->count("--device") > 0) args += " --device " + device;
     if (!step_peer.empty()) args += " --peer " + step_peer;
     if (!step_peer_modes.empty()) args += " --peer-modes " + step_peer_modes;
+    if (step_mx32) args += " --mx32";
     result = MpiBench("fp8rt-bench-step", cuda ? 0 : 1, args);
   }
   if (!result.ok()) {

@@ -210,6 +210,10 @@ int main(int argc, char** argv) {
   int rounds = 3, warmup = 1;
   app.add_option("--spec", spec_path, "run spec to time (default: a GEMM-dominated model)");
   app.add_option("--rounds", rounds, "timed steps of each mode (default 3)");
+  bool mx32 = false;
+  app.add_flag("--mx32", mx32,
+               "also time the FP8 step with precision.scaling mx32 (MXFP8) in the same rounds "
+               "(mode fp8_mx32, ratio mx32_over_fp8)");
   app.add_option("--warmup", warmup, "untimed steps of each mode first (default 1)");
   std::string device_flag;
   app.add_option("--device", device_flag, "cpu or cuda (default: the spec's device; cpu)")
@@ -303,11 +307,16 @@ int main(int argc, char** argv) {
     std::vector<double> seconds;
     double last_loss = 0.0;
     double cpu_s = 0.0, wall_s = 0.0;  // of the timed steps: this process's CPU and wall time
+    bool mx32 = false;                 // precision.scaling mx32 instead of the spec's
   };
   std::vector<Mode> modes;
   modes.push_back({"fp8", v1::RunSpec::Precision::MODE_FP8, nullptr, {}, 0.0});
   modes.push_back({"bf16", v1::RunSpec::Precision::MODE_BF16, nullptr, {}, 0.0});
   modes.push_back({"fp32", v1::RunSpec::Precision::MODE_FP32, nullptr, {}, 0.0});
+  if (mx32) {
+    modes.push_back({"fp8_mx32", v1::RunSpec::Precision::MODE_FP8, nullptr, {}, 0.0});
+    modes.back().mx32 = true;
+  }
   // CPU seconds of this process so far, every thread (the scheduler's run time; the other
   // threads' share is brought up to date at each scheduler tick, so a reading can lag by about a
   // tick per thread: noise on millisecond steps, nothing on real ones; not the peer's, a child).
@@ -319,6 +328,7 @@ int main(int argc, char** argv) {
   for (Mode& m : modes) {
     v1::RunSpec spec = *base;
     spec.mutable_precision()->set_mode(m.mode);
+    if (m.mx32) spec.mutable_precision()->set_scaling(v1::RunSpec::Precision::SCALING_MX32);
     worker::TrainerOptions options{.run_dir = (tmp / m.name).string(),
                                    .resume = false,
                                    .print_progress = false,
@@ -383,7 +393,7 @@ int main(int argc, char** argv) {
   nlohmann::ordered_json j;
   j["benchmark"] = "step";
   nlohmann::ordered_json per_mode;
-  std::vector<double> best(3), median(3);
+  std::vector<double> best(modes.size()), median(modes.size());
   for (size_t i = 0; i < modes.size(); ++i) {
     std::vector<double> s = modes[i].seconds;
     std::sort(s.begin(), s.end());
@@ -408,6 +418,7 @@ int main(int argc, char** argv) {
   j["target"] = cuda ? 1.3 : 0.7;  // CUDA: at least; CPU: at most
   j["bf16_over_fp32"] = best[1] / best[2];
   j["fp8_over_bf16"] = best[0] / best[1];
+  if (mx32) j["mx32_over_fp8"] = best[3] / best[0];  // the spec's FP8 scaling
   j["description"] =
       cuda ? "training step time in bf16 over fp8 on one GPU (fastest of interleaved rounds), "
              "same spec and data"
