@@ -171,7 +171,7 @@ absl::Status ValidateSpec(const v1::RunSpec& spec, int world_size) {
 absl::Status ValidateRecipe(const v1::Recipe& recipe, const v1::RunSpec& spec, int world_size) {
   FP8RT_RETURN_IF_ERROR(CheckPrecisionEnums(recipe, "recipe"));
   if (recipe.scaling() == Precision::SCALING_UNSPECIFIED) {
-    return FieldError("recipe.scaling", "not set (delayed, current or block)");
+    return FieldError("recipe.scaling", "not set (delayed, current, block or mx32)");
   }
   if (recipe.amax_compute_algo() == Precision::AMAX_COMPUTE_ALGO_UNSPECIFIED) {
     return FieldError("recipe.amax_compute_algo", "not set (max or most_recent)");
@@ -201,9 +201,14 @@ absl::Status ValidateRecipe(const v1::Recipe& recipe, const v1::RunSpec& spec, i
   // What is left to fail in the merged spec depends on the scaling: block scaling needs whole
   // 128-wide blocks per tensor-parallel shard and whole 128-row blocks per FSDP shard.
   s = ValidateWithoutDataFile(WithRecipe(spec, recipe), world_size);
+  // The run's FSDP shards were cut when it started: larger blocks than they were cut for cannot
+  // come in live.
+  if (s.ok()) s = CheckLiveRecipeShards(spec, WithRecipe(spec, recipe));
   if (!s.ok()) {
     return FieldError(
-        recipe.scaling() == Precision::SCALING_BLOCK ? "recipe.scaling" : "recipe",
+        recipe.scaling() == Precision::SCALING_BLOCK || recipe.scaling() == Precision::SCALING_MX32
+            ? "recipe.scaling"
+            : "recipe",
         absl::StrCat(ScalingLabel(recipe.scaling()),
                      " scaling does not fit the run's model and layout: ", s.message()));
   }

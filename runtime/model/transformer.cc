@@ -172,6 +172,7 @@ Transformer::Transformer(const ModelShape& shape, const ModelRecipe& recipe, par
       dp_(mesh.layout().config.dp),
       tp_rank_(mesh.layout().tp_rank),
       dp_rank_(mesh.layout().dp_rank),
+      row_unit_(RowUnitOf(recipe)),
       acts_(std::make_unique<Acts>(ops)),
       scratch_(ops),
       weight_amaxes_(ops) {
@@ -212,24 +213,49 @@ std::vector<std::string> Transformer::LayerNames() const {
   return names;
 }
 
+namespace {
+
+// The rows a layer's FP8 weight blocks span (128 block, 32 mx32, 1 tensor scaling; 0: not FP8).
+int64_t RowsPerBlock(GemmPrecision precision, const Fp8SiteConfigs& sites) {
+  if (precision != GemmPrecision::kFp8) return 0;
+  switch (sites.weight.strategy) {
+    case train::ScalingStrategy::kBlock:
+      return 128;
+    case train::ScalingStrategy::kMx32:
+      return 32;
+    default:
+      return 1;
+  }
+}
+
+}  // namespace
+
+int64_t Transformer::RowUnitOf(const ModelRecipe& recipe) {
+  if (recipe.precision != GemmPrecision::kFp8) return 0;
+  int64_t unit = std::max<int64_t>(1, recipe.fsdp_row_unit);
+  unit = std::max(unit, RowsPerBlock(recipe.precision, recipe.sites));
+  for (const auto& [layer, lr] : recipe.layers) {
+    unit = std::max(unit, RowsPerBlock(lr.precision, lr.sites));
+  }
+  return unit;
+}
+
 absl::Status Transformer::CheckRecipe(const ModelShape& shape, const ModelRecipe& recipe,
-                                      int64_t tp, int64_t dp,
+                                      int64_t tp, int64_t dp, int64_t row_unit,
                                       const std::vector<std::string>& layers) {
   auto bad = [](const std::string& field, const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": ", why));
   };
   if (recipe.precision == GemmPrecision::kFp8) {
-    // FP8 weights are gathered as whole rows of FP8 codes: each DP rank owns whole rows (and
-    // whole 128-row blocks with block scaling, whole 32-row blocks with mx32), whichever
-    // layer has the recipe.
-    bool block = recipe.sites.weight.strategy == train::ScalingStrategy::kBlock;
-    bool mx32 = recipe.sites.weight.strategy == train::ScalingStrategy::kMx32;
+    // FP8 weights are gathered as whole rows of FP8 codes, and a block's scale must come from
+    // one rank's rows: each FSDP shard (the model's cut, ShardCut::row_unit) must be whole
+    // 128-row blocks with block scaling, whole 32-row blocks with mx32, whole rows otherwise.
+    // A model cut for the recipe it was created with always is; a later recipe needing larger
+    // blocks may not be.
+    int64_t need = RowsPerBlock(recipe.precision, recipe.sites);
     for (const auto& [layer, lr] : recipe.layers) {
-      if (lr.precision != GemmPrecision::kFp8) continue;
-      block |= lr.sites.weight.strategy == train::ScalingStrategy::kBlock;
-      mx32 |= lr.sites.weight.strategy == train::ScalingStrategy::kMx32;
+      need = std::max(need, RowsPerBlock(lr.precision, lr.sites));
     }
-    const int64_t row_unit = (block ? 128 : mx32 ? 32 : 1) * dp;
     const struct {
       const char* field;
       int64_t rows;
@@ -237,15 +263,20 @@ absl::Status Transformer::CheckRecipe(const ModelShape& shape, const ModelRecipe
                    {"model.d_model", shape.d_model},
                    {"model.d_ff", shape.d_ff / tp}};
     for (const auto& w : weights) {
-      if (w.rows % row_unit != 0) {
+      const ShardCut cut{.shape = {w.rows, 1, TpSplit::kNone}, .fsdp = dp, .row_unit = row_unit};
+      const int64_t rows = dp == 1 ? w.rows : cut.shard_rows();
+      if (need > 0 && (rows < 0 || rows % need != 0)) {
         return bad(w.field,
                    absl::StrCat("FP8 weights with ", w.rows,
-                                " rows per tensor-parallel rank cannot "
-                                "be cut into parallel.dp=",
-                                dp, " shards of whole ",
-                                block  ? "128-row blocks (precision.scaling block)"
-                                : mx32 ? "32-row blocks (precision.scaling mx32)"
-                                       : "rows"));
+                                " rows per tensor-parallel rank are cut into parallel.dp=", dp,
+                                " FSDP shards of ", rows < 0 ? "elements, not whole rows" :
+                                absl::StrCat(rows, " rows"), ", which ",
+                                need == 128  ? "128-row blocks (precision.scaling block)"
+                                : need == 32 ? "32-row blocks (precision.scaling mx32)"
+                                             : "whole rows",
+                                " would straddle: the run's shards were cut for its starting "
+                                "recipe (start it with this scaling, or with health.action "
+                                "block_scaling, to cut them in 128-row blocks)"));
       }
     }
   }
@@ -302,7 +333,7 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Create(const ModelShap
                                                    shape.seq_len));
   }
   std::unique_ptr<Transformer> model(new Transformer(shape, recipe, mesh, ops));
-  FP8RT_RETURN_IF_ERROR(CheckRecipe(shape, recipe, tp, dp, model->LayerNames()));
+  FP8RT_RETURN_IF_ERROR(CheckRecipe(shape, recipe, tp, dp, RowUnitOf(recipe), model->LayerNames()));
   FP8RT_RETURN_IF_ERROR(model->Build(seed));
   return model;
 }
@@ -312,14 +343,15 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
                              bool expert) {
   Param& p = params_.emplace_back();
   p.group = expert ? &mesh_.edp() : &mesh_.dp();
-  const int64_t fsdp = p.group->size();
   p.name = name;
   p.rows = rows;
   p.cols = cols;
   p.split = split;
   p.local_rows = split == TpSplit::kRows ? rows / tp_ : rows;
   p.local_cols = split == TpSplit::kCols ? cols / tp_ : cols;
-  p.shard_count = (p.local_count() + fsdp - 1) / fsdp;
+  // GEMM weights that may run in FP8 (lm_head and the MoE router never do) are cut in rows.
+  p.row_unit = linear != nullptr && linear->precision() != GemmPrecision::kFp32 ? row_unit_ : 0;
+  p.shard_count = CutOf(p).count();
   p.decay = decay;
   p.linear = linear;
   const size_t shard = static_cast<size_t>(p.shard_count);
@@ -334,6 +366,13 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
   p.fp8_shard.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kParamShards);
   p.fp8.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kGatheredWeights);
   p.fp8.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kGatheredWeights);
+  for (kernels::DeviceArray<uint8_t>* a : {&p.fp8_shard.e8m0, &p.fp8_shard.col_codes,
+                                           &p.fp8_shard.col_e8m0}) {
+    *a = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kParamShards);
+  }
+  for (kernels::DeviceArray<uint8_t>* a : {&p.fp8.e8m0, &p.fp8.col_codes, &p.fp8.col_e8m0}) {
+    *a = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kGatheredWeights);
+  }
   p.gather_bf16 = kernels::DeviceArray<uint16_t>(ops_, MemCategory::kCommBuffers);
   p.master.assign(shard, 0.0f);
   p.grad.assign(shard, 0.0f);
@@ -361,7 +400,8 @@ ShardCut Transformer::CutOf(const Param& p) const {
                   .tp = tp_,
                   .tp_rank = tp_rank_,
                   .fsdp = p.group->size(),
-                  .fsdp_rank = p.group->rank()};
+                  .fsdp_rank = p.group->rank(),
+                  .row_unit = p.row_unit};
 }
 
 void Transformer::ForEachShardElement(const Param& p,
@@ -566,7 +606,7 @@ absl::Status Transformer::ApplyRecipe(const ModelRecipe& recipe) {
   if (recipe.precision != recipe_.precision) {
     return absl::InvalidArgumentError("precision.mode cannot change while a run trains");
   }
-  FP8RT_RETURN_IF_ERROR(CheckRecipe(shape_, recipe, tp_, dp_, LayerNames()));
+  FP8RT_RETURN_IF_ERROR(CheckRecipe(shape_, recipe, tp_, dp_, row_unit_, LayerNames()));
   recipe_ = recipe;
   for (Param& p : params_) p.fp8_shard_fresh = false;  // made with the old recipe's format
   for (Linear* lin : all_linears_) {
@@ -593,7 +633,7 @@ absl::Status Transformer::AllReduceTp(float* buf, int64_t count) {
 absl::Status Transformer::QuantizeWeightShard(Param& p, float weight_scale) {
   const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
   const bool block = cfg.strategy == train::ScalingStrategy::kBlock;
-  const int64_t shard_rows = p.local_rows / p.group->size();
+  const int64_t shard_rows = p.shard_count / p.local_cols;  // whole rows (ShardCut::row_unit)
   if (cfg.strategy == train::ScalingStrategy::kMx32) {
     FP8RT_RETURN_IF_ERROR(parallel::QuantizeMx32Shard(ops_, p.master.data(), shard_rows,
                                                       p.local_cols, cfg.format, &p.fp8_shard));
@@ -797,7 +837,7 @@ void Transformer::AttachFp8Shards(std::span<train::ParamShard> shards) {
     if (st.config().strategy == train::ScalingStrategy::kMx32) continue;  // BeginStep quantizes it
     if (!block && st.UsesCurrentScaling()) continue;                       // so does it this
     parallel::Fp8Shard& f = p.fp8_shard;
-    f.rows = p.local_rows / p.group->size();
+    f.rows = p.shard_count / p.local_cols;
     f.cols = p.local_cols;
     f.block = block;
     f.mx32 = false;

@@ -142,6 +142,12 @@ struct ModelRecipe {
   // precision.save_fp8_activations: an FP8 GEMM keeps its input for the backward only as the FP8
   // codes and scales its forward made (DESIGN.md section 3), not also in FP32.
   bool save_fp8_activations = true;
+  // The least number of rows the FSDP shards of the GEMM weights are cut in (ShardCut::row_unit),
+  // beyond what the recipe itself needs (128 with block scaling, 32 with mx32, 1 otherwise in an
+  // FP8 run): a run whose recipe may turn to block scaling later (health.action block_scaling)
+  // asks for 128 here. Used by Create only: a model's cut never changes (ApplyRecipe refuses a
+  // recipe whose blocks would straddle its shards).
+  int64_t fsdp_row_unit = 0;
 };
 
 enum class TpSplit : uint8_t { kNone, kRows, kCols };
@@ -153,7 +159,8 @@ struct Param {
   TpSplit split = TpSplit::kNone;
   int64_t local_rows = 0;  // this rank's TP piece
   int64_t local_cols = 0;
-  int64_t shard_count = 0;   // ceil(local_rows * local_cols / dp)
+  int64_t shard_count = 0;   // ShardCut::count(): ceil(local_rows * local_cols / dp), or rows
+  int64_t row_unit = 0;      // ShardCut::row_unit of its cut
   bool decay = true;         // weight decay (not for norm gains)
   Linear* linear = nullptr;  // the GEMM layer it is the weight of, or null
   // FSDP group: the DP group, or the expert-data-parallel group for MoE expert weights.
@@ -197,17 +204,36 @@ using LogicalParams = std::map<std::string, std::vector<float>>;
 // [fsdp_rank * count, +count) of it with count = ceil(piece / fsdp), the tail past the piece
 // being padding. What Transformer::AddParam allocates, and what a checkpoint written at any
 // layout is read back with (worker::AssembleLogical).
+//
+// The GEMM weights of an FP8 run are cut in whole rows instead (row_unit > 0, FSDP over more
+// than one rank): each shard holds ceil(local_rows / (row_unit * fsdp)) * row_unit rows, so that
+// a shard's FP8 codes are whole rows and, with row_unit 128 (block scaling) or 32 (mx32), whole
+// blocks of rows whose scales never need a neighbour's values; the rows past the piece are
+// padding (zero), which falls to the last shards. Where row_unit * fsdp divides the piece's rows
+// the cut is the element-wise one.
 struct ShardCut {
   LogicalShape shape;
   int64_t tp = 1, tp_rank = 0;      // the tensor-parallel split
   int64_t fsdp = 1, fsdp_rank = 0;  // the FSDP group: dp, or dp / ep for MoE experts
+  int64_t row_unit = 0;             // 0: element-wise; else whole groups of row_unit rows
   int64_t local_rows() const {
     return shape.split == TpSplit::kRows ? shape.rows / tp : shape.rows;
   }
   int64_t local_cols() const {
     return shape.split == TpSplit::kCols ? shape.cols / tp : shape.cols;
   }
-  int64_t count() const { return (local_rows() * local_cols() + fsdp - 1) / fsdp; }
+  int64_t count() const {
+    if (row_unit > 0 && fsdp > 1) {
+      const int64_t per = row_unit * fsdp;
+      return (local_rows() + per - 1) / per * row_unit * local_cols();
+    }
+    return (local_rows() * local_cols() + fsdp - 1) / fsdp;
+  }
+  // The rows of one shard when it is whole rows (count() a multiple of local_cols()), else -1.
+  int64_t shard_rows() const {
+    const int64_t cols = local_cols();
+    return cols > 0 && count() % cols == 0 ? count() / cols : -1;
+  }
   // fn(i, logical): shard element i is element `logical` of the row-major logical tensor; the
   // padding is skipped.
   void ForEach(const std::function<void(size_t, int64_t)>& fn) const;
@@ -239,6 +265,9 @@ class Transformer {
   // d_ff by tp; GEMM weight rows by dp; whole 128x128 blocks per shard with block scaling) and
   // for an unknown layer in `recipe.exclude` (field precision.exclude).
   ~Transformer();
+  // The ShardCut::row_unit of the GEMM weights of a model created with `recipe`: 0 unless FP8;
+  // else the most any layer's scaling needs (128 block, 32 mx32, 1) and recipe.fsdp_row_unit.
+  static int64_t RowUnitOf(const ModelRecipe& recipe);
   static absl::StatusOr<std::unique_ptr<Transformer>> Create(const ModelShape& shape,
                                                              const ModelRecipe& recipe,
                                                              uint64_t seed, parallel::Mesh& mesh,
@@ -372,8 +401,10 @@ class Transformer {
   absl::Status AllReduceTp(float* buf, int64_t count);
   LinearContext Ctx();
 
+  // `row_unit`: the model's cut (RowUnitOf of the recipe it was created with).
   static absl::Status CheckRecipe(const ModelShape& shape, const ModelRecipe& recipe, int64_t tp,
-                                  int64_t dp, const std::vector<std::string>& layers);
+                                  int64_t dp, int64_t row_unit,
+                                  const std::vector<std::string>& layers);
   GemmPrecision LayerPrecision(const std::string& name) const;
   // The FP8 site configs of layer `name`: its own recipe's (ModelRecipe::layers), else the run's.
   const Fp8SiteConfigs& LayerSites(const std::string& name) const;
@@ -384,6 +415,7 @@ class Transformer {
   parallel::Mesh& mesh_;
   const kernels::OpTable& ops_;
   const int64_t tp_, dp_, tp_rank_, dp_rank_;
+  int64_t row_unit_ = 0;  // RowUnitOf the creating recipe: the GEMM weights' cut, fixed
 
   std::vector<std::unique_ptr<Linear>> linears_;  // the dense GEMM layers (owned)
   std::vector<Linear*> all_linears_;  // every GEMM layer, MoE routers and experts included

@@ -625,6 +625,63 @@ absl::Status ValidateEval(const v1::RunSpec& spec, DataFileCheck data_file) {
 
 }  // namespace
 
+namespace {
+
+// The rows one FP8 weight block spans under `spec`'s recipe (the most of the section's and the
+// overrides' that leave a layer in FP8): 128 block, 32 mx32, 1; 0 outside fp8 mode.
+int64_t RowsPerWeightBlock(const v1::RunSpec& spec) {
+  using P = v1::RunSpec::Precision;
+  const P& p = spec.precision();
+  if (p.mode() != P::MODE_FP8) return 0;
+  auto rows = [](P::Scaling s) -> int64_t {
+    return s == P::SCALING_BLOCK ? 128 : s == P::SCALING_MX32 ? 32 : 1;
+  };
+  int64_t need = rows(p.scaling());
+  for (const P::Override& o : p.overrides()) {
+    if (o.mode() != P::MODE_BF16) need = std::max(need, rows(o.scaling()));
+  }
+  return need;
+}
+
+}  // namespace
+
+int64_t FsdpRowUnit(const v1::RunSpec& spec) {
+  const int64_t need = RowsPerWeightBlock(spec);
+  if (need == 0) return 0;
+  return spec.health().action() == v1::RunSpec::Health::ACTION_BLOCK_SCALING ? 128 : need;
+}
+
+absl::Status CheckLiveRecipeShards(const v1::RunSpec& run, const v1::RunSpec& merged) {
+  const int64_t need = RowsPerWeightBlock(merged), unit = FsdpRowUnit(run);
+  const int64_t dp = run.parallel().dp(), tp = std::max(1, run.parallel().tp());
+  if (need <= 1 || dp <= 1) return absl::OkStatus();
+  const v1::RunSpec::Model m = ResolveModel(run.model());
+  const int64_t heads = m.heads(), kv = m.kv_heads() > 0 ? m.kv_heads() : m.heads();
+  const struct {
+    const char* field;
+    int64_t rows;
+  } pieces[] = {{"model.d_model", (heads + 2 * kv) * (m.d_model() / std::max<int64_t>(1, heads)) / tp},
+                {"model.d_model", m.d_model()},
+                {"model.d_ff", int64_t{m.d_ff()} / tp}};
+  for (const auto& [field, rows] : pieces) {
+    // model::ShardCut: unit > 0 cuts whole groups of `unit` rows; 0 (a run not in fp8 mode at
+    // the start) cuts elements, whole rows only when dp divides the rows.
+    const int64_t shard_rows = unit > 0 ? (rows + unit * dp - 1) / (unit * dp) * unit
+                               : rows % dp == 0 ? rows / dp
+                                                : -1;
+    if (shard_rows < 0 || shard_rows % need != 0) {
+      return FieldError(
+          field, absl::StrCat("FP8 weights with ", rows,
+                              " rows per tensor-parallel rank were cut into parallel.dp = ", dp,
+                              " FSDP shards of ", shard_rows, " rows when the run started, which ",
+                              need, "-row blocks (", need == 128 ? "block" : "mx32",
+                              " scaling) would straddle; start the run with that scaling (or "
+                              "health.action block_scaling) to cut them for it"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidatePrecisionOverrides(const v1::RunSpec& spec) {
   using P = v1::RunSpec::Precision;
   const P& pr = spec.precision();
@@ -926,32 +983,9 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
       }
     }
   }
-  if (pr.mode() == v1::RunSpec::Precision::MODE_FP8) {
-    // FSDP gathers FP8 weights as whole rows (whole 128-row blocks with block scaling) of each
-    // tensor-parallel piece: attn.qkv has (heads + 2 kv_heads) * head size / tp rows, attn.proj
-    // d_model, mlp.fc1 (mlp.gate, mlp.up) d_ff / tp, mlp.fc2 (mlp.down) d_model. mx32 gathers
-    // a column-wise copy too, whose 32x1 blocks must not straddle two shards.
-    const bool block = any_block;
-    const int64_t rows_per_block = block ? 128 : any_mx32 ? 32 : 1;
-    const int64_t unit = rows_per_block * int64_t{par.dp()};
-    const struct {
-      const char* field;
-      int64_t rows;
-    } pieces[] = {{"model.d_model", (int64_t{m.heads()} + 2 * m.kv_heads()) *
-                                        (m.d_model() / m.heads()) / par.tp()},
-                  {"model.d_model", m.d_model()},
-                  {"model.d_ff", int64_t{m.d_ff()} / par.tp()}};
-    for (const auto& [field, rows] : pieces) {
-      if (rows % unit != 0) {
-        return FieldError(
-            field,
-            absl::StrCat("FSDP cuts each FP8 weight into parallel.dp = ", par.dp(),
-                         " shards of whole ",
-                         rows_per_block > 1 ? absl::StrCat(rows_per_block, "-row blocks") : "rows",
-                         ", but a weight here has ", rows, " rows per tensor-parallel rank"));
-      }
-    }
-  }
+  // FSDP shards of FP8 weights need no check here: the model cuts them in whole rows, whole
+  // 128-row blocks with block scaling and 32-row blocks with mx32, padding the last shards
+  // (model::ShardCut::row_unit).
   if (pr.margin() < 0 || pr.margin() > 32) {
     return FieldError("precision.margin", absl::StrCat("must be in [0, 32], got ", pr.margin()));
   }

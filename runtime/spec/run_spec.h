@@ -155,6 +155,18 @@ inline constexpr size_t kMaxLayerPatternBytes = 256;
 // Needs precision.mode fp8. InvalidArgument "precision.overrides[i].<field>: ...".
 [[nodiscard]] absl::Status ValidatePrecisionOverrides(const v1::RunSpec& spec);
 
+// The rows the FSDP shards of a run's FP8 GEMM weights are cut in when it starts with `spec`
+// (model::ShardCut::row_unit; model::Transformer::RowUnitOf of its recipe): 0 outside fp8
+// mode; else 128 when block scaling is anywhere in it (the section, an override, or
+// health.action block_scaling), 32 with mx32, 1 otherwise. Fixed for the run.
+int64_t FsdpRowUnit(const v1::RunSpec& spec);
+
+// A recipe given live (`merged`: the run's spec with the recipe merged in) on a run that started
+// as `run`: InvalidArgument naming the field (model.d_model or model.d_ff) when its block
+// scaling (128 rows) or mx32 (32 rows) blocks would straddle the FSDP shards the run was cut in.
+[[nodiscard]] absl::Status CheckLiveRecipeShards(const v1::RunSpec& run,
+                                                 const v1::RunSpec& merged);
+
 // One override in a line: "'blocks.*.mlp.fc2': bf16" or "'blocks.0.*': scaling current, margin 2".
 std::string DescribeOverride(const v1::RunSpec::Precision::Override& o);
 

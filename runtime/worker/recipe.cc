@@ -78,6 +78,8 @@ model::ModelRecipe RecipeFromSpec(const RunSpec& spec) {
   recipe.save_fp8_activations = !p.has_save_fp8_activations() || p.save_fp8_activations();
   recipe.reshard_after_forward =
       !spec.parallel().has_reshard_after_forward() || spec.parallel().reshard_after_forward();
+  // The health policy may switch a layer to block scaling later: cut the shards for it now.
+  if (spec.health().action() == RunSpec::Health::ACTION_BLOCK_SCALING) recipe.fsdp_row_unit = 128;
   return recipe;
 }
 

@@ -336,8 +336,28 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
                          ShardReader::Open(folder + "/" + std::string(kManifestFileName)));
   FP8RT_ASSIGN_OR_RETURN(const v1::CheckpointManifest manifest,
                          ParseManifest(*manifest_file, chosen));
-  const bool reshard = !SameLayout(manifest, spec_);
-  if (reshard) FP8RT_RETURN_IF_ERROR(CheckResumable(ResumePoint{chosen, folder, manifest}, spec_));
+  const bool other_layout = !SameLayout(manifest, spec_);
+  if (other_layout) {
+    FP8RT_RETURN_IF_ERROR(CheckResumable(ResumePoint{chosen, folder, manifest}, spec_));
+  }
+  // At the same layout the shards may still be cut otherwise (model::ShardCut::row_unit: a run
+  // that started with another scaling): then they are resharded too.
+  bool recut = false;
+  if (!other_layout) {
+    FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> own,
+                           ShardReader::OpenRanged(folder + "/" + ShardFileName(world.rank())));
+    FP8RT_ASSIGN_OR_RETURN(
+        const std::vector<v1::TensorRange> ranges,
+        ShardTensorRanges(*own, manifest, world.rank(), model_->ParamShapes()));
+    std::map<std::string, std::string> recorded;
+    for (const v1::TensorRange& r : ranges) recorded[r.param()] = r.SerializeAsString();
+    for (const model::Param& p : model_->params()) {
+      const auto it = recorded.find(p.name);
+      if (it == recorded.end()) continue;  // another rank's expert: CheckResumable's business
+      if (it->second != RangeOf(p.name, model_->CutOf(p)).SerializeAsString()) recut = true;
+    }
+  }
+  const bool reshard = other_layout || recut;
   // Resharding opens every shard ranged (rank 0 verified them all against the MANIFEST before
   // choosing the checkpoint), to read only the sections holding what this rank needs; otherwise
   // this rank reads its own whole.
@@ -433,7 +453,7 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
     }
   }
   optimizer_->set_applied_steps(applied);
-  if (reshard) {
+  if (other_layout) {
     // The position counts micro-batches, grad_accum per step: the same step at this layout.
     const int64_t was = manifest.spec().train().grad_accum(), now = spec_.train().grad_accum();
     if (was < 1 || position % static_cast<uint64_t>(was) != 0) {
@@ -461,7 +481,13 @@ absl::Status Trainer::LoadCheckpoint(int64_t chosen, const std::string& folder) 
   }
   step_ = step;
   if (world.rank() == 0) {
-    if (reshard) {
+    if (recut) {
+      std::fprintf(stderr,
+                   "fp8rt-worker: resharding: the checkpoint's FSDP shards were cut for another "
+                   "scaling (FP8 weights in whole rows or 128/32-row blocks); master weights and "
+                   "Adam moments re-cut\n");
+    }
+    if (other_layout) {
       const v1::RunSpec& was = manifest.spec();
       std::fprintf(stderr,
                    "fp8rt-worker: resharding: the checkpoint was written at dp=%d tp=%d ep=%d "

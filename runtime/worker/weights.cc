@@ -113,7 +113,10 @@ bool RangeFits(const v1::TensorRange& r, const model::LogicalShape& s) {
   return r.rows() == s.rows && r.cols() == s.cols && within(r.row_begin(), r.row_count(), s.rows) &&
          within(r.col_begin(), r.col_count(), s.cols) &&
          within(r.flat_begin(), r.flat_count(), r.row_count() * r.col_count()) &&
-         r.section_elements() >= r.flat_count() && r.section_elements() <= s.rows * s.cols;
+         r.section_elements() >= r.flat_count() &&
+         // A shard cut in rows (model::ShardCut::row_unit, at most 128) pads the piece's rows
+         // to a whole number of row groups at most.
+         r.section_elements() <= (r.row_count() + 127) / 128 * 128 * r.col_count();
 }
 
 // fn(i, logical) for each element i < flat_count of range `r`.

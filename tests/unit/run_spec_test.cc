@@ -489,19 +489,7 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
       {{"model.d_model=80", "model.heads=4", "precision.scaling=mx32"},
        1,
        {"model.d_model", "precision.scaling mx32", "multiple of 32"}},
-      {{"model.d_model=64", "model.heads=2", "model.d_ff=128", "precision.scaling=mx32",
-        "parallel.dp=4"},
-       4,
-       {"model.d_model", "32-row blocks", "192 rows"}},
       {{"model.d_model=130", "model.heads=4"}, 1, {"model.d_model", "multiple of model.heads 4"}},
-      // FSDP over 4 ranks cannot cut 3 * 66 / 2 = 99 rows of attn.qkv into whole rows.
-      {{"model.d_model=66", "model.heads=2", "model.d_ff=64", "parallel.dp=4", "parallel.tp=2"},
-       8,
-       {"model.d_model", "parallel.dp = 4", "99 rows"}},
-      // Block scaling: attn.qkv has 384 rows, not a whole number of 2 x 128-row blocks.
-      {{"model.d_model=128", "model.d_ff=256", "precision.scaling=block", "parallel.dp=2"},
-       2,
-       {"model.d_model", "128-row blocks", "384 rows"}},
       {{"model.layers=0"}, 1, {"model.layers: must be positive, got 0"}},
       {{"parallel.tp=0"}, 0, {"parallel.tp: must be positive"}},
       {{"train.warmup=11"}, 1, {"train.warmup", "more than train.steps 10"}},
@@ -532,6 +520,24 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
   EXPECT_TRUE(
       ValidateWith(dir, {"model.d_model=256", "precision.scaling=block", "parallel.tp=2"}, 2).ok());
   EXPECT_TRUE(ValidateWith(dir, {"precision.scaling=mx32", "parallel.dp=2"}, 2).ok());
+  // FP8 weights whose rows FSDP cannot split evenly are cut in whole rows (128-row blocks with
+  // block scaling, 32-row blocks with mx32) with the last shards padded (model::ShardCut): 99
+  // rows of attn.qkv over 4 ranks, 384 rows over 2 x 128-row blocks, 192 rows over 4 x 32.
+  EXPECT_TRUE(ValidateWith(dir,
+                           {"model.d_model=66", "model.heads=2", "model.d_ff=64", "parallel.dp=4",
+                            "parallel.tp=2"},
+                           8)
+                  .ok());
+  EXPECT_TRUE(ValidateWith(dir,
+                           {"model.d_model=128", "model.d_ff=256", "precision.scaling=block",
+                            "parallel.dp=2"},
+                           2)
+                  .ok());
+  EXPECT_TRUE(ValidateWith(dir,
+                           {"model.d_model=64", "model.heads=2", "model.d_ff=128",
+                            "precision.scaling=mx32", "parallel.dp=4"},
+                           4)
+                  .ok());
   EXPECT_TRUE(ValidateWith(dir, {"train.warmup=10", "train.min_lr=3e-4"}, 1).ok());
   EXPECT_TRUE(ValidateWith(dir, {"data.format=llmc", "model.vocab=50257"}, 1).ok());
   // Outside fp8 mode nothing is gathered in FP8.
@@ -540,6 +546,40 @@ TEST(RunSpecTest, CrossFieldChecksNameTheField) {
                             "parallel.tp=2", "precision.mode=bf16"},
                            8)
                   .ok());
+}
+
+// A run's FSDP shards are cut when it starts (FsdpRowUnit): a recipe given live with larger
+// blocks than they were cut for is refused naming the field, one they fit is taken. The tiny
+// model at dp=2: attn.qkv has 384 rows, cut into 2 x 192 for tensor scaling (192 = 6 x 32, not
+// a multiple of 128), into 256 + 128 (padded) for block scaling.
+TEST(RunSpecTest, LiveRecipesMustFitTheShardsTheRunWasCutIn) {
+  auto spec = [](const std::vector<std::string>& sets) {
+    std::vector<std::string> all = {"parallel.dp=2", "precision.mode=fp8"};
+    all.insert(all.end(), sets.begin(), sets.end());
+    absl::StatusOr<v1::RunSpec> s = Parse(MinimalSpec("x"), all);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : v1::RunSpec();
+  };
+  const v1::RunSpec delayed = spec({"precision.scaling=delayed"});
+  EXPECT_EQ(FsdpRowUnit(delayed), 1);
+  EXPECT_EQ(FsdpRowUnit(spec({"precision.scaling=block"})), 128);
+  EXPECT_EQ(FsdpRowUnit(spec({"precision.scaling=mx32"})), 32);
+  EXPECT_EQ(FsdpRowUnit(spec({"health.action=block_scaling"})), 128);
+  EXPECT_EQ(FsdpRowUnit(spec({"precision.mode=bf16"})), 0);
+
+  ExpectInvalid(CheckLiveRecipeShards(delayed, spec({"precision.scaling=block"})),
+                {"model.d_model", "192 rows", "128-row blocks", "start the run with"});
+  EXPECT_TRUE(CheckLiveRecipeShards(delayed, spec({"precision.scaling=mx32"})).ok());
+  EXPECT_TRUE(CheckLiveRecipeShards(delayed, spec({"precision.scaling=current"})).ok());
+  // Cut for block scaling from the start (the health policy may switch to it): it fits.
+  EXPECT_TRUE(CheckLiveRecipeShards(spec({"health.action=block_scaling"}),
+                                    spec({"precision.scaling=block"}))
+                  .ok());
+  // One rank: no shard boundary to straddle.
+  const v1::RunSpec one = *Parse(MinimalSpec("x"), {"parallel.dp=1", "precision.mode=fp8"});
+  v1::RunSpec one_block = one;
+  one_block.mutable_precision()->set_scaling(v1::RunSpec::Precision::SCALING_BLOCK);
+  EXPECT_TRUE(CheckLiveRecipeShards(one, one_block).ok());
 }
 
 TEST(RunSpecTest, ShuffleValidationDataAndEvalTakeTheirDefaults) {
@@ -914,10 +954,12 @@ TEST(HealthPolicySpecTest, ActionMarginStepAndPromoteAfter) {
                  "'panic'"});
   ExpectInvalid(ValidateWith(dir, {"health.margin_step=40"}, 1), {"health.margin_step"});
   ExpectInvalid(ValidateWith(dir, {"health.promote_after=-1"}, 1), {"health.promote_after"});
-  // block_scaling needs shapes block scaling can split, checked up front (d_model 128 rows do
-  // not make whole 128-row blocks on each of 2 FSDP ranks).
-  ExpectInvalid(ValidateWith(dir, {"health.action=block_scaling", "parallel.dp=2"}, 2),
+  // block_scaling needs shapes block scaling can split, checked up front (d_model 128 split
+  // over 2 tensor-parallel ranks leaves 64 columns, not a whole 128-wide block). FSDP shards are
+  // no obstacle: the run is cut in 128-row blocks from the start (FsdpRowUnit).
+  ExpectInvalid(ValidateWith(dir, {"health.action=block_scaling", "parallel.tp=2"}, 2),
                 {"health.action", "block_scaling needs shapes block scaling can split"});
+  EXPECT_TRUE(ValidateWith(dir, {"health.action=block_scaling", "parallel.dp=2"}, 2).ok());
 }
 
 }  // namespace
