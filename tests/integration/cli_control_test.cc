@@ -803,7 +803,7 @@ TEST_F(CliControlTest, RecipeSetRejectsBadValuesWithExit2) {
   const Result word = Fp8rt({"recipe", "set", run_id_, "--scaling", "fast"});
   EXPECT_EQ(word.exit_code, 2) << word.err;
   EXPECT_THAT(word.err,
-              HasSubstr("--scaling: expected one of delayed, current, block, got 'fast'"));
+              HasSubstr("--scaling: expected one of delayed, current, block, mx32, got 'fast'"));
   const Result algo = Fp8rt({"recipe", "set", run_id_, "--amax-compute-algo", "mean"});
   EXPECT_EQ(algo.exit_code, 2) << algo.err;
   EXPECT_THAT(algo.err, HasSubstr("--amax-compute-algo"));
