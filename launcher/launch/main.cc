@@ -88,6 +88,7 @@
 #include "launcher/client/control_client.h"
 #include "launcher/launch/controller_events.h"
 #include "nlohmann/json.hpp"
+#include "runtime/core/quote.h"
 #include "runtime/spec/run_spec.h"
 #include "runtime/core/status.h"
 
@@ -123,7 +124,23 @@ struct Options {
   int metrics_port = 0;                // the started controller's metrics port (0: any free)
   int max_restarts = 0;                // restarts from the newest checkpoint after a failure
   std::string run_id;                  // default: the run folder's name
+  // Several hosts: mpirun's --hostfile / --host, and MCA parameters ("btl=tcp,self").
+  std::string hostfile;
+  std::string hosts;
+  std::vector<std::string> mca;
+  // The started controller's gRPC address (host:port; port 0: any free one), which the ranks and
+  // this launcher dial; its Prometheus endpoint listens on the same host.
+  std::string controller_listen = "127.0.0.1:0";
+  // TLS: the started controller's certificate and key; the CA the ranks and this launcher
+  // verify the controller (started or --controller) with.
+  std::string tls_cert, tls_key, tls_ca;
 };
+
+// True for an address that only this host can reach ("127.0.0.1:5", "localhost:0", "[::1]:5").
+bool LoopbackAddress(const std::string& host_port) {
+  const std::string host = host_port.substr(0, host_port.rfind(':'));
+  return host.starts_with("127.") || host == "localhost" || host == "[::1]" || host.empty();
+}
 
 // CLI11's PositiveNumber names the range up to DBL_MAX in its message; this says what it wants.
 const CLI::Validator kPositiveInt(
@@ -168,6 +185,22 @@ std::optional<int> ParseOptions(int argc, char** argv, Options* options) {
                  "bearer token of --controller (default: $FP8RT_TOKEN_FILE)");
   app.add_flag("--no-controller", options->no_controller,
                "run the workers without a control plane (metrics files only)");
+  app.add_option("--hostfile", options->hostfile,
+                 "several hosts: mpirun's hostfile (\"node1 slots=2\" per line); the run folder "
+                 "and the build must be at the same paths on every host");
+  app.add_option("--host", options->hosts, "several hosts: mpirun's --host list (node1:2,node2:2)");
+  app.add_option("--mca", options->mca,
+                 "an Open MPI MCA parameter for mpirun, KEY=VALUE (repeatable), e.g. btl=tcp,self")
+      ->allow_extra_args(false);
+  app.add_option("--controller-listen", options->controller_listen,
+                 "host:port the started controller serves on and the ranks dial (default "
+                 "127.0.0.1:0; with --hostfile or --host an address the other hosts reach); its "
+                 "Prometheus endpoint is on the same host, port --metrics-port");
+  app.add_option("--tls-cert", options->tls_cert,
+                 "PEM certificate chain of the started controller: it serves TLS");
+  app.add_option("--tls-key", options->tls_key, "PEM private key of --tls-cert");
+  app.add_option("--tls-ca", options->tls_ca,
+                 "PEM root certificate the ranks and the launcher verify the controller with");
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -183,6 +216,50 @@ std::optional<int> ParseOptions(int argc, char** argv, Options* options) {
   if (options->no_controller && !options->controller.empty()) {
     std::fputs("fp8rt launch: --no-controller and --controller exclude each other\n", stderr);
     return kExitBadInput;
+  }
+  for (const std::string& kv : options->mca) {
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      std::fprintf(stderr, "fp8rt launch: --mca: expected KEY=VALUE, got %s\n",
+                   QuoteBounded(kv).c_str());
+      return kExitBadInput;
+    }
+  }
+  if (!options->hostfile.empty() && !options->hosts.empty()) {
+    std::fputs("fp8rt launch: --hostfile and --host exclude each other\n", stderr);
+    return kExitBadInput;
+  }
+  if (options->controller_listen.rfind(':') == std::string::npos) {
+    std::fprintf(stderr, "fp8rt launch: --controller-listen: expected host:port, got %s\n",
+                 QuoteBounded(options->controller_listen).c_str());
+    return kExitBadInput;
+  }
+  const bool several_hosts = !options->hostfile.empty() || !options->hosts.empty();
+  if (several_hosts && options->controller.empty() && !options->no_controller &&
+      LoopbackAddress(options->controller_listen)) {
+    std::fprintf(stderr,
+                 "fp8rt launch: %s: ranks on other hosts cannot reach a controller on %s; give "
+                 "--controller-listen ADDRESS:PORT with an address of this host they reach (or "
+                 "--controller, or --no-controller)\n",
+                 options->hostfile.empty() ? "--host" : "--hostfile",
+                 options->controller_listen.c_str());
+    return kExitBadInput;
+  }
+  if (options->tls_cert.empty() != options->tls_key.empty()) {
+    std::fputs("fp8rt launch: --tls-cert and --tls-key go together\n", stderr);
+    return kExitBadInput;
+  }
+  if (!options->tls_cert.empty() && options->tls_ca.empty()) {
+    std::fputs("fp8rt launch: --tls-cert: the ranks need --tls-ca to verify it\n", stderr);
+    return kExitBadInput;
+  }
+  for (const std::string* file : {&options->hostfile, &options->tls_cert, &options->tls_key,
+                                  &options->tls_ca}) {
+    std::error_code ec;
+    if (!file->empty() && !fs::is_regular_file(*file, ec)) {
+      std::fprintf(stderr, "fp8rt launch: %s: not a readable file\n", QuoteBounded(*file).c_str());
+      return kExitBadInput;
+    }
   }
   if (!options->controller.empty() && options->token_file.empty()) {
     const char* env = std::getenv("FP8RT_TOKEN_FILE");
@@ -275,7 +352,17 @@ std::vector<std::string> MpirunArgv(const Options& options, const fs::path& work
   const int threads =
       options.threads_per_rank > 0 ? options.threads_per_rank : std::max(1, cores / options.np);
   std::vector<std::string> argv = {FP8RT_MPIEXEC, "-np", std::to_string(options.np)};
-  if (options.np > cores) argv.push_back("--oversubscribe");
+  const bool several_hosts = !options.hostfile.empty() || !options.hosts.empty();
+  if (!options.hostfile.empty()) {
+    argv.insert(argv.end(), {"--hostfile", AbsolutePath(options.hostfile).string()});
+  }
+  if (!options.hosts.empty()) argv.insert(argv.end(), {"--host", options.hosts});
+  for (const std::string& kv : options.mca) {
+    const size_t eq = kv.find('=');
+    argv.insert(argv.end(), {"--mca", kv.substr(0, eq), kv.substr(eq + 1)});
+  }
+  // On this host alone, more ranks than cores share them; across hosts the slots decide.
+  if (!several_hosts && options.np > cores) argv.push_back("--oversubscribe");
   if (geteuid() == 0) argv.push_back("--allow-run-as-root");
   // Each rank runs its own OpenMP/oneDNN threads: binding ranks to cores would pile them up.
   argv.insert(argv.end(), {"--bind-to", "none", "-x", absl::StrCat("OMP_NUM_THREADS=", threads)});
@@ -781,7 +868,8 @@ struct ControlPlane {
   // A token valid for the run only (minted from the admin token of a controller we started),
   // what the workers get; "" = they get token_file.
   std::string worker_token_file;
-  pid_t pid = 0;  // a controller we started (0: external or none)
+  std::string tls_ca;  // absolute path of --tls-ca ("" = plaintext)
+  pid_t pid = 0;       // a controller we started (0: external or none)
 };
 
 // Least privilege: the workers of the run get a token that authorizes calls on `run_id` only
@@ -792,6 +880,7 @@ absl::Status MintWorkerToken(const std::string& run_id, const fs::path& run_dir,
   cli::ConnectionOptions connection;
   connection.controller = plane->address;
   connection.token_file = plane->token_file;
+  connection.tls_ca = plane->tls_ca;
   FP8RT_ASSIGN_OR_RETURN(auto client, cli::ControllerClient::Connect(connection));
   FP8RT_ASSIGN_OR_RETURN(const v1::CreateRunTokenResponse created, client->CreateRunToken(run_id));
   const std::string path = (run_dir / "controller" / "run-token").string();
@@ -840,6 +929,7 @@ absl::StatusOr<ControlPlane> StartController(const Options& options, const fs::p
     return absl::UnavailableError(absl::StrCat("cannot create ", dir.string(), ": ", ec.message()));
   ControlPlane plane;
   plane.token_file = (dir / "token").string();
+  if (!options.tls_ca.empty()) plane.tls_ca = AbsolutePath(options.tls_ca).string();
   FP8RT_ASSIGN_OR_RETURN(const std::string token, RandomToken());
   {
     const int fd = open(plane.token_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -852,17 +942,23 @@ absl::StatusOr<ControlPlane> StartController(const Options& options, const fs::p
   }
   const fs::path ready = dir / "ready.json";
   fs::remove(ready, ec);
-  const std::vector<std::string> argv = {binary.string(),
-                                         "--token-file",
-                                         plane.token_file,
-                                         "--state-dir",
-                                         (dir / "state").string(),
-                                         "--listen",
-                                         "127.0.0.1:0",
-                                         "--metrics-listen",
-                                         absl::StrCat("127.0.0.1:", options.metrics_port),
-                                         "--ready-file",
-                                         ready.string()};
+  const std::string listen_host =
+      options.controller_listen.substr(0, options.controller_listen.rfind(':'));
+  std::vector<std::string> argv = {binary.string(),
+                                   "--token-file",
+                                   plane.token_file,
+                                   "--state-dir",
+                                   (dir / "state").string(),
+                                   "--listen",
+                                   options.controller_listen,
+                                   "--metrics-listen",
+                                   absl::StrCat(listen_host, ":", options.metrics_port),
+                                   "--ready-file",
+                                   ready.string()};
+  if (!options.tls_cert.empty()) {
+    argv.insert(argv.end(), {"--tls-cert", AbsolutePath(options.tls_cert).string(), "--tls-key",
+                             AbsolutePath(options.tls_key).string()});
+  }
   const fs::path log_path = run_dir / "logs" / "controller.log";
   FP8RT_ASSIGN_OR_RETURN(const int log_fd, OpenLog(log_path, CommandLine(argv)));
   absl::StatusOr<pid_t> pid = StartChild(argv, log_fd);
@@ -934,6 +1030,7 @@ int Launch(const Options& options) {
     if (!options.controller.empty()) {
       plane.address = options.controller;
       plane.token_file = AbsolutePath(options.token_file).string();
+      if (!options.tls_ca.empty()) plane.tls_ca = AbsolutePath(options.tls_ca).string();
     } else {
       absl::StatusOr<ControlPlane> started = StartController(options, run_dir);
       if (!started.ok()) {
@@ -962,12 +1059,14 @@ int Launch(const Options& options) {
         plane.worker_token_file.empty() ? plane.token_file : plane.worker_token_file;
     worker_extra = {"--controller", plane.address, "--token-file",
                     worker_token,   "--run-id",    run_id};
+    if (!plane.tls_ca.empty()) worker_extra.insert(worker_extra.end(), {"--tls-ca", plane.tls_ca});
   }
   std::unique_ptr<RunWatchdog> watchdog;
   if (!plane.address.empty()) {
     cli::ConnectionOptions connection;
     connection.controller = plane.address;
     connection.token_file = plane.token_file;
+    connection.tls_ca = plane.tls_ca;
     connection.timeout_s = 2.0;
     absl::StatusOr<std::unique_ptr<cli::ControllerClient>> client =
         cli::ControllerClient::Connect(connection);
@@ -984,6 +1083,7 @@ int Launch(const Options& options) {
     cli::ConnectionOptions connection;
     connection.controller = plane.address;
     connection.token_file = plane.token_file;
+    connection.tls_ca = plane.tls_ca;
     absl::StatusOr<std::unique_ptr<cli::ControllerClient>> client =
         cli::ControllerClient::Connect(connection);
     if (!client.ok()) {
