@@ -14,6 +14,8 @@ every 4 steps, and --max-restarts 2; each fault comes as soon as metrics.jsonl h
      ranks keep training (steps land in metrics.jsonl while the head is away: the controller is
      off the step's path, issue 19), and once it is back the controller's Prometheus exposition
      shows a step past the cut.
+     With --max-restarts 0 the same partition ends the launch with exit 1, the ranks'
+     DEADLINE_EXCEEDED in its output.
   3. A whole host lost: after step 10 every process in w2's namespace is killed. mpirun fails the
      job, the launcher restarts it from the newest checkpoint on both hosts, and the run ends
      with the losses of the run with no fault.
@@ -68,10 +70,12 @@ class Launch:
     runs in a thread of its own as soon as metrics.jsonl holds step n (polled every 10 ms;
     launch.lines holds the output so far)."""
 
-    def __init__(self, net, fp8rt, spec, hostfile, run_dir, env, mca, sets, triggers):
+    def __init__(self, net, fp8rt, spec, hostfile, run_dir, env, mca, sets, triggers,
+                 max_restarts=2):
         argv = net.exec("head", [fp8rt, "launch", spec, "--np", "2", "--hostfile", hostfile,
                                  "--controller-listen", net.address("head") + ":0",
-                                 "--max-restarts", "2", "--run-dir", run_dir] + mca + sets)
+                                 "--max-restarts", str(max_restarts), "--run-dir", run_dir] +
+                        mca + sets)
         self.t0 = time.time()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env)
@@ -172,6 +176,19 @@ def main():
     check_losses("partition", run_dir)
     print("partition: DEADLINE_EXCEEDED on group 'dp', restarted, %d steps bit-identical to the "
           "run with no fault (%.1f s)" % (STEPS, l.seconds), flush=True)
+
+    # 1b. The same partition with no restart left: exit 1, the ranks' error in the output.
+    run_dir1b = os.path.join(tmp, "partition_no_restart")
+    l = Launch(net, fp8rt, spec_path, hostfile, run_dir1b, env, mca, sets, {10: partition},
+               max_restarts=0)
+    if l.proc.returncode != 1:
+        fail("partition, no restarts: exit %d, expected 1:\n%s" % (l.proc.returncode,
+                                                                   l.text[-3000:]))
+    if not re.search(r"DEADLINE_EXCEEDED: \S+ on group 'dp'", l.text):
+        fail("partition, no restarts: the launcher's output does not show the ranks' error:\n" +
+             l.text[-3000:])
+    print("partition, --max-restarts 0: exit 1 showing DEADLINE_EXCEEDED on group 'dp' "
+          "(%.1f s)" % l.seconds, flush=True)
 
     # 2. The head cut off (its own port up0): the workers train on. A long run, stopped through
     # the controller once the head is back and the controller has been scraped.
