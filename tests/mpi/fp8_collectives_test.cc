@@ -15,6 +15,11 @@
 //                           shape: codes and scales equal to quantizing the unsharded weight,
 //                           identical on every rank; statistics; bytes sent
 //   GatherFp8WeightMiscTest NaN/Inf in one shard poisons the shared amax; bad arguments
+//   Mx32ShardGatherTest     MXFP8: each rank's QuantizeMx32Shard, then StartGatherFp8Shard:
+//                           codes, e8m0, col_codes, col_e8m0 on every rank bit for bit equal to
+//                           a reference quantization of the unsharded weight written here from
+//                           OCP MX v1.0 (no library helper), partial 1x32 blocks, both formats;
+//                           bytes sent; rows not a multiple of 32 refused
 //   GatherBf16Test          exact round to nearest even, specials
 //   ReduceScatterGradTest   FP32 and BF16 sums within the bounds below, exact for integer
 //                           data; accumulate adds, no-accumulate overwrites
@@ -44,6 +49,7 @@
 #include <limits>
 #include <memory>
 #include <ostream>
+#include <set>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -535,6 +541,169 @@ TEST(GatherFp8WeightMiscTest, BadArgumentsAreRejectedNamingTheField) {
   Fp8GatherOptions margin;
   margin.margin = -1;
   expect_invalid(shard.data(), 4, 8, margin, "margin");
+}
+
+// ---------------------------------------------------------------------------------------------
+// QuantizeMx32Shard + StartGatherFp8Shard (MXFP8).
+
+// OCP MX v1.0 (section 6.3) and OFP8 v1.0, written here from the definitions (no library
+// helper): a block of up to 32 values shares 2^e with e = floor(log2(amax)) - emax (8 E4M3,
+// 15 E5M2), clamped to [-127, 127], -127 for an all-zero block, stored as the E8M0 code e + 127;
+// each value is encoded as x / 2^e rounded to the nearest FP8 value (ties to the even code),
+// |x / 2^e| >= max giving +-max (saturation), the sign kept.
+int MxMantissaBits(Fp8Format f) { return f == Fp8Format::kE4M3 ? 3 : 2; }
+double MxMagnitude(int code, Fp8Format f) {  // finite non-negative code, from its fields
+  const int mbits = MxMantissaBits(f), bias = f == Fp8Format::kE4M3 ? 7 : 15;
+  const int e = code >> mbits, m = code & ((1 << mbits) - 1);
+  return e == 0 ? std::ldexp(m, 1 - bias - mbits) : std::ldexp((1 << mbits) + m, e - bias - mbits);
+}
+uint8_t MxEncode(double y, Fp8Format f) {
+  const int max_code = f == Fp8Format::kE4M3 ? 0x7E : 0x7B;
+  const uint8_t sign = std::signbit(y) ? 0x80 : 0x00;
+  const double a = std::fabs(y);
+  if (a >= MxMagnitude(max_code, f)) return static_cast<uint8_t>(sign | max_code);
+  int lo = 0;  // the largest code whose value is <= a
+  while (MxMagnitude(lo + 1, f) <= a) ++lo;
+  const double below = a - MxMagnitude(lo, f), above = MxMagnitude(lo + 1, f) - a;
+  const int code = below < above ? lo : above < below ? lo + 1 : (lo % 2 == 0 ? lo : lo + 1);
+  return static_cast<uint8_t>(sign | code);
+}
+int MxExponent(float amax, Fp8Format f) {
+  if (amax == 0.0f) return -127;
+  return std::clamp(std::ilogb(amax) - (f == Fp8Format::kE4M3 ? 8 : 15), -127, 127);
+}
+// `count` blocks of up to 32 values, value j of block b at x[b * block_stride + j * stride]
+// (j < len), into codes at the same places and one E8M0 code per block at e8m0[b * e_stride].
+void MxQuantizeBlocks(const float* x, int64_t blocks, int64_t block_stride, int64_t len,
+                      int64_t stride, Fp8Format f, uint8_t* codes, uint8_t* e8m0,
+                      int64_t e_stride) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < len; ++j) {
+      amax = std::max(amax, std::fabs(x[b * block_stride + j * stride]));
+    }
+    const int e = MxExponent(amax, f);
+    e8m0[b * e_stride] = static_cast<uint8_t>(e + 127);
+    for (int64_t j = 0; j < len; ++j) {
+      const int64_t at = b * block_stride + j * stride;
+      codes[at] = MxEncode(std::ldexp(static_cast<double>(x[at]), -e), f);  // x / 2^e, exact
+    }
+  }
+}
+// A rows x cols weight both ways (parallel::Fp8Weight): 1x32 blocks along each row (grid rows x
+// ceil(cols/32)) and 32x1 blocks down each column (grid ceil(rows/32) x cols), in W's layout.
+struct MxRef {
+  std::vector<uint8_t> codes, e8m0, col_codes, col_e8m0;
+};
+MxRef MxQuantizeBoth(const std::vector<float>& w, int64_t rows, int64_t cols, Fp8Format f) {
+  MxRef r;
+  const int64_t cb = (cols + 31) / 32, rb = (rows + 31) / 32;
+  r.codes.resize(w.size());
+  r.col_codes.resize(w.size());
+  r.e8m0.resize(static_cast<size_t>(rows * cb));
+  r.col_e8m0.resize(static_cast<size_t>(rb * cols));
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t b = 0; b < cb; ++b) {
+      const int64_t c0 = b * 32;
+      MxQuantizeBlocks(w.data() + row * cols + c0, 1, 0, std::min<int64_t>(32, cols - c0), 1, f,
+                       r.codes.data() + row * cols + c0, r.e8m0.data() + row * cb + b, 0);
+    }
+  }
+  for (int64_t col = 0; col < cols; ++col) {
+    for (int64_t b = 0; b < rb; ++b) {
+      const int64_t r0 = b * 32;
+      MxQuantizeBlocks(w.data() + r0 * cols + col, 1, 0, std::min<int64_t>(32, rows - r0), cols, f,
+                       r.col_codes.data() + r0 * cols + col, r.col_e8m0.data() + b * cols + col, 0);
+    }
+  }
+  return r;
+}
+
+// A weight every rank can regenerate: values in (-2^k, 2^k), k from the 32x32 tile (-6..6) and
+// +3 on every fifth row, so that neighbouring blocks differ both ways; exact zeros in one 1x32
+// block (row 1) and one 32x1 block (column 2), so that both grids hold the all-zero code 0.
+std::vector<float> MxWeight(uint64_t seed, int64_t rows, int64_t cols) {
+  std::vector<float> w(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const int64_t i = r * cols + c;
+      const int k = static_cast<int>((r / 32 * 5 + c / 32 * 3) % 13) - 6 + (r % 5 == 0 ? 3 : 0);
+      const bool zero = (r == 1 && c < 32) || (c == 2 && r < 32);
+      w[i] = zero ? 0.0f : Signed(seed, static_cast<uint64_t>(i), k);
+    }
+  }
+  return w;
+}
+
+TEST(Mx32ShardGatherTest, EveryRankHoldsBothQuantizationsOfTheUnshardedWeight) {
+  const int n = World().size(), rank = World().rank();
+  struct Shape {
+    int64_t shard_rows, cols;
+  };
+  // Partial 1x32 blocks at the end of each row (45 = 32 + 13, 70 = 64 + 6), and two 32-row
+  // blocks per shard.
+  for (const Shape s : {Shape{32, 45}, Shape{64, 70}}) {
+    for (const Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      SCOPED_TRACE(::testing::Message()
+                   << s.shard_rows << " x " << s.cols << " per rank, " << FormatName(format));
+      const int64_t rows = s.shard_rows * n;
+      const std::vector<float> full = MxWeight(777, rows, s.cols);
+      const float* shard = full.data() + rank * s.shard_rows * s.cols;
+
+      Fp8Shard fp8_shard;
+      ASSERT_TRUE(AllOk(QuantizeMx32Shard(Ops(), shard, s.shard_rows, s.cols, format, &fp8_shard)));
+      EXPECT_TRUE(fp8_shard.mx32);
+      float shard_amax = 0.0f;
+      for (int64_t i = 0; i < s.shard_rows * s.cols; ++i) {
+        shard_amax = std::max(shard_amax, std::fabs(shard[i]));
+      }
+      EXPECT_EQ(fp8_shard.stats.amax, shard_amax);
+      EXPECT_EQ(fp8_shard.stats.count, s.shard_rows * s.cols);
+
+      Fp8Weight w;
+      std::vector<std::unique_ptr<PendingCollective>> pending;
+      const CommStats before = World().stats();
+      ASSERT_TRUE(AllOk(StartGatherFp8Shard(World(), Ops(), fp8_shard, &w, &pending)));
+      absl::Status waited = absl::OkStatus();
+      for (std::unique_ptr<PendingCollective>& p : pending) waited.Update(p->Wait());
+      ASSERT_TRUE(AllOk(waited));
+      const CommStats after = World().stats();
+      EXPECT_EQ(w.rows, rows);
+      EXPECT_EQ(w.cols, s.cols);
+      EXPECT_TRUE(w.scale_inv.empty()) << "mx32 has no scale_inv";
+
+      const MxRef ref = MxQuantizeBoth(full, rows, s.cols, format);
+      // The data has what the file comment promises: several scales and the all-zero code.
+      const std::set<uint8_t> scales(ref.e8m0.begin(), ref.e8m0.end());
+      const std::set<uint8_t> col_scales(ref.col_e8m0.begin(), ref.col_e8m0.end());
+      EXPECT_GE(scales.size(), 4u);
+      EXPECT_GE(col_scales.size(), 4u);
+      EXPECT_EQ(scales.count(0) + col_scales.count(0), 2u);
+      EXPECT_TRUE(SameBits(Host(w.codes), ref.codes)) << "codes";
+      EXPECT_TRUE(SameBits(Host(w.e8m0), ref.e8m0)) << "e8m0";
+      EXPECT_TRUE(SameBits(Host(w.col_codes), ref.col_codes)) << "col_codes";
+      EXPECT_TRUE(SameBits(Host(w.col_e8m0), ref.col_e8m0)) << "col_e8m0";
+      for (const kernels::DeviceArray<uint8_t>* a :
+           {&w.codes, &w.e8m0, &w.col_codes, &w.col_e8m0}) {
+        EXPECT_TRUE(SameBits(FromRank0(Host(*a), DType::kU8), Host(*a))) << "differs from rank 0";
+      }
+      // What travelled: this shard's two code copies and two E8M0 grids, all as bytes.
+      EXPECT_EQ(after.Bytes(CollectiveOp::kAllGather, DType::kU8) -
+                    before.Bytes(CollectiveOp::kAllGather, DType::kU8),
+                static_cast<int64_t>(2 * s.shard_rows * s.cols +
+                                     (ref.e8m0.size() + ref.col_e8m0.size()) / n));
+    }
+  }
+}
+
+TEST(Mx32ShardGatherTest, ShardRowsNotAMultipleOf32AreRefused) {
+  const std::vector<float> data(64 * 8, 1.0f);
+  for (const int64_t rows : {0, 16, 48, 33}) {
+    Fp8Shard shard;
+    const absl::Status s = QuantizeMx32Shard(Ops(), data.data(), rows, 8, Fp8Format::kE4M3, &shard);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << rows << ": " << s;
+    EXPECT_NE(s.message().find("multiple of 32"), std::string::npos) << s;
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

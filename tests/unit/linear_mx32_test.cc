@@ -20,8 +20,8 @@
 //         grad_output sites record amax, count and saturations after FlushStats
 //     NullInputGradientSkipsDxAndDwAccumulatesOverBackwardCalls
 //         Backward(dx = nullptr) twice after one forward: dw = init + 2 * reference
-//     QuantizeMx32BothMatchesTheReferenceBitForBit
-//         codes, e8m0, col_codes, col_e8m0 and the statistics of the weight, both formats
+//   QuantizeMx32BothTest     codes, e8m0, col_codes, col_e8m0 and the statistics of the shapes
+//                            above, both formats, bit for bit
 //
 // Data: every value is uniform in (-1, 1) times 2^k, k depending on the 32x32 tile and the row,
 // so that neighbouring blocks (both ways) get different scales; one all-zero block in each
@@ -38,11 +38,10 @@
 // bound (the K u S term bounds the first-order error, the rest covers the second-order terms);
 // for K <= 96 that is about 6e-6 of S: a single FP8 code off by one step (2^-3 relative for
 // E4M3) in any product that matters is far outside it.
-#include "runtime/model/linear.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <ostream>
 #include <random>
 #include <set>
 #include <string>
@@ -56,6 +55,7 @@
 #include "kernels/ops.h"
 #include "kernels/quantize.h"
 #include "parallel/fp8_collectives.h"
+#include "runtime/model/linear.h"
 #include "runtime/train/scaling.h"
 
 namespace fp8rt::model {
@@ -234,8 +234,8 @@ RefProduct RefGemm(const std::vector<double>& a, const std::vector<double>& b, i
   if (bad == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure()
          << bad << " of " << got.size() << " elements outside the bound; first at " << first
-         << ": got " << got[first] << ", want " << want.d[first] << " (error " << first_err
-         << " > " << first_tol << ")";
+         << ": got " << got[first] << ", want " << want.d[first] << " (error " << first_err << " > "
+         << first_tol << ")";
 }
 
 ::testing::AssertionResult SameBytes(const kernels::DeviceArray<uint8_t>& got,
@@ -248,9 +248,9 @@ RefProduct RefGemm(const std::vector<double>& a, const std::vector<double>& b, i
     if (got[i] != want[i] && bad++ == 0) first = static_cast<int64_t>(i);
   }
   if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << bad << " of " << want.size() << " bytes differ; first at "
-                                       << first << ": got " << int{got[first]} << ", want "
-                                       << int{want[first]};
+  return ::testing::AssertionFailure()
+         << bad << " of " << want.size() << " bytes differ; first at " << first << ": got "
+         << int{got[first]} << ", want " << int{want[first]};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -310,8 +310,11 @@ struct Case {
 };
 std::string CaseName(const ::testing::TestParamInfo<Case>& info) {
   const Case& c = info.param;
-  return "n" + std::to_string(c.n) + "_in" + std::to_string(c.in) + "_out" +
-         std::to_string(c.out) + (c.grad_format == Fp8Format::kE4M3 ? "_E4M3" : "_Hybrid");
+  return "n" + std::to_string(c.n) + "_in" + std::to_string(c.in) + "_out" + std::to_string(c.out) +
+         (c.grad_format == Fp8Format::kE4M3 ? "_E4M3" : "_Hybrid");
+}
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << CaseName(::testing::TestParamInfo<Case>(c, 0));
 }
 
 // Everything a case needs: data, reference quantizations and the layer.
@@ -362,8 +365,8 @@ TEST_P(LinearMx32Test, ForwardAndBackwardMatchTheDoubleReferenceOfSpecQuantizedO
   std::vector<float> y(static_cast<size_t>(c.n * c.out), -1.0f);
   ASSERT_TRUE(f.layer.Forward(f.ctx, f.x.data(), c.n, y.data()).ok());
   ASSERT_TRUE(f.ops.layer->synchronize({}).ok());
-  EXPECT_TRUE(WithinFp32AccumulationBound(y, RefGemm(xq.value, f.w_rows.value, c.n, c.out, c.in, {}),
-                                          {}, c.in, 1))
+  EXPECT_TRUE(WithinFp32AccumulationBound(
+      y, RefGemm(xq.value, f.w_rows.value, c.n, c.out, c.in, {}), {}, c.in, 1))
       << "y";
 
   // Backward into nonzero gradients, which it must add to.
@@ -437,11 +440,16 @@ TEST_P(LinearMx32Test, NullInputGradientSkipsDxAndDwAccumulatesOverBackwardCalls
   EXPECT_EQ(f.layer.grad_site().step_stats().amax, Amax(f.dy));
 }
 
-TEST_P(LinearMx32Test, QuantizeMx32BothMatchesTheReferenceBitForBit) {
-  const Case& c = GetParam();
+TEST(QuantizeMx32BothTest, MatchesTheReferenceBitForBit) {
   const kernels::OpTable& ops = kernels::CpuOps();
-  // W is out x in here; the other shapes of the case as a second matrix (n x out).
-  for (const auto& [rows, cols, seed] : {std::tuple{c.out, c.in, 22u}, std::tuple{c.n, c.out, 33u}}) {
+  // The weights (out x in) of the Linear cases, and their dy shapes (n x out): partial blocks
+  // both ways (31, 33, 70, 72 columns or rows), and exact multiples of 32.
+  for (const auto& [rows, cols, seed] : {std::tuple<int64_t, int64_t, uint32_t>{48, 72, 22},
+                                         {96, 64, 23},
+                                         {70, 31, 24},
+                                         {40, 48, 33},
+                                         {64, 96, 34},
+                                         {33, 70, 35}}) {
     const std::vector<float> w = MakeData(seed, rows, cols, rows - 1, 0);
     for (const Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
       SCOPED_TRACE(::testing::Message() << rows << " x " << cols << " "
@@ -470,14 +478,12 @@ TEST_P(LinearMx32Test, QuantizeMx32BothMatchesTheReferenceBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(All, LinearMx32Test,
-                         ::testing::Values(Case{40, 72, 48, Fp8Format::kE4M3},
-                                           Case{40, 72, 48, Fp8Format::kE5M2},
-                                           Case{64, 64, 96, Fp8Format::kE4M3},
-                                           Case{64, 64, 96, Fp8Format::kE5M2},
-                                           Case{33, 31, 70, Fp8Format::kE4M3},
-                                           Case{33, 31, 70, Fp8Format::kE5M2}),
-                         CaseName);
+INSTANTIATE_TEST_SUITE_P(
+    All, LinearMx32Test,
+    ::testing::Values(Case{40, 72, 48, Fp8Format::kE4M3}, Case{40, 72, 48, Fp8Format::kE5M2},
+                      Case{64, 64, 96, Fp8Format::kE4M3}, Case{64, 64, 96, Fp8Format::kE5M2},
+                      Case{33, 31, 70, Fp8Format::kE4M3}, Case{33, 31, 70, Fp8Format::kE5M2}),
+    CaseName);
 
 }  // namespace
 }  // namespace fp8rt::model
