@@ -35,6 +35,10 @@ int main(int argc, char** argv) {
   render->add_option("--workers", options.workers,
                      "worker pods (default: one rank per pod on CPU; up to 8 GPUs per pod)");
   render->add_option("--out", out, "output folder (default: <name>-k8s)");
+  render->add_option("--tls-cert", options.tls_cert,
+                     "PEM certificate of the controller (naming <name>-controller): it serves TLS");
+  render->add_option("--tls-key", options.tls_key, "PEM private key of --tls-cert");
+  render->add_option("--tls-ca", options.tls_ca, "PEM CA the ranks verify the controller with");
   if (std::optional<int> exit_code = fp8rt::ParseCommandLine(app, argc, argv)) return *exit_code;
 
   absl::StatusOr<fp8rt::k8s::Rendered> rendered = fp8rt::k8s::Render(options);

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <span>
 #include <sstream>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -128,7 +129,7 @@ secretGenerator:
   - name: ${NAME}-token
     files:
       - token
-)";
+${TLS_SECRET})";
 
 constexpr char kControllerTemplate[] =
     R"(# fp8rt-controller of run ${NAME} (see deploy/kubernetes/base/controller-*.yaml).
@@ -179,20 +180,16 @@ spec:
             - 0.0.0.0:9464
             - --heartbeat-timeout-s
             - "30"
-          ports:
+${TLS_CONTROLLER_ARGS}          ports:
             - name: grpc
               containerPort: 50051
             - name: metrics
               containerPort: 9464
           readinessProbe:
-            grpc:
-              port: 50051
-            periodSeconds: 5
+${PROBE}            periodSeconds: 5
             failureThreshold: 3
           livenessProbe:
-            grpc:
-              port: 50051
-            initialDelaySeconds: 10
+${PROBE}            initialDelaySeconds: 10
             periodSeconds: 10
             failureThreshold: 6
             timeoutSeconds: 5
@@ -211,7 +208,7 @@ spec:
             - name: token
               mountPath: /etc/fp8rt/token
               readOnly: true
-            - name: data
+${TLS_MOUNT_6}            - name: data
               mountPath: /data
             - name: tmp
               mountPath: /tmp
@@ -220,7 +217,7 @@ spec:
           secret:
             secretName: ${NAME}-token
             defaultMode: 0440
-        - name: data
+${TLS_VOLUME_6}        - name: data
           persistentVolumeClaim:
             claimName: ${NAME}-data
         - name: tmp
@@ -249,7 +246,7 @@ spec:
     - name: grpc
       port: 50051
       targetPort: grpc
-      appProtocol: kubernetes.io/h2c
+      appProtocol: ${GRPC_APP_PROTOCOL}
     - name: metrics
       port: 9464
       targetPort: metrics
@@ -321,6 +318,14 @@ spec:
                   value: "${THREADS}"
 ${EXTRA_ENV}                - name: OMPI_MCA_btl_vader_single_copy_mechanism
                   value: "none"
+                # Between pods TCP over the pod network (eth0), shared memory within a pod: the
+                # daemons' and ranks' sockets never on an interface other pods cannot reach.
+                - name: OMPI_MCA_btl
+                  value: "self,vader,tcp"
+                - name: OMPI_MCA_btl_tcp_if_include
+                  value: "eth0"
+                - name: OMPI_MCA_oob_tcp_if_include
+                  value: "eth0"
                 - name: OMPI_MCA_mca_base_env_list
                   value: "${ENV_LIST}"
               command: ["mpirun"]
@@ -340,7 +345,7 @@ ${EXTRA_ENV}                - name: OMPI_MCA_btl_vader_single_copy_mechanism
                 - ${NAME}-controller:50051
                 - --token-file
                 - /etc/fp8rt/token/token
-                - --resume
+${TLS_WORKER_ARGS}                - --resume
               resources:
                 requests:
                   cpu: 100m
@@ -392,7 +397,7 @@ ${GPU_LIMIT}                  memory: ${MEMORY_LIMIT}
                 - name: token
                   mountPath: /etc/fp8rt/token
                   readOnly: true
-                - name: data
+${TLS_MOUNT_8}                - name: data
                   mountPath: /data
                 - name: shm
                   mountPath: /dev/shm
@@ -404,7 +409,7 @@ ${GPU_LIMIT}                  memory: ${MEMORY_LIMIT}
               secret:
                 secretName: ${NAME}-token
                 defaultMode: 0440
-            - name: data
+${TLS_VOLUME_8}            - name: data
               persistentVolumeClaim:
                 claimName: ${NAME}-data
             - name: shm
@@ -500,6 +505,39 @@ absl::StatusOr<Rendered> Render(const RenderOptions& options) {
   absl::StatusOr<std::string> spec_text = ReadFile(options.spec_path);
   if (!spec_text.ok()) return spec_text.status();
 
+  // TLS: the three PEM files go into the folder and a Secret <name>-tls; the controller serves
+  // with the certificate, the ranks (and a port-forwarded CLI) verify it with the CA.
+  const bool tls = !options.tls_cert.empty() || !options.tls_key.empty() ||
+                   !options.tls_ca.empty();
+  std::map<std::string, std::string> tls_files;
+  if (tls) {
+    for (const auto& [flag, path, file] :
+         {std::tuple<const char*, const std::string&, const char*>{"--tls-cert", options.tls_cert,
+                                                                  "tls.crt"},
+          {"--tls-key", options.tls_key, "tls.key"},
+          {"--tls-ca", options.tls_ca, "ca.crt"}}) {
+      if (path.empty()) {
+        return FlagError(flag, "--tls-cert, --tls-key and --tls-ca go together");
+      }
+      absl::StatusOr<std::string> pem = ReadFile(path);
+      if (!pem.ok()) return FlagError(flag, std::string(pem.status().message()));
+      if (pem->find("-----BEGIN ") == std::string::npos) {
+        return FlagError(flag, absl::StrCat("'", path, "' is not a PEM file (no -----BEGIN line)"));
+      }
+      tls_files[file] = *std::move(pem);
+    }
+  }
+  auto mount = [](int indent) {
+    const std::string pad(static_cast<size_t>(indent), ' ');
+    return absl::StrCat(pad, "- name: tls\n", pad, "  mountPath: /etc/fp8rt/tls\n", pad,
+                        "  readOnly: true\n");
+  };
+  auto volume = [](int indent, const std::string& name) {
+    const std::string pad(static_cast<size_t>(indent), ' ');
+    return absl::StrCat(pad, "- name: tls\n", pad, "  secret:\n", pad, "    secretName: ", name,
+                        "-tls\n", pad, "    defaultMode: 0440\n");
+  };
+
   const std::vector<std::pair<std::string, std::string>> vars = {
       {"${NAME}", name},
       {"${IMAGE}", options.image},
@@ -519,6 +557,27 @@ absl::StatusOr<Rendered> Render(const RenderOptions& options) {
       {"${ENV_LIST}", gpu ? "OMP_NUM_THREADS;NCCL_DEBUG;NCCL_SOCKET_IFNAME" : "OMP_NUM_THREADS"},
       {"${TOLERATIONS}", gpu ? kGpuTolerations : ""},
       {"${GPU_LIMIT}", gpu ? absl::StrCat("                  nvidia.com/gpu: ", slots, "\n") : ""},
+      {"${TLS_SECRET}",
+       tls ? absl::StrCat("  # TLS of the controller (fp8rt k8s render --tls-*): its certificate must "
+                          "name\n  # ",
+                          name, "-controller, the address the ranks dial.\n  - name: ", name,
+                          "-tls\n    files:\n      - tls.crt\n      - tls.key\n      - ca.crt\n")
+           : ""},
+      {"${TLS_CONTROLLER_ARGS}",
+       tls ? "            - --tls-cert\n            - /etc/fp8rt/tls/tls.crt\n"
+             "            - --tls-key\n            - /etc/fp8rt/tls/tls.key\n"
+           : ""},
+      // Kubernetes' gRPC probe speaks plaintext only: with TLS the probes read /metrics.
+      {"${PROBE}", tls ? "            httpGet:\n              path: /metrics\n"
+                         "              port: 9464\n"
+                       : "            grpc:\n              port: 50051\n"},
+      {"${GRPC_APP_PROTOCOL}", tls ? "https" : "kubernetes.io/h2c"},
+      {"${TLS_WORKER_ARGS}",
+       tls ? "                - --tls-ca\n                - /etc/fp8rt/tls/ca.crt\n" : ""},
+      {"${TLS_MOUNT_6}", tls ? mount(12) : ""},
+      {"${TLS_VOLUME_6}", tls ? volume(8, name) : ""},
+      {"${TLS_MOUNT_8}", tls ? mount(16) : ""},
+      {"${TLS_VOLUME_8}", tls ? volume(12, name) : ""},
   };
   Rendered rendered;
   rendered.name = name;
@@ -531,6 +590,7 @@ absl::StatusOr<Rendered> Render(const RenderOptions& options) {
   rendered.files["data-pvc.yaml"] = absl::StrReplaceAll(kPvcTemplate, vars);
   rendered.files["mpijob.yaml"] = absl::StrReplaceAll(kMpiJobTemplate, vars);
   rendered.files["run.yaml"] = *std::move(spec_text);
+  for (auto& [file, pem] : tls_files) rendered.files[file] = std::move(pem);
   return rendered;
 }
 
@@ -544,6 +604,7 @@ absl::Status WriteRendered(const std::string& dir, const Rendered& rendered, boo
     out << content;
     out.close();
     if (!out) return absl::InternalError(absl::StrCat(path, ": cannot write the file"));
+    if (file == "tls.key") chmod(path.c_str(), 0600);  // a private key: the owner's only
   }
   // The token: 32 random bytes as hex, created only if absent (O_EXCL), never readable by others.
   *token_created = false;

@@ -11,6 +11,9 @@
 //                        = slotsPerWorker x Worker replicas; with the spec's `device: cuda`, GPU
 //                        Worker pods: one rank per GPU (nvidia.com/gpu = slotsPerWorker)
 //   run.yaml             the spec file, byte for byte
+//   tls.crt, tls.key, ca.crt   with --tls-*: the controller serves TLS (Secret <name>-tls),
+//                        the ranks verify it; its probes read /metrics
+// Open MPI's TCP transport between pods on eth0 (OMPI_MCA_btl, btl/oob_tcp_if_include) always.
 // The token file is not rendered: WriteRendered() creates a random one unless the folder already
 // has one (so that rendering again keeps the running controller's token).
 //
@@ -50,6 +53,10 @@ struct RenderOptions {
   // Worker pods; each hosts world / workers ranks. 0: one rank per pod on CPU; on GPU one pod
   // for up to 8 ranks, else world / 8 pods of 8 GPUs (world must then be a multiple of 8).
   int workers = 0;
+  // TLS for the controller: PEM certificate (naming <name>-controller), its key, and the CA the
+  // ranks verify it with; all three or none. Copied into the folder as tls.crt, tls.key, ca.crt
+  // (Secret <name>-tls). Errors name the flag (--tls-cert, --tls-key, --tls-ca).
+  std::string tls_cert, tls_key, tls_ca;
 };
 
 // The rendered folder and the numbers it was sized with.

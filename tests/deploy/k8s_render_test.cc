@@ -9,6 +9,9 @@
 //     the stack working together, the cpu/gpu promises) and carries the spec in its ConfigMap
 //     (skipped without kubectl >= 1.21 or node: the message says so);
 //   - bad flags and specs exit 2 naming the flag or the field (--gpu with a device: cpu spec);
+//   - --tls-cert/--tls-key/--tls-ca: the controller serves TLS from a Secret of the three files
+//     (its probes read /metrics), the ranks verify it with the CA; Open MPI's TCP settings (the
+//     same as tests/multihost's) in every folder;
 //   - deploy/kubernetes/base/run.yaml is examples/tiny.yaml.
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -194,6 +197,106 @@ TEST(K8sRenderTest, CpuFolderCarriesTheSpecAndItsWorldSize) {
     found = true;
   }
   EXPECT_TRUE(found);
+}
+
+// TLS from the three PEM files: copied into the folder (the key owner-only), a Secret <name>-tls,
+// the controller's --tls-cert/--tls-key and httpGet probes (Kubernetes' gRPC probe has no TLS),
+// the ranks' --tls-ca, the Secret mounted where both read it. Open MPI's TCP settings are in the
+// Launcher's environment (forwarded to the ranks) with or without TLS. Half the files: exit 2.
+TEST(K8sRenderTest, TlsAndTcpSettingsReachTheControllerAndTheRanks) {
+  TempDir tmp("fp8rt-k8s-render-tls");
+  const std::string pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+  const std::string key = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n";
+  WriteFile(tmp / "head.pem", pem);
+  WriteFile(tmp / "head.key", key);
+  WriteFile(tmp / "ca.pem", pem);
+  const fs::path out = tmp / "tiny-k8s";
+  const Result r = Render({"examples/tiny.yaml", "--image", "registry.example/fp8rt:cpu", "--out",
+                           out.string(), "--tls-cert", (tmp / "head.pem").string(), "--tls-key",
+                           (tmp / "head.key").string(), "--tls-ca", (tmp / "ca.pem").string()});
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(ReadFile(out / "tls.crt"), pem);
+  EXPECT_EQ(ReadFile(out / "tls.key"), key);
+  EXPECT_EQ(ReadFile(out / "ca.crt"), pem);
+  struct stat st {};
+  ASSERT_EQ(stat((out / "tls.key").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+
+  const YAML::Node kust = YAML::LoadFile((out / "kustomization.yaml").string());
+  bool secret = false;
+  for (const YAML::Node& g : kust["secretGenerator"]) {
+    if (g["name"].as<std::string>() != "tiny-tls") continue;
+    secret = true;
+    std::vector<std::string> files;
+    for (const YAML::Node& f : g["files"]) files.push_back(f.as<std::string>());
+    EXPECT_THAT(files, ::testing::ElementsAre("tls.crt", "tls.key", "ca.crt"));
+  }
+  EXPECT_TRUE(secret) << "no Secret tiny-tls in kustomization.yaml";
+
+  auto strings = [](const YAML::Node& seq) {
+    std::vector<std::string> v;
+    for (const YAML::Node& n : seq) v.push_back(n.as<std::string>());
+    return v;
+  };
+  auto has_pair = [](const std::vector<std::string>& args, const std::string& flag,
+                     const std::string& value) {
+    for (size_t i = 0; i + 1 < args.size(); ++i) {
+      if (args[i] == flag && args[i + 1] == value) return true;
+    }
+    return false;
+  };
+  auto mounts_tls = [](const YAML::Node& container, const YAML::Node& pod) {
+    bool mounted = false, volume = false;
+    for (const YAML::Node& m : container["volumeMounts"]) {
+      mounted |= m["name"].as<std::string>() == "tls" &&
+                 m["mountPath"].as<std::string>() == "/etc/fp8rt/tls";
+    }
+    for (const YAML::Node& v : pod["volumes"]) {
+      volume |= v["name"].as<std::string>() == "tls" &&
+                v["secret"]["secretName"].as<std::string>() == "tiny-tls";
+    }
+    return mounted && volume;
+  };
+  for (const YAML::Node& doc : YAML::LoadAllFromFile((out / "controller.yaml").string())) {
+    if (doc["kind"].as<std::string>() != "Deployment") continue;
+    const YAML::Node pod = doc["spec"]["template"]["spec"];
+    const YAML::Node c = pod["containers"][0];
+    const std::vector<std::string> args = strings(c["args"]);
+    EXPECT_TRUE(has_pair(args, "--tls-cert", "/etc/fp8rt/tls/tls.crt"));
+    EXPECT_TRUE(has_pair(args, "--tls-key", "/etc/fp8rt/tls/tls.key"));
+    for (const char* probe : {"readinessProbe", "livenessProbe"}) {
+      EXPECT_EQ(c[probe]["httpGet"]["path"].as<std::string>(), "/metrics") << probe;
+      EXPECT_EQ(c[probe]["httpGet"]["port"].as<int>(), 9464) << probe;
+      EXPECT_FALSE(c[probe]["grpc"]) << probe;
+    }
+    EXPECT_TRUE(mounts_tls(c, pod));
+  }
+  const YAML::Node job = YAML::LoadFile((out / "mpijob.yaml").string());
+  const YAML::Node launcher = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"];
+  const std::vector<std::string> args = strings(launcher["containers"][0]["args"]);
+  EXPECT_TRUE(has_pair(args, "--tls-ca", "/etc/fp8rt/tls/ca.crt"));
+  std::map<std::string, std::string> env;
+  for (const YAML::Node& e : launcher["containers"][0]["env"]) {
+    env[e["name"].as<std::string>()] = e["value"].as<std::string>();
+  }
+  EXPECT_EQ(env["OMPI_MCA_btl"], "self,vader,tcp");
+  EXPECT_EQ(env["OMPI_MCA_btl_tcp_if_include"], "eth0");
+  EXPECT_EQ(env["OMPI_MCA_oob_tcp_if_include"], "eth0");
+  const YAML::Node worker = job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"];
+  EXPECT_TRUE(mounts_tls(worker["containers"][0], worker)) << "the ranks run in the Worker pods";
+
+  // Half the files, and a file that is not PEM: exit 2 naming the flag.
+  Result bad = Render({"examples/tiny.yaml", "--image", "fp8rt", "--out", (tmp / "b1").string(),
+                       "--tls-cert", (tmp / "head.pem").string()});
+  EXPECT_EQ(bad.status, 2) << bad.output;
+  EXPECT_THAT(bad.output, HasSubstr("go together"));
+  WriteFile(tmp / "junk.pem", "not a certificate");
+  bad = Render({"examples/tiny.yaml", "--image", "fp8rt", "--out", (tmp / "b2").string(),
+                "--tls-cert", (tmp / "head.pem").string(), "--tls-key",
+                (tmp / "head.key").string(), "--tls-ca", (tmp / "junk.pem").string()});
+  EXPECT_EQ(bad.status, 2) << bad.output;
+  EXPECT_THAT(bad.output, HasSubstr("--tls-ca"));
+  EXPECT_THAT(bad.output, HasSubstr("not a PEM file"));
 }
 
 // examples/tiny.yaml with `device: cuda` added, written into `dir` under its own name.
