@@ -23,7 +23,6 @@ every 4 steps, and --max-restarts 2; each fault comes as soon as metrics.jsonl h
 Usage: multihost_fault_test.py BIN_DIR SOURCE_DIR. Exit 77 (skipped) as multihost_test.py.
 """
 
-import atexit
 import json
 import os
 import re
@@ -31,7 +30,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -102,40 +100,16 @@ def main():
         fail("usage: multihost_fault_test.py BIN_DIR SOURCE_DIR")
     bin_dir, source = sys.argv[1], sys.argv[2]
     fp8rt = os.path.join(bin_dir, "fp8rt")
-    if os.geteuid() != 0:
-        print("SKIP: network namespaces need root (CI and the developers' machines run as root)")
+    reason = mh.skip_reason(("ip",))
+    if reason:
+        print("SKIP: " + reason)
         return mh.SKIP
-    if shutil.which("ip") is None:
-        print("SKIP: ip (iproute2) is not installed (scripts/bootstrap installs it)")
-        return mh.SKIP
-    probe = "fp8mhprobe%d" % os.getpid()
-    r = subprocess.run(["ip", "netns", "add", probe], stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True)
-    if r.returncode != 0:
-        print("SKIP: `ip netns add` is not permitted here: " + r.stdout.strip())
-        return mh.SKIP
-    subprocess.run(["ip", "netns", "del", probe])
-
-    tmp = tempfile.mkdtemp(prefix="fp8rt_multihost_fault_")
-    net = mh.Network(tmp)
-    atexit.register(net.destroy)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: sys.exit(1))
-    net.create()
-    with open(os.path.join(source, "tests/data/tiny-plain.yaml")) as f:
-        spec = f.read().replace("path: examples/data/kjv.txt",
-                                "path: " + os.path.join(source, "examples/data/kjv.txt"))
-    spec_path = os.path.join(tmp, "tiny.yaml")
-    with open(spec_path, "w") as f:
-        f.write(spec)
+    tmp, net, spec_path, mca = mh.setup("fp8rt_multihost_fault_", source)
     hostfile = os.path.join(tmp, "hosts")
     with open(hostfile, "w") as f:
         f.write("w1 slots=1\nw2 slots=1\n")
     sets = ["--set", "train.steps=%d" % STEPS, "--set", "train.warmup=2", "--set",
             "checkpoint.every=4", "--set", "metrics.every=1"]
-    mca = ["--mca", "plm_rsh_agent=" + net.agent, "--mca", "btl=tcp,self",
-           "--mca", "btl_tcp_if_include=%s.0/24" % mh.SUBNET,
-           "--mca", "oob_tcp_if_include=%s.0/24" % mh.SUBNET]
     env = dict(os.environ, OMP_NUM_THREADS="1", FP8RT_COLLECTIVE_TIMEOUT_S="6")
 
     # The run with no fault, on one host.
@@ -206,11 +180,7 @@ def main():
         g = re.search(r"controller serving gRPC on (\S+) ", text)
         time.sleep(4)  # a few heartbeats and reports after the link is back
         if m:
-            r2 = mh.run(net.exec("head", [sys.executable, "-c",
-                                          "import urllib.request,sys; sys.stdout.write("
-                                          "urllib.request.urlopen(%r, timeout=10).read()"
-                                          ".decode())" % m.group(1)]), check=False)
-            seen["scrape"] = r2.stdout if r2.returncode == 0 else ""
+            seen["scrape"] = mh.scrape(net, m.group(1))
         if g:
             mh.run(net.exec("head", [fp8rt, "runs", "stop", "head_cut", "--controller",
                                      g.group(1), "--token-file",

@@ -158,47 +158,68 @@ def losses(run_dir):
     return [j["step"] for j in lines], [j["loss"] for j in lines]
 
 
-def main():
-    if len(sys.argv) != 3:
-        fail("usage: multihost_test.py BIN_DIR SOURCE_DIR")
-    bin_dir, source = sys.argv[1], sys.argv[2]
-    fp8rt = os.path.join(bin_dir, "fp8rt")
+def skip_reason(tools):
+    """Why this machine cannot run the test (None: it can): not root, a missing tool, or
+    namespaces not permitted (probed by making and removing one)."""
     if os.geteuid() != 0:
-        print("SKIP: network namespaces need root (CI and the developers' machines run as root)")
-        return SKIP
-    for tool in ("ip", "openssl"):
+        return "network namespaces need root (CI and the developers' machines run as root)"
+    for tool in tools:
         if shutil.which(tool) is None:
-            print("SKIP: %s is not installed (scripts/bootstrap installs it)" % tool)
-            return SKIP
+            return "%s is not installed (scripts/bootstrap installs it)" % tool
     probe = "fp8mhprobe%d" % os.getpid()
     r = subprocess.run(["ip", "netns", "add", probe], stdout=subprocess.PIPE,
                        stderr=subprocess.STDOUT, text=True)
     if r.returncode != 0:
-        print("SKIP: `ip netns add` is not permitted here: " + r.stdout.strip())
-        return SKIP
+        return "`ip netns add` is not permitted here: " + r.stdout.strip()
     subprocess.run(["ip", "netns", "del", probe])
+    return None
 
-    tmp = tempfile.mkdtemp(prefix="fp8rt_multihost_")
+
+def setup(prefix, source):
+    """A temp folder, the network (removed at exit, also on ctest's SIGTERM), tiny.yaml with an
+    absolute data path, and the MCA parameters of a launch across the hosts."""
+    tmp = tempfile.mkdtemp(prefix=prefix)
     net = Network(tmp)
     atexit.register(net.destroy)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # ctest's timeout: clean up, then go
+    for sig in (signal.SIGTERM, signal.SIGINT):  # clean up, then go
         signal.signal(sig, lambda *_: sys.exit(1))
     net.create()
-    print("network: %s on a bridge in %s, %s.0/24" % (", ".join(net.ns(h) for h in HOSTS),
-                                                    net.ns("head"), SUBNET), flush=True)
-    cert, key, ca = make_tls(tmp, net.address("head"))
-
     with open(os.path.join(source, "tests/data/tiny-plain.yaml")) as f:
         spec = f.read().replace("path: examples/data/kjv.txt",
                                 "path: " + os.path.join(source, "examples/data/kjv.txt"))
     spec_path = os.path.join(tmp, "tiny.yaml")
     with open(spec_path, "w") as f:
         f.write(spec)
-    sets = ["--set", "train.steps=8", "--set", "train.warmup=2", "--set", "checkpoint.every=4",
-            "--set", "metrics.every=1"]
     mca = ["--mca", "plm_rsh_agent=" + net.agent, "--mca", "btl=tcp,self",
            "--mca", "btl_tcp_if_include=%s.0/24" % SUBNET,
            "--mca", "oob_tcp_if_include=%s.0/24" % SUBNET]
+    return tmp, net, spec_path, mca
+
+
+def scrape(net, url):
+    """The Prometheus exposition at `url`, fetched from the head host ("" when unreachable)."""
+    r = run(net.exec("head", [sys.executable, "-c",
+                              "import urllib.request,sys; sys.stdout.write(urllib.request."
+                              "urlopen(%r, timeout=10).read().decode())" % url]), check=False)
+    return r.stdout if r.returncode == 0 else ""
+
+
+def main():
+    if len(sys.argv) != 3:
+        fail("usage: multihost_test.py BIN_DIR SOURCE_DIR")
+    bin_dir, source = sys.argv[1], sys.argv[2]
+    fp8rt = os.path.join(bin_dir, "fp8rt")
+    reason = skip_reason(("ip", "openssl"))
+    if reason:
+        print("SKIP: " + reason)
+        return SKIP
+    tmp, net, spec_path, mca = setup("fp8rt_multihost_", source)
+    print("network: %s on a bridge in %s, %s.0/24" % (", ".join(net.ns(h) for h in HOSTS),
+                                                    net.ns("head"), SUBNET), flush=True)
+    cert, key, ca = make_tls(tmp, net.address("head"))
+
+    sets = ["--set", "train.steps=8", "--set", "train.warmup=2", "--set", "checkpoint.every=4",
+            "--set", "metrics.every=1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
 
     cases = [("dp2", 2, 1, ["--set", "parallel.dp=2", "--set", "parallel.tp=1"]),
@@ -221,12 +242,7 @@ def main():
             out.append(line)
             if re.match(r"step [4-7]/8", line) and url_of(out) and not scraped:
                 # The controller's Prometheus endpoint, scraped from the head host mid-run.
-                s2 = run(net.exec("head", [sys.executable, "-c",
-                                           "import urllib.request,sys; sys.stdout.write("
-                                           "urllib.request.urlopen(%r, timeout=10).read()"
-                                           ".decode())" % url_of(out)]), check=False)
-                if s2.returncode == 0:
-                    scraped = s2.stdout
+                scraped = scrape(net, url_of(out))
         proc.wait(timeout=400)
         text = "".join(out)
         print("%s: fp8rt launch across w1 and w2 exited %d in %.1f s" %
