@@ -7,9 +7,11 @@ The test builds a small network of its own, as root, and removes it on every exi
     (nothing is added to the machine's own namespace);
   - each namespace resolves the host names head, w1, w2 through its own hosts file
     (/etc/netns/NAME/hosts, which `ip netns exec` mounts over /etc/hosts for that namespace only);
+  - each host has its own hostname (a UTS namespace: Open MPI names its session folders in the
+    shared /tmp after it);
   - Open MPI reaches the worker hosts through an rsh agent (plm_rsh_agent) that runs the daemon's
-    command in the host's namespace with `ip netns exec`; `btl tcp,self` and the interface
-    filters keep every byte between ranks on the bridge.
+    command in the host's namespaces with `ip netns exec` and `unshare --uts`; `btl tcp,self`
+    and the interface filters keep every byte between ranks on the bridge.
 
 Then, from the head host, `fp8rt launch --hostfile` trains tests/data/tiny-plain.yaml:
   1. dp=2, one rank per worker host;
@@ -105,7 +107,9 @@ class Network:
                     "while [ $# -gt 0 ]; do case \"$1\" in -*) shift;; *) break;; esac; done\n"
                     "host=$1; shift\n"
                     "echo \"$host\" >> %s\n"
-                    "exec ip netns exec %s-\"$host\" sh -c \"$*\"\n" % (self.agent_log, self.prefix))
+                    "exec ip netns exec %s-\"$host\" unshare --uts sh -c "
+                    "'hostname \"$0\"; exec sh -c \"$1\"' \"$host\" \"$*\"\n"
+                    % (self.agent_log, self.prefix))
         os.chmod(self.agent, 0o755)
 
     def destroy(self):
@@ -123,7 +127,12 @@ class Network:
         self.made = []
 
     def exec(self, host, argv):
-        return ["ip", "netns", "exec", self.ns(host)] + argv
+        """`argv` on `host`: in its network namespace, with a UTS namespace of its own whose
+        hostname is the host's name (every host shares this machine's /tmp, where Open MPI keeps
+        a session folder named after the hostname: one name for all would make the daemons of
+        two hosts write the same files)."""
+        return ["ip", "netns", "exec", self.ns(host), "unshare", "--uts", "sh", "-c",
+                'hostname "$0"; exec "$@"', host] + argv
 
 
 def make_tls(tmp, address):
