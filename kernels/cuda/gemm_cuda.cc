@@ -240,6 +240,12 @@ absl::Status RunLt(const LtProblem& p, cudaStream_t stream) {
     CUBLAS_RETURN_IF_ERROR(SetPref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b));
     CUBLAS_RETURN_IF_ERROR(SetPref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d));
     CUBLAS_RETURN_IF_ERROR(SetPref(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d));
+    // A split-K algorithm must add its partial sums in FP32, not in the output type: "in place"
+    // reduction through a BF16 output rounds every partial sum to BF16 (on the H200, 130x257x300
+    // with BF16 out came back 1-2 units off on exact integer data). Unsplit algorithms stay
+    // allowed.
+    CUBLAS_RETURN_IF_ERROR(SetPref(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                                   static_cast<uint32_t>(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE)));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(

@@ -10,7 +10,7 @@
 //
 // CUDA (--device cuda, or a spec with device: cuda; run directly, without mpirun: one process on
 // GPU 0, a one-rank NCCL world over a solo bootstrap, the CUDA op table): `ratio` is bf16 step time
-// over fp8 step time, the FP8 speed-up (issue 8 target >= 1.3), on a GEMM-dominated default spec
+// over fp8 step time, the FP8 speed-up (issue 22 target >= 1.5), on a GEMM-dominated default spec
 // (1 layer, d_model 4096, d_ff 16384, 32 x 256 tokens per step).
 //
 // --spec takes any run spec instead (its parallel sizes must be 1).
@@ -412,10 +412,11 @@ int main(int argc, char** argv) {
     }
   }
   j["device"] = cuda ? "cuda" : "cpu";
-  // CPU: fp8 over fp32 time (target <= 0.7). CUDA: bf16 over fp8 time, the speed-up (>= 1.3).
+  // CPU: fp8 over fp32 time (target <= 0.7). CUDA: bf16 over fp8 time, the speed-up (issue 22:
+  // >= 1.5).
   j["ratio"] = cuda ? best[1] / best[0] : best[0] / best[2];
   j["ratio_median"] = cuda ? median[1] / median[0] : median[0] / median[2];
-  j["target"] = cuda ? 1.3 : 0.7;  // CUDA: at least; CPU: at most
+  j["target"] = cuda ? 1.5 : 0.7;  // CUDA: at least; CPU: at most
   j["bf16_over_fp32"] = best[1] / best[2];
   j["fp8_over_bf16"] = best[0] / best[1];
   if (mx32) j["mx32_over_fp8"] = best[3] / best[0];  // the spec's FP8 scaling

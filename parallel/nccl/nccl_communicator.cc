@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <thread>
 #include <utility>
@@ -30,54 +31,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// A buffer of one collective, as the device sees it. Device-addressable memory (cudaMalloc,
-// managed, pinned) is used as it is; plain host memory (the step loop's control values: a loss,
-// a gradient norm, flags, checkpoint verdicts) is staged through stream-ordered device memory:
-// copied in before the collective when it is an input, copied back after it when it is an output
-// (both enqueued on the communicator's stream, so Finish waits for them), freed at destruction.
-class Staged {
- public:
-  Staged() = default;
-  Staged(const Staged&) = delete;
-  Staged& operator=(const Staged&) = delete;
-  ~Staged() {
-    if (staged_ != nullptr) (void)cudaFreeAsync(staged_, stream_);
+// Whether the device can address `p` (cudaMalloc, managed or registered/pinned memory).
+bool DeviceAddressable(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    (void)cudaGetLastError();  // not a pointer CUDA knows: host memory
+    return false;
   }
-
-  // `p` holds `bytes` bytes; `in`: the collective reads it (copied to the device first).
-  absl::Status Init(const void* p, size_t bytes, bool in, cudaStream_t stream) {
-    host_ = const_cast<void*>(p);
-    bytes_ = bytes;
-    stream_ = stream;
-    if (p == nullptr || bytes == 0 || DeviceAddressable(p)) return absl::OkStatus();
-    CUDA_RETURN_IF_ERROR(cudaMallocAsync(&staged_, bytes, stream));
-    if (in)
-      CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(staged_, p, bytes, cudaMemcpyHostToDevice, stream));
-    return absl::OkStatus();
-  }
-  void* device() const { return staged_ != nullptr ? staged_ : host_; }
-  // For an output: enqueues the copy back to the host buffer (nothing when not staged).
-  absl::Status CopyOut() {
-    if (staged_ == nullptr) return absl::OkStatus();
-    CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_, staged_, bytes_, cudaMemcpyDeviceToHost, stream_));
-    return absl::OkStatus();
-  }
-
- static bool DeviceAddressable(const void* p) {
-    cudaPointerAttributes a{};
-    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
-      (void)cudaGetLastError();  // not a pointer CUDA knows: host memory
-      return false;
-    }
-    return a.type != cudaMemoryTypeUnregistered;
-  }
-
- private:
-  void* host_ = nullptr;
-  void* staged_ = nullptr;
-  size_t bytes_ = 0;
-  cudaStream_t stream_ = nullptr;
-};
+  return a.type != cudaMemoryTypeUnregistered;
+}
 
 // Bytes of the span [0, max_p(displs[p] + counts[p])) of an all-to-all buffer.
 size_t Extent(std::span<const int64_t> counts, std::span<const int64_t> displs, size_t elem) {
@@ -146,6 +108,67 @@ absl::Status WaitState(ncclComm_t comm, Clock::time_point deadline,
 
 }  // namespace
 
+// A buffer of one collective, as the device sees it. Device-addressable memory (cudaMalloc,
+// managed, pinned) is used as it is; plain host memory (the step loop's control values: a loss,
+// a gradient norm, flags, token counts, checkpoint verdicts) is staged through stream-ordered
+// device memory and the communicator's pinned memory: an input is copied to pinned memory by the
+// host and then to the device on the communicator's stream before the collective; an output is
+// copied back only once Finish has seen the collective complete (CopyOut, then Deliver). Pinned
+// memory keeps those copies asynchronous: a copy from or to pageable memory waits for the stream,
+// and behind a hung collective it would block the thread past the deadline.
+class NcclCommunicator::Staged {
+ public:
+  Staged() = default;
+  Staged(const Staged&) = delete;
+  Staged& operator=(const Staged&) = delete;
+  ~Staged() {
+    if (staged_ != nullptr) (void)cudaFreeAsync(staged_, stream_);
+  }
+
+  // `p` holds `bytes` bytes; `in`: the collective reads it (copied to the device first).
+  absl::Status Init(const void* p, size_t bytes, bool in, cudaStream_t stream, PinnedSlot& pinned) {
+    host_ = const_cast<void*>(p);
+    bytes_ = bytes;
+    stream_ = stream;
+    if (p == nullptr || bytes == 0 || DeviceAddressable(p)) return absl::OkStatus();
+    if (pinned.bytes < bytes) {
+      if (pinned.p != nullptr) CUDA_RETURN_IF_ERROR(cudaFreeHost(pinned.p));
+      pinned.p = nullptr;
+      pinned.bytes = 0;
+      CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinned.p, bytes));
+      pinned.bytes = bytes;
+    }
+    pinned_ = pinned.p;
+    CUDA_RETURN_IF_ERROR(cudaMallocAsync(&staged_, bytes, stream));
+    if (in) {
+      std::memcpy(pinned_, p, bytes);
+      CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(staged_, pinned_, bytes, cudaMemcpyHostToDevice, stream));
+    }
+    return absl::OkStatus();
+  }
+  void* device() const { return staged_ != nullptr ? staged_ : host_; }
+  bool staged() const { return staged_ != nullptr; }
+  // For an output, once the collective has completed: enqueues the copy to pinned memory.
+  absl::Status CopyOut() {
+    if (staged_ == nullptr) return absl::OkStatus();
+    CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(pinned_, staged_, bytes_, cudaMemcpyDeviceToHost, stream_));
+    return absl::OkStatus();
+  }
+  // Once that copy has completed: the result into the caller's buffer.
+  void Deliver() {
+    if (staged_ != nullptr) std::memcpy(host_, pinned_, bytes_);
+  }
+
+ private:
+  void* host_ = nullptr;
+  void* staged_ = nullptr;
+  void* pinned_ = nullptr;
+  size_t bytes_ = 0;
+  cudaStream_t stream_ = nullptr;
+};
+
 // --- NcclCommunicator --------------------------------------------------------------------------
 
 NcclCommunicator::NcclCommunicator(std::string name, int rank, int size, int device, ncclComm* comm,
@@ -191,6 +214,9 @@ NcclCommunicator::~NcclCommunicator() {
     comm_ = nullptr;
   }
   if (barrier_buf_ != nullptr) (void)cudaFree(barrier_buf_);
+  for (PinnedSlot& slot : pinned_) {
+    if (slot.p != nullptr) (void)cudaFreeHost(slot.p);
+  }
   if (side_done_ != nullptr) (void)cudaEventDestroy(side_done_);
   if (side_ != nullptr) (void)cudaStreamDestroy(side_);
   if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
@@ -219,10 +245,20 @@ absl::Status NcclCommunicator::Begin() {
 }
 
 absl::Status NcclCommunicator::Finish(absl::Status enqueued, Clock::time_point deadline,
-                                      const char* what) {
+                                      const char* what, std::initializer_list<Staged*> outputs) {
   // A failed enqueue leaves a non-blocking communicator in an error state: it is not reusable.
   if (!enqueued.ok()) return Break(enqueued);
-  return Poll(nullptr, deadline, what);
+  FP8RT_RETURN_IF_ERROR(Poll(nullptr, deadline, what));
+  bool copied = false;
+  for (Staged* out : outputs) {
+    if (!out->staged()) continue;
+    if (absl::Status s = out->CopyOut(); !s.ok()) return Break(s);
+    copied = true;
+  }
+  if (!copied) return absl::OkStatus();
+  FP8RT_RETURN_IF_ERROR(Poll(nullptr, deadline, what));
+  for (Staged* out : outputs) out->Deliver();
+  return absl::OkStatus();
 }
 
 absl::Status NcclCommunicator::Poll(CUevent_st* done, Clock::time_point deadline,
@@ -282,7 +318,7 @@ class NcclPendingAllGather final : public PendingCollective {
 
 absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllGather(
     const void* send, int64_t count, void* recv, DType dtype) {
-  if (count == 0 || !Staged::DeviceAddressable(send) || !Staged::DeviceAddressable(recv)) {
+  if (count == 0 || !DeviceAddressable(send) || !DeviceAddressable(recv)) {
     return Communicator::DoStartAllGather(send, count, recv, dtype);  // blocking, staged
   }
   FP8RT_RETURN_IF_ERROR(Begin());
@@ -303,8 +339,8 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllG
     return absl::OkStatus();
   }();
   if (status.ok()) {
-    status = FP8RT_NCCL_ENQUEUE(ncclAllGather(send, recv, static_cast<size_t>(count),
-                                              ToNccl(dtype), comm_, side_));
+    status = FP8RT_NCCL_ENQUEUE(
+        ncclAllGather(send, recv, static_cast<size_t>(count), ToNccl(dtype), comm_, side_));
   }
   if (status.ok()) {
     status = [&]() -> absl::Status {
@@ -326,13 +362,13 @@ absl::Status NcclCommunicator::DoAllReduce(void* buf, int64_t count, DType dtype
   if (count == 0) return absl::OkStatus();  // same count on every rank: all skip together
   const auto deadline = Clock::now() + options_.timeout;
   Staged b;
-  absl::Status status = b.Init(buf, static_cast<size_t>(Bytes(count, dtype)), true, stream_);
+  absl::Status status =
+      b.Init(buf, static_cast<size_t>(Bytes(count, dtype)), true, stream_, pinned_[0]);
   if (status.ok()) {
     status = FP8RT_NCCL_ENQUEUE(ncclAllReduce(b.device(), b.device(), static_cast<size_t>(count),
                                               ToNccl(dtype), ToNccl(op), comm_, stream_));
   }
-  if (status.ok()) status = b.CopyOut();
-  return Finish(status, deadline, "ncclAllReduce");
+  return Finish(status, deadline, "ncclAllReduce", {&b});
 }
 
 absl::Status NcclCommunicator::DoAllGather(const void* send, int64_t count, void* recv,
@@ -342,14 +378,14 @@ absl::Status NcclCommunicator::DoAllGather(const void* send, int64_t count, void
   const auto deadline = Clock::now() + options_.timeout;
   const size_t bytes = static_cast<size_t>(Bytes(count, dtype));
   Staged s, r;
-  absl::Status status = s.Init(send, bytes, true, stream_);
-  if (status.ok()) status = r.Init(recv, bytes * static_cast<size_t>(size()), false, stream_);
+  absl::Status status = s.Init(send, bytes, true, stream_, pinned_[0]);
+  if (status.ok())
+    status = r.Init(recv, bytes * static_cast<size_t>(size()), false, stream_, pinned_[1]);
   if (status.ok()) {
     status = FP8RT_NCCL_ENQUEUE(ncclAllGather(s.device(), r.device(), static_cast<size_t>(count),
                                               ToNccl(dtype), comm_, stream_));
   }
-  if (status.ok()) status = r.CopyOut();
-  return Finish(status, deadline, "ncclAllGather");
+  return Finish(status, deadline, "ncclAllGather", {&r});
 }
 
 absl::Status NcclCommunicator::DoReduceScatter(const void* send, void* recv, int64_t recv_count,
@@ -359,15 +395,15 @@ absl::Status NcclCommunicator::DoReduceScatter(const void* send, void* recv, int
   const auto deadline = Clock::now() + options_.timeout;
   const size_t bytes = static_cast<size_t>(Bytes(recv_count, dtype));
   Staged s, r;
-  absl::Status status = s.Init(send, bytes * static_cast<size_t>(size()), true, stream_);
-  if (status.ok()) status = r.Init(recv, bytes, false, stream_);
+  absl::Status status =
+      s.Init(send, bytes * static_cast<size_t>(size()), true, stream_, pinned_[0]);
+  if (status.ok()) status = r.Init(recv, bytes, false, stream_, pinned_[1]);
   if (status.ok()) {
     status = FP8RT_NCCL_ENQUEUE(ncclReduceScatter(s.device(), r.device(),
                                                   static_cast<size_t>(recv_count), ToNccl(dtype),
                                                   ToNccl(op), comm_, stream_));
   }
-  if (status.ok()) status = r.CopyOut();
-  return Finish(status, deadline, "ncclReduceScatter");
+  return Finish(status, deadline, "ncclReduceScatter", {&r});
 }
 
 absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int64_t> send_counts,
@@ -379,8 +415,10 @@ absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int
   const size_t elem = DTypeSize(dtype);
   const ncclDataType_t type = ToNccl(dtype);
   Staged s, r;
-  absl::Status status = s.Init(send, Extent(send_counts, send_displs, elem), true, stream_);
-  if (status.ok()) status = r.Init(recv, Extent(recv_counts, recv_displs, elem), false, stream_);
+  absl::Status status =
+      s.Init(send, Extent(send_counts, send_displs, elem), true, stream_, pinned_[0]);
+  if (status.ok())
+    status = r.Init(recv, Extent(recv_counts, recv_displs, elem), false, stream_, pinned_[1]);
   if (!status.ok()) return Finish(status, deadline, "staging host buffers");
   const auto* send_bytes = static_cast<const char*>(s.device());
   auto* recv_bytes = static_cast<char*>(r.device());
@@ -405,8 +443,7 @@ absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int
     const absl::Status end = FP8RT_NCCL_ENQUEUE(ncclGroupEnd());
     if (status.ok()) status = end;
   }
-  if (status.ok()) status = r.CopyOut();
-  return Finish(status, deadline, "ncclSend/ncclRecv group");
+  return Finish(status, deadline, "ncclSend/ncclRecv group", {&r});
 }
 
 absl::Status NcclCommunicator::DoBroadcast(void* buf, int64_t count, DType dtype, int root) {
@@ -414,13 +451,13 @@ absl::Status NcclCommunicator::DoBroadcast(void* buf, int64_t count, DType dtype
   if (count == 0) return absl::OkStatus();
   const auto deadline = Clock::now() + options_.timeout;
   Staged b;
-  absl::Status status = b.Init(buf, static_cast<size_t>(Bytes(count, dtype)), true, stream_);
+  absl::Status status =
+      b.Init(buf, static_cast<size_t>(Bytes(count, dtype)), true, stream_, pinned_[0]);
   if (status.ok()) {
     status = FP8RT_NCCL_ENQUEUE(ncclBroadcast(b.device(), b.device(), static_cast<size_t>(count),
                                               ToNccl(dtype), root, comm_, stream_));
   }
-  if (status.ok()) status = b.CopyOut();
-  return Finish(status, deadline, "ncclBroadcast");
+  return Finish(status, deadline, "ncclBroadcast", {&b});
 }
 
 absl::Status NcclCommunicator::DoBarrier() {

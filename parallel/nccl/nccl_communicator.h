@@ -32,6 +32,7 @@
 #define FP8RT_PARALLEL_NCCL_NCCL_COMMUNICATOR_H_
 
 #include <chrono>
+#include <initializer_list>
 #include <memory>
 #include <string>
 
@@ -99,13 +100,25 @@ class NcclCommunicator : public Communicator {
   NcclCommunicator(std::string name, int rank, int size, int device, ncclComm* comm,
                    const NcclOptions& options);
 
+  // A host buffer of one collective staged through device memory (defined in the .cc).
+  class Staged;
+  // Page-locked host memory that a Staged buffer copies through, grown on demand and reused by
+  // every collective (Finish waits for the stream, so a slot is free again at the next call).
+  struct PinnedSlot {
+    void* p = nullptr;
+    size_t bytes = 0;
+  };
+
   // Makes the device current and fails if the communicator was aborted.
   absl::Status Begin();
   // Waits until the work just enqueued (`enqueued`: the status of the enqueue calls) completes,
-  // NCCL reports an error or the deadline passes; aborts the communicator on any failure.
-  // `what` names the NCCL call in errors.
+  // NCCL reports an error or the deadline passes; aborts the communicator on any failure. Only
+  // then are the staged `outputs` copied back to their host buffers, through pinned memory and
+  // within the same deadline: a non-blocking communicator may put the collective on the stream
+  // after its call returned ncclInProgress, so a copy queued straight after the call could run
+  // first. `what` names the NCCL call in errors.
   absl::Status Finish(absl::Status enqueued, std::chrono::steady_clock::time_point deadline,
-                      const char* what);
+                      const char* what, std::initializer_list<Staged*> outputs = {});
   // Polls until `done` (an event; null: the main stream) has completed, NCCL reports an error or
   // the deadline passes; aborts the communicator on any failure.
   absl::Status Poll(CUevent_st* done, std::chrono::steady_clock::time_point deadline,
@@ -115,14 +128,15 @@ class NcclCommunicator : public Communicator {
   // The NCCL communicator, for ncclCommSplit; null once aborted.
   ncclComm* comm() const { return comm_; }
 
-  const int device_;               // fixed after construction
-  const NcclOptions options_;      // fixed after construction
-  ncclComm* comm_;                 // owned; null once aborted
-  CUstream_st* stream_ = nullptr;  // owned
-  CUstream_st* side_ = nullptr;    // owned, non-blocking; created by the first StartAllGather
+  const int device_;                 // fixed after construction
+  const NcclOptions options_;        // fixed after construction
+  ncclComm* comm_;                   // owned; null once aborted
+  CUstream_st* stream_ = nullptr;    // owned
+  CUstream_st* side_ = nullptr;      // owned, non-blocking; created by the first StartAllGather
   CUevent_st* side_done_ = nullptr;  // owned: recorded after the side stream's last collective
-  void* barrier_buf_ = nullptr;    // owned device memory, one int32 for Barrier()
-  absl::Status broken_;            // OK until the communicator is aborted
+  void* barrier_buf_ = nullptr;      // owned device memory, one int32 for Barrier()
+  PinnedSlot pinned_[2];             // owned: a collective's staged send and receive buffers
+  absl::Status broken_;              // OK until the communicator is aborted
 };
 
 class NcclCommunicatorFactory : public CommunicatorFactory {

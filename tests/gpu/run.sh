@@ -14,8 +14,9 @@
 #   3. Runs the GPU tests with FP8RT_REQUIRE_GPU=1 (a missing device fails instead of skipping):
 #      ops_cuda_test (every CUDA op against the CPU backend), layer_ops_cuda_test and
 #      attention_cuda_test (the CUDA layer ops, attention and cross-entropy against the CPU ones),
-#      nccl_communicator_test (NCCL on one GPU) and train_cuda_test (8 training steps on the GPU
-#      against the CPU run, every precision mode), through `ctest -L gpu` in build mode and
+#      nccl_communicator_test (NCCL on one GPU), nccl_deferred_test (the same with every
+#      collective completing late, as with several ranks) and train_cuda_test (8 training steps on
+#      the GPU against the CPU run, every precision mode), through `ctest -L gpu` in build mode and
 #      directly in bundle mode; and the host-only device_math_host_test and layer_math_host_test.
 #      gtest/JUnit XML for each, packed into one tarball.
 #   4. Runs the GPU benchmarks: `fp8rt bench quantize --device cuda`,
@@ -29,10 +30,10 @@
 # Output files (at most 8: what the device tool brings back): run.log, summary.txt,
 # nvidia-smi.txt, bench_quantize.json, bench_gemm.json, bench_step.json and test_xml.tar.gz,
 # which holds xml/NAME.xml for device_math_host_test and layer_math_host_test, and for
-# ops_cuda_test, layer_ops_cuda_test, attention_cuda_test, nccl_communicator_test and
-# train_cuda_test (bundle mode) or ctest_gpu.xml (build mode). Until the tests end the XML files
-# lie loose in OUT_DIR/xml/ (at most 7: a run cut short mid-test brings back the first 8 files
-# only); if neither tar nor Python can pack them they stay there, and some may not come back.
+# ops_cuda_test, layer_ops_cuda_test, attention_cuda_test, nccl_communicator_test,
+# nccl_deferred_test and train_cuda_test (bundle mode) or ctest_gpu.xml (build mode). Until the
+# tests end the XML files lie loose in OUT_DIR/xml/ (at most 8: a run cut short mid-test brings
+# back the first 8 files only); if neither tar nor Python can pack them they stay there, and some may not come back.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 ROOT=$(pwd)
@@ -74,6 +75,9 @@ fi
 log "GPUs: $(nvidia-smi -L | tr '\n' ';')"
 export FP8RT_REQUIRE_GPU=1
 NPROC=$(nproc)
+# Each test and benchmark program's limit, in seconds (bundle mode; ctest has its own).
+TEST_TIMEOUT=${FP8RT_GPU_TEST_TIMEOUT:-240}
+BENCH_TIMEOUT=${FP8RT_GPU_BENCH_TIMEOUT:-150}
 
 # --- 2. binaries ----------------------------------------------------------------------------------
 MODE=${FP8RT_GPU_MODE:-auto}
@@ -82,7 +86,7 @@ BUNDLE_TAR=${FP8RT_GPU_BUNDLE:-build-gpu-bundle/fp8rt-gpu-bundle.tar.xz}
 BIN=""
 GEN=()
 # The tests: the GPU ones (ctest label gpu; tests/gpu/CMakeLists.txt) and the host-only ones.
-GPU_TESTS=(ops_cuda_test layer_ops_cuda_test attention_cuda_test nccl_communicator_test
+GPU_TESTS=(ops_cuda_test layer_ops_cuda_test attention_cuda_test nccl_communicator_test nccl_deferred_test
   train_cuda_test)
 HOST_TESTS=(device_math_host_test layer_math_host_test)
 command -v ninja > /dev/null 2>&1 && GEN=(-G Ninja)
@@ -138,7 +142,14 @@ PY
   export LD_LIBRARY_PATH="$dest/lib${joined:+:$joined}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   log "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
   local missing
-  missing=$(for b in "$dest"/bin/*; do ldd "$b" | grep 'not found'; done | sort -u)
+  missing=$(for b in "$dest"/bin/*; do ldd "$b" 2>&1 | grep 'not found'; done | sort -u)
+  # The bundle's C++ runtime only where this machine's is missing or older ("version
+  # `GLIBCXX_3.4.30' not found"): the machine's own cuBLAS and NCCL may need a newer one.
+  if [ -n "$missing" ] && [ -d "$dest/lib-compat" ]; then
+    log "the machine's C++ runtime does not serve the binaries ($(echo "$missing" | head -1 | tr -s ' \t' ' ')); using the bundle's lib-compat"
+    export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$dest/lib-compat"
+    missing=$(for b in "$dest"/bin/*; do ldd "$b" 2>&1 | grep 'not found'; done | sort -u)
+  fi
   if [ -n "$missing" ]; then
     log "unresolved libraries:"
     echo "$missing" | tee -a "$LOG"
@@ -185,8 +196,10 @@ run_gtest() {
     rm -f "$output"
     return
   fi
-  "$binary" --gtest_output="xml:$XML_DIR/$name.xml" > "$output" 2>&1
+  # A hung test (a collective that never completes, say) must not take the whole lease.
+  timeout -k 10 "$TEST_TIMEOUT" "$binary" --gtest_output="xml:$XML_DIR/$name.xml" > "$output" 2>&1
   local status=$?
+  [ $status -eq 124 ] && log "$name ran past ${TEST_TIMEOUT}s and was stopped"
   cat "$output" >> "$LOG"
   grep -E '^\[  (PASSED|FAILED|SKIPPED) +\]|tests? from .* ran' "$output" | tail -5 | tee -a "$LOG"
   if [ $status -ne 0 ]; then
@@ -252,8 +265,9 @@ bench() {
   local name=$1
   shift
   log "bench $name: fp8rt bench $*"
-  "$BENCH" "$@" --json > "$OUT_DIR/bench_$name.json" 2>> "$LOG"
+  timeout -k 10 "$BENCH_TIMEOUT" "$BENCH" "$@" --json > "$OUT_DIR/bench_$name.json" 2>> "$LOG"
   local status=$?
+  [ $status -eq 124 ] && log "bench $name ran past ${BENCH_TIMEOUT}s and was stopped"
   if [ $status -eq 0 ]; then
     log "bench $name: $(head -c 400 "$OUT_DIR/bench_$name.json")"
   else

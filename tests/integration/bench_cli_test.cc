@@ -271,5 +271,17 @@ TEST(BenchCliTest, BadArgumentsExitWithCode2) {
   EXPECT_NE(rc, 0);
 }
 
+// The GPU step runs its program directly (no MPI ranks): where there is no GPU, or no CUDA in this
+// build, that program says so and the bench exits 2. (The front end once divided the cores by the
+// rank count 0 here and died of SIGFPE, on the H200 too.)
+TEST(BenchCliTest, StepOnTheGpuWithoutOneExitsWithCode2) {
+  if (std::filesystem::exists("/dev/nvidiactl")) {
+    GTEST_SKIP() << "this machine has an NVIDIA device: tests/gpu/run.sh runs the GPU step there";
+  }
+  int rc = -1;
+  RunBench("step --device cuda --rounds 1 --json", &rc);
+  EXPECT_EQ(rc, 2);
+}
+
 }  // namespace
 }  // namespace fp8rt

@@ -1,0 +1,309 @@
+// NCCL's non-blocking completion, on one GPU (issue 23, point 1).
+//
+// On a non-blocking communicator a collective may return ncclInProgress and reach the stream
+// later, from NCCL's own thread. With two or more ranks that is what happens; with one rank NCCL
+// usually enqueues at once, so one GPU hides the difference. This test makes it visible: the link
+// wraps the collectives and ncclCommGetAsyncError (-Wl,--wrap, tests/gpu/CMakeLists.txt). While
+// the shim is on, a wrapped collective (or a whole ncclGroupStart..ncclGroupEnd) is not passed to
+// NCCL at once: its call returns ncclInProgress, and a thread makes the real call `delay` later;
+// until then the wrapped ncclCommGetAsyncError answers ncclInProgress. That is NCCL's documented
+// contract, only slower, so results must come out right and the caller must wait for them.
+//
+// A communicator that queued the copy of a staged (host) output straight after the call, as
+// fp8rt's did before this test, hands back the buffer as it was: the H200 showed it in training
+// (train_cuda_test fp8_moe: the expert token counts came back 0, and the next all-to-all then sent
+// to itself with no matching receive). Here each output starts as a sentinel, so a copy made too
+// early fails the comparison.
+#include <cuda_runtime.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "parallel/communicator.h"
+#include "parallel/nccl/nccl_communicator.h"
+#include "parallel/solo_communicator.h"
+
+// --- the shim ------------------------------------------------------------------------------------
+
+extern "C" {
+ncclResult_t __real_ncclAllReduce(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t,
+                                  ncclComm_t, cudaStream_t);
+ncclResult_t __real_ncclAllGather(const void*, void*, size_t, ncclDataType_t, ncclComm_t,
+                                  cudaStream_t);
+ncclResult_t __real_ncclReduceScatter(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t,
+                                      ncclComm_t, cudaStream_t);
+ncclResult_t __real_ncclBroadcast(const void*, void*, size_t, ncclDataType_t, int, ncclComm_t,
+                                  cudaStream_t);
+ncclResult_t __real_ncclSend(const void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+ncclResult_t __real_ncclRecv(void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
+ncclResult_t __real_ncclGroupStart();
+ncclResult_t __real_ncclGroupEnd();
+ncclResult_t __real_ncclCommGetAsyncError(ncclComm_t, ncclResult_t*);
+}
+
+namespace shim {
+
+std::atomic<bool> on{false};
+std::atomic<bool> hang{false};  // deferred calls are never made: a collective that never ends
+std::chrono::milliseconds delay{150};
+std::mutex mu;
+int pending = 0;                   // deferred calls not made yet (guarded by mu)
+int deferred = 0;                  // calls deferred since the last Reset (guarded by mu)
+ncclResult_t error = ncclSuccess;  // a deferred call's failure (guarded by mu)
+bool in_group = false;             // main thread only
+std::vector<std::function<ncclResult_t()>> group;  // main thread only
+std::vector<std::thread> threads;                  // main thread only
+
+// Makes `call` `delay` from now on a thread of its own; the caller returns ncclInProgress.
+ncclResult_t Defer(std::function<ncclResult_t()> call) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ++pending;
+    ++deferred;
+  }
+  int device = 0;
+  (void)cudaGetDevice(&device);
+  threads.emplace_back([call = std::move(call), device] {
+    std::this_thread::sleep_for(delay);
+    if (hang.load()) return;
+    (void)cudaSetDevice(device);
+    const ncclResult_t r = call();
+    std::lock_guard<std::mutex> lock(mu);
+    if (r != ncclSuccess && r != ncclInProgress) error = r;
+    --pending;
+  });
+  return ncclInProgress;
+}
+
+// One collective: deferred as it is, or recorded when inside a group.
+ncclResult_t Call(std::function<ncclResult_t()> call) {
+  if (!on.load()) return call();
+  if (in_group) {
+    group.push_back(std::move(call));
+    return ncclSuccess;
+  }
+  return Defer(std::move(call));
+}
+
+void Join() {
+  for (std::thread& t : threads) t.join();
+  threads.clear();
+}
+
+void Reset() {
+  Join();
+  std::lock_guard<std::mutex> lock(mu);
+  pending = 0;
+  deferred = 0;
+  error = ncclSuccess;
+}
+
+int Deferred() {
+  std::lock_guard<std::mutex> lock(mu);
+  return deferred;
+}
+
+}  // namespace shim
+
+extern "C" {
+ncclResult_t __wrap_ncclAllReduce(const void* s, void* r, size_t n, ncclDataType_t t,
+                                  ncclRedOp_t op, ncclComm_t c, cudaStream_t st) {
+  return shim::Call([=] { return __real_ncclAllReduce(s, r, n, t, op, c, st); });
+}
+ncclResult_t __wrap_ncclAllGather(const void* s, void* r, size_t n, ncclDataType_t t, ncclComm_t c,
+                                  cudaStream_t st) {
+  return shim::Call([=] { return __real_ncclAllGather(s, r, n, t, c, st); });
+}
+ncclResult_t __wrap_ncclReduceScatter(const void* s, void* r, size_t n, ncclDataType_t t,
+                                      ncclRedOp_t op, ncclComm_t c, cudaStream_t st) {
+  return shim::Call([=] { return __real_ncclReduceScatter(s, r, n, t, op, c, st); });
+}
+ncclResult_t __wrap_ncclBroadcast(const void* s, void* r, size_t n, ncclDataType_t t, int root,
+                                  ncclComm_t c, cudaStream_t st) {
+  return shim::Call([=] { return __real_ncclBroadcast(s, r, n, t, root, c, st); });
+}
+ncclResult_t __wrap_ncclSend(const void* s, size_t n, ncclDataType_t t, int peer, ncclComm_t c,
+                             cudaStream_t st) {
+  return shim::Call([=] { return __real_ncclSend(s, n, t, peer, c, st); });
+}
+ncclResult_t __wrap_ncclRecv(void* r, size_t n, ncclDataType_t t, int peer, ncclComm_t c,
+                             cudaStream_t st) {
+  return shim::Call([=] { return __real_ncclRecv(r, n, t, peer, c, st); });
+}
+ncclResult_t __wrap_ncclGroupStart() {
+  if (!shim::on.load()) return __real_ncclGroupStart();
+  shim::in_group = true;
+  shim::group.clear();
+  return ncclSuccess;
+}
+ncclResult_t __wrap_ncclGroupEnd() {
+  if (!shim::on.load()) return __real_ncclGroupEnd();
+  shim::in_group = false;
+  return shim::Defer([calls = std::move(shim::group)] {
+    ncclResult_t r = __real_ncclGroupStart();
+    for (const auto& call : calls) {
+      const ncclResult_t c = call();
+      if (c != ncclSuccess && c != ncclInProgress) r = c;
+    }
+    const ncclResult_t end = __real_ncclGroupEnd();
+    return r != ncclSuccess ? r : end;
+  });
+}
+ncclResult_t __wrap_ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
+  if (shim::on.load()) {
+    std::lock_guard<std::mutex> lock(shim::mu);
+    if (shim::error != ncclSuccess) {
+      *state = shim::error;
+      return ncclSuccess;
+    }
+    if (shim::pending > 0) {
+      *state = ncclInProgress;
+      return ncclSuccess;
+    }
+  }
+  return __real_ncclCommGetAsyncError(comm, state);
+}
+}  // extern "C"
+
+namespace fp8rt::parallel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using ::testing::HasSubstr;
+
+constexpr float kSentinel = -12345.0f;
+
+std::vector<float> Ramp(int64_t n, float start) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = start + 0.5f * static_cast<float>(i);
+  return v;
+}
+
+class NcclDeferredTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (kernels::CudaDeviceCount(&why) == 0) {
+      const char* required = std::getenv("FP8RT_REQUIRE_GPU");
+      if (required != nullptr && std::string(required) == "1") {
+        FAIL() << "FP8RT_REQUIRE_GPU=1 but there is no CUDA device: " << why;
+      }
+      GTEST_SKIP() << "no CUDA device: " << why;
+    }
+    shim::on = false;
+    shim::hang = false;
+    NcclOptions options;
+    options.timeout = std::chrono::seconds(30);
+    auto factory = NcclCommunicatorFactory::Create(bootstrap_, /*device=*/0, options);
+    ASSERT_TRUE(factory.ok()) << factory.status();
+    factory_ = std::move(factory).value();
+    shim::Reset();
+    shim::on = true;
+  }
+  void TearDown() override {
+    shim::on = false;
+    shim::hang = false;
+    factory_.reset();  // aborts or finalises the communicator before the deferred calls end
+    shim::Reset();
+  }
+  Communicator& world() { return factory_->World(); }
+
+  // Runs `collective`, checks that it was deferred and that the call waited for it.
+  template <class F>
+  void ExpectWaitedFor(F collective) {
+    const int before = shim::Deferred();
+    const auto t0 = Clock::now();
+    const absl::Status s = collective();
+    const auto waited = Clock::now() - t0;
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_GT(shim::Deferred(), before) << "the shim did not defer the call";
+    EXPECT_GE(waited, shim::delay) << "the call returned before NCCL had run the collective";
+  }
+
+  SoloCommunicator bootstrap_;
+  std::unique_ptr<NcclCommunicatorFactory> factory_;
+};
+
+TEST_F(NcclDeferredTest, AllGatherIntoHostMemoryWaitsForTheCollective) {
+  const int64_t n = 1000;
+  const std::vector<float> send = Ramp(n, 1.0f);
+  std::vector<float> recv(n, kSentinel);
+  ExpectWaitedFor([&] { return world().AllGather(send.data(), n, recv.data(), DType::kF32); });
+  EXPECT_EQ(recv, send);
+}
+
+TEST_F(NcclDeferredTest, ReduceScatterIntoHostMemoryWaitsForTheCollective) {
+  const int64_t n = 513;
+  const std::vector<float> send = Ramp(n, -7.0f);
+  std::vector<float> recv(n, kSentinel);
+  ExpectWaitedFor([&] {
+    return world().ReduceScatter(send.data(), recv.data(), n, DType::kF32, ReduceOp::kSum);
+  });
+  EXPECT_EQ(recv, send);
+}
+
+// MoE's pattern: the token counts first (one int64 per peer, host memory), then the tokens by
+// those counts (what failed on the H200 before the fix).
+TEST_F(NcclDeferredTest, AllToAllVCountsThenTokensFromHostMemory) {
+  const std::vector<int64_t> ones = {1}, zero = {0};
+  const std::vector<int64_t> send_counts = {96};
+  std::vector<int64_t> recv_counts = {-1};
+  ExpectWaitedFor([&] {
+    return world().AllToAllV(send_counts.data(), ones, zero, recv_counts.data(), ones, zero,
+                             DType::kI64);
+  });
+  ASSERT_EQ(recv_counts[0], 96);
+  const std::vector<float> tokens = Ramp(96, 3.0f);
+  std::vector<float> got(96, kSentinel);
+  ExpectWaitedFor([&] {
+    return world().AllToAllV(tokens.data(), send_counts, zero, got.data(), recv_counts, zero,
+                             DType::kF32);
+  });
+  EXPECT_EQ(got, tokens);
+}
+
+TEST_F(NcclDeferredTest, InPlaceCollectivesOnHostMemoryWaitToo) {
+  const std::vector<float> input = Ramp(64, 2.0f);
+  std::vector<float> buf = input;
+  ExpectWaitedFor([&] { return world().AllReduce(buf.data(), 64, DType::kF32, ReduceOp::kMax); });
+  EXPECT_EQ(buf, input);
+  ExpectWaitedFor([&] { return world().Broadcast(buf.data(), 64, DType::kF32, 0); });
+  EXPECT_EQ(buf, input);
+}
+
+// A collective that never reaches the stream: the deadline still ends the call, the communicator
+// is aborted and says why, and the host output is left as it was.
+TEST_F(NcclDeferredTest, ACollectiveThatNeverRunsEndsAtTheDeadline) {
+  factory_.reset();
+  shim::on = false;
+  shim::Reset();
+  NcclOptions options;
+  options.timeout = std::chrono::milliseconds(1500);
+  auto factory = NcclCommunicatorFactory::Create(bootstrap_, 0, options);
+  ASSERT_TRUE(factory.ok()) << factory.status();
+  factory_ = std::move(factory).value();
+  shim::on = true;
+  shim::hang = true;
+  const std::vector<float> send = Ramp(32, 0.0f);
+  std::vector<float> recv(32, kSentinel);
+  const auto t0 = Clock::now();
+  const absl::Status s = world().AllGather(send.data(), 32, recv.data(), DType::kF32);
+  const auto took = Clock::now() - t0;
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("aborted"));
+  EXPECT_LT(took, std::chrono::seconds(10));
+  EXPECT_EQ(recv, std::vector<float>(32, kSentinel));
+  EXPECT_FALSE(world().AllGather(send.data(), 32, recv.data(), DType::kF32).ok());
+}
+
+}  // namespace
+}  // namespace fp8rt::parallel
