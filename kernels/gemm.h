@@ -45,8 +45,14 @@ struct Fp8GemmArgs {
   const uint8_t* a_e8m0 = nullptr;     // kMx32: M x ceil(K/32) E8M0 codes
   const uint8_t* b_e8m0 = nullptr;     // kMx32: N x ceil(K/32) E8M0 codes
   OutputType out_type = OutputType::kF32;
-  void* d = nullptr;          // M x N, float or BF16 bits
-  bool accumulate = false;    // D += result instead of D = result (FP32 output only)
+  void* d = nullptr;        // M x N, float or BF16 bits
+  bool accumulate = false;  // D += result instead of D = result (FP32 output only)
+  // CUDA, tensor scaling: let the tensor cores accumulate the FP8 products at their own reduced
+  // precision instead of promoting the partial sums to FP32 every few K steps (cuBLASLt
+  // FAST_ACCUM; faster, less exact). Ignored by block and mx32 scaling, which always promote,
+  // and by the CPU, which always sums in FP32. The training forward GEMM takes it from
+  // precision.fp8_fast_accum_forward; dgrad and wgrad never set it.
+  bool fast_accum = false;
   void* workspace = nullptr;  // GemmWorkspaceBytes(*this) bytes, 64-byte aligned
   size_t workspace_bytes = 0;
 };

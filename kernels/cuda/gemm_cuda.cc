@@ -130,6 +130,7 @@ struct LtProblem {
   const void* b = nullptr;  // k x n, ld k
   void* d = nullptr;        // m x n, ld m; also C
   bool fp8 = false;
+  bool fast_accum = false;        // FP8: no FP32 promotion of the tensor cores' partial sums
   const void* a_scale = nullptr;  // device: FP32 scale(s), or tiled E8M0 codes (VEC32_UE8M0)
   const void* b_scale = nullptr;  // device
   int32_t a_scale_mode = CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
@@ -140,7 +141,7 @@ struct LtProblem {
 };
 
 using AlgoKey = std::tuple<int, int, int, int, int, int64_t, int64_t, int64_t, int32_t, int32_t,
-                           bool, size_t, uint32_t, uint32_t, uint32_t>;
+                           bool, bool, size_t, uint32_t, uint32_t, uint32_t>;
 
 class AlgoCache {
  public:
@@ -191,9 +192,11 @@ absl::Status RunLt(const LtProblem& p, cudaStream_t stream) {
   CUBLAS_RETURN_IF_ERROR(SetDesc(op, CUBLASLT_MATMUL_DESC_TRANSA, CUBLAS_OP_T));
   CUBLAS_RETURN_IF_ERROR(SetDesc(op, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N));
   if (p.fp8) {
-    // Promote the tensor cores' partial sums to FP32 (DeepSeek-V3's "split accumulator"): the
-    // FP8 GEMMs of training must not run with the reduced-precision accumulation alone.
-    CUBLAS_RETURN_IF_ERROR(SetDesc(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{0}));
+    // Unless asked for fast accumulation (the training forward, precision.
+    // fp8_fast_accum_forward), promote the tensor cores' partial sums to FP32 (DeepSeek-V3's
+    // "split accumulator"): dgrad and wgrad must not run on the reduced-precision sums alone.
+    CUBLAS_RETURN_IF_ERROR(
+        SetDesc(op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, static_cast<int8_t>(p.fast_accum ? 1 : 0)));
     const void* a_scale = p.a_scale;
     const void* b_scale = p.b_scale;
     CUBLAS_RETURN_IF_ERROR(SetDesc(op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale));
@@ -225,6 +228,7 @@ absl::Status RunLt(const LtProblem& p, cudaStream_t stream) {
                     p.a_scale_mode,
                     p.b_scale_mode,
                     p.beta != 0.0f,
+                    p.fast_accum,
                     p.workspace_bytes,
                     align_a,
                     align_b,
@@ -345,6 +349,7 @@ absl::Status GemmFp8Cuda(const Fp8GemmArgs& args, Stream stream_arg) {
   if (use_lt) {
     LtProblem p;
     p.fp8 = true;
+    p.fast_accum = args.fast_accum && args.scaling == GemmScaling::kTensor;
     p.a_type = Fp8Type(args.b_format);
     p.b_type = Fp8Type(args.a_format);
     p.d_type = OutType(args.out_type);

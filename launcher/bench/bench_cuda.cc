@@ -299,6 +299,7 @@ absl::StatusOr<nlohmann::ordered_json> CudaGemmBench(const CudaGemmBenchOptions&
   }
   FP8RT_ASSIGN_OR_RETURN(DeviceBuffer d8, DeviceBuffer::Create(count * 2));
   FP8RT_ASSIGN_OR_RETURN(DeviceBuffer d8_block, DeviceBuffer::Create(count * 2));
+  FP8RT_ASSIGN_OR_RETURN(DeviceBuffer d8_fast, DeviceBuffer::Create(count * 2));
   FP8RT_ASSIGN_OR_RETURN(DeviceBuffer d16, DeviceBuffer::Create(count * 2));
 
   kernels::Fp8GemmArgs g8;
@@ -309,6 +310,11 @@ absl::StatusOr<nlohmann::ordered_json> CudaGemmBench(const CudaGemmBenchOptions&
   g8.b_scale_inv = b_si.as<float>();
   g8.out_type = kernels::OutputType::kBF16;
   g8.d = d8.as();
+  // The same GEMM with fast accumulation (the training forward's default,
+  // precision.fp8_fast_accum_forward): no FP32 promotion of the tensor cores' partial sums.
+  kernels::Fp8GemmArgs g8f = g8;
+  g8f.fast_accum = true;
+  g8f.d = d8_fast.as();
   kernels::Fp8GemmArgs g8b = g8;
   g8b.scaling = kernels::GemmScaling::kBlock;
   g8b.a = a8_block.as<uint8_t>();
@@ -334,6 +340,8 @@ absl::StatusOr<nlohmann::ordered_json> CudaGemmBench(const CudaGemmBenchOptions&
                                               kernels::kCublasLtWorkspaceBytes));
   g8.workspace = ws8.as();
   g8.workspace_bytes = ws8.bytes();
+  g8f.workspace = ws8.as();  // the cases run one after another on one stream
+  g8f.workspace_bytes = ws8.bytes();
   g8b.workspace = ws8b.as();
   g8b.workspace_bytes = ws8b.bytes();
   g16.workspace = ws16.as();
@@ -352,6 +360,7 @@ absl::StatusOr<nlohmann::ordered_json> CudaGemmBench(const CudaGemmBenchOptions&
       {"fp8_e4m3_tensor", [&] { return gpu.ops->gemm_fp8(g8, stream); }},
       {"bf16", [&] { return gpu.ops->gemm_bf16(g16, stream); }},
       {"fp8_e4m3_block", [&] { return gpu.ops->gemm_fp8(g8b, stream); }},
+      {"fp8_e4m3_tensor_fast_accum", [&] { return gpu.ops->gemm_fp8(g8f, stream); }},
   };
   nlohmann::ordered_json paths;
   for (const Case& c : cases) {
@@ -363,16 +372,21 @@ absl::StatusOr<nlohmann::ordered_json> CudaGemmBench(const CudaGemmBenchOptions&
 
   // Sanity: the FP8 result is close to the BF16 one (FP8 operands: ~2^-4 relative per value,
   // averaging out over K).
-  std::vector<uint16_t> h8(count), h16(count);
+  // And what fast accumulation changes: its result against the promoted one, same operands.
+  std::vector<uint16_t> h8(count), h16(count), h8f(count);
   CUDA_RETURN_IF_ERROR(cudaMemcpy(h8.data(), d8.as(), count * 2, cudaMemcpyDeviceToHost));
   CUDA_RETURN_IF_ERROR(cudaMemcpy(h16.data(), d16.as(), count * 2, cudaMemcpyDeviceToHost));
-  double err2 = 0.0, ref2 = 0.0;
-#pragma omp parallel for reduction(+ : err2, ref2) schedule(static)
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(h8f.data(), d8_fast.as(), count * 2, cudaMemcpyDeviceToHost));
+  double err2 = 0.0, ref2 = 0.0, fast2 = 0.0, promoted2 = 0.0;
+#pragma omp parallel for reduction(+ : err2, ref2, fast2, promoted2) schedule(static)
   for (int64_t i = 0; i < s * s; ++i) {
     const double v8 = kernels::Bf16ToFloat(h8[static_cast<size_t>(i)]);
     const double v16 = kernels::Bf16ToFloat(h16[static_cast<size_t>(i)]);
+    const double v8f = kernels::Bf16ToFloat(h8f[static_cast<size_t>(i)]);
     err2 += (v8 - v16) * (v8 - v16);
     ref2 += v16 * v16;
+    fast2 += (v8f - v8) * (v8f - v8);
+    promoted2 += v8 * v8;
   }
 
   const double flop =
@@ -380,6 +394,7 @@ absl::StatusOr<nlohmann::ordered_json> CudaGemmBench(const CudaGemmBenchOptions&
   const Timing& t8 = t["fp8_e4m3_tensor"];
   const Timing& t16 = t["bf16"];
   const Timing& t8b = t["fp8_e4m3_block"];
+  const Timing& t8f = t["fp8_e4m3_tensor_fast_accum"];
   nlohmann::ordered_json j;
   j["benchmark"] = "gemm";
   j["device"] = "cuda";
@@ -392,18 +407,22 @@ absl::StatusOr<nlohmann::ordered_json> CudaGemmBench(const CudaGemmBenchOptions&
   j["target"] = 1.8;
   j["ratio_median"] = t16.median / t8.median;
   j["ratio_block"] = t16.best / t8b.best;
+  j["ratio_fast_accum"] = t16.best / t8f.best;
   j["m"] = s;
   j["n"] = s;
   j["k"] = s;
   j["tflops"] = {{"fp8", flop / t8.best / 1e12},
                  {"bf16", flop / t16.best / 1e12},
-                 {"fp8_block", flop / t8b.best / 1e12}};
+                 {"fp8_block", flop / t8b.best / 1e12},
+                 {"fp8_fast_accum", flop / t8f.best / 1e12}};
   j["paths"] = paths;
   j["fp8_vs_bf16_rel_rms_diff"] = ref2 > 0.0 ? std::sqrt(err2 / ref2) : 0.0;
+  j["fast_accum_vs_promoted_rel_rms_diff"] = promoted2 > 0.0 ? std::sqrt(fast2 / promoted2) : 0.0;
   j["iterations_per_sample"] = options.iterations;
   j["timings"] = {{"fp8_e4m3_tensor", TimingJson(t8)},
                   {"bf16", TimingJson(t16)},
-                  {"fp8_e4m3_block", TimingJson(t8b)}};
+                  {"fp8_e4m3_block", TimingJson(t8b)},
+                  {"fp8_e4m3_tensor_fast_accum", TimingJson(t8f)}};
   return j;
 }
 

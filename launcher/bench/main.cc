@@ -238,13 +238,17 @@ void PrintHuman(const nlohmann::ordered_json& j) {
       std::cout << absl::StrFormat(
           "GEMM %dx%dx%d on %s, cuBLASLt (TFLOP/s)\n"
           "  fp8 (e4m3, tensor scales)   %7.1f  [%s]\n"
+          "  fp8, fast accumulation      %7.1f  [%s]  (rel. RMS change %.2g)\n"
           "  fp8 (1x128 x 128x128)       %7.1f  [%s]\n"
           "  bf16                        %7.1f  [%s]\n"
           "  ratio fp8 / bf16            %7.2f  (target >= 1.8)\n",
           j["m"].get<int>(), j["n"].get<int>(), j["k"].get<int>(), j["gpu"].get<std::string>(),
           t["fp8"].get<double>(), j["paths"]["fp8_e4m3_tensor"].get<std::string>(),
-          t["fp8_block"].get<double>(), j["paths"]["fp8_e4m3_block"].get<std::string>(),
-          t["bf16"].get<double>(), j["paths"]["bf16"].get<std::string>(), j["ratio"].get<double>());
+          t["fp8_fast_accum"].get<double>(),
+          j["paths"]["fp8_e4m3_tensor_fast_accum"].get<std::string>(),
+          j["fast_accum_vs_promoted_rel_rms_diff"].get<double>(), t["fp8_block"].get<double>(),
+          j["paths"]["fp8_e4m3_block"].get<std::string>(), t["bf16"].get<double>(),
+          j["paths"]["bf16"].get<std::string>(), j["ratio"].get<double>());
     }
     return;
   }
@@ -259,8 +263,8 @@ void PrintHuman(const nlohmann::ordered_json& j) {
         "  relative difference of the final validation loss (fp8 - bf16) / bf16: %+.4f%% "
         "(target |x| <= %.4g%%: %s)\n"
         "  run folders: %s\n",
-        j["steps"].get<int>(), j["np"].get<int>(), j["spec"].get<std::string>(), "", "final val_loss",
-        "loss 1-10", "last 10", "wall", "bf16", b["final_val_loss"].get<double>(),
+        j["steps"].get<int>(), j["np"].get<int>(), j["spec"].get<std::string>(), "",
+        "final val_loss", "loss 1-10", "last 10", "wall", "bf16", b["final_val_loss"].get<double>(),
         b["first10_loss"].get<double>(), b["last10_loss"].get<double>(), b["wall_s"].get<double>(),
         "fp8 (hybrid, delayed)", f["final_val_loss"].get<double>(), f["first10_loss"].get<double>(),
         f["last10_loss"].get<double>(), f["wall_s"].get<double>(),
@@ -385,9 +389,8 @@ void PrintHuman(const nlohmann::ordered_json& j) {
         "  f32 OpenBLAS sgemm         %7.3f\n"
         "  ratio fp8 (%s) / best fp32 %7.2f  (target >= 4)\n",
         j["m"].get<int>(), j["n"].get<int>(), j["k"].get<int>(), j["threads"].get<int>(),
-        t["fp8"].get<double>(), t["fp8_mx32"].get<double>(),
-        j["mx32_over_tensor"].get<double>(), t["bf16"].get<double>(),
-        t["f32_onednn"].get<double>(), t["sgemm_openblas"].get<double>(),
+        t["fp8"].get<double>(), t["fp8_mx32"].get<double>(), j["mx32_over_tensor"].get<double>(),
+        t["bf16"].get<double>(), t["f32_onednn"].get<double>(), t["sgemm_openblas"].get<double>(),
         j["scaling"].get<std::string>(), j["ratio"].get<double>());
   }
 }

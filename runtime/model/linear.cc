@@ -237,6 +237,7 @@ absl::Status Linear::ForwardFp8(const LinearContext& ctx, const float* x, int64_
     g.b_scale_inv = w_fp8_->scale_inv.data();
     g.scaling = block_scaling() ? kernels::GemmScaling::kBlock : kernels::GemmScaling::kTensor;
   }
+  g.fast_accum = fast_accum_forward_;  // the forward only (dgrad and wgrad promote)
   g.d = y;
   return RunFp8Gemm(ctx, g);
 }

@@ -110,7 +110,8 @@ class Scratch {
     kCount
   };
   explicit Scratch(const kernels::OpTable& ops) : ops_(ops) {
-    for (auto& b : buffers_) b = kernels::DeviceArray<std::byte>(ops, kernels::MemCategory::kScratch);
+    for (auto& b : buffers_)
+      b = kernels::DeviceArray<std::byte>(ops, kernels::MemCategory::kScratch);
   }
   // `count` elements of T in `slot`, of unspecified value (the allocation is 64-byte aligned).
   // Growing a slot (to 5/4 of the request) first waits for the backend, whose error it returns.
@@ -166,10 +167,12 @@ class Linear {
   // codes transposed either way); with block scaling x^T is requantized in 128x128 blocks from
   // the dequantized 1x128-tile codes instead of from x. No effect outside FP8.
   void set_save_fp8_input(bool on) { save_fp8_input_ = on; }
+  // precision.fp8_fast_accum_forward: the forward FP8 GEMM may accumulate without FP32 promotion
+  // on a GPU (kernels::Fp8GemmArgs::fast_accum); dgrad and wgrad always promote.
+  void set_fast_accum_forward(bool on) { fast_accum_forward_ = on; }
+  bool fast_accum_forward() const { return fast_accum_forward_; }
   // True when Backward will not read Forward's FP32 input.
-  bool saves_fp8_input_only() const {
-    return save_fp8_input_ && precision_ == GemmPrecision::kFp8;
-  }
+  bool saves_fp8_input_only() const { return save_fp8_input_ && precision_ == GemmPrecision::kFp8; }
 
   // The weight for this step: FP32 [out, in] (fp32 and bf16 precision) or FP8 (fp8 precision,
   // codes [out, in] with one scale_inv or 128x128 block scales, or mx32's two quantizations).
@@ -243,8 +246,8 @@ class Linear {
   // mx32: rows x cols FP32 `src` transposed and quantized along its new rows (`rows` becomes K)
   // into codes and e8m0 (no statistics: the values are a site's already counted).
   absl::Status QuantizeMx32Transposed(const LinearContext& ctx, kernels::Fp8Format format,
-                                      const float* src, int64_t rows, int64_t cols,
-                                      uint8_t* codes, uint8_t* e8m0);
+                                      const float* src, int64_t rows, int64_t cols, uint8_t* codes,
+                                      uint8_t* e8m0);
   absl::Status BackwardMx32(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
                             float* dw);
   absl::Status ForwardFp8(const LinearContext& ctx, const float* x, int64_t n, float* y);
@@ -258,6 +261,7 @@ class Linear {
   const int64_t in_, out_;
   GemmPrecision precision_;
   bool save_fp8_input_ = false;
+  bool fast_accum_forward_ = false;
 
   QuantSite input_site_, weight_site_, grad_site_;
   const float* w_f32_ = nullptr;
@@ -268,7 +272,7 @@ class Linear {
   int64_t n_ = 0;
   kernels::DeviceArray<uint8_t> x_codes_;  // FP8: x quantized (tensor scaling: reused transposed)
   kernels::DeviceArray<float> x_scale_inv_;
-  kernels::DeviceArray<uint8_t> x_e8m0_;             // mx32: x's block scales
+  kernels::DeviceArray<uint8_t> x_e8m0_;              // mx32: x's block scales
   kernels::DeviceArray<uint8_t> xt_codes_, xt_e8m0_;  // mx32: x^T along the tokens, for dW
   // Backward temporaries kept to avoid reallocation.
   kernels::DeviceArray<uint8_t> dy_codes_;

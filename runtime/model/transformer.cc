@@ -455,6 +455,7 @@ absl::Status Transformer::Build(uint64_t seed) {
     linears_.push_back(
         std::make_unique<Linear>(name, in, out, LayerPrecision(name), LayerSites(name)));
     linears_.back()->set_save_fp8_input(recipe_.save_fp8_activations);
+    linears_.back()->set_fast_accum_forward(recipe_.fp8_fast_accum_forward);
     all_linears_.push_back(linears_.back().get());
     return linears_.back().get();
   };
@@ -615,7 +616,9 @@ absl::Status Transformer::ApplyRecipe(const ModelRecipe& recipe) {
     lin->Reconfigure(LayerPrecision(lin->name()), LayerSites(lin->name()));
   }
   for (const std::unique_ptr<Linear>& lin : linears_) {
-    if (lin.get() != lm_head_) lin->set_save_fp8_input(recipe_.save_fp8_activations);
+    if (lin.get() == lm_head_) continue;
+    lin->set_save_fp8_input(recipe_.save_fp8_activations);
+    lin->set_fast_accum_forward(recipe_.fp8_fast_accum_forward);
   }
   CollectSites();
   return absl::OkStatus();

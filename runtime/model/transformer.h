@@ -142,6 +142,9 @@ struct ModelRecipe {
   // precision.save_fp8_activations: an FP8 GEMM keeps its input for the backward only as the FP8
   // codes and scales its forward made (DESIGN.md section 3), not also in FP32.
   bool save_fp8_activations = true;
+  // precision.fp8_fast_accum_forward: the forward FP8 GEMMs (tensor scaling) let the GPU's tensor
+  // cores accumulate without FP32 promotion (Fp8GemmArgs::fast_accum); the backward ones never.
+  bool fp8_fast_accum_forward = true;
   // The least number of rows the FSDP shards of the GEMM weights are cut in (ShardCut::row_unit),
   // beyond what the recipe itself needs (128 with block scaling, 32 with mx32, 1 otherwise in an
   // FP8 run): a run whose recipe may turn to block scaling later (health.action block_scaling)

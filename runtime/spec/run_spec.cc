@@ -53,6 +53,7 @@ v1::RunSpec RunSpecDefaults() {
   precision->set_fsdp_gather(P::FSDP_GATHER_FP8);
   precision->set_grad_reduce(P::GRAD_REDUCE_FP32);
   precision->set_save_fp8_activations(true);
+  precision->set_fp8_fast_accum_forward(true);
   auto* train = spec.mutable_train();
   train->set_micro_batch(1);
   train->set_grad_accum(1);

@@ -76,6 +76,7 @@ model::ModelRecipe RecipeFromSpec(const RunSpec& spec) {
                            : parallel::GradReduceDType::kFP32;
   // Absent (a spec built without RunSpecDefaults): the defaults, true.
   recipe.save_fp8_activations = !p.has_save_fp8_activations() || p.save_fp8_activations();
+  recipe.fp8_fast_accum_forward = !p.has_fp8_fast_accum_forward() || p.fp8_fast_accum_forward();
   recipe.reshard_after_forward =
       !spec.parallel().has_reshard_after_forward() || spec.parallel().reshard_after_forward();
   // The health policy may switch a layer to block scaling later: cut the shards for it now.

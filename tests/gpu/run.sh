@@ -294,8 +294,8 @@ verdict = "MET" if j["ratio"] >= j["target"] else "MISSED"
 extra = ""
 if j["benchmark"] == "gemm":
     t = j["tflops"]
-    extra = " (fp8 %.0f, bf16 %.0f, fp8 block %.0f TFLOP/s; paths %s)" % (
-        t["fp8"], t["bf16"], t["fp8_block"], j["paths"])
+    extra = " (fp8 %.0f, bf16 %.0f, fp8 block %.0f, fp8 fast accum %.0f TFLOP/s; paths %s)" % (
+        t["fp8"], t["bf16"], t["fp8_block"], t.get("fp8_fast_accum", 0), j["paths"])
 elif j["benchmark"] == "step":
     m = j["modes"]
     extra = " (fp8 %.1f ms, bf16 %.1f ms, fp32 %.1f ms per step of %d tokens)" % (

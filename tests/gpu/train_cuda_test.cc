@@ -18,7 +18,8 @@
 // significant bits inside each 128-wide slice of K (tests/gpu/ops_cuda_test.cc: up to 2^-8 of the
 // absolute product sum per element); losses average over every token, which shrinks that. fp32
 // 1e-4; bf16 1e-3 (BF16 rounding of the operands is the same on both; the sums are not); fp8
-// 5e-3 (an amax that differs in its last bit moves a scale and with it many codes).
+// 5e-3 (an amax that differs in its last bit moves a scale and with it many codes); fp8 with the
+// forward's fast accumulation (precision.fp8_fast_accum_forward, which the CPU ignores) 1e-2.
 // Without a CUDA device every test skips and says why (FP8RT_REQUIRE_GPU=1 makes that a failure).
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -198,10 +199,24 @@ INSTANTIATE_TEST_SUITE_P(
     Modes, TrainCudaTest,
     ::testing::Values(
         Mode{"fp32", {"precision.mode=fp32"}, 1e-4}, Mode{"bf16", {"precision.mode=bf16"}, 1e-3},
-        Mode{"fp8_delayed", {"precision.mode=fp8", "precision.scaling=delayed"}, 5e-3},
-        Mode{"fp8_current", {"precision.mode=fp8", "precision.scaling=current"}, 5e-3},
+        // The FP8 modes with FP32 promotion in every GEMM, so that GPU and CPU do the same
+        // arithmetic up to summation order; fp8_fast_accum then adds the default forward.
+        Mode{"fp8_delayed",
+             {"precision.mode=fp8", "precision.scaling=delayed",
+              "precision.fp8_fast_accum_forward=false"},
+             5e-3},
+        Mode{"fp8_current",
+             {"precision.mode=fp8", "precision.scaling=current",
+              "precision.fp8_fast_accum_forward=false"},
+             5e-3},
         Mode{"fp8_block", {"precision.mode=fp8", "precision.scaling=block"}, 5e-3},
         Mode{"fp8_mx32", {"precision.mode=fp8", "precision.scaling=mx32"}, 5e-3},
+        // The default recipe: the forward GEMMs accumulate without promotion on the GPU (the CPU
+        // always promotes), a few more bits off per forward product.
+        Mode{"fp8_fast_accum",
+             {"precision.mode=fp8", "precision.scaling=delayed",
+              "precision.fp8_fast_accum_forward=true"},
+             1e-2},
         // MoE in every second block (4 experts, top-2, all local): routing on the host over
         // managed memory; a router probability that differs in its last bit can swap a
         // near-tied expert, hence the wider tolerance.

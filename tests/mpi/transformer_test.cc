@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -253,8 +254,9 @@ TEST_P(FamilyGradientTest, Fp32GradientsMatchFiniteDifferences) {
       g_dot_r += grads[i][static_cast<size_t>(li)] * dir(li);
     }
     if (p.split != TpSplit::kNone && s.mesh->tp().size() > 1) {
-      ASSERT_TRUE(
-          s.mesh->tp().AllReduce(&g_dot_r, 1, parallel::DType::kF32, parallel::ReduceOp::kSum).ok());
+      ASSERT_TRUE(s.mesh->tp()
+                      .AllReduce(&g_dot_r, 1, parallel::DType::kF32, parallel::ReduceOp::kSum)
+                      .ok());
     }
     // A move along r moves every element at once, so the difference quotient's h^2 term is
     // large (6% at h = 2e-3 on an output projection): Richardson's extrapolation of the central
@@ -392,8 +394,8 @@ class SaveFp8Test : public ::testing::TestWithParam<train::ScalingStrategy> {};
 TEST_P(SaveFp8Test, GradientsMatchTheFp32SavingPath) {
   const ModelShape shape = Shape(/*layers=*/2, /*d_model=*/256, /*d_ff=*/512, /*seq_len=*/16);
   ModelRecipe recipe;  // fp8
-  for (train::ScalingConfig* c : {&recipe.sites.input, &recipe.sites.weight,
-                                  &recipe.sites.grad_output}) {
+  for (train::ScalingConfig* c :
+       {&recipe.sites.input, &recipe.sites.weight, &recipe.sites.grad_output}) {
     c->strategy = GetParam();
   }
   recipe.save_fp8_activations = false;
@@ -406,8 +408,8 @@ TEST_P(SaveFp8Test, GradientsMatchTheFp32SavingPath) {
   const double la = Loss(a);
   const int64_t ab_saved = kernels::GetMemoryStats().Live(kernels::MemCategory::kSavedActivations);
   const double lb = Loss(b);
-  const int64_t b_saved = kernels::GetMemoryStats().Live(kernels::MemCategory::kSavedActivations) -
-                          ab_saved;
+  const int64_t b_saved =
+      kernels::GetMemoryStats().Live(kernels::MemCategory::kSavedActivations) - ab_saved;
   EXPECT_EQ(la, lb);
   const std::vector<std::vector<float>> ga = Grads(*a.model), gb = Grads(*b.model);
   const bool block = GetParam() == train::ScalingStrategy::kBlock;
@@ -431,8 +433,7 @@ TEST_P(SaveFp8Test, GradientsMatchTheFp32SavingPath) {
   // (n x (2 d_model + d_ff / tp)) that b does not keep (att, the attention's output, is kept by
   // both: the attention backward reads it).
   const int64_t tp = a.mesh->world().size(), n = a.micro_batch * shape.seq_len;
-  const int64_t fp32_inputs =
-      shape.layers * n * (2 * shape.d_model + shape.d_ff / tp) * 4;
+  const int64_t fp32_inputs = shape.layers * n * (2 * shape.d_model + shape.d_ff / tp) * 4;
   const int64_t a_acts = ab_saved - a_saved;
   EXPECT_GE(a_acts - b_saved, fp32_inputs) << "saved bytes: " << a_acts << " vs " << b_saved;
 }
@@ -456,8 +457,8 @@ TEST_P(OptimizerWrittenShardTest, EqualQuantizingTheUpdatedMaster) {
   // d_model 256, d_ff 512: every FP8 weight's shard is whole 128-row blocks at dp 1 and 2.
   const ModelShape shape = Shape(/*layers=*/2, /*d_model=*/256, /*d_ff=*/512, /*seq_len=*/16);
   ModelRecipe recipe;  // fp8, fsdp_gather fp8
-  for (train::ScalingConfig* c : {&recipe.sites.input, &recipe.sites.weight,
-                                  &recipe.sites.grad_output}) {
+  for (train::ScalingConfig* c :
+       {&recipe.sites.input, &recipe.sites.weight, &recipe.sites.grad_output}) {
     c->strategy = GetParam();
   }
   const int world = Factory().World().size();
@@ -474,9 +475,12 @@ TEST_P(OptimizerWrittenShardTest, EqualQuantizingTheUpdatedMaster) {
     ASSERT_TRUE(s.model->ReduceGrads().ok());
     std::vector<train::ParamShard> shards;
     for (Param& p : s.model->params()) {
-      shards.push_back(train::ParamShard{.name = p.name, .master = p.master.data(),
-                                         .grad = p.grad.data(), .m = p.m.data(),
-                                         .v = p.v.data(), .count = p.shard_count,
+      shards.push_back(train::ParamShard{.name = p.name,
+                                         .master = p.master.data(),
+                                         .grad = p.grad.data(),
+                                         .m = p.m.data(),
+                                         .v = p.v.data(),
+                                         .count = p.shard_count,
                                          .decay = p.decay});
     }
     absl::StatusOr<train::StepResult> norm = opt.ComputeNorm(shards, step, &s.mesh->world());
@@ -495,30 +499,25 @@ TEST_P(OptimizerWrittenShardTest, EqualQuantizingTheUpdatedMaster) {
       const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
       const parallel::Fp8Shard& got = p.fp8_shard;
       parallel::Fp8Shard want;
-      ASSERT_TRUE(parallel::QuantizeFp8Shard(kernels::CpuOps(), p.master.data(), got.rows,
-                                             got.cols, cfg.format, block, got.scale, cfg.margin,
-                                             &want)
+      ASSERT_TRUE(parallel::QuantizeFp8Shard(kernels::CpuOps(), p.master.data(), got.rows, got.cols,
+                                             cfg.format, block, got.scale, cfg.margin, &want)
                       .ok());
-      const bool same = std::equal(got.codes.begin(), got.codes.end(), want.codes.begin(),
-                                   want.codes.end()) &&
-                        std::equal(got.scale_inv.begin(), got.scale_inv.end(),
-                                   want.scale_inv.begin(), want.scale_inv.end(),
-                                   [](float a, float b) {
-                                     return std::bit_cast<uint32_t>(a) ==
-                                            std::bit_cast<uint32_t>(b);
-                                   });
+      const bool same =
+          std::equal(got.codes.begin(), got.codes.end(), want.codes.begin(), want.codes.end()) &&
+          std::equal(got.scale_inv.begin(), got.scale_inv.end(), want.scale_inv.begin(),
+                     want.scale_inv.end(), [](float a, float b) {
+                       return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b);
+                     });
       const kernels::QuantStats& gs = got.stats_out[0];
       const kernels::QuantStats& ws = want.stats;
-      const bool same_stats = std::bit_cast<uint32_t>(gs.amax) ==
-                                  std::bit_cast<uint32_t>(ws.amax) &&
-                              gs.count == ws.count && gs.underflow == ws.underflow &&
-                              gs.subnormal == ws.subnormal && gs.saturated == ws.saturated &&
-                              gs.nonfinite == ws.nonfinite;
+      const bool same_stats =
+          std::bit_cast<uint32_t>(gs.amax) == std::bit_cast<uint32_t>(ws.amax) &&
+          gs.count == ws.count && gs.underflow == ws.underflow && gs.subnormal == ws.subnormal &&
+          gs.saturated == ws.saturated && gs.nonfinite == ws.nonfinite;
       if (!same || !same_stats) {
         ok = false;
         ADD_FAILURE() << p.name << ": the optimizer's FP8 shard differs from quantizing the "
-                      << "updated master (codes/scales " << same << ", stats " << same_stats
-                      << ")";
+                      << "updated master (codes/scales " << same << ", stats " << same_stats << ")";
       }
       if (block) {
         EXPECT_EQ(got.scale_inv.size(),
@@ -546,6 +545,68 @@ INSTANTIATE_TEST_SUITE_P(Strategies, OptimizerWrittenShardTest,
                          ::testing::Values(train::ScalingStrategy::kDelayed,
                                            train::ScalingStrategy::kCurrent,
                                            train::ScalingStrategy::kBlock));
+
+// precision.fp8_fast_accum_forward reaches the GEMMs as Fp8GemmArgs::fast_accum on the forward
+// GEMM of every FP8 layer and never on dgrad or wgrad (the CPU ignores it; on a GPU it turns on
+// cuBLASLt's FAST_ACCUM). The op table records the flag of each FP8 GEMM in call order.
+std::vector<bool>& Fp8GemmFastAccumCalls() {
+  static auto* calls = new std::vector<bool>();
+  return *calls;
+}
+absl::Status RecordingGemmFp8(const kernels::Fp8GemmArgs& args, kernels::Stream stream) {
+  Fp8GemmFastAccumCalls().push_back(args.fast_accum);
+  return kernels::CpuOps().gemm_fp8(args, stream);
+}
+
+TEST(TransformerTest, FastAccumulationIsForTheForwardGemmsOnly) {
+  static const kernels::OpTable ops = [] {
+    kernels::OpTable t = kernels::CpuOps();
+    t.gemm_fp8 = &RecordingGemmFp8;
+    return t;
+  }();
+  // The spec's field: on unless set false (also when absent, as in a spec built by hand).
+  v1::RunSpec spec = RunSpecDefaults();
+  EXPECT_TRUE(worker::RecipeFromSpec(spec).fp8_fast_accum_forward);
+  spec.mutable_precision()->clear_fp8_fast_accum_forward();
+  EXPECT_TRUE(worker::RecipeFromSpec(spec).fp8_fast_accum_forward);
+  spec.mutable_precision()->set_fp8_fast_accum_forward(false);
+  EXPECT_FALSE(worker::RecipeFromSpec(spec).fp8_fast_accum_forward);
+
+  const ModelShape shape = Shape(/*layers=*/2, /*d_model=*/128, /*d_ff=*/256, /*seq_len=*/8);
+  const int world = Factory().World().size();
+  for (bool on : {true, false}) {
+    ModelRecipe recipe;  // fp8
+    ASSERT_TRUE(recipe.fp8_fast_accum_forward) << "the default";
+    recipe.fp8_fast_accum_forward = on;
+    auto mesh = parallel::Mesh::Create({.dp = 1, .tp = world, .ep = 1}, Factory());
+    ASSERT_TRUE(mesh.ok()) << mesh.status();
+    auto model = Transformer::Create(shape, recipe, /*seed=*/7, **mesh, ops);
+    ASSERT_TRUE(model.ok()) << model.status();
+    std::set<const Linear*> fp8_layers;
+    for (const Param& p : (*model)->params()) {
+      if (p.linear != nullptr && p.linear->precision() == GemmPrecision::kFp8) {
+        fp8_layers.insert(p.linear);
+        EXPECT_EQ(p.linear->fast_accum_forward(), on) << p.linear->name();
+      }
+    }
+    ASSERT_FALSE(fp8_layers.empty());
+    std::vector<int32_t> tokens(static_cast<size_t>(2 * (shape.seq_len + 1)));
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 7) % 64);
+    ASSERT_TRUE((*model)->BeginStep().ok());
+    Fp8GemmFastAccumCalls().clear();
+    ASSERT_TRUE((*model)->ForwardBackward(tokens, 2, 1.0f).ok());
+    const std::vector<bool> calls = Fp8GemmFastAccumCalls();
+    const auto fast = std::count(calls.begin(), calls.end(), true);
+    // One forward GEMM per FP8 layer, then two backward GEMMs (dgrad, wgrad) per layer.
+    EXPECT_EQ(fast, on ? static_cast<std::ptrdiff_t>(fp8_layers.size()) : 0);
+    EXPECT_EQ(static_cast<std::ptrdiff_t>(calls.size()) - fast,
+              static_cast<std::ptrdiff_t>((on ? 2 : 3) * fp8_layers.size()));
+    if (on) {
+      // The forward's GEMMs all come before the backward's.
+      EXPECT_TRUE(std::is_partitioned(calls.begin(), calls.end(), [](bool f) { return f; }));
+    }
+  }
+}
 
 TEST(TransformerTest, UnknownExcludedLayerIsNamed) {
   const ModelShape shape = Shape(/*layers=*/1, /*d_model=*/32, /*d_ff=*/64, /*seq_len=*/8);
@@ -673,7 +734,10 @@ TEST_P(MoeInputGradientTest, FollowsTheExpertsMlp) {
   auto mesh = parallel::Mesh::Create({.dp = Factory().World().size(), .tp = 1, .ep = 1}, Factory());
   ASSERT_TRUE(mesh.ok()) << mesh.status();
   MoeLayer moe("blocks.0.mlp",
-               {.experts = 1, .top_k = 1, .capacity_factor = 2.0, .aux_loss_coef = 0.0,
+               {.experts = 1,
+                .top_k = 1,
+                .capacity_factor = 2.0,
+                .aux_loss_coef = 0.0,
                 .drop_tokens = false},
                C, F, swiglu, GemmPrecision::kFp32, {}, &(*mesh)->ep());
   std::mt19937 rng(29);
@@ -684,16 +748,15 @@ TEST_P(MoeInputGradientTest, FollowsTheExpertsMlp) {
     return v;
   };
   const std::vector<float> x = random(N * C, 1.0f), dout = random(N * C, 1.0f);
-  const std::vector<float> wr = random(C, 0.2f), w1 = random(F * C, 0.2f),
-                           wu = random(F * C, 0.2f), w2 = random(C * F, 0.2f);
+  const std::vector<float> wr = random(C, 0.2f), w1 = random(F * C, 0.2f), wu = random(F * C, 0.2f),
+                           w2 = random(C * F, 0.2f);
   moe.router().SetWeight(wr.data());
   moe.fc1(0).SetWeight(w1.data());
   if (swiglu) moe.up(0).SetWeight(wu.data());
   moe.fc2(0).SetWeight(w2.data());
   std::vector<float> g_r(C, 0.0f), g1(F * C, 0.0f), gu(F * C, 0.0f), g2(C * F, 0.0f);
-  moe.SetGrads(g_r.data(), {g1.data()}, swiglu ? std::vector<float*>{gu.data()}
-                                               : std::vector<float*>{},
-               {g2.data()});
+  moe.SetGrads(g_r.data(), {g1.data()},
+               swiglu ? std::vector<float*>{gu.data()} : std::vector<float*>{}, {g2.data()});
   Scratch scratch(kernels::CpuOps());
   const LinearContext ctx{.ops = &kernels::CpuOps(), .tp = nullptr, .scratch = &scratch};
   std::vector<float> out(N * C, 0.0f), dx(N * C, 0.0f);
@@ -735,8 +798,8 @@ TEST_P(MoeInputGradientTest, FollowsTheExpertsMlp) {
         dh_dropped = dh;  // the up path left out
       } else {
         const double k = 0.7978845608028654, th = std::tanh(k * (z + 0.044715 * z * z * z));
-        dh = da[f] * (0.5 * (1.0 + th) +
-                      0.5 * z * (1.0 - th * th) * k * (1.0 + 3.0 * 0.044715 * z * z));
+        dh = da[f] *
+             (0.5 * (1.0 + th) + 0.5 * z * (1.0 - th * th) * k * (1.0 + 3.0 * 0.044715 * z * z));
         dh_dropped = da[f];  // GELU's derivative left out
       }
       for (int64_t c = 0; c < C; ++c) {
@@ -784,8 +847,7 @@ TEST(TransformerTest, LayerNamesAgreeWithTheSpecs) {
           "train: {steps: 1, micro_batch: 1}\ndata: {path: x}\n");
       absl::StatusOr<v1::RunSpec> spec = ParseRunSpec(yaml, "test.yaml", {});
       ASSERT_TRUE(spec.ok()) << spec.status();
-      auto mesh = parallel::Mesh::Create(
-          {.dp = world, .tp = 1, .ep = moe ? world : 1}, Factory());
+      auto mesh = parallel::Mesh::Create({.dp = world, .tp = 1, .ep = moe ? world : 1}, Factory());
       ASSERT_TRUE(mesh.ok()) << mesh.status();
       auto model = Transformer::Create(worker::ShapeFromSpec(*spec), Fp32Recipe(), 1, **mesh,
                                        kernels::CpuOps());
