@@ -22,9 +22,11 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -33,6 +35,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_ops_internal.h"
 #include "kernels/cuda/gemm_kernels.h"
+#include "kernels/cuda/gemm_route.h"
 #include "runtime/core/checks.h"
 #include "runtime/core/status.h"
 
@@ -280,6 +283,15 @@ OperandKind Fp8Kind(Fp8Format format) {
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Says `message` on stderr the first time only (per distinct message), so that a recipe the
+// device has no fast kernel for is named once, not silently slow and not once per GEMM.
+void WarnOnce(const std::string& message) {
+  static std::mutex mu;
+  static auto* said = new std::set<std::string>();
+  std::lock_guard<std::mutex> lock(mu);
+  if (said->insert(message).second) std::fprintf(stderr, "fp8rt: warning: %s\n", message.c_str());
+}
+
 // Carves the caller's workspace: fixed parts first (64-byte aligned, in the order
 // CudaGemmWorkspaceBytes sizes them), then the rest, from a 256-byte boundary, for cuBLASLt.
 class Carver {
@@ -334,18 +346,15 @@ absl::Status GemmFp8Cuda(const Fp8GemmArgs& args, Stream stream_arg) {
     a_mx = ws.Take<uint8_t>(static_cast<size_t>(cuda_internal::Mx32TiledBytes(args.m, kb32)));
     b_mx = ws.Take<uint8_t>(static_cast<size_t>(cuda_internal::Mx32TiledBytes(args.n, kb32)));
   }
-  bool use_lt = !g_force_fallback.load() &&
-                !(args.a_format == Fp8Format::kE5M2 && args.b_format == Fp8Format::kE5M2) &&
-                args.m % 16 == 0 && args.n % 16 == 0 && args.k % 16 == 0 && Aligned16(args.a) &&
-                Aligned16(args.b) && Aligned16(args.d);
-  if (use_lt && block) {
-    FP8RT_ASSIGN_OR_RETURN(const int cc, CurrentDeviceComputeCapability());
-    use_lt = cc == 90 && args.k % 128 == 0;
+  // The device matters only to block and mx32 scaling (gemm_route.h).
+  int cc = 90;
+  if (block || mx) {
+    FP8RT_ASSIGN_OR_RETURN(cc, CurrentDeviceComputeCapability());
   }
-  if (use_lt && mx) {
-    FP8RT_ASSIGN_OR_RETURN(const int cc, CurrentDeviceComputeCapability());
-    use_lt = cc >= 100 && args.k % 128 == 0;
-  }
+  const cuda_internal::Fp8GemmRoute route = cuda_internal::RouteFp8Gemm(args, cc);
+  if (!route.cublaslt && route.architecture) WarnOnce(route.why);
+  const bool use_lt = !g_force_fallback.load() && route.cublaslt && Aligned16(args.a) &&
+                      Aligned16(args.b) && Aligned16(args.d);
   if (use_lt) {
     LtProblem p;
     p.fp8 = true;

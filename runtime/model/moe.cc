@@ -14,6 +14,22 @@
 namespace fp8rt::model {
 namespace {
 
+// The rows an expert's GEMMs run on: its token count rounded up to the backend's GEMM row unit.
+// cuBLASLt takes FP8 GEMMs only when M, N and K are multiples of 16 (kernels/cuda/gemm_cuda.cc),
+// and an expert's token count is whatever the router gave it, so on CUDA each expert's rows are
+// padded with zero rows to a multiple of 16 (its forward M, dgrad M and wgrad K). Zero rows change
+// no real row, no amax and no gradient: the pad rows of the activation are zeroed again before
+// fc2 (a bias would make them nonzero), and their output gradients are zero. The CPU GEMMs take
+// any shape: no padding there, so the CPU path is unchanged.
+// MoeConfig::gemm_row_unit, when set, replaces the backend's unit.
+int64_t ExpertRows(const MoeConfig& config, const kernels::OpTable& ops, int64_t tokens) {
+  constexpr int64_t kCudaGemmRowUnit = 16;
+  const int64_t unit = config.gemm_row_unit > 0                 ? config.gemm_row_unit
+                       : ops.backend == kernels::Backend::kCuda ? kCudaGemmRowUnit
+                                                                : 1;
+  return (tokens + unit - 1) / unit * unit;
+}
+
 std::vector<int64_t> Displacements(const std::vector<int64_t>& counts, int64_t unit) {
   std::vector<int64_t> d(counts.size(), 0);
   for (size_t i = 1; i < counts.size(); ++i) d[i] = d[i - 1] + counts[i - 1] * unit;
@@ -196,25 +212,30 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     }
     const int64_t ne = static_cast<int64_t>(rows.size());
     if (ne == 0) continue;  // an expert without tokens: its sites stay unused this micro-batch
+    const int64_t np = ExpertRows(config_, *ctx.ops, ne);  // ne real rows, then zero rows
     // The host is in step with the backend here (synchronised above or at the end of the
     // previous expert), so it may fill xe and read ye.
-    float* xe = Sized(ctx, xe_[static_cast<size_t>(le)], ne * C);
-    float* he = Sized(ctx, he_[static_cast<size_t>(le)], ne * F);
-    float* ge = Sized(ctx, ge_[static_cast<size_t>(le)], ne * F);
+    float* xe = Sized(ctx, xe_[static_cast<size_t>(le)], np * C);
+    float* he = Sized(ctx, he_[static_cast<size_t>(le)], np * F);
+    float* ge = Sized(ctx, ge_[static_cast<size_t>(le)], np * F);
     for (int64_t i = 0; i < ne; ++i) {
       std::memcpy(xe + i * C, recv_x + rows[static_cast<size_t>(i)] * C,
                   static_cast<size_t>(C) * sizeof(float));
     }
-    float* ye = Sized(ctx, ye_, ne * C);
-    FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Forward(ctx, xe, ne, he));
+    std::fill(xe + ne * C, xe + np * C, 0.0f);
+    float* ye = Sized(ctx, ye_, np * C);
+    FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Forward(ctx, xe, np, he));
     if (swiglu_) {
-      float* ue = Sized(ctx, ue_[static_cast<size_t>(le)], ne * F);
-      FP8RT_RETURN_IF_ERROR(up_[static_cast<size_t>(e)]->Forward(ctx, xe, ne, ue));
-      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->swiglu_forward(ge, he, ue, ne * F, {}));
+      float* ue = Sized(ctx, ue_[static_cast<size_t>(le)], np * F);
+      FP8RT_RETURN_IF_ERROR(up_[static_cast<size_t>(e)]->Forward(ctx, xe, np, ue));
+      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->swiglu_forward(ge, he, ue, np * F, {}));
     } else {
-      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->gelu_forward(ge, he, ne * F, {}));
+      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->gelu_forward(ge, he, np * F, {}));
     }
-    FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Forward(ctx, ge, ne, ye));
+    if (np > ne) {
+      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->fill(ge + ne * F, 0.0f, (np - ne) * F, {}));
+    }
+    FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Forward(ctx, ge, np, ye));
     FP8RT_RETURN_IF_ERROR(Sync(ctx));
     for (int64_t i = 0; i < ne; ++i) {
       std::memcpy(recv_y + rows[static_cast<size_t>(i)] * C, ye + i * C,
@@ -277,29 +298,31 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
     const std::vector<int64_t>& rows = rows_of_[static_cast<size_t>(le)];
     const int64_t ne = static_cast<int64_t>(rows.size());
     if (ne == 0) continue;
-    float* dye = Sized(ctx, dye_, ne * C);
+    const int64_t np = ExpertRows(config_, *ctx.ops, ne);  // as in the forward: zero rows after ne
+    float* dye = Sized(ctx, dye_, np * C);
     for (int64_t i = 0; i < ne; ++i) {
       std::memcpy(dye + i * C, dy_recv + rows[static_cast<size_t>(i)] * C,
                   static_cast<size_t>(C) * sizeof(float));
     }
-    FP8RT_ASSIGN_OR_RETURN(float* const dge, Zeroed(ctx, dge_, ne * F));
-    FP8RT_ASSIGN_OR_RETURN(float* const dhe, Zeroed(ctx, dhe_, ne * F));
-    FP8RT_ASSIGN_OR_RETURN(float* const dxe, Zeroed(ctx, dxe_, ne * C));
+    std::fill(dye + ne * C, dye + np * C, 0.0f);
+    FP8RT_ASSIGN_OR_RETURN(float* const dge, Zeroed(ctx, dge_, np * F));
+    FP8RT_ASSIGN_OR_RETURN(float* const dhe, Zeroed(ctx, dhe_, np * F));
+    FP8RT_ASSIGN_OR_RETURN(float* const dxe, Zeroed(ctx, dxe_, np * C));
     FP8RT_RETURN_IF_ERROR(fc2_[static_cast<size_t>(e)]->Backward(
-        ctx, dye, ne, dge, fc2_grad_[static_cast<size_t>(le)]));
+        ctx, dye, np, dge, fc2_grad_[static_cast<size_t>(le)]));
     if (swiglu_) {
-      FP8RT_ASSIGN_OR_RETURN(float* const due, Zeroed(ctx, due_, ne * F));
-      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->swiglu_backward(
-          dhe, due, dge, he_[static_cast<size_t>(le)].data(), ue_[static_cast<size_t>(le)].data(),
-          ne * F, {}));
+      FP8RT_ASSIGN_OR_RETURN(float* const due, Zeroed(ctx, due_, np * F));
+      FP8RT_RETURN_IF_ERROR(
+          ctx.ops->layer->swiglu_backward(dhe, due, dge, he_[static_cast<size_t>(le)].data(),
+                                          ue_[static_cast<size_t>(le)].data(), np * F, {}));
       FP8RT_RETURN_IF_ERROR(up_[static_cast<size_t>(e)]->Backward(
-          ctx, due, ne, dxe, up_grad_[static_cast<size_t>(le)]));
+          ctx, due, np, dxe, up_grad_[static_cast<size_t>(le)]));
     } else {
-      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->gelu_backward(
-          dhe, dge, he_[static_cast<size_t>(le)].data(), ne * F, {}));
+      FP8RT_RETURN_IF_ERROR(
+          ctx.ops->layer->gelu_backward(dhe, dge, he_[static_cast<size_t>(le)].data(), np * F, {}));
     }
     FP8RT_RETURN_IF_ERROR(fc1_[static_cast<size_t>(e)]->Backward(
-        ctx, dhe, ne, dxe, fc1_grad_[static_cast<size_t>(le)]));
+        ctx, dhe, np, dxe, fc1_grad_[static_cast<size_t>(le)]));
     FP8RT_RETURN_IF_ERROR(Sync(ctx));
     for (int64_t i = 0; i < ne; ++i) {
       std::memcpy(dx_recv + rows[static_cast<size_t>(i)] * C, dxe + i * C,

@@ -50,6 +50,10 @@ struct MoeConfig {
   double capacity_factor = 1.25;
   double aux_loss_coef = 0.01;
   bool drop_tokens = true;
+  // Each expert's GEMMs run on its token rows padded with zero rows to a multiple of this (0: the
+  // backend's, 16 on CUDA for cuBLASLt and 1 on the CPU). Padding changes no result; tests set it
+  // on the CPU to show that.
+  int64_t gemm_row_unit = 0;
 };
 
 struct MoeStats {
@@ -124,12 +128,12 @@ class MoeLayer {
   std::vector<std::vector<int64_t>> rows_of_;  // per local expert: received row indices
   // Per local expert: inputs, fc1 (gate) out, GELU (SwiGLU) out, up out (SwiGLU).
   std::vector<Array> xe_, he_, ge_, ue_;
-  Array y_back_;                               // [sent, C] expert outputs back at this rank
+  Array y_back_;  // [sent, C] expert outputs back at this rank
 
   // Reused temporaries (backend memory).
-  Array logits_, send_rows_, recv_x_, recv_y_, ye_;  // forward
+  Array logits_, send_rows_, recv_x_, recv_y_, ye_;        // forward
   Array dy_send_, dy_recv_, dye_, dge_, dhe_, due_, dxe_;  // backward, to the experts, through
-  Array dx_recv_, dx_send_, dlogits_;                // backward, back and into the router
+  Array dx_recv_, dx_send_, dlogits_;                      // backward, back and into the router
 };
 
 }  // namespace fp8rt::model

@@ -39,7 +39,9 @@
 #include "parallel/nccl/nccl_communicator.h"
 #include "runtime/core/memory.h"
 #include "runtime/core/program.h"
+#include "runtime/core/status.h"
 #include "runtime/spec/run_spec.h"
+#include "runtime/worker/device_placement.h"
 #include "runtime/worker/trainer.h"
 
 namespace {
@@ -57,15 +59,19 @@ absl::StatusOr<const fp8rt::kernels::OpTable*> UseCudaForRank(int rank, int* dev
   std::string why;
   const int count = kernels::CudaDeviceCount(&why);
   if (count == 0) return absl::UnavailableError("no CUDA device: " + why);
-  // Ranks of one host share its devices; without Open MPI's local rank, the world rank (one host).
-  int local_rank = rank;
-  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK"); env != nullptr) {
+  // Ranks of one host share its devices; without Open MPI's local rank and size, the world rank
+  // (one host).
+  auto env_int = [](const char* name, int fallback) {
+    const char* env = std::getenv(name);
+    if (env == nullptr) return fallback;
     const std::string_view text(env);
     int value = -1;
     const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    if (ec == std::errc() && ptr == text.data() + text.size() && value >= 0) local_rank = value;
-  }
-  *device = local_rank % count;
+    return ec == std::errc() && ptr == text.data() + text.size() && value >= 0 ? value : fallback;
+  };
+  const int local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", rank);
+  const int local_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", local_rank + 1);
+  FP8RT_ASSIGN_OR_RETURN(*device, fp8rt::worker::CudaDeviceForRank(local_rank, local_size, count));
   if (absl::Status s = kernels::UseCudaDevice(*device); !s.ok()) return s;
   return kernels::CudaOps();
 }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/gemm_route.h"
 #include "kernels/formats.h"
 #include "kernels/ops.h"
 #include "kernels/quantize.h"
@@ -229,6 +230,72 @@ TEST(DeviceMathTest, Mx32ScaleTileOffsetIsCublasLtsTiledLayout) {
           << "row " << row << " col " << col << " of " << rows_pad << " x " << cols_pad;
     }
   }
+}
+
+}  // namespace
+}  // namespace fp8rt::kernels
+
+// --- which FP8 GEMMs cuBLASLt takes (kernels/cuda/gemm_route.h) ----------------------------------
+
+namespace fp8rt::kernels {
+namespace {
+
+Fp8GemmArgs RouteArgs(int64_t m, int64_t n, int64_t k, GemmScaling scaling) {
+  Fp8GemmArgs a;
+  a.m = m;
+  a.n = n;
+  a.k = k;
+  a.scaling = scaling;
+  return a;
+}
+
+TEST(GemmRouteTest, AlignedTensorScaledGemmsTakeCublasLtOnEveryFp8Gpu) {
+  for (int cc : {89, 90, 100, 120}) {
+    const auto r = cuda_internal::RouteFp8Gemm(RouteArgs(256, 512, 384, GemmScaling::kTensor), cc);
+    EXPECT_TRUE(r.cublaslt) << cc << ": " << r.why;
+    EXPECT_TRUE(r.why.empty());
+  }
+  Fp8GemmArgs hybrid = RouteArgs(64, 64, 64, GemmScaling::kTensor);
+  hybrid.a_format = Fp8Format::kE5M2;  // dgrad of the hybrid format: E5M2 x E4M3
+  EXPECT_TRUE(cuda_internal::RouteFp8Gemm(hybrid, 90).cublaslt);
+}
+
+TEST(GemmRouteTest, RaggedShapesAndE5m2PairsFallBackQuietly) {
+  const auto ragged =
+      cuda_internal::RouteFp8Gemm(RouteArgs(130, 256, 384, GemmScaling::kTensor), 90);
+  EXPECT_FALSE(ragged.cublaslt);
+  EXPECT_FALSE(ragged.architecture);
+  EXPECT_NE(ragged.why.find("multiples of 16"), std::string::npos) << ragged.why;
+  Fp8GemmArgs e5 = RouteArgs(64, 64, 64, GemmScaling::kTensor);
+  e5.a_format = e5.b_format = Fp8Format::kE5M2;
+  const auto pair = cuda_internal::RouteFp8Gemm(e5, 90);
+  EXPECT_FALSE(pair.cublaslt);
+  EXPECT_FALSE(pair.architecture);
+  EXPECT_NE(pair.why.find("E5M2 x E5M2"), std::string::npos) << pair.why;
+}
+
+// Block scaling has a cuBLASLt kernel on Hopper only, mx32 on Blackwell only: elsewhere the GEMM
+// falls back, and the route says why, naming the device and the recipe to use instead.
+TEST(GemmRouteTest, ScalingTheDeviceHasNoKernelForIsNamed) {
+  const Fp8GemmArgs block = RouteArgs(256, 256, 256, GemmScaling::kBlock);
+  EXPECT_TRUE(cuda_internal::RouteFp8Gemm(block, 90).cublaslt);
+  for (int cc : {100, 120}) {
+    const auto r = cuda_internal::RouteFp8Gemm(block, cc);
+    EXPECT_FALSE(r.cublaslt);
+    EXPECT_TRUE(r.architecture);
+    EXPECT_NE(r.why.find("not " + std::to_string(cc / 10) + ".0"), std::string::npos) << r.why;
+    EXPECT_NE(r.why.find("mx32"), std::string::npos) << r.why;
+  }
+  const Fp8GemmArgs mx = RouteArgs(256, 256, 256, GemmScaling::kMx32);
+  EXPECT_TRUE(cuda_internal::RouteFp8Gemm(mx, 100).cublaslt);
+  const auto hopper = cuda_internal::RouteFp8Gemm(mx, 90);
+  EXPECT_FALSE(hopper.cublaslt);
+  EXPECT_TRUE(hopper.architecture);
+  EXPECT_NE(hopper.why.find("not 9.0"), std::string::npos) << hopper.why;
+  // K not a multiple of 128: a shape matter, not the device's.
+  const auto k144 = cuda_internal::RouteFp8Gemm(RouteArgs(64, 256, 144, GemmScaling::kBlock), 90);
+  EXPECT_FALSE(k144.cublaslt);
+  EXPECT_FALSE(k144.architecture);
 }
 
 }  // namespace

@@ -1,0 +1,63 @@
+// Which FP8 GEMMs cuBLASLt takes (kernels/cuda/gemm_cuda.cc), as plain host code: the shape,
+// format and device rules, without the pointer alignment and the tests' forced fallback, which
+// the backend checks at the call. Header-only and CUDA-free, so that tests/gpu/
+// device_math_host_test.cc checks it on any machine.
+//
+//   RouteFp8Gemm  cuBLASLt or the fallback kernel for these arguments on a device of compute
+//                 capability cc, and why not cuBLASLt
+#pragma once
+
+#include <string>
+
+#include "kernels/gemm.h"
+
+namespace fp8rt::kernels::cuda_internal {
+
+struct Fp8GemmRoute {
+  bool cublaslt = true;
+  // The device, not the shape, rules cuBLASLt out: block scaling off Hopper, mx32 before
+  // Blackwell. Worth telling the user once (a recipe choice makes it slow); a ragged shape is not.
+  bool architecture = false;
+  std::string why;  // empty when cublaslt
+};
+
+// cc: 90 for 9.0. Rules: E5M2 x E5M2 has no cuBLASLt kernel; M, N and K multiples of 16; block
+// scaling (1x128 x 128x128, FP32 scales) on compute capability 9.0 only and K a multiple of 128;
+// mx32 (VEC32_UE8M0) on 10.0 and later and K a multiple of 128.
+inline Fp8GemmRoute RouteFp8Gemm(const Fp8GemmArgs& args, int cc) {
+  auto no = [](bool architecture, std::string why) {
+    return Fp8GemmRoute{.cublaslt = false, .architecture = architecture, .why = std::move(why)};
+  };
+  if (args.a_format == Fp8Format::kE5M2 && args.b_format == Fp8Format::kE5M2) {
+    return no(false, "E5M2 x E5M2 has no cuBLASLt kernel");
+  }
+  if (args.m % 16 != 0 || args.n % 16 != 0 || args.k % 16 != 0) {
+    return no(false, "M, N and K must be multiples of 16 for cuBLASLt");
+  }
+  const std::string device = std::to_string(cc / 10) + "." + std::to_string(cc % 10);
+  if (args.scaling == GemmScaling::kBlock) {
+    if (cc != 90) {
+      return no(true,
+                "block scaling (1x128 x 128x128 FP32 scales) has a cuBLASLt kernel on compute "
+                "capability 9.0 (Hopper) only, not " +
+                    device +
+                    ": these GEMMs run on the fallback kernel, far slower (on Blackwell use "
+                    "precision.scaling: mx32)");
+    }
+    if (args.k % 128 != 0) return no(false, "block scaling needs K a multiple of 128 for cuBLASLt");
+  }
+  if (args.scaling == GemmScaling::kMx32) {
+    if (cc < 100) {
+      return no(true,
+                "mx32 scaling (VEC32_UE8M0) has a cuBLASLt kernel on compute capability 10.0 "
+                "(Blackwell) and later only, not " +
+                    device +
+                    ": these GEMMs run on the fallback kernel, far slower (on Hopper use "
+                    "precision.scaling: block)");
+    }
+    if (args.k % 128 != 0) return no(false, "mx32 scaling needs K a multiple of 128 for cuBLASLt");
+  }
+  return {};
+}
+
+}  // namespace fp8rt::kernels::cuda_internal
