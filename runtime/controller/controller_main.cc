@@ -102,6 +102,18 @@ std::string ReadFileOrFlagError(const std::string& flag, const std::string& path
   return ss.str();
 }
 
+// A PEM file named by `flag`: its text, or a FlagError when it holds no "-----BEGIN <what>"
+// block (a placeholder left in a Secret, a DER file), which gRPC would report only as a server
+// that "cannot listen".
+std::string ReadPemOrFlagError(const std::string& flag, const std::string& path, const char* what) {
+  std::string pem = ReadFileOrFlagError(flag, path);
+  if (pem.find("-----BEGIN ") == std::string::npos || pem.find(what) == std::string::npos) {
+    throw FlagError{absl::StrCat(flag, " ", path, ": not a PEM file holding a ", what,
+                                 " (no \"-----BEGIN ...", what, "-----\" line)")};
+  }
+  return pem;
+}
+
 std::string ReadToken(const std::string& path) {
   const std::string token(absl::StripAsciiWhitespace(ReadFileOrFlagError("--token-file", path)));
   if (token.size() < kMinTokenChars) {
@@ -175,10 +187,12 @@ int Run(const Flags& flags) {
     grpc::SslServerCredentialsOptions ssl(
         flags.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
                                     : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-    ssl.pem_key_cert_pairs.push_back({ReadFileOrFlagError("--tls-key", flags.tls_key),
-                                      ReadFileOrFlagError("--tls-cert", flags.tls_cert)});
+    ssl.pem_key_cert_pairs.push_back(
+        {ReadPemOrFlagError("--tls-key", flags.tls_key, "PRIVATE KEY"),
+         ReadPemOrFlagError("--tls-cert", flags.tls_cert, "CERTIFICATE")});
     if (!flags.tls_client_ca.empty()) {
-      ssl.pem_root_certs = ReadFileOrFlagError("--tls-client-ca", flags.tls_client_ca);
+      ssl.pem_root_certs =
+          ReadPemOrFlagError("--tls-client-ca", flags.tls_client_ca, "CERTIFICATE");
     }
     credentials = grpc::SslServerCredentials(ssl);
   }

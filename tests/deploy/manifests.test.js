@@ -62,8 +62,9 @@ for (const [name, objects] of Object.entries(builds)) {
   test(`${name}: every object passes its schema`, () => {
     assert.deepEqual(m.validateSchemas(objects), []);
     const kinds = objects.map((o) => o.kind).sort();
+    // The overlays add the TLS Secret (deploy/kubernetes/components/tls).
     assert.deepEqual(kinds, ["ConfigMap", "Deployment", "MPIJob", "PersistentVolumeClaim",
-                             "Secret", "Service"]);
+                             "Secret", ...(name === "base" ? [] : ["Secret"]), "Service"]);
   });
   test(`${name}: no unknown fields (tsc on kubernetes-models' types)`, () => {
     assert.deepEqual(m.typeCheck(objects), []);
@@ -95,8 +96,46 @@ test("the base token is a placeholder the controller refuses", () => {
   assert.ok(token.trim().length < 16, `placeholder '${token}' would be accepted`);
 });
 
+test("cpu and gpu overlays: the controller serves TLS and every rank verifies it", () => {
+  for (const name of ["cpu", "gpu"]) {
+    const objects = builds[name];
+    const args = byKind(objects, "Deployment").spec.template.spec.containers[0].args;
+    assert.ok(args.includes("--tls-cert") && args.includes("--tls-key"), `${name}: no TLS`);
+    const launcher = byKind(objects, "MPIJob").spec.mpiReplicaSpecs.Launcher.template.spec
+      .containers[0];
+    assert.equal(launcher.args[launcher.args.indexOf("--tls-ca") + 1], "/etc/fp8rt/tls/ca.crt");
+    const grpc = byKind(objects, "Service").spec.ports.find((p) => p.name === "grpc");
+    assert.equal(grpc.appProtocol, "https", name);
+    // The Secret is a placeholder that fp8rt-controller refuses (not PEM: controller_main.cc,
+    // tests/integration/cli_control_test.cc), like the token.
+    const tls = objects.find((o) => o.kind === "Secret" && o.metadata.name === "fp8rt-tls");
+    for (const key of ["tls.crt", "tls.key", "ca.crt"]) {
+      const v = tls.stringData ? tls.stringData[key]
+        : Buffer.from(tls.data[key], "base64").toString();
+      assert.ok(!v.includes("-----BEGIN"), `${name}: ${key} is not a placeholder`);
+    }
+  }
+});
+
+const tlsSecret = (o) => o.find((x) => x.kind === "Secret" && x.metadata.name === "fp8rt-tls");
+
 // Each mutation breaks one thing the checks are for; the error must say what.
 const mutations = [
+  ["Worker pods without the TLS Secret", "cpu", (o) => {
+    const w = byKind(o, "MPIJob").spec.mpiReplicaSpecs.Worker.template.spec.containers[0];
+    w.volumeMounts = w.volumeMounts.filter((v) => v.name !== "tls");
+  }, "checkStack", /--tls-ca: \/etc\/fp8rt\/tls\/ca\.crt is on no volume mounted/],
+  ["a gRPC probe on a TLS port", "gpu", (o) => {
+    byKind(o, "Deployment").spec.template.spec.containers[0].readinessProbe =
+      { grpc: { port: 50051 } };
+  }, "checkStack", /readinessProbe is a gRPC probe/],
+  ["ranks that do not verify a TLS controller", "cpu", (o) => {
+    const l = byKind(o, "MPIJob").spec.mpiReplicaSpecs.Launcher.template.spec.containers[0];
+    l.args.splice(l.args.indexOf("--tls-ca"), 2);
+  }, "checkStack", /serves TLS but the ranks have no --tls-ca/],
+  ["a TLS Secret without the CA", "gpu", (o) => {
+    delete tlsSecret(o).stringData["ca.crt"];
+  }, "checkStack", /Secret fp8rt-tls has no key 'ca\.crt'/],
   ["a misspelt container field", "cpu", (o) => {
     byKind(o, "Deployment").spec.template.spec.containers[0].imagePullPolcy = "Always";
   }, "typeCheck", /imagePullPolcy/],

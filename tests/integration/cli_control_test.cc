@@ -722,8 +722,7 @@ TEST_F(CliControlTest, LayersShowEachLayersRecipeAndRecipeSetTakesOverrides) {
   EXPECT_EQ(now["recipe"]["overrides"][1]["scaling"], "current");
   EXPECT_EQ(now["recipe"]["overrides"][1]["margin"], 2);
   const Result get = Fp8rt({"recipe", "get", run_id_});
-  EXPECT_THAT(get.out,
-              HasSubstr("'blocks.1.mlp.*': bf16; 'blocks.*': scaling current, margin 2"));
+  EXPECT_THAT(get.out, HasSubstr("'blocks.1.mlp.*': bf16; 'blocks.*': scaling current, margin 2"));
   // The workers get it in their heartbeat.
   const v1::HeartbeatResponse beat = Heartbeat();
   EXPECT_EQ(beat.recipe().version(), 2);
@@ -950,6 +949,22 @@ TEST_F(CliControlTest, TlsWithTheControllersCa) {
   const Result no_ca = Fp8rt({"runs", "list", "--tls-ca", (*dir_ / "absent-ca.pem").string()}, env);
   EXPECT_EQ(no_ca.exit_code, 2) << no_ca.err;
   EXPECT_THAT(no_ca.err, HasSubstr("absent-ca.pem"));
+
+  // A certificate or key that is not PEM (the placeholder of deploy/kubernetes/components/tls)
+  // stops the controller at start naming the flag and the file, instead of gRPC's "cannot
+  // listen".
+  const fs::path placeholder = *dir_ / "placeholder.pem";
+  std::ofstream(placeholder) << "CHANGE-ME";
+  for (const auto& [flag, args] :
+       {std::pair<std::string, std::vector<std::string>>{
+            "--tls-cert",
+            {"--tls-cert", placeholder.string(), "--tls-key", (*dir_ / "tls-key.pem").string()}},
+        {"--tls-key", {"--tls-cert", cert, "--tls-key", placeholder.string()}}}) {
+    ControllerProcess bad;
+    const std::string refused = bad.Start(*dir_, "bad-tls", *token_file_, args);
+    EXPECT_THAT(refused, HasSubstr("exited at start")) << flag;
+    EXPECT_THAT(refused, HasSubstr(flag + " " + placeholder.string() + ": not a PEM file"));
+  }
 }
 
 TEST_F(CliControlTest, MissingTokenFileOptionIsExit2) {

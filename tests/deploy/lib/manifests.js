@@ -373,6 +373,25 @@ function checkStack(objects) {
       errors.push(`${dw}: ${probe} probes port ${port}, not the controller's`);
     }
   }
+  // TLS: the certificate and key are Secret keys in the pod; Kubernetes' gRPC probe speaks
+  // plaintext only, so a TLS controller must be probed another way.
+  const controllerTls = flagValue(cargs, "--tls-cert") !== undefined;
+  for (const flag of ["--tls-cert", "--tls-key"]) {
+    const file = flagValue(cargs, flag);
+    if (file === undefined) {
+      if (controllerTls) errors.push(`${dw}: --tls-cert without ${flag}`);
+      continue;
+    }
+    checkKeySource(objects, resolveFile(podSpec, controller, file, `${dw} ${flag}`),
+                   `${dw} ${flag}`, errors);
+  }
+  if (controllerTls) {
+    for (const probe of ["readinessProbe", "livenessProbe"]) {
+      if (controller[probe] && controller[probe].grpc) {
+        errors.push(`${dw}: ${probe} is a gRPC probe, which speaks plaintext to a TLS port`);
+      }
+    }
+  }
   const uid = checkPodSecurity(podSpec, dw, errors);
 
   // The Service reaches the controller's pods and ports.
@@ -453,6 +472,20 @@ function checkStack(objects) {
       errors.push(`${wj}: token Secret ${ref.secret} differs from the controller's ` +
                   `${controllerToken.secret}`);
     }
+  }
+
+  // TLS both ways or neither: ranks that trust a CA talk TLS, and a TLS controller refuses
+  // plaintext. The CA file is a Secret key in the Worker pods, where the ranks run.
+  const tlsCa = flagValue(wargs, "--tls-ca");
+  if (controllerTls && tlsCa === undefined) {
+    errors.push(`${wj}: the controller serves TLS but the ranks have no --tls-ca`);
+  }
+  if (!controllerTls && tlsCa !== undefined) {
+    errors.push(`${wj}: --tls-ca, but the controller serves plaintext (no --tls-cert)`);
+  }
+  if (tlsCa !== undefined) {
+    checkKeySource(objects, resolveFile(workerPod, worker, tlsCa, `${wj} --tls-ca`),
+                   `${wj} --tls-ca`, errors);
   }
 
   // The run folder: on the controller's volume, at the same path in both pods (the controller
