@@ -349,6 +349,22 @@ absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, i
   return absl::OkStatus();
 }
 
+absl::Status QuantizeMx32Transposed(const kernels::OpTable& ops, kernels::Fp8Format format,
+                                    const float* src, int64_t rows, int64_t cols, float* t32,
+                                    uint8_t* codes, uint8_t* e8m0) {
+  FP8RT_RETURN_IF_ERROR(ops.layer->transpose(t32, src, rows, cols, kernels::Stream{}));
+  kernels::QuantizeArgs q;
+  q.format = format;
+  q.input_type = kernels::InputType::kF32;
+  q.granularity = Granularity::kMx32;
+  q.input = t32;
+  q.rows = cols;
+  q.cols = rows;
+  q.codes = codes;
+  q.e8m0_scales = e8m0;
+  return ops.quantize(q, kernels::Stream{});
+}
+
 absl::Status QuantizeMx32Both(const kernels::OpTable& ops, const float* src, int64_t rows,
                               int64_t cols, kernels::Fp8Format format, uint8_t* codes,
                               uint8_t* e8m0, uint8_t* col_codes, uint8_t* col_e8m0,
@@ -371,8 +387,8 @@ absl::Status QuantizeMx32Both(const kernels::OpTable& ops, const float* src, int
   const int64_t count = rows * cols;
   const int64_t col_grid = kernels::GetScaleGrid(Granularity::kMx32, cols, rows).size();
   // [W^T in FP32][W^T codes][their E8M0 grid]
-  const size_t bytes = static_cast<size_t>(count) * (sizeof(float) + 1) +
-                       static_cast<size_t>(col_grid);
+  const size_t bytes =
+      static_cast<size_t>(count) * (sizeof(float) + 1) + static_cast<size_t>(col_grid);
   if (&scratch->ops() != &ops || scratch->size() < bytes) {
     FP8RT_RETURN_IF_ERROR(Synchronize(ops));  // earlier work may still read the old buffer
     scratch->Reset(ops, bytes);
@@ -392,14 +408,7 @@ absl::Status QuantizeMx32Both(const kernels::OpTable& ops, const float* src, int
   q.e8m0_scales = e8m0;
   q.stats = stats;
   FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
-  FP8RT_RETURN_IF_ERROR(ops.layer->transpose(t32, src, rows, cols, kernels::Stream{}));
-  q.input = t32;
-  q.rows = cols;
-  q.cols = rows;
-  q.codes = t_codes;
-  q.e8m0_scales = t_e8m0;
-  q.stats = nullptr;
-  FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
+  FP8RT_RETURN_IF_ERROR(QuantizeMx32Transposed(ops, format, src, rows, cols, t32, t_codes, t_e8m0));
   FP8RT_RETURN_IF_ERROR(
       ops.layer->transpose_bytes(col_codes, t_codes, cols, rows, kernels::Stream{}));
   const kernels::ScaleGrid tg = kernels::GetScaleGrid(Granularity::kMx32, cols, rows);
@@ -411,9 +420,11 @@ absl::Status QuantizeMx32Shard(const kernels::OpTable& ops, const float* shard, 
   constexpr const char* kFn = "QuantizeMx32Shard";
   if (out == nullptr) return absl::InvalidArgumentError(absl::StrCat(kFn, ": out is null"));
   if (rows <= 0 || rows % kernels::kMx32BlockSize != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        kFn, ": rows must be a positive multiple of 32 with mx32 scaling (shards are whole "
-             "32-row blocks of the column-wise copy), got ", rows));
+    return absl::InvalidArgumentError(
+        absl::StrCat(kFn,
+                     ": rows must be a positive multiple of 32 with mx32 scaling (shards are whole "
+                     "32-row blocks of the column-wise copy), got ",
+                     rows));
   }
   out->rows = rows;
   out->cols = cols;
@@ -422,7 +433,8 @@ absl::Status QuantizeMx32Shard(const kernels::OpTable& ops, const float* shard, 
   out->scale = 1.0f;
   out->codes.Reset(ops, static_cast<size_t>(rows * cols));
   out->col_codes.Reset(ops, static_cast<size_t>(rows * cols));
-  out->e8m0.Reset(ops, static_cast<size_t>(kernels::GetScaleGrid(Granularity::kMx32, rows, cols).size()));
+  out->e8m0.Reset(
+      ops, static_cast<size_t>(kernels::GetScaleGrid(Granularity::kMx32, rows, cols).size()));
   out->col_e8m0.Reset(ops, static_cast<size_t>(rows / kernels::kMx32BlockSize * cols));
   out->scale_inv.clear();
   out->stats_out.Reset(ops, 1);
@@ -442,9 +454,9 @@ absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& op
     return absl::InvalidArgumentError("StartGatherFp8Shard: out and pending must not be null");
   }
   if (shard.codes.size() != static_cast<size_t>(shard.rows * shard.cols) || shard.rows <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "StartGatherFp8Shard: the shard holds ", shard.codes.size(), " codes for ", shard.rows,
-        " x ", shard.cols, " (quantize it first)"));
+    return absl::InvalidArgumentError(absl::StrCat("StartGatherFp8Shard: the shard holds ",
+                                                   shard.codes.size(), " codes for ", shard.rows,
+                                                   " x ", shard.cols, " (quantize it first)"));
   }
   const int64_t n = group.size();
   out->rows = shard.rows * n;
@@ -476,16 +488,16 @@ absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& op
   // The device copy above and the host's view of the shard must be done before a backend that
   // reads host-visible memory (MPI) sends it.
   FP8RT_RETURN_IF_ERROR(Synchronize(ops));
-  FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<PendingCollective> codes,
-                         group.StartAllGather(shard.codes.data(),
-                                              static_cast<int64_t>(shard.codes.size()),
-                                              out->codes.data(), DType::kU8));
+  FP8RT_ASSIGN_OR_RETURN(
+      std::unique_ptr<PendingCollective> codes,
+      group.StartAllGather(shard.codes.data(), static_cast<int64_t>(shard.codes.size()),
+                           out->codes.data(), DType::kU8));
   pending->push_back(std::move(codes));
   if (shard.block) {
-    FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<PendingCollective> scales,
-                           group.StartAllGather(shard.scale_inv.data(),
-                                                static_cast<int64_t>(shard.scale_inv.size()),
-                                                out->scale_inv.data(), DType::kF32));
+    FP8RT_ASSIGN_OR_RETURN(
+        std::unique_ptr<PendingCollective> scales,
+        group.StartAllGather(shard.scale_inv.data(), static_cast<int64_t>(shard.scale_inv.size()),
+                             out->scale_inv.data(), DType::kF32));
     pending->push_back(std::move(scales));
   }
   return absl::OkStatus();

@@ -83,12 +83,12 @@ struct Fp8GatherOptions {
 struct Fp8Weight {
   int64_t rows = 0;
   int64_t cols = 0;
-  kernels::DeviceArray<uint8_t> codes;    // rows x cols
-  kernels::DeviceArray<float> scale_inv;  // 1 value (tensor) or ceil(rows/128) x ceil(cols/128)
+  kernels::DeviceArray<uint8_t> codes;      // rows x cols
+  kernels::DeviceArray<float> scale_inv;    // 1 value (tensor) or ceil(rows/128) x ceil(cols/128)
   kernels::DeviceArray<uint8_t> e8m0;       // mx32: rows x ceil(cols/32)
   kernels::DeviceArray<uint8_t> col_codes;  // mx32: rows x cols, 32x1 blocks
   kernels::DeviceArray<uint8_t> col_e8m0;   // mx32: ceil(rows/32) x cols
-  kernels::QuantStats shard_stats;        // statistics of this rank's shard
+  kernels::QuantStats shard_stats;          // statistics of this rank's shard
   float amax = 0.0f;  // kTensorCurrent: the synced amax; otherwise this shard's amax
 
   // Where the ops of a gather write the shard's statistics and amax before the host reads them:
@@ -135,8 +135,8 @@ struct Fp8Shard {
   kernels::DeviceArray<uint8_t> codes;    // rows x cols
   kernels::DeviceArray<float> scale_inv;  // 1 value (tensor) or the shard's 128x128 grid
   kernels::DeviceArray<uint8_t> e8m0, col_codes, col_e8m0;  // mx32 (see Fp8Weight)
-  kernels::QuantStats stats;              // of the quantization (host copy)
-  kernels::DeviceArray<kernels::QuantStats> stats_out;  // where the op writes them
+  kernels::QuantStats stats;                                // of the quantization (host copy)
+  kernels::DeviceArray<kernels::QuantStats> stats_out;      // where the op writes them
 };
 
 // Quantizes `rows` x `cols` FP32 `shard` into `out` with tensor scale `scale` (block false) or
@@ -145,6 +145,15 @@ struct Fp8Shard {
 absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
                               int64_t cols, kernels::Fp8Format format, bool block, float scale,
                               int margin, Fp8Shard* out);
+
+// MXFP8 of the transpose: `rows` x `cols` FP32 `src` transposed into `t32` (backend memory of
+// rows x cols floats), then quantized with 1x32 blocks along the transpose's rows (src's
+// columns): `codes` (cols x rows) and `e8m0` (its scale grid). The operand an mx32 GEMM wants
+// along what was src's row dimension (x^T and dy^T along the tokens, W^T along out). Queued on
+// the default stream.
+absl::Status QuantizeMx32Transposed(const kernels::OpTable& ops, kernels::Fp8Format format,
+                                    const float* src, int64_t rows, int64_t cols, float* t32,
+                                    uint8_t* codes, uint8_t* e8m0);
 
 // MXFP8 both ways (see Fp8Weight): `rows` x `cols` FP32 `src` into codes and e8m0 (1x32 blocks
 // along each row) and into col_codes and col_e8m0 (32x1 blocks down each column; quantized as the
@@ -164,9 +173,10 @@ absl::Status QuantizeMx32Shard(const kernels::OpTable& ops, const float* shard, 
 
 // Starts the all-gather of every rank's `shard` (the same shape everywhere) into `out`: the FP8
 // codes and, with block scaling, the block scales (the shards are whole block rows, so the grids
-// in rank order are the full grid); mx32 gathers both quantizations and their E8M0 grids; tensor scaling copies the one scale_inv, which every rank
-// has alike. Appends the collectives to `pending`: `out` may be used once each has been waited
-// for. `shard` must stay unchanged until then. `out`'s buffers keep their memory category.
+// in rank order are the full grid); mx32 gathers both quantizations and their E8M0 grids; tensor
+// scaling copies the one scale_inv, which every rank has alike. Appends the collectives to
+// `pending`: `out` may be used once each has been waited for. `shard` must stay unchanged until
+// then. `out`'s buffers keep their memory category.
 absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& ops,
                                  const Fp8Shard& shard, Fp8Weight* out,
                                  std::vector<std::unique_ptr<PendingCollective>>* pending);

@@ -215,10 +215,11 @@ absl::Status Linear::ForwardFp8(const LinearContext& ctx, const float* x, int64_
   if (mx32()) {
     // x^T along the tokens for dW, now, from x (the backward never reads x).
     xt_codes_.Reset(*ctx.ops, static_cast<size_t>(n * in_));
-    xt_e8m0_.Reset(*ctx.ops, static_cast<size_t>(
-                                 kernels::GetScaleGrid(kernels::Granularity::kMx32, in_, n).size()));
-    FP8RT_RETURN_IF_ERROR(QuantizeMx32Transposed(ctx, input_format, x, n, in_, xt_codes_.data(),
-                                                 xt_e8m0_.data()));
+    xt_e8m0_.Reset(
+        *ctx.ops,
+        static_cast<size_t>(kernels::GetScaleGrid(kernels::Granularity::kMx32, in_, n).size()));
+    FP8RT_RETURN_IF_ERROR(
+        QuantizeMx32Transposed(ctx, input_format, x, n, in_, xt_codes_.data(), xt_e8m0_.data()));
   }
   kernels::Fp8GemmArgs g;
   g.m = n;
@@ -247,16 +248,7 @@ absl::Status Linear::QuantizeMx32Transposed(const LinearContext& ctx, kernels::F
                                             uint8_t* codes, uint8_t* e8m0) {
   FP8RT_ASSIGN_OR_RETURN(
       float* t, ctx.scratch->Get<float>(Scratch::kDequant, static_cast<size_t>(rows * cols)));
-  FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(t, src, rows, cols, {}));
-  kernels::QuantizeArgs q;
-  q.format = format;
-  q.granularity = kernels::Granularity::kMx32;
-  q.input = t;
-  q.rows = cols;
-  q.cols = rows;
-  q.codes = codes;
-  q.e8m0_scales = e8m0;
-  return ctx.ops->quantize(q, {});
+  return parallel::QuantizeMx32Transposed(*ctx.ops, format, src, rows, cols, t, codes, e8m0);
 }
 
 absl::Status Linear::BackwardMx32(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
@@ -295,7 +287,8 @@ absl::Status Linear::BackwardMx32(const LinearContext& ctx, const float* dy, int
   FP8RT_ASSIGN_OR_RETURN(
       uint8_t * dyt, ctx.scratch->Get<uint8_t>(Scratch::kCodesA, static_cast<size_t>(out_ * n)));
   FP8RT_ASSIGN_OR_RETURN(
-      uint8_t * dyt_e8m0, ctx.scratch->Get<uint8_t>(Scratch::kScalesA, static_cast<size_t>(ag.size())));
+      uint8_t * dyt_e8m0,
+      ctx.scratch->Get<uint8_t>(Scratch::kScalesA, static_cast<size_t>(ag.size())));
   FP8RT_RETURN_IF_ERROR(QuantizeMx32Transposed(ctx, grad_format, dy, n, out_, dyt, dyt_e8m0));
   g.m = out_;
   g.n = in_;
@@ -313,8 +306,8 @@ absl::Status Linear::BackwardMx32(const LinearContext& ctx, const float* dy, int
 
 absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
                                  float* dw) {
-  FP8RT_RETURN_IF_ERROR(QuantizeActivation(ctx, grad_site_, grad_pending_, dy, n, out_,
-                                           &dy_codes_, &dy_scale_inv_, &dy_e8m0_));
+  FP8RT_RETURN_IF_ERROR(QuantizeActivation(ctx, grad_site_, grad_pending_, dy, n, out_, &dy_codes_,
+                                           &dy_scale_inv_, &dy_e8m0_));
   if (mx32()) return BackwardMx32(ctx, dy, n, dx, dw);
   const bool block = block_scaling();
   const kernels::Fp8Format grad_format = grad_site_.state().config().format;
