@@ -349,20 +349,32 @@ absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, i
   return absl::OkStatus();
 }
 
-absl::Status QuantizeMx32Transposed(const kernels::OpTable& ops, kernels::Fp8Format format,
-                                    const float* src, int64_t rows, int64_t cols, float* t32,
-                                    uint8_t* codes, uint8_t* e8m0) {
-  FP8RT_RETURN_IF_ERROR(ops.layer->transpose(t32, src, rows, cols, kernels::Stream{}));
+namespace {
+
+// MXFP8 of `rows` x `cols` FP32 `src`: 1x32 blocks along each row, on the default stream.
+absl::Status QuantizeMx32Rows(const kernels::OpTable& ops, kernels::Fp8Format format,
+                              const float* src, int64_t rows, int64_t cols, uint8_t* codes,
+                              uint8_t* e8m0, kernels::QuantStats* stats) {
   kernels::QuantizeArgs q;
   q.format = format;
   q.input_type = kernels::InputType::kF32;
   q.granularity = Granularity::kMx32;
-  q.input = t32;
-  q.rows = cols;
-  q.cols = rows;
+  q.input = src;
+  q.rows = rows;
+  q.cols = cols;
   q.codes = codes;
   q.e8m0_scales = e8m0;
+  q.stats = stats;
   return ops.quantize(q, kernels::Stream{});
+}
+
+}  // namespace
+
+absl::Status QuantizeMx32Transposed(const kernels::OpTable& ops, kernels::Fp8Format format,
+                                    const float* src, int64_t rows, int64_t cols, float* t32,
+                                    uint8_t* codes, uint8_t* e8m0) {
+  FP8RT_RETURN_IF_ERROR(ops.layer->transpose(t32, src, rows, cols, kernels::Stream{}));
+  return QuantizeMx32Rows(ops, format, t32, cols, rows, codes, e8m0, nullptr);
 }
 
 absl::Status QuantizeMx32Both(const kernels::OpTable& ops, const float* src, int64_t rows,
@@ -397,17 +409,7 @@ absl::Status QuantizeMx32Both(const kernels::OpTable& ops, const float* src, int
   uint8_t* t_codes = reinterpret_cast<uint8_t*>(t32 + count);
   uint8_t* t_e8m0 = t_codes + count;
 
-  kernels::QuantizeArgs q;
-  q.format = format;
-  q.input_type = kernels::InputType::kF32;
-  q.granularity = Granularity::kMx32;
-  q.input = src;
-  q.rows = rows;
-  q.cols = cols;
-  q.codes = codes;
-  q.e8m0_scales = e8m0;
-  q.stats = stats;
-  FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
+  FP8RT_RETURN_IF_ERROR(QuantizeMx32Rows(ops, format, src, rows, cols, codes, e8m0, stats));
   FP8RT_RETURN_IF_ERROR(QuantizeMx32Transposed(ops, format, src, rows, cols, t32, t_codes, t_e8m0));
   FP8RT_RETURN_IF_ERROR(
       ops.layer->transpose_bytes(col_codes, t_codes, cols, rows, kernels::Stream{}));
