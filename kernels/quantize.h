@@ -93,6 +93,12 @@ struct QuantizeArgs {
   // instead of computing it from this tensor's amax (two passes).
   bool has_scale = false;
   float scale = 1.0f;
+  // kTensor without has_scale: the scale is ComputeScale(*scale_amax) (one float in the backend's
+  // memory, read by the op, never by the host) instead of ComputeScale of this tensor's finite
+  // amax. For an amax agreed across ranks on the device (current scaling over TP): the amax op,
+  // an i32 max all-reduce of its bits, then this quantization, with no host round trip. As
+  // ComputeScale, a value that is zero, negative, infinite or NaN gives scale 1.
+  const float* scale_amax = nullptr;
   int margin = 0;                    // for computed scales: fp8_max / amax / 2^margin
   bool power_of_two_scales = false;  // for computed scales (mx32 scales always are)
 

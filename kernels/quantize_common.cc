@@ -131,6 +131,12 @@ absl::Status ValidateQuantizeArgs(const QuantizeArgs& args) {
                        std::string(GranularityName(args.granularity))));
     }
   }
+  if (args.scale_amax != nullptr && (args.has_scale || args.granularity != Granularity::kTensor)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "scale_amax: a scale from a given amax is only valid with granularity tensor and no "
+        "fixed scale (granularity ",
+        std::string(GranularityName(args.granularity)), ", has_scale ", args.has_scale, ")"));
+  }
   if (args.has_scale && !(std::isfinite(args.scale) && args.scale > 0.0f)) {
     return absl::InvalidArgumentError(
         absl::StrCat("scale must be finite and > 0, got ", args.scale));

@@ -249,12 +249,18 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
     q.granularity = Granularity::kBlock128x128;
     q.scale_inv = weight.scale_inv.data() + rank * shard_grid;
   } else {
-    float scale = options.scale;
+    weight.scale_inv.Reset(ops, 1);  // the same on every rank: nothing to send
+    q.granularity = Granularity::kTensor;
+    q.scale_inv = weight.scale_inv.data();
     if (options.scaling == WeightScaling::kTensorCurrent) {
       if (absl::Status s = CheckOp(reinterpret_cast<const void*>(ops.amax), ops, "amax", kFn);
           !s.ok()) {
         return s;
       }
+      // The amax, its max over the group and the scale stay in the backend's memory: the group
+      // max-reduces the amax's bits (>= 0 or a positive NaN, so int32 order is float order, as
+      // in SyncAmaxes) and the quantize op derives the scale from them (a non-finite synced amax
+      // gives scale 1, as ComputeScale, and stays visible in weight.amax).
       weight.amax_out.Reset(ops, 1);
       kernels::AmaxArgs a;
       a.input_type = kernels::InputType::kF32;
@@ -262,25 +268,15 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
       a.count = shard_elems;
       a.amax = weight.amax_out.data();
       FP8RT_RETURN_IF_ERROR(ops.amax(a, kernels::Stream{}));
-      FP8RT_RETURN_IF_ERROR(Synchronize(ops));
-      float amax = weight.amax_out[0];
-      // A non-finite synced amax gives scale 1 (ComputeScale) and stays visible in weight.amax.
-      absl::StatusOr<std::vector<int>> bad = SyncAmaxes(group, std::span<float>(&amax, 1));
-      if (!bad.ok()) return bad.status();
-      weight.amax = amax;
-      scale = kernels::ComputeScale(amax, options.format, options.margin,
-                                    /*power_of_two=*/false);
+      FP8RT_RETURN_IF_ERROR(
+          group.AllReduce(weight.amax_out.data(), 1, DType::kI32, ReduceOp::kMax));
+      q.scale_amax = weight.amax_out.data();
+    } else {
+      q.has_scale = true;
+      q.scale = options.scale;
     }
-    weight.scale_inv.Reset(ops, 1);  // the same on every rank: nothing to send
-    q.granularity = Granularity::kTensor;
-    q.has_scale = true;
-    q.scale = scale;
-    q.scale_inv = weight.scale_inv.data();
   }
   FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
-  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
-  weight.shard_stats = weight.stats_out[0];
-  if (options.scaling != WeightScaling::kTensorCurrent) weight.amax = weight.shard_stats.amax;
 
   if (absl::Status s = group.AllGather(my_codes, shard_elems, weight.codes.data(), DType::kU8);
       !s.ok()) {
@@ -288,9 +284,16 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
   }
   if (options.scaling == WeightScaling::kBlock128) {
     // Shards are whole block rows, so the grids in rank order are the full grid.
-    return group.AllGather(weight.scale_inv.data() + rank * shard_grid, shard_grid,
-                           weight.scale_inv.data(), DType::kF32);
+    FP8RT_RETURN_IF_ERROR(group.AllGather(weight.scale_inv.data() + rank * shard_grid, shard_grid,
+                                          weight.scale_inv.data(), DType::kF32));
   }
+  // The host values, read once the gathers (which ran after the quantization, in stream order)
+  // are done: this wait finds the backend idle, where one before the gather stalled it.
+  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+  weight.shard_stats = weight.stats_out[0];
+  weight.amax = options.scaling == WeightScaling::kTensorCurrent
+                    ? AmaxFromBits(AmaxBits(weight.amax_out[0]))
+                    : weight.shard_stats.amax;
   return absl::OkStatus();
 }
 

@@ -15,7 +15,6 @@
 // Highway must come after foreach_target.
 #include "hwy/cache_control.h"
 #include "hwy/highway.h"
-
 #include "kernels/cpu/quantize_one.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -364,7 +363,9 @@ absl::Status QuantizeCpu(const QuantizeArgs& args, Stream) {
   switch (args.granularity) {
     case Granularity::kTensor: {
       float scale = args.scale;
-      if (!args.has_scale) {
+      if (args.scale_amax != nullptr) {
+        scale = ComputeScale(*args.scale_amax, args.format, args.margin, args.power_of_two_scales);
+      } else if (!args.has_scale) {
         std::mutex mu;
         uint32_t finite_amax = 0;
         ParallelRanges(total, kMinSpan, [&](int64_t b, int64_t e) {

@@ -27,15 +27,16 @@ absl::Status GemmBf16Cuda(const Bf16GemmArgs& args, Stream stream);
 absl::Status GemmF32Cuda(const F32GemmArgs& args, Stream stream);
 
 // The layer ops (kernels/layer_ops.h): the table is defined in kernels/cuda/layer_ops_cuda.cu,
-// which holds every entry but the attention and cross-entropy ones (kernels/cuda/attention_cuda.cu).
+// which holds every entry but the attention and cross-entropy ones
+// (kernels/cuda/attention_cuda.cu).
 extern const LayerOps kLayerOps;
 absl::Status AttentionForwardCuda(float* out, float* lse, const float* q, const float* k,
                                   const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                   int64_t dh, Stream stream);
 absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float* dout,
-                                   const float* q, const float* k, const float* v,
-                                   const float* out, const float* lse, int64_t b, int64_t t,
-                                   int64_t h, int64_t hkv, int64_t dh, Stream stream);
+                                   const float* q, const float* k, const float* v, const float* out,
+                                   const float* lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                   int64_t dh, Stream stream);
 absl::Status CrossEntropyForwardCuda(float* probs, float* losses, const float* logits,
                                      const int32_t* targets, int64_t n, int64_t v, Stream stream);
 absl::Status CrossEntropyBackwardCuda(float* dlogits, const float* probs, const int32_t* targets,
@@ -50,7 +51,14 @@ absl::StatusOr<int> CurrentDeviceComputeCapability();
 // InvalidArgument naming the field unless every non-null pointer is memory the device can
 // address (cudaMalloc, managed, or mapped pinned host memory). A plain host pointer handed to a
 // kernel would fault and poison the whole CUDA context; this turns it into an error value.
+// Pointers inside the backend's own allocations (BackendAllocations) pass without a runtime call.
 absl::Status CheckDevicePointers(std::initializer_list<std::pair<const char*, const void*>> ptrs);
+// The allocations of LayerOps::allocate, registered there and removed by deallocate.
+class AllocationRegistry;
+AllocationRegistry& BackendAllocations();
+// Blocks of `kernel` (a __global__ function) at `threads` threads that fit on one multiprocessor
+// of the current device, asked of the runtime once per (kernel, threads, device) and remembered.
+absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads);
 
 // Launch configuration helper: enough blocks of `threads` for `work` items, at most `per_sm`
 // blocks per multiprocessor (the kernels loop over the rest).

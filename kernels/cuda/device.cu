@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/allocation_registry.h"
 #include "kernels/cuda/cuda_ops_internal.h"
 #include "runtime/core/checks.h"
 
@@ -69,9 +70,17 @@ absl::StatusOr<int> CurrentDeviceComputeCapability() {
   return f->compute_capability;
 }
 
+AllocationRegistry& BackendAllocations() {
+  static auto* registry = new AllocationRegistry();
+  return *registry;
+}
+
 absl::Status CheckDevicePointers(std::initializer_list<std::pair<const char*, const void*>> ptrs) {
+  const AllocationRegistry& own = BackendAllocations();
   for (const auto& [field, ptr] : ptrs) {
-    if (ptr == nullptr) continue;
+    // The backend's own allocations (every DeviceArray) answer from the registry; only pointers
+    // from elsewhere (a caller's cudaMalloc, pinned host memory, a mistake) ask the runtime.
+    if (ptr == nullptr || own.Contains(ptr)) continue;
     cudaPointerAttributes attr{};
     const cudaError_t err = cudaPointerGetAttributes(&attr, ptr);
     if (err != cudaSuccess) {
@@ -90,6 +99,35 @@ absl::Status CheckDevicePointers(std::initializer_list<std::pair<const char*, co
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads) {
+  struct Key {
+    const void* kernel;
+    int threads;
+    int device;
+    bool operator==(const Key&) const = default;
+  };
+  struct KeyHash {
+    size_t operator()(const Key& k) const {
+      return std::hash<const void*>()(k.kernel) ^ (static_cast<size_t>(k.threads) << 20) ^
+             static_cast<size_t>(k.device);
+    }
+  };
+  static std::mutex mu;
+  static auto* known = new std::unordered_map<Key, int, KeyHash>();  // Guarded by mu
+  int device = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  const Key key{kernel, threads, device};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = known->find(key); it != known->end()) return it->second;
+  }
+  int per_sm = 0;
+  CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  std::lock_guard<std::mutex> lock(mu);
+  (*known)[key] = per_sm;
+  return per_sm;
 }
 
 int64_t GridFor(int64_t work, int threads, int sm_count, int per_sm) {

@@ -6,6 +6,7 @@
 //   ThreadStats, QuantizeOne<F>
 //                         one value: code and the QuantStats counts (kernels/cpu/quantize_cpu.cc)
 //   ComputeScale          kernels/quantize_common.cc ComputeScale on the finite amax bits
+//   ComputeScaleOfValue   the same of any float (negative, NaN, Inf give 1)
 //   Mx32Exponent          Mx32ScaleExponent, from the bits
 //   Mx32ScaleTileOffset   where cuBLASLt's VEC32_UE8M0 mode reads an E8M0 scale
 //   DecodeFp8, DecodeE8M0, FloatToBf16, PowerOfTwo
@@ -135,6 +136,15 @@ __device__ __forceinline__ float ComputeScale(uint32_t amax_bits, float fp8_max,
   return scale;
 }
 
+// ComputeScale (kernels/quantize_common.cc) of any float, as the host's: 1 for a value that is not
+// > 0 (a negative one, a NaN of either sign, zero) or is infinite. For an amax the kernel reads
+// from memory (QuantizeArgs::scale_amax) rather than one it reduced itself.
+__device__ __forceinline__ float ComputeScaleOfValue(float amax, float fp8_max, int margin,
+                                                     bool power_of_two) {
+  const uint32_t bits = __float_as_uint(amax);
+  return ComputeScale(bits >> 31 ? 0u : bits, fp8_max, margin, power_of_two);
+}
+
 // Mx32ScaleExponent: floor(log2(amax)) - emax, clamped to [-127, 127]; -127 for amax 0.
 __device__ __forceinline__ int Mx32Exponent(uint32_t amax_bits, int emax) {
   if (amax_bits == 0) return -127;
@@ -149,8 +159,7 @@ __device__ __forceinline__ int Mx32Exponent(uint32_t amax_bits, int emax) {
 // in tiles of 128 rows x 4 columns, 512 bytes each, the tiles of one 128-row band contiguous
 // along K (band-major, `cols_pad` = cols rounded up to 4); inside a tile, row r and column c
 // lie at byte (r % 32) * 16 + (r % 128) / 32 * 4 + c. Rows are padded to 128.
-__device__ __forceinline__ int64_t Mx32ScaleTileOffset(int64_t row, int64_t col,
-                                                      int64_t cols_pad) {
+__device__ __forceinline__ int64_t Mx32ScaleTileOffset(int64_t row, int64_t col, int64_t cols_pad) {
   const int64_t tile = (row / 128) * (cols_pad / 4) + col / 4;
   return tile * 512 + (row % 32) * 16 + (row % 128) / 32 * 4 + col % 4;
 }

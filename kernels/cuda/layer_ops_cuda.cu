@@ -63,6 +63,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/allocation_registry.h"
 #include "kernels/cuda/cuda_ops_internal.h"
 #include "kernels/cuda/layer_math.cuh"
 #include "kernels/layer_ops.h"
@@ -1004,13 +1005,16 @@ absl::StatusOr<void*> AllocateEntry(size_t bytes) {
         absl::StrCat("allocating ", bytes, " bytes of CUDA managed memory: ", cudaGetErrorName(err),
                      " (", cudaGetErrorString(err), ")"));
   }
+  BackendAllocations().Add(p, std::max<size_t>(bytes, 1));
   return p;
 }
 
 // cudaFree waits for the device; an error (a pointer allocate did not give) has nowhere to go
 // from a void entry and is cleared rather than left for the next launch to report.
 void DeallocateEntry(void* p) {
-  if (p != nullptr && cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
+  if (p == nullptr) return;
+  BackendAllocations().Remove(p);
+  if (cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
 }
 
 }  // namespace

@@ -4,8 +4,9 @@
 // everything else is a max or an integer count, which no reduction order changes.
 //
 // Index (kernels, then the op entries that launch them):
-//   TensorQuantizeKernel   one read: codes + statistics, tensor scale given or computed from the
-//                          finite amax that TensorAmaxKernel left in scale_inv[0]
+//   TensorQuantizeKernel   one read: codes + statistics, tensor scale given, computed from the
+//                          finite amax that TensorAmaxKernel left in scale_inv[0], or from an
+//                          amax in device memory (QuantizeArgs::scale_amax)
 //   TensorAmaxKernel       plain and finite amax as bits, atomics into the output words
 //   SegmentQuantizeKernel  row / 1x128 / mx32: one warp per contiguous run of a row sharing a
 //                          scale (finite amax by warp shuffles, then encode)
@@ -61,12 +62,16 @@ __device__ __forceinline__ void Load8(const uint16_t* __restrict__ x, int64_t v,
 struct TensorScale {
   float given = 1.0f;
   const uint32_t* amax_bits = nullptr;
+  const float* amax_value = nullptr;  // QuantizeArgs::scale_amax: wins over both above
   float fp8_max = 448.0f;
   int margin = 0;
   bool power_of_two = false;
 };
 
 __device__ __forceinline__ float ResolveScale(const TensorScale& ts) {
+  if (ts.amax_value != nullptr) {
+    return ComputeScaleOfValue(*ts.amax_value, ts.fp8_max, ts.margin, ts.power_of_two);
+  }
   return ts.amax_bits == nullptr
              ? ts.given
              : ComputeScale(*ts.amax_bits, ts.fp8_max, ts.margin, ts.power_of_two);
@@ -153,16 +158,12 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// scale_inv[0] (the given scale's inverse, or the computed one's: scale_inv[0] holds the finite
-// amax bits on entry in that case), the canonical NaN for a NaN amax, and the value count.
-__global__ void TensorEpilogueKernel(TensorScale ts, bool computed, float* scale_inv,
-                                     QuantStats* stats, int64_t count) {
-  if (scale_inv != nullptr) {
-    const float scale = computed ? ComputeScale(*reinterpret_cast<const uint32_t*>(scale_inv),
-                                                ts.fp8_max, ts.margin, ts.power_of_two)
-                                 : ts.given;
-    scale_inv[0] = __fdiv_rn(1.0f, scale);
-  }
+// scale_inv[0] (the inverse of the scale ts resolves to: when it is computed from this tensor's
+// amax, ts.amax_bits points at scale_inv[0], read here before it is overwritten), the canonical
+// NaN for a NaN amax, and the value count.
+__global__ void TensorEpilogueKernel(TensorScale ts, float* scale_inv, QuantStats* stats,
+                                     int64_t count) {
+  if (scale_inv != nullptr) scale_inv[0] = __fdiv_rn(1.0f, ResolveScale(ts));
   if (stats != nullptr) {
     if (__float_as_uint(stats->amax) > 0x7F800000u) stats->amax = __uint_as_float(kQuietNaNBits);
     stats->count = count;
@@ -349,11 +350,13 @@ absl::Status Launch(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream, A
 
 // A persistent grid for `kernel`: as many blocks as fit on the device at once (by the kernel's
 // register and shared-memory use), fewer when there is less work. The kernels loop over the rest;
-// a grid larger than what fits would leave a partial second wave.
+// a grid larger than what fits would leave a partial second wave. The occupancy is asked of the
+// runtime once per (kernel, block size, device) and remembered (KernelBlocksPerSm), not on every
+// launch.
 template <class Kernel>
 absl::StatusOr<dim3> PersistentGrid(Kernel kernel, int64_t work_items, int threads, int sms) {
-  int per_sm = 0;
-  CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  FP8RT_ASSIGN_OR_RETURN(const int per_sm,
+                         KernelBlocksPerSm(reinterpret_cast<const void*>(kernel), threads));
   return dim3(static_cast<unsigned>(GridFor(work_items, threads, sms, std::max(per_sm, 1))));
 }
 
@@ -429,7 +432,8 @@ absl::Status QuantizeCuda(const QuantizeArgs& args, Stream stream_arg) {
                                              {"codes", args.codes},
                                              {"scale_inv", args.scale_inv},
                                              {"e8m0_scales", args.e8m0_scales},
-                                             {"stats", args.stats}}));
+                                             {"stats", args.stats},
+                                             {"scale_amax", args.scale_amax}}));
   const cudaStream_t stream = ToCuda(stream_arg);
   const int64_t total = args.rows * args.cols;
   const ScaleGrid grid = GetScaleGrid(args.granularity, args.rows, args.cols);
@@ -455,8 +459,9 @@ absl::Status QuantizeCuda(const QuantizeArgs& args, Stream stream_arg) {
   FP8RT_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSmCount());
   switch (args.granularity) {
     case Granularity::kTensor: {
-      const bool computed = !args.has_scale;
-      if (computed) {
+      if (args.scale_amax != nullptr) {
+        ts.amax_value = args.scale_amax;
+      } else if (!args.has_scale) {
         // Pass 1: finite amax bits into scale_inv[0]; pass 2 reads them and derives the scale.
         CUDA_RETURN_IF_ERROR(cudaMemsetAsync(args.scale_inv, 0, sizeof(float), stream));
         auto* amax_word = reinterpret_cast<uint32_t*>(args.scale_inv);
@@ -468,9 +473,8 @@ absl::Status QuantizeCuda(const QuantizeArgs& args, Stream stream_arg) {
       }
       FP8RT_RETURN_IF_ERROR(FP8RT_DISPATCH_FORMAT_INPUT(
           args.format, args.input_type, LaunchTensorQuantize, args, ts, sms, stream));
-      ts.amax_bits = nullptr;
-      return Launch(TensorEpilogueKernel, dim3(1), dim3(1), stream, ts, computed, args.scale_inv,
-                    args.stats, total);
+      return Launch(TensorEpilogueKernel, dim3(1), dim3(1), stream, ts, args.scale_inv, args.stats,
+                    total);
     }
     case Granularity::kRow:
     case Granularity::kTile1x128:
@@ -484,8 +488,8 @@ absl::Status QuantizeCuda(const QuantizeArgs& args, Stream stream_arg) {
       break;
   }
   if (args.stats == nullptr) return absl::OkStatus();
-  return Launch(TensorEpilogueKernel, dim3(1), dim3(1), stream, ts, false,
-                static_cast<float*>(nullptr), args.stats, total);
+  return Launch(TensorEpilogueKernel, dim3(1), dim3(1), stream, ts, static_cast<float*>(nullptr),
+                args.stats, total);
 }
 
 absl::Status DequantizeCuda(const DequantizeArgs& args, Stream stream) {
@@ -570,8 +574,8 @@ absl::Status CastTransposeCuda(const CastTransposeArgs& args, Stream stream_arg)
   }
   TensorScale ts;
   ts.given = args.scale;
-  return Launch(TensorEpilogueKernel, dim3(1), dim3(1), stream, ts, false, args.scale_inv,
-                args.stats, total);
+  return Launch(TensorEpilogueKernel, dim3(1), dim3(1), stream, ts, args.scale_inv, args.stats,
+                total);
 }
 
 }  // namespace fp8rt::kernels::cuda_internal

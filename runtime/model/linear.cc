@@ -79,29 +79,33 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
     q.scale_inv = scale_inv->data();
     pending.from_amax = true;
   } else {
-    float scale = state.scale();
-    if (state.UsesCurrentScaling()) {
-      // The scale comes from this tensor's amax, max-reduced over TP: a host round trip.
-      amax_out_.Reset(ops, 1);
+    scale_inv->Reset(ops, 1);
+    q.granularity = kernels::Granularity::kTensor;
+    q.scale_inv = scale_inv->data();
+    pending.from_amax = false;
+    pending.from_synced_amax = state.UsesCurrentScaling();
+    if (pending.from_synced_amax) {
+      // The scale comes from this tensor's amax, max-reduced over TP, all on the device: the amax
+      // op writes it into the backend's memory, the TP group max-reduces its bits (an amax is
+      // >= 0 or a positive NaN, so int32 order is float order, NaN above Inf, as in
+      // parallel::SyncAmaxes), and the quantize op derives the scale from it
+      // (QuantizeArgs::scale_amax). The host reads the amax only when it flushes the statistics.
+      pending.amax.Reset(ops, 1);
       kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
                           .input = src,
                           .count = rows * cols,
-                          .amax = amax_out_.data()};
+                          .amax = pending.amax.data()};
       FP8RT_RETURN_IF_ERROR(ops.amax(a, {}));
-      FP8RT_RETURN_IF_ERROR(ops.layer->synchronize({}));
-      float amax = amax_out_[0];
       if (ctx.tp != nullptr && ctx.tp->size() > 1) {
-        FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(*ctx.tp, std::span<float>(&amax, 1)).status());
+        FP8RT_RETURN_IF_ERROR(ctx.tp->AllReduce(pending.amax.data(), 1, parallel::DType::kI32,
+                                                parallel::ReduceOp::kMax));
       }
-      scale = kernels::ComputeScale(amax, cfg.format, cfg.margin, cfg.power_of_two);
+      q.scale_amax = pending.amax.data();
+    } else {
+      q.has_scale = true;
+      q.scale = state.scale();
+      pending.scale = q.scale;
     }
-    scale_inv->Reset(ops, 1);
-    q.granularity = kernels::Granularity::kTensor;
-    q.has_scale = true;
-    q.scale = scale;
-    q.scale_inv = scale_inv->data();
-    pending.scale = scale;
-    pending.from_amax = false;
   }
   FP8RT_RETURN_IF_ERROR(ops.quantize(q, {}));
   pending.pending = true;
@@ -112,9 +116,14 @@ void Linear::Flush(QuantSite& site, PendingStats& p) {
   if (!p.pending) return;
   const kernels::QuantStats stats = p.stats[0];
   const train::ScalingConfig& cfg = p.config;
-  site.Record(stats, p.from_amax ? kernels::ComputeScale(stats.amax, cfg.format, cfg.margin,
-                                                         cfg.power_of_two)
-                                 : p.scale);
+  // The scale the op quantized with, as it computed it: from this tensor's amax (block and mx32
+  // sites record the tensor's), from the TP-synced amax (current scaling), or given (delayed).
+  const float scale =
+      p.from_amax ? kernels::ComputeScale(stats.amax, cfg.format, cfg.margin, cfg.power_of_two)
+      : p.from_synced_amax
+          ? kernels::ComputeScale(p.amax[0], cfg.format, cfg.margin, cfg.power_of_two)
+          : p.scale;
+  site.Record(stats, scale);
   p.pending = false;
 }
 

@@ -231,6 +231,10 @@ class Linear {
     train::ScalingConfig config;                      // the site's config when it quantized
     float scale = 1.0f;                               // tensor scaling: the scale it quantized with
     bool from_amax = false;  // block scaling: the site's scale is ComputeScale(stats.amax)
+    // Current scaling: the scale is ComputeScale(amax[0]), the amax the op quantized with (this
+    // tensor's, max-reduced over TP on the device), read by the host only in Flush.
+    bool from_synced_amax = false;
+    kernels::DeviceArray<float> amax;
     bool pending = false;
   };
   static void Flush(QuantSite& site, PendingStats& p);
@@ -279,7 +283,6 @@ class Linear {
   kernels::DeviceArray<float> dy_scale_inv_;
   kernels::DeviceArray<uint8_t> dy_e8m0_;
   PendingStats input_pending_, grad_pending_;
-  kernels::DeviceArray<float> amax_out_;  // a current-scaled amax, in the backend's memory
 };
 
 }  // namespace fp8rt::model

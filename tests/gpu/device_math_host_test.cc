@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cuda/allocation_registry.h"
 #include "kernels/cuda/gemm_route.h"
 #include "kernels/formats.h"
 #include "kernels/ops.h"
@@ -171,6 +172,58 @@ TEST(DeviceMathTest, ComputeScaleEqualsTheHostFormula) {
       }
     }
   }
+}
+
+// An amax read from memory (QuantizeArgs::scale_amax: a TP-synced one) may be anything: every
+// sign, Inf and NaN give what the host's ComputeScale(float) gives.
+TEST(DeviceMathTest, ComputeScaleOfAnyValueEqualsTheHost) {
+  int64_t mismatches = 0;
+  int64_t negative_or_nonfinite = 0;
+  for (size_t i = 0; i < Patterns().size(); i += 7) {
+    const uint32_t bits = Patterns()[i];
+    const float amax = FromBits(bits);
+    negative_or_nonfinite += (bits >> 31) != 0 || !std::isfinite(amax);
+    for (Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      const int margin = static_cast<int>(i % 3);
+      const bool pow2 = (i & 8) != 0;
+      mismatches += Bits(ComputeScale(amax, f, margin, pow2)) !=
+                    Bits(dev::ComputeScaleOfValue(amax, GetFp8Info(f).max, margin, pow2));
+    }
+  }
+  EXPECT_GT(negative_or_nonfinite, 100000);
+  EXPECT_EQ(mismatches, 0);
+  for (float v : {-0.0f, -1.0f, std::numeric_limits<float>::infinity(),
+                  -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                  -std::numeric_limits<float>::quiet_NaN()}) {
+    EXPECT_EQ(dev::ComputeScaleOfValue(v, 448.0f, 0, false), 1.0f) << v;
+  }
+  EXPECT_EQ(dev::ComputeScaleOfValue(2.0f, 448.0f, 0, false), 224.0f);
+}
+
+// The CUDA backend's own allocations answer the pointer check without a runtime call
+// (kernels/cuda/device.cu CheckDevicePointers): any address inside one, none outside.
+TEST(AllocationRegistryTest, KnowsEveryAddressInsideItsAllocationsAndNoOther) {
+  cuda_internal::AllocationRegistry r;
+  alignas(64) static char arena[4096];
+  char* a = arena + 64;
+  char* b = arena + 1024;
+  r.Add(a, 100);
+  r.Add(b, 0);  // allocate hands out one byte for zero
+  EXPECT_EQ(r.size(), 2u);
+  EXPECT_TRUE(r.Contains(a));
+  EXPECT_TRUE(r.Contains(a + 99));
+  EXPECT_FALSE(r.Contains(a + 100));
+  EXPECT_FALSE(r.Contains(a - 1));
+  EXPECT_TRUE(r.Contains(b));
+  EXPECT_FALSE(r.Contains(b + 1));
+  EXPECT_FALSE(r.Contains(arena));
+  r.Remove(a);
+  EXPECT_FALSE(r.Contains(a + 10));
+  EXPECT_TRUE(r.Contains(b));
+  r.Remove(arena + 7);  // never added: ignored
+  EXPECT_EQ(r.size(), 1u);
+  r.Add(nullptr, 10);
+  EXPECT_FALSE(r.Contains(nullptr));
 }
 
 TEST(DeviceMathTest, Mx32ExponentEqualsTheHostDefinition) {

@@ -521,6 +521,49 @@ INSTANTIATE_TEST_SUITE_P(All, FixedScaleTest,
                                std::get<1>(info.param) == InputType::kF32 ? "f32" : "bf16");
                          });
 
+// A tensor scale from an amax the caller keeps in the backend's memory (QuantizeArgs::scale_amax:
+// current scaling with the amax max-reduced over TP): scale = fp8_max / amax (OFP8 maxima 448 and
+// 57344, margin 0), and 1 for an amax that is zero, negative, infinite or NaN. The codes are those
+// of the same tensor quantized with that scale given (FixedScaleTest checks those against the
+// reference), the statistics the tensor's own.
+TEST(ScaleAmaxTest, ScalesFromTheGivenAmax) {
+  std::vector<float> x(300);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.7f * static_cast<float>(i)) * 3.0f;
+  for (Fp8Format format : kFormats) {
+    const float fp8_max = format == Fp8Format::kE4M3 ? 448.0f : 57344.0f;
+    for (float amax :
+         {3.0f, 1000.0f, 0.015625f, 0.0f, -2.0f, std::numeric_limits<float>::infinity(),
+          std::numeric_limits<float>::quiet_NaN()}) {
+      const float want = amax > 0.0f && std::isfinite(amax) ? fp8_max / amax : 1.0f;
+      std::vector<uint8_t> codes(x.size()), want_codes(x.size());
+      float scale_inv = 0.0f, want_scale_inv = 0.0f;
+      QuantStats stats, want_stats;
+      QuantizeArgs a;
+      a.format = format;
+      a.input = x.data();
+      a.rows = 3;
+      a.cols = 100;
+      a.codes = codes.data();
+      a.scale_inv = &scale_inv;
+      a.stats = &stats;
+      a.scale_amax = &amax;
+      ASSERT_TRUE(CpuOps().quantize(a, Stream{}).ok());
+      QuantizeArgs b = a;
+      b.scale_amax = nullptr;
+      b.has_scale = true;
+      b.scale = want;
+      b.codes = want_codes.data();
+      b.scale_inv = &want_scale_inv;
+      b.stats = &want_stats;
+      ASSERT_TRUE(CpuOps().quantize(b, Stream{}).ok());
+      EXPECT_EQ(codes, want_codes) << Fp8FormatName(format) << " amax " << amax;
+      EXPECT_EQ(scale_inv, 1.0f / want) << Fp8FormatName(format) << " amax " << amax;
+      EXPECT_EQ(stats.amax, want_stats.amax);
+      EXPECT_EQ(stats.saturated, want_stats.saturated);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Blocks that stress the scale computation: every block of one row is a different case.
 
@@ -1069,6 +1112,19 @@ TEST_F(ValidationTest, QuantizeErrors) {
       a.scale = 2.0f;
       ExpectInvalid(a, n + " has_scale with a block granularity");
     }
+  }
+  // A scale from a given amax (QuantizeArgs::scale_amax) is for tensor granularity without a
+  // fixed scale.
+  const float amax = 2.0f;
+  for (Granularity g : kGranularities) {
+    QuantizeArgs a = Good(g);
+    a.scale_amax = &amax;
+    if (g == Granularity::kTensor) {
+      EXPECT_TRUE(CpuOps().quantize(a, Stream{}).ok());
+      a.has_scale = true;
+    }
+    ExpectInvalid(a, std::string(GranularityName(g)) + " scale_amax");
+    EXPECT_NE(ValidateQuantizeArgs(a).message().find("scale_amax"), std::string::npos);
   }
   // A fixed scale must be a usable multiplier: finite and positive.
   for (float bad : {0.0f, -0.0f, -1.0f, std::numeric_limits<float>::infinity(),
