@@ -136,8 +136,8 @@ void AttentionForward(std::span<float> out, std::span<float> lse, std::span<cons
 void AttentionBackward(std::span<float> dq, std::span<float> dk, std::span<float> dv,
                        std::span<const float> dout, std::span<const float> q,
                        std::span<const float> k, std::span<const float> v,
-                       std::span<const float> out, std::span<const float> lse, int64_t b,
-                       int64_t t, int64_t h, int64_t hkv, int64_t dh);
+                       std::span<const float> out, std::span<const float> lse, int64_t b, int64_t t,
+                       int64_t h, int64_t hkv, int64_t dh);
 
 // ---- GELU, tanh approximation: x, out [N] ----
 
@@ -196,14 +196,14 @@ void CrossEntropyBackward(std::span<float> dlogits, std::span<const float> probs
 //     the block's updated amax, so the CPU updates 128 rows at a time and quantizes them while
 //     they are in cache.
 struct AdamWFp8Output {
-  uint8_t* codes = nullptr;      // count FP8 codes
-  float* scale_inv = nullptr;    // required with codes
-  QuantStats* stats = nullptr;   // required with codes (backend memory, like the codes)
+  uint8_t* codes = nullptr;     // count FP8 codes
+  float* scale_inv = nullptr;   // required with codes
+  QuantStats* stats = nullptr;  // required with codes (backend memory, like the codes)
   Fp8Format format = Fp8Format::kE4M3;
   bool block = false;
-  float scale = 1.0f;            // tensor scaling: finite and > 0
-  int64_t rows = 0, cols = 0;    // block scaling: the shard's shape
-  int margin = 0;                // block scaling: scale = fp8_max / amax / 2^margin, in [0, 64]
+  float scale = 1.0f;          // tensor scaling: finite and > 0
+  int64_t rows = 0, cols = 0;  // block scaling: the shard's shape
+  int margin = 0;              // block scaling: scale = fp8_max / amax / 2^margin, in [0, 64]
 };
 
 struct AdamWArgs {
@@ -315,6 +315,42 @@ struct LayerOps {
                                         Stream stream);
   absl::Status (*cross_entropy_backward)(float* dlogits, const float* probs, const int32_t* targets,
                                          int64_t n, int64_t v, float dloss, Stream stream);
+
+  // ---- Mixture-of-experts routing (runtime/model/moe.cc; the per-token arithmetic is
+  // kernels/moe_routing.h, shared by both backends). A token t's assignments are a = t * k + j;
+  // slot[a] is the row assignment a occupies in the dispatch order, negative when it was
+  // dropped. Row indices are int64, negative meaning "no row". ----
+  // Per token t < n: probs[t, :] = softmax(logits[t, :]) over e experts, expert[t, :] its k most
+  // probable (ties to the lower index), gate[t, :] their probabilities renormalised (RouteToken);
+  // prob_sums[x] = sum over t of probs[t, x] in FP64, in token order. k in [1, e]. CUDA: the
+  // device expf, otherwise the same operations.
+  absl::Status (*moe_route)(float* probs, int32_t* expert, float* gate, double* prob_sums,
+                            const float* logits, int64_t n, int64_t e, int64_t k, Stream stream);
+  // dst[i, :] = src[index[i], :] for i < rows, zeros where index[i] < 0 (the padding rows of an
+  // expert's GEMMs). Bit for bit on CUDA.
+  absl::Status (*gather_rows)(float* dst, const float* src, const int64_t* index, int64_t rows,
+                              int64_t cols, Stream stream);
+  // dst[index[i], :] = src[i, :] for i < rows with index[i] >= 0 (distinct). Bit for bit on CUDA.
+  absl::Status (*scatter_rows)(float* dst, const float* src, const int64_t* index, int64_t rows,
+                               int64_t cols, Stream stream);
+  // out[t, :] = (accumulate ? out[t, :] : 0) + sum of w_j * y[slot[t, j], :] over the token's
+  // kept assignments in increasing expert order, w_j = gate[t, j] (1 when gate is null: the
+  // combine of the experts' input gradients). out [n, c], y [rows, c].
+  absl::Status (*moe_combine)(float* out, const float* y, const float* gate, const int64_t* slot,
+                              const int32_t* expert, int64_t n, int64_t k, int64_t c,
+                              bool accumulate, Stream stream);
+  // The combine's backward to the experts' outputs and the gates: for each kept assignment a of
+  // token t, dy[slot[a], :] = gate[a] * dout[t, :] and dgate[a] = dout[t, :] . y[slot[a], :]
+  // (FP32, column order); dgate[a] = 0 for a dropped one.
+  absl::Status (*moe_combine_backward)(float* dy, float* dgate, const float* dout, const float* y,
+                                       const float* gate, const int64_t* slot, int64_t n, int64_t k,
+                                       int64_t c, Stream stream);
+  // dlogits[t, :] (overwritten) through the gates' renormalisation and the softmax, with the aux
+  // loss's dL/dp_x = aux_scale * frac[x] (RouterBackwardToken). frac [e].
+  absl::Status (*moe_router_backward)(float* dlogits, const float* probs, const int32_t* expert,
+                                      const float* gate, const float* dgate, const float* frac,
+                                      float aux_scale, int64_t n, int64_t e, int64_t k,
+                                      Stream stream);
 
   // x[0, n) = value; dst[0, n) = src[0, n) (no overlap); dst[c, r] = src[r, c] for a rows x cols
   // matrix. Bit for bit on CUDA.

@@ -18,6 +18,22 @@ absl::Status GemmF32Cpu(const F32GemmArgs& args, Stream stream);
 absl::Status CastTransposeCpu(const CastTransposeArgs& args, Stream stream);
 // The layer ops (kernels/cpu/layer_ops_cpu.cc).
 extern const LayerOps kLayerOps;
+// Its MoE routing entries (kernels/cpu/moe_cpu.cc; LayerOps::moe_route ...).
+absl::Status MoeRouteCpu(float* probs, int32_t* expert, float* gate, double* prob_sums,
+                         const float* logits, int64_t n, int64_t e, int64_t k, Stream stream);
+absl::Status GatherRowsCpu(float* dst, const float* src, const int64_t* index, int64_t rows,
+                           int64_t cols, Stream stream);
+absl::Status ScatterRowsCpu(float* dst, const float* src, const int64_t* index, int64_t rows,
+                            int64_t cols, Stream stream);
+absl::Status MoeCombineCpu(float* out, const float* y, const float* gate, const int64_t* slot,
+                           const int32_t* expert, int64_t n, int64_t k, int64_t c, bool accumulate,
+                           Stream stream);
+absl::Status MoeCombineBackwardCpu(float* dy, float* dgate, const float* dout, const float* y,
+                                   const float* gate, const int64_t* slot, int64_t n, int64_t k,
+                                   int64_t c, Stream stream);
+absl::Status MoeRouterBackwardCpu(float* dlogits, const float* probs, const int32_t* expert,
+                                  const float* gate, const float* dgate, const float* frac,
+                                  float aux_scale, int64_t n, int64_t e, int64_t k, Stream stream);
 
 // Workspace helpers shared with GemmWorkspaceBytes: 64-byte rounding, and the bytes reserved for
 // B packed into oneDNN's weights layout.

@@ -329,8 +329,8 @@ void AttentionForward(std::span<float> out, std::span<float> lse, std::span<cons
 void AttentionBackward(std::span<float> dq, std::span<float> dk, std::span<float> dv,
                        std::span<const float> dout, std::span<const float> q,
                        std::span<const float> k, std::span<const float> v,
-                       std::span<const float> out, std::span<const float> lse, int64_t b,
-                       int64_t t, int64_t h, int64_t hkv, int64_t dh) {
+                       std::span<const float> out, std::span<const float> lse, int64_t b, int64_t t,
+                       int64_t h, int64_t hkv, int64_t dh) {
   const int64_t size = b * t * h * dh;
   const int64_t kv_size = b * t * hkv * dh;
   CheckSize(dq, size, "attention dq");
@@ -550,7 +550,7 @@ absl::Status AdamWFp8Block(const AdamWArgs& k) {
 }  // namespace
 
 void cpu_internal::FinishAdamWTensorShard(const AdamWFp8Output& o, const SpanStats& s,
-                                         int64_t count) {
+                                          int64_t count) {
   *o.scale_inv = 1.0f / o.scale;  // as the tensor quantize writes it
   QuantStats& out = *o.stats;
   out = QuantStats{};
@@ -611,8 +611,8 @@ absl::Status ValidateAdamWFp8Output(const AdamWFp8Output& o, int64_t count, cons
   }
   if (o.rows <= 0 || o.cols <= 0 || o.rows > count / o.cols || o.rows * o.cols != count) {
     return absl::InvalidArgumentError(absl::StrCat(op, ": fp8.rows x fp8.cols (", o.rows, " x ",
-                                                   o.cols, ") must be > 0 and equal count ",
-                                                   count, " with block scaling"));
+                                                   o.cols, ") must be > 0 and equal count ", count,
+                                                   " with block scaling"));
   }
   if (o.margin < 0 || o.margin > 64) {
     return absl::InvalidArgumentError(
@@ -964,6 +964,12 @@ const LayerOps kLayerOps = {
     .residual_backward = &ResidualBackwardEntry,
     .cross_entropy_forward = &CrossEntropyForwardEntry,
     .cross_entropy_backward = &CrossEntropyBackwardEntry,
+    .moe_route = &cpu_internal::MoeRouteCpu,
+    .gather_rows = &cpu_internal::GatherRowsCpu,
+    .scatter_rows = &cpu_internal::ScatterRowsCpu,
+    .moe_combine = &cpu_internal::MoeCombineCpu,
+    .moe_combine_backward = &cpu_internal::MoeCombineBackwardCpu,
+    .moe_router_backward = &cpu_internal::MoeRouterBackwardCpu,
     .fill = &FillEntry,
     .copy = &CopyEntry,
     .transpose = &TransposeEntry,

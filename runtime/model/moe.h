@@ -109,23 +109,29 @@ class MoeLayer {
   float* router_grad_ = nullptr;
   std::vector<float*> fc1_grad_, up_grad_, fc2_grad_;
 
-  // Saved by Forward for Backward. Routing runs on the host (probs_ ... recv_expert_, rows_of_);
-  // every buffer an op or a token all-to-all reads or writes is memory of the model's backend
-  // (kernels::DeviceArray), kept across micro-batches, and touched by the host only after the
-  // backend has been synchronised.
+  // Saved by Forward for Backward. Routing runs on the backend (LayerOps::moe_route ...), in its
+  // memory (kernels::DeviceArray), kept across micro-batches and grown, never shrunk, so that a
+  // steady run allocates nothing. The host waits for the backend once per forward, to read the
+  // expert ids and plan the dispatch (counts, capacity, the order of the rows), and writes the
+  // plan's index arrays then, while the backend is idle; nothing else crosses.
   using Array = kernels::DeviceArray<float>;
+  using Index = kernels::DeviceArray<int64_t>;
   const float* x_ = nullptr;
   int64_t n_ = 0;
-  std::vector<float> probs_;                   // [N, E]
-  std::vector<int32_t> expert_;                // [N, k]
-  std::vector<float> gate_;                    // [N, k]
-  std::vector<uint8_t> kept_;                  // [N, k]
-  std::vector<float> frac_;                    // [E] fraction of assignments (aux loss)
-  std::vector<int64_t> send_order_;            // assignment (n * k + j) of each sent row
-  std::vector<int64_t> send_counts_;           // rows to each ep rank
-  std::vector<int64_t> recv_counts_;           // rows from each ep rank
-  std::vector<int32_t> recv_expert_;           // expert of each received row
-  std::vector<std::vector<int64_t>> rows_of_;  // per local expert: received row indices
+  Array probs_;                             // [N, E]
+  kernels::DeviceArray<int32_t> expert_;    // [N, k]
+  Array gate_;                              // [N, k]
+  kernels::DeviceArray<double> prob_sums_;  // [E] router probability summed over the tokens
+  Array frac_;                              // [E] fraction of assignments (aux loss)
+  Index slot_;                              // [N, k] dispatch row of each assignment; -1 dropped
+  Index send_token_;                        // [sent] the token of each dispatched row
+  // The received rows of each local expert (source rank, then token order), each expert's list
+  // padded with -1 (zero rows) to its GEMM rows; expert le's list starts at expert_base_[le].
+  Index expert_rows_;
+  std::vector<int64_t> expert_base_, expert_tokens_;  // per local expert: offset, real rows
+  int64_t sent_ = 0, received_ = 0;
+  std::vector<int64_t> send_counts_;  // rows to each ep rank
+  std::vector<int64_t> recv_counts_;  // rows from each ep rank
   // Per local expert: inputs, fc1 (gate) out, GELU (SwiGLU) out, up out (SwiGLU).
   std::vector<Array> xe_, he_, ge_, ue_;
   Array y_back_;  // [sent, C] expert outputs back at this rank
@@ -133,7 +139,7 @@ class MoeLayer {
   // Reused temporaries (backend memory).
   Array logits_, send_rows_, recv_x_, recv_y_, ye_;        // forward
   Array dy_send_, dy_recv_, dye_, dge_, dhe_, due_, dxe_;  // backward, to the experts, through
-  Array dx_recv_, dx_send_, dlogits_;                      // backward, back and into the router
+  Array dx_recv_, dx_send_, dgate_, dlogits_;              // backward, back and into the router
 };
 
 }  // namespace fp8rt::model

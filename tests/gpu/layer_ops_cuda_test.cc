@@ -876,8 +876,8 @@ TEST_P(ElementwiseTest, AdamWIsBitForBit) {
   // exactly.
   for (const bool block : {false, true}) {
     SCOPED_TRACE(block ? "block scaling" : "tensor scaling");
-    kernels::AdamWFp8Output out{.format = kernels::Fp8Format::kE4M3, .block = block,
-                                .scale = 4096.0f};
+    kernels::AdamWFp8Output out{
+        .format = kernels::Fp8Format::kE4M3, .block = block, .scale = 4096.0f};
     if (block) {
       out.rows = sz % 200 == 0 ? 200 : 1;
       out.cols = static_cast<int64_t>(sz) / out.rows;
@@ -1318,6 +1318,12 @@ TEST(NoDeviceArgumentTest, EveryEntryIsSet) {
       reinterpret_cast<const void*>(t.residual_backward),
       reinterpret_cast<const void*>(t.cross_entropy_forward),
       reinterpret_cast<const void*>(t.cross_entropy_backward),
+      reinterpret_cast<const void*>(t.moe_route),
+      reinterpret_cast<const void*>(t.gather_rows),
+      reinterpret_cast<const void*>(t.scatter_rows),
+      reinterpret_cast<const void*>(t.moe_combine),
+      reinterpret_cast<const void*>(t.moe_combine_backward),
+      reinterpret_cast<const void*>(t.moe_router_backward),
       reinterpret_cast<const void*>(t.fill),
       reinterpret_cast<const void*>(t.copy),
       reinterpret_cast<const void*>(t.transpose),
