@@ -616,7 +616,27 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
                                             const float* tokens, int64_t hidden,
                                             std::span<const int64_t> send_counts,
                                             Fp8Format format) {
+  Fp8Tokens out;
+  TokenScratch scratch;
+  FP8RT_RETURN_IF_ERROR(
+      AllToAllFp8TokensInto(group, ops, tokens, hidden, send_counts, format, &scratch, &out));
+  int64_t send_tokens = 0;
+  for (int64_t c : send_counts) send_tokens += c;
+  if (send_tokens > 0) {
+    FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+    out.send_stats = scratch.send_stats[0];
+  }
+  return out;
+}
+
+absl::Status AllToAllFp8TokensInto(Communicator& group, const kernels::OpTable& ops,
+                                   const float* tokens, int64_t hidden,
+                                   std::span<const int64_t> send_counts, Fp8Format format,
+                                   TokenScratch* scratch, Fp8Tokens* out) {
   constexpr const char* kFn = "AllToAllFp8Tokens";
+  if (scratch == nullptr || out == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(kFn, ": scratch and out must not be null"));
+  }
   if (hidden <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(kFn, ": hidden must be > 0, got ", hidden));
   }
@@ -633,19 +653,19 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
     return s;
   }
 
-  Fp8Tokens out;
   absl::StatusOr<std::vector<int64_t>> recv_counts = ExchangeTokenCounts(group, send_counts);
   if (!recv_counts.ok()) return recv_counts.status();
-  out.recv_counts = *std::move(recv_counts);
-  for (int64_t c : out.recv_counts) out.tokens += c;
+  out->recv_counts = *std::move(recv_counts);
+  out->tokens = 0;
+  for (int64_t c : out->recv_counts) out->tokens += c;
 
   // All outgoing tokens as one (send_tokens x hidden) matrix: 1x128 tiles never straddle rows,
   // so each token's scales are its own whichever rank it goes to.
   const int64_t tiles = kernels::GetScaleGrid(Granularity::kTile1x128, 1, hidden).cols;
-  kernels::DeviceArray<uint8_t> send_codes(ops, static_cast<size_t>(send_tokens * hidden));
-  kernels::DeviceArray<float> send_scale_inv(ops, static_cast<size_t>(send_tokens * tiles));
+  scratch->send_codes.Grow(ops, static_cast<size_t>(send_tokens * hidden));
+  scratch->send_scale_inv.Grow(ops, static_cast<size_t>(send_tokens * tiles));
   if (send_tokens > 0) {
-    kernels::DeviceArray<kernels::QuantStats> stats(ops, 1);
+    scratch->send_stats.Grow(ops, 1);
     kernels::QuantizeArgs q;
     q.format = format;
     q.granularity = Granularity::kTile1x128;
@@ -653,38 +673,32 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
     q.input = tokens;
     q.rows = send_tokens;
     q.cols = hidden;
-    q.codes = send_codes.data();
-    q.scale_inv = send_scale_inv.data();
-    q.stats = stats.data();
+    q.codes = scratch->send_codes.data();
+    q.scale_inv = scratch->send_scale_inv.data();
+    q.stats = scratch->send_stats.data();
     FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
-    FP8RT_RETURN_IF_ERROR(Synchronize(ops));
-    out.send_stats = stats[0];
   }
 
-  out.codes = kernels::DeviceArray<uint8_t>(ops, static_cast<size_t>(out.tokens * hidden));
-  out.scale_inv = kernels::DeviceArray<float>(ops, static_cast<size_t>(out.tokens * tiles));
+  out->codes.Grow(ops, static_cast<size_t>(out->tokens * hidden));
+  out->scale_inv.Grow(ops, static_cast<size_t>(out->tokens * tiles));
   const AllToAllLayout send_c = RowsLayout(send_counts, hidden);
-  const AllToAllLayout recv_c = RowsLayout(out.recv_counts, hidden);
-  if (absl::Status s = group.AllToAllV(send_codes.data(), send_c.counts, send_c.displs,
-                                       out.codes.data(), recv_c.counts, recv_c.displs, DType::kU8);
+  const AllToAllLayout recv_c = RowsLayout(out->recv_counts, hidden);
+  if (absl::Status s = group.AllToAllV(scratch->send_codes.data(), send_c.counts, send_c.displs,
+                                       out->codes.data(), recv_c.counts, recv_c.displs, DType::kU8);
       !s.ok()) {
     return s;
   }
   const AllToAllLayout send_s = RowsLayout(send_counts, tiles);
-  const AllToAllLayout recv_s = RowsLayout(out.recv_counts, tiles);
-  if (absl::Status s =
-          group.AllToAllV(send_scale_inv.data(), send_s.counts, send_s.displs, out.scale_inv.data(),
-                          recv_s.counts, recv_s.displs, DType::kF32);
-      !s.ok()) {
-    return s;
-  }
-  return out;
+  const AllToAllLayout recv_s = RowsLayout(out->recv_counts, tiles);
+  return group.AllToAllV(scratch->send_scale_inv.data(), send_s.counts, send_s.displs,
+                         out->scale_inv.data(), recv_s.counts, recv_s.displs, DType::kF32);
 }
 
 absl::Status AllToAllBf16Tokens(Communicator& group, const kernels::OpTable& ops,
                                 const float* tokens, int64_t hidden,
                                 std::span<const int64_t> send_counts,
-                                std::span<const int64_t> recv_counts, float* out) {
+                                std::span<const int64_t> recv_counts, float* out,
+                                TokenScratch* scratch) {
   constexpr const char* kFn = "AllToAllBf16Tokens";
   if (hidden <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(kFn, ": hidden must be > 0, got ", hidden));
@@ -703,12 +717,16 @@ absl::Status AllToAllBf16Tokens(Communicator& group, const kernels::OpTable& ops
     return absl::InvalidArgumentError(absl::StrCat(kFn, ": out is null"));
   }
 
+  TokenScratch local;
+  if (scratch == nullptr) scratch = &local;
   const int64_t send_elems = send_tokens * hidden;
-  kernels::DeviceArray<uint16_t> send(ops, static_cast<size_t>(send_elems));
+  kernels::DeviceArray<uint16_t>& send = scratch->send_bf16;
+  send.Grow(ops, static_cast<size_t>(send_elems));
   FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kF32, tokens, kernels::InputType::kBF16,
                                 send.data(), send_elems));
   const int64_t recv_elems = recv_tokens * hidden;
-  kernels::DeviceArray<uint16_t> recv(ops, static_cast<size_t>(recv_elems));
+  kernels::DeviceArray<uint16_t>& recv = scratch->recv_bf16;
+  recv.Grow(ops, static_cast<size_t>(recv_elems));
   const AllToAllLayout send_l = RowsLayout(send_counts, hidden);
   const AllToAllLayout recv_l = RowsLayout(recv_counts, hidden);
   if (absl::Status s = group.AllToAllV(send.data(), send_l.counts, send_l.displs, recv.data(),

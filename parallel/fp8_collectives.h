@@ -224,12 +224,30 @@ struct Fp8Tokens {
   kernels::QuantStats send_stats;  // statistics of the quantization of what this rank sent
 };
 
+// The token all-to-alls' temporaries, for a caller that moves tokens every micro-batch (the MoE
+// layer): kept across calls and grown, never shrunk (kernels::DeviceArray::Grow), so that a
+// steady run allocates and frees nothing (on CUDA a free waits for the whole device).
+struct TokenScratch {
+  kernels::DeviceArray<uint8_t> send_codes;
+  kernels::DeviceArray<float> send_scale_inv;
+  kernels::DeviceArray<kernels::QuantStats> send_stats;  // written by the quantize op
+  kernels::DeviceArray<uint16_t> send_bf16, recv_bf16;
+};
+
 // Sends tokens (rows of `hidden` FP32 values, grouped by destination rank with send_counts
-// tokens for each) in FP8 with one scale per 1x128 tile of each token. Counts go first.
+// tokens for each) in FP8 with one scale per 1x128 tile of each token. Counts go first. Waits for
+// the backend to read send_stats.
 absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::OpTable& ops,
                                             const float* tokens, int64_t hidden,
                                             std::span<const int64_t> send_counts,
                                             kernels::Fp8Format format);
+// The same into `out`, whose codes and scale_inv are grown (they may hold more than `tokens`
+// rows), with the temporaries in `scratch`; waits for nothing but the collectives, and leaves
+// out->send_stats alone (the statistics stay in scratch->send_stats, in the backend's memory).
+absl::Status AllToAllFp8TokensInto(Communicator& group, const kernels::OpTable& ops,
+                                   const float* tokens, int64_t hidden,
+                                   std::span<const int64_t> send_counts, kernels::Fp8Format format,
+                                   TokenScratch* scratch, Fp8Tokens* out);
 
 // Sends tokens (rows of `hidden` FP32 values, grouped by destination) as BF16; `recv_counts`
 // must be what the peers send (e.g. the send_counts of the matching dispatch, reversed). The
@@ -237,7 +255,8 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
 absl::Status AllToAllBf16Tokens(Communicator& group, const kernels::OpTable& ops,
                                 const float* tokens, int64_t hidden,
                                 std::span<const int64_t> send_counts,
-                                std::span<const int64_t> recv_counts, float* out);
+                                std::span<const int64_t> recv_counts, float* out,
+                                TokenScratch* scratch = nullptr);
 
 }  // namespace fp8rt::parallel
 

@@ -1131,7 +1131,7 @@ absl::Status MoeCombineEntry(float* out, const float* y, const float* gate, cons
                              const int32_t* expert, int64_t n, int64_t k, int64_t c,
                              bool accumulate, Stream stream) {
   constexpr const char* kOp = "moe_combine";
-  FP8RT_RETURN_IF_ERROR(moe::CheckSizes(kOp, n, k, k, c));
+  FP8RT_RETURN_IF_ERROR(moe::CheckSizes(kOp, n, 0, k, c));
   if (n == 0 || c == 0) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(
       CheckPointers(kOp, {{"out", out}, {"y", y}, {"slot", slot}, {"expert", expert}}));
@@ -1145,7 +1145,7 @@ absl::Status MoeCombineBackwardEntry(float* dy, float* dgate, const float* dout,
                                      const float* gate, const int64_t* slot, int64_t n, int64_t k,
                                      int64_t c, Stream stream) {
   constexpr const char* kOp = "moe_combine_backward";
-  FP8RT_RETURN_IF_ERROR(moe::CheckSizes(kOp, n, k, k, c));
+  FP8RT_RETURN_IF_ERROR(moe::CheckSizes(kOp, n, 0, k, c));
   if (n == 0) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"dgate", dgate}, {"slot", slot}}));
   if (c > 0) {

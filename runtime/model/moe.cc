@@ -36,14 +36,12 @@ std::vector<int64_t> Displacements(const std::vector<int64_t>& counts) {
   return d;
 }
 
-// `a` holds at least max(1, count) elements of the backend, of unspecified value: kept when it
-// is large enough, otherwise replaced by one a quarter larger than asked, so that token counts
-// that vary from micro-batch to micro-batch settle without reallocating (a CUDA free waits for
-// the whole device).
+// `a` holds at least max(1, count) elements of the backend (DeviceArray::Grow: kept when large
+// enough, so that token counts that vary from micro-batch to micro-batch settle without
+// reallocating), of unspecified value.
 template <typename T>
 T* AtLeast(const LinearContext& ctx, kernels::DeviceArray<T>& a, int64_t count) {
-  const auto want = static_cast<size_t>(std::max<int64_t>(1, count));
-  if (&a.ops() != ctx.ops || a.size() < want) a.Reset(*ctx.ops, want + want / 4);
+  a.Grow(*ctx.ops, static_cast<size_t>(std::max<int64_t>(0, count)));
   return a.data();
 }
 
@@ -204,9 +202,10 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
   // ---- Dispatch in FP8: the kept assignments' rows to the experts' owners ----
   float* send_rows = AtLeast(ctx, send_rows_, sent_ * C);
   FP8RT_RETURN_IF_ERROR(L.gather_rows(send_rows, x, send_token_.data(), sent_, C, {}));
-  FP8RT_ASSIGN_OR_RETURN(parallel::Fp8Tokens recv,
-                         parallel::AllToAllFp8Tokens(*ep_, *ctx.ops, send_rows, C, send_counts_,
-                                                     kernels::Fp8Format::kE4M3));
+  parallel::Fp8Tokens& recv = recv_tokens_;
+  FP8RT_RETURN_IF_ERROR(parallel::AllToAllFp8TokensInto(*ep_, *ctx.ops, send_rows, C, send_counts_,
+                                                        kernels::Fp8Format::kE4M3, &token_scratch_,
+                                                        &recv));
   if (recv.recv_counts != recv_counts_) {
     return absl::InternalError(
         absl::StrCat(name_,
@@ -255,8 +254,8 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
 
   // ---- Combine in BF16: outputs back to the source ranks, weighted by the gates ----
   float* y_back = AtLeast(ctx, y_back_, sent_ * C);
-  FP8RT_RETURN_IF_ERROR(
-      parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, recv_y, C, recv_counts_, send_counts_, y_back));
+  FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, recv_y, C, recv_counts_,
+                                                     send_counts_, y_back, &token_scratch_));
   FP8RT_RETURN_IF_ERROR(
       L.moe_combine(out, y_back, gate, slot_.data(), expert, n, K, C, /*accumulate=*/false, {}));
   return stats;
@@ -277,7 +276,7 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
                                                slot_.data(), n, K, C, {}));
   float* dy_recv = AtLeast(ctx, dy_recv_, received_ * C);
   FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, dy_send, C, send_counts_,
-                                                     recv_counts_, dy_recv));
+                                                     recv_counts_, dy_recv, &token_scratch_));
   // Local experts, reversed.
   float* dx_recv = AtLeast(ctx, dx_recv_, received_ * C);
   for (int64_t le = 0; le < local_; ++le) {
@@ -309,7 +308,7 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
   }
   float* dx_send = AtLeast(ctx, dx_send_, sent_ * C);
   FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, dx_recv, C, recv_counts_,
-                                                     send_counts_, dx_send));
+                                                     send_counts_, dx_send, &token_scratch_));
   FP8RT_RETURN_IF_ERROR(L.moe_combine(dx, dx_send, /*gate=*/nullptr, slot_.data(), expert_.data(),
                                       n, K, C, /*accumulate=*/true, {}));
 

@@ -40,6 +40,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/device_array.h"
+#include "parallel/fp8_collectives.h"
 #include "runtime/model/linear.h"
 
 namespace fp8rt::model {
@@ -130,8 +131,10 @@ class MoeLayer {
   Index expert_rows_;
   std::vector<int64_t> expert_base_, expert_tokens_;  // per local expert: offset, real rows
   int64_t sent_ = 0, received_ = 0;
-  std::vector<int64_t> send_counts_;  // rows to each ep rank
-  std::vector<int64_t> recv_counts_;  // rows from each ep rank
+  std::vector<int64_t> send_counts_;      // rows to each ep rank
+  std::vector<int64_t> recv_counts_;      // rows from each ep rank
+  parallel::Fp8Tokens recv_tokens_;       // the FP8 rows received by the dispatch
+  parallel::TokenScratch token_scratch_;  // the token all-to-alls' temporaries
   // Per local expert: inputs, fc1 (gate) out, GELU (SwiGLU) out, up out (SwiGLU).
   std::vector<Array> xe_, he_, ge_, ue_;
   Array y_back_;  // [sent, C] expert outputs back at this rank

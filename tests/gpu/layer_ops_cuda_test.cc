@@ -1198,6 +1198,128 @@ INSTANTIATE_TEST_SUITE_P(Shapes, HeadsTest,
 
 // --- arguments -----------------------------------------------------------------------------------
 
+// --- MoE routing ---------------------------------------------------------------------------------
+// The CUDA entries run the CPU's per-token code (kernels/moe_routing.h) with the device's expf and
+// nvcc's FMA contraction: the expert choice, the row moves and the gate-scaled rows are exact;
+// probabilities, gates and sums are within a few FP32 roundings of the CPU's.
+
+class MoeRoutingTest : public LayerOpsCudaTest {};
+
+TEST_F(MoeRoutingTest, MatchesTheCpuBackend) {
+  const int64_t n = 300, e = 8, k = 2, c = 40;
+  const std::vector<float> logits = Normal(n * e, 91, 2.0f);
+  std::vector<float> probs(n * e), gate(n * k);
+  std::vector<int32_t> expert(n * k);
+  std::vector<double> sums(e);
+  ExpectOk(cpu_.moe_route(probs.data(), expert.data(), gate.data(), sums.data(), logits.data(), n,
+                          e, k, {}));
+  auto d_logits = Upload(logits);
+  DeviceBuffer d_probs(probs.size() * 4), d_expert(expert.size() * 4), d_gate(gate.size() * 4),
+      d_sums(sums.size() * 8);
+  ExpectOk(gpu_->moe_route(d_probs.f(), d_expert.as<int32_t>(), d_gate.f(), d_sums.as<double>(),
+                           d_logits.f(), n, e, k, stream()));
+  Sync();
+  EXPECT_EQ(Download<int32_t>(d_expert, expert.size()), expert) << "the experts chosen";
+  std::vector<double> tol_p(probs.size()), tol_g(gate.size());
+  for (size_t i = 0; i < probs.size(); ++i) tol_p[i] = 1e-6 * probs[i] + 1e-30;
+  for (size_t i = 0; i < gate.size(); ++i) tol_g[i] = 1e-6;
+  ExpectWithin(Download<float>(d_probs, probs.size()), probs, tol_p, "probs");
+  ExpectWithin(Download<float>(d_gate, gate.size()), gate, tol_g, "gate");
+  const std::vector<double> got_sums = Download<double>(d_sums, sums.size());
+  for (int64_t x = 0; x < e; ++x) EXPECT_NEAR(got_sums[x], sums[x], 1e-6 * n) << x;
+
+  // The dispatch plan of a capacity of 60 per expert: slots in expert-major order.
+  std::vector<int64_t> slot(n * k, -1), send_token;
+  std::vector<int64_t> routed(e, 0);
+  for (int64_t x = 0; x < e; ++x) {
+    for (int64_t a = 0; a < n * k; ++a) {
+      if (expert[a] == x && routed[x]++ < 60) {
+        slot[a] = static_cast<int64_t>(send_token.size());
+        send_token.push_back(a / k);
+      }
+    }
+  }
+  const int64_t sent = static_cast<int64_t>(send_token.size());
+  ASSERT_LT(sent, n * k) << "some assignments are dropped";
+  std::vector<int64_t> gather_index = send_token;
+  gather_index.push_back(-1);  // a zero row, as an expert's GEMM padding
+  const std::vector<float> x = Normal(n * c, 92, 1.0f);
+  std::vector<float> rows((sent + 1) * c);
+  ExpectOk(cpu_.gather_rows(rows.data(), x.data(), gather_index.data(), sent + 1, c, {}));
+  auto d_x = Upload(x);
+  auto d_index = Upload(gather_index);
+  DeviceBuffer d_rows(rows.size() * 4);
+  ExpectOk(gpu_->gather_rows(d_rows.f(), d_x.f(), d_index.as<int64_t>(), sent + 1, c, stream()));
+  Sync();
+  ExpectBitsEqual(Download<float>(d_rows, rows.size()), rows, "gather_rows");
+  std::vector<float> back(n * c, 5.0f);
+  ExpectOk(cpu_.scatter_rows(back.data(), rows.data(), gather_index.data(), sent + 1, c, {}));
+  auto d_back = Upload(std::vector<float>(n * c, 5.0f));
+  ExpectOk(
+      gpu_->scatter_rows(d_back.f(), d_rows.f(), d_index.as<int64_t>(), sent + 1, c, stream()));
+  Sync();
+  ExpectBitsEqual(Download<float>(d_back, back.size()), back, "scatter_rows");
+
+  // Combine, its backward and the router's backward on the plan's rows.
+  const std::vector<float> y = Normal(sent * c, 93, 1.0f), dout = Normal(n * c, 94, 1.0f);
+  std::vector<float> out(n * c), dy(sent * c), dgate(n * k), dl(n * e);
+  std::vector<float> frac(e, 1.0f / static_cast<float>(e));
+  ExpectOk(cpu_.moe_combine(out.data(), y.data(), gate.data(), slot.data(), expert.data(), n, k, c,
+                            false, {}));
+  ExpectOk(cpu_.moe_combine_backward(dy.data(), dgate.data(), dout.data(), y.data(), gate.data(),
+                                     slot.data(), n, k, c, {}));
+  ExpectOk(cpu_.moe_router_backward(dl.data(), probs.data(), expert.data(), gate.data(),
+                                    dgate.data(), frac.data(), 0.01f, n, e, k, {}));
+  // The GPU gets the CPU's routing, so that each stage is compared on the same inputs.
+  auto d_y = Upload(y);
+  auto d_dout = Upload(dout);
+  auto d_slot = Upload(slot);
+  auto d_cpu_gate = Upload(gate);
+  auto d_cpu_expert = Upload(expert);
+  auto d_cpu_probs = Upload(probs);
+  auto d_frac = Upload(frac);
+  DeviceBuffer d_out(out.size() * 4), d_dy(dy.size() * 4), d_dgate(dgate.size() * 4),
+      d_dl(dl.size() * 4);
+  ExpectOk(gpu_->moe_combine(d_out.f(), d_y.f(), d_cpu_gate.f(), d_slot.as<int64_t>(),
+                             d_cpu_expert.as<int32_t>(), n, k, c, false, stream()));
+  ExpectOk(gpu_->moe_combine_backward(d_dy.f(), d_dgate.f(), d_dout.f(), d_y.f(), d_cpu_gate.f(),
+                                      d_slot.as<int64_t>(), n, k, c, stream()));
+  Sync();
+  const std::vector<float> got_dgate = Download<float>(d_dgate, dgate.size());
+  auto d_got_dgate = Upload(dgate);  // the router backward from the CPU's gate gradients
+  ExpectOk(gpu_->moe_router_backward(d_dl.f(), d_cpu_probs.f(), d_cpu_expert.as<int32_t>(),
+                                     d_cpu_gate.f(), d_got_dgate.f(), d_frac.f(), 0.01f, n, e, k,
+                                     stream()));
+  Sync();
+  // A sum of m products differs between FMA and separate roundings by at most m ulps of the sum
+  // of their magnitudes: bounded here by 2^-22 * m * sum |terms|.
+  std::vector<double> tol_out(out.size()), tol_dgate(dgate.size()), tol_dl(dl.size());
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t col = 0; col < c; ++col) {
+      double mag = 0.0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t sl = slot[t * k + j];
+        if (sl >= 0) mag += std::abs(gate[t * k + j] * y[sl * c + col]);
+      }
+      tol_out[t * c + col] = 0x1p-22 * k * mag;
+    }
+  }
+  for (int64_t a = 0; a < n * k; ++a) {
+    double mag = 0.0;
+    if (slot[a] >= 0) {
+      for (int64_t col = 0; col < c; ++col) {
+        mag += std::abs(dout[(a / k) * c + col] * y[slot[a] * c + col]);
+      }
+    }
+    tol_dgate[a] = 0x1p-22 * c * mag;
+  }
+  for (size_t i = 0; i < dl.size(); ++i) tol_dl[i] = 1e-6 + 1e-5 * std::abs(dl[i]);
+  ExpectWithin(Download<float>(d_out, out.size()), out, tol_out, "moe_combine");
+  ExpectBitsEqual(Download<float>(d_dy, dy.size()), dy, "moe_combine_backward dy");
+  ExpectWithin(got_dgate, dgate, tol_dgate, "moe_combine_backward dgate");
+  ExpectWithin(Download<float>(d_dl, dl.size()), dl, tol_dl, "moe_router_backward");
+}
+
 class ArgumentTest : public LayerOpsCudaTest {};
 
 // Expects InvalidArgument whose message names `field`.
