@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/allocation_registry.h"
 #include "kernels/cuda/cuda_ops_internal.h"
+#include "kernels/cuda/managed_access.h"
 #include "runtime/core/checks.h"
 
 namespace fp8rt::kernels::cuda_internal {
@@ -155,7 +156,10 @@ absl::Status UseCudaDevice(int ordinal) {
                                                ") failed: ", cudaGetErrorName(err), " (",
                                                cudaGetErrorString(err), ")"));
   }
-  return absl::OkStatus();
+  int concurrent = 0;
+  CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&concurrent, cudaDevAttrConcurrentManagedAccess, ordinal));
+  return cuda_internal::CheckConcurrentManagedAccess(ordinal, concurrent);
 }
 
 }  // namespace fp8rt::kernels

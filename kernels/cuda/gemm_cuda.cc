@@ -26,7 +26,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <set>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -283,13 +282,14 @@ OperandKind Fp8Kind(Fp8Format format) {
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// Says `message` on stderr the first time only (per distinct message), so that a recipe the
-// device has no fast kernel for is named once, not silently slow and not once per GEMM.
-void WarnOnce(const std::string& message) {
-  static std::mutex mu;
-  static auto* said = new std::set<std::string>();
-  std::lock_guard<std::mutex> lock(mu);
-  if (said->insert(message).second) std::fprintf(stderr, "fp8rt: warning: %s\n", message.c_str());
+// Says `message` on stderr the first time a GEMM of this scaling falls back for the device's
+// sake, so that a recipe the device has no fast kernel for is named once, not silently slow and
+// not once per GEMM. One atomic flag per scaling: no lock on the GEMM path.
+void WarnOnce(GemmScaling scaling, const std::string& message) {
+  static std::atomic<bool> said[3];
+  const auto i = static_cast<size_t>(scaling);
+  if (i >= std::size(said) || said[i].exchange(true)) return;
+  std::fprintf(stderr, "fp8rt: warning: %s\n", message.c_str());
 }
 
 // Carves the caller's workspace: fixed parts first (64-byte aligned, in the order
@@ -352,7 +352,7 @@ absl::Status GemmFp8Cuda(const Fp8GemmArgs& args, Stream stream_arg) {
     FP8RT_ASSIGN_OR_RETURN(cc, CurrentDeviceComputeCapability());
   }
   const cuda_internal::Fp8GemmRoute route = cuda_internal::RouteFp8Gemm(args, cc);
-  if (!route.cublaslt && route.architecture) WarnOnce(route.why);
+  if (!route.cublaslt && route.architecture) WarnOnce(args.scaling, route.why);
   const bool use_lt = !g_force_fallback.load() && route.cublaslt && Aligned16(args.a) &&
                       Aligned16(args.b) && Aligned16(args.d);
   if (use_lt) {

@@ -34,13 +34,14 @@ inline Fp8GemmRoute RouteFp8Gemm(const Fp8GemmArgs& args, int cc) {
   if (args.m % 16 != 0 || args.n % 16 != 0 || args.k % 16 != 0) {
     return no(false, "M, N and K must be multiples of 16 for cuBLASLt");
   }
-  const std::string device = std::to_string(cc / 10) + "." + std::to_string(cc % 10);
+  // Built only on the way to a refusal: the aligned GEMMs of every step take no string.
+  auto device = [cc] { return std::to_string(cc / 10) + "." + std::to_string(cc % 10); };
   if (args.scaling == GemmScaling::kBlock) {
     if (cc != 90) {
       return no(true,
                 "block scaling (1x128 x 128x128 FP32 scales) has a cuBLASLt kernel on compute "
                 "capability 9.0 (Hopper) only, not " +
-                    device +
+                    device() +
                     ": these GEMMs run on the fallback kernel, far slower (on Blackwell use "
                     "precision.scaling: mx32)");
     }
@@ -51,7 +52,7 @@ inline Fp8GemmRoute RouteFp8Gemm(const Fp8GemmArgs& args, int cc) {
       return no(true,
                 "mx32 scaling (VEC32_UE8M0) has a cuBLASLt kernel on compute capability 10.0 "
                 "(Blackwell) and later only, not " +
-                    device +
+                    device() +
                     ": these GEMMs run on the fallback kernel, far slower (on Hopper use "
                     "precision.scaling: block)");
     }

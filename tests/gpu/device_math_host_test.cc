@@ -25,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cuda/allocation_registry.h"
 #include "kernels/cuda/gemm_route.h"
+#include "kernels/cuda/managed_access.h"
 #include "kernels/formats.h"
 #include "kernels/ops.h"
 #include "kernels/quantize.h"
@@ -224,6 +225,17 @@ TEST(AllocationRegistryTest, KnowsEveryAddressInsideItsAllocationsAndNoOther) {
   EXPECT_EQ(r.size(), 1u);
   r.Add(nullptr, 10);
   EXPECT_FALSE(r.Contains(nullptr));
+}
+
+// A device without concurrent managed access is refused when it is selected, naming it.
+TEST(ManagedAccessTest, ADeviceWithoutConcurrentManagedAccessIsRefused) {
+  EXPECT_TRUE(cuda_internal::CheckConcurrentManagedAccess(0, 1).ok());
+  const absl::Status s = cuda_internal::CheckConcurrentManagedAccess(3, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("CUDA device 3 reports concurrentManagedAccess = 0"),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("device: cpu"), std::string::npos) << s;
 }
 
 TEST(DeviceMathTest, Mx32ExponentEqualsTheHostDefinition) {

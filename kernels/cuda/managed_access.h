@@ -1,0 +1,28 @@
+// Whether the CUDA backend can use a device's managed memory as it does (issue 23 point 5): the
+// host reads and writes DeviceArrays once the compute stream is synchronised, while an FSDP
+// prefetch or an NCCL collective may still run on another stream. That is legal only where the
+// device reports concurrentManagedAccess (Linux on Pascal and later, with the open or proprietary
+// driver); elsewhere (Windows, WSL, some virtualised GPUs) any host access to managed memory while
+// any kernel runs faults. Header-only and CUDA-free, so that tests/gpu/device_math_host_test.cc
+// checks the message on any machine; kernels/cuda/device.cu (UseCudaDevice) asks the device.
+#pragma once
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace fp8rt::kernels::cuda_internal {
+
+// OK when concurrent_managed_access is nonzero; otherwise FailedPrecondition naming the device
+// ordinal and what to do.
+inline absl::Status CheckConcurrentManagedAccess(int ordinal, int concurrent_managed_access) {
+  if (concurrent_managed_access != 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "CUDA device ", ordinal,
+      " reports concurrentManagedAccess = 0: the host cannot touch managed memory while a "
+      "kernel runs there (Windows, WSL and some virtualised GPUs), which fp8rt's CUDA backend "
+      "does between streams; run on Linux with the GPU passed through, or use device: cpu"));
+}
+
+}  // namespace fp8rt::kernels::cuda_internal
