@@ -17,7 +17,8 @@
 // backend (host memory on the CPU, managed memory on CUDA), so that NCCL and the CUDA ops get
 // memory they can use; the host reads what ops or collectives wrote only after
 // ops.layer->synchronize. Temporaries are freed on return: on CUDA deallocate (cudaFree) waits for
-// the device, so an op still reading one is not cut short.
+// the device, so an op still reading one is not cut short. Callers that move tokens every
+// micro-batch pass a TokenScratch instead, kept across calls, and nothing is allocated or freed.
 #include "parallel/fp8_collectives.h"
 
 #include <algorithm>
