@@ -21,28 +21,37 @@ absl::Status MoeRouteCpu(float* probs, int32_t* expert, float* gate, double* pro
   return absl::OkStatus();
 }
 
-absl::Status GatherRowsCpu(float* dst, const float* src, const int64_t* index, int64_t rows,
-                           int64_t cols, Stream) {
-  FP8RT_RETURN_IF_ERROR(moe::CheckSizes("gather_rows", rows, 0, 0, cols));
+namespace {
+
+// gather_rows (dst[i] = src[index[i]], zeros for a negative index) or scatter_rows
+// (dst[index[i]] = src[i], skipped for a negative index).
+template <bool kScatter>
+absl::Status MoveRows(const char* op, float* dst, const float* src, const int64_t* index,
+                      int64_t rows, int64_t cols) {
+  FP8RT_RETURN_IF_ERROR(moe::CheckSizes(op, rows, 0, 0, cols));
   const auto bytes = static_cast<size_t>(cols) * sizeof(float);
   for (int64_t i = 0; i < rows; ++i) {
-    if (index[i] >= 0) {
-      std::memcpy(dst + i * cols, src + index[i] * cols, bytes);
+    if (index[i] < 0) {
+      if constexpr (!kScatter) std::fill_n(dst + i * cols, cols, 0.0f);
+    } else if constexpr (kScatter) {
+      std::memcpy(dst + index[i] * cols, src + i * cols, bytes);
     } else {
-      std::fill_n(dst + i * cols, cols, 0.0f);
+      std::memcpy(dst + i * cols, src + index[i] * cols, bytes);
     }
   }
   return absl::OkStatus();
 }
 
+}  // namespace
+
+absl::Status GatherRowsCpu(float* dst, const float* src, const int64_t* index, int64_t rows,
+                           int64_t cols, Stream) {
+  return MoveRows<false>("gather_rows", dst, src, index, rows, cols);
+}
+
 absl::Status ScatterRowsCpu(float* dst, const float* src, const int64_t* index, int64_t rows,
                             int64_t cols, Stream) {
-  FP8RT_RETURN_IF_ERROR(moe::CheckSizes("scatter_rows", rows, 0, 0, cols));
-  const auto bytes = static_cast<size_t>(cols) * sizeof(float);
-  for (int64_t i = 0; i < rows; ++i) {
-    if (index[i] >= 0) std::memcpy(dst + index[i] * cols, src + i * cols, bytes);
-  }
-  return absl::OkStatus();
+  return MoveRows<true>("scatter_rows", dst, src, index, rows, cols);
 }
 
 absl::Status MoeCombineCpu(float* out, const float* y, const float* gate, const int64_t* slot,

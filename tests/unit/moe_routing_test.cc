@@ -66,17 +66,26 @@ RefRoute Route(const float* l, int64_t e, int64_t k) {
   return r;
 }
 
+// What the CPU's moe_route writes for n tokens of e logits.
+struct Routed {
+  std::vector<float> probs, gate;
+  std::vector<int32_t> expert;
+  std::vector<double> sums;
+};
+Routed RouteAll(const std::vector<float>& logits, int64_t n, int64_t e, int64_t k) {
+  Routed r{std::vector<float>(n * e), std::vector<float>(n * k), std::vector<int32_t>(n * k),
+           std::vector<double>(e)};
+  const absl::Status s = Cpu().moe_route(r.probs.data(), r.expert.data(), r.gate.data(),
+                                         r.sums.data(), logits.data(), n, e, k, {});
+  EXPECT_TRUE(s.ok()) << s;
+  return r;
+}
+
 TEST(RouteTest, SoftmaxTopKAndGatesFollowTheDefinition) {
   for (const auto& [n, e, k] :
        {std::tuple<int64_t, int64_t, int64_t>{37, 8, 2}, {5, 16, 4}, {9, 3, 3}, {4, 1, 1}}) {
     const std::vector<float> logits = Random(static_cast<size_t>(n * e), 7, 4.0f);
-    std::vector<float> probs(n * e), gate(n * k);
-    std::vector<int32_t> expert(n * k);
-    std::vector<double> sums(e);
-    ASSERT_TRUE(Cpu()
-                    .moe_route(probs.data(), expert.data(), gate.data(), sums.data(), logits.data(),
-                               n, e, k, {})
-                    .ok());
+    const auto [probs, gate, expert, sums] = RouteAll(logits, n, e, k);
     std::vector<double> want_sums(e, 0.0);
     for (int64_t t = 0; t < n; ++t) {
       const RefRoute r = Route(logits.data() + t * e, e, k);
@@ -95,15 +104,9 @@ TEST(RouteTest, SoftmaxTopKAndGatesFollowTheDefinition) {
 
 TEST(RouteTest, TiesGoToTheLowerIndex) {
   const std::vector<float> logits = {1.0f, 3.0f, 3.0f, 0.5f, 3.0f};  // experts 1, 2, 4 tie
-  std::vector<float> probs(5), gate(3);
-  std::vector<int32_t> expert(3);
-  std::vector<double> sums(5);
-  ASSERT_TRUE(Cpu()
-                  .moe_route(probs.data(), expert.data(), gate.data(), sums.data(), logits.data(),
-                             1, 5, 3, {})
-                  .ok());
-  EXPECT_EQ(expert, (std::vector<int32_t>{1, 2, 4}));
-  for (float g : gate) EXPECT_FLOAT_EQ(g, 1.0f / 3.0f);
+  const Routed r = RouteAll(logits, 1, 5, 3);
+  EXPECT_EQ(r.expert, (std::vector<int32_t>{1, 2, 4}));
+  for (float g : r.gate) EXPECT_FLOAT_EQ(g, 1.0f / 3.0f);
 }
 
 TEST(RowsTest, GatherAndScatterMoveWholeRows) {
@@ -233,13 +236,8 @@ double RouterLoss(const std::vector<double>& l, const std::vector<int32_t>& expe
 TEST(RouterBackwardTest, MatchesCentralDifferences) {
   const int64_t n = 6, e = 8, k = 3;
   const std::vector<float> logits = Random(n * e, 21, 2.0f);
-  std::vector<float> probs(n * e), gate(n * k), dl(n * e);
-  std::vector<int32_t> expert(n * k);
-  std::vector<double> sums(e);
-  ASSERT_TRUE(Cpu()
-                  .moe_route(probs.data(), expert.data(), gate.data(), sums.data(), logits.data(),
-                             n, e, k, {})
-                  .ok());
+  const auto [probs, gate, expert, sums] = RouteAll(logits, n, e, k);
+  std::vector<float> dl(n * e);
   const std::vector<float> dgate = Random(n * k, 22), frac = Random(e, 23);
   const float aux_scale = 0.37f;
   ASSERT_TRUE(Cpu()
