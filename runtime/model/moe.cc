@@ -163,30 +163,24 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
   FP8RT_RETURN_IF_ERROR(ep_->AllToAllV(stats.tokens_per_expert.data(), per_rank,
                                        Displacements(per_rank), recv_expert_counts.data(), per_rank,
                                        Displacements(per_rank), parallel::DType::kI64));
-  // Received rows come by source rank; within a source, by expert, then token (the plan above).
+  // Received rows come by source rank; within a source, by expert, then token (the plan above):
+  // (source r, local expert le)'s rows start at first_row[r * local + le].
   recv_counts_.assign(static_cast<size_t>(ep), 0);
-  std::vector<int64_t> source_base(static_cast<size_t>(ep), 0);
-  for (int r = 0; r < ep; ++r) {
-    for (int64_t le = 0; le < local_; ++le) {
-      recv_counts_[static_cast<size_t>(r)] +=
-          recv_expert_counts[static_cast<size_t>(r * local_ + le)];
-    }
-    if (r > 0) source_base[static_cast<size_t>(r)] = source_base[r - 1] + recv_counts_[r - 1];
+  std::vector<int64_t> first_row(recv_expert_counts.size());
+  received_ = 0;
+  for (size_t i = 0; i < recv_expert_counts.size(); ++i) {
+    first_row[i] = received_;
+    received_ += recv_expert_counts[i];
+    recv_counts_[i / static_cast<size_t>(local_)] += recv_expert_counts[i];
   }
-  received_ = source_base.back() + recv_counts_.back();
   std::vector<int64_t> rows;
   expert_base_.assign(static_cast<size_t>(local_), 0);
   expert_tokens_.assign(static_cast<size_t>(local_), 0);
   for (int64_t le = 0; le < local_; ++le) {
     expert_base_[static_cast<size_t>(le)] = static_cast<int64_t>(rows.size());
     for (int r = 0; r < ep; ++r) {
-      int64_t at = source_base[static_cast<size_t>(r)];
-      for (int64_t before = 0; before < le; ++before) {
-        at += recv_expert_counts[static_cast<size_t>(r * local_ + before)];
-      }
-      for (int64_t i = 0; i < recv_expert_counts[static_cast<size_t>(r * local_ + le)]; ++i) {
-        rows.push_back(at + i);
-      }
+      const auto i = static_cast<size_t>(r * local_ + le);
+      for (int64_t j = 0; j < recv_expert_counts[i]; ++j) rows.push_back(first_row[i] + j);
     }
     const int64_t ne = static_cast<int64_t>(rows.size()) - expert_base_[static_cast<size_t>(le)];
     expert_tokens_[static_cast<size_t>(le)] = ne;
