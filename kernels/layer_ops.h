@@ -276,6 +276,20 @@ struct LayerOps {
                                      const float* q, const float* k, const float* v,
                                      const float* out, const float* lse, int64_t b, int64_t t,
                                      int64_t h, int64_t hkv, int64_t dh, Stream stream);
+  // The same contract with BF16 operands in the matrix products (q, k, v, dout, p and ds rounded
+  // to BF16, FP32 accumulation, the softmax in FP32), for models whose GEMMs run in BF16 or FP8:
+  // on CUDA the fused tensor-core kernels (kernels/cuda/flash_attention_cuda.cu; Dh <= 128 on
+  // compute capability 8.0 and later, the FP32 kernels otherwise), within the bounds of
+  // attention_check::Precision::Bf16TensorCores. The CPU computes them in FP32 (the entries
+  // above: tighter than those bounds).
+  absl::Status (*attention_forward_bf16)(float* out, float* lse, const float* q, const float* k,
+                                         const float* v, int64_t b, int64_t t, int64_t h,
+                                         int64_t hkv, int64_t dh, Stream stream);
+  absl::Status (*attention_backward_bf16)(float* dq, float* dk, float* dv, const float* dout,
+                                          const float* q, const float* k, const float* v,
+                                          const float* out, const float* lse, int64_t b,
+                                          int64_t t, int64_t h, int64_t hkv, int64_t dh,
+                                          Stream stream);
   absl::Status (*gelu_forward)(float* out, const float* x, int64_t n, Stream stream);
   absl::Status (*gelu_backward)(float* dx, const float* dout, const float* x, int64_t n,
                                 Stream stream);

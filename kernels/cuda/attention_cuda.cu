@@ -56,12 +56,15 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_ops_internal.h"
 #include "runtime/core/checks.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt::kernels::cuda_internal {
 namespace {
+
+using namespace attention;  // NOLINT(build/namespaces): the shared device helpers
 
 constexpr int kThreads = 256;  // every kernel's block size
 constexpr int kWarps = kThreads / 32;
@@ -75,25 +78,8 @@ constexpr int64_t kRowTermChunk = 1024;
 // terms (one dot product each) of the query rows it sees, so more ranges buy parallelism with
 // redundant work.
 constexpr int64_t kMaxKeyRanges = 8;
-constexpr unsigned kFullMask = 0xFFFFFFFFu;
 
 cudaStream_t ToCuda(Stream stream) { return static_cast<cudaStream_t>(stream.handle); }
-
-// --- reductions (fixed order: butterflies give every lane the same bits) -------------------------
-
-__device__ __forceinline__ float WarpAllSum(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v = __fadd_rn(v, __shfl_xor_sync(kFullMask, v, offset));
-  }
-  return v;
-}
-
-__device__ __forceinline__ float WarpAllMax(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    v = fmaxf(v, __shfl_xor_sync(kFullMask, v, offset));
-  }
-  return v;
-}
 
 // Sum / max over the block (kThreads threads), returned to every thread; every thread must call.
 // Starts with a barrier so back-to-back calls may share `scratch` (32 floats of shared memory).
@@ -126,57 +112,6 @@ __device__ __forceinline__ float BlockAllMax(float v, float* scratch) {
 }
 
 // --- attention ---------------------------------------------------------------------------------
-
-// Where one (b, h) pair's rows start in a [B, T, H, Dh] tensor; its lse values are
-// lse[bh * T + i]. The rows of positions 0, 1, ... of one head are `stride` = H * Dh floats apart.
-struct HeadView {
-  int64_t bh;      // b * H + h
-  int64_t offset;  // of position 0 of this head in q, out and their gradients (or in k, v)
-  int64_t stride;  // between consecutive positions
-};
-
-__device__ __forceinline__ HeadView ViewOf(int64_t bh, int64_t t, int64_t h, int64_t dh) {
-  const int64_t b = bh / h, hh = bh - b * h;
-  return {bh, (b * t * h + hh) * dh, h * dh};
-}
-
-// The kv head of query pair bh = b * H + hh in k, v, dk, dv [B, T, Hkv, Dh]: kv head
-// hh / (H / Hkv), rows Hkv * Dh apart.
-__device__ __forceinline__ HeadView KvViewOf(int64_t bh, int64_t t, int64_t h, int64_t hkv,
-                                             int64_t dh) {
-  const int64_t b = bh / h, hh = bh - b * h;
-  const int64_t g = hh / (h / hkv);
-  return {b * hkv + g, (b * t * hkv + g) * dh, hkv * dh};
-}
-
-// a . b over n values by one warp: each lane FMAs every 32nd product, then the butterfly. Every
-// lane returns the same bits, and equal inputs give equal bits in every kernel.
-__device__ __forceinline__ float WarpDot(const float* a, const float* b, int64_t n, int lane) {
-  float s = 0.0f;
-  for (int64_t d = lane; d < n; d += 32) s = __fmaf_rn(a[d], b[d], s);
-  return WarpAllSum(s);
-}
-
-// s_ij = (q_i . k_j) * scale by one warp (every lane gets the same bits).
-__device__ __forceinline__ float Score(const float* qi, const float* kj, int64_t dh, int lane,
-                                       float scale) {
-  return __fmul_rn(WarpDot(qi, kj, dh, lane), scale);
-}
-
-// p_ij = exp(s_ij - lse_i), the probability recomputed from the forward's log-sum-exp.
-__device__ __forceinline__ float Prob(float s, float lse_i) { return expf(__fsub_rn(s, lse_i)); }
-
-// D_i = dout_i . out_i (= sum_{j<=i} p_ij (dout_i . v_j), the softmax Jacobian's rank-one term),
-// by one warp.
-__device__ __forceinline__ float RowTerm(const float* dout_i, const float* out_i, int64_t dh,
-                                         int lane) {
-  return WarpDot(dout_i, out_i, dh, lane);
-}
-
-// ds_ij = p_ij (dp_ij - D_i) * scale, in the contract's order.
-__device__ __forceinline__ float ScoreGrad(float p, float dp, float row_term, float scale) {
-  return __fmul_rn(__fmul_rn(p, __fsub_rn(dp, row_term)), scale);
-}
 
 // One warp per query row r = (b * H + h) * T + i (warp-stride loop over the rows). Three passes
 // over the keys j <= i, each recomputing s_ij (all lanes hold the same s): the max, the sum of
@@ -516,6 +451,37 @@ absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float*
   const unsigned grid = static_cast<unsigned>(GridFor(heads * ranges, 1, sms, 16));
   return Launch(AttentionDkDvKernel, dim3(grid), s, dk, dv, dout, q, k, v, out, lse, heads, ranges,
                 key_range, t, h, hkv, dh, scale);
+}
+
+absl::Status AttentionForwardBf16Cuda(float* out, float* lse, const float* q, const float* k,
+                                      const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                      int64_t dh, Stream stream) {
+  constexpr const char* kOp = "attention_forward_bf16";
+  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, hkv, dh));
+  const Buffers buffers = {{"out", out}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}};
+  if (rows == 0) return CheckDevicePointers(buffers);
+  FP8RT_RETURN_IF_ERROR(CheckBuffers(kOp, buffers));
+  FP8RT_ASSIGN_OR_RETURN(const bool fused, FlashAttentionFits(dh));
+  if (!fused) return AttentionForwardCuda(out, lse, q, k, v, b, t, h, hkv, dh, stream);
+  return LaunchFlashForward(out, lse, q, k, v, b, t, h, hkv, dh, AttentionScale(dh), stream);
+}
+
+absl::Status AttentionBackwardBf16Cuda(float* dq, float* dk, float* dv, const float* dout,
+                                       const float* q, const float* k, const float* v,
+                                       const float* out, const float* lse, int64_t b, int64_t t,
+                                       int64_t h, int64_t hkv, int64_t dh, Stream stream) {
+  constexpr const char* kOp = "attention_backward_bf16";
+  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, hkv, dh));
+  const Buffers buffers = {{"dq", dq}, {"dk", dk}, {"dv", dv},   {"dout", dout}, {"q", q},
+                           {"k", k},   {"v", v},   {"out", out}, {"lse", lse}};
+  if (rows == 0) return CheckDevicePointers(buffers);
+  FP8RT_RETURN_IF_ERROR(CheckBuffers(kOp, buffers));
+  FP8RT_ASSIGN_OR_RETURN(const bool fused, FlashAttentionFits(dh));
+  if (!fused) {
+    return AttentionBackwardCuda(dq, dk, dv, dout, q, k, v, out, lse, b, t, h, hkv, dh, stream);
+  }
+  return LaunchFlashBackward(dq, dk, dv, dout, q, k, v, out, lse, b, t, h, hkv, dh,
+                             AttentionScale(dh), stream);
 }
 
 absl::Status CrossEntropyForwardCuda(float* probs, float* losses, const float* logits,

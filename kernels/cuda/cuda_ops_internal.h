@@ -28,7 +28,8 @@ absl::Status GemmF32Cuda(const F32GemmArgs& args, Stream stream);
 
 // The layer ops (kernels/layer_ops.h): the table is defined in kernels/cuda/layer_ops_cuda.cu,
 // which holds every entry but the attention and cross-entropy ones
-// (kernels/cuda/attention_cuda.cu).
+// (kernels/cuda/attention_cuda.cu; the fused BF16 kernels it launches are in
+// kernels/cuda/flash_attention_cuda.cu).
 extern const LayerOps kLayerOps;
 absl::Status AttentionForwardCuda(float* out, float* lse, const float* q, const float* k,
                                   const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
@@ -37,6 +38,27 @@ absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float*
                                    const float* q, const float* k, const float* v, const float* out,
                                    const float* lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                    int64_t dh, Stream stream);
+// The BF16-operand entries (attention_forward_bf16, attention_backward_bf16): the fused
+// tensor-core kernels where FlashAttentionFits, the FP32 kernels above otherwise.
+absl::Status AttentionForwardBf16Cuda(float* out, float* lse, const float* q, const float* k,
+                                      const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                      int64_t dh, Stream stream);
+absl::Status AttentionBackwardBf16Cuda(float* dq, float* dk, float* dv, const float* dout,
+                                       const float* q, const float* k, const float* v,
+                                       const float* out, const float* lse, int64_t b, int64_t t,
+                                       int64_t h, int64_t hkv, int64_t dh, Stream stream);
+// kernels/cuda/flash_attention_cuda.cu: the fused kernels, launched on validated arguments.
+// FlashAttentionFits: whether they run for head size dh on the current device (compute
+// capability 8.0 or later, dh <= kFlashMaxDh, enough shared memory per block).
+inline constexpr int64_t kFlashMaxDh = 128;
+absl::StatusOr<bool> FlashAttentionFits(int64_t dh);
+absl::Status LaunchFlashForward(float* out, float* lse, const float* q, const float* k,
+                                const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                int64_t dh, float scale, Stream stream);
+absl::Status LaunchFlashBackward(float* dq, float* dk, float* dv, const float* dout,
+                                 const float* q, const float* k, const float* v, const float* out,
+                                 const float* lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                 int64_t dh, float scale, Stream stream);
 absl::Status CrossEntropyForwardCuda(float* probs, float* losses, const float* logits,
                                      const int32_t* targets, int64_t n, int64_t v, Stream stream);
 absl::Status CrossEntropyBackwardCuda(float* dlogits, const float* probs, const int32_t* targets,
@@ -48,6 +70,8 @@ int DeviceCount(std::string* why);
 absl::StatusOr<int> CurrentDeviceSmCount();
 // Compute capability of the current device as major * 10 + minor (cached per device).
 absl::StatusOr<int> CurrentDeviceComputeCapability();
+// Bytes of shared memory one block may opt in to on the current device (cached per device).
+absl::StatusOr<int> CurrentDeviceSharedMemoryOptin();
 // InvalidArgument naming the field unless every non-null pointer is memory the device can
 // address (cudaMalloc, managed, or mapped pinned host memory). A plain host pointer handed to a
 // kernel would fault and poison the whole CUDA context; this turns it into an error value.
@@ -59,6 +83,9 @@ AllocationRegistry& BackendAllocations();
 // Blocks of `kernel` (a __global__ function) at `threads` threads that fit on one multiprocessor
 // of the current device, asked of the runtime once per (kernel, threads, device) and remembered.
 absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads);
+// Lets `kernel` launch with `bytes` of dynamic shared memory (over the default 48 KiB) on the
+// current device: cudaFuncSetAttribute once per (kernel, bytes, device), remembered.
+absl::Status AllowDynamicSharedMemory(const void* kernel, int bytes);
 
 // Launch configuration helper: enough blocks of `threads` for `work` items, at most `per_sm`
 // blocks per multiprocessor (the kernels loop over the rest).

@@ -37,6 +37,7 @@ namespace {
 struct DeviceFacts {
   int sm_count = 0;
   int compute_capability = 0;
+  int shared_optin = 0;  // bytes of shared memory one block may opt in to
 };
 
 absl::StatusOr<DeviceFacts> CurrentDeviceFacts() {
@@ -53,6 +54,8 @@ absl::StatusOr<DeviceFacts> CurrentDeviceFacts() {
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   f.compute_capability = major * 10 + minor;
+  CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&f.shared_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   (*facts)[device] = f;
   return f;
 }
@@ -69,6 +72,12 @@ absl::StatusOr<int> CurrentDeviceComputeCapability() {
   absl::StatusOr<DeviceFacts> f = CurrentDeviceFacts();
   if (!f.ok()) return f.status();
   return f->compute_capability;
+}
+
+absl::StatusOr<int> CurrentDeviceSharedMemoryOptin() {
+  absl::StatusOr<DeviceFacts> f = CurrentDeviceFacts();
+  if (!f.ok()) return f.status();
+  return f->shared_optin;
 }
 
 AllocationRegistry& BackendAllocations() {
@@ -102,16 +111,20 @@ absl::Status CheckDevicePointers(std::initializer_list<std::pair<const char*, co
   return absl::OkStatus();
 }
 
-absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads) {
+namespace {
+
+// compute() for (kernel, param) on the current device, asked once and remembered.
+template <class Compute>
+absl::StatusOr<int> OncePerKernel(const void* kernel, int param, const Compute& compute) {
   struct Key {
     const void* kernel;
-    int threads;
+    int param;
     int device;
     bool operator==(const Key&) const = default;
   };
   struct KeyHash {
     size_t operator()(const Key& k) const {
-      return std::hash<const void*>()(k.kernel) ^ (static_cast<size_t>(k.threads) << 20) ^
+      return std::hash<const void*>()(k.kernel) ^ (static_cast<size_t>(k.param) << 20) ^
              static_cast<size_t>(k.device);
     }
   };
@@ -119,16 +132,36 @@ absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads) {
   static auto* known = new std::unordered_map<Key, int, KeyHash>();  // Guarded by mu
   int device = 0;
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  const Key key{kernel, threads, device};
+  const Key key{kernel, param, device};
   {
     std::lock_guard<std::mutex> lock(mu);
     if (auto it = known->find(key); it != known->end()) return it->second;
   }
-  int per_sm = 0;
-  CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  absl::StatusOr<int> value = compute();
+  if (!value.ok()) return value.status();
   std::lock_guard<std::mutex> lock(mu);
-  (*known)[key] = per_sm;
-  return per_sm;
+  (*known)[key] = *value;
+  return *value;
+}
+
+}  // namespace
+
+absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads) {
+  return OncePerKernel(kernel, threads, [&]() -> absl::StatusOr<int> {
+    int per_sm = 0;
+    CUDA_RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+    return per_sm;
+  });
+}
+
+absl::Status AllowDynamicSharedMemory(const void* kernel, int bytes) {
+  return OncePerKernel(kernel, bytes, [&]() -> absl::StatusOr<int> {
+           CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+               kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+           return bytes;
+         })
+      .status();
 }
 
 int64_t GridFor(int64_t work, int threads, int sm_count, int per_sm) {

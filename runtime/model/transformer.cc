@@ -576,6 +576,19 @@ absl::Status Transformer::Build(uint64_t seed) {
   return absl::OkStatus();
 }
 
+// An FP32 model keeps FP32 attention; a BF16 or FP8 one takes BF16 operands in attention's matrix
+// products (the tensor-core kernels on CUDA), as Transformer Engine and torch's SDPA do.
+decltype(kernels::LayerOps::attention_forward) Transformer::AttentionForwardOp(
+    const kernels::LayerOps& ops) const {
+  return recipe_.precision == GemmPrecision::kFp32 ? ops.attention_forward
+                                                   : ops.attention_forward_bf16;
+}
+decltype(kernels::LayerOps::attention_backward) Transformer::AttentionBackwardOp(
+    const kernels::LayerOps& ops) const {
+  return recipe_.precision == GemmPrecision::kFp32 ? ops.attention_backward
+                                                   : ops.attention_backward_bf16;
+}
+
 GemmPrecision Transformer::LayerPrecision(const std::string& name) const {
   if (recipe_.precision == GemmPrecision::kFp8 &&
       std::find(recipe_.exclude.begin(), recipe_.exclude.end(), name) != recipe_.exclude.end()) {
@@ -1062,8 +1075,8 @@ absl::StatusOr<float> Transformer::Forward(bool train) {
       FP8RT_RETURN_IF_ERROR(L.rope_forward(x.q.data(), x.q.data(), N, T, Hl, Dh, theta, st));
       FP8RT_RETURN_IF_ERROR(L.rope_forward(x.k.data(), x.k.data(), N, T, KVl, Dh, theta, st));
     }
-    FP8RT_RETURN_IF_ERROR(L.attention_forward(att, x.lse.data(), x.q.data(), x.k.data(),
-                                              x.v.data(), B, T, Hl, KVl, Dh, st));
+    FP8RT_RETURN_IF_ERROR(AttentionForwardOp(L)(att, x.lse.data(), x.q.data(), x.k.data(),
+                                                x.v.data(), B, T, Hl, KVl, Dh, st));
     FP8RT_RETURN_IF_ERROR(blk.proj->Forward(ctx, att, N, proj));
     FP8RT_RETURN_IF_ERROR(AllReduceTp(proj, N * C));
     FP8RT_RETURN_IF_ERROR(bias(proj, blk.proj_b, C));
@@ -1198,10 +1211,10 @@ absl::Status Transformer::Backward(float dloss) {
     FP8RT_RETURN_IF_ERROR(zero(a.dq));
     FP8RT_RETURN_IF_ERROR(zero(a.dk));
     FP8RT_RETURN_IF_ERROR(zero(a.dv));
-    FP8RT_RETURN_IF_ERROR(L.attention_backward(a.dq.data(), a.dk.data(), a.dv.data(), a.datt.data(),
-                                               x.q.data(), x.k.data(), x.v.data(),
-                                               x.att.data(), x.lse.data(), B, T, Hl,
-                                               KVl, Dh, st));
+    FP8RT_RETURN_IF_ERROR(AttentionBackwardOp(L)(a.dq.data(), a.dk.data(), a.dv.data(),
+                                                 a.datt.data(), x.q.data(), x.k.data(),
+                                                 x.v.data(), x.att.data(), x.lse.data(), B, T, Hl,
+                                                 KVl, Dh, st));
     float* dq = a.dq.data();
     float* dk = a.dk.data();
     if (shape_.positions == PositionKind::kRope) {

@@ -409,6 +409,12 @@ class Transformer {
                                   int64_t dp, int64_t row_unit,
                                   const std::vector<std::string>& layers);
   GemmPrecision LayerPrecision(const std::string& name) const;
+  // The attention entries of `ops` this model uses: FP32 for an FP32 model, the BF16-operand
+  // ones (kernels/layer_ops.h) otherwise.
+  decltype(kernels::LayerOps::attention_forward) AttentionForwardOp(
+      const kernels::LayerOps& ops) const;
+  decltype(kernels::LayerOps::attention_backward) AttentionBackwardOp(
+      const kernels::LayerOps& ops) const;
   // The FP8 site configs of layer `name`: its own recipe's (ModelRecipe::layers), else the run's.
   const Fp8SiteConfigs& LayerSites(const std::string& name) const;
   void CollectSites();

@@ -14,6 +14,12 @@
 //                                   for bit the first
 //   AttentionAccumulateTest.TwoCallsAddTwice   two backward calls add two contributions: each
 //                                   call within the bounds of one call onto what it started from
+//   AttentionBf16Test (TEST_P)      the BF16-operand entries (the fused tensor-core kernels for
+//                                   Dh <= 128) over tile-edge shapes: out, lse and the
+//                                   accumulated gradients within the BF16 bounds
+//                                   (Precision::Bf16TensorCores), reruns bit for bit, and the
+//                                   forward not the FP32 kernels' bits where the fused one runs
+//   CudaLayerTest.Bf16EntriesRefuse...  bad arguments refused naming the BF16 entry
 //   CrossEntropyForwardTest (TEST_P)   shapes; probs and losses within the bounds below, against
 //                                   the CPU and against an FP64 evaluation; reruns bit for bit
 //   CrossEntropyBackwardTest (TEST_P)  shapes x dloss; bit for bit, accumulating
@@ -184,14 +190,16 @@ struct AttnBuffers {
     Put(dk, dk0);
     Put(dv, dv0);
   }
-  // The CUDA entries on these buffers, on `stream`.
-  absl::Status Forward(const LayerOps& gpu, Stream stream) const {
-    return gpu.attention_forward(out.f(), lse.f(), q.f(), k.f(), v.f(), s.b, s.t, s.h, s.hkv, s.dh,
-                                 stream);
+  // The CUDA entries on these buffers, on `stream`: the FP32 ones, or with `bf16` the
+  // BF16-operand ones (attention_forward_bf16, attention_backward_bf16).
+  absl::Status Forward(const LayerOps& gpu, Stream stream, bool bf16 = false) const {
+    return (bf16 ? gpu.attention_forward_bf16 : gpu.attention_forward)(
+        out.f(), lse.f(), q.f(), k.f(), v.f(), s.b, s.t, s.h, s.hkv, s.dh, stream);
   }
-  absl::Status Backward(const LayerOps& gpu, Stream stream) const {
-    return gpu.attention_backward(dq.f(), dk.f(), dv.f(), dout.f(), q.f(), k.f(), v.f(), out.f(),
-                                  lse.f(), s.b, s.t, s.h, s.hkv, s.dh, stream);
+  absl::Status Backward(const LayerOps& gpu, Stream stream, bool bf16 = false) const {
+    return (bf16 ? gpu.attention_backward_bf16 : gpu.attention_backward)(
+        dq.f(), dk.f(), dv.f(), dout.f(), q.f(), k.f(), v.f(), out.f(), lse.f(), s.b, s.t, s.h,
+        s.hkv, s.dh, stream);
   }
   // dq, dk and dv as they are now.
   struct Grads {
@@ -344,6 +352,109 @@ TEST_F(AttentionAccumulateTest, TwoCallsAddTwice) {
   onto_first.dv0 = first.dv;
   ExpectGradsWithin("second call", second.dq, second.dk, second.dv,
                     ExactBackward(onto_first, saved.out, saved.lse));
+}
+
+// --- BF16 operands: the fused tensor-core kernels --------------------------------------------
+
+using attention_check::Precision;
+
+// Shapes for the BF16 entries: the fused kernels' tiles (64 rows, 64 keys, Dh padded to 16) at
+// their edges, and Dh > 128, where the entries run the FP32 kernels.
+const AttnShape kBf16Shapes[] = {
+    {1, 1, 1, 1, 1},      // T = 1, Dh = 1: one row of one tile, 15 zero columns
+    {1, 64, 2, 2, 64},    // exactly one tile
+    {2, 65, 2, 2, 64},    // a second tile with one row and one key
+    {1, 200, 3, 3, 24},   // four tiles, Dh padded from 24 to 32
+    {1, 130, 2, 2, 100},  // Dh padded from 100 to 112
+    {1, 257, 4, 4, 128},  // the largest fused head, five tiles
+    {3, 40, 64, 64, 8},   // B * H = 192 items on fewer blocks
+    {2, 257, 8, 2, 64},   // grouped-query: four query heads per kv head
+    {1, 100, 6, 1, 128},  // multi-query
+    {1, 1100, 2, 2, 16},  // 18 tiles
+    {1, 70, 4, 2, 300},   // Dh > 128: the FP32 kernels
+};
+
+class AttentionBf16Test : public CudaLayerTest, public ::testing::WithParamInterface<AttnShape> {
+ protected:
+  void SetUp() override {
+    CudaLayerTest::SetUp();
+    if (Stopped()) return;
+    ASSERT_NE(gpu_->attention_forward_bf16, nullptr);
+    ASSERT_NE(gpu_->attention_backward_bf16, nullptr);
+  }
+};
+
+TEST_P(AttentionBf16Test, ForwardWithinBf16BoundsAndReruns) {
+  const AttnData x(GetParam(), 4000);
+  const ForwardWant want = ExactForward(x, Precision::Bf16TensorCores());
+  const AttnBuffers d(x);
+  ASSERT_TRUE(d.Forward(*gpu_, stream(), /*bf16=*/true).ok());
+  Sync();
+  const std::vector<float> g_out = Download<float>(d.out, x.size);
+  const std::vector<float> g_lse = Download<float>(d.lse, x.lse_size);
+  std::string err = attention_check::OutOfBounds("out", g_out, want.out, want.out_bound);
+  EXPECT_TRUE(err.empty()) << err;
+  err = attention_check::OutOfBounds("lse", g_lse, want.lse, want.lse_bound);
+  EXPECT_TRUE(err.empty()) << err;
+
+  ASSERT_EQ(cudaMemset(d.out.f(), 0xA5, x.size * 4), cudaSuccess);
+  ASSERT_EQ(cudaMemset(d.lse.f(), 0xA5, x.lse_size * 4), cudaSuccess);
+  ASSERT_TRUE(d.Forward(*gpu_, stream(), /*bf16=*/true).ok());
+  Sync();
+  EXPECT_TRUE(SameBits(Download<float>(d.out, x.size), g_out)) << "out differs between runs";
+  EXPECT_TRUE(SameBits(Download<float>(d.lse, x.lse_size), g_lse)) << "lse differs between runs";
+
+  // Where the fused kernels run, the operands really were BF16: the output is not the FP32
+  // kernels' (with Dh = 1 and T = 1 it can be: a single key gives p = 1 exactly).
+  if (x.s.dh <= 128 && x.s.t > 1) {
+    ASSERT_TRUE(d.Forward(*gpu_, stream(), /*bf16=*/false).ok());
+    Sync();
+    EXPECT_FALSE(SameBits(Download<float>(d.out, x.size), g_out))
+        << "attention_forward_bf16 gave the FP32 kernels' bits: the fused kernel did not run";
+  }
+}
+
+TEST_P(AttentionBf16Test, BackwardAccumulatesWithinBf16BoundsAndReruns) {
+  const AttnData x(GetParam(), 5000);
+  const Saved saved = CpuSaved(cpu_, x);
+  ASSERT_FALSE(HasFailure());
+  const BackwardWant want =
+      ExactBackward(x, saved.out, saved.lse, Precision::Bf16TensorCores());
+  const AttnBuffers d(x);
+  d.PutSaved(saved.out, saved.lse);
+  AttnBuffers::Grads runs[2];
+  for (auto& run : runs) {
+    d.PutGrads(x.dq0, x.dk0, x.dv0);
+    ASSERT_TRUE(d.Backward(*gpu_, stream(), /*bf16=*/true).ok());
+    Sync();
+    run = d.DownloadGrads(x);
+  }
+  ExpectGradsWithin("gpu bf16", runs[0].dq, runs[0].dk, runs[0].dv, want);
+  EXPECT_TRUE(SameBits(runs[0].dq, runs[1].dq)) << "dq differs between runs";
+  EXPECT_TRUE(SameBits(runs[0].dk, runs[1].dk)) << "dk differs between runs";
+  EXPECT_TRUE(SameBits(runs[0].dv, runs[1].dv)) << "dv differs between runs";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBf16Test, ::testing::ValuesIn(kBf16Shapes),
+                         [](const auto& info) { return ShapeName(info.param); });
+
+// The BF16 entries check their arguments as the FP32 ones do, naming themselves.
+TEST_F(CudaLayerTest, Bf16EntriesRefuseBadArgumentsNamingThemselves) {
+  DeviceBuffer a(4096), c(4096), d(4096), e(4096), f(4096), g(4096), o(4096), ls(4096);
+  std::vector<float> host(1024, 0.0f);
+  absl::Status st =
+      gpu_->attention_forward_bf16(a.f(), ls.f(), c.f(), d.f(), e.f(), 1, 2, 3, 2, 2, stream());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("attention_forward_bf16: hkv is 2"), std::string::npos) << st;
+  st = gpu_->attention_backward_bf16(a.f(), c.f(), d.f(), e.f(), f.f(), g.f(), a.f(), o.f(),
+                                     nullptr, 1, 2, 2, 2, 2, stream());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("attention_backward_bf16: lse is null"), std::string::npos) << st;
+  st = gpu_->attention_forward_bf16(a.f(), ls.f(), host.data(), d.f(), e.f(), 1, 2, 2, 2, 2,
+                                    stream());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("q"), std::string::npos) << st;
+  Sync();
 }
 
 // --- cross-entropy -----------------------------------------------------------------------------

@@ -1426,6 +1426,8 @@ TEST(NoDeviceArgumentTest, EveryEntryIsSet) {
       reinterpret_cast<const void*>(t.rmsnorm_backward),
       reinterpret_cast<const void*>(t.attention_forward),
       reinterpret_cast<const void*>(t.attention_backward),
+      reinterpret_cast<const void*>(t.attention_forward_bf16),
+      reinterpret_cast<const void*>(t.attention_backward_bf16),
       reinterpret_cast<const void*>(t.gelu_forward),
       reinterpret_cast<const void*>(t.gelu_backward),
       reinterpret_cast<const void*>(t.layernorm_forward),

@@ -35,6 +35,16 @@
 //   dv_jd   sum bound(p_ij) |dout_id| + (c + 2) u (|dv0_jd| + sum p_ij |dout_id|)
 // Checks allow kSafety (2) times the first-order bound, for the second-order terms, plus kTiny
 // (2^-120) absolute for values in or next to the subnormal range.
+//
+// Tensor-core implementations (Precision::Bf16TensorCores(): the CUDA table's
+// attention_*_bf16 entries) round the operands of every matrix product to BF16 (q, k, v, dout,
+// p and ds; 8 significant bits, b = 2^-8) and accumulate in FP32 inside the MMA, where the
+// additions may truncate instead of rounding (Fasi, Higham, Mikaitis, Pranesh, "Numerical
+// behavior of NVIDIA tensor cores", PeerJ CS 2021): every sum's u becomes 2u, and each product
+// a_d b_d of two rounded operands carries 2b |a_d b_d| more, so the bounds add
+//   score e_ij: 2b S_ij;  out_id: 2b sum_j p_ij |v_jd|;  ds_ij: scale p_ij 2b A_ij (dp's operands);
+//   dq_id: 2b sum_j |ds_ij k_jd|;  dk_jd: 2b sum |ds_ij q_id|;  dv_jd: 2b sum p_ij |dout_id|.
+// The softmax itself, lse, D_i (from the FP32 out and dout) and the final additions stay FP32.
 #ifndef FP8RT_TESTS_SUPPORT_ATTENTION_CHECK_H_
 #define FP8RT_TESTS_SUPPORT_ATTENTION_CHECK_H_
 
@@ -57,6 +67,15 @@ inline constexpr double kSafety = 2.0;
 
 struct AttnShape {
   int64_t b, t, h, hkv, dh;
+};
+
+// The arithmetic an implementation is held to: `operand` is the relative rounding of each
+// product's operands (0: FP32 values used as they are), `sum` the unit of every addition.
+struct Precision {
+  double operand = 0.0;
+  double sum = kU;
+  static Precision Fp32() { return {}; }
+  static Precision Bf16TensorCores() { return {0x1p-8, 2.0 * kU}; }
 };
 
 inline std::string ShapeName(const AttnShape& s) {
@@ -132,7 +151,8 @@ struct ForwardWant {
   std::vector<double> out, lse, out_bound, lse_bound;
 };
 
-inline ForwardWant ExactForward(const AttnData& x) {
+inline ForwardWant ExactForward(const AttnData& x, Precision prec = Precision::Fp32()) {
+  const double su = prec.sum, ob = 2.0 * prec.operand;
   const AttnShape& s = x.s;
   ForwardWant w;
   w.out.assign(x.size, 0.0);
@@ -150,7 +170,7 @@ inline ForwardWant ExactForward(const AttnData& x) {
           const internal::Dot qk =
               internal::DotOf(&x.q[x.At(bb, i, hh, 0)], &x.k[x.KvAt(bb, j, hh, 0)], s.dh);
           score[j] = qk.value * x.scale;
-          err[j] = (s.dh + 1) * kU * qk.abs * x.scale + kU * std::fabs(score[j]);
+          err[j] = ((s.dh + 1) * su + ob) * qk.abs * x.scale + kU * std::fabs(score[j]);
           e_max = std::max(e_max, err[j]);
           m = std::max(m, score[j]);
         }
@@ -161,7 +181,7 @@ inline ForwardWant ExactForward(const AttnData& x) {
         }
         const double lse = m + std::log(l);
         const double r = internal::Rescales(n);
-        const double lse_bound = e_max + kU * spread + (r + 1.0) * (kExp + 2.0 * kU) + n * kU +
+        const double lse_bound = e_max + kU * spread + (r + 1.0) * (kExp + 2.0 * kU) + n * su +
                                  kExp * std::fabs(std::log(l)) + kU * std::fabs(lse);
         const size_t row = x.Row(bb, hh, i);
         w.lse[row] = lse;
@@ -180,7 +200,7 @@ inline ForwardWant ExactForward(const AttnData& x) {
             mags += p[j] * std::fabs(vd);
           }
           w.out[x.At(bb, i, hh, d)] = o;
-          w.out_bound[x.At(bb, i, hh, d)] = from_p + (n + 2.0 * r + 2.0) * kU * mags;
+          w.out_bound[x.At(bb, i, hh, d)] = from_p + ((n + 2.0 * r + 2.0) * su + ob) * mags;
         }
       }
     }
@@ -195,7 +215,9 @@ struct BackwardWant {
 // The gradients after one accumulating call onto x.dq0, x.dk0 and x.dv0, with the given out and
 // lse (FP32 inputs, taken as exact).
 inline BackwardWant ExactBackward(const AttnData& x, const std::vector<float>& out,
-                                  const std::vector<float>& lse) {
+                                  const std::vector<float>& lse,
+                                  Precision prec = Precision::Fp32()) {
+  const double su = prec.sum, ob = 2.0 * prec.operand;
   const AttnShape& s = x.s;
   BackwardWant w;
   w.dq.assign(x.dq0.begin(), x.dq0.end());
@@ -222,14 +244,15 @@ inline BackwardWant ExactBackward(const AttnData& x, const std::vector<float>& o
         for (int64_t j = 0; j <= i; ++j) {
           const internal::Dot qk = internal::DotOf(qi, &x.k[x.KvAt(bb, j, hh, 0)], s.dh);
           const double score = qk.value * x.scale;
-          const double e = (s.dh + 1) * kU * qk.abs * x.scale + kU * std::fabs(score);
+          const double e = ((s.dh + 1) * su + ob) * qk.abs * x.scale + kU * std::fabs(score);
           p[j] = std::exp(score - lse[row]);
           p_bound[j] = p[j] * (e + kU * std::fabs(score - lse[row]) + kExp);
           const internal::Dot dp = internal::DotOf(doi, &x.v[x.KvAt(bb, j, hh, 0)], s.dh);
           const double diff = dp.value - dd.value;
           ds[j] = p[j] * diff * x.scale;
           ds_bound[j] = x.scale * (p_bound[j] * std::fabs(diff) +
-                                   p[j] * (s.dh * kU * (dp.abs + dd.abs) + kU * std::fabs(diff))) +
+                                   p[j] * (s.dh * su * (dp.abs + dd.abs) + ob * dp.abs +
+                                           kU * std::fabs(diff))) +
                         2.0 * kU * std::fabs(ds[j]);
         }
         for (int64_t d = 0; d < s.dh; ++d) {
@@ -256,7 +279,9 @@ inline BackwardWant ExactBackward(const AttnData& x, const std::vector<float>& o
       for (int64_t hh = 0; hh < s.h; ++hh) {
         for (int64_t d = 0; d < s.dh; ++d) {
           const size_t e = x.At(bb, i, hh, d);
-          w.dq_bound[e] = dq_prop[e] + (i + 1 + 2.0) * kU * dq_mag[e];
+          // dq_mag holds |dq0| too; only the products' terms carry operand rounding.
+          w.dq_bound[e] = dq_prop[e] + (i + 1 + 2.0) * su * dq_mag[e] +
+                          ob * (dq_mag[e] - std::fabs(x.dq0[e]));
         }
       }
     }
@@ -269,8 +294,10 @@ inline BackwardWant ExactBackward(const AttnData& x, const std::vector<float>& o
         const double terms = static_cast<double>(x.group * (s.t - j));
         for (int64_t d = 0; d < s.dh; ++d) {
           const size_t e = x.KvAt(bb, j, g * x.group, d);
-          w.dk_bound[e] = dk_prop[e] + (terms + 2.0) * kU * dk_mag[e];
-          w.dv_bound[e] = dv_prop[e] + (terms + 2.0) * kU * dv_mag[e];
+          w.dk_bound[e] = dk_prop[e] + (terms + 2.0) * su * dk_mag[e] +
+                          ob * (dk_mag[e] - std::fabs(x.dk0[e]));
+          w.dv_bound[e] = dv_prop[e] + (terms + 2.0) * su * dv_mag[e] +
+                          ob * (dv_mag[e] - std::fabs(x.dv0[e]));
         }
       }
     }

@@ -181,6 +181,8 @@ TEST(TableTest, EveryEntryIsPresent) {
   EXPECT_NE(o.rmsnorm_backward, nullptr);
   EXPECT_NE(o.attention_forward, nullptr);
   EXPECT_NE(o.attention_backward, nullptr);
+  EXPECT_NE(o.attention_forward_bf16, nullptr);
+  EXPECT_NE(o.attention_backward_bf16, nullptr);
   EXPECT_NE(o.gelu_forward, nullptr);
   EXPECT_NE(o.gelu_backward, nullptr);
   EXPECT_NE(o.layernorm_forward, nullptr);
