@@ -9,6 +9,16 @@
 // its owner says what it is for (set_category, or the constructor), and a moved-from array's
 // bytes move with it.
 //
+// Placement: kHostVisible arrays (the default) come from LayerOps::allocate (CUDA managed memory)
+// and the host may read and write them as above. kDeviceOnly arrays come from
+// LayerOps::allocate_device (CUDA cudaMalloc): only the backend's entries touch them, through
+// data(); the host-side accessors (operator[], begin/end, a non-zero assign, resize) abort,
+// naming the array's category, on every backend, so that the CPU tests find a host access the
+// GPU would fault on. assign(count) of zeros on such an array clears it with zero_bytes on the
+// default stream. kHostRead arrays come from LayerOps::allocate_host (CUDA pinned, mapped host
+// memory) for the small results the host reads every step, written by entries with plain stores
+// (a loss per row, a sum of squares per shard); the host accesses them as kHostVisible ones.
+//
 // Allocation failures abort with the size and backend named (FP8RT_CHECK): the model sizes its
 // arrays once, at start-up or when the micro-batch changes, and cannot continue without them.
 #ifndef FP8RT_KERNELS_DEVICE_ARRAY_H_
@@ -27,6 +37,8 @@
 
 namespace fp8rt::kernels {
 
+enum class Placement : uint8_t { kHostVisible, kDeviceOnly, kHostRead };
+
 template <typename T>
 class DeviceArray {
   static_assert(std::is_trivially_copyable_v<T>);
@@ -38,12 +50,15 @@ class DeviceArray {
     assign(count, value);
   }
   // An empty array of `ops` whose allocations count as `category`.
-  DeviceArray(const OpTable& ops, MemCategory category) : ops_(&ops), category_(category) {}
+  DeviceArray(const OpTable& ops, MemCategory category,
+              Placement placement = Placement::kHostVisible)
+      : ops_(&ops), category_(category), placement_(placement) {}
   DeviceArray(const DeviceArray&) = delete;
   DeviceArray& operator=(const DeviceArray&) = delete;
   DeviceArray(DeviceArray&& o) noexcept
       : ops_(o.ops_),
         category_(o.category_),
+        placement_(o.placement_),
         data_(std::exchange(o.data_, nullptr)),
         size_(std::exchange(o.size_, 0)) {}
   DeviceArray& operator=(DeviceArray&& o) noexcept {
@@ -51,6 +66,7 @@ class DeviceArray {
       Release();
       ops_ = o.ops_;
       category_ = o.category_;
+      placement_ = o.placement_;
       data_ = std::exchange(o.data_, nullptr);
       size_ = std::exchange(o.size_, 0);
     }
@@ -74,12 +90,13 @@ class DeviceArray {
   const T* data() const { return data_; }
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
-  T* begin() { return data_; }
-  T* end() { return data_ + size_; }
-  const T* begin() const { return data_; }
-  const T* end() const { return data_ + size_; }
-  T& operator[](size_t i) { return data_[i]; }
-  const T& operator[](size_t i) const { return data_[i]; }
+  Placement placement() const { return placement_; }
+  T* begin() { return HostData(); }
+  T* end() { return HostData() + size_; }
+  const T* begin() const { return HostData(); }
+  const T* end() const { return HostData() + size_; }
+  T& operator[](size_t i) { return HostData()[i]; }
+  const T& operator[](size_t i) const { return HostData()[i]; }
 
   // `count` elements of `ops`'s backend, of unspecified value: the memory is kept when backend
   // and size are unchanged (a buffer reused every step), otherwise replaced.
@@ -101,14 +118,26 @@ class DeviceArray {
     const bool first = data_ == nullptr || ops_ != &ops;
     Reset(ops, first ? count : count + count / 4);
   }
-  // `count` elements, each `value` (written by the host).
+  // `count` elements, each `value` (written by the host; a device-only array takes zeros only,
+  // cleared by the backend).
   void assign(size_t count, T value) {
     resize_uninitialized(count);
+    if (placement_ == Placement::kDeviceOnly) {
+      const T zero{};
+      FP8RT_CHECK(std::memcmp(&value, &zero, sizeof(T)) == 0)
+          << "assign of a non-zero value to a device-only " << MemCategoryName(category_)
+          << " array (the host cannot write it)";
+      const absl::Status st = ops_->layer->zero_bytes(data_, static_cast<size_t>(bytes()), Stream{});
+      FP8RT_CHECK(st.ok()) << "clearing a device-only " << MemCategoryName(category_)
+                           << " array: " << st;
+      return;
+    }
     std::fill_n(data_, count, value);
   }
   // `count` elements; the first min(size(), count) keep their values, the rest are T{}.
   void resize(size_t count) {
     if (count == size_) return;
+    HostData();  // copies on the host
     DeviceArray next(*ops_, category_);
     next.resize_uninitialized(count);
     const size_t kept = std::min(size_, count);
@@ -124,12 +153,22 @@ class DeviceArray {
     Release();
     FP8RT_CHECK(count <= std::numeric_limits<size_t>::max() / sizeof(T))
         << "DeviceArray of " << count << " elements of " << sizeof(T) << " bytes overflows";
-    absl::StatusOr<void*> p = ops_->layer->allocate(std::max<size_t>(count, 1) * sizeof(T));
+    const size_t want = std::max<size_t>(count, 1) * sizeof(T);
+    absl::StatusOr<void*> p = placement_ == Placement::kDeviceOnly ? ops_->layer->allocate_device(want)
+                              : placement_ == Placement::kHostRead ? ops_->layer->allocate_host(want)
+                                                                   : ops_->layer->allocate(want);
     FP8RT_CHECK(p.ok()) << "DeviceArray of " << count << " elements on the " << ops_->name
                         << " backend: " << p.status();
     data_ = static_cast<T*>(*p);
     size_ = count;
     TrackAlloc(category_, bytes());
+  }
+  // data_ for the host's own reads and writes: refused for a device-only array.
+  T* HostData() const {
+    FP8RT_CHECK(placement_ != Placement::kDeviceOnly)
+        << "host access to a device-only " << MemCategoryName(category_)
+        << " array (only the backend's entries may touch it)";
+    return data_;
   }
   int64_t bytes() const { return static_cast<int64_t>(std::max<size_t>(size_, 1) * sizeof(T)); }
   void Release() {
@@ -143,6 +182,7 @@ class DeviceArray {
 
   const OpTable* ops_;
   MemCategory category_ = MemCategory::kOther;
+  Placement placement_ = Placement::kHostVisible;
   T* data_ = nullptr;
   size_t size_ = 0;
 };

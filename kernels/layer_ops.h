@@ -403,6 +403,19 @@ struct LayerOps {
   // valid pointer. deallocate takes what allocate gave (or null).
   absl::StatusOr<void*> (*allocate)(size_t bytes);
   void (*deallocate)(void* p);
+  // Memory only the backend's entries touch (DeviceArray's Placement::kDeviceOnly): CUDA,
+  // cudaMalloc (the host must not read or write it: no page migration, no faults); CPU, as
+  // allocate. Freed by deallocate. Same errors as allocate.
+  absl::StatusOr<void*> (*allocate_device)(size_t bytes);
+  // Memory the host reads once synchronize has returned, which the backend's entries write with
+  // plain stores (no atomics: across PCIe those are not guaranteed on host memory)
+  // (Placement::kHostRead): CUDA, pinned host memory mapped into the device's address space
+  // (cudaHostAlloc, mapped and portable), which kernels write across the bus and the host reads
+  // without page faults or migration; CPU, as allocate. Freed by deallocate.
+  absl::StatusOr<void*> (*allocate_host)(size_t bytes);
+  // p[0, bytes) = 0, enqueued on `stream` (CUDA cudaMemsetAsync; CPU memset at once): how a
+  // device-only array is cleared.
+  absl::Status (*zero_bytes)(void* p, size_t bytes, Stream stream);
 };
 
 }  // namespace fp8rt::kernels

@@ -300,7 +300,7 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
 
 absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
                               int64_t cols, kernels::Fp8Format format, bool block, float scale,
-                              int margin, Fp8Shard* out) {
+                              int margin, Fp8Shard* out, bool wait) {
   constexpr const char* kFn = "QuantizeFp8Shard";
   if (out == nullptr) return absl::InvalidArgumentError(absl::StrCat(kFn, ": out is null"));
   if (rows <= 0 || cols <= 0) {
@@ -348,10 +348,13 @@ absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, i
   q.scale_inv = out->scale_inv.data();
   q.stats = out->stats_out.data();
   FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
+  if (!wait) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(Synchronize(ops));
-  out->stats = out->stats_out[0];
+  ReadShardStats(out);
   return absl::OkStatus();
 }
+
+void ReadShardStats(Fp8Shard* out) { out->stats = out->stats_out[0]; }
 
 namespace {
 
@@ -406,7 +409,8 @@ absl::Status QuantizeMx32Both(const kernels::OpTable& ops, const float* src, int
   const size_t bytes =
       static_cast<size_t>(count) * (sizeof(float) + 1) + static_cast<size_t>(col_grid);
   if (&scratch->ops() != &ops || scratch->size() < bytes) {
-    FP8RT_RETURN_IF_ERROR(Synchronize(ops));  // earlier work may still read the old buffer
+    // Earlier work may still use the old buffer (an empty one has none).
+    if (!scratch->empty()) FP8RT_RETURN_IF_ERROR(Synchronize(ops));
     scratch->Reset(ops, bytes);
   }
   float* t32 = reinterpret_cast<float*>(scratch->data());
@@ -422,7 +426,8 @@ absl::Status QuantizeMx32Both(const kernels::OpTable& ops, const float* src, int
 }
 
 absl::Status QuantizeMx32Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
-                               int64_t cols, kernels::Fp8Format format, Fp8Shard* out) {
+                               int64_t cols, kernels::Fp8Format format, Fp8Shard* out,
+                               bool wait, kernels::DeviceArray<std::byte>* scratch) {
   constexpr const char* kFn = "QuantizeMx32Shard";
   if (out == nullptr) return absl::InvalidArgumentError(absl::StrCat(kFn, ": out is null"));
   if (rows <= 0 || rows % kernels::kMx32BlockSize != 0) {
@@ -444,12 +449,14 @@ absl::Status QuantizeMx32Shard(const kernels::OpTable& ops, const float* shard, 
   out->col_e8m0.Reset(ops, static_cast<size_t>(rows / kernels::kMx32BlockSize * cols));
   out->scale_inv.clear();
   out->stats_out.Reset(ops, 1);
-  kernels::DeviceArray<std::byte> scratch(ops, kernels::MemCategory::kScratch);
+  kernels::DeviceArray<std::byte> own(ops, kernels::MemCategory::kScratch);
   FP8RT_RETURN_IF_ERROR(QuantizeMx32Both(ops, shard, rows, cols, format, out->codes.data(),
                                          out->e8m0.data(), out->col_codes.data(),
-                                         out->col_e8m0.data(), out->stats_out.data(), &scratch));
+                                         out->col_e8m0.data(), out->stats_out.data(),
+                                         scratch != nullptr ? scratch : &own));
+  if (!wait) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(Synchronize(ops));
-  out->stats = out->stats_out[0];
+  ReadShardStats(out);
   return absl::OkStatus();
 }
 

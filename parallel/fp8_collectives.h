@@ -140,11 +140,15 @@ struct Fp8Shard {
 };
 
 // Quantizes `rows` x `cols` FP32 `shard` into `out` with tensor scale `scale` (block false) or
-// with 128x128 block scales (block true: rows % 128 == 0; scale unused). Waits for the backend:
-// out->stats is final on return. InvalidArgument for bad shapes, format, scale or margin.
+// with 128x128 block scales (block true: rows % 128 == 0; scale unused). With `wait` it waits for
+// the backend and out->stats is final on return; without, the work is only queued on the default
+// stream and the caller, after its own synchronize, reads the statistics (ReadShardStats): one
+// wait for many shards. InvalidArgument for bad shapes, format, scale or margin.
 absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
                               int64_t cols, kernels::Fp8Format format, bool block, float scale,
-                              int margin, Fp8Shard* out);
+                              int margin, Fp8Shard* out, bool wait = true);
+// out->stats = what the quantization wrote (after the backend has been synchronised).
+void ReadShardStats(Fp8Shard* out);
 
 // MXFP8 of the transpose: `rows` x `cols` FP32 `src` transposed into `t32` (backend memory of
 // rows x cols floats), then quantized with 1x32 blocks along the transpose's rows (src's
@@ -167,9 +171,13 @@ absl::Status QuantizeMx32Both(const kernels::OpTable& ops, const float* src, int
                               kernels::QuantStats* stats, kernels::DeviceArray<std::byte>* scratch);
 
 // QuantizeFp8Shard for mx32: `rows` (a multiple of 32) x `cols` FP32 `shard` into `out` both ways.
-// Waits for the backend: out->stats is final on return.
+// `wait` as for QuantizeFp8Shard. The transposes go through `scratch` (grown as needed; it must
+// live until the work is done) or, when null, an array of the call's own, whose release waits for
+// the backend on CUDA.
 absl::Status QuantizeMx32Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
-                               int64_t cols, kernels::Fp8Format format, Fp8Shard* out);
+                               int64_t cols, kernels::Fp8Format format, Fp8Shard* out,
+                               bool wait = true,
+                               kernels::DeviceArray<std::byte>* scratch = nullptr);
 
 // Starts the all-gather of every rank's `shard` (the same shape everywhere) into `out`: the FP8
 // codes and, with block scaling, the block scales (the shards are whole block rows, so the grids

@@ -941,6 +941,13 @@ absl::StatusOr<void*> AllocateEntry(size_t bytes) {
 }
 void DeallocateEntry(void* p) { std::free(p); }
 
+absl::Status ZeroBytesEntry(void* p, size_t bytes, Stream) {
+  if (bytes == 0) return absl::OkStatus();
+  if (p == nullptr) return absl::InvalidArgumentError("zero_bytes: p is null");
+  std::memset(p, 0, bytes);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 const LayerOps kLayerOps = {
@@ -983,6 +990,9 @@ const LayerOps kLayerOps = {
     .synchronize = &SynchronizeEntry,
     .allocate = &AllocateEntry,
     .deallocate = &DeallocateEntry,
+    .allocate_device = &AllocateEntry,
+    .allocate_host = &AllocateEntry,
+    .zero_bytes = &ZeroBytesEntry,
 };
 
 }  // namespace cpu_internal

@@ -1,13 +1,19 @@
 // CUDA attention core and cross-entropy: the attention_forward, attention_backward,
-// cross_entropy_forward and cross_entropy_backward entries of the CUDA LayerOps table
+// attention_forward_bf16, attention_backward_bf16 (argument checks here; the fused tensor-core
+// kernels they launch for Dh <= 128 are in kernels/cuda/flash_attention_cuda.cu, the FP32
+// kernels below otherwise), cross_entropy_forward and cross_entropy_backward entries of the CUDA
+// LayerOps table
 // (kernels/layer_ops.h is the contract; tests/gpu/attention_cuda_test.cc tests attention against
 // an FP64 evaluation of it, cross-entropy against the CPU's kernels/cpu/layer_ops_cpu.cc).
 //
 // Index (helpers, kernels, then the entries that launch them):
-//   WarpAllSum, WarpAllMax, BlockAllSum, BlockAllMax   float reductions in a fixed tree order
+//   (kernels/cuda/attention_common.cuh, shared with the fused kernels:)
+//   WarpAllSum, WarpAllMax     float reductions in a fixed butterfly order
 //   WarpDot, Score, Prob       a . b by one warp; s_ij = (q_i . k_j) * scale;
 //                              p_ij = exp(s_ij - lse_i)
 //   RowTerm                    D_i = dout_i . out_i of one query row, by one warp
+//   (here:)
+//   BlockAllSum, BlockAllMax   block reductions in a fixed tree order
 //   AttentionForwardKernel     one warp per query row (b, h, i), three passes over keys j <= i,
 //                              each recomputing s_ij: the max m_i; the sum of exp(s_ij - m_i),
 //                              giving lse_i = m_i + log(sum); out_i = sum_j exp(s_ij - lse_i) v_j

@@ -38,6 +38,9 @@
 //   SumPartialsKernel        pass 2: one block adds the partials in a fixed strided order and the
 //                            same tree. No atomics: the order is fixed (layer_math.cuh)
 //   allocate / deallocate    cudaMallocManaged / cudaFree (the table's memory, DeviceArray)
+//   allocate_device          cudaMalloc (DeviceArray's device-only arrays); allocate_host
+//                            cudaHostAlloc, mapped (host-read arrays); zero_bytes
+//                            cudaMemsetAsync; deallocate cudaFree or cudaFreeHost
 //
 // Buffers: every pointer is device memory, checked before anything is launched (a null pointer
 // is refused when the op has work). Nothing is allocated but by allocate, except sum_squares'
@@ -1010,12 +1013,55 @@ absl::StatusOr<void*> AllocateEntry(size_t bytes) {
   return p;
 }
 
+// Device memory (cudaMalloc on the current device; at least one byte), registered like
+// AllocateEntry's. The host never touches it: no managed pages migrate on first touch.
+absl::StatusOr<void*> AllocateDeviceEntry(size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("allocating ", bytes, " bytes of CUDA device memory: ", cudaGetErrorName(err),
+                     " (", cudaGetErrorString(err), ")"));
+  }
+  BackendAllocations().Add(p, std::max<size_t>(bytes, 1));
+  return p;
+}
+
+// Pinned, mapped host memory (at least one byte); with unified addressing its device pointer is
+// the host pointer, which is registered like the others.
+absl::StatusOr<void*> AllocateHostEntry(size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t err =
+      cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocMapped | cudaHostAllocPortable);
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("allocating ", bytes, " bytes of pinned host memory: ", cudaGetErrorName(err),
+                     " (", cudaGetErrorString(err), ")"));
+  }
+  BackendAllocations().Add(p, std::max<size_t>(bytes, 1));
+  return p;
+}
+
+absl::Status ZeroBytesEntry(void* p, size_t bytes, Stream stream) {
+  if (bytes == 0) return absl::OkStatus();
+  if (p == nullptr) return absl::InvalidArgumentError("zero_bytes: p is null");
+  FP8RT_RETURN_IF_ERROR(CheckDevicePointers({{"p", p}}));
+  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p, 0, bytes, ToCuda(stream)));
+  return absl::OkStatus();
+}
+
 // cudaFree waits for the device; an error (a pointer allocate did not give) has nowhere to go
 // from a void entry and is cleared rather than left for the next launch to report.
+// Pinned host memory (allocate_host) goes back with cudaFreeHost, the rest with cudaFree.
 void DeallocateEntry(void* p) {
   if (p == nullptr) return;
   BackendAllocations().Remove(p);
-  if (cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
+  cudaPointerAttributes attr{};
+  const bool pinned =
+      cudaPointerGetAttributes(&attr, p) == cudaSuccess && attr.type == cudaMemoryTypeHost;
+  if ((pinned ? cudaFreeHost(p) : cudaFree(p)) != cudaSuccess) (void)cudaGetLastError();
 }
 
 // --- MoE routing: the per-token functions of kernels/moe_routing.h, one thread per token,
@@ -1219,6 +1265,9 @@ const LayerOps kLayerOps = {
     .synchronize = &SynchronizeEntry,
     .allocate = &AllocateEntry,
     .deallocate = &DeallocateEntry,
+    .allocate_device = &AllocateDeviceEntry,
+    .allocate_host = &AllocateHostEntry,
+    .zero_bytes = &ZeroBytesEntry,
 };
 
 }  // namespace fp8rt::kernels::cuda_internal

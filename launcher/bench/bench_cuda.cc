@@ -426,4 +426,87 @@ absl::StatusOr<nlohmann::ordered_json> CudaGemmBench(const CudaGemmBenchOptions&
   return j;
 }
 
+absl::StatusOr<nlohmann::ordered_json> CudaAttentionBench(const CudaAttentionBenchOptions& o) {
+  for (auto [name, value] :
+       {std::pair{"--batch", o.batch}, std::pair{"--seq", o.seq}, std::pair{"--heads", o.heads},
+        std::pair{"--kv-heads", o.kv_heads}, std::pair{"--head-dim", o.head_dim}}) {
+    if (value < 1) return absl::InvalidArgumentError(absl::StrCat(name, " must be >= 1"));
+  }
+  if (o.heads % o.kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv-heads ", o.kv_heads, " does not divide --heads ", o.heads));
+  }
+  Gpu gpu;
+  FP8RT_RETURN_IF_ERROR(OpenGpu(gpu));
+  const int64_t b = o.batch, t = o.seq, h = o.heads, hkv = o.kv_heads, dh = o.head_dim;
+  const int64_t size = b * t * h * dh, kv_size = b * t * hkv * dh;
+  std::vector<float> host(static_cast<size_t>(size));
+  auto upload = [&](int64_t n, uint32_t seed) -> absl::StatusOr<DeviceBuffer> {
+    host.resize(static_cast<size_t>(n));
+    FillUniform(host.data(), n, 2.0f, seed);
+    return UploadFloats(host);
+  };
+  FP8RT_ASSIGN_OR_RETURN(DeviceBuffer q, upload(size, 11));
+  FP8RT_ASSIGN_OR_RETURN(DeviceBuffer k, upload(kv_size, 12));
+  FP8RT_ASSIGN_OR_RETURN(DeviceBuffer v, upload(kv_size, 13));
+  FP8RT_ASSIGN_OR_RETURN(DeviceBuffer dout, upload(size, 14));
+  FP8RT_ASSIGN_OR_RETURN(DeviceBuffer out32, DeviceBuffer::Create(size * 4));
+  FP8RT_ASSIGN_OR_RETURN(DeviceBuffer out16, DeviceBuffer::Create(size * 4));
+  FP8RT_ASSIGN_OR_RETURN(DeviceBuffer lse, DeviceBuffer::Create(b * h * t * 4));
+  FP8RT_ASSIGN_OR_RETURN(DeviceBuffer dq, DeviceBuffer::Create(size * 4));
+  FP8RT_ASSIGN_OR_RETURN(DeviceBuffer dk, DeviceBuffer::Create(kv_size * 4));
+  FP8RT_ASSIGN_OR_RETURN(DeviceBuffer dv, DeviceBuffer::Create(kv_size * 4));
+  const kernels::LayerOps& L = *gpu.ops->layer;
+  const kernels::Stream stream{gpu.stream};
+  // One forward and backward through a pair of entries (the gradients accumulate: their values
+  // are not looked at).
+  auto pass = [&](decltype(L.attention_forward) fwd, decltype(L.attention_backward) bwd,
+                  const DeviceBuffer& out) -> absl::Status {
+    FP8RT_RETURN_IF_ERROR(fwd(out.as<float>(), lse.as<float>(), q.as<float>(), k.as<float>(),
+                              v.as<float>(), b, t, h, hkv, dh, stream));
+    return bwd(dq.as<float>(), dk.as<float>(), dv.as<float>(), dout.as<float>(), q.as<float>(),
+               k.as<float>(), v.as<float>(), out.as<float>(), lse.as<float>(), b, t, h, hkv, dh,
+               stream);
+  };
+  const std::vector<Case> cases = {
+      {"fp32_warp_kernels",
+       [&] { return pass(L.attention_forward, L.attention_backward, out32); }},
+      {"fused_bf16_tensor_cores",
+       [&] { return pass(L.attention_forward_bf16, L.attention_backward_bf16, out16); }},
+  };
+  FP8RT_ASSIGN_OR_RETURN(auto tm, RunInterleaved(gpu, cases, o.rounds, o.samples, o.iterations));
+  std::vector<float> a(static_cast<size_t>(size)), c(static_cast<size_t>(size));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(a.data(), out32.as(), size * 4, cudaMemcpyDeviceToHost));
+  CUDA_RETURN_IF_ERROR(cudaMemcpy(c.data(), out16.as(), size * 4, cudaMemcpyDeviceToHost));
+  double diff = 0.0, largest = 0.0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::fabs(double{a[i]} - c[i]));
+    largest = std::max(largest, std::fabs(double{a[i]}));
+  }
+  const Timing& slow = tm["fp32_warp_kernels"];
+  const Timing& fast = tm["fused_bf16_tensor_cores"];
+  // Causal: about half of the T^2 scores; forward 2 products, backward 5 (of 2 flops each).
+  const double flops = 3.5 * 2.0 * static_cast<double>(b * h) * static_cast<double>(t * t) *
+                       static_cast<double>(dh);
+  nlohmann::ordered_json j;
+  j["benchmark"] = "attention";
+  j["device"] = "cuda";
+  j["gpu"] = gpu.name;
+  j["ratio"] = slow.best / fast.best;
+  j["ratio_definition"] =
+      "time of the FP32 warp-per-row attention (forward + backward) over the fused BF16 "
+      "tensor-core attention on the same inputs, fastest of interleaved samples timed with CUDA "
+      "events";
+  j["target"] = 2.0;  // a first estimate: tensor cores against CUDA-core FP32, no GPU run yet
+  j["ratio_median"] = slow.median / fast.median;
+  j["shape"] = {{"batch", b}, {"seq", t}, {"heads", h}, {"kv_heads", hkv}, {"head_dim", dh}};
+  j["fused_tflop_per_s"] = flops / fast.best / 1e12;
+  j["fp32_tflop_per_s"] = flops / slow.best / 1e12;
+  j["fp32"] = TimingJson(slow);
+  j["fused"] = TimingJson(fast);
+  j["max_abs_out_difference"] = diff;
+  j["max_abs_out"] = largest;
+  return j;
+}
+
 }  // namespace fp8rt::bench

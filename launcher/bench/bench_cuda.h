@@ -33,6 +33,19 @@ struct CudaGemmBenchOptions {
 // the CUDA op table. Target >= 1.8. Also reports the block-scaled FP8 GEMM (1x128 x 128x128).
 absl::StatusOr<nlohmann::ordered_json> CudaGemmBench(const CudaGemmBenchOptions& options);
 
+struct CudaAttentionBenchOptions {
+  int batch = 4, seq = 2048, heads = 16, kv_heads = 16, head_dim = 128;
+  int rounds = 3;      // interleaved rounds of the two implementations
+  int samples = 2;     // samples of each per round
+  int iterations = 1;  // forward + backward calls between the two events of one sample
+};
+// Causal attention, forward + backward, through the CUDA op table: the fused tensor-core entries
+// (attention_forward_bf16 / attention_backward_bf16, kernels/cuda/flash_attention_cuda.cu) over
+// the FP32 warp-per-row entries (attention_forward / attention_backward) on the same inputs.
+// Reports the speed ratio, each one's TFLOP/s (4 B H T^2 Dh for the causal forward's two
+// products, 2.5 times that for the backward's five) and the largest |out| difference.
+absl::StatusOr<nlohmann::ordered_json> CudaAttentionBench(const CudaAttentionBenchOptions& options);
+
 }  // namespace fp8rt::bench
 
 #endif  // FP8RT_LAUNCHER_BENCH_BENCH_CUDA_H_

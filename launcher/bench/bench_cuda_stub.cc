@@ -13,4 +13,9 @@ absl::StatusOr<nlohmann::ordered_json> CudaGemmBench(const CudaGemmBenchOptions&
       "--device cuda: this fp8rt was built without CUDA (configure with -DFP8RT_CUDA=ON)");
 }
 
+absl::StatusOr<nlohmann::ordered_json> CudaAttentionBench(const CudaAttentionBenchOptions&) {
+  return absl::UnavailableError(
+      "--device cuda: this fp8rt was built without CUDA (configure with -DFP8RT_CUDA=ON)");
+}
+
 }  // namespace fp8rt::bench

@@ -35,6 +35,7 @@
 #include <iostream>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -451,6 +452,11 @@ int main(int argc, char** argv) {
   attention->add_option("--rounds", aopt.rounds, "interleaved rounds (default 5)");
   attention->add_option("--samples", aopt.samples, "samples of each per round (default 3)");
   attention->add_flag("--json", json, "print one JSON object");
+  attention->add_option("--device", device,
+                        "cpu (default) or cuda: the fused BF16 tensor-core attention vs the FP32 "
+                        "kernels (default shape 4 x 2048, 16 heads of 128)")
+      ->check(CLI::IsMember({"cpu", "cuda"}));
+  fp8rt::bench::CudaAttentionBenchOptions caopt;
   auto* comm = app.add_subcommand("comm", "FP8 vs BF16 collectives over N MPI ranks");
   comm->add_option("--np", np, "MPI ranks (default 2)");
   comm->add_option("--repeats", comm_repeats, "repeats of each measurement (default 3)");
@@ -520,6 +526,18 @@ int main(int argc, char** argv) {
     if (gemm->count("--rounds") > 0) cgopt.rounds = gopt.rounds;
     if (gemm->count("--samples") > 0) cgopt.samples = gopt.samples;
     result = fp8rt::bench::CudaGemmBench(cgopt);
+  } else if (attention->parsed() && device == "cuda") {
+    // The CPU defaults do not carry over: a GPU wants long sequences and full heads.
+    for (auto [flag, from, to] : {std::tuple{"--batch", &aopt.batch, &caopt.batch},
+                                  std::tuple{"--seq", &aopt.seq, &caopt.seq},
+                                  std::tuple{"--heads", &aopt.heads, &caopt.heads},
+                                  std::tuple{"--kv-heads", &aopt.kv_heads, &caopt.kv_heads},
+                                  std::tuple{"--head-dim", &aopt.head_dim, &caopt.head_dim},
+                                  std::tuple{"--rounds", &aopt.rounds, &caopt.rounds},
+                                  std::tuple{"--samples", &aopt.samples, &caopt.samples}}) {
+      if (attention->count(flag) > 0) *to = *from;
+    }
+    result = fp8rt::bench::CudaAttentionBench(caopt);
   } else if (quantize->parsed()) {
     result = fp8rt::bench::QuantizeBench(qopt);
   } else if (gemm->parsed()) {

@@ -83,9 +83,14 @@ struct Transformer::Acts {
     bool ln1 = true, ln2 = true, g = true;
     auto operator<=>(const Keep&) const = default;
   };
-  Array t_ln1{ops, kernels::MemCategory::kScratch}, t_ln2{ops, kernels::MemCategory::kScratch}, t_g{ops, kernels::MemCategory::kScratch},
-      t_qkv{ops, kernels::MemCategory::kScratch}, t_proj{ops, kernels::MemCategory::kScratch},
-      t_fc2{ops, kernels::MemCategory::kScratch};
+  // Everything but the logits (which Transformer::logits hands to the host), the losses (pinned
+  // host memory on CUDA: the host sums them every pass) and the token arrays (written by the
+  // host) is device-only memory (kernels/device_array.h).
+  static constexpr kernels::Placement kDevice = kernels::Placement::kDeviceOnly;
+  static constexpr kernels::MemCategory kScratch = kernels::MemCategory::kScratch;
+  static constexpr kernels::MemCategory kSaved = kernels::MemCategory::kSavedActivations;
+  Array t_ln1{ops, kScratch, kDevice}, t_ln2{ops, kScratch, kDevice}, t_g{ops, kScratch, kDevice},
+      t_qkv{ops, kScratch, kDevice}, t_proj{ops, kScratch, kDevice}, t_fc2{ops, kScratch, kDevice};
   std::vector<Keep> kept;
   static float* In(Array& own, Array& shared) { return own.empty() ? shared.data() : own.data(); }
 
@@ -107,7 +112,7 @@ struct Transformer::Acts {
       Layer& l = layers[i];
       for (Array* v : {&l.x, &l.ln1, &l.mean1, &l.rstd1, &l.q, &l.k, &l.v, &l.lse, &l.att, &l.x2,
                        &l.ln2, &l.mean2, &l.rstd2, &l.h, &l.u, &l.g}) {
-        *v = Array(ops, kernels::MemCategory::kSavedActivations);
+        *v = Array(ops, kSaved, kDevice);
       }
       for (auto* v : {&l.x, &l.x2}) v->assign(c, 0.0f);
       if (keep[i].ln1) l.ln1.assign(c, 0.0f);
@@ -128,12 +133,14 @@ struct Transformer::Acts {
     t_g.assign(fl, 0.0f);
     t_qkv.assign(cl + 2 * kvl, 0.0f);
     const size_t logits_size = static_cast<size_t>(n * s.vocab);
-    for (Array* v : {&x_final, &lnf, &meanf, &rstdf, &logits, &ce_probs, &losses, &pos}) {
-      *v = Array(ops, kernels::MemCategory::kSavedActivations);
+    for (Array* v : {&x_final, &lnf, &meanf, &rstdf, &ce_probs, &pos}) {
+      *v = Array(ops, kSaved, kDevice);
     }
+    logits = Array(ops, kSaved);
+    losses = Array(ops, kSaved, kernels::Placement::kHostRead);  // summed by the host every pass
     for (Array* v : {&dx, &dx2, &dln, &dg, &dh, &du, &datt, &dq, &dk, &dv, &dqr, &dkr, &dqkv,
                      &dlogits, &dlnf}) {
-      *v = Array(ops, kernels::MemCategory::kScratch);
+      *v = Array(ops, kScratch, kDevice);
     }
     for (auto* v : {&inputs, &targets, &positions}) {
       *v = kernels::DeviceArray<int32_t>(ops, kernels::MemCategory::kSavedActivations);
@@ -360,20 +367,24 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
   p.grad = kernels::DeviceArray<float>(ops_, MemCategory::kGradients);
   p.m = kernels::DeviceArray<float>(ops_, MemCategory::kOptimizerState);
   p.v = kernels::DeviceArray<float>(ops_, MemCategory::kOptimizerState);
-  p.full = kernels::DeviceArray<float>(ops_, MemCategory::kGatheredWeights);
-  p.full_grad = kernels::DeviceArray<float>(ops_, MemCategory::kGradients);
+  // What the gathers and the GEMMs alone touch (the whole weights, their FP8 codes, the whole
+  // gradients) is device-only memory; the shards, which the host reads and writes at
+  // checkpoints, stay host-visible.
+  constexpr kernels::Placement kDevice = kernels::Placement::kDeviceOnly;
+  p.full = kernels::DeviceArray<float>(ops_, MemCategory::kGatheredWeights, kDevice);
+  p.full_grad = kernels::DeviceArray<float>(ops_, MemCategory::kGradients, kDevice);
   p.fp8_shard.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kParamShards);
   p.fp8_shard.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kParamShards);
-  p.fp8.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kGatheredWeights);
+  p.fp8.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kGatheredWeights, kDevice);
   p.fp8.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kGatheredWeights);
   for (kernels::DeviceArray<uint8_t>* a : {&p.fp8_shard.e8m0, &p.fp8_shard.col_codes,
                                            &p.fp8_shard.col_e8m0}) {
     *a = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kParamShards);
   }
   for (kernels::DeviceArray<uint8_t>* a : {&p.fp8.e8m0, &p.fp8.col_codes, &p.fp8.col_e8m0}) {
-    *a = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kGatheredWeights);
+    *a = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kGatheredWeights, kDevice);
   }
-  p.gather_bf16 = kernels::DeviceArray<uint16_t>(ops_, MemCategory::kCommBuffers);
+  p.gather_bf16 = kernels::DeviceArray<uint16_t>(ops_, MemCategory::kCommBuffers, kDevice);
   p.master.assign(shard, 0.0f);
   p.grad.assign(shard, 0.0f);
   p.m.assign(shard, 0.0f);
@@ -646,21 +657,18 @@ absl::Status Transformer::AllReduceTp(float* buf, int64_t count) {
   return mesh_.tp().AllReduce(buf, count, parallel::DType::kF32, parallel::ReduceOp::kSum);
 }
 
-absl::Status Transformer::QuantizeWeightShard(Param& p, float weight_scale) {
+absl::Status Transformer::QuantizeWeightShard(Param& p, float weight_scale,
+                                              kernels::DeviceArray<std::byte>* scratch) {
   const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
   const bool block = cfg.strategy == train::ScalingStrategy::kBlock;
   const int64_t shard_rows = p.shard_count / p.local_cols;  // whole rows (ShardCut::row_unit)
   if (cfg.strategy == train::ScalingStrategy::kMx32) {
-    FP8RT_RETURN_IF_ERROR(parallel::QuantizeMx32Shard(ops_, p.master.data(), shard_rows,
-                                                      p.local_cols, cfg.format, &p.fp8_shard));
-    RecordWeightShard(p, weight_scale);
-    return absl::OkStatus();
+    return parallel::QuantizeMx32Shard(ops_, p.master.data(), shard_rows, p.local_cols,
+                                       cfg.format, &p.fp8_shard, /*wait=*/false, scratch);
   }
-  FP8RT_RETURN_IF_ERROR(parallel::QuantizeFp8Shard(ops_, p.master.data(), shard_rows,
-                                                   p.local_cols, cfg.format, block, weight_scale,
-                                                   cfg.margin, &p.fp8_shard));
-  RecordWeightShard(p, weight_scale);
-  return absl::OkStatus();
+  return parallel::QuantizeFp8Shard(ops_, p.master.data(), shard_rows, p.local_cols, cfg.format,
+                                    block, weight_scale, cfg.margin, &p.fp8_shard,
+                                    /*wait=*/false);
 }
 
 // The weight site's statistics of the step: this rank's shard, once per step (the amax is
@@ -924,7 +932,7 @@ absl::Status Transformer::BeginStep() {
   }
   // Every amax op above wrote its own element of weight_amaxes_ (backend memory); 0 for the
   // expert weights this rank does not hold.
-  FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
+  if (!held.empty()) FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
   std::vector<float> amaxes(current.size(), 0.0f);
   for (const size_t i : held) amaxes[i] = weight_amaxes_[i];
   if (!amaxes.empty()) {
@@ -932,7 +940,9 @@ absl::Status Transformer::BeginStep() {
   }
   // Each FP8 weight's shard, quantized once for the whole step (every gather of the step moves
   // these bytes). With fsdp_gather bf16 every rank quantizes the gathered piece instead, with
-  // the same scale; its statistics are this rank's shard's all the same.
+  // the same scale; its statistics are this rank's shard's all the same. Every quantization is
+  // queued first; one wait, then every shard's statistics are read.
+  std::vector<std::pair<Param*, float>> fp8_params;
   for (Param& p : params_) {
     if (p.linear == nullptr || p.linear->precision() != GemmPrecision::kFp8) continue;
     const auto it = std::find(current.begin(), current.end(), p.linear);
@@ -942,15 +952,19 @@ absl::Status Transformer::BeginStep() {
             ? kernels::ComputeScale(amaxes[static_cast<size_t>(it - current.begin())],
                                     cfg.format, cfg.margin, cfg.power_of_two)
             : p.linear->weight_site().state().scale();
-    if (p.fp8_shard_fresh && (p.fp8_shard.block || p.fp8_shard.scale == scale)) {
-      // Written by the optimizer's update pass (AttachFp8Shards): with its own block scales, or
-      // with this very tensor scale.
-      p.fp8_shard.stats = p.fp8_shard.stats_out[0];
-      RecordWeightShard(p, scale);
-    } else {
-      FP8RT_RETURN_IF_ERROR(QuantizeWeightShard(p, scale));
+    // A shard written by the optimizer's update pass (AttachFp8Shards) with its own block scales,
+    // or with this very tensor scale, is used as it is.
+    if (!p.fp8_shard_fresh || !(p.fp8_shard.block || p.fp8_shard.scale == scale)) {
+      FP8RT_RETURN_IF_ERROR(QuantizeWeightShard(p, scale, &mx32_scratch_));
     }
     p.fp8_shard_fresh = false;
+    fp8_params.emplace_back(&p, scale);
+  }
+  if (!fp8_params.empty()) FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
+  for (const auto& [param, scale] : fp8_params) {
+    Param& p = *param;
+    parallel::ReadShardStats(&p.fp8_shard);
+    RecordWeightShard(p, scale);
     if (recipe_.fsdp_gather == FsdpGatherDType::kBf16) {
       p.fp8_shard.codes.clear();  // only the scale and the statistics are used
       p.fp8_shard.scale_inv.clear();

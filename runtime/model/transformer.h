@@ -399,7 +399,10 @@ class Transformer {
   void Reshard(size_t unit);                // frees the gathered weights
   absl::Status BeginUnitGrads(size_t unit);   // zeroed full gradients for the unit's backward
   absl::Status ReduceUnitGrads(size_t unit);  // reduce-scatter into the shards, then free
-  absl::Status QuantizeWeightShard(Param& p, float weight_scale);
+  // Queues the quantization of p's shard (no wait: BeginStep reads the statistics of all of them
+  // after one synchronize); mx32's transposes go through `scratch`.
+  absl::Status QuantizeWeightShard(Param& p, float weight_scale,
+                                   kernels::DeviceArray<std::byte>* scratch);
   void RecordWeightShard(Param& p, float weight_scale);  // the weight site's statistics
   absl::Status AllReduceTp(float* buf, int64_t count);
   LinearContext Ctx();
@@ -439,7 +442,9 @@ class Transformer {
   // The temporaries of the gradient reduce-scatters: one set for all parameters (they reduce
   // one after another), sized by the largest.
   parallel::GradReduceBuffers reduce_buffers_;
-  // mx32 weights quantized after a BF16 gather: the transposes of QuantizeMx32Both.
+  // The transposes of QuantizeMx32Both: mx32 weight shards in BeginStep and mx32 weights
+  // quantized after a BF16 gather. Kept across steps, so it grows (and waits for the backend to do
+  // so) in the first step only.
   kernels::DeviceArray<std::byte> mx32_scratch_{kernels::CpuOps(), kernels::MemCategory::kScratch};
   // BeginStep: the shard amax of each current-scaled FP8 weight, written by the amax op.
   kernels::DeviceArray<float> weight_amaxes_;

@@ -120,7 +120,9 @@ absl::StatusOr<StepResult> AdamW::ComputeNorm(std::span<const ParamShard> shards
   // Each shard's sum of squares on the backend, then their sum on the host, in shard order.
   const kernels::LayerOps& ops = *ops_->layer;
   if (sums_.size() < shards.size()) {
-    sums_ = kernels::DeviceArray<double>(*ops_, kernels::MemCategory::kOptimizerState);
+    // Read by the host every step: pinned host memory on CUDA (sum_squares writes it plainly).
+    sums_ = kernels::DeviceArray<double>(*ops_, kernels::MemCategory::kOptimizerState,
+                                         kernels::Placement::kHostRead);
     sums_.assign(shards.size(), 0.0);
   }
   for (size_t i = 0; i < shards.size(); ++i) {

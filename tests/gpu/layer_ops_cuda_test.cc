@@ -115,6 +115,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_ops_internal.h"
+#include "kernels/device_array.h"
 #include "kernels/layer_ops.h"
 #include "kernels/ops.h"
 #include "tests/gpu/gpu_test_support.h"
@@ -1403,6 +1404,73 @@ TEST_F(AllocateTest, GivesMemoryTheOpsAcceptAndTheHostReadsAfterSynchronize) {
   gpu_->deallocate(nullptr);
 }
 
+// allocate_device gives cudaMalloc memory (not managed: the host never faults pages of it in),
+// which the ops accept, zero_bytes clears on the stream, and deallocate frees; a DeviceArray of
+// Placement::kDeviceOnly lives in it.
+TEST_F(AllocateTest, DeviceOnlyMemoryIsCudaMallocAndZeroBytesClearsIt) {
+  for (size_t count : {size_t{0}, size_t{1}, size_t{1000003}}) {
+    absl::StatusOr<void*> p = gpu_->allocate_device(count * sizeof(float));
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_NE(*p, nullptr) << count;
+    cudaPointerAttributes attr{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attr, *p), cudaSuccess);
+    EXPECT_EQ(attr.type, cudaMemoryTypeDevice) << count;
+    auto* x = static_cast<float*>(*p);
+    ExpectOk(gpu_->fill(x, 3.5f, static_cast<int64_t>(count), stream()));
+    ExpectOk(gpu_->zero_bytes(x, count * sizeof(float) / 2, stream()));  // the first half
+    Sync();
+    std::vector<float> got(count);
+    if (count > 0) {
+      ASSERT_EQ(cudaMemcpy(got.data(), x, count * sizeof(float), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+    }
+    int64_t bad = 0;
+    for (size_t i = 0; i < count; ++i) {
+      bad += Bits(got[i]) != (i < count / 2 ? 0u : Bits(3.5f));
+    }
+    EXPECT_EQ(bad, 0) << count;
+    gpu_->deallocate(*p);
+  }
+  DeviceArray<float> a(*cuda_ops_, MemCategory::kScratch, Placement::kDeviceOnly);
+  a.assign(4096, 0.0f);
+  cudaPointerAttributes attr{};
+  ASSERT_EQ(cudaPointerGetAttributes(&attr, a.data()), cudaSuccess);
+  EXPECT_EQ(attr.type, cudaMemoryTypeDevice);
+  ExpectRefused(gpu_->zero_bytes(nullptr, 4, stream()), "p is null");
+}
+
+// allocate_host gives pinned host memory mapped for the device (what the host reads every step:
+// Placement::kHostRead): the ops accept it and write it, the host reads it after synchronize, and
+// deallocate frees it (cudaFreeHost).
+TEST_F(AllocateTest, HostReadMemoryIsPinnedMappedAndWrittenByTheOps) {
+  for (size_t count : {size_t{0}, size_t{1}, size_t{70001}}) {
+    absl::StatusOr<void*> p = gpu_->allocate_host(count * sizeof(float));
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_NE(*p, nullptr) << count;
+    cudaPointerAttributes attr{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attr, *p), cudaSuccess);
+    EXPECT_EQ(attr.type, cudaMemoryTypeHost) << count;
+    EXPECT_EQ(attr.devicePointer, *p) << "unified addressing: one pointer for both";
+    auto* x = static_cast<float*>(*p);
+    ExpectOk(gpu_->fill(x, -1.25f, static_cast<int64_t>(count), stream()));
+    Sync();
+    int64_t bad = 0;
+    for (size_t i = 0; i < count; ++i) bad += Bits(x[i]) != Bits(-1.25f);
+    EXPECT_EQ(bad, 0) << count;
+    gpu_->deallocate(*p);
+  }
+  // The loss rows of cross-entropy into a host-read array, as the model sums them.
+  DeviceArray<float> losses(*cuda_ops_, MemCategory::kSavedActivations, Placement::kHostRead);
+  losses.assign(3, 0.0f);
+  DeviceBuffer logits(3 * 4 * 4), probs(3 * 4 * 4), targets(3 * 4);
+  Put(logits, std::vector<float>(12, 0.0f));
+  Put(targets, std::vector<int32_t>{0, 1, 3});
+  ExpectOk(gpu_->cross_entropy_forward(probs.f(), losses.data(), logits.f(),
+                                       targets.as<int32_t>(), 3, 4, stream()));
+  Sync();
+  for (size_t r = 0; r < 3; ++r) EXPECT_NEAR(losses[r], std::log(4.0f), 1e-6f) << r;
+}
+
 TEST_F(AllocateTest, FailureIsResourceExhaustedNamingTheSizeAndBlamesNoLaterLaunch) {
   const size_t huge = size_t{1} << 52;  // beyond the 47-bit user address space of x86-64
   absl::StatusOr<void*> p = gpu_->allocate(huge);
@@ -1459,6 +1527,9 @@ TEST(NoDeviceArgumentTest, EveryEntryIsSet) {
       reinterpret_cast<const void*>(t.synchronize),
       reinterpret_cast<const void*>(t.allocate),
       reinterpret_cast<const void*>(t.deallocate),
+      reinterpret_cast<const void*>(t.allocate_device),
+      reinterpret_cast<const void*>(t.allocate_host),
+      reinterpret_cast<const void*>(t.zero_bytes),
   };
   static_assert(sizeof(LayerOps) == sizeof(entries), "a LayerOps entry is missing here");
   for (size_t i = 0; i < std::size(entries); ++i) EXPECT_NE(entries[i], nullptr) << "entry " << i;

@@ -20,15 +20,17 @@
 #      directly in bundle mode; and the host-only device_math_host_test and layer_math_host_test.
 #      gtest/JUnit XML for each, packed into one tarball.
 #   4. Runs the GPU benchmarks: `fp8rt bench quantize --device cuda`,
-#      `fp8rt bench gemm --device cuda --size 8192` and `fp8rt bench step --device cuda` (one
-#      training step in fp8, bf16 and fp32 on one GPU), JSON to OUT_DIR.
+#      `fp8rt bench gemm --device cuda --size 8192`, `fp8rt bench step --device cuda` (one
+#      training step in fp8, bf16 and fp32 on one GPU) and `fp8rt bench attention --device cuda`
+#      (the fused BF16 tensor-core attention over the FP32 kernels), JSON to OUT_DIR.
 #   5. Writes OUT_DIR/summary.txt (tests passed or not: each XML's test and failure counts, in
 #      build mode also ctest's line for each GPU test; each ratio against its target) and exits
 #      non-zero if a step failed. A benchmark below its target is reported, not a failure.
 # Budget: under 8 minutes on 16 cores (the build is most of it; bundle mode takes 1-2 minutes).
 #
 # Output files (at most 8: what the device tool brings back): run.log, summary.txt,
-# nvidia-smi.txt, bench_quantize.json, bench_gemm.json, bench_step.json and test_xml.tar.gz,
+# nvidia-smi.txt, bench_quantize.json, bench_gemm.json, bench_step.json, bench_attention.json
+# and test_xml.tar.gz,
 # which holds xml/NAME.xml for device_math_host_test and layer_math_host_test, and for
 # ops_cuda_test, layer_ops_cuda_test, attention_cuda_test, nccl_communicator_test,
 # nccl_deferred_test and train_cuda_test (bundle mode) or ctest_gpu.xml (build mode). Until the
@@ -278,13 +280,14 @@ bench() {
 bench quantize quantize --device cuda
 bench gemm gemm --device cuda --size 8192
 bench step step --device cuda --rounds 3
+bench attention attention --device cuda
 
 # --- 5. summary -----------------------------------------------------------------------------------
 {
   echo "fp8rt GPU run, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(nvidia-smi -L | head -1)"
   echo "mode: $([ -f "$BIN/CTestTestfile.cmake" ] && echo build || echo bundle), $(($(date +%s) - START)) s"
   echo "$TEST_LINES"
-  for b in quantize gemm step; do
+  for b in quantize gemm step attention; do
     f="$OUT_DIR/bench_$b.json"
     if [ -s "$f" ]; then
       python3 - "$f" <<'PY' 2>/dev/null || echo "bench: $(head -c 300 "$f")"
@@ -301,6 +304,10 @@ elif j["benchmark"] == "step":
     extra = " (fp8 %.1f ms, bf16 %.1f ms, fp32 %.1f ms per step of %d tokens)" % (
         1e3 * m["fp8"]["best_s"], 1e3 * m["bf16"]["best_s"], 1e3 * m["fp32"]["best_s"],
         j["tokens_per_step"])
+elif j["benchmark"] == "attention":
+    extra = " (fused %.1f, fp32 %.2f TFLOP/s; max |out diff| %.2g of %.2g)" % (
+        j["fused_tflop_per_s"], j["fp32_tflop_per_s"], j["max_abs_out_difference"],
+        j["max_abs_out"])
 else:
     extra = " (quantize %.0f GB/s, memcpy %.0f GB/s)" % (
         j["quantize_gb_per_s"], j["memcpy_gb_per_s"])

@@ -16,8 +16,10 @@
 // (tests/integration/train_test.cc LayoutInvariance); on the GPU, exp/tanh/log differ by a few
 // ulp, sums are ordered differently, and cuBLASLt's FP8 tensor cores accumulate with ~14
 // significant bits inside each 128-wide slice of K (tests/gpu/ops_cuda_test.cc: up to 2^-8 of the
-// absolute product sum per element); losses average over every token, which shrinks that. fp32
-// 1e-4; bf16 1e-3 (BF16 rounding of the operands is the same on both; the sums are not); fp8
+// absolute product sum per element); losses average over every token, which shrinks that. In
+// bf16 and fp8 runs the GPU's attention rounds its products' operands to BF16 (the fused
+// tensor-core kernel), the CPU's does not. fp32 1e-4; bf16 3e-3 (BF16 rounding of the GEMM
+// operands is the same on both, the sums and attention's operands are not); fp8
 // 5e-3 (an amax that differs in its last bit moves a scale and with it many codes); fp8 with the
 // forward's fast accumulation (precision.fp8_fast_accum_forward, which the CPU ignores) 1e-2.
 // Without a CUDA device every test skips and says why (FP8RT_REQUIRE_GPU=1 makes that a failure).
@@ -198,7 +200,7 @@ TEST_P(TrainCudaTest, RerunIsBitIdentical) {
 INSTANTIATE_TEST_SUITE_P(
     Modes, TrainCudaTest,
     ::testing::Values(
-        Mode{"fp32", {"precision.mode=fp32"}, 1e-4}, Mode{"bf16", {"precision.mode=bf16"}, 1e-3},
+        Mode{"fp32", {"precision.mode=fp32"}, 1e-4}, Mode{"bf16", {"precision.mode=bf16"}, 3e-3},
         // The FP8 modes with FP32 promotion in every GEMM, so that GPU and CPU do the same
         // arithmetic up to summation order; fp8_fast_accum then adds the default forward.
         Mode{"fp8_delayed",

@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -1526,6 +1527,51 @@ TEST(DeviceArrayTest, ResizeKeepsThePrefixAndZeroesTheRest) {
   b.resize(kBig);
   ASSERT_EQ(b.size(), kBig);
   for (const float x : b) ASSERT_EQ(Bits(x), 0u);
+}
+
+// A device-only array (Placement::kDeviceOnly) comes from allocate_device and is cleared by
+// zero_bytes: counted through a copy of the CPU table whose two entries count their calls (the
+// CPU's own entries do the work). Its host accessors abort, naming the category, on the CPU too.
+std::atomic<int> device_allocations{0}, zero_calls{0};
+absl::StatusOr<void*> CountingAllocateDevice(size_t bytes) {
+  ++device_allocations;
+  return CpuOps().layer->allocate_device(bytes);
+}
+absl::Status CountingZeroBytes(void* p, size_t bytes, Stream stream) {
+  ++zero_calls;
+  return CpuOps().layer->zero_bytes(p, bytes, stream);
+}
+
+TEST(DeviceArrayTest, DeviceOnlyArraysAllocateOnTheDeviceAndRefuseHostAccess) {
+  LayerOps layer = *CpuOps().layer;
+  layer.allocate_device = &CountingAllocateDevice;
+  layer.zero_bytes = &CountingZeroBytes;
+  OpTable table = CpuOps();
+  table.layer = &layer;
+  device_allocations = 0;
+  zero_calls = 0;
+  {
+    DeviceArray<float> a(table, MemCategory::kScratch, Placement::kDeviceOnly);
+    LeaveDirtyMemory(1000);
+    a.assign(1000, 0.0f);
+    EXPECT_EQ(device_allocations.load(), 1);
+    EXPECT_EQ(zero_calls.load(), 1);
+    ASSERT_EQ(a.size(), 1000u);
+    // The backend's entries use it through data(): the CPU's memory is the host's.
+    for (size_t i = 0; i < 1000; ++i) ASSERT_EQ(Bits(a.data()[i]), 0u) << i;
+    a.Grow(table, 10);  // large enough: kept, no allocation
+    EXPECT_EQ(device_allocations.load(), 1);
+    DeviceArray<float> b(std::move(a));  // the placement moves with the memory
+    EXPECT_EQ(b.placement(), Placement::kDeviceOnly);
+    EXPECT_DEATH(b[0] = 1.0f, "host access to a device-only scratch array");
+    EXPECT_DEATH((void)b.begin(), "host access to a device-only");
+    EXPECT_DEATH(b.resize(5), "host access to a device-only");
+    EXPECT_DEATH(b.assign(3, 1.0f), "non-zero value to a device-only");
+  }
+  // A host-visible array of the same table never asks for device memory.
+  DeviceArray<float> c(table, 8, 1.0f);
+  EXPECT_EQ(device_allocations.load(), 1);
+  EXPECT_EQ(c[7], 1.0f);
 }
 
 TEST(DeviceArrayTest, MoveTransfersOwnership) {
