@@ -416,6 +416,11 @@ struct LayerOps {
   // p[0, bytes) = 0, enqueued on `stream` (CUDA cudaMemsetAsync; CPU memset at once): how a
   // device-only array is cleared.
   absl::Status (*zero_bytes)(void* p, size_t bytes, Stream stream);
+  // Moves allocate's memory [p, p + bytes) to where the entries run, ahead of their first touch,
+  // enqueued on `stream`: CUDA, cudaMemPrefetchAsync to the current device (what the host wrote
+  // or read, e.g. initial weights or a checkpoint, would otherwise come back page fault by page
+  // fault); CPU, nothing.
+  absl::Status (*prefetch)(const void* p, size_t bytes, Stream stream);
 };
 
 }  // namespace fp8rt::kernels

@@ -941,6 +941,8 @@ absl::StatusOr<void*> AllocateEntry(size_t bytes) {
 }
 void DeallocateEntry(void* p) { std::free(p); }
 
+absl::Status PrefetchEntry(const void*, size_t, Stream) { return absl::OkStatus(); }
+
 absl::Status ZeroBytesEntry(void* p, size_t bytes, Stream) {
   if (bytes == 0) return absl::OkStatus();
   if (p == nullptr) return absl::InvalidArgumentError("zero_bytes: p is null");
@@ -993,6 +995,7 @@ const LayerOps kLayerOps = {
     .allocate_device = &AllocateEntry,
     .allocate_host = &AllocateEntry,
     .zero_bytes = &ZeroBytesEntry,
+    .prefetch = &PrefetchEntry,
 };
 
 }  // namespace cpu_internal

@@ -418,32 +418,47 @@ unsigned WarpPerRowGrid(int64_t rows, int sms) {
 
 }  // namespace
 
-absl::Status AttentionForwardCuda(float* out, float* lse, const float* q, const float* k,
-                                  const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
-                                  int64_t dh, Stream stream) {
-  constexpr const char* kOp = "attention_forward";
-  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, hkv, dh));
+namespace {
+
+// The forward of both entry pairs: the checks, then with `bf16` the fused tensor-core kernel where
+// it fits, the FP32 kernel otherwise.
+absl::Status AttentionForwardOf(const char* op, bool bf16, float* out, float* lse, const float* q,
+                                const float* k, const float* v, int64_t b, int64_t t, int64_t h,
+                                int64_t hkv, int64_t dh, Stream stream) {
+  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(op, b, t, h, hkv, dh));
   const Buffers buffers = {{"out", out}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}};
   if (rows == 0) return CheckDevicePointers(buffers);
-  FP8RT_RETURN_IF_ERROR(CheckBuffers(kOp, buffers));
+  FP8RT_RETURN_IF_ERROR(CheckBuffers(op, buffers));
+  const float scale = AttentionScale(dh);
+  if (bf16) {
+    FP8RT_ASSIGN_OR_RETURN(const bool fused, FlashAttentionFits(dh));
+    if (fused) return LaunchFlashForward(out, lse, q, k, v, b, t, h, hkv, dh, scale, stream);
+  }
   FP8RT_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSmCount());
   return Launch(AttentionForwardKernel, dim3(WarpPerRowGrid(rows, sms)), ToCuda(stream), out, lse,
-                q, k, v, rows, t, h, hkv, dh, AttentionScale(dh));
+                q, k, v, rows, t, h, hkv, dh, scale);
 }
 
-absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float* dout,
-                                   const float* q, const float* k, const float* v, const float* out,
-                                   const float* lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
-                                   int64_t dh, Stream stream) {
-  constexpr const char* kOp = "attention_backward";
-  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, hkv, dh));
+// The backward of both entry pairs, as AttentionForwardOf.
+absl::Status AttentionBackwardOf(const char* op, bool bf16, float* dq, float* dk, float* dv,
+                                 const float* dout, const float* q, const float* k, const float* v,
+                                 const float* out, const float* lse, int64_t b, int64_t t,
+                                 int64_t h, int64_t hkv, int64_t dh, Stream stream) {
+  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(op, b, t, h, hkv, dh));
   const Buffers buffers = {{"dq", dq}, {"dk", dk}, {"dv", dv},   {"dout", dout}, {"q", q},
                            {"k", k},   {"v", v},   {"out", out}, {"lse", lse}};
   if (rows == 0) return CheckDevicePointers(buffers);
-  FP8RT_RETURN_IF_ERROR(CheckBuffers(kOp, buffers));
+  FP8RT_RETURN_IF_ERROR(CheckBuffers(op, buffers));
+  const float scale = AttentionScale(dh);
+  if (bf16) {
+    FP8RT_ASSIGN_OR_RETURN(const bool fused, FlashAttentionFits(dh));
+    if (fused) {
+      return LaunchFlashBackward(dq, dk, dv, dout, q, k, v, out, lse, b, t, h, hkv, dh, scale,
+                                 stream);
+    }
+  }
   FP8RT_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSmCount());
   const cudaStream_t s = ToCuda(stream);
-  const float scale = AttentionScale(dh);
   FP8RT_RETURN_IF_ERROR(Launch(AttentionDqKernel, dim3(WarpPerRowGrid(rows, sms)), s, dq, dout, q,
                                k, v, out, lse, rows, t, h, hkv, dh, scale));
   // Split each kv head's keys into enough ranges for about four blocks per SM, at most
@@ -459,35 +474,36 @@ absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float*
                 key_range, t, h, hkv, dh, scale);
 }
 
+}  // namespace
+
+absl::Status AttentionForwardCuda(float* out, float* lse, const float* q, const float* k,
+                                  const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                  int64_t dh, Stream stream) {
+  return AttentionForwardOf("attention_forward", false, out, lse, q, k, v, b, t, h, hkv, dh,
+                            stream);
+}
+
+absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float* dout,
+                                   const float* q, const float* k, const float* v, const float* out,
+                                   const float* lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                                   int64_t dh, Stream stream) {
+  return AttentionBackwardOf("attention_backward", false, dq, dk, dv, dout, q, k, v, out, lse, b,
+                             t, h, hkv, dh, stream);
+}
+
 absl::Status AttentionForwardBf16Cuda(float* out, float* lse, const float* q, const float* k,
                                       const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                       int64_t dh, Stream stream) {
-  constexpr const char* kOp = "attention_forward_bf16";
-  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, hkv, dh));
-  const Buffers buffers = {{"out", out}, {"lse", lse}, {"q", q}, {"k", k}, {"v", v}};
-  if (rows == 0) return CheckDevicePointers(buffers);
-  FP8RT_RETURN_IF_ERROR(CheckBuffers(kOp, buffers));
-  FP8RT_ASSIGN_OR_RETURN(const bool fused, FlashAttentionFits(dh));
-  if (!fused) return AttentionForwardCuda(out, lse, q, k, v, b, t, h, hkv, dh, stream);
-  return LaunchFlashForward(out, lse, q, k, v, b, t, h, hkv, dh, AttentionScale(dh), stream);
+  return AttentionForwardOf("attention_forward_bf16", true, out, lse, q, k, v, b, t, h, hkv, dh,
+                            stream);
 }
 
 absl::Status AttentionBackwardBf16Cuda(float* dq, float* dk, float* dv, const float* dout,
                                        const float* q, const float* k, const float* v,
                                        const float* out, const float* lse, int64_t b, int64_t t,
                                        int64_t h, int64_t hkv, int64_t dh, Stream stream) {
-  constexpr const char* kOp = "attention_backward_bf16";
-  FP8RT_ASSIGN_OR_RETURN(const int64_t rows, AttentionRows(kOp, b, t, h, hkv, dh));
-  const Buffers buffers = {{"dq", dq}, {"dk", dk}, {"dv", dv},   {"dout", dout}, {"q", q},
-                           {"k", k},   {"v", v},   {"out", out}, {"lse", lse}};
-  if (rows == 0) return CheckDevicePointers(buffers);
-  FP8RT_RETURN_IF_ERROR(CheckBuffers(kOp, buffers));
-  FP8RT_ASSIGN_OR_RETURN(const bool fused, FlashAttentionFits(dh));
-  if (!fused) {
-    return AttentionBackwardCuda(dq, dk, dv, dout, q, k, v, out, lse, b, t, h, hkv, dh, stream);
-  }
-  return LaunchFlashBackward(dq, dk, dv, dout, q, k, v, out, lse, b, t, h, hkv, dh,
-                             AttentionScale(dh), stream);
+  return AttentionBackwardOf("attention_backward_bf16", true, dq, dk, dv, dout, q, k, v, out, lse,
+                             b, t, h, hkv, dh, stream);
 }
 
 absl::Status CrossEntropyForwardCuda(float* probs, float* losses, const float* logits,

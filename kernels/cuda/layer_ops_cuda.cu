@@ -40,7 +40,8 @@
 //   allocate / deallocate    cudaMallocManaged / cudaFree (the table's memory, DeviceArray)
 //   allocate_device          cudaMalloc (DeviceArray's device-only arrays); allocate_host
 //                            cudaHostAlloc, mapped (host-read arrays); zero_bytes
-//                            cudaMemsetAsync; deallocate cudaFree or cudaFreeHost
+//                            cudaMemsetAsync; prefetch cudaMemPrefetchAsync; deallocate
+//                            cudaFree or cudaFreeHost
 //
 // Buffers: every pointer is device memory, checked before anything is launched (a null pointer
 // is refused when the op has work). Nothing is allocated but by allocate, except sum_squares'
@@ -997,51 +998,42 @@ absl::Status SynchronizeEntry(Stream stream) {
   return absl::OkStatus();
 }
 
-// Managed memory on the current device (at least one byte, so that 0 bytes gives a valid
-// pointer). A failed allocation is not a sticky error, but it stays as the thread's last error;
-// it is cleared here so that the next launch's cudaGetLastError does not report it.
+// An allocation's result: p registered (BackendAllocations) and returned, or ResourceExhausted
+// naming the size and the kind of memory. A failed allocation is not a sticky error, but it stays
+// as the thread's last error; it is cleared here so that the next launch's cudaGetLastError does
+// not report it. Every allocation is at least one byte, so that 0 bytes gives a valid pointer.
+absl::StatusOr<void*> Registered(cudaError_t err, void* p, size_t bytes, const char* kind) {
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return absl::ResourceExhaustedError(absl::StrCat("allocating ", bytes, " bytes of ", kind,
+                                                     ": ", cudaGetErrorName(err), " (",
+                                                     cudaGetErrorString(err), ")"));
+  }
+  BackendAllocations().Add(p, std::max<size_t>(bytes, 1));
+  return p;
+}
+
+// Managed memory on the current device.
 absl::StatusOr<void*> AllocateEntry(size_t bytes) {
   void* p = nullptr;
   const cudaError_t err = cudaMallocManaged(&p, std::max<size_t>(bytes, 1));
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("allocating ", bytes, " bytes of CUDA managed memory: ", cudaGetErrorName(err),
-                     " (", cudaGetErrorString(err), ")"));
-  }
-  BackendAllocations().Add(p, std::max<size_t>(bytes, 1));
-  return p;
+  return Registered(err, p, bytes, "CUDA managed memory");
 }
 
-// Device memory (cudaMalloc on the current device; at least one byte), registered like
-// AllocateEntry's. The host never touches it: no managed pages migrate on first touch.
+// Device memory (cudaMalloc on the current device). The host never touches it: no managed pages
+// migrate on first touch.
 absl::StatusOr<void*> AllocateDeviceEntry(size_t bytes) {
   void* p = nullptr;
   const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("allocating ", bytes, " bytes of CUDA device memory: ", cudaGetErrorName(err),
-                     " (", cudaGetErrorString(err), ")"));
-  }
-  BackendAllocations().Add(p, std::max<size_t>(bytes, 1));
-  return p;
+  return Registered(err, p, bytes, "CUDA device memory");
 }
 
-// Pinned, mapped host memory (at least one byte); with unified addressing its device pointer is
-// the host pointer, which is registered like the others.
+// Pinned, mapped host memory; with unified addressing its device pointer is the host pointer.
 absl::StatusOr<void*> AllocateHostEntry(size_t bytes) {
   void* p = nullptr;
   const cudaError_t err =
       cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocMapped | cudaHostAllocPortable);
-  if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("allocating ", bytes, " bytes of pinned host memory: ", cudaGetErrorName(err),
-                     " (", cudaGetErrorString(err), ")"));
-  }
-  BackendAllocations().Add(p, std::max<size_t>(bytes, 1));
-  return p;
+  return Registered(err, p, bytes, "pinned host memory");
 }
 
 absl::Status ZeroBytesEntry(void* p, size_t bytes, Stream stream) {
@@ -1049,6 +1041,17 @@ absl::Status ZeroBytesEntry(void* p, size_t bytes, Stream stream) {
   if (p == nullptr) return absl::InvalidArgumentError("zero_bytes: p is null");
   FP8RT_RETURN_IF_ERROR(CheckDevicePointers({{"p", p}}));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p, 0, bytes, ToCuda(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status PrefetchEntry(const void* p, size_t bytes, Stream stream) {
+  if (bytes == 0 || p == nullptr) return absl::OkStatus();
+  int device = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  cudaMemLocation location{};
+  location.type = cudaMemLocationTypeDevice;
+  location.id = device;
+  CUDA_RETURN_IF_ERROR(cudaMemPrefetchAsync(p, bytes, location, 0, ToCuda(stream)));
   return absl::OkStatus();
 }
 
@@ -1268,6 +1271,7 @@ const LayerOps kLayerOps = {
     .allocate_device = &AllocateDeviceEntry,
     .allocate_host = &AllocateHostEntry,
     .zero_bytes = &ZeroBytesEntry,
+    .prefetch = &PrefetchEntry,
 };
 
 }  // namespace fp8rt::kernels::cuda_internal

@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/ops.h"
+#include "launcher/bench/bench_kernels.h"
 #include "runtime/core/checks.h"
 #include "runtime/core/status.h"
 
@@ -427,15 +428,7 @@ absl::StatusOr<nlohmann::ordered_json> CudaGemmBench(const CudaGemmBenchOptions&
 }
 
 absl::StatusOr<nlohmann::ordered_json> CudaAttentionBench(const CudaAttentionBenchOptions& o) {
-  for (auto [name, value] :
-       {std::pair{"--batch", o.batch}, std::pair{"--seq", o.seq}, std::pair{"--heads", o.heads},
-        std::pair{"--kv-heads", o.kv_heads}, std::pair{"--head-dim", o.head_dim}}) {
-    if (value < 1) return absl::InvalidArgumentError(absl::StrCat(name, " must be >= 1"));
-  }
-  if (o.heads % o.kv_heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv-heads ", o.kv_heads, " does not divide --heads ", o.heads));
-  }
+  FP8RT_RETURN_IF_ERROR(CheckAttentionShape(o.batch, o.seq, o.heads, o.kv_heads, o.head_dim));
   Gpu gpu;
   FP8RT_RETURN_IF_ERROR(OpenGpu(gpu));
   const int64_t b = o.batch, t = o.seq, h = o.heads, hkv = o.kv_heads, dh = o.head_dim;

@@ -16,6 +16,7 @@
 #include "launcher/bench/bench_util.h"
 #include "oneapi/dnnl/dnnl.hpp"
 #include "runtime/core/aligned_buffer.h"
+#include "runtime/core/status.h"
 
 namespace fp8rt::bench {
 namespace {
@@ -333,16 +334,21 @@ struct MaterialisedAttention {
 
 }  // namespace
 
-absl::StatusOr<nlohmann::ordered_json> AttentionBench(const AttentionBenchOptions& o) {
+absl::Status CheckAttentionShape(int batch, int seq, int heads, int kv_heads, int head_dim) {
   for (auto [name, value] :
-       {std::pair{"--batch", o.batch}, std::pair{"--seq", o.seq}, std::pair{"--heads", o.heads},
-        std::pair{"--kv-heads", o.kv_heads}, std::pair{"--head-dim", o.head_dim}}) {
+       {std::pair{"--batch", batch}, std::pair{"--seq", seq}, std::pair{"--heads", heads},
+        std::pair{"--kv-heads", kv_heads}, std::pair{"--head-dim", head_dim}}) {
     if (value < 1) return absl::InvalidArgumentError(absl::StrCat(name, " must be >= 1"));
   }
-  if (o.heads % o.kv_heads != 0) {
+  if (heads % kv_heads != 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--kv-heads ", o.kv_heads, " does not divide --heads ", o.heads));
+        absl::StrCat("--kv-heads ", kv_heads, " does not divide --heads ", heads));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<nlohmann::ordered_json> AttentionBench(const AttentionBenchOptions& o) {
+  FP8RT_RETURN_IF_ERROR(CheckAttentionShape(o.batch, o.seq, o.heads, o.kv_heads, o.head_dim));
   const int64_t b = o.batch, t = o.seq, h = o.heads, hkv = o.kv_heads, dh = o.head_dim;
   const int64_t size = b * t * h * dh, kv_size = b * t * hkv * dh;
   std::vector<float> q(size), k(kv_size), v(kv_size), dout(size), out(size), lse(b * h * t),

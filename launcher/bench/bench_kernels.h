@@ -41,6 +41,9 @@ struct AttentionBenchOptions {
 // gradient GEMMs, each GEMM an OpenBLAS sgemm, heads spread over the OpenMP team. Reports the
 // time ratio and the bytes each keeps from the forward to the backward.
 absl::StatusOr<nlohmann::ordered_json> AttentionBench(const AttentionBenchOptions& options);
+// InvalidArgument naming the flag unless every size is >= 1 and --kv-heads divides --heads (the
+// CPU and CUDA attention benchmarks' shapes).
+absl::Status CheckAttentionShape(int batch, int seq, int heads, int kv_heads, int head_dim);
 
 }  // namespace fp8rt::bench
 

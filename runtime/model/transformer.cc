@@ -976,6 +976,15 @@ absl::Status Transformer::BeginStep() {
   return absl::OkStatus();
 }
 
+absl::Status Transformer::PrefetchShards() {
+  for (const Param& p : params_) {
+    for (const kernels::DeviceArray<float>* a : {&p.master, &p.grad, &p.m, &p.v}) {
+      FP8RT_RETURN_IF_ERROR(ops_.layer->prefetch(a->data(), a->size() * sizeof(float), {}));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Transformer::LoadTokens(std::span<const int32_t> tokens, int64_t micro_batch) {
   const int64_t T = shape_.seq_len;
   if (static_cast<int64_t>(tokens.size()) != micro_batch * (T + 1)) {

@@ -312,6 +312,10 @@ class Transformer {
   // FP8 weight's shard once for the step (recording its weight-site statistics). Must precede
   // ForwardBackward, whose first pass writes the gradient shards (later passes add to them).
   absl::Status BeginStep();
+  // Moves every parameter's shard arrays (master, grad, Adam's m and v: memory the host writes at
+  // start-up and at a resume and reads at a checkpoint) to where the ops run, in bulk, instead of
+  // page fault by page fault in the next step (LayerOps::prefetch; nothing on the CPU).
+  absl::Status PrefetchShards();
 
   // One micro-batch: `tokens` holds micro_batch rows of seq_len + 1 token ids (inputs and
   // next-token targets). Runs forward and backward unit by unit (gathering and freeing weights,

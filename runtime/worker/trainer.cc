@@ -122,6 +122,7 @@ absl::Status Trainer::OpenData() {
 absl::Status Trainer::PrepareRunDir() {
   FP8RT_RETURN_IF_ERROR(PrepareRunFolder(mesh_->world(), options_.run_dir, options_.resume));
   if (options_.resume) FP8RT_RETURN_IF_ERROR(Restore());
+  FP8RT_RETURN_IF_ERROR(model_->PrefetchShards());  // written by the host: initial or restored
   FP8RT_ASSIGN_OR_RETURN(records_, RunRecords::Open(options_.run_dir, mesh_->layout().rank,
                                                     spec_.metrics().per_rank_fp8_stats(),
                                                     spec_.metrics().every(), step_));
@@ -340,6 +341,7 @@ absl::Status Trainer::Run() {
     if ((ckpt_every > 0 && (step_ % ckpt_every == 0 || step_ == steps)) || save_requested_ ||
         stop_requested_) {
       FP8RT_RETURN_IF_ERROR(SaveCheckpoint());
+      FP8RT_RETURN_IF_ERROR(model_->PrefetchShards());  // the save read them on the host
       save_requested_ = false;
     }
     if (stop_requested_) {

@@ -1394,6 +1394,11 @@ TEST_F(AllocateTest, GivesMemoryTheOpsAcceptAndTheHostReadsAfterSynchronize) {
     ASSERT_TRUE(p.ok()) << p.status();
     ASSERT_NE(*p, nullptr) << count;
     auto* x = static_cast<float*>(*p);
+    // Written by the host, moved to the device ahead of the op: the values survive the move.
+    for (size_t i = 0; i < count; ++i) x[i] = static_cast<float>(i);
+    ExpectOk(gpu_->prefetch(x, count * sizeof(float), stream()));
+    Sync();
+    for (size_t i = 0; i < count; ++i) ASSERT_EQ(x[i], static_cast<float>(i)) << i;
     ExpectOk(gpu_->fill(x, 3.5f, static_cast<int64_t>(count), stream()));  // passes the check
     Sync();
     int64_t bad = 0;
@@ -1530,6 +1535,7 @@ TEST(NoDeviceArgumentTest, EveryEntryIsSet) {
       reinterpret_cast<const void*>(t.allocate_device),
       reinterpret_cast<const void*>(t.allocate_host),
       reinterpret_cast<const void*>(t.zero_bytes),
+      reinterpret_cast<const void*>(t.prefetch),
   };
   static_assert(sizeof(LayerOps) == sizeof(entries), "a LayerOps entry is missing here");
   for (size_t i = 0; i < std::size(entries); ++i) EXPECT_NE(entries[i], nullptr) << "entry " << i;

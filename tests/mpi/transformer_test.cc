@@ -435,6 +435,35 @@ TEST_P(BeginStepWaitTest, OneWaitForEveryShardsStatistics) {
   }
 }
 
+// PrefetchShards hands the backend every parameter's master, gradient and Adam shards, whole
+// (the arrays the host writes at start-up and at a resume and reads at a checkpoint).
+std::vector<std::pair<const void*, size_t>> prefetched;
+absl::Status CountedPrefetch(const void* p, size_t bytes, kernels::Stream s) {
+  prefetched.emplace_back(p, bytes);
+  return kernels::CpuOps().layer->prefetch(p, bytes, s);
+}
+
+TEST(PrefetchShardsTest, EveryShardArrayWhole) {
+  kernels::LayerOps layer = *kernels::CpuOps().layer;
+  layer.prefetch = &CountedPrefetch;
+  kernels::OpTable ops = kernels::CpuOps();
+  ops.layer = &layer;
+  auto mesh = parallel::Mesh::Create({.dp = Factory().World().size(), .tp = 1, .ep = 1}, Factory());
+  ASSERT_TRUE(mesh.ok()) << mesh.status();
+  auto model = Transformer::Create(Shape(2, 64, 128, 8), ModelRecipe{}, /*seed=*/7, **mesh, ops);
+  ASSERT_TRUE(model.ok()) << model.status();
+  prefetched.clear();
+  ASSERT_TRUE((*model)->PrefetchShards().ok());
+  std::vector<std::pair<const void*, size_t>> want;
+  for (const Param& p : (*model)->params()) {
+    for (const kernels::DeviceArray<float>* a : {&p.master, &p.grad, &p.m, &p.v}) {
+      ASSERT_EQ(a->size(), static_cast<size_t>(p.shard_count)) << p.name;
+      want.emplace_back(a->data(), a->size() * sizeof(float));
+    }
+  }
+  EXPECT_EQ(prefetched, want);
+}
+
 INSTANTIATE_TEST_SUITE_P(Strategies, BeginStepWaitTest,
                          ::testing::Values(train::ScalingStrategy::kDelayed,
                                            train::ScalingStrategy::kCurrent,
