@@ -5,8 +5,9 @@
 //   QuantizeTest (TEST_P)      format x granularity x shape x input type, each over four data
 //                              distributions and three scale options; codes, scales, every
 //                              QuantStats field and the dequantized values compared bit for bit
-//   QuantizeAlignmentTest      unaligned buffers (the scalar path of the vectorised kernels) and
-//                              a large tensor (grid-stride loops, many blocks' atomics)
+//   QuantizeAlignmentTest      unaligned buffers (the scalar path of the vectorised kernels), a
+//                              large tensor (grid-stride loops, many blocks' atomics), statistics
+//                              into pinned host memory, a scale from a device amax
 //   AmaxTest, ConvertTest      bit for bit, random bit patterns and specials
 //   CastTransposeTest (TEST_P) format x input type x shape x data, bit for bit
 //   EncoderTest                the device encoder equals NVIDIA's hardware conversion on all 2^32
@@ -420,6 +421,40 @@ TEST_F(QuantizeAlignmentTest, LargeTensorUsesManyBlocks) {
     ExpectBitsEqual(gpu.scale_inv, cpu.scale_inv, "scale_inv");
     ExpectSameStats(gpu.stats, cpu.stats, "large");
   }
+}
+
+// Statistics into pinned, mapped host memory (LayerOps::allocate_host): the quantize kernels
+// combine their blocks' statistics with device atomics, which the CUDA guide calls atomic for the
+// device but not for the host. Whether they give the CPU's statistics across this machine's host
+// link decides if QuantStats may move to Placement::kHostRead (they are managed memory until a
+// GPU run shows it); hundreds of blocks meet in the atomics here.
+TEST_F(QuantizeAlignmentTest, StatsInPinnedHostMemoryMatchTheCpuBackend) {
+  const int64_t rows = 2048, cols = 4096;
+  const std::vector<float> x = MakeData(Dist::kSpecials, rows * cols, 7);
+  const DeviceBuffer input = Upload(x);
+  absl::StatusOr<void*> pinned = cuda_ops_->layer->allocate_host(sizeof(QuantStats));
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  auto* stats = static_cast<QuantStats*>(*pinned);
+  for (Granularity g : {Granularity::kTensor, Granularity::kTile1x128}) {
+    QuantizeArgs a;
+    a.granularity = g;
+    a.rows = rows;
+    a.cols = cols;
+    const QuantizeResult cpu = RunCpu(a, x.data());
+    const ScaleGrid grid = GetScaleGrid(g, rows, cols);
+    DeviceBuffer codes(static_cast<size_t>(rows * cols)),
+        scale_inv(static_cast<size_t>(grid.size()) * 4);
+    a.input = input.as();
+    a.codes = codes.as<uint8_t>();
+    a.scale_inv = scale_inv.as<float>();
+    a.stats = stats;
+    for (int rerun = 0; rerun < 3; ++rerun) {
+      ASSERT_TRUE(gpu_->quantize(a, stream()).ok());
+      Sync();
+      ExpectSameStats(*stats, cpu.stats, absl::StrCat("pinned, rerun ", rerun));
+    }
+  }
+  cuda_ops_->layer->deallocate(*pinned);
 }
 
 TEST_F(QuantizeAlignmentTest, EmptyInputWritesUnitScalesAndZeroStats) {
