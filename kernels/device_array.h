@@ -127,7 +127,8 @@ class DeviceArray {
       FP8RT_CHECK(std::memcmp(&value, &zero, sizeof(T)) == 0)
           << "assign of a non-zero value to a device-only " << MemCategoryName(category_)
           << " array (the host cannot write it)";
-      const absl::Status st = ops_->layer->zero_bytes(data_, static_cast<size_t>(bytes()), Stream{});
+      const absl::Status st =
+          ops_->layer->zero_bytes(data_, static_cast<size_t>(bytes()), Stream{});
       FP8RT_CHECK(st.ok()) << "clearing a device-only " << MemCategoryName(category_)
                            << " array: " << st;
       return;
@@ -154,9 +155,10 @@ class DeviceArray {
     FP8RT_CHECK(count <= std::numeric_limits<size_t>::max() / sizeof(T))
         << "DeviceArray of " << count << " elements of " << sizeof(T) << " bytes overflows";
     const size_t want = std::max<size_t>(count, 1) * sizeof(T);
-    absl::StatusOr<void*> p = placement_ == Placement::kDeviceOnly ? ops_->layer->allocate_device(want)
-                              : placement_ == Placement::kHostRead ? ops_->layer->allocate_host(want)
-                                                                   : ops_->layer->allocate(want);
+    absl::StatusOr<void*> p =
+        placement_ == Placement::kDeviceOnly ? ops_->layer->allocate_device(want)
+        : placement_ == Placement::kHostRead ? ops_->layer->allocate_host(want)
+                                             : ops_->layer->allocate(want);
     FP8RT_CHECK(p.ok()) << "DeviceArray of " << count << " elements on the " << ops_->name
                         << " backend: " << p.status();
     data_ = static_cast<T*>(*p);

@@ -287,9 +287,8 @@ struct LayerOps {
                                          int64_t hkv, int64_t dh, Stream stream);
   absl::Status (*attention_backward_bf16)(float* dq, float* dk, float* dv, const float* dout,
                                           const float* q, const float* k, const float* v,
-                                          const float* out, const float* lse, int64_t b,
-                                          int64_t t, int64_t h, int64_t hkv, int64_t dh,
-                                          Stream stream);
+                                          const float* out, const float* lse, int64_t b, int64_t t,
+                                          int64_t h, int64_t hkv, int64_t dh, Stream stream);
   absl::Status (*gelu_forward)(float* out, const float* x, int64_t n, Stream stream);
   absl::Status (*gelu_backward)(float* dx, const float* dout, const float* x, int64_t n,
                                 Stream stream);

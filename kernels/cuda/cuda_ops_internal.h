@@ -55,10 +55,10 @@ absl::StatusOr<bool> FlashAttentionFits(int64_t dh);
 absl::Status LaunchFlashForward(float* out, float* lse, const float* q, const float* k,
                                 const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                 int64_t dh, float scale, Stream stream);
-absl::Status LaunchFlashBackward(float* dq, float* dk, float* dv, const float* dout,
-                                 const float* q, const float* k, const float* v, const float* out,
-                                 const float* lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
-                                 int64_t dh, float scale, Stream stream);
+absl::Status LaunchFlashBackward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                                 const float* k, const float* v, const float* out, const float* lse,
+                                 int64_t b, int64_t t, int64_t h, int64_t hkv, int64_t dh,
+                                 float scale, Stream stream);
 absl::Status CrossEntropyForwardCuda(float* probs, float* losses, const float* logits,
                                      const int32_t* targets, int64_t n, int64_t v, Stream stream);
 absl::Status CrossEntropyBackwardCuda(float* dlogits, const float* probs, const int32_t* targets,

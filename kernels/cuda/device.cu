@@ -156,11 +156,12 @@ absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads) {
 }
 
 absl::Status AllowDynamicSharedMemory(const void* kernel, int bytes) {
-  return OncePerKernel(kernel, bytes, [&]() -> absl::StatusOr<int> {
-           CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-               kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-           return bytes;
-         })
+  return OncePerKernel(kernel, bytes,
+                       [&]() -> absl::StatusOr<int> {
+                         CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+                             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+                         return bytes;
+                       })
       .status();
 }
 

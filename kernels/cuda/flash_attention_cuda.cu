@@ -177,8 +177,8 @@ __device__ __forceinline__ void RowsTimesRowsT(float* c, const Bf16* a, int lda,
 
 // C [16, dhp] (floats, row stride ldc) += A B for this warp: A [16, kTile] at a (row stride
 // kLdP), B [kTile, dhp] at b (row stride ldb).
-__device__ __forceinline__ void AccumulateRowsTimes(float* c, int ldc, const Bf16* a,
-                                                    const Bf16* b, int ldb, int dhp) {
+__device__ __forceinline__ void AccumulateRowsTimes(float* c, int ldc, const Bf16* a, const Bf16* b,
+                                                    int ldb, int dhp) {
   for (int n = 0; n < dhp; n += 16) {
     FragC acc;
     wmma::load_matrix_sync(acc, c + n, ldc, wmma::mem_row_major);
@@ -196,9 +196,8 @@ __device__ __forceinline__ void AccumulateRowsTimes(float* c, int ldc, const Bf1
 // lse and D_i = dout_i . out_i (FP32, one warp per row) of the query tile starting at row i0 of
 // head view hv, into sm.lse and sm.row_term (0 for rows >= t).
 __device__ __forceinline__ void LoadRowStats(const BackwardSmem& sm, const float* dout,
-                                             const float* out, const float* lse,
-                                             const HeadView& hv, int64_t i0, int64_t t,
-                                             int64_t dh) {
+                                             const float* out, const float* lse, const HeadView& hv,
+                                             int64_t i0, int64_t t, int64_t dh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int r = warp; r < kTile; r += kWarps) {
     const int64_t i = i0 + r;
@@ -284,7 +283,7 @@ __global__ void __launch_bounds__(kThreads)
         sum = WarpAllSum(sum);
         // The running sum and output were relative to the old maximum (no rescaling while the
         // maximum stays; none from -inf, where both are still 0).
-        const float alpha = m_new == m_old        ? 1.0f
+        const float alpha = m_new == m_old       ? 1.0f
                             : m_old == -INFINITY ? 0.0f
                                                  : expf(__fsub_rn(m_old, m_new));
         const float l_old = sm.l[r];
@@ -360,8 +359,7 @@ __global__ void __launch_bounds__(kThreads)
         sm.ds[r * kLdP + c] = __float2bfloat16_rn(ds);
       }
       __syncwarp();
-      AccumulateRowsTimes(sm.acc0 + r0 * st.ldo, st.ldo, sm.ds + r0 * kLdP, sm.k, st.ldh,
-                          st.dhp);
+      AccumulateRowsTimes(sm.acc0 + r0 * st.ldo, st.ldo, sm.ds + r0 * kLdP, sm.k, st.ldh, st.dhp);
       __syncwarp();
     }
     AddRowsInto(dq + hv.offset, hv.stride, sm.acc0, st.ldo, r0, i0, t, dh);
@@ -369,11 +367,11 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    FlashDkDvKernel(float* __restrict__ dk, float* __restrict__ dv,
-                    const float* __restrict__ dout, const float* __restrict__ q,
-                    const float* __restrict__ k, const float* __restrict__ v,
-                    const float* __restrict__ out, const float* __restrict__ lse, int64_t b,
-                    int64_t t, int64_t h, int64_t hkv, int64_t dh, float scale) {
+    FlashDkDvKernel(float* __restrict__ dk, float* __restrict__ dv, const float* __restrict__ dout,
+                    const float* __restrict__ q, const float* __restrict__ k,
+                    const float* __restrict__ v, const float* __restrict__ out,
+                    const float* __restrict__ lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
+                    int64_t dh, float scale) {
   extern __shared__ __align__(128) unsigned char smem[];
   const Strides st = StridesOf(dh);
   Carver carver{smem};
@@ -398,7 +396,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t hh = g * group; hh < (g + 1) * group; ++hh) {
       const HeadView hv = ViewOf(bb * h + hh, t, h, dh);
       for (int64_t i0 = j0; i0 < t; i0 += kTile) {  // causal: queries i >= the tile's first key
-        __syncthreads();  // the previous query tile is no longer read
+        __syncthreads();                            // the previous query tile is no longer read
         LoadTile(sm.q, st.ldh, q + hv.offset, hv.stride, i0, t, dh, st.dhp);
         LoadTile(sm.dout, st.ldh, dout + hv.offset, hv.stride, i0, t, dh, st.dhp);
         LoadRowStats(sm, dout, out, lse, hv, i0, t, dh);
@@ -421,8 +419,7 @@ __global__ void __launch_bounds__(kThreads)
         __syncwarp();
         AccumulateRowsTimes(dv_acc + r0 * st.ldo, st.ldo, sm.p + r0 * kLdP, sm.dout, st.ldh,
                             st.dhp);
-        AccumulateRowsTimes(dk_acc + r0 * st.ldo, st.ldo, sm.ds + r0 * kLdP, sm.q, st.ldh,
-                            st.dhp);
+        AccumulateRowsTimes(dk_acc + r0 * st.ldo, st.ldo, sm.ds + r0 * kLdP, sm.q, st.ldh, st.dhp);
         __syncwarp();
       }
     }
@@ -455,8 +452,8 @@ absl::StatusOr<bool> FlashAttentionFits(int64_t dh) {
   if (capability < 80) return false;  // BF16 WMMA needs sm_80
   FP8RT_ASSIGN_OR_RETURN(const int optin, CurrentDeviceSharedMemoryOptin());
   const Strides st = StridesOf(dh);
-  const size_t most = std::max({ForwardSmemBytes(st), BackwardSmemBytes(st, false),
-                                BackwardSmemBytes(st, true)});
+  const size_t most =
+      std::max({ForwardSmemBytes(st), BackwardSmemBytes(st, false), BackwardSmemBytes(st, true)});
   return most <= static_cast<size_t>(optin);
 }
 
@@ -468,17 +465,17 @@ absl::Status LaunchFlashForward(float* out, float* lse, const float* q, const fl
                      ToCuda(stream), out, lse, q, k, v, b, t, h, hkv, dh, scale);
 }
 
-absl::Status LaunchFlashBackward(float* dq, float* dk, float* dv, const float* dout,
-                                 const float* q, const float* k, const float* v, const float* out,
-                                 const float* lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
-                                 int64_t dh, float scale, Stream stream) {
+absl::Status LaunchFlashBackward(float* dq, float* dk, float* dv, const float* dout, const float* q,
+                                 const float* k, const float* v, const float* out, const float* lse,
+                                 int64_t b, int64_t t, int64_t h, int64_t hkv, int64_t dh,
+                                 float scale, Stream stream) {
   const int64_t tiles = (t + kTile - 1) / kTile;
   const Strides st = StridesOf(dh);
   const cudaStream_t s = ToCuda(stream);
   FP8RT_RETURN_IF_ERROR(LaunchFused(FlashDqKernel, b * h * tiles, BackwardSmemBytes(st, false), s,
                                     dq, dout, q, k, v, out, lse, b, t, h, hkv, dh, scale));
-  return LaunchFused(FlashDkDvKernel, b * hkv * tiles, BackwardSmemBytes(st, true), s, dk, dv,
-                     dout, q, k, v, out, lse, b, t, h, hkv, dh, scale);
+  return LaunchFused(FlashDkDvKernel, b * hkv * tiles, BackwardSmemBytes(st, true), s, dk, dv, dout,
+                     q, k, v, out, lse, b, t, h, hkv, dh, scale);
 }
 
 }  // namespace fp8rt::kernels::cuda_internal

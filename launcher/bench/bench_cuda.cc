@@ -462,8 +462,7 @@ absl::StatusOr<nlohmann::ordered_json> CudaAttentionBench(const CudaAttentionBen
                stream);
   };
   const std::vector<Case> cases = {
-      {"fp32_warp_kernels",
-       [&] { return pass(L.attention_forward, L.attention_backward, out32); }},
+      {"fp32_warp_kernels", [&] { return pass(L.attention_forward, L.attention_backward, out32); }},
       {"fused_bf16_tensor_cores",
        [&] { return pass(L.attention_forward_bf16, L.attention_backward_bf16, out16); }},
   };
@@ -479,8 +478,8 @@ absl::StatusOr<nlohmann::ordered_json> CudaAttentionBench(const CudaAttentionBen
   const Timing& slow = tm["fp32_warp_kernels"];
   const Timing& fast = tm["fused_bf16_tensor_cores"];
   // Causal: about half of the T^2 scores; forward 2 products, backward 5 (of 2 flops each).
-  const double flops = 3.5 * 2.0 * static_cast<double>(b * h) * static_cast<double>(t * t) *
-                       static_cast<double>(dh);
+  const double flops =
+      3.5 * 2.0 * static_cast<double>(b * h) * static_cast<double>(t * t) * static_cast<double>(dh);
   nlohmann::ordered_json j;
   j["benchmark"] = "attention";
   j["device"] = "cuda";

@@ -250,10 +250,11 @@ inline BackwardWant ExactBackward(const AttnData& x, const std::vector<float>& o
           const internal::Dot dp = internal::DotOf(doi, &x.v[x.KvAt(bb, j, hh, 0)], s.dh);
           const double diff = dp.value - dd.value;
           ds[j] = p[j] * diff * x.scale;
-          ds_bound[j] = x.scale * (p_bound[j] * std::fabs(diff) +
-                                   p[j] * (s.dh * su * (dp.abs + dd.abs) + ob * dp.abs +
-                                           kU * std::fabs(diff))) +
-                        2.0 * kU * std::fabs(ds[j]);
+          ds_bound[j] =
+              x.scale *
+                  (p_bound[j] * std::fabs(diff) +
+                   p[j] * (s.dh * su * (dp.abs + dd.abs) + ob * dp.abs + kU * std::fabs(diff))) +
+              2.0 * kU * std::fabs(ds[j]);
         }
         for (int64_t d = 0; d < s.dh; ++d) {
           const size_t qd = x.At(bb, i, hh, d);
@@ -280,8 +281,8 @@ inline BackwardWant ExactBackward(const AttnData& x, const std::vector<float>& o
         for (int64_t d = 0; d < s.dh; ++d) {
           const size_t e = x.At(bb, i, hh, d);
           // dq_mag holds |dq0| too; only the products' terms carry operand rounding.
-          w.dq_bound[e] = dq_prop[e] + (i + 1 + 2.0) * su * dq_mag[e] +
-                          ob * (dq_mag[e] - std::fabs(x.dq0[e]));
+          w.dq_bound[e] =
+              dq_prop[e] + (i + 1 + 2.0) * su * dq_mag[e] + ob * (dq_mag[e] - std::fabs(x.dq0[e]));
         }
       }
     }
@@ -294,10 +295,10 @@ inline BackwardWant ExactBackward(const AttnData& x, const std::vector<float>& o
         const double terms = static_cast<double>(x.group * (s.t - j));
         for (int64_t d = 0; d < s.dh; ++d) {
           const size_t e = x.KvAt(bb, j, g * x.group, d);
-          w.dk_bound[e] = dk_prop[e] + (terms + 2.0) * su * dk_mag[e] +
-                          ob * (dk_mag[e] - std::fabs(x.dk0[e]));
-          w.dv_bound[e] = dv_prop[e] + (terms + 2.0) * su * dv_mag[e] +
-                          ob * (dv_mag[e] - std::fabs(x.dv0[e]));
+          w.dk_bound[e] =
+              dk_prop[e] + (terms + 2.0) * su * dk_mag[e] + ob * (dk_mag[e] - std::fabs(x.dk0[e]));
+          w.dv_bound[e] =
+              dv_prop[e] + (terms + 2.0) * su * dv_mag[e] + ob * (dv_mag[e] - std::fabs(x.dv0[e]));
         }
       }
     }

@@ -110,9 +110,8 @@ std::string Failures(const AttnData& x, const Emulated& e, Precision prec) {
   const ForwardWant f = ExactForward(x, prec);
   const BackwardWant b = ExactBackward(x, e.out, e.lse, prec);
   return OutOfBounds("out", e.out, f.out, f.out_bound) +
-         OutOfBounds("lse", e.lse, f.lse, f.lse_bound) +
-         OutOfBounds("dq", e.dq, b.dq, b.dq_bound) + OutOfBounds("dk", e.dk, b.dk, b.dk_bound) +
-         OutOfBounds("dv", e.dv, b.dv, b.dv_bound);
+         OutOfBounds("lse", e.lse, f.lse, f.lse_bound) + OutOfBounds("dq", e.dq, b.dq, b.dq_bound) +
+         OutOfBounds("dk", e.dk, b.dk, b.dk_bound) + OutOfBounds("dv", e.dv, b.dv, b.dv_bound);
 }
 
 const AttnShape kShapes[] = {
