@@ -35,8 +35,8 @@
 #include <iostream>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
