@@ -688,20 +688,29 @@ TEST_F(ControlPlaneTest, AStoppedOrRestartedControllerNeverHoldsTheSteps) {
   const int64_t resumed_at = steps_written();
   controller_->Signal(SIGCONT);
 
-  auto median_step_time = [](const std::vector<Json>& all, int64_t begin, int64_t end) {
+  auto step_times = [](const std::vector<Json>& all, int64_t begin, int64_t end) {
     std::vector<double> t;
     for (int64_t i = begin; i < end; ++i) t.push_back(all[i]["step_time_s"].get<double>());
     std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
+    return t;
   };
   {
+    // Not a timing check (the machine may be busy with other work): a step that waited on the
+    // stopped controller would wait out the worker's call deadline (ControllerOptions::timeout),
+    // so the slowest step while it is stopped must stay well under that. The medians are
+    // printed for the log only.
     const std::vector<Json> all = complete_lines();
     ASSERT_GE(resumed_at - stopped_at, 10) << "steps while the controller was stopped";
-    const double before = median_step_time(all, 5, stopped_at);
-    const double during = median_step_time(all, stopped_at, resumed_at);
-    std::printf("median step time: %.4f s before, %.4f s while stopped (%lld steps), ratio %.3f\n",
-                before, during, static_cast<long long>(resumed_at - stopped_at), during / before);
-    EXPECT_LE(during, 1.10 * before);
+    const std::vector<double> before = step_times(all, 5, stopped_at);
+    const std::vector<double> during = step_times(all, stopped_at, resumed_at);
+    constexpr double deadline_s = 10.0;  // runtime/worker/controller_client.h, the worker's own
+    std::printf(
+        "median step time: %.4f s before, %.4f s while stopped (%lld steps, slowest %.4f s, "
+        "call deadline %.1f s), ratio %.3f\n",
+        before[before.size() / 2], during[during.size() / 2],
+        static_cast<long long>(resumed_at - stopped_at), during.back(), deadline_s,
+        during[during.size() / 2] / before[before.size() / 2]);
+    EXPECT_LT(during.back(), deadline_s / 2) << "a step waited on the stopped controller";
   }
   // After SIGCONT the controller shows the newest step: the queued reports arrive in order.
   v1::Run run;
