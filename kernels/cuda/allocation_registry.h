@@ -2,7 +2,9 @@
 // (LayerOps::allocate, that is every DeviceArray), so that the ops' pointer check
 // (CheckDevicePointers, kernels/cuda/device.cu) answers from a map lookup for the model's own
 // buffers instead of asking the runtime (cudaPointerGetAttributes) for every pointer of every op.
-// A pointer anywhere inside a registered range is known: ops take offsets into arrays.
+// A pointer anywhere inside a registered range is known: ops take offsets into arrays. Each
+// allocation also records its kind, so that a free knows cudaFreeHost from cudaFree without
+// asking the runtime.
 // Header-only and CUDA-free, so that tests/gpu/device_math_host_test.cc checks it on any machine.
 // Thread-safe: ranks may allocate on one thread while ops check on another.
 #pragma once
@@ -18,17 +20,26 @@ namespace fp8rt::kernels::cuda_internal {
 
 class AllocationRegistry {
  public:
+  // What an allocation is, for its free: device or managed memory (cudaFree), pinned host memory
+  // (cudaFreeHost); kUnknown is what Remove says of a pointer never added.
+  enum class Kind : uint8_t { kUnknown, kDevice, kPinnedHost };
+
   // [p, p + bytes) was allocated; bytes 0 counts as 1 (allocate hands out at least one byte).
-  void Add(const void* p, size_t bytes) {
+  void Add(const void* p, size_t bytes, Kind kind = Kind::kDevice) {
     if (p == nullptr) return;
     const uintptr_t b = reinterpret_cast<uintptr_t>(p);
     std::unique_lock lock(mu_);
-    ranges_[b] = b + (bytes == 0 ? 1 : bytes);
+    ranges_[b] = Range{b + (bytes == 0 ? 1 : bytes), kind};
   }
-  // The allocation that starts at p was freed (an unknown p is ignored).
-  void Remove(const void* p) {
+  // The allocation that starts at p was freed: its kind, or kUnknown (and nothing changes) for a
+  // p never added.
+  Kind Remove(const void* p) {
     std::unique_lock lock(mu_);
-    ranges_.erase(reinterpret_cast<uintptr_t>(p));
+    const auto it = ranges_.find(reinterpret_cast<uintptr_t>(p));
+    if (it == ranges_.end()) return Kind::kUnknown;
+    const Kind kind = it->second.kind;
+    ranges_.erase(it);
+    return kind;
   }
   // Whether p lies inside a registered allocation.
   bool Contains(const void* p) const {
@@ -37,7 +48,7 @@ class AllocationRegistry {
     auto it = ranges_.upper_bound(a);  // the first range starting after a
     if (it == ranges_.begin()) return false;
     --it;
-    return a >= it->first && a < it->second;
+    return a >= it->first && a < it->second.end;
   }
   size_t size() const {
     std::shared_lock lock(mu_);
@@ -46,7 +57,11 @@ class AllocationRegistry {
 
  private:
   mutable std::shared_mutex mu_;
-  std::map<uintptr_t, uintptr_t> ranges_;  // begin -> end; Guarded by mu_
+  struct Range {
+    uintptr_t end;
+    Kind kind;
+  };
+  std::map<uintptr_t, Range> ranges_;  // begin -> (end, kind); Guarded by mu_
 };
 
 }  // namespace fp8rt::kernels::cuda_internal

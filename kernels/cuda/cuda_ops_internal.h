@@ -72,6 +72,13 @@ absl::StatusOr<int> CurrentDeviceSmCount();
 absl::StatusOr<int> CurrentDeviceComputeCapability();
 // Bytes of shared memory one block may opt in to on the current device (cached per device).
 absl::StatusOr<int> CurrentDeviceSharedMemoryOptin();
+// All three of the above in one lookup, for a caller that needs more than one per call.
+struct DeviceFacts {
+  int sm_count = 0;
+  int compute_capability = 0;  // major * 10 + minor
+  int shared_optin = 0;        // bytes of shared memory one block may opt in to
+};
+absl::StatusOr<DeviceFacts> CurrentDeviceFacts();
 // InvalidArgument naming the field unless every non-null pointer is memory the device can
 // address (cudaMalloc, managed, or mapped pinned host memory). A plain host pointer handed to a
 // kernel would fault and poison the whole CUDA context; this turns it into an error value.
@@ -84,7 +91,9 @@ AllocationRegistry& BackendAllocations();
 // of the current device, asked of the runtime once per (kernel, threads, device) and remembered.
 absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads);
 // Lets `kernel` launch with `bytes` of dynamic shared memory (over the default 48 KiB) on the
-// current device: cudaFuncSetAttribute once per (kernel, bytes, device), remembered.
+// current device: the kernel's limit is only ever raised (cudaFuncSetAttribute when `bytes` is
+// more than any earlier call asked for on that device), so launches of any sizes, in any order
+// and from any thread, each run under a limit at least their own.
 absl::Status AllowDynamicSharedMemory(const void* kernel, int bytes);
 
 // Launch configuration helper: enough blocks of `threads` for `work` items, at most `per_sm`

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -32,14 +33,6 @@ int DeviceCount(std::string* why) {
   return count;
 }
 
-namespace {
-
-struct DeviceFacts {
-  int sm_count = 0;
-  int compute_capability = 0;
-  int shared_optin = 0;  // bytes of shared memory one block may opt in to
-};
-
 absl::StatusOr<DeviceFacts> CurrentDeviceFacts() {
   static std::mutex mu;
   static auto* facts = new std::unordered_map<int, DeviceFacts>();  // Guarded by mu
@@ -59,8 +52,6 @@ absl::StatusOr<DeviceFacts> CurrentDeviceFacts() {
   (*facts)[device] = f;
   return f;
 }
-
-}  // namespace
 
 absl::StatusOr<int> CurrentDeviceSmCount() {
   absl::StatusOr<DeviceFacts> f = CurrentDeviceFacts();
@@ -155,14 +146,23 @@ absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads) {
   });
 }
 
+// The attribute holds one value per kernel and device, and each set replaces it, a smaller value
+// included: remembering every (kernel, bytes) once would let a later launch of more bytes skip the
+// set after a smaller one lowered the limit (and a thread lower it under another's launch). So it
+// is only ever raised, to the most any launch has asked for, under the lock; a launch of fewer
+// bytes runs under the higher limit.
 absl::Status AllowDynamicSharedMemory(const void* kernel, int bytes) {
-  return OncePerKernel(kernel, bytes,
-                       [&]() -> absl::StatusOr<int> {
-                         CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-                             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-                         return bytes;
-                       })
-      .status();
+  static std::mutex mu;
+  static auto* highest = new std::map<std::pair<const void*, int>, int>();  // Guarded by mu
+  int device = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  int& have = (*highest)[{kernel, device}];
+  if (bytes <= have) return absl::OkStatus();
+  CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  have = bytes;
+  return absl::OkStatus();
 }
 
 int64_t GridFor(int64_t work, int threads, int sm_count, int per_sm) {

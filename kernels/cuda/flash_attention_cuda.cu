@@ -448,13 +448,12 @@ absl::Status LaunchFused(Kernel kernel, int64_t items, size_t bytes, cudaStream_
 
 absl::StatusOr<bool> FlashAttentionFits(int64_t dh) {
   if (dh <= 0 || dh > kFlashMaxDh) return false;
-  FP8RT_ASSIGN_OR_RETURN(const int capability, CurrentDeviceComputeCapability());
-  if (capability < 80) return false;  // BF16 WMMA needs sm_80
-  FP8RT_ASSIGN_OR_RETURN(const int optin, CurrentDeviceSharedMemoryOptin());
+  FP8RT_ASSIGN_OR_RETURN(const DeviceFacts facts, CurrentDeviceFacts());  // one cached lookup
+  if (facts.compute_capability < 80) return false;                        // BF16 WMMA needs sm_80
   const Strides st = StridesOf(dh);
   const size_t most =
       std::max({ForwardSmemBytes(st), BackwardSmemBytes(st, false), BackwardSmemBytes(st, true)});
-  return most <= static_cast<size_t>(optin);
+  return most <= static_cast<size_t>(facts.shared_optin);
 }
 
 absl::Status LaunchFlashForward(float* out, float* lse, const float* q, const float* k,

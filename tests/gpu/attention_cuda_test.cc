@@ -72,6 +72,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_ops_internal.h"
 #include "kernels/layer_ops.h"
 #include "kernels/ops.h"
 #include "tests/gpu/gpu_test_support.h"
@@ -404,9 +405,17 @@ TEST_P(AttentionBf16Test, ForwardWithinBf16BoundsAndReruns) {
   EXPECT_TRUE(SameBits(Download<float>(d.out, x.size), g_out)) << "out differs between runs";
   EXPECT_TRUE(SameBits(Download<float>(d.lse, x.lse_size), g_lse)) << "lse differs between runs";
 
-  // Where the fused kernels run, the operands really were BF16: the output is not the FP32
-  // kernels' (with Dh = 1 and T = 1 it can be: a single key gives p = 1 exactly).
-  if (x.s.dh <= 128 && x.s.t > 1) {
+  // Where the fused kernels run (FlashAttentionFits: Dh <= 128 on the H200; a device with less
+  // shared memory fuses fewer head sizes), the operands really were BF16: the output is not the
+  // FP32 kernels' (with Dh = 1 and T = 1 it can be: a single key gives p = 1 exactly).
+  const absl::StatusOr<bool> fused = cuda_internal::FlashAttentionFits(x.s.dh);
+  ASSERT_TRUE(fused.ok()) << fused.status();
+  const absl::StatusOr<cuda_internal::DeviceFacts> facts = cuda_internal::CurrentDeviceFacts();
+  ASSERT_TRUE(facts.ok()) << facts.status();
+  if (facts->compute_capability >= 90 && x.s.dh <= 128) {
+    EXPECT_TRUE(*fused) << "sm_90 (227 KiB of shared memory per block) fuses head sizes to 128";
+  }
+  if (*fused && x.s.t > 1) {
     ASSERT_TRUE(d.Forward(*gpu_, stream(), /*bf16=*/false).ok());
     Sync();
     EXPECT_FALSE(SameBits(Download<float>(d.out, x.size), g_out))
@@ -437,6 +446,26 @@ TEST_P(AttentionBf16Test, BackwardAccumulatesWithinBf16BoundsAndReruns) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionBf16Test, ::testing::ValuesIn(kBf16Shapes),
                          [](const auto& info) { return ShapeName(info.param); });
+
+// Head sizes in an order that lowers and raises the fused kernels' shared memory: each size's
+// launch needs its own dynamic shared memory, and the kernels' limit (one attribute per kernel,
+// replaced by every set) must never be left below what a later launch asks for. The results stay
+// within the BF16 bounds whatever ran before.
+TEST_F(CudaLayerTest, Bf16HeadSizesInAnyOrderLaunchAndStayWithinBounds) {
+  for (const int64_t dh : {64, 24, 8, 64, 128, 16, 128, 1, 100, 64}) {
+    SCOPED_TRACE(::testing::Message() << "Dh " << dh);
+    const AttnData x(AttnShape{1, 70, 2, 2, dh}, 6000 + static_cast<uint32_t>(dh));
+    const ForwardWant want = ExactForward(x, Precision::Bf16TensorCores());
+    const AttnBuffers d(x);
+    ASSERT_TRUE(d.Forward(*gpu_, stream(), /*bf16=*/true).ok());
+    d.PutGrads(x.dq0, x.dk0, x.dv0);
+    ASSERT_TRUE(d.Backward(*gpu_, stream(), /*bf16=*/true).ok());
+    Sync();
+    const std::string err = attention_check::OutOfBounds("out", Download<float>(d.out, x.size),
+                                                         want.out, want.out_bound);
+    EXPECT_TRUE(err.empty()) << err;
+  }
+}
 
 // The BF16 entries check their arguments as the FP32 ones do, naming themselves.
 TEST_F(CudaLayerTest, Bf16EntriesRefuseBadArgumentsNamingThemselves) {

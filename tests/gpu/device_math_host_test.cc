@@ -202,14 +202,15 @@ TEST(DeviceMathTest, ComputeScaleOfAnyValueEqualsTheHost) {
 }
 
 // The CUDA backend's own allocations answer the pointer check without a runtime call
-// (kernels/cuda/device.cu CheckDevicePointers): any address inside one, none outside.
+// (kernels/cuda/device.cu CheckDevicePointers): any address inside one, none outside; and the
+// free of each (DeallocateEntry) learns its kind without one.
 TEST(AllocationRegistryTest, KnowsEveryAddressInsideItsAllocationsAndNoOther) {
   cuda_internal::AllocationRegistry r;
   alignas(64) static char arena[4096];
   char* a = arena + 64;
   char* b = arena + 1024;
   r.Add(a, 100);
-  r.Add(b, 0);  // allocate hands out one byte for zero
+  r.Add(b, 0, cuda_internal::AllocationRegistry::Kind::kPinnedHost);  // one byte for zero
   EXPECT_EQ(r.size(), 2u);
   EXPECT_TRUE(r.Contains(a));
   EXPECT_TRUE(r.Contains(a + 99));
@@ -218,13 +219,18 @@ TEST(AllocationRegistryTest, KnowsEveryAddressInsideItsAllocationsAndNoOther) {
   EXPECT_TRUE(r.Contains(b));
   EXPECT_FALSE(r.Contains(b + 1));
   EXPECT_FALSE(r.Contains(arena));
-  r.Remove(a);
+  EXPECT_EQ(r.Remove(a), cuda_internal::AllocationRegistry::Kind::kDevice);
   EXPECT_FALSE(r.Contains(a + 10));
   EXPECT_TRUE(r.Contains(b));
-  r.Remove(arena + 7);  // never added: ignored
+  EXPECT_EQ(r.Remove(a), cuda_internal::AllocationRegistry::Kind::kUnknown);  // already freed
+  // never added: ignored
+  EXPECT_EQ(r.Remove(arena + 7), cuda_internal::AllocationRegistry::Kind::kUnknown);
   EXPECT_EQ(r.size(), 1u);
   r.Add(nullptr, 10);
   EXPECT_FALSE(r.Contains(nullptr));
+  // Each free learns how to free: pinned host memory (cudaFreeHost) from device memory.
+  EXPECT_EQ(r.Remove(b), cuda_internal::AllocationRegistry::Kind::kPinnedHost);
+  EXPECT_EQ(r.size(), 0u);
 }
 
 // A device without concurrent managed access is refused when it is selected, naming it.
