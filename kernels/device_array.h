@@ -18,6 +18,8 @@
 // default stream. kHostRead arrays come from LayerOps::allocate_host (CUDA pinned, mapped host
 // memory) for the small results the host reads every step, written by entries with plain stores
 // (a loss per row, a sum of squares per shard); the host accesses them as kHostVisible ones.
+// Results written with device atomics or by a collective go through kernels/host_mirror.h
+// instead: a device-only array the entries write and a host-read copy made by an explicit copy.
 //
 // Allocation failures abort with the size and backend named (FP8RT_CHECK): the model sizes its
 // arrays once, at start-up or when the micro-batch changes, and cannot continue without them.
@@ -139,7 +141,7 @@ class DeviceArray {
   void resize(size_t count) {
     if (count == size_) return;
     HostData();  // copies on the host
-    DeviceArray next(*ops_, category_);
+    DeviceArray next(*ops_, category_, placement_);
     next.resize_uninitialized(count);
     const size_t kept = std::min(size_, count);
     if (kept > 0) std::memcpy(next.data_, data_, kept * sizeof(T));

@@ -420,6 +420,13 @@ struct LayerOps {
   // or read, e.g. initial weights or a checkpoint, would otherwise come back page fault by page
   // fault); CPU, nothing.
   absl::Status (*prefetch)(const void* p, size_t bytes, Stream stream);
+  // dst[0, bytes) = src[0, bytes), enqueued on `stream` after the work already queued there
+  // (CUDA cudaMemcpyAsync; CPU memcpy at once), between any two of the backend's memories: how a
+  // small result written on the device (with atomics, or by a collective) reaches a host-read
+  // array (kernels/host_mirror.h), and how the host gets rows of a device-only array. The ranges
+  // must not overlap. InvalidArgument naming dst or src when one is null (bytes > 0) or, on CUDA,
+  // not memory the device can address.
+  absl::Status (*copy_bytes)(void* dst, const void* src, size_t bytes, Stream stream);
 };
 
 }  // namespace fp8rt::kernels

@@ -239,7 +239,7 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
   q.cols = cols;
   q.margin = options.margin;
   q.codes = my_codes;
-  q.stats = weight.stats_out.data();
+  q.stats = weight.stats_out.device();
 
   // Tensor scaling: every rank must quantize with the same scale, agreed before quantizing.
   // Block scaling: each 128x128 block lies inside one shard, so its scale is local.
@@ -267,17 +267,21 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
       a.input_type = kernels::InputType::kF32;
       a.input = shard;
       a.count = shard_elems;
-      a.amax = weight.amax_out.data();
+      a.amax = weight.amax_out.device();
       FP8RT_RETURN_IF_ERROR(ops.amax(a, kernels::Stream{}));
       FP8RT_RETURN_IF_ERROR(
-          group.AllReduce(weight.amax_out.data(), 1, DType::kI32, ReduceOp::kMax));
-      q.scale_amax = weight.amax_out.data();
+          group.AllReduce(weight.amax_out.device(), 1, DType::kI32, ReduceOp::kMax));
+      q.scale_amax = weight.amax_out.device();
     } else {
       q.has_scale = true;
       q.scale = options.scale;
     }
   }
   FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
+  FP8RT_RETURN_IF_ERROR(weight.stats_out.Download(kernels::Stream{}));
+  if (options.scaling == WeightScaling::kTensorCurrent) {
+    FP8RT_RETURN_IF_ERROR(weight.amax_out.Download(kernels::Stream{}));
+  }
 
   if (absl::Status s = group.AllGather(my_codes, shard_elems, weight.codes.data(), DType::kU8);
       !s.ok()) {
@@ -346,8 +350,9 @@ absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, i
   q.margin = margin;
   q.codes = out->codes.data();
   q.scale_inv = out->scale_inv.data();
-  q.stats = out->stats_out.data();
+  q.stats = out->stats_out.device();
   FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
+  FP8RT_RETURN_IF_ERROR(out->stats_out.Download(kernels::Stream{}));
   if (!wait) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(Synchronize(ops));
   ReadShardStats(out);
@@ -450,10 +455,10 @@ absl::Status QuantizeMx32Shard(const kernels::OpTable& ops, const float* shard, 
   out->scale_inv.clear();
   out->stats_out.Reset(ops, 1);
   kernels::DeviceArray<std::byte> own(ops, kernels::MemCategory::kScratch);
-  FP8RT_RETURN_IF_ERROR(QuantizeMx32Both(ops, shard, rows, cols, format, out->codes.data(),
-                                         out->e8m0.data(), out->col_codes.data(),
-                                         out->col_e8m0.data(), out->stats_out.data(),
-                                         scratch != nullptr ? scratch : &own));
+  FP8RT_RETURN_IF_ERROR(QuantizeMx32Both(
+      ops, shard, rows, cols, format, out->codes.data(), out->e8m0.data(), out->col_codes.data(),
+      out->col_e8m0.data(), out->stats_out.device(), scratch != nullptr ? scratch : &own));
+  FP8RT_RETURN_IF_ERROR(out->stats_out.Download(kernels::Stream{}));
   if (!wait) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(Synchronize(ops));
   ReadShardStats(out);
@@ -683,8 +688,9 @@ absl::Status AllToAllFp8TokensInto(Communicator& group, const kernels::OpTable& 
     q.cols = hidden;
     q.codes = scratch->send_codes.data();
     q.scale_inv = scratch->send_scale_inv.data();
-    q.stats = scratch->send_stats.data();
+    q.stats = scratch->send_stats.device();
     FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
+    FP8RT_RETURN_IF_ERROR(scratch->send_stats.Download(kernels::Stream{}, 1));
   }
 
   out->codes.Grow(ops, static_cast<size_t>(out->tokens * hidden));

@@ -41,6 +41,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/device_array.h"
+#include "kernels/host_mirror.h"
 #include "kernels/ops.h"
 #include "parallel/communicator.h"
 
@@ -91,10 +92,11 @@ struct Fp8Weight {
   kernels::QuantStats shard_stats;          // statistics of this rank's shard
   float amax = 0.0f;  // kTensorCurrent: the synced amax; otherwise this shard's amax
 
-  // Where the ops of a gather write the shard's statistics and amax before the host reads them:
-  // kept with the weight so that a gather every step allocates nothing.
-  kernels::DeviceArray<kernels::QuantStats> stats_out;
-  kernels::DeviceArray<float> amax_out;
+  // Where the ops of a gather write the shard's statistics and amax (device memory), and their
+  // copies for the host (kernels::HostMirror): kept with the weight so that a gather every step
+  // allocates nothing.
+  kernels::HostMirror<kernels::QuantStats> stats_out;
+  kernels::HostMirror<float> amax_out;
 };
 
 // Sizes `weight`'s codes and scale_inv to `code_count` and `scale_count` elements of `ops`'s
@@ -135,8 +137,11 @@ struct Fp8Shard {
   kernels::DeviceArray<uint8_t> codes;    // rows x cols
   kernels::DeviceArray<float> scale_inv;  // 1 value (tensor) or the shard's 128x128 grid
   kernels::DeviceArray<uint8_t> e8m0, col_codes, col_e8m0;  // mx32 (see Fp8Weight)
-  kernels::QuantStats stats;                                // of the quantization (host copy)
-  kernels::DeviceArray<kernels::QuantStats> stats_out;      // where the op writes them
+  kernels::QuantStats stats;  // of the quantization (host copy, ReadShardStats)
+  // Where the op writes them (device()) and their copy for the host, queued by whoever queued the
+  // op (QuantizeFp8Shard and QuantizeMx32Shard themselves; the owner of an optimizer update that
+  // wrote the shard, before its wait).
+  kernels::HostMirror<kernels::QuantStats> stats_out;
 };
 
 // Quantizes `rows` x `cols` FP32 `shard` into `out` with tensor scale `scale` (block false) or
@@ -147,7 +152,8 @@ struct Fp8Shard {
 absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
                               int64_t cols, kernels::Fp8Format format, bool block, float scale,
                               int margin, Fp8Shard* out, bool wait = true);
-// out->stats = what the quantization wrote (after the backend has been synchronised).
+// out->stats = what the quantization wrote (its copy for the host, after the backend has been
+// synchronised).
 void ReadShardStats(Fp8Shard* out);
 
 // MXFP8 of the transpose: `rows` x `cols` FP32 `src` transposed into `t32` (backend memory of
@@ -238,7 +244,7 @@ struct Fp8Tokens {
 struct TokenScratch {
   kernels::DeviceArray<uint8_t> send_codes;
   kernels::DeviceArray<float> send_scale_inv;
-  kernels::DeviceArray<kernels::QuantStats> send_stats;  // written by the quantize op
+  kernels::HostMirror<kernels::QuantStats> send_stats;  // written by the quantize op
   kernels::DeviceArray<uint16_t> send_bf16, recv_bf16;
 };
 

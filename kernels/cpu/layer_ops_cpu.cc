@@ -943,6 +943,14 @@ void DeallocateEntry(void* p) { std::free(p); }
 
 absl::Status PrefetchEntry(const void*, size_t, Stream) { return absl::OkStatus(); }
 
+absl::Status CopyBytesEntry(void* dst, const void* src, size_t bytes, Stream) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst == nullptr) return absl::InvalidArgumentError("copy_bytes: dst is null");
+  if (src == nullptr) return absl::InvalidArgumentError("copy_bytes: src is null");
+  std::memcpy(dst, src, bytes);
+  return absl::OkStatus();
+}
+
 absl::Status ZeroBytesEntry(void* p, size_t bytes, Stream) {
   if (bytes == 0) return absl::OkStatus();
   if (p == nullptr) return absl::InvalidArgumentError("zero_bytes: p is null");
@@ -996,6 +1004,7 @@ const LayerOps kLayerOps = {
     .allocate_host = &AllocateEntry,
     .zero_bytes = &ZeroBytesEntry,
     .prefetch = &PrefetchEntry,
+    .copy_bytes = &CopyBytesEntry,
 };
 
 }  // namespace cpu_internal

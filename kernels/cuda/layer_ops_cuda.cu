@@ -40,8 +40,8 @@
 //   allocate / deallocate    cudaMallocManaged / cudaFree (the table's memory, DeviceArray)
 //   allocate_device          cudaMalloc (DeviceArray's device-only arrays); allocate_host
 //                            cudaHostAlloc, mapped (host-read arrays); zero_bytes
-//                            cudaMemsetAsync; prefetch cudaMemPrefetchAsync; deallocate
-//                            cudaFree or cudaFreeHost
+//                            cudaMemsetAsync; prefetch cudaMemPrefetchAsync; copy_bytes
+//                            cudaMemcpyAsync; deallocate cudaFree or cudaFreeHost
 //
 // Buffers: every pointer is device memory, checked before anything is launched (a null pointer
 // is refused when the op has work). Nothing is allocated but by allocate, except sum_squares'
@@ -1002,14 +1002,15 @@ absl::Status SynchronizeEntry(Stream stream) {
 // naming the size and the kind of memory. A failed allocation is not a sticky error, but it stays
 // as the thread's last error; it is cleared here so that the next launch's cudaGetLastError does
 // not report it. Every allocation is at least one byte, so that 0 bytes gives a valid pointer.
-absl::StatusOr<void*> Registered(cudaError_t err, void* p, size_t bytes, const char* kind) {
+absl::StatusOr<void*> Registered(cudaError_t err, void* p, size_t bytes, const char* kind,
+                                 AllocationRegistry::Kind registry_kind) {
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
     return absl::ResourceExhaustedError(absl::StrCat("allocating ", bytes, " bytes of ", kind,
                                                      ": ", cudaGetErrorName(err), " (",
                                                      cudaGetErrorString(err), ")"));
   }
-  BackendAllocations().Add(p, std::max<size_t>(bytes, 1));
+  BackendAllocations().Add(p, std::max<size_t>(bytes, 1), registry_kind);
   return p;
 }
 
@@ -1017,7 +1018,7 @@ absl::StatusOr<void*> Registered(cudaError_t err, void* p, size_t bytes, const c
 absl::StatusOr<void*> AllocateEntry(size_t bytes) {
   void* p = nullptr;
   const cudaError_t err = cudaMallocManaged(&p, std::max<size_t>(bytes, 1));
-  return Registered(err, p, bytes, "CUDA managed memory");
+  return Registered(err, p, bytes, "CUDA managed memory", AllocationRegistry::Kind::kDevice);
 }
 
 // Device memory (cudaMalloc on the current device). The host never touches it: no managed pages
@@ -1025,7 +1026,7 @@ absl::StatusOr<void*> AllocateEntry(size_t bytes) {
 absl::StatusOr<void*> AllocateDeviceEntry(size_t bytes) {
   void* p = nullptr;
   const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
-  return Registered(err, p, bytes, "CUDA device memory");
+  return Registered(err, p, bytes, "CUDA device memory", AllocationRegistry::Kind::kDevice);
 }
 
 // Pinned, mapped host memory; with unified addressing its device pointer is the host pointer.
@@ -1033,7 +1034,7 @@ absl::StatusOr<void*> AllocateHostEntry(size_t bytes) {
   void* p = nullptr;
   const cudaError_t err =
       cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocMapped | cudaHostAllocPortable);
-  return Registered(err, p, bytes, "pinned host memory");
+  return Registered(err, p, bytes, "pinned host memory", AllocationRegistry::Kind::kPinnedHost);
 }
 
 absl::Status ZeroBytesEntry(void* p, size_t bytes, Stream stream) {
@@ -1041,6 +1042,16 @@ absl::Status ZeroBytesEntry(void* p, size_t bytes, Stream stream) {
   if (p == nullptr) return absl::InvalidArgumentError("zero_bytes: p is null");
   FP8RT_RETURN_IF_ERROR(CheckDevicePointers({{"p", p}}));
   CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p, 0, bytes, ToCuda(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CopyBytesEntry(void* dst, const void* src, size_t bytes, Stream stream) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst == nullptr) return absl::InvalidArgumentError("copy_bytes: dst is null");
+  if (src == nullptr) return absl::InvalidArgumentError("copy_bytes: src is null");
+  FP8RT_RETURN_IF_ERROR(CheckDevicePointers({{"copy_bytes: dst", dst}, {"copy_bytes: src", src}}));
+  // cudaMemcpyDefault: unified addressing tells device, managed and pinned memory apart.
+  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, ToCuda(stream)));
   return absl::OkStatus();
 }
 
@@ -1057,13 +1068,16 @@ absl::Status PrefetchEntry(const void* p, size_t bytes, Stream stream) {
 
 // cudaFree waits for the device; an error (a pointer allocate did not give) has nowhere to go
 // from a void entry and is cleared rather than left for the next launch to report.
-// Pinned host memory (allocate_host) goes back with cudaFreeHost, the rest with cudaFree.
+// Pinned host memory (allocate_host) goes back with cudaFreeHost, the rest with cudaFree: the
+// registry says which; only a pointer it does not know costs a runtime query.
 void DeallocateEntry(void* p) {
   if (p == nullptr) return;
-  BackendAllocations().Remove(p);
-  cudaPointerAttributes attr{};
-  const bool pinned =
-      cudaPointerGetAttributes(&attr, p) == cudaSuccess && attr.type == cudaMemoryTypeHost;
+  const AllocationRegistry::Kind kind = BackendAllocations().Remove(p);
+  bool pinned = kind == AllocationRegistry::Kind::kPinnedHost;
+  if (kind == AllocationRegistry::Kind::kUnknown) {
+    cudaPointerAttributes attr{};
+    pinned = cudaPointerGetAttributes(&attr, p) == cudaSuccess && attr.type == cudaMemoryTypeHost;
+  }
   if ((pinned ? cudaFreeHost(p) : cudaFree(p)) != cudaSuccess) (void)cudaGetLastError();
 }
 
@@ -1272,6 +1286,7 @@ const LayerOps kLayerOps = {
     .allocate_host = &AllocateHostEntry,
     .zero_bytes = &ZeroBytesEntry,
     .prefetch = &PrefetchEntry,
+    .copy_bytes = &CopyBytesEntry,
 };
 
 }  // namespace fp8rt::kernels::cuda_internal

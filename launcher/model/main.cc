@@ -182,8 +182,9 @@ int Generate(const Source& src, const std::string& prompt, int64_t count, double
     if (absl::StatusOr<float> loss = m.Evaluate(window, 1); !loss.ok()) {
       return Fail("generate", loss.status());
     }
-    const std::span<const float> logits = m.logits().subspan((len - 1) * static_cast<size_t>(V),
-                                                             static_cast<size_t>(V));
+    absl::StatusOr<std::vector<float>> row = m.CopyLogits(static_cast<int64_t>(len) - 1, 1);
+    if (!row.ok()) return Fail("generate", row.status());
+    const std::vector<float>& logits = *row;
     // Byte tokens only (a text model's ids past 255 never occur in its data).
     const int64_t vb = std::min<int64_t>(V, 256);
     std::vector<int32_t> order(static_cast<size_t>(vb));

@@ -55,7 +55,8 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
   const kernels::OpTable& ops = *ctx.ops;
   if (pending.pending) FP8RT_RETURN_IF_ERROR(FlushStats());  // the site's previous quantization
   codes->Reset(ops, static_cast<size_t>(rows * cols));
-  // The statistics are written by the op in the backend's memory; FlushStats records them.
+  // The statistics are written by the op in device memory and copied for the host (HostMirror);
+  // FlushStats records them.
   pending.stats.Reset(ops, 1);
   pending.config = cfg;
   kernels::QuantizeArgs q;
@@ -66,7 +67,7 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
   q.margin = cfg.margin;
   q.power_of_two_scales = cfg.power_of_two;
   q.codes = codes->data();
-  q.stats = pending.stats.data();
+  q.stats = pending.stats.device();
   if (cfg.strategy == train::ScalingStrategy::kMx32) {
     q.granularity = kernels::Granularity::kMx32;
     e8m0->Reset(ops, static_cast<size_t>(kernels::GetScaleGrid(q.granularity, rows, cols).size()));
@@ -94,13 +95,13 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
       kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
                           .input = src,
                           .count = rows * cols,
-                          .amax = pending.amax.data()};
+                          .amax = pending.amax.device()};
       FP8RT_RETURN_IF_ERROR(ops.amax(a, {}));
       if (ctx.tp != nullptr && ctx.tp->size() > 1) {
-        FP8RT_RETURN_IF_ERROR(ctx.tp->AllReduce(pending.amax.data(), 1, parallel::DType::kI32,
+        FP8RT_RETURN_IF_ERROR(ctx.tp->AllReduce(pending.amax.device(), 1, parallel::DType::kI32,
                                                 parallel::ReduceOp::kMax));
       }
-      q.scale_amax = pending.amax.data();
+      q.scale_amax = pending.amax.device();
     } else {
       q.has_scale = true;
       q.scale = state.scale();
@@ -108,6 +109,9 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
     }
   }
   FP8RT_RETURN_IF_ERROR(ops.quantize(q, {}));
+  // Their copies for the host, queued behind the quantization; FlushStats waits and reads them.
+  FP8RT_RETURN_IF_ERROR(pending.stats.Download({}));
+  if (pending.from_synced_amax) FP8RT_RETURN_IF_ERROR(pending.amax.Download({}));
   pending.pending = true;
   return absl::OkStatus();
 }

@@ -41,6 +41,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/device_array.h"
+#include "kernels/host_mirror.h"
 #include "kernels/ops.h"
 #include "parallel/communicator.h"
 #include "parallel/fp8_collectives.h"
@@ -111,7 +112,8 @@ class Scratch {
   };
   explicit Scratch(const kernels::OpTable& ops) : ops_(ops) {
     for (auto& b : buffers_)
-      b = kernels::DeviceArray<std::byte>(ops, kernels::MemCategory::kScratch);
+      b = kernels::DeviceArray<std::byte>(ops, kernels::MemCategory::kScratch,
+                                          kernels::Placement::kDeviceOnly);
   }
   // `count` elements of T in `slot`, of unspecified value (the allocation is 64-byte aligned).
   // Growing a slot (to 5/4 of the request) first waits for the backend, whose error it returns.
@@ -227,14 +229,14 @@ class Linear {
 
   // The statistics of a site's last quantization, not yet recorded into the site.
   struct PendingStats {
-    kernels::DeviceArray<kernels::QuantStats> stats;  // backend memory, written by the op
+    kernels::HostMirror<kernels::QuantStats> stats;   // written by the op, copied for the host
     train::ScalingConfig config;                      // the site's config when it quantized
     float scale = 1.0f;                               // tensor scaling: the scale it quantized with
     bool from_amax = false;  // block scaling: the site's scale is ComputeScale(stats.amax)
     // Current scaling: the scale is ComputeScale(amax[0]), the amax the op quantized with (this
     // tensor's, max-reduced over TP on the device), read by the host only in Flush.
     bool from_synced_amax = false;
-    kernels::DeviceArray<float> amax;
+    kernels::HostMirror<float> amax;
     bool pending = false;
   };
   static void Flush(QuantSite& site, PendingStats& p);
@@ -274,14 +276,23 @@ class Linear {
   // Saved by Forward for Backward.
   const float* x_ = nullptr;
   int64_t n_ = 0;
-  kernels::DeviceArray<uint8_t> x_codes_;  // FP8: x quantized (tensor scaling: reused transposed)
-  kernels::DeviceArray<float> x_scale_inv_;
-  kernels::DeviceArray<uint8_t> x_e8m0_;              // mx32: x's block scales
-  kernels::DeviceArray<uint8_t> xt_codes_, xt_e8m0_;  // mx32: x^T along the tokens, for dW
+  // Device-only memory (kernels/device_array.h): only the backend's entries touch these.
+  template <typename T>
+  using DeviceOnly = kernels::DeviceArray<T>;
+  static constexpr kernels::Placement kDevice = kernels::Placement::kDeviceOnly;
+  static constexpr kernels::MemCategory kSaved = kernels::MemCategory::kSavedActivations;
+  static constexpr kernels::MemCategory kTemp = kernels::MemCategory::kScratch;
+  // FP8: x quantized (tensor scaling: reused transposed)
+  DeviceOnly<uint8_t> x_codes_{kernels::CpuOps(), kSaved, kDevice};
+  DeviceOnly<float> x_scale_inv_{kernels::CpuOps(), kSaved, kDevice};
+  DeviceOnly<uint8_t> x_e8m0_{kernels::CpuOps(), kSaved, kDevice};  // mx32: x's block scales
+  // mx32: x^T along the tokens, for dW
+  DeviceOnly<uint8_t> xt_codes_{kernels::CpuOps(), kSaved, kDevice},
+      xt_e8m0_{kernels::CpuOps(), kSaved, kDevice};
   // Backward temporaries kept to avoid reallocation.
-  kernels::DeviceArray<uint8_t> dy_codes_;
-  kernels::DeviceArray<float> dy_scale_inv_;
-  kernels::DeviceArray<uint8_t> dy_e8m0_;
+  DeviceOnly<uint8_t> dy_codes_{kernels::CpuOps(), kTemp, kDevice};
+  DeviceOnly<float> dy_scale_inv_{kernels::CpuOps(), kTemp, kDevice};
+  DeviceOnly<uint8_t> dy_e8m0_{kernels::CpuOps(), kTemp, kDevice};
   PendingStats input_pending_, grad_pending_;
 };
 

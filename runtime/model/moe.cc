@@ -81,7 +81,7 @@ MoeLayer::MoeLayer(std::string name, const MoeConfig& config, int64_t d_model, i
                                             expert_precision, sites));
   }
   for (std::vector<Array>* v : {&xe_, &he_, &ge_, &ue_}) {
-    for (int64_t le = 0; le < local_; ++le) v->emplace_back();
+    for (int64_t le = 0; le < local_; ++le) v->emplace_back(kernels::CpuOps(), kSaved, kDevice);
   }
 }
 

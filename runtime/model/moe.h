@@ -114,35 +114,50 @@ class MoeLayer {
   // memory (kernels::DeviceArray), kept across micro-batches and grown, never shrunk, so that a
   // steady run allocates nothing. The host waits for the backend once per forward, to read the
   // expert ids and plan the dispatch (counts, capacity, the order of the rows), and writes the
-  // plan's index arrays then, while the backend is idle; nothing else crosses.
+  // plan's index arrays then, while the backend is idle; nothing else crosses. So the expert ids,
+  // the probability sums and the plan are host-read memory (pinned on CUDA: written by plain
+  // stores on one side, read across the bus on the other) and everything else is device-only.
   using Array = kernels::DeviceArray<float>;
   using Index = kernels::DeviceArray<int64_t>;
+  static constexpr kernels::Placement kDevice = kernels::Placement::kDeviceOnly;
+  static constexpr kernels::Placement kHost = kernels::Placement::kHostRead;
+  static constexpr kernels::MemCategory kSaved = kernels::MemCategory::kSavedActivations;
+  static constexpr kernels::MemCategory kScratch = kernels::MemCategory::kScratch;
+  static Array DeviceScratch() { return Array(kernels::CpuOps(), kScratch, kDevice); }
   const float* x_ = nullptr;
   int64_t n_ = 0;
-  Array probs_;                             // [N, E]
-  kernels::DeviceArray<int32_t> expert_;    // [N, k]
-  Array gate_;                              // [N, k]
-  kernels::DeviceArray<double> prob_sums_;  // [E] router probability summed over the tokens
-  Array frac_;                              // [E] fraction of assignments (aux loss)
-  Index slot_;                              // [N, k] dispatch row of each assignment; -1 dropped
-  Index send_token_;                        // [sent] the token of each dispatched row
+  Array probs_{kernels::CpuOps(), kSaved, kDevice};                         // [N, E]
+  kernels::DeviceArray<int32_t> expert_{kernels::CpuOps(), kSaved, kHost};  // [N, k]
+  Array gate_{kernels::CpuOps(), kSaved, kDevice};                          // [N, k]
+  // [E] router probability summed over the tokens
+  kernels::DeviceArray<double> prob_sums_{kernels::CpuOps(), kScratch, kHost};
+  Array frac_{kernels::CpuOps(), kSaved, kHost};  // [E] fraction of assignments (aux loss)
+  // [N, k] dispatch row of each assignment; -1 dropped
+  Index slot_{kernels::CpuOps(), kSaved, kHost};
+  Index send_token_{kernels::CpuOps(), kSaved, kHost};  // [sent] the token of each dispatched row
   // The received rows of each local expert (source rank, then token order), each expert's list
   // padded with -1 (zero rows) to its GEMM rows; expert le's list starts at expert_base_[le].
-  Index expert_rows_;
+  Index expert_rows_{kernels::CpuOps(), kSaved, kHost};
   std::vector<int64_t> expert_base_, expert_tokens_;  // per local expert: offset, real rows
   int64_t sent_ = 0, received_ = 0;
   std::vector<int64_t> send_counts_;      // rows to each ep rank
   std::vector<int64_t> recv_counts_;      // rows from each ep rank
   parallel::Fp8Tokens recv_tokens_;       // the FP8 rows received by the dispatch
   parallel::TokenScratch token_scratch_;  // the token all-to-alls' temporaries
-  // Per local expert: inputs, fc1 (gate) out, GELU (SwiGLU) out, up out (SwiGLU).
+  // Per local expert: inputs, fc1 (gate) out, GELU (SwiGLU) out, up out (SwiGLU), device-only.
   std::vector<Array> xe_, he_, ge_, ue_;
-  Array y_back_;  // [sent, C] expert outputs back at this rank
+  Array y_back_{kernels::CpuOps(), kSaved, kDevice};  // [sent, C] expert outputs back at this rank
 
-  // Reused temporaries (backend memory).
-  Array logits_, send_rows_, recv_x_, recv_y_, ye_;        // forward
-  Array dy_send_, dy_recv_, dye_, dge_, dhe_, due_, dxe_;  // backward, to the experts, through
-  Array dx_recv_, dx_send_, dgate_, dlogits_;              // backward, back and into the router
+  // Reused temporaries (device-only backend memory).
+  Array logits_ = DeviceScratch(), send_rows_ = DeviceScratch(), recv_x_ = DeviceScratch(),
+        recv_y_ = DeviceScratch(), ye_ = DeviceScratch();  // forward
+  // backward, to the experts, through
+  Array dy_send_ = DeviceScratch(), dy_recv_ = DeviceScratch(), dye_ = DeviceScratch(),
+        dge_ = DeviceScratch(), dhe_ = DeviceScratch(), due_ = DeviceScratch(),
+        dxe_ = DeviceScratch();
+  // backward, back and into the router
+  Array dx_recv_ = DeviceScratch(), dx_send_ = DeviceScratch(), dgate_ = DeviceScratch(),
+        dlogits_ = DeviceScratch();
 };
 
 }  // namespace fp8rt::model

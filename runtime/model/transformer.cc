@@ -83,9 +83,9 @@ struct Transformer::Acts {
     bool ln1 = true, ln2 = true, g = true;
     auto operator<=>(const Keep&) const = default;
   };
-  // Everything but the logits (which Transformer::logits hands to the host), the losses (pinned
-  // host memory on CUDA: the host sums them every pass) and the token arrays (written by the
-  // host) is device-only memory (kernels/device_array.h).
+  // Everything but the losses (pinned host memory on CUDA: the host sums them every pass) and the
+  // token arrays (written by the host, pinned too) is device-only memory
+  // (kernels/device_array.h); Transformer::CopyLogits copies rows of the logits out.
   static constexpr kernels::Placement kDevice = kernels::Placement::kDeviceOnly;
   static constexpr kernels::MemCategory kScratch = kernels::MemCategory::kScratch;
   static constexpr kernels::MemCategory kSaved = kernels::MemCategory::kSavedActivations;
@@ -136,14 +136,15 @@ struct Transformer::Acts {
     for (Array* v : {&x_final, &lnf, &meanf, &rstdf, &ce_probs, &pos}) {
       *v = Array(ops, kSaved, kDevice);
     }
-    logits = Array(ops, kSaved);
+    logits = Array(ops, kSaved, kDevice);
     losses = Array(ops, kSaved, kernels::Placement::kHostRead);  // summed by the host every pass
     for (Array* v : {&dx, &dx2, &dln, &dg, &dh, &du, &datt, &dq, &dk, &dv, &dqr, &dkr, &dqkv,
                      &dlogits, &dlnf}) {
       *v = Array(ops, kScratch, kDevice);
     }
     for (auto* v : {&inputs, &targets, &positions}) {
-      *v = kernels::DeviceArray<int32_t>(ops, kernels::MemCategory::kSavedActivations);
+      *v = kernels::DeviceArray<int32_t>(ops, kernels::MemCategory::kSavedActivations,
+                                         kernels::Placement::kHostRead);
     }
     for (auto* v : {&x_final, &lnf, &dx, &dx2, &dln, &dlnf}) v->assign(c, 0.0f);
     if (s.positions == PositionKind::kLearned) pos.assign(c, 0.0f);
@@ -181,12 +182,14 @@ Transformer::Transformer(const ModelShape& shape, const ModelRecipe& recipe, par
       dp_rank_(mesh.layout().dp_rank),
       row_unit_(RowUnitOf(recipe)),
       acts_(std::make_unique<Acts>(ops)),
-      scratch_(ops),
-      weight_amaxes_(ops) {
+      scratch_(ops) {
+  // Wire buffers: only the backend's entries and the collectives touch them.
   for (auto* b : {&reduce_buffers_.send_bf16, &reduce_buffers_.reduced_bf16}) {
-    *b = kernels::DeviceArray<uint16_t>(ops, kernels::MemCategory::kCommBuffers);
+    *b = kernels::DeviceArray<uint16_t>(ops, kernels::MemCategory::kCommBuffers,
+                                        kernels::Placement::kDeviceOnly);
   }
-  reduce_buffers_.reduced_f32 = kernels::DeviceArray<float>(ops, kernels::MemCategory::kCommBuffers);
+  reduce_buffers_.reduced_f32 = kernels::DeviceArray<float>(ops, kernels::MemCategory::kCommBuffers,
+                                                            kernels::Placement::kDeviceOnly);
 }
 
 Transformer::~Transformer() = default;
@@ -753,7 +756,7 @@ absl::Status Transformer::StartUnshard(size_t unit) {
     q.codes = p.fp8.codes.data();
     q.scale_inv = p.fp8.scale_inv.data();
     p.fp8.stats_out.Reset(ops_, 1);
-    q.stats = p.fp8.stats_out.data();
+    q.stats = p.fp8.stats_out.device();
     FP8RT_RETURN_IF_ERROR(ops_.quantize(q, {}));
     FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
     p.full.clear();  // only the FP8 weight is used
@@ -876,7 +879,7 @@ void Transformer::AttachFp8Shards(std::span<train::ParamShard> shards) {
     kernels::AdamWFp8Output& o = shards[i].fp8;
     o.codes = f.codes.data();
     o.scale_inv = f.scale_inv.data();
-    o.stats = f.stats_out.data();
+    o.stats = f.stats_out.device();
     o.format = st.config().format;
     o.block = block;
     o.scale = f.scale;
@@ -925,14 +928,17 @@ absl::Status Transformer::BeginStep() {
       kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
                           .input = it->second->master.data(),
                           .count = it->second->shard_count,
-                          .amax = weight_amaxes_.data() + (current.size() - 1)};
+                          .amax = weight_amaxes_.device() + (current.size() - 1)};
       FP8RT_RETURN_IF_ERROR(ops_.amax(a, {}));
       held.push_back(current.size() - 1);
     }
   }
-  // Every amax op above wrote its own element of weight_amaxes_ (backend memory); 0 for the
-  // expert weights this rank does not hold.
-  if (!held.empty()) FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
+  // Every amax op above wrote its own element of weight_amaxes_ (device memory), copied for the
+  // host behind them; the expert weights this rank does not hold stay 0.
+  if (!held.empty()) {
+    FP8RT_RETURN_IF_ERROR(weight_amaxes_.Download({}, current.size()));
+    FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
+  }
   std::vector<float> amaxes(current.size(), 0.0f);
   for (const size_t i : held) amaxes[i] = weight_amaxes_[i];
   if (!amaxes.empty()) {
@@ -956,6 +962,9 @@ absl::Status Transformer::BeginStep() {
     // or with this very tensor scale, is used as it is.
     if (!p.fp8_shard_fresh || !(p.fp8_shard.block || p.fp8_shard.scale == scale)) {
       FP8RT_RETURN_IF_ERROR(QuantizeWeightShard(p, scale, &mx32_scratch_));
+    } else {
+      // The update pass wrote its statistics on the device; their copy for the host.
+      FP8RT_RETURN_IF_ERROR(p.fp8_shard.stats_out.Download({}));
     }
     p.fp8_shard_fresh = false;
     fp8_params.emplace_back(&p, scale);
@@ -1030,8 +1039,22 @@ absl::StatusOr<float> Transformer::Evaluate(std::span<const int32_t> tokens, int
   return loss;
 }
 
-std::span<const float> Transformer::logits() const {
-  return {acts_->logits.data(), acts_->logits.size()};
+absl::StatusOr<std::vector<float>> Transformer::CopyLogits(int64_t first_row, int64_t rows) const {
+  const int64_t V = shape_.vocab;
+  const int64_t have = V > 0 ? static_cast<int64_t>(acts_->logits.size()) / V : 0;
+  if (first_row < 0 || rows < 0 || first_row + rows > have) {
+    return absl::InvalidArgumentError(absl::StrCat("CopyLogits: rows [", first_row, ", ",
+                                                   first_row + rows, ") outside the ", have,
+                                                   " rows of the last pass"));
+  }
+  // The logits are device-only: copied into pinned memory behind the pass, then read.
+  kernels::DeviceArray<float> host(ops_, kernels::MemCategory::kOther,
+                                   kernels::Placement::kHostRead);
+  host.Reset(ops_, static_cast<size_t>(rows * V));
+  FP8RT_RETURN_IF_ERROR(ops_.layer->copy_bytes(host.data(), acts_->logits.data() + first_row * V,
+                                               static_cast<size_t>(rows * V) * sizeof(float), {}));
+  FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
+  return std::vector<float>(host.begin(), host.end());
 }
 
 absl::StatusOr<float> Transformer::Forward(bool train) {

@@ -74,6 +74,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/device_array.h"
+#include "kernels/host_mirror.h"
 #include "kernels/ops.h"
 #include "parallel/fp8_collectives.h"
 #include "parallel/mesh.h"
@@ -331,9 +332,10 @@ class Transformer {
   // first ForwardBackward, on every rank (it runs the same gathers and TP reductions).
   absl::StatusOr<float> Evaluate(std::span<const int32_t> tokens, int64_t micro_batch);
 
-  // The logits [micro_batch * seq_len, vocab] of the last Evaluate or ForwardBackward (host
-  // readable: the pass synchronised the backend before it returned).
-  std::span<const float> logits() const;
+  // Rows [first_row, first_row + rows) of the logits [micro_batch * seq_len, vocab] of the last
+  // Evaluate or ForwardBackward, copied to the host (the logits are device memory; this waits for
+  // the backend). InvalidArgument naming the range when it lies outside the last pass's rows.
+  absl::StatusOr<std::vector<float>> CopyLogits(int64_t first_row, int64_t rows) const;
 
   // Between the optimizer's skip decision and its update (after SyncScaling has set the next
   // step's scales): points the FP8 fields of shards[i] (params()[i]'s shard) at the FP8 shard of
@@ -449,9 +451,11 @@ class Transformer {
   // The transposes of QuantizeMx32Both: mx32 weight shards in BeginStep and mx32 weights
   // quantized after a BF16 gather. Kept across steps, so it grows (and waits for the backend to do
   // so) in the first step only.
-  kernels::DeviceArray<std::byte> mx32_scratch_{kernels::CpuOps(), kernels::MemCategory::kScratch};
-  // BeginStep: the shard amax of each current-scaled FP8 weight, written by the amax op.
-  kernels::DeviceArray<float> weight_amaxes_;
+  kernels::DeviceArray<std::byte> mx32_scratch_{kernels::CpuOps(), kernels::MemCategory::kScratch,
+                                                kernels::Placement::kDeviceOnly};
+  // BeginStep: the shard amax of each current-scaled FP8 weight, written by the amax op on the
+  // device and copied for the host.
+  kernels::HostMirror<float> weight_amaxes_;
   // Indices of the non-block parameters and layers.
   int embedding_ = -1, positions_ = -1, final_norm_ = -1, final_norm_bias_ = -1,
       lm_head_param_ = -1;

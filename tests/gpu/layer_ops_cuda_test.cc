@@ -1476,6 +1476,42 @@ TEST_F(AllocateTest, HostReadMemoryIsPinnedMappedAndWrittenByTheOps) {
   for (size_t r = 0; r < 3; ++r) EXPECT_NEAR(losses[r], std::log(4.0f), 1e-6f) << r;
 }
 
+// copy_bytes between the backend's memories, in stream order behind the op that wrote the source:
+// device to pinned (how HostMirror brings statistics to the host), pinned to device, device to
+// device; a plain host pointer is refused naming the end, before anything is queued.
+TEST_F(AllocateTest, CopyBytesMovesBytesBetweenDeviceAndPinnedMemoryInStreamOrder) {
+  const size_t count = 300007;
+  DeviceArray<float> dev(*cuda_ops_, MemCategory::kScratch, Placement::kDeviceOnly);
+  DeviceArray<float> dev2(*cuda_ops_, MemCategory::kScratch, Placement::kDeviceOnly);
+  DeviceArray<float> host(*cuda_ops_, MemCategory::kOther, Placement::kHostRead);
+  dev.Reset(*cuda_ops_, count);
+  dev2.Reset(*cuda_ops_, count);
+  host.Reset(*cuda_ops_, count);
+  const size_t bytes = count * sizeof(float);
+  // Device to pinned, queued straight behind the fill that writes the source.
+  ExpectOk(gpu_->fill(dev.data(), 6.5f, static_cast<int64_t>(count), stream()));
+  ExpectOk(gpu_->copy_bytes(host.data(), dev.data(), bytes, stream()));
+  Sync();
+  int64_t bad = 0;
+  for (size_t i = 0; i < count; ++i) bad += Bits(host[i]) != Bits(6.5f);
+  EXPECT_EQ(bad, 0) << "device to pinned";
+  // Pinned to device, then device to device, then back to look.
+  for (size_t i = 0; i < count; ++i) host[i] = static_cast<float>(i);
+  ExpectOk(gpu_->copy_bytes(dev.data(), host.data(), bytes, stream()));
+  ExpectOk(gpu_->copy_bytes(dev2.data(), dev.data(), bytes, stream()));
+  ExpectOk(gpu_->fill(host.data(), 0.0f, static_cast<int64_t>(count), stream()));
+  ExpectOk(gpu_->copy_bytes(host.data(), dev2.data(), bytes, stream()));
+  Sync();
+  bad = 0;
+  for (size_t i = 0; i < count; ++i) bad += Bits(host[i]) != Bits(static_cast<float>(i));
+  EXPECT_EQ(bad, 0) << "pinned to device to device to pinned";
+  std::vector<float> plain(4);
+  ExpectRefused(gpu_->copy_bytes(plain.data(), dev.data(), 16, stream()), "copy_bytes: dst");
+  ExpectRefused(gpu_->copy_bytes(dev.data(), plain.data(), 16, stream()), "copy_bytes: src");
+  ExpectRefused(gpu_->copy_bytes(nullptr, dev.data(), 16, stream()), "copy_bytes: dst is null");
+  ExpectOk(gpu_->copy_bytes(nullptr, nullptr, 0, stream()));
+}
+
 TEST_F(AllocateTest, FailureIsResourceExhaustedNamingTheSizeAndBlamesNoLaterLaunch) {
   const size_t huge = size_t{1} << 52;  // beyond the 47-bit user address space of x86-64
   absl::StatusOr<void*> p = gpu_->allocate(huge);
@@ -1536,6 +1572,7 @@ TEST(NoDeviceArgumentTest, EveryEntryIsSet) {
       reinterpret_cast<const void*>(t.allocate_host),
       reinterpret_cast<const void*>(t.zero_bytes),
       reinterpret_cast<const void*>(t.prefetch),
+      reinterpret_cast<const void*>(t.copy_bytes),
   };
   static_assert(sizeof(LayerOps) == sizeof(entries), "a LayerOps entry is missing here");
   for (size_t i = 0; i < std::size(entries); ++i) EXPECT_NE(entries[i], nullptr) << "entry " << i;

@@ -589,6 +589,9 @@ TEST_P(OptimizerWrittenShardTest, EqualQuantizingTheUpdatedMaster) {
                      want.scale_inv.end(), [](float a, float b) {
                        return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b);
                      });
+      // The update pass's statistics, copied for the host as BeginStep does.
+      ASSERT_TRUE(p.fp8_shard.stats_out.Download({}).ok());
+      ASSERT_TRUE(kernels::CpuOps().layer->synchronize({}).ok());
       const kernels::QuantStats& gs = got.stats_out[0];
       const kernels::QuantStats& ws = want.stats;
       const bool same_stats =
@@ -949,6 +952,46 @@ INSTANTIATE_TEST_SUITE_P(Mlp, MoeInputGradientTest,
 // The layers a recipe may name, as the controller lists them from a spec (ModelLayerNames), are
 // the model's own (Transformer::LayerNames, which the worker checks a recipe against), for every
 // family, with and without MoE blocks.
+// CopyLogits: the logits live in device-only memory; the rows it copies out are the ones the pass
+// took its loss from (the mean cross-entropy of the copied rows, in double, against the next
+// tokens, is the loss Evaluate returned), and a range outside the pass is refused naming it.
+TEST(TransformerTest, CopiedLogitsGiveThePassesLoss) {
+  const ModelShape shape = Shape(/*layers=*/2, /*d_model=*/32, /*d_ff=*/64, /*seq_len=*/8);
+  ModelUnderTest s = Make(shape, Fp32Recipe());
+  ASSERT_NE(s.model, nullptr);
+  ASSERT_TRUE(s.model->BeginStep().ok());
+  absl::StatusOr<float> loss = s.model->Evaluate(s.tokens, s.micro_batch);
+  ASSERT_TRUE(loss.ok()) << loss.status();
+  const int64_t T = shape.seq_len, V = shape.vocab, rows = s.micro_batch * T;
+  absl::StatusOr<std::vector<float>> logits = s.model->CopyLogits(0, rows);
+  ASSERT_TRUE(logits.ok()) << logits.status();
+  ASSERT_EQ(logits->size(), static_cast<size_t>(rows * V));
+  double sum = 0.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = logits->data() + r * V;
+    const int32_t target = s.tokens[static_cast<size_t>((r / T) * (T + 1) + r % T + 1)];
+    double top = row[0];
+    for (int64_t v = 1; v < V; ++v) top = std::max(top, static_cast<double>(row[v]));
+    double z = 0.0;
+    for (int64_t v = 0; v < V; ++v) z += std::exp(static_cast<double>(row[v]) - top);
+    sum += top + std::log(z) - static_cast<double>(row[target]);
+  }
+  EXPECT_NEAR(sum / static_cast<double>(rows), *loss,
+              1e-5 * std::max(1.0, std::fabs(static_cast<double>(*loss))));
+  // One row from the middle: the same values as in the whole copy.
+  absl::StatusOr<std::vector<float>> one = s.model->CopyLogits(rows / 2, 1);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_TRUE(std::equal(one->begin(), one->end(), logits->begin() + (rows / 2) * V));
+  for (const auto& [first, count] :
+       {std::pair<int64_t, int64_t>{rows, 1}, {-1, 1}, {0, rows + 1}}) {
+    absl::StatusOr<std::vector<float>> bad = s.model->CopyLogits(first, count);
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << first << " " << count;
+    EXPECT_NE(bad.status().message().find("outside the " + std::to_string(rows) + " rows"),
+              std::string::npos)
+        << bad.status();
+  }
+}
+
 TEST(TransformerTest, LayerNamesAgreeWithTheSpecs) {
   const int world = Factory().World().size();
   for (const char* family : {"plain", "gpt2", "llama"}) {

@@ -22,12 +22,12 @@
 //   AllocateTest, DeviceArrayTest  alignment, 0 bytes, failure, assign / resize / move
 //   SynchronizeTest
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cctype>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <atomic>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -42,6 +42,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/device_array.h"
+#include "kernels/host_mirror.h"
 #include "kernels/layer_ops.h"
 #include "kernels/ops.h"
 
@@ -1572,6 +1573,60 @@ TEST(DeviceArrayTest, DeviceOnlyArraysAllocateOnTheDeviceAndRefuseHostAccess) {
   DeviceArray<float> c(table, 8, 1.0f);
   EXPECT_EQ(device_allocations.load(), 1);
   EXPECT_EQ(c[7], 1.0f);
+}
+
+// copy_bytes: the bytes, at once on the CPU; null ends refused naming which.
+TEST(CopyBytesTest, CopiesTheBytesAndRefusesANullEndNamingIt) {
+  const LayerOps& L = *CpuOps().layer;
+  const std::vector<uint8_t> src = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  std::vector<uint8_t> dst(9, 0xee);
+  ASSERT_TRUE(L.copy_bytes(dst.data(), src.data(), 5, Stream{}).ok());
+  EXPECT_EQ(dst, (std::vector<uint8_t>{1, 2, 3, 4, 5, 0xee, 0xee, 0xee, 0xee}));
+  EXPECT_TRUE(L.copy_bytes(nullptr, nullptr, 0, Stream{}).ok());  // nothing to copy
+  const absl::Status no_dst = L.copy_bytes(nullptr, src.data(), 1, Stream{});
+  EXPECT_EQ(no_dst.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(no_dst.message().find("copy_bytes: dst is null"), std::string::npos) << no_dst;
+  const absl::Status no_src = L.copy_bytes(dst.data(), nullptr, 1, Stream{});
+  EXPECT_NE(no_src.message().find("copy_bytes: src is null"), std::string::npos) << no_src;
+}
+
+// HostMirror (kernels/host_mirror.h): the ops write the device side (device-only memory), the
+// host reads the host side (host-read memory), and only Download brings one to the other.
+std::atomic<int> host_allocations{0};
+absl::StatusOr<void*> CountingAllocateHost(size_t bytes) {
+  ++host_allocations;
+  return CpuOps().layer->allocate_host(bytes);
+}
+
+TEST(HostMirrorTest, TheHostSeesWhatTheOpsWroteOnlyAfterDownload) {
+  LayerOps layer = *CpuOps().layer;
+  layer.allocate_device = &CountingAllocateDevice;
+  layer.allocate_host = &CountingAllocateHost;
+  OpTable table = CpuOps();
+  table.layer = &layer;
+  device_allocations = 0;
+  host_allocations = 0;
+  HostMirror<float> m;
+  m.Reset(table, 3);
+  EXPECT_EQ(device_allocations.load(), 1);
+  EXPECT_EQ(host_allocations.load(), 1);
+  ASSERT_EQ(m.size(), 3u);
+  ASSERT_TRUE(layer.fill(m.device(), 2.5f, 3, Stream{}).ok());
+  ASSERT_TRUE(m.Download(Stream{}).ok());
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(m[i], 2.5f) << i;
+  // Written again by an op: the host keeps the last copy until the next Download.
+  ASSERT_TRUE(layer.fill(m.device(), -7.0f, 3, Stream{}).ok());
+  EXPECT_EQ(m[0], 2.5f);
+  ASSERT_TRUE(m.Download(Stream{}, 1).ok());  // only the first element
+  EXPECT_EQ(m[0], -7.0f);
+  EXPECT_EQ(m[1], 2.5f);
+  // The same backend and size keep both sides; a larger Grow replaces them.
+  m.Reset(table, 3);
+  EXPECT_EQ(device_allocations.load(), 1);
+  m.Grow(table, 4);
+  EXPECT_EQ(device_allocations.load(), 2);
+  EXPECT_EQ(host_allocations.load(), 2);
+  EXPECT_GE(m.size(), 4u);
 }
 
 TEST(DeviceArrayTest, MoveTransfersOwnership) {
