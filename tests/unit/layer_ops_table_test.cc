@@ -1530,27 +1530,42 @@ TEST(DeviceArrayTest, ResizeKeepsThePrefixAndZeroesTheRest) {
   for (const float x : b) ASSERT_EQ(Bits(x), 0u);
 }
 
-// A device-only array (Placement::kDeviceOnly) comes from allocate_device and is cleared by
-// zero_bytes: counted through a copy of the CPU table whose two entries count their calls (the
-// CPU's own entries do the work). Its host accessors abort, naming the category, on the CPU too.
-std::atomic<int> device_allocations{0}, zero_calls{0};
+// A copy of the CPU table whose allocate_device, allocate_host and zero_bytes count their calls
+// (the CPU's own entries do the work); the counters start at 0 with each CountingTable.
+std::atomic<int> device_allocations{0}, host_allocations{0}, zero_calls{0};
 absl::StatusOr<void*> CountingAllocateDevice(size_t bytes) {
   ++device_allocations;
   return CpuOps().layer->allocate_device(bytes);
+}
+absl::StatusOr<void*> CountingAllocateHost(size_t bytes) {
+  ++host_allocations;
+  return CpuOps().layer->allocate_host(bytes);
 }
 absl::Status CountingZeroBytes(void* p, size_t bytes, Stream stream) {
   ++zero_calls;
   return CpuOps().layer->zero_bytes(p, bytes, stream);
 }
+struct CountingTable {
+  CountingTable() : layer(*CpuOps().layer), table(CpuOps()) {
+    layer.allocate_device = &CountingAllocateDevice;
+    layer.allocate_host = &CountingAllocateHost;
+    layer.zero_bytes = &CountingZeroBytes;
+    table.layer = &layer;
+    device_allocations = 0;
+    host_allocations = 0;
+    zero_calls = 0;
+  }
+  CountingTable(const CountingTable&) = delete;
+  CountingTable& operator=(const CountingTable&) = delete;
+  LayerOps layer;
+  OpTable table;
+};
 
+// A device-only array (Placement::kDeviceOnly) comes from allocate_device and is cleared by
+// zero_bytes. Its host accessors abort, naming the category, on the CPU too.
 TEST(DeviceArrayTest, DeviceOnlyArraysAllocateOnTheDeviceAndRefuseHostAccess) {
-  LayerOps layer = *CpuOps().layer;
-  layer.allocate_device = &CountingAllocateDevice;
-  layer.zero_bytes = &CountingZeroBytes;
-  OpTable table = CpuOps();
-  table.layer = &layer;
-  device_allocations = 0;
-  zero_calls = 0;
+  CountingTable counting;
+  const OpTable& table = counting.table;
   {
     DeviceArray<float> a(table, MemCategory::kScratch, Placement::kDeviceOnly);
     LeaveDirtyMemory(1000);
@@ -1592,20 +1607,10 @@ TEST(CopyBytesTest, CopiesTheBytesAndRefusesANullEndNamingIt) {
 
 // HostMirror (kernels/host_mirror.h): the ops write the device side (device-only memory), the
 // host reads the host side (host-read memory), and only Download brings one to the other.
-std::atomic<int> host_allocations{0};
-absl::StatusOr<void*> CountingAllocateHost(size_t bytes) {
-  ++host_allocations;
-  return CpuOps().layer->allocate_host(bytes);
-}
-
 TEST(HostMirrorTest, TheHostSeesWhatTheOpsWroteOnlyAfterDownload) {
-  LayerOps layer = *CpuOps().layer;
-  layer.allocate_device = &CountingAllocateDevice;
-  layer.allocate_host = &CountingAllocateHost;
-  OpTable table = CpuOps();
-  table.layer = &layer;
-  device_allocations = 0;
-  host_allocations = 0;
+  CountingTable counting;
+  const OpTable& table = counting.table;
+  const LayerOps& layer = counting.layer;
   HostMirror<float> m;
   m.Reset(table, 3);
   EXPECT_EQ(device_allocations.load(), 1);
