@@ -485,37 +485,54 @@ TEST_F(QuantizeAlignmentTest, ScaleFromADeviceAmaxMatchesTheCpuBackend) {
   const int64_t rows = 37, cols = 300;
   const std::vector<float> x = MakeData(Dist::kNormal, rows * cols, 5);
   const DeviceBuffer input = Upload(x);
-  for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
-    for (float amax : {3.0f, 0.25f, 0.0f, -1.0f, std::numeric_limits<float>::infinity(),
-                       std::numeric_limits<float>::quiet_NaN()}) {
-      std::vector<uint8_t> cpu_codes(x.size());
-      float cpu_scale_inv = 0.0f;
-      QuantStats cpu_stats;
-      QuantizeArgs c;
-      c.format = format;
-      c.input = x.data();
-      c.rows = rows;
-      c.cols = cols;
-      c.codes = cpu_codes.data();
-      c.scale_inv = &cpu_scale_inv;
-      c.stats = &cpu_stats;
-      c.scale_amax = &amax;
-      ASSERT_TRUE(cpu_.quantize(c, {}).ok());
-      const DeviceBuffer amax_dev = Upload(std::vector<float>{amax});
-      DeviceBuffer codes(x.size()), scale_inv(4), stats(sizeof(QuantStats));
-      QuantizeArgs g = c;
-      g.input = input.as();
-      g.codes = codes.as<uint8_t>();
-      g.scale_inv = scale_inv.as<float>();
-      g.stats = stats.as<QuantStats>();
-      g.scale_amax = amax_dev.as<float>();
-      ASSERT_TRUE(gpu_->quantize(g, stream()).ok());
-      Sync();
-      const std::string where = absl::StrCat(std::string(Fp8FormatName(format)), " amax ", amax);
-      const std::vector<uint8_t> got = Download<uint8_t>(codes, x.size());
-      EXPECT_EQ(got, cpu_codes) << where << ": " << FirstDifference(got, cpu_codes);
-      EXPECT_EQ(Bits(Download<float>(scale_inv, 1)[0]), Bits(cpu_scale_inv)) << where;
-      ExpectSameStats(Download<QuantStats>(stats, 1)[0], cpu_stats, where);
+  // Subnormal, smallest normal and huge amaxes too (their scales saturate to FLT_MAX or FLT_MIN;
+  // a device that flushed subnormals would differ), with margins and power-of-two scales.
+  const float amaxes[] = {3.0f,
+                          0.25f,
+                          0.0f,
+                          -1.0f,
+                          1e-40f,
+                          std::numeric_limits<float>::min(),
+                          65504.0f,
+                          std::numeric_limits<float>::max(),
+                          std::numeric_limits<float>::infinity(),
+                          std::numeric_limits<float>::quiet_NaN()};
+  for (const auto& [margin, pow2] :
+       {std::pair{0, false}, std::pair{3, false}, std::pair{0, true}, std::pair{3, true}}) {
+    for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      for (float amax : amaxes) {
+        std::vector<uint8_t> cpu_codes(x.size());
+        float cpu_scale_inv = 0.0f;
+        QuantStats cpu_stats;
+        QuantizeArgs c;
+        c.format = format;
+        c.input = x.data();
+        c.rows = rows;
+        c.cols = cols;
+        c.codes = cpu_codes.data();
+        c.scale_inv = &cpu_scale_inv;
+        c.stats = &cpu_stats;
+        c.scale_amax = &amax;
+        c.margin = margin;
+        c.power_of_two_scales = pow2;
+        ASSERT_TRUE(cpu_.quantize(c, {}).ok());
+        const DeviceBuffer amax_dev = Upload(std::vector<float>{amax});
+        DeviceBuffer codes(x.size()), scale_inv(4), stats(sizeof(QuantStats));
+        QuantizeArgs g = c;
+        g.input = input.as();
+        g.codes = codes.as<uint8_t>();
+        g.scale_inv = scale_inv.as<float>();
+        g.stats = stats.as<QuantStats>();
+        g.scale_amax = amax_dev.as<float>();
+        ASSERT_TRUE(gpu_->quantize(g, stream()).ok());
+        Sync();
+        const std::string where = absl::StrCat(std::string(Fp8FormatName(format)), " amax ", amax,
+                                               " margin ", margin, " pow2 ", pow2);
+        const std::vector<uint8_t> got = Download<uint8_t>(codes, x.size());
+        EXPECT_EQ(got, cpu_codes) << where << ": " << FirstDifference(got, cpu_codes);
+        EXPECT_EQ(Bits(Download<float>(scale_inv, 1)[0]), Bits(cpu_scale_inv)) << where;
+        ExpectSameStats(Download<QuantStats>(stats, 1)[0], cpu_stats, where);
+      }
     }
   }
 }
