@@ -1,15 +1,23 @@
-// HostMirror<T>: a small result that a backend's entries write on the device and the host reads
-// after a wait: the FP8 statistics of a quantization (combined with device atomics), an amax
-// max-reduced by a collective. The entries write device() (a Placement::kDeviceOnly array:
-// cudaMalloc on CUDA, so atomics are device atomics on device memory); Download queues an
-// explicit copy of it into a pinned, host-read array (Placement::kHostRead) on the stream, after
-// the writes; once the backend has been synchronised the host reads that copy (operator[]),
-// without page faults and without reading memory a kernel wrote across the host link with atomics
-// (which the CUDA programming guide does not promise to be atomic there).
+// HostMirror<T>: a small array that crosses between the host and a backend's entries, kept as
+// two: a device side (a Placement::kDeviceOnly array: cudaMalloc on CUDA) that the entries use,
+// and a host side (Placement::kHostRead: pinned host memory on CUDA) that the host uses, joined
+// by explicit copies queued on a stream (LayerOps::copy_bytes).
 //
-// Reading before Download and a synchronise gives the previous copy (or unspecified values): the
-// CPU backend's tests see that as wrong statistics, and a host access to the device side aborts
-// on every backend (DeviceArray). Movable, not copyable, not thread-safe.
+// Device to host (Download): results the entries write and the host reads after a wait, such as
+// the FP8 statistics of a quantization (combined with device atomics), an amax max-reduced by a
+// collective, the MoE expert ids. The atomics stay device atomics on device memory (the CUDA
+// programming guide does not promise them atomic on host memory across the link), and the host
+// reads its copy without page faults.
+//
+// Host to device (Upload): what the host writes for the entries to read, such as a micro-batch's
+// tokens or the MoE dispatch plan. The kernels read device memory, not the host's across the
+// link element by element.
+//
+// Reading the host side before Download and a synchronise gives the previous copy (or unspecified
+// values), and the device side keeps its old values until an Upload: the CPU backend's tests see
+// either as wrong results, and a host access to the device side aborts on every backend
+// (DeviceArray). The host may write its side again only once the backend has finished the last
+// Upload (after a synchronize). Movable, not copyable, not thread-safe.
 #ifndef FP8RT_KERNELS_HOST_MIRROR_H_
 #define FP8RT_KERNELS_HOST_MIRROR_H_
 
@@ -39,8 +47,9 @@ class HostMirror {
     host_.Grow(ops, count);
   }
 
-  // Where the backend's entries write (device memory: the host must not touch it).
+  // What the backend's entries use (device memory: the host must not touch it).
   T* device() { return device_.data(); }
+  const T* device() const { return device_.data(); }
   size_t size() const { return device_.size(); }
   const OpTable& ops() const { return device_.ops(); }
 
@@ -50,9 +59,17 @@ class HostMirror {
     return device_.ops().layer->copy_bytes(host_.data(), device_.data(), count * sizeof(T), stream);
   }
   absl::Status Download(Stream stream) { return Download(stream, size()); }
+  // Queues the copy of the first `count` elements from the host side to the device side on
+  // `stream`: entries queued after it see them.
+  absl::Status Upload(Stream stream, size_t count) {
+    return device_.ops().layer->copy_bytes(device_.data(), host_.data(), count * sizeof(T), stream);
+  }
 
-  // The host copy, as of the last Download the backend has finished (after synchronize).
+  // The host side: as of the last Download the backend has finished (after synchronize), or what
+  // the host wrote for the next Upload.
   const T& operator[](size_t i) const { return host_[i]; }
+  T& operator[](size_t i) { return host_[i]; }
+  T* host() { return host_.begin(); }
 
  private:
   DeviceArray<T> device_{CpuOps(), MemCategory::kOther, Placement::kDeviceOnly};

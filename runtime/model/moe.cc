@@ -53,11 +53,20 @@ absl::StatusOr<float*> Zeroed(const LinearContext& ctx, kernels::DeviceArray<flo
   return p;
 }
 
-// `values` into `a` (grown as AtLeast) by the host: only while the backend is idle.
-void Put(const LinearContext& ctx, kernels::DeviceArray<int64_t>& a,
-         const std::vector<int64_t>& values) {
-  int64_t* p = AtLeast(ctx, a, static_cast<int64_t>(values.size()));
-  std::copy(values.begin(), values.end(), p);
+// `a`'s device side (grown as AtLeast) holds at least max(1, count) elements; returns it.
+template <typename T>
+T* AtLeast(const LinearContext& ctx, kernels::HostMirror<T>& a, int64_t count) {
+  a.Grow(*ctx.ops, static_cast<size_t>(std::max<int64_t>(0, count)));
+  return a.device();
+}
+
+// `values` into `a`'s host side (grown as AtLeast), then uploaded to its device side: only while
+// the backend is idle (it may still be reading the host side of the last upload otherwise).
+absl::Status Put(const LinearContext& ctx, kernels::HostMirror<int64_t>& a,
+                 const std::vector<int64_t>& values) {
+  AtLeast(ctx, a, static_cast<int64_t>(values.size()));
+  std::copy(values.begin(), values.end(), a.host());
+  return a.Upload({}, values.size());
 }
 
 }  // namespace
@@ -117,7 +126,10 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
   float* gate = AtLeast(ctx, gate_, n * K);
   double* prob_sums = AtLeast(ctx, prob_sums_, E);
   FP8RT_RETURN_IF_ERROR(L.moe_route(probs, expert, gate, prob_sums, logits, n, E, K, {}));
-  // The one wait of the layer: the plan below needs the expert ids on the host.
+  // The one wait of the layer: the plan below needs the expert ids (and the aux loss the
+  // probability sums) on the host: their copies, queued behind the routing.
+  FP8RT_RETURN_IF_ERROR(expert_.Download({}, static_cast<size_t>(n * K)));
+  FP8RT_RETURN_IF_ERROR(prob_sums_.Download({}, static_cast<size_t>(E)));
   FP8RT_RETURN_IF_ERROR(L.synchronize({}));
 
   // ---- Capacity (per source rank and expert, in token order) and the aux loss ----
@@ -126,7 +138,7 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
   std::vector<int64_t> routed(static_cast<size_t>(E), 0);
   std::vector<uint8_t> kept(static_cast<size_t>(n * K), 1);
   for (int64_t a = 0; a < n * K; ++a) {
-    const auto e = static_cast<size_t>(expert[a]);
+    const auto e = static_cast<size_t>(expert_[static_cast<size_t>(a)]);
     if (config_.drop_tokens && routed[e] >= capacity) {
       kept[static_cast<size_t>(a)] = 0;
       ++stats.dropped;
@@ -135,11 +147,11 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     }
     ++routed[e];
   }
-  float* frac = AtLeast(ctx, frac_, E);
+  AtLeast(ctx, frac_, E);
   double aux = 0.0;
-  for (int64_t e = 0; e < E; ++e) {
-    frac[e] = static_cast<float>(routed[static_cast<size_t>(e)]) / static_cast<float>(n * K);
-    aux += frac[e] * prob_sums[e] / static_cast<double>(n);
+  for (size_t e = 0; e < static_cast<size_t>(E); ++e) {
+    frac_[e] = static_cast<float>(routed[e]) / static_cast<float>(n * K);
+    aux += frac_[e] * prob_sums_[e] / static_cast<double>(n);
   }
   stats.aux_loss = static_cast<float>(config_.aux_loss_coef * static_cast<double>(E) * aux);
 
@@ -148,7 +160,7 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
   send_counts_.assign(static_cast<size_t>(ep), 0);
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t a = 0; a < n * K; ++a) {
-      if (kept[static_cast<size_t>(a)] && expert[a] == e) {
+      if (kept[static_cast<size_t>(a)] && expert_[static_cast<size_t>(a)] == e) {
         slot[static_cast<size_t>(a)] = static_cast<int64_t>(send_token.size());
         send_token.push_back(a / K);
         ++send_counts_[static_cast<size_t>(OwnerOf(e))];
@@ -188,14 +200,16 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
                                     ExpertRows(config_, *ctx.ops, ne)),
                 -1);  // zero rows up to the GEMM row unit
   }
-  // The backend has been idle since the wait above: the host writes the plan now.
-  Put(ctx, slot_, slot);
-  Put(ctx, send_token_, send_token);
-  Put(ctx, expert_rows_, rows);
+  // The backend has been idle since the wait above: the host writes the plan now, and it goes to
+  // the device ahead of the ops that read it.
+  FP8RT_RETURN_IF_ERROR(frac_.Upload({}, static_cast<size_t>(E)));
+  FP8RT_RETURN_IF_ERROR(Put(ctx, slot_, slot));
+  FP8RT_RETURN_IF_ERROR(Put(ctx, send_token_, send_token));
+  FP8RT_RETURN_IF_ERROR(Put(ctx, expert_rows_, rows));
 
   // ---- Dispatch in FP8: the kept assignments' rows to the experts' owners ----
   float* send_rows = AtLeast(ctx, send_rows_, sent_ * C);
-  FP8RT_RETURN_IF_ERROR(L.gather_rows(send_rows, x, send_token_.data(), sent_, C, {}));
+  FP8RT_RETURN_IF_ERROR(L.gather_rows(send_rows, x, send_token_.device(), sent_, C, {}));
   parallel::Fp8Tokens& recv = recv_tokens_;
   FP8RT_RETURN_IF_ERROR(parallel::AllToAllFp8TokensInto(*ep_, *ctx.ops, send_rows, C, send_counts_,
                                                         kernels::Fp8Format::kE4M3, &token_scratch_,
@@ -227,7 +241,7 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     const int64_t ne = expert_tokens_[static_cast<size_t>(le)];
     if (ne == 0) continue;  // an expert without tokens: its sites stay unused this micro-batch
     const int64_t np = ExpertRows(config_, *ctx.ops, ne);  // ne real rows, then zero rows
-    const int64_t* expert_rows = expert_rows_.data() + expert_base_[static_cast<size_t>(le)];
+    const int64_t* expert_rows = expert_rows_.device() + expert_base_[static_cast<size_t>(le)];
     float* xe = AtLeast(ctx, xe_[static_cast<size_t>(le)], np * C);
     float* he = AtLeast(ctx, he_[static_cast<size_t>(le)], np * F);
     float* ge = AtLeast(ctx, ge_[static_cast<size_t>(le)], np * F);
@@ -251,7 +265,7 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
   FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, recv_y, C, recv_counts_,
                                                      send_counts_, y_back, &token_scratch_));
   FP8RT_RETURN_IF_ERROR(
-      L.moe_combine(out, y_back, gate, slot_.data(), expert, n, K, C, /*accumulate=*/false, {}));
+      L.moe_combine(out, y_back, gate, slot_.device(), expert, n, K, C, /*accumulate=*/false, {}));
   return stats;
 }
 
@@ -267,7 +281,7 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
   float* dgate = AtLeast(ctx, dgate_, n * K);
   float* dy_send = AtLeast(ctx, dy_send_, sent_ * C);
   FP8RT_RETURN_IF_ERROR(L.moe_combine_backward(dy_send, dgate, dout, y_back_.data(), gate_.data(),
-                                               slot_.data(), n, K, C, {}));
+                                               slot_.device(), n, K, C, {}));
   float* dy_recv = AtLeast(ctx, dy_recv_, received_ * C);
   FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, dy_send, C, send_counts_,
                                                      recv_counts_, dy_recv, &token_scratch_));
@@ -278,7 +292,7 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
     const int64_t ne = expert_tokens_[static_cast<size_t>(le)];
     if (ne == 0) continue;
     const int64_t np = ExpertRows(config_, *ctx.ops, ne);  // as in the forward: zero rows after ne
-    const int64_t* expert_rows = expert_rows_.data() + expert_base_[static_cast<size_t>(le)];
+    const int64_t* expert_rows = expert_rows_.device() + expert_base_[static_cast<size_t>(le)];
     float* dye = AtLeast(ctx, dye_, np * C);
     FP8RT_RETURN_IF_ERROR(L.gather_rows(dye, dy_recv, expert_rows, np, C, {}));
     FP8RT_ASSIGN_OR_RETURN(float* const dge, Zeroed(ctx, dge_, np * F));
@@ -303,16 +317,17 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
   float* dx_send = AtLeast(ctx, dx_send_, sent_ * C);
   FP8RT_RETURN_IF_ERROR(parallel::AllToAllBf16Tokens(*ep_, *ctx.ops, dx_recv, C, recv_counts_,
                                                      send_counts_, dx_send, &token_scratch_));
-  FP8RT_RETURN_IF_ERROR(L.moe_combine(dx, dx_send, /*gate=*/nullptr, slot_.data(), expert_.data(),
-                                      n, K, C, /*accumulate=*/true, {}));
+  FP8RT_RETURN_IF_ERROR(L.moe_combine(dx, dx_send, /*gate=*/nullptr, slot_.device(),
+                                      expert_.device(), n, K, C, /*accumulate=*/true, {}));
 
   // Router: gates g_j = p_j / S over the token's top-k; the aux loss adds
   // dloss * coef * E * f_e / N to dL/dp_e. Then softmax backward and the FP32 GEMM's.
   float* dlogits = AtLeast(ctx, dlogits_, n * E);
   const float aux_scale = dloss * static_cast<float>(config_.aux_loss_coef) *
                           static_cast<float>(E) / static_cast<float>(n);
-  FP8RT_RETURN_IF_ERROR(L.moe_router_backward(dlogits, probs_.data(), expert_.data(), gate_.data(),
-                                              dgate, frac_.data(), aux_scale, n, E, K, {}));
+  FP8RT_RETURN_IF_ERROR(L.moe_router_backward(dlogits, probs_.data(), expert_.device(),
+                                              gate_.data(), dgate, frac_.device(), aux_scale, n, E,
+                                              K, {}));
   return router_->Backward(ctx, dlogits, n, dx, router_grad_);
 }
 

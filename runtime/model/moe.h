@@ -40,6 +40,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/device_array.h"
+#include "kernels/host_mirror.h"
 #include "parallel/fp8_collectives.h"
 #include "runtime/model/linear.h"
 
@@ -115,29 +116,26 @@ class MoeLayer {
   // steady run allocates nothing. The host waits for the backend once per forward, to read the
   // expert ids and plan the dispatch (counts, capacity, the order of the rows), and writes the
   // plan's index arrays then, while the backend is idle; nothing else crosses. So the expert ids,
-  // the probability sums and the plan are host-read memory (pinned on CUDA: written by plain
-  // stores on one side, read across the bus on the other) and everything else is device-only.
+  // the probability sums and the plan are kernels::HostMirror pairs (device memory for the ops,
+  // pinned memory for the host, joined by explicit copies), and everything else is device-only.
   using Array = kernels::DeviceArray<float>;
-  using Index = kernels::DeviceArray<int64_t>;
+  using Index = kernels::HostMirror<int64_t>;
   static constexpr kernels::Placement kDevice = kernels::Placement::kDeviceOnly;
-  static constexpr kernels::Placement kHost = kernels::Placement::kHostRead;
   static constexpr kernels::MemCategory kSaved = kernels::MemCategory::kSavedActivations;
   static constexpr kernels::MemCategory kScratch = kernels::MemCategory::kScratch;
   static Array DeviceScratch() { return Array(kernels::CpuOps(), kScratch, kDevice); }
   const float* x_ = nullptr;
   int64_t n_ = 0;
-  Array probs_{kernels::CpuOps(), kSaved, kDevice};                         // [N, E]
-  kernels::DeviceArray<int32_t> expert_{kernels::CpuOps(), kSaved, kHost};  // [N, k]
-  Array gate_{kernels::CpuOps(), kSaved, kDevice};                          // [N, k]
-  // [E] router probability summed over the tokens
-  kernels::DeviceArray<double> prob_sums_{kernels::CpuOps(), kScratch, kHost};
-  Array frac_{kernels::CpuOps(), kSaved, kHost};  // [E] fraction of assignments (aux loss)
-  // [N, k] dispatch row of each assignment; -1 dropped
-  Index slot_{kernels::CpuOps(), kSaved, kHost};
-  Index send_token_{kernels::CpuOps(), kSaved, kHost};  // [sent] the token of each dispatched row
+  Array probs_{kernels::CpuOps(), kSaved, kDevice};  // [N, E]
+  kernels::HostMirror<int32_t> expert_;              // [N, k]
+  Array gate_{kernels::CpuOps(), kSaved, kDevice};   // [N, k]
+  kernels::HostMirror<double> prob_sums_;  // [E] router probability summed over the tokens
+  kernels::HostMirror<float> frac_;        // [E] fraction of assignments (aux loss)
+  Index slot_;                             // [N, k] dispatch row of each assignment; -1 dropped
+  Index send_token_;                       // [sent] the token of each dispatched row
   // The received rows of each local expert (source rank, then token order), each expert's list
   // padded with -1 (zero rows) to its GEMM rows; expert le's list starts at expert_base_[le].
-  Index expert_rows_{kernels::CpuOps(), kSaved, kHost};
+  Index expert_rows_;
   std::vector<int64_t> expert_base_, expert_tokens_;  // per local expert: offset, real rows
   int64_t sent_ = 0, received_ = 0;
   std::vector<int64_t> send_counts_;      // rows to each ep rank

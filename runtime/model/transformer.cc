@@ -70,7 +70,8 @@ struct Transformer::Acts {
   };
   std::vector<Layer> layers;
   Array x_final, lnf, meanf, rstdf, logits, ce_probs, losses, pos;
-  kernels::DeviceArray<int32_t> inputs, targets, positions;
+  // Written by the host, read by the ops (kernels/host_mirror.h: uploaded by LoadTokens).
+  kernels::HostMirror<int32_t> inputs, targets, positions;
   // Backward temporaries.
   Array dx, dx2, dln, dg, dh, du, datt, dq, dk, dv, dqr, dkr, dqkv, dlogits, dlnf;
 
@@ -84,7 +85,7 @@ struct Transformer::Acts {
     auto operator<=>(const Keep&) const = default;
   };
   // Everything but the losses (pinned host memory on CUDA: the host sums them every pass) and the
-  // token arrays (written by the host, pinned too) is device-only memory
+  // token arrays (written by the host and uploaded, kernels/host_mirror.h) is device-only memory
   // (kernels/device_array.h); Transformer::CopyLogits copies rows of the logits out.
   static constexpr kernels::Placement kDevice = kernels::Placement::kDeviceOnly;
   static constexpr kernels::MemCategory kScratch = kernels::MemCategory::kScratch;
@@ -142,10 +143,6 @@ struct Transformer::Acts {
                      &dlogits, &dlnf}) {
       *v = Array(ops, kScratch, kDevice);
     }
-    for (auto* v : {&inputs, &targets, &positions}) {
-      *v = kernels::DeviceArray<int32_t>(ops, kernels::MemCategory::kSavedActivations,
-                                         kernels::Placement::kHostRead);
-    }
     for (auto* v : {&x_final, &lnf, &dx, &dx2, &dln, &dlnf}) v->assign(c, 0.0f);
     if (s.positions == PositionKind::kLearned) pos.assign(c, 0.0f);
     rstdf.assign(rows, 0.0f);
@@ -161,9 +158,8 @@ struct Transformer::Acts {
       dkr.assign(kvl, 0.0f);
     }
     dqkv.assign(cl + 2 * kvl, 0.0f);
-    inputs.assign(rows, 0);
-    targets.assign(rows, 0);
-    positions.assign(rows, 0);
+    // The token arrays: the host writes them (LoadTokens uploads them every pass).
+    for (auto* v : {&inputs, &targets, &positions}) v->Reset(ops, rows);
     for (size_t r = 0; r < rows; ++r) {
       positions[r] = static_cast<int32_t>(static_cast<int64_t>(r) % s.seq_len);
     }
@@ -1017,6 +1013,12 @@ absl::Status Transformer::LoadTokens(std::span<const int32_t> tokens, int64_t mi
       a.targets[static_cast<size_t>(b * T + t)] = tokens[static_cast<size_t>(b * (T + 1) + t + 1)];
     }
   }
+  // To the device, in stream order after the last pass's ops that read them (the host side is
+  // free: the last pass's upload finished before its loss was read).
+  const size_t rows = static_cast<size_t>(micro_batch * T);
+  for (kernels::HostMirror<int32_t>* v : {&a.inputs, &a.targets, &a.positions}) {
+    FP8RT_RETURN_IF_ERROR(v->Upload({}, rows));
+  }
   return absl::OkStatus();
 }
 
@@ -1085,9 +1087,9 @@ absl::StatusOr<float> Transformer::Forward(bool train) {
   FP8RT_RETURN_IF_ERROR(FinishUnshard(0));
   FP8RT_RETURN_IF_ERROR(StartUnshard(1));  // prefetch: the next unit's gathers run meanwhile
   float* x0 = a.layers[0].x.data();
-  FP8RT_RETURN_IF_ERROR(L.embedding_forward(x0, a.inputs.data(), W(embedding_), N, V, C, st));
+  FP8RT_RETURN_IF_ERROR(L.embedding_forward(x0, a.inputs.device(), W(embedding_), N, V, C, st));
   if (positions_ >= 0) {
-    FP8RT_RETURN_IF_ERROR(L.embedding_forward(a.pos.data(), a.positions.data(), W(positions_), N,
+    FP8RT_RETURN_IF_ERROR(L.embedding_forward(a.pos.data(), a.positions.device(), W(positions_), N,
                                               shape_.max_positions, C, st));
     FP8RT_RETURN_IF_ERROR(L.residual_forward(x0, x0, a.pos.data(), N * C, st));
   }
@@ -1165,7 +1167,7 @@ absl::StatusOr<float> Transformer::Forward(bool train) {
       norm(a.lnf.data(), a.meanf, a.rstdf, a.x_final.data(), final_norm_, final_norm_bias_));
   FP8RT_RETURN_IF_ERROR(lm_head_->Forward(ctx, a.lnf.data(), N, a.logits.data()));
   FP8RT_RETURN_IF_ERROR(L.cross_entropy_forward(a.ce_probs.data(), a.losses.data(), a.logits.data(),
-                                                a.targets.data(), N, V, st));
+                                                a.targets.device(), N, V, st));
   // The mean loss over the rows, summed in row order on the host once the backend has finished.
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
   float loss_sum = 0.0f;
@@ -1206,7 +1208,7 @@ absl::Status Transformer::Backward(float dloss) {
   // Every op accumulates into zeroed buffers.
   FP8RT_RETURN_IF_ERROR(zero(a.dlogits));
   FP8RT_RETURN_IF_ERROR(L.cross_entropy_backward(a.dlogits.data(), a.ce_probs.data(),
-                                                 a.targets.data(), N, V, dloss, st));
+                                                 a.targets.device(), N, V, dloss, st));
   FP8RT_RETURN_IF_ERROR(zero(a.dlnf));
   FP8RT_RETURN_IF_ERROR(BeginUnitGrads(head));
   FP8RT_RETURN_IF_ERROR(
@@ -1286,9 +1288,9 @@ absl::Status Transformer::Backward(float dloss) {
   }
   FP8RT_RETURN_IF_ERROR(BeginUnitGrads(0));
   FP8RT_RETURN_IF_ERROR(
-      L.embedding_backward(G(embedding_), a.dx.data(), a.inputs.data(), N, V, C, st));
+      L.embedding_backward(G(embedding_), a.dx.data(), a.inputs.device(), N, V, C, st));
   if (positions_ >= 0) {
-    FP8RT_RETURN_IF_ERROR(L.embedding_backward(G(positions_), a.dx.data(), a.positions.data(), N,
+    FP8RT_RETURN_IF_ERROR(L.embedding_backward(G(positions_), a.dx.data(), a.positions.device(), N,
                                                shape_.max_positions, C, st));
   }
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));

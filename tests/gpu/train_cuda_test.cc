@@ -219,8 +219,9 @@ INSTANTIATE_TEST_SUITE_P(
              {"precision.mode=fp8", "precision.scaling=delayed",
               "precision.fp8_fast_accum_forward=true"},
              1e-2},
-        // MoE in every second block (4 experts, top-2, all local): routing on the host over
-        // managed memory; a router probability that differs in its last bit can swap a
+        // MoE in every second block (4 experts, top-2, all local): routing on the device, the
+        // expert ids copied to the host for the plan and the plan copied back
+        // (kernels/host_mirror.h); a router probability that differs in its last bit can swap a
         // near-tied expert, hence the wider tolerance.
         Mode{"fp8_moe",
              {"precision.mode=fp8", "precision.scaling=delayed", "moe.experts=4", "moe.top_k=2",

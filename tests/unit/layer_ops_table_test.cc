@@ -1605,9 +1605,9 @@ TEST(CopyBytesTest, CopiesTheBytesAndRefusesANullEndNamingIt) {
   EXPECT_NE(no_src.message().find("copy_bytes: src is null"), std::string::npos) << no_src;
 }
 
-// HostMirror (kernels/host_mirror.h): the ops write the device side (device-only memory), the
-// host reads the host side (host-read memory), and only Download brings one to the other.
-TEST(HostMirrorTest, TheHostSeesWhatTheOpsWroteOnlyAfterDownload) {
+// HostMirror (kernels/host_mirror.h): the ops use the device side (device-only memory), the host
+// the host side (host-read memory), and only Download and Upload bring one to the other.
+TEST(HostMirrorTest, EachSideSeesTheOthersWritesOnlyAfterACopy) {
   CountingTable counting;
   const OpTable& table = counting.table;
   const LayerOps& layer = counting.layer;
@@ -1625,6 +1625,18 @@ TEST(HostMirrorTest, TheHostSeesWhatTheOpsWroteOnlyAfterDownload) {
   ASSERT_TRUE(m.Download(Stream{}, 1).ok());  // only the first element
   EXPECT_EQ(m[0], -7.0f);
   EXPECT_EQ(m[1], 2.5f);
+  // Host to device: what the host writes reaches the ops only through Upload.
+  m[0] = 11.0f;
+  m[1] = 12.0f;
+  m[2] = 13.0f;
+  DeviceArray<float> seen(table, 3, 0.0f);
+  ASSERT_TRUE(layer.copy(seen.data(), m.device(), 3, Stream{}).ok());
+  EXPECT_EQ(seen[0], -7.0f) << "the device side changed without an Upload";
+  ASSERT_TRUE(m.Upload(Stream{}, 2).ok());  // the first two
+  ASSERT_TRUE(layer.copy(seen.data(), m.device(), 3, Stream{}).ok());
+  EXPECT_EQ(seen[0], 11.0f);
+  EXPECT_EQ(seen[1], 12.0f);
+  EXPECT_EQ(seen[2], -7.0f);
   // The same backend and size keep both sides; a larger Grow replaces them.
   m.Reset(table, 3);
   EXPECT_EQ(device_allocations.load(), 1);
