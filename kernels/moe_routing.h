@@ -36,6 +36,9 @@ namespace fp8rt::kernels::moe {
 // size unless n, e, k and c are >= 0 and, when there are tokens and experts (e > 0), k is in
 // [1, e]. The row moves pass e = k = 0.
 absl::Status CheckSizes(const char* op, int64_t n, int64_t e, int64_t k, int64_t c);
+// CheckSizes for the entries that route (moe_route, moe_router_backward), where e is the experts'
+// count and not a placeholder: tokens without experts (n > 0, e = 0) are refused too.
+absl::Status CheckRouteSizes(const char* op, int64_t n, int64_t e, int64_t k);
 
 FP8RT_MOE_HD inline float Exp(float x) {
 #if defined(__CUDA_ARCH__)

@@ -13,7 +13,7 @@ namespace fp8rt::kernels::cpu_internal {
 
 absl::Status MoeRouteCpu(float* probs, int32_t* expert, float* gate, double* prob_sums,
                          const float* logits, int64_t n, int64_t e, int64_t k, Stream) {
-  FP8RT_RETURN_IF_ERROR(moe::CheckSizes("moe_route", n, e, k, 0));
+  FP8RT_RETURN_IF_ERROR(moe::CheckRouteSizes("moe_route", n, e, k));
   for (int64_t t = 0; t < n; ++t) {
     moe::RouteToken(logits + t * e, probs + t * e, expert + t * k, gate + t * k, e, k);
   }
@@ -88,7 +88,7 @@ absl::Status MoeCombineBackwardCpu(float* dy, float* dgate, const float* dout, c
 absl::Status MoeRouterBackwardCpu(float* dlogits, const float* probs, const int32_t* expert,
                                   const float* gate, const float* dgate, const float* frac,
                                   float aux_scale, int64_t n, int64_t e, int64_t k, Stream) {
-  FP8RT_RETURN_IF_ERROR(moe::CheckSizes("moe_router_backward", n, e, k, 0));
+  FP8RT_RETURN_IF_ERROR(moe::CheckRouteSizes("moe_router_backward", n, e, k));
   for (int64_t t = 0; t < n; ++t) {
     moe::RouterBackwardToken(dlogits + t * e, probs + t * e, expert + t * k, gate + t * k,
                              dgate + t * k, frac, aux_scale, e, k);

@@ -1156,7 +1156,7 @@ __global__ void MoeRouterBackwardKernel(float* dlogits, const float* probs, cons
 absl::Status MoeRouteEntry(float* probs, int32_t* expert, float* gate, double* prob_sums,
                            const float* logits, int64_t n, int64_t e, int64_t k, Stream stream) {
   constexpr const char* kOp = "moe_route";
-  FP8RT_RETURN_IF_ERROR(moe::CheckSizes(kOp, n, e, k, 0));
+  FP8RT_RETURN_IF_ERROR(moe::CheckRouteSizes(kOp, n, e, k));
   if (e == 0) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"prob_sums", prob_sums}}));
   if (n > 0) {
@@ -1227,7 +1227,7 @@ absl::Status MoeRouterBackwardEntry(float* dlogits, const float* probs, const in
                                     float aux_scale, int64_t n, int64_t e, int64_t k,
                                     Stream stream) {
   constexpr const char* kOp = "moe_router_backward";
-  FP8RT_RETURN_IF_ERROR(moe::CheckSizes(kOp, n, e, k, 0));
+  FP8RT_RETURN_IF_ERROR(moe::CheckRouteSizes(kOp, n, e, k));
   if (n == 0 || e == 0) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"dlogits", dlogits},
                                             {"probs", probs},

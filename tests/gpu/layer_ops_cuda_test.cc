@@ -1319,6 +1319,29 @@ TEST_F(MoeRoutingTest, MatchesTheCpuBackend) {
   ExpectBitsEqual(Download<float>(d_dy, dy.size()), dy, "moe_combine_backward dy");
   ExpectWithin(got_dgate, dgate, tol_dgate, "moe_combine_backward dgate");
   ExpectWithin(Download<float>(d_dl, dl.size()), dl, tol_dl, "moe_router_backward");
+
+  // The backward's combine (the experts' input gradients back into dx): no gate, added onto what
+  // dx holds.
+  const std::vector<float> dx0 = Normal(n * c, 95, 1.0f);
+  std::vector<float> dx = dx0;
+  ExpectOk(cpu_.moe_combine(dx.data(), y.data(), /*gate=*/nullptr, slot.data(), expert.data(), n, k,
+                            c, /*accumulate=*/true, {}));
+  auto d_dx = Upload(dx0);
+  ExpectOk(gpu_->moe_combine(d_dx.f(), d_y.f(), /*gate=*/nullptr, d_slot.as<int64_t>(),
+                             d_cpu_expert.as<int32_t>(), n, k, c, /*accumulate=*/true, stream()));
+  Sync();
+  std::vector<double> tol_dx(dx.size());
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t col = 0; col < c; ++col) {
+      double mag = std::abs(dx0[t * c + col]);
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t sl = slot[t * k + j];
+        if (sl >= 0) mag += std::abs(y[sl * c + col]);
+      }
+      tol_dx[t * c + col] = 0x1p-22 * (k + 1) * mag;
+    }
+  }
+  ExpectWithin(Download<float>(d_dx, dx.size()), dx, tol_dx, "moe_combine without gate, added");
 }
 
 class ArgumentTest : public LayerOpsCudaTest {};

@@ -268,6 +268,12 @@ TEST(ArgumentTest, BadSizesAreRefusedNamingThem) {
   EXPECT_NE(message(Cpu().moe_route(nullptr, nullptr, nullptr, nullptr, nullptr, 3, 4, 5, {}))
                 .find("moe_route: k is 5 with e = 4"),
             std::string::npos);
+  // Tokens without experts: refused by both routing entries (the combines take no e).
+  EXPECT_EQ(message(Cpu().moe_route(nullptr, nullptr, nullptr, nullptr, nullptr, 4, 0, 1, {})),
+            "moe_route: e is 0 with n = 4 tokens (routing needs at least one expert)");
+  EXPECT_EQ(message(Cpu().moe_router_backward(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                              1.0f, 4, 0, 1, {})),
+            "moe_router_backward: e is 0 with n = 4 tokens (routing needs at least one expert)");
   EXPECT_EQ(message(Cpu().gather_rows(nullptr, nullptr, nullptr, 2, -3, {})),
             "gather_rows: c is -3 (< 0)");
   EXPECT_EQ(
