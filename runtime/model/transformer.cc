@@ -1050,13 +1050,13 @@ absl::StatusOr<std::vector<float>> Transformer::CopyLogits(int64_t first_row, in
                                                    " rows of the last pass"));
   }
   // The logits are device-only: copied into pinned memory behind the pass, then read.
-  kernels::DeviceArray<float> host(ops_, kernels::MemCategory::kOther,
-                                   kernels::Placement::kHostRead);
-  host.Reset(ops_, static_cast<size_t>(rows * V));
-  FP8RT_RETURN_IF_ERROR(ops_.layer->copy_bytes(host.data(), acts_->logits.data() + first_row * V,
-                                               static_cast<size_t>(rows * V) * sizeof(float), {}));
+  const size_t count = static_cast<size_t>(rows * V);
+  logits_host_.Grow(ops_, count);
+  FP8RT_RETURN_IF_ERROR(ops_.layer->copy_bytes(logits_host_.data(),
+                                               acts_->logits.data() + first_row * V,
+                                               count * sizeof(float), {}));
   FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
-  return std::vector<float>(host.begin(), host.end());
+  return std::vector<float>(logits_host_.begin(), logits_host_.begin() + count);
 }
 
 absl::StatusOr<float> Transformer::Forward(bool train) {

@@ -456,6 +456,10 @@ class Transformer {
   // BeginStep: the shard amax of each current-scaled FP8 weight, written by the amax op on the
   // device and copied for the host.
   kernels::HostMirror<float> weight_amaxes_;
+  // CopyLogits' pinned staging, kept and grown across calls (generation copies a row per token;
+  // a pinned allocation and its free, which waits for the device, per call would cost more).
+  mutable kernels::DeviceArray<float> logits_host_{kernels::CpuOps(), kernels::MemCategory::kOther,
+                                                   kernels::Placement::kHostRead};
   // Indices of the non-block parameters and layers.
   int embedding_ = -1, positions_ = -1, final_norm_ = -1, final_norm_bias_ = -1,
       lm_head_param_ = -1;
