@@ -11,10 +11,10 @@
 //
 // Placement: kHostVisible arrays (the default) come from LayerOps::allocate (CUDA managed memory)
 // and the host may read and write them as above. kDeviceOnly arrays come from
-// LayerOps::allocate_device (CUDA cudaMalloc): only the backend's entries touch them, through
-// data(); the host-side accessors (operator[], begin/end, a non-zero assign, resize) abort,
-// naming the array's category, on every backend, so that the CPU tests find a host access the
-// GPU would fault on. assign(count) of zeros on such an array clears it with zero_bytes on the
+// LayerOps::allocate_device (CUDA stream-ordered device memory): only the backend's entries touch
+// them, through data(); the host-side accessors (operator[], begin/end, a non-zero assign, resize)
+// abort, naming the array's category, on every backend, so that the CPU tests find a host access
+// the GPU would fault on. assign(count) of zeros on such an array clears it with zero_bytes on the
 // default stream. kHostRead arrays come from LayerOps::allocate_host (CUDA pinned, mapped host
 // memory) for the small results the host reads every step, written by entries with plain stores
 // (a loss per row, a sum of squares per shard); the host accesses them as kHostVisible ones.

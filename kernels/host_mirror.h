@@ -1,7 +1,7 @@
 // HostMirror<T>: a small array that crosses between the host and a backend's entries, kept as
-// two: a device side (a Placement::kDeviceOnly array: cudaMalloc on CUDA) that the entries use,
-// and a host side (Placement::kHostRead: pinned host memory on CUDA) that the host uses, joined
-// by explicit copies queued on a stream (LayerOps::copy_bytes).
+// two: a device side (a Placement::kDeviceOnly array: stream-ordered device memory on CUDA) that
+// the entries use, and a host side (Placement::kHostRead: pinned host memory on CUDA) that the host
+// uses, joined by explicit copies queued on a stream (LayerOps::copy_bytes).
 //
 // Device to host (Download): results the entries write and the host reads after a wait, such as
 // the FP8 statistics of a quantization (combined with device atomics), an amax max-reduced by a

@@ -403,8 +403,10 @@ struct LayerOps {
   absl::StatusOr<void*> (*allocate)(size_t bytes);
   void (*deallocate)(void* p);
   // Memory only the backend's entries touch (DeviceArray's Placement::kDeviceOnly): CUDA,
-  // cudaMalloc (the host must not read or write it: no page migration, no faults); CPU, as
-  // allocate. Freed by deallocate. Same errors as allocate.
+  // device memory from the stream-ordered pool (cudaMallocAsync on the default stream; the host
+  // must not read or write it: no page migration, no faults), which deallocate frees in stream
+  // order, after the work already queued, without waiting; CPU, as allocate. Same errors as
+  // allocate.
   absl::StatusOr<void*> (*allocate_device)(size_t bytes);
   // Memory the host reads once synchronize has returned, which the backend's entries write with
   // plain stores (no atomics: across PCIe those are not guaranteed on host memory)

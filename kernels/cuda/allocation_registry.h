@@ -20,9 +20,10 @@ namespace fp8rt::kernels::cuda_internal {
 
 class AllocationRegistry {
  public:
-  // What an allocation is, for its free: device or managed memory (cudaFree), pinned host memory
-  // (cudaFreeHost); kUnknown is what Remove says of a pointer never added.
-  enum class Kind : uint8_t { kUnknown, kDevice, kPinnedHost };
+  // What an allocation is, for its free: managed memory (cudaFree), device memory from the
+  // stream-ordered pool (cudaFreeAsync), pinned host memory (cudaFreeHost); kUnknown is what
+  // Remove says of a pointer never added.
+  enum class Kind : uint8_t { kUnknown, kDevice, kPinnedHost, kStreamOrdered };
 
   // [p, p + bytes) was allocated; bytes 0 counts as 1 (allocate hands out at least one byte).
   void Add(const void* p, size_t bytes, Kind kind = Kind::kDevice) {

@@ -15,6 +15,7 @@
 #include "kernels/cuda/cuda_ops_internal.h"
 #include "kernels/cuda/managed_access.h"
 #include "runtime/core/checks.h"
+#include "runtime/core/status.h"
 
 namespace fp8rt::kernels::cuda_internal {
 
@@ -193,7 +194,10 @@ absl::Status UseCudaDevice(int ordinal) {
   int concurrent = 0;
   CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&concurrent, cudaDevAttrConcurrentManagedAccess, ordinal));
-  return cuda_internal::CheckConcurrentManagedAccess(ordinal, concurrent);
+  FP8RT_RETURN_IF_ERROR(cuda_internal::CheckConcurrentManagedAccess(ordinal, concurrent));
+  int pools = 0;
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, ordinal));
+  return cuda_internal::CheckMemoryPools(ordinal, pools);
 }
 
 }  // namespace fp8rt::kernels

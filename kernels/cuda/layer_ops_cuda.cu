@@ -38,10 +38,12 @@
 //   SumPartialsKernel        pass 2: one block adds the partials in a fixed strided order and the
 //                            same tree. No atomics: the order is fixed (layer_math.cuh)
 //   allocate / deallocate    cudaMallocManaged / cudaFree (the table's memory, DeviceArray)
-//   allocate_device          cudaMalloc (DeviceArray's device-only arrays); allocate_host
+//   allocate_device          cudaMallocFromPoolAsync on the default stream, from a pool that
+//                            keeps freed memory (DeviceArray's device-only arrays; freed with
+//                            cudaFreeAsync there: no wait); allocate_host
 //                            cudaHostAlloc, mapped (host-read arrays); zero_bytes
 //                            cudaMemsetAsync; prefetch cudaMemPrefetchAsync; copy_bytes
-//                            cudaMemcpyAsync; deallocate cudaFree or cudaFreeHost
+//                            cudaMemcpyAsync; deallocate cudaFreeAsync, cudaFree or cudaFreeHost
 //
 // Buffers: every pointer is device memory, checked before anything is launched (a null pointer
 // is refused when the op has work). Nothing is allocated but by allocate, except sum_squares'
@@ -49,7 +51,8 @@
 // CUB's scratch): stream-ordered scratch, cudaMallocAsync / cudaFreeAsync on the given stream
 // from the device's default pool, which neither waits nor races with the same op on other
 // streams. Every launch goes on the given stream, and no entry waits for it but synchronize
-// (and deallocate: cudaFree waits). Token ids outside [0, V) are the caller's to prevent: here
+// (and deallocate of managed or pinned memory: cudaFree and cudaFreeHost wait; device-only
+// arrays are stream-ordered and do not). Token ids outside [0, V) are the caller's to prevent: here
 // they never make a kernel touch memory outside the buffers (embedding_forward writes NaN rows for
 // them, embedding_backward skips them), so they cannot poison the context.
 #include <cuda_runtime.h>
@@ -61,6 +64,8 @@
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
 #include <initializer_list>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -1014,19 +1019,84 @@ absl::StatusOr<void*> Registered(cudaError_t err, void* p, size_t bytes, const c
   return p;
 }
 
+// The pool the backend's device-only arrays come from: one per device, created on first use and
+// kept for the life of the process. It keeps what is freed for reuse (its release threshold is at
+// the maximum; a pool's default, 0, hands freed memory back to the driver at every
+// synchronisation and maps it again at the next allocation), as a caching allocator does. The
+// device's default pool, which CUB's scratch and NCCL's staging use, is left as CUDA configures
+// it. Memory this pool keeps is not available to other allocations: one that fails gives it back
+// (TrimPoolAndRetry) before giving up.
+std::mutex pools_mu;
+std::map<int, cudaMemPool_t> pools;  // device -> its pool; Guarded by pools_mu
+
+absl::StatusOr<cudaMemPool_t> DeviceArrayPool() {
+  int device = 0;
+  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(pools_mu);
+  if (const auto it = pools.find(device); it != pools.end()) return it->second;
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  cudaMemPool_t pool = nullptr;
+  CUDA_RETURN_IF_ERROR(cudaMemPoolCreate(&pool, &props));
+  uint64_t keep_all = UINT64_MAX;
+  if (const cudaError_t err =
+          cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all);
+      err != cudaSuccess) {
+    (void)cudaMemPoolDestroy(pool);
+    return ::fp8rt::internal::CudaErrorStatus(err, "cudaMemPoolSetAttribute(release threshold)",
+                                              __FILE__, __LINE__);
+  }
+  pools.emplace(device, pool);
+  return pool;
+}
+
+// `allocate` once; if the device is out of memory, the unused memory of the current device's
+// array pool goes back to the driver (after a device synchronisation, so that the frees still
+// queued have happened) and `allocate` runs again.
+template <class F>
+cudaError_t TrimPoolAndRetry(F allocate) {
+  const cudaError_t err = allocate();
+  if (err != cudaErrorMemoryAllocation) return err;
+  int device = 0;
+  cudaMemPool_t pool = nullptr;
+  if (cudaGetDevice(&device) != cudaSuccess) return err;
+  {
+    std::lock_guard<std::mutex> lock(pools_mu);
+    const auto it = pools.find(device);
+    if (it == pools.end()) return err;  // no pool yet: nothing kept
+    pool = it->second;
+  }
+  if (cudaDeviceSynchronize() != cudaSuccess || cudaMemPoolTrimTo(pool, 0) != cudaSuccess) {
+    return err;
+  }
+  (void)cudaGetLastError();  // the first attempt's out-of-memory
+  return allocate();
+}
+
 // Managed memory on the current device.
 absl::StatusOr<void*> AllocateEntry(size_t bytes) {
   void* p = nullptr;
-  const cudaError_t err = cudaMallocManaged(&p, std::max<size_t>(bytes, 1));
+  const cudaError_t err =
+      TrimPoolAndRetry([&] { return cudaMallocManaged(&p, std::max<size_t>(bytes, 1)); });
   return Registered(err, p, bytes, "CUDA managed memory", AllocationRegistry::Kind::kDevice);
 }
 
-// Device memory (cudaMalloc on the current device). The host never touches it: no managed pages
-// migrate on first touch.
+// Device memory on the current device, from its array pool, ordered on the legacy default
+// stream (where the model's ops run; other blocking streams, such as NCCL's, synchronise with
+// it, and the one non-blocking stream, the FSDP prefetch's, waits on an event recorded there).
+// The host never touches it: no managed pages migrate on first touch. Its free (deallocate) is
+// ordered on the same stream after the work already queued, so it does not wait for the device,
+// where cudaFree would on every buffer the step frees (FSDP's gathered weights and gradients,
+// the MoE's temporaries).
 absl::StatusOr<void*> AllocateDeviceEntry(size_t bytes) {
+  FP8RT_ASSIGN_OR_RETURN(const cudaMemPool_t pool, DeviceArrayPool());
   void* p = nullptr;
-  const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
-  return Registered(err, p, bytes, "CUDA device memory", AllocationRegistry::Kind::kDevice);
+  const cudaError_t err = TrimPoolAndRetry([&] {
+    return cudaMallocFromPoolAsync(&p, std::max<size_t>(bytes, 1), pool, cudaStreamLegacy);
+  });
+  return Registered(err, p, bytes, "CUDA device memory", AllocationRegistry::Kind::kStreamOrdered);
 }
 
 // Pinned, mapped host memory; with unified addressing its device pointer is the host pointer.
@@ -1066,19 +1136,27 @@ absl::Status PrefetchEntry(const void* p, size_t bytes, Stream stream) {
   return absl::OkStatus();
 }
 
-// cudaFree waits for the device; an error (a pointer allocate did not give) has nowhere to go
-// from a void entry and is cleared rather than left for the next launch to report.
-// Pinned host memory (allocate_host) goes back with cudaFreeHost, the rest with cudaFree: the
-// registry says which; only a pointer it does not know costs a runtime query.
+// Device-only memory (allocate_device) goes back with cudaFreeAsync on the legacy default
+// stream, after the work queued there (no wait); pinned host memory (allocate_host) with
+// cudaFreeHost and managed memory with cudaFree, which wait for the device. The registry says
+// which; only a pointer it does not know costs a runtime query. An error (a pointer allocate did
+// not give) has nowhere to go from a void entry and is cleared rather than left for the next
+// launch to report.
 void DeallocateEntry(void* p) {
   if (p == nullptr) return;
   const AllocationRegistry::Kind kind = BackendAllocations().Remove(p);
-  bool pinned = kind == AllocationRegistry::Kind::kPinnedHost;
-  if (kind == AllocationRegistry::Kind::kUnknown) {
-    cudaPointerAttributes attr{};
-    pinned = cudaPointerGetAttributes(&attr, p) == cudaSuccess && attr.type == cudaMemoryTypeHost;
+  cudaError_t err = cudaSuccess;
+  if (kind == AllocationRegistry::Kind::kStreamOrdered) {
+    err = cudaFreeAsync(p, cudaStreamLegacy);
+  } else {
+    bool pinned = kind == AllocationRegistry::Kind::kPinnedHost;
+    if (kind == AllocationRegistry::Kind::kUnknown) {
+      cudaPointerAttributes attr{};
+      pinned = cudaPointerGetAttributes(&attr, p) == cudaSuccess && attr.type == cudaMemoryTypeHost;
+    }
+    err = pinned ? cudaFreeHost(p) : cudaFree(p);
   }
-  if ((pinned ? cudaFreeHost(p) : cudaFree(p)) != cudaSuccess) (void)cudaGetLastError();
+  if (err != cudaSuccess) (void)cudaGetLastError();
 }
 
 // --- MoE routing: the per-token functions of kernels/moe_routing.h, one thread per token,

@@ -1,4 +1,4 @@
-// Whether the CUDA backend can use a device's managed memory as it does (issue 23 point 5): the
+// Whether the CUDA backend can use a device's memory as it does (issue 23 point 5): the
 // host reads and writes DeviceArrays once the compute stream is synchronised, while an FSDP
 // prefetch or an NCCL collective may still run on another stream. That is legal only where the
 // device reports concurrentManagedAccess (Linux on Pascal and later, with the open or proprietary
@@ -23,6 +23,18 @@ inline absl::Status CheckConcurrentManagedAccess(int ordinal, int concurrent_man
       " reports concurrentManagedAccess = 0: the host cannot touch managed memory while a "
       "kernel runs there (Windows, WSL and some virtualised GPUs), which fp8rt's CUDA backend "
       "does between streams; run on Linux with the GPU passed through, or use device: cpu"));
+}
+
+// OK when memory_pools_supported (cudaDevAttrMemoryPoolsSupported) is nonzero: the backend's
+// device-only arrays come from a stream-ordered memory pool. Otherwise FailedPrecondition naming
+// the device ordinal.
+inline absl::Status CheckMemoryPools(int ordinal, int memory_pools_supported) {
+  if (memory_pools_supported != 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "CUDA device ", ordinal,
+      " does not support stream-ordered memory pools (cudaDevAttrMemoryPoolsSupported = 0), "
+      "which fp8rt's CUDA backend allocates its device memory from; update the driver (CUDA "
+      "11.2 or later), or use device: cpu"));
 }
 
 }  // namespace fp8rt::kernels::cuda_internal

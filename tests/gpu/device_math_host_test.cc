@@ -228,9 +228,13 @@ TEST(AllocationRegistryTest, KnowsEveryAddressInsideItsAllocationsAndNoOther) {
   EXPECT_EQ(r.size(), 1u);
   r.Add(nullptr, 10);
   EXPECT_FALSE(r.Contains(nullptr));
-  // Each free learns how to free: pinned host memory (cudaFreeHost) from device memory.
+  // Each free learns how to free: pinned host memory (cudaFreeHost), stream-ordered device memory
+  // (cudaFreeAsync) and managed memory (cudaFree).
   EXPECT_EQ(r.Remove(b), cuda_internal::AllocationRegistry::Kind::kPinnedHost);
   EXPECT_EQ(r.size(), 0u);
+  r.Add(a, 8, cuda_internal::AllocationRegistry::Kind::kStreamOrdered);
+  EXPECT_TRUE(r.Contains(a + 7));
+  EXPECT_EQ(r.Remove(a), cuda_internal::AllocationRegistry::Kind::kStreamOrdered);
 }
 
 // A device without concurrent managed access is refused when it is selected, naming it.
@@ -239,6 +243,16 @@ TEST(ManagedAccessTest, ADeviceWithoutConcurrentManagedAccessIsRefused) {
   const absl::Status s = cuda_internal::CheckConcurrentManagedAccess(3, 0);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("CUDA device 3 reports concurrentManagedAccess = 0"),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("device: cpu"), std::string::npos) << s;
+}
+
+TEST(ManagedAccessTest, ADeviceWithoutMemoryPoolsIsRefused) {
+  EXPECT_TRUE(cuda_internal::CheckMemoryPools(0, 1).ok());
+  const absl::Status s = cuda_internal::CheckMemoryPools(2, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("CUDA device 2 does not support stream-ordered memory pools"),
             std::string::npos)
       << s;
   EXPECT_NE(s.message().find("device: cpu"), std::string::npos) << s;
