@@ -100,22 +100,62 @@ absl::Status CheckCount(int64_t count, const void* buf, const char* what) {
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::Status Communicator::AllReduce(void* buf, int64_t count, DType dtype, ReduceOp op) {
-  absl::Status s = CheckReducible(dtype);
-  if (s.ok()) s = CheckCount(count, buf, "buf");
-  if (!s.ok()) return Annotate(CollectiveOp::kAllReduce, s);
-  Count(CollectiveOp::kAllReduce, dtype, Bytes(count, dtype));
-  return Annotate(CollectiveOp::kAllReduce, DoAllReduce(buf, count, dtype, op));
+absl::Status CheckCompletion(Completion completion) {
+  if (completion == Completion::kHost || completion == Completion::kStream) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("completion must be host or stream, got ", static_cast<int>(completion)));
 }
 
-absl::Status Communicator::AllGather(const void* send, int64_t count, void* recv, DType dtype) {
+}  // namespace
+
+absl::Status Communicator::AllReduce(void* buf, int64_t count, DType dtype, ReduceOp op,
+                                     Completion completion) {
+  absl::Status s = CheckReducible(dtype);
+  if (s.ok()) s = CheckCount(count, buf, "buf");
+  if (s.ok()) s = CheckCompletion(completion);
+  if (!s.ok()) return Annotate(CollectiveOp::kAllReduce, s);
+  Count(CollectiveOp::kAllReduce, dtype, Bytes(count, dtype));
+  return Annotate(CollectiveOp::kAllReduce, completion == Completion::kStream
+                                                ? DoAllReduceQueued(buf, count, dtype, op)
+                                                : DoAllReduce(buf, count, dtype, op));
+}
+
+absl::Status Communicator::AllGather(const void* send, int64_t count, void* recv, DType dtype,
+                                     Completion completion) {
   absl::Status s = CheckCount(count, send, "send");
   if (s.ok()) s = CheckCount(count, recv, "recv");
+  if (s.ok()) s = CheckCompletion(completion);
   if (!s.ok()) return Annotate(CollectiveOp::kAllGather, s);
   Count(CollectiveOp::kAllGather, dtype, Bytes(count, dtype));
-  return Annotate(CollectiveOp::kAllGather, DoAllGather(send, count, recv, dtype));
+  return Annotate(CollectiveOp::kAllGather, completion == Completion::kStream
+                                                ? DoAllGatherQueued(send, count, recv, dtype)
+                                                : DoAllGather(send, count, recv, dtype));
+}
+
+absl::Status Communicator::CheckStreamOrdered() {
+  absl::Status s = DoCheckStreamOrdered();
+  if (s.ok()) return s;
+  return absl::Status(s.code(),
+                      absl::StrCat("group '", name_, "' (rank ", rank_, " of ", size_,
+                                   "): a stream-ordered collective failed: ", s.message()));
+}
+
+absl::Status Communicator::DoCheckStreamOrdered() { return absl::OkStatus(); }
+
+absl::Status Communicator::DoAllReduceQueued(void* buf, int64_t count, DType dtype, ReduceOp op) {
+  return DoAllReduce(buf, count, dtype, op);
+}
+
+absl::Status Communicator::DoAllGatherQueued(const void* send, int64_t count, void* recv,
+                                             DType dtype) {
+  return DoAllGather(send, count, recv, dtype);
+}
+
+absl::Status Communicator::DoReduceScatterQueued(const void* send, void* recv, int64_t recv_count,
+                                                 DType dtype, ReduceOp op) {
+  return DoReduceScatter(send, recv, recv_count, dtype, op);
 }
 
 namespace {
@@ -170,13 +210,17 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> Communicator::DoStartAllGathe
 }
 
 absl::Status Communicator::ReduceScatter(const void* send, void* recv, int64_t recv_count,
-                                         DType dtype, ReduceOp op) {
+                                         DType dtype, ReduceOp op, Completion completion) {
   absl::Status s = CheckReducible(dtype);
   if (s.ok()) s = CheckCount(recv_count, send, "send");
   if (s.ok()) s = CheckCount(recv_count, recv, "recv");
+  if (s.ok()) s = CheckCompletion(completion);
   if (!s.ok()) return Annotate(CollectiveOp::kReduceScatter, s);
   Count(CollectiveOp::kReduceScatter, dtype, Bytes(recv_count * size_, dtype));
-  return Annotate(CollectiveOp::kReduceScatter, DoReduceScatter(send, recv, recv_count, dtype, op));
+  return Annotate(CollectiveOp::kReduceScatter,
+                  completion == Completion::kStream
+                      ? DoReduceScatterQueued(send, recv, recv_count, dtype, op)
+                      : DoReduceScatter(send, recv, recv_count, dtype, op));
 }
 
 absl::Status Communicator::AllToAllV(const void* send, std::span<const int64_t> send_counts,

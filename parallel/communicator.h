@@ -6,9 +6,21 @@
 // the same. Collectives are blocking and must be called in the same order on every rank of the
 // group, except StartAllGather, which starts an all-gather and returns a PendingCollective to
 // wait on later (FSDP prefetches the next layer's weight with it while the current layer
-// computes); it counts, in that order, as the call that started it. A backend never hangs forever: a collective that does not complete within the group's
-// timeout returns DeadlineExceeded naming the op and group, after which the communicator is
-// unusable (the job is expected to tear down and restart from a checkpoint).
+// computes); it counts, in that order, as the call that started it. A backend never hangs forever:
+// a collective that does not complete within the group's timeout returns DeadlineExceeded naming
+// the op and group, after which the communicator is unusable (the job is expected to tear down and
+// restart from a checkpoint).
+//
+// Stream-ordered completion (Completion::kStream, all-reduce, all-gather and reduce-scatter): for
+// results that only the device's later work reads (a TP activation sum, a current-scaling amax,
+// a gradient shard). A backend whose buffers are device memory (NCCL) then returns once the
+// collective is on the device's queue, ordered before every kernel, copy and synchronisation
+// queued after it on the default stream, instead of waiting for it to complete; the host may
+// read the buffers only after such a synchronisation. A collective queued this way that fails
+// or outlives the group's timeout aborts the communicator from a watchdog thread: the device
+// work waiting for it is released, and the next call on the group returns the error. Backends
+// with host buffers (MPI), and NCCL with host buffers, complete such calls before returning,
+// as with Completion::kHost.
 //
 // Reductions: kSum and kMax on f32, bf16, i32, i64. A BF16 sum adds in FP32 and rounds to BF16
 // once per reduction step, as NCCL does. FP8 bytes (kU8) are never reduced: gather, all-to-all
@@ -38,6 +50,12 @@ std::string_view DTypeName(
     DType dtype);  // "f32", "bf16", "fp8" (kU8 carries FP8 bytes), "i32", "i64"
 
 enum class ReduceOp : uint8_t { kSum, kMax };
+
+// When a collective's results are ready for the caller (see "Stream-ordered completion" above).
+enum class Completion : uint8_t {
+  kHost,    // on return (every backend, every buffer)
+  kStream,  // for the device's work queued after the call; for the host after a synchronisation
+};
 
 enum class CollectiveOp : uint8_t {
   kAllReduce,
@@ -84,10 +102,12 @@ class Communicator {
   const CommStats& stats() const { return stats_; }
 
   // In place: buf (count elements) becomes the reduction over the group.
-  absl::Status AllReduce(void* buf, int64_t count, DType dtype, ReduceOp op);
+  absl::Status AllReduce(void* buf, int64_t count, DType dtype, ReduceOp op,
+                         Completion completion = Completion::kHost);
   // recv (size() * count elements) receives every rank's `count` elements, in rank order.
   // In place when send is recv + rank() * count elements (this rank's block already there).
-  absl::Status AllGather(const void* send, int64_t count, void* recv, DType dtype);
+  absl::Status AllGather(const void* send, int64_t count, void* recv, DType dtype,
+                         Completion completion = Completion::kHost);
   // The same all-gather, started: returns at once (MPI: MPI_Iallgather; NCCL: on a side stream
   // that the model's compute does not wait for, with device buffers) and completes in Wait().
   // Neither buffer may be touched until then. Backends without a nonblocking form (the
@@ -98,7 +118,7 @@ class Communicator {
                                                                     DType dtype);
   // send holds size() * recv_count elements; rank r receives the reduction of block r.
   absl::Status ReduceScatter(const void* send, void* recv, int64_t recv_count, DType dtype,
-                             ReduceOp op);
+                             ReduceOp op, Completion completion = Completion::kHost);
   // Counts and displacements in elements, one per rank of the group.
   absl::Status AllToAllV(const void* send, std::span<const int64_t> send_counts,
                          std::span<const int64_t> send_displs, void* recv,
@@ -106,6 +126,11 @@ class Communicator {
                          DType dtype);
   absl::Status Broadcast(void* buf, int64_t count, DType dtype, int root);
   absl::Status Barrier();
+  // The error of any Completion::kStream collective of this group that failed or timed out (OK
+  // when none did): call it after the synchronisation that makes their results visible, before
+  // the host trusts anything derived from them (a loss, statistics, a step). Never waits for the
+  // device. Backends that complete every call at once: OK (each call reported its own error).
+  absl::Status CheckStreamOrdered();
 
   // Bytes this rank contributes to one call, as counted in stats() (what it sends into the
   // collective: count * element size, size() * recv_count for reduce-scatter, the sum of
@@ -128,6 +153,13 @@ class Communicator {
                                    std::span<const int64_t> recv_displs, DType dtype) = 0;
   virtual absl::Status DoBroadcast(void* buf, int64_t count, DType dtype, int root) = 0;
   virtual absl::Status DoBarrier() = 0;
+  // Completion::kStream forms. Default: the Completion::kHost form (DoAllReduce, ...).
+  virtual absl::Status DoAllReduceQueued(void* buf, int64_t count, DType dtype, ReduceOp op);
+  virtual absl::Status DoAllGatherQueued(const void* send, int64_t count, void* recv, DType dtype);
+  virtual absl::Status DoReduceScatterQueued(const void* send, void* recv, int64_t recv_count,
+                                             DType dtype, ReduceOp op);
+  // Default: OK (every call completed when it returned, and reported its own error).
+  virtual absl::Status DoCheckStreamOrdered();
   // Default: DoAllGather now, and a completed handle.
   virtual absl::StatusOr<std::unique_ptr<PendingCollective>> DoStartAllGather(const void* send,
                                                                               int64_t count,

@@ -269,8 +269,8 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
       a.count = shard_elems;
       a.amax = weight.amax_out.device();
       FP8RT_RETURN_IF_ERROR(ops.amax(a, kernels::Stream{}));
-      FP8RT_RETURN_IF_ERROR(
-          group.AllReduce(weight.amax_out.device(), 1, DType::kI32, ReduceOp::kMax));
+      FP8RT_RETURN_IF_ERROR(group.AllReduce(weight.amax_out.device(), 1, DType::kI32,
+                                            ReduceOp::kMax, Completion::kStream));
       q.scale_amax = weight.amax_out.device();
     } else {
       q.has_scale = true;
@@ -283,18 +283,22 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
     FP8RT_RETURN_IF_ERROR(weight.amax_out.Download(kernels::Stream{}));
   }
 
-  if (absl::Status s = group.AllGather(my_codes, shard_elems, weight.codes.data(), DType::kU8);
+  // Stream-ordered (with the amax reduction above): the one host wait is the Synchronize below.
+  if (absl::Status s = group.AllGather(my_codes, shard_elems, weight.codes.data(), DType::kU8,
+                                       Completion::kStream);
       !s.ok()) {
     return s;
   }
   if (options.scaling == WeightScaling::kBlock128) {
     // Shards are whole block rows, so the grids in rank order are the full grid.
     FP8RT_RETURN_IF_ERROR(group.AllGather(weight.scale_inv.data() + rank * shard_grid, shard_grid,
-                                          weight.scale_inv.data(), DType::kF32));
+                                          weight.scale_inv.data(), DType::kF32,
+                                          Completion::kStream));
   }
   // The host values, read once the gathers (which ran after the quantization, in stream order)
   // are done: this wait finds the backend idle, where one before the gather stalled it.
   FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+  FP8RT_RETURN_IF_ERROR(group.CheckStreamOrdered());
   weight.shard_stats = weight.stats_out[0];
   weight.amax = options.scaling == WeightScaling::kTensorCurrent
                     ? AmaxFromBits(AmaxBits(weight.amax_out[0]))

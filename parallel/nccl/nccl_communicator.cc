@@ -5,7 +5,8 @@
 //   ToNccl                  DType / ReduceOp -> NCCL enums
 //   WaitState               polls a communicator out of ncclInProgress (init, split, finalize)
 //   NcclCommunicator        Do* collectives, Finish and Poll (the deadline), Break (abort),
-//                           teardown
+//                           teardown; Do*Queued (Completion::kStream), Queue, CheckQueued and
+//                           the watchdog (Watch)
 //   NcclPendingAllGather    StartAllGather's handle: the side stream's all-gather
 //   NcclCommunicatorFactory Create (unique id over the bootstrap), Split (ncclCommSplit)
 //   CreateNcclCommunicatorFactory  Create as the interface (a stub without CUDA)
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -132,10 +134,13 @@ class NcclCommunicator::Staged {
     stream_ = stream;
     if (p == nullptr || bytes == 0 || DeviceAddressable(p)) return absl::OkStatus();
     if (pinned.bytes < bytes) {
-      if (pinned.p != nullptr) CUDA_RETURN_IF_ERROR(cudaFreeHost(pinned.p));
-      pinned.p = nullptr;
-      pinned.bytes = 0;
-      CUDA_RETURN_IF_ERROR(cudaMallocHost(&pinned.p, bytes));
+      // The old slot is freed with the communicator, not here: cudaFreeHost waits for the device,
+      // which a hung stream-ordered collective would keep busy while this call holds the lock
+      // the watchdog needs to abort it.
+      void* grown = nullptr;
+      CUDA_RETURN_IF_ERROR(cudaMallocHost(&grown, bytes));
+      if (pinned.p != nullptr) pinned.retired.push_back(pinned.p);
+      pinned.p = grown;
       pinned.bytes = bytes;
     }
     pinned_ = pinned.p;
@@ -203,6 +208,14 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Wrap(
 }
 
 NcclCommunicator::~NcclCommunicator() {
+  if (watchdog_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(watch_mu_);
+      stop_ = true;
+    }
+    watch_cv_.notify_all();
+    watchdog_.join();
+  }
   (void)cudaSetDevice(device_);
   if (comm_ != nullptr) {
     // Finalize flushes outstanding work and waits for the peers' side of it; if that fails or
@@ -214,8 +227,11 @@ NcclCommunicator::~NcclCommunicator() {
     comm_ = nullptr;
   }
   if (barrier_buf_ != nullptr) (void)cudaFree(barrier_buf_);
+  for (const Queued& q : queued_) (void)cudaEventDestroy(q.done);
+  for (cudaEvent_t e : spare_events_) (void)cudaEventDestroy(e);
   for (PinnedSlot& slot : pinned_) {
     if (slot.p != nullptr) (void)cudaFreeHost(slot.p);
+    for (void* p : slot.retired) (void)cudaFreeHost(p);
   }
   if (side_done_ != nullptr) (void)cudaEventDestroy(side_done_);
   if (side_ != nullptr) (void)cudaStreamDestroy(side_);
@@ -233,7 +249,13 @@ absl::Status NcclCommunicator::Break(absl::Status why) {
   return why;
 }
 
+absl::Status NcclCommunicator::health() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return broken_;
+}
+
 absl::Status NcclCommunicator::Begin() {
+  CheckQueued();
   if (!broken_.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("communicator is unusable after an earlier failure: ", broken_.message()));
@@ -289,6 +311,12 @@ absl::Status NcclCommunicator::Poll(CUevent_st* done, Clock::time_point deadline
   }
 }
 
+absl::Status NcclCommunicator::PollLocked(CUevent_st* done, Clock::time_point deadline,
+                                          const char* what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Poll(done, deadline, what);
+}
+
 // StartAllGather's handle: owns the event recorded after the side stream's all-gather.
 class NcclPendingAllGather final : public PendingCollective {
  public:
@@ -303,7 +331,15 @@ class NcclPendingAllGather final : public PendingCollective {
   absl::Status Wait() override {
     if (!waited_) {
       waited_ = true;
-      status_ = comm_->Poll(done_, deadline_, "ncclAllGather (started)");
+      status_ = comm_->PollLocked(done_, deadline_, "ncclAllGather (started)");
+      // Whatever the outcome, the default stream's later work (the model's frees of the gathered
+      // buffer among it: stream-ordered) comes after the gather, which the side stream does not
+      // otherwise order. After an abort the gather's kernels end, so the wait ends too.
+      if (const cudaError_t e = cudaStreamWaitEvent(cudaStreamLegacy, done_, 0);
+          e != cudaSuccess && status_.ok()) {
+        status_ = internal::CudaErrorStatus(e, "cudaStreamWaitEvent(started all-gather)", __FILE__,
+                                            __LINE__);
+      }
     }
     return status_;
   }
@@ -321,6 +357,7 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllG
   if (count == 0 || !DeviceAddressable(send) || !DeviceAddressable(recv)) {
     return Communicator::DoStartAllGather(send, count, recv, dtype);  // blocking, staged
   }
+  std::lock_guard<std::mutex> lock(mu_);
   FP8RT_RETURN_IF_ERROR(Begin());
   const auto deadline = Clock::now() + options_.timeout;
   cudaEvent_t done = nullptr;
@@ -342,7 +379,13 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllG
     status = FP8RT_NCCL_ENQUEUE(
         ncclAllGather(send, recv, static_cast<size_t>(count), ToNccl(dtype), comm_, side_));
   }
+  // The events must follow the gather on the side stream: a non-blocking communicator may put it
+  // there only after the call returned ncclInProgress.
   if (status.ok()) {
+    if (absl::Status s = WaitEnqueued(deadline, "ncclAllGather (started)"); !s.ok()) {
+      (void)cudaEventDestroy(done);
+      return s;
+    }
     status = [&]() -> absl::Status {
       CUDA_RETURN_IF_ERROR(cudaEventRecord(done, side_));
       CUDA_RETURN_IF_ERROR(cudaEventRecord(side_done_, side_));
@@ -358,6 +401,7 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllG
 }
 
 absl::Status NcclCommunicator::DoAllReduce(void* buf, int64_t count, DType dtype, ReduceOp op) {
+  std::lock_guard<std::mutex> lock(mu_);
   FP8RT_RETURN_IF_ERROR(Begin());
   if (count == 0) return absl::OkStatus();  // same count on every rank: all skip together
   const auto deadline = Clock::now() + options_.timeout;
@@ -373,6 +417,7 @@ absl::Status NcclCommunicator::DoAllReduce(void* buf, int64_t count, DType dtype
 
 absl::Status NcclCommunicator::DoAllGather(const void* send, int64_t count, void* recv,
                                            DType dtype) {
+  std::lock_guard<std::mutex> lock(mu_);
   FP8RT_RETURN_IF_ERROR(Begin());
   if (count == 0) return absl::OkStatus();
   const auto deadline = Clock::now() + options_.timeout;
@@ -390,6 +435,7 @@ absl::Status NcclCommunicator::DoAllGather(const void* send, int64_t count, void
 
 absl::Status NcclCommunicator::DoReduceScatter(const void* send, void* recv, int64_t recv_count,
                                                DType dtype, ReduceOp op) {
+  std::lock_guard<std::mutex> lock(mu_);
   FP8RT_RETURN_IF_ERROR(Begin());
   if (recv_count == 0) return absl::OkStatus();
   const auto deadline = Clock::now() + options_.timeout;
@@ -410,6 +456,7 @@ absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int
                                            std::span<const int64_t> send_displs, void* recv,
                                            std::span<const int64_t> recv_counts,
                                            std::span<const int64_t> recv_displs, DType dtype) {
+  std::lock_guard<std::mutex> lock(mu_);
   FP8RT_RETURN_IF_ERROR(Begin());
   const auto deadline = Clock::now() + options_.timeout;
   const size_t elem = DTypeSize(dtype);
@@ -447,6 +494,7 @@ absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int
 }
 
 absl::Status NcclCommunicator::DoBroadcast(void* buf, int64_t count, DType dtype, int root) {
+  std::lock_guard<std::mutex> lock(mu_);
   FP8RT_RETURN_IF_ERROR(Begin());
   if (count == 0) return absl::OkStatus();
   const auto deadline = Clock::now() + options_.timeout;
@@ -461,12 +509,164 @@ absl::Status NcclCommunicator::DoBroadcast(void* buf, int64_t count, DType dtype
 }
 
 absl::Status NcclCommunicator::DoBarrier() {
+  std::lock_guard<std::mutex> lock(mu_);
   FP8RT_RETURN_IF_ERROR(Begin());
   const auto deadline = Clock::now() + options_.timeout;
   // MAX of zeros keeps the buffer at zero however many barriers run.
   return Finish(FP8RT_NCCL_ENQUEUE(ncclAllReduce(barrier_buf_, barrier_buf_, 1, ncclInt32, ncclMax,
                                                  comm_, stream_)),
                 deadline, "ncclAllReduce (barrier)");
+}
+
+// --- Completion::kStream -------------------------------------------------------------------------
+
+absl::Status NcclCommunicator::DoCheckStreamOrdered() {
+  std::lock_guard<std::mutex> lock(mu_);
+  CheckQueued();
+  if (comm_ != nullptr) {
+    // A collective that failed and ended (its event complete) shows only here.
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+    if (rc != ncclSuccess) {
+      (void)Break(internal::NcclErrorStatus(rc, "ncclCommGetAsyncError", __FILE__, __LINE__));
+    } else if (state != ncclSuccess && state != ncclInProgress) {
+      (void)Break(
+          internal::NcclErrorStatus(state, "a stream-ordered collective", __FILE__, __LINE__));
+    }
+  }
+  return broken_;
+}
+
+absl::Status NcclCommunicator::WaitEnqueued(Clock::time_point deadline, const char* what) {
+  for (int64_t polls = 0;; ++polls) {
+    ncclResult_t state = ncclInProgress;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+    if (rc != ncclSuccess) {
+      return Break(internal::NcclErrorStatus(rc, "ncclCommGetAsyncError", __FILE__, __LINE__));
+    }
+    if (state == ncclSuccess) return absl::OkStatus();
+    if (state != ncclInProgress) {
+      return Break(internal::NcclErrorStatus(state, what, __FILE__, __LINE__));
+    }
+    if (Clock::now() >= deadline) return Break(Timeout(what, options_.timeout));
+    Pause(polls);
+  }
+}
+
+absl::Status NcclCommunicator::Queue(absl::Status enqueued, Clock::time_point deadline,
+                                     const char* what) {
+  if (!enqueued.ok()) return Break(enqueued);
+  FP8RT_RETURN_IF_ERROR(WaitEnqueued(deadline, what));
+  cudaEvent_t done = nullptr;
+  if (!spare_events_.empty()) {
+    done = spare_events_.back();
+    spare_events_.pop_back();
+  }
+  absl::Status status = [&]() -> absl::Status {
+    if (done == nullptr)
+      CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(done, stream_));
+    // The default stream's later work (the model's kernels, copies, a synchronisation) waits for
+    // the collective even where no kernel follows it on the default stream before a sync.
+    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(cudaStreamLegacy, done, 0));
+    return absl::OkStatus();
+  }();
+  if (!status.ok()) {
+    if (done != nullptr) (void)cudaEventDestroy(done);
+    return Break(status);
+  }
+  queued_.push_back(Queued{.done = done, .deadline = deadline, .what = what});
+  if (!watchdog_.joinable()) watchdog_ = std::thread([this] { Watch(); });
+  return absl::OkStatus();
+}
+
+void NcclCommunicator::CheckQueued() {
+  while (!queued_.empty() && comm_ != nullptr) {
+    const Queued& q = queued_.front();
+    const cudaError_t e = cudaEventQuery(q.done);
+    if (e == cudaSuccess) {
+      spare_events_.push_back(q.done);
+      queued_.pop_front();
+      continue;
+    }
+    if (e != cudaErrorNotReady) {
+      (void)Break(
+          internal::CudaErrorStatus(e, "cudaEventQuery (queued collective)", __FILE__, __LINE__));
+      break;
+    }
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+    if (rc != ncclSuccess) {
+      (void)Break(internal::NcclErrorStatus(rc, "ncclCommGetAsyncError", __FILE__, __LINE__));
+    } else if (state != ncclSuccess && state != ncclInProgress) {
+      (void)Break(internal::NcclErrorStatus(state, q.what, __FILE__, __LINE__));
+    } else if (Clock::now() >= q.deadline) {
+      (void)Break(Timeout(q.what, options_.timeout));
+    }
+    break;  // the oldest is still running: the later ones are behind it on the stream
+  }
+  if (comm_ == nullptr) {
+    // Aborted: nothing queued will be waited for any more. An event destroyed before its work
+    // completes is released by CUDA once it does.
+    for (const Queued& q : queued_) (void)cudaEventDestroy(q.done);
+    queued_.clear();
+  }
+}
+
+void NcclCommunicator::Watch() {
+  (void)cudaSetDevice(device_);
+  const auto period = std::clamp<std::chrono::milliseconds>(
+      options_.timeout / 20, std::chrono::milliseconds(1), std::chrono::milliseconds(100));
+  std::unique_lock<std::mutex> w(watch_mu_);
+  while (!stop_) {
+    watch_cv_.wait_for(w, period, [this] { return stop_; });
+    if (stop_) break;
+    w.unlock();
+    {
+      // A call in progress holds mu_ and polls against its own deadline, which is later than
+      // every queued collective's: leave the communicator to it.
+      std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+      if (lock.owns_lock()) CheckQueued();
+    }
+    w.lock();
+  }
+}
+
+absl::Status NcclCommunicator::DoAllReduceQueued(void* buf, int64_t count, DType dtype,
+                                                 ReduceOp op) {
+  if (count == 0 || !DeviceAddressable(buf)) return DoAllReduce(buf, count, dtype, op);
+  std::lock_guard<std::mutex> lock(mu_);
+  FP8RT_RETURN_IF_ERROR(Begin());
+  const auto deadline = Clock::now() + options_.timeout;
+  return Queue(FP8RT_NCCL_ENQUEUE(ncclAllReduce(buf, buf, static_cast<size_t>(count), ToNccl(dtype),
+                                                ToNccl(op), comm_, stream_)),
+               deadline, "ncclAllReduce (stream-ordered)");
+}
+
+absl::Status NcclCommunicator::DoAllGatherQueued(const void* send, int64_t count, void* recv,
+                                                 DType dtype) {
+  if (count == 0 || !DeviceAddressable(send) || !DeviceAddressable(recv)) {
+    return DoAllGather(send, count, recv, dtype);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  FP8RT_RETURN_IF_ERROR(Begin());
+  const auto deadline = Clock::now() + options_.timeout;
+  return Queue(FP8RT_NCCL_ENQUEUE(ncclAllGather(send, recv, static_cast<size_t>(count),
+                                                ToNccl(dtype), comm_, stream_)),
+               deadline, "ncclAllGather (stream-ordered)");
+}
+
+absl::Status NcclCommunicator::DoReduceScatterQueued(const void* send, void* recv,
+                                                     int64_t recv_count, DType dtype, ReduceOp op) {
+  if (recv_count == 0 || !DeviceAddressable(send) || !DeviceAddressable(recv)) {
+    return DoReduceScatter(send, recv, recv_count, dtype, op);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  FP8RT_RETURN_IF_ERROR(Begin());
+  const auto deadline = Clock::now() + options_.timeout;
+  return Queue(FP8RT_NCCL_ENQUEUE(ncclReduceScatter(send, recv, static_cast<size_t>(recv_count),
+                                                    ToNccl(dtype), ToNccl(op), comm_, stream_)),
+               deadline, "ncclReduceScatter (stream-ordered)");
 }
 
 // --- NcclCommunicatorFactory -------------------------------------------------------------------
@@ -531,6 +731,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> NcclCommunicatorFactory::Split(int
     return absl::InvalidArgumentError(absl::StrCat("split color must be >= 0, got ", color));
   }
   NcclCommunicator& world = *world_;
+  std::lock_guard<std::mutex> lock(world.mu_);
   FP8RT_RETURN_IF_ERROR(world.Begin());
   const auto deadline = Clock::now() + options_.timeout;
 

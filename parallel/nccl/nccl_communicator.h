@@ -18,6 +18,18 @@
 // other streams must be complete before the call (synchronize it, or make stream() wait on an
 // event recorded after it). When a call returns OK its results are visible to every stream.
 //
+// Completion::kStream (all-reduce, all-gather, reduce-scatter on device-addressable buffers):
+// the call waits only until NCCL has put the collective on stream() (immediate unless NCCL
+// defers the launch, as a non-blocking communicator may), records an event after it and makes
+// the legacy default stream wait for that event, then returns: the model's later kernels, copies
+// and synchronisations on the default stream come after the collective, and the host never waits
+// for the device at the call. A watchdog thread, started by the first such call, checks the
+// queued collectives every timeout/20 (at most 100 ms): one that fails, or has not completed
+// within the timeout of its call, aborts the NCCL communicator (which ends its kernels, so a host
+// blocked in a synchronisation behind it returns), and the next call fails with that error.
+// While a blocking call is polling, the watchdog leaves the communicator to it: that call's own
+// deadline covers everything queued before it. Host buffers take the blocking path.
+//
 // The ncclUniqueId of the world is created by rank 0 and broadcast over a bootstrap communicator
 // (the MPI world, host memory); subgroups come from ncclCommSplit and need no bootstrap.
 //
@@ -25,16 +37,23 @@
 // CreateNcclCommunicatorFactory, which nccl_communicator_stub.cc defines as an Unavailable error
 // in a build without CUDA; the classes below exist in CUDA builds only.
 //
-// Thread-compatible, like every Communicator. The factory and the communicators it returns may
-// be destroyed in any order. Destroying a communicator finalizes it (ncclCommFinalize, waiting
-// up to the timeout for its outstanding work) and aborts it instead if that fails.
+// Thread-compatible, like every Communicator (the watchdog is internal: a mutex serialises it
+// with the calls; health() may be read from any thread and waits for a call in progress). The
+// factory and the communicators it returns may be destroyed in any order. Destroying a communicator
+// finalizes it (ncclCommFinalize, waiting up to the timeout for its outstanding work) and aborts it
+// instead if that fails.
 #ifndef FP8RT_PARALLEL_NCCL_NCCL_COMMUNICATOR_H_
 #define FP8RT_PARALLEL_NCCL_NCCL_COMMUNICATOR_H_
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <initializer_list>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -64,8 +83,9 @@ class NcclCommunicator : public Communicator {
   // The CUDA device ordinal and the stream the collectives run on (a cudaStream_t).
   int device() const { return device_; }
   CUstream_st* stream() const { return stream_; }
-  // OK while usable; otherwise the error that aborted the communicator.
-  const absl::Status& health() const { return broken_; }
+  // OK while usable; otherwise the error that aborted the communicator (a call's, or the
+  // watchdog's for a collective queued with Completion::kStream).
+  absl::Status health() const;
 
  protected:
   absl::Status DoAllReduce(void* buf, int64_t count, DType dtype, ReduceOp op) override;
@@ -78,6 +98,13 @@ class NcclCommunicator : public Communicator {
                            std::span<const int64_t> recv_displs, DType dtype) override;
   absl::Status DoBroadcast(void* buf, int64_t count, DType dtype, int root) override;
   absl::Status DoBarrier() override;
+  // Completion::kStream: see the file comment. Host buffers: the blocking forms.
+  absl::Status DoAllReduceQueued(void* buf, int64_t count, DType dtype, ReduceOp op) override;
+  absl::Status DoAllGatherQueued(const void* send, int64_t count, void* recv, DType dtype) override;
+  absl::Status DoReduceScatterQueued(const void* send, void* recv, int64_t recv_count, DType dtype,
+                                     ReduceOp op) override;
+  // health(), after taking in what the queued collectives and NCCL's asynchronous state say.
+  absl::Status DoCheckStreamOrdered() override;
   // FSDP's prefetch: the all-gather runs on the communicator's side stream, a non-blocking
   // stream, so that the compute on the legacy default stream (the model's ops) overlaps it. It
   // starts after the compute enqueued so far (the FP8 shard the optimizer wrote) and after this
@@ -107,10 +134,36 @@ class NcclCommunicator : public Communicator {
   struct PinnedSlot {
     void* p = nullptr;
     size_t bytes = 0;
+    std::vector<void*> retired;  // smaller slots it replaced, freed with the communicator
   };
 
-  // Makes the device current and fails if the communicator was aborted.
+  // With mu_ held: polls until NCCL has put the work just enqueued on its stream (the state
+  // leaves ncclInProgress), NCCL reports an error or the deadline passes; aborts on failure.
+  absl::Status WaitEnqueued(std::chrono::steady_clock::time_point deadline, const char* what);
+  // A collective queued with Completion::kStream, until it is seen complete.
+  struct Queued {
+    CUevent_st* done = nullptr;  // recorded on stream_ after the collective
+    std::chrono::steady_clock::time_point deadline;
+    const char* what = nullptr;  // the NCCL call, for errors
+  };
+
+  // With mu_ held: makes the device current, takes in what the watchdog found (CheckQueued) and
+  // fails if the communicator was aborted.
   absl::Status Begin();
+  // With mu_ held, after a Completion::kStream collective was enqueued (`enqueued`: the status of
+  // the enqueue calls): waits until NCCL has put it on stream_ (its state leaves ncclInProgress)
+  // within `deadline`, then records an event after it, makes the legacy default stream wait for
+  // the event and hands it to the watchdog. Aborts the communicator on any failure.
+  absl::Status Queue(absl::Status enqueued, std::chrono::steady_clock::time_point deadline,
+                     const char* what);
+  // With mu_ held: drops the queued collectives that completed; aborts the communicator if one
+  // failed, NCCL reports an error, or the oldest one still running is past its deadline.
+  void CheckQueued();
+  // The watchdog thread: CheckQueued every period, when no call holds mu_, until stop_.
+  void Watch();
+  // Poll with mu_ taken (for NcclPendingAllGather, outside any call).
+  absl::Status PollLocked(CUevent_st* done, std::chrono::steady_clock::time_point deadline,
+                          const char* what);
   // Waits until the work just enqueued (`enqueued`: the status of the enqueue calls) completes,
   // NCCL reports an error or the deadline passes; aborts the communicator on any failure. Only
   // then are the staged `outputs` copied back to their host buffers, through pinned memory and
@@ -119,17 +172,20 @@ class NcclCommunicator : public Communicator {
   // first. `what` names the NCCL call in errors.
   absl::Status Finish(absl::Status enqueued, std::chrono::steady_clock::time_point deadline,
                       const char* what, std::initializer_list<Staged*> outputs = {});
-  // Polls until `done` (an event; null: the main stream) has completed, NCCL reports an error or
-  // the deadline passes; aborts the communicator on any failure.
+  // With mu_ held: polls until `done` (an event; null: the main stream) has completed, NCCL
+  // reports an error or the deadline passes; aborts the communicator on any failure.
   absl::Status Poll(CUevent_st* done, std::chrono::steady_clock::time_point deadline,
                     const char* what);
-  // Aborts the NCCL communicator and remembers why.
+  // With mu_ held: aborts the NCCL communicator and remembers why.
   absl::Status Break(absl::Status why);
   // The NCCL communicator, for ncclCommSplit; null once aborted.
   ncclComm* comm() const { return comm_; }
 
   const int device_;                 // fixed after construction
   const NcclOptions options_;        // fixed after construction
+  // Held by every call that touches the NCCL communicator, and by the watchdog's checks: guards
+  // comm_, broken_, queued_ and spare_events_.
+  mutable std::mutex mu_;
   ncclComm* comm_;                   // owned; null once aborted
   CUstream_st* stream_ = nullptr;    // owned
   CUstream_st* side_ = nullptr;      // owned, non-blocking; created by the first StartAllGather
@@ -137,6 +193,12 @@ class NcclCommunicator : public Communicator {
   void* barrier_buf_ = nullptr;      // owned device memory, one int32 for Barrier()
   PinnedSlot pinned_[2];             // owned: a collective's staged send and receive buffers
   absl::Status broken_;              // OK until the communicator is aborted
+  std::deque<Queued> queued_;        // owned events, oldest first
+  std::vector<CUevent_st*> spare_events_;  // owned: completed queued collectives' events, reused
+  std::thread watchdog_;                   // started by the first queued collective
+  std::mutex watch_mu_;                    // guards stop_
+  std::condition_variable watch_cv_;
+  bool stop_ = false;
 };
 
 class NcclCommunicatorFactory : public CommunicatorFactory {

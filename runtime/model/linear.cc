@@ -98,8 +98,11 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
                           .amax = pending.amax.device()};
       FP8RT_RETURN_IF_ERROR(ops.amax(a, {}));
       if (ctx.tp != nullptr && ctx.tp->size() > 1) {
+        // Stream-ordered: the quantize op below is the only reader; NCCL returns once the
+        // reduction is on the device's queue, without a host wait.
         FP8RT_RETURN_IF_ERROR(ctx.tp->AllReduce(pending.amax.device(), 1, parallel::DType::kI32,
-                                                parallel::ReduceOp::kMax));
+                                                parallel::ReduceOp::kMax,
+                                                parallel::Completion::kStream));
       }
       q.scale_amax = pending.amax.device();
     } else {

@@ -651,9 +651,15 @@ LinearContext Transformer::Ctx() {
   return LinearContext{.ops = &ops_, .tp = tp_ > 1 ? &mesh_.tp() : nullptr, .scratch = &scratch_};
 }
 
+absl::Status Transformer::CheckTp() {
+  return tp_ > 1 ? mesh_.tp().CheckStreamOrdered() : absl::OkStatus();
+}
+
 absl::Status Transformer::AllReduceTp(float* buf, int64_t count) {
   if (tp_ == 1) return absl::OkStatus();
-  return mesh_.tp().AllReduce(buf, count, parallel::DType::kF32, parallel::ReduceOp::kSum);
+  // Stream-ordered: only the ops that follow read the sum (NCCL: no host wait at the call).
+  return mesh_.tp().AllReduce(buf, count, parallel::DType::kF32, parallel::ReduceOp::kSum,
+                              parallel::Completion::kStream);
 }
 
 absl::Status Transformer::QuantizeWeightShard(Param& p, float weight_scale,
@@ -1168,8 +1174,10 @@ absl::StatusOr<float> Transformer::Forward(bool train) {
   FP8RT_RETURN_IF_ERROR(lm_head_->Forward(ctx, a.lnf.data(), N, a.logits.data()));
   FP8RT_RETURN_IF_ERROR(L.cross_entropy_forward(a.ce_probs.data(), a.losses.data(), a.logits.data(),
                                                 a.targets.device(), N, V, st));
-  // The mean loss over the rows, summed in row order on the host once the backend has finished.
+  // The mean loss over the rows, summed in row order on the host once the backend has finished,
+  // and only if the pass's stream-ordered TP collectives all completed.
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
+  FP8RT_RETURN_IF_ERROR(CheckTp());
   float loss_sum = 0.0f;
   for (const float row_loss : a.losses) loss_sum += row_loss;
   return loss_sum / static_cast<float>(N) + aux_loss;
@@ -1296,8 +1304,9 @@ absl::Status Transformer::Backward(float dloss) {
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
   FP8RT_RETURN_IF_ERROR(ReduceUnitGrads(0));
   // The statistics of the pass's FP8 quantizations recorded into their sites, once the backend
-  // has finished.
+  // has finished and the pass's stream-ordered TP collectives all completed.
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
+  FP8RT_RETURN_IF_ERROR(CheckTp());
   for (Linear* lin : all_linears_) FP8RT_RETURN_IF_ERROR(lin->FlushStats());
   return absl::OkStatus();
 }

@@ -410,7 +410,10 @@ class Transformer {
   absl::Status QuantizeWeightShard(Param& p, float weight_scale,
                                    kernels::DeviceArray<std::byte>* scratch);
   void RecordWeightShard(Param& p, float weight_scale);  // the weight site's statistics
+  // The TP sum of buf, stream-ordered (parallel::Completion::kStream); a no-op without TP.
   absl::Status AllReduceTp(float* buf, int64_t count);
+  // After a synchronisation: the error of any of the pass's stream-ordered TP collectives.
+  absl::Status CheckTp();
   LinearContext Ctx();
 
   // `row_unit`: the model's cut (RowUnitOf of the recipe it was created with).

@@ -14,6 +14,14 @@
 // (train_cuda_test fp8_moe: the expert token counts came back 0, and the next all-to-all then sent
 // to itself with no matching receive). Here each output starts as a sentinel, so a copy made too
 // early fails the comparison.
+//
+// Completion::kStream (the model's TP reductions and gradient-free device collectives) is tested
+// here too: such a call must not wait for the device (a host function that sleeps on the default
+// stream holds the collective back, and the call returns long before it ends), must still wait
+// for NCCL to enqueue (under the deferring shim), must order the default stream's later work
+// after the collective (a copy queued straight after the call sees its result), and a queued
+// collective that never completes (the shim's stall mode puts a host function that blocks until
+// released on the stream in its place) must be aborted by the watchdog within the timeout.
 #include <cuda_runtime.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -54,6 +62,10 @@ namespace shim {
 
 std::atomic<bool> on{false};
 std::atomic<bool> hang{false};  // deferred calls are never made: a collective that never ends
+// Collectives are not passed to NCCL: a host function that blocks until `released` takes their
+// place on their stream, and the call returns ncclSuccess (a collective enqueued that never ends).
+std::atomic<bool> stall{false};
+std::atomic<bool> released{false};
 std::chrono::milliseconds delay{150};
 std::mutex mu;
 int pending = 0;                   // deferred calls not made yet (guarded by mu)
@@ -84,8 +96,17 @@ ncclResult_t Defer(std::function<ncclResult_t()> call) {
   return ncclInProgress;
 }
 
-// One collective: deferred as it is, or recorded when inside a group.
-ncclResult_t Call(std::function<ncclResult_t()> call) {
+void CUDART_CB BlockUntilReleased(void*) {
+  while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+// One collective on `stream`: deferred as it is, stalled, or recorded when inside a group.
+ncclResult_t Call(cudaStream_t stream, std::function<ncclResult_t()> call) {
+  if (stall.load() && !in_group) {
+    return cudaLaunchHostFunc(stream, BlockUntilReleased, nullptr) == cudaSuccess
+               ? ncclSuccess
+               : ncclUnhandledCudaError;
+  }
   if (!on.load()) return call();
   if (in_group) {
     group.push_back(std::move(call));
@@ -117,27 +138,27 @@ int Deferred() {
 extern "C" {
 ncclResult_t __wrap_ncclAllReduce(const void* s, void* r, size_t n, ncclDataType_t t,
                                   ncclRedOp_t op, ncclComm_t c, cudaStream_t st) {
-  return shim::Call([=] { return __real_ncclAllReduce(s, r, n, t, op, c, st); });
+  return shim::Call(st, [=] { return __real_ncclAllReduce(s, r, n, t, op, c, st); });
 }
 ncclResult_t __wrap_ncclAllGather(const void* s, void* r, size_t n, ncclDataType_t t, ncclComm_t c,
                                   cudaStream_t st) {
-  return shim::Call([=] { return __real_ncclAllGather(s, r, n, t, c, st); });
+  return shim::Call(st, [=] { return __real_ncclAllGather(s, r, n, t, c, st); });
 }
 ncclResult_t __wrap_ncclReduceScatter(const void* s, void* r, size_t n, ncclDataType_t t,
                                       ncclRedOp_t op, ncclComm_t c, cudaStream_t st) {
-  return shim::Call([=] { return __real_ncclReduceScatter(s, r, n, t, op, c, st); });
+  return shim::Call(st, [=] { return __real_ncclReduceScatter(s, r, n, t, op, c, st); });
 }
 ncclResult_t __wrap_ncclBroadcast(const void* s, void* r, size_t n, ncclDataType_t t, int root,
                                   ncclComm_t c, cudaStream_t st) {
-  return shim::Call([=] { return __real_ncclBroadcast(s, r, n, t, root, c, st); });
+  return shim::Call(st, [=] { return __real_ncclBroadcast(s, r, n, t, root, c, st); });
 }
 ncclResult_t __wrap_ncclSend(const void* s, size_t n, ncclDataType_t t, int peer, ncclComm_t c,
                              cudaStream_t st) {
-  return shim::Call([=] { return __real_ncclSend(s, n, t, peer, c, st); });
+  return shim::Call(st, [=] { return __real_ncclSend(s, n, t, peer, c, st); });
 }
 ncclResult_t __wrap_ncclRecv(void* r, size_t n, ncclDataType_t t, int peer, ncclComm_t c,
                              cudaStream_t st) {
-  return shim::Call([=] { return __real_ncclRecv(r, n, t, peer, c, st); });
+  return shim::Call(st, [=] { return __real_ncclRecv(r, n, t, peer, c, st); });
 }
 ncclResult_t __wrap_ncclGroupStart() {
   if (!shim::on.load()) return __real_ncclGroupStart();
@@ -201,6 +222,8 @@ class NcclDeferredTest : public ::testing::Test {
     }
     shim::on = false;
     shim::hang = false;
+    shim::stall = false;
+    shim::released = false;
     NcclOptions options;
     options.timeout = std::chrono::seconds(30);
     auto factory = NcclCommunicatorFactory::Create(bootstrap_, /*device=*/0, options);
@@ -212,6 +235,9 @@ class NcclDeferredTest : public ::testing::Test {
   void TearDown() override {
     shim::on = false;
     shim::hang = false;
+    shim::stall = false;
+    shim::released = true;
+    (void)cudaStreamSynchronize(cudaStreamLegacy);
     factory_.reset();  // aborts or finalises the communicator before the deferred calls end
     shim::Reset();
   }
@@ -303,6 +329,153 @@ TEST_F(NcclDeferredTest, ACollectiveThatNeverRunsEndsAtTheDeadline) {
   EXPECT_LT(took, std::chrono::seconds(10));
   EXPECT_EQ(recv, std::vector<float>(32, kSentinel));
   EXPECT_FALSE(world().AllGather(send.data(), 32, recv.data(), DType::kF32).ok());
+}
+
+// --- Completion::kStream ------------------------------------------------------------------------
+
+// Device memory holding `values`, or null (the test then fails).
+float* DeviceCopy(const std::vector<float>& values) {
+  void* p = nullptr;
+  if (cudaMalloc(&p, values.size() * sizeof(float)) != cudaSuccess) return nullptr;
+  if (cudaMemcpy(p, values.data(), values.size() * sizeof(float), cudaMemcpyHostToDevice) !=
+      cudaSuccess) {
+    return nullptr;
+  }
+  return static_cast<float*>(p);
+}
+
+// `n` floats of device memory read through a copy queued on the default stream right after the
+// caller's collective, then a synchronisation of that stream: what the model's later work sees.
+std::vector<float> ReadOnDefaultStream(const float* device, int64_t n) {
+  float* pinned = nullptr;
+  std::vector<float> out;
+  if (cudaMallocHost(&pinned, static_cast<size_t>(n) * sizeof(float)) != cudaSuccess) return out;
+  if (cudaMemcpyAsync(pinned, device, static_cast<size_t>(n) * sizeof(float),
+                      cudaMemcpyDeviceToHost, cudaStreamLegacy) == cudaSuccess &&
+      cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess) {
+    out.assign(pinned, pinned + n);
+  }
+  (void)cudaFreeHost(pinned);
+  return out;
+}
+
+void CUDART_CB SleepHalfASecond(void*) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+}
+
+TEST_F(NcclDeferredTest, StreamOrderedCollectivesReturnBeforeTheDeviceRunsThem) {
+  shim::on = false;
+  const int64_t n = 777;
+  const std::vector<float> send = Ramp(n, 5.0f);
+  float* s = DeviceCopy(send);
+  float* r = DeviceCopy(std::vector<float>(n, kSentinel));
+  float* rs = DeviceCopy(std::vector<float>(n, kSentinel));
+  ASSERT_TRUE(s != nullptr && r != nullptr && rs != nullptr);
+  // Once first, so that NCCL's first-call set-up is not timed.
+  ASSERT_TRUE(world().AllGather(s, n, r, DType::kF32, Completion::kStream).ok());
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(r, std::vector<float>(n, kSentinel).data(), n * sizeof(float),
+                       cudaMemcpyHostToDevice),
+            cudaSuccess);
+  // The default stream is busy for 500 ms; the collectives (on the communicator's blocking
+  // stream) start after it.
+  ASSERT_EQ(cudaLaunchHostFunc(cudaStreamLegacy, SleepHalfASecond, nullptr), cudaSuccess);
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(world().AllGather(s, n, r, DType::kF32, Completion::kStream).ok());
+  ASSERT_TRUE(
+      world().ReduceScatter(s, rs, n, DType::kF32, ReduceOp::kSum, Completion::kStream).ok());
+  ASSERT_TRUE(world().AllReduce(s, n, DType::kF32, ReduceOp::kMax, Completion::kStream).ok());
+  const auto took = Clock::now() - t0;
+  EXPECT_LT(took, std::chrono::milliseconds(250)) << "a stream-ordered call waited for the device";
+  EXPECT_EQ(ReadOnDefaultStream(r, n), send);
+  EXPECT_EQ(ReadOnDefaultStream(rs, n), send);
+  EXPECT_EQ(ReadOnDefaultStream(s, n), send);
+  // The blocking form, by contrast, waits for the device.
+  ASSERT_EQ(cudaLaunchHostFunc(cudaStreamLegacy, SleepHalfASecond, nullptr), cudaSuccess);
+  const auto t1 = Clock::now();
+  ASSERT_TRUE(world().AllGather(s, n, r, DType::kF32).ok());
+  EXPECT_GE(Clock::now() - t1, std::chrono::milliseconds(400));
+  for (float* p : {s, r, rs}) EXPECT_EQ(cudaFree(p), cudaSuccess);
+}
+
+TEST_F(NcclDeferredTest, StreamOrderedCollectivesWaitForNcclToEnqueueThem) {
+  const int64_t n = 300;
+  const std::vector<float> send = Ramp(n, -2.0f);
+  float* s = DeviceCopy(send);
+  float* r = DeviceCopy(std::vector<float>(n, kSentinel));
+  ASSERT_TRUE(s != nullptr && r != nullptr);
+  // Under the shim NCCL enqueues `delay` after the call: an event recorded before then would
+  // not follow the collective, and the copy below would read the sentinel.
+  ExpectWaitedFor([&] { return world().AllGather(s, n, r, DType::kF32, Completion::kStream); });
+  EXPECT_EQ(ReadOnDefaultStream(r, n), send);
+  for (float* p : {s, r}) EXPECT_EQ(cudaFree(p), cudaSuccess);
+}
+
+// FSDP's prefetch: the started all-gather's completion event must follow the gather even when
+// NCCL enqueues it late, and Wait orders the default stream after it (the copy below, and the
+// model's stream-ordered free of the buffer).
+TEST_F(NcclDeferredTest, AStartedAllGatherIsWaitedForEvenWhenNcclEnqueuesItLate) {
+  const int64_t n = 4099;
+  const std::vector<float> send = Ramp(n, 0.25f);
+  float* s = DeviceCopy(send);
+  float* r = DeviceCopy(std::vector<float>(n, kSentinel));
+  ASSERT_TRUE(s != nullptr && r != nullptr);
+  EXPECT_TRUE(world().CheckStreamOrdered().ok());
+  const int before = shim::Deferred();
+  auto started = world().StartAllGather(s, n, r, DType::kF32);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_GT(shim::Deferred(), before) << "the shim did not defer the call";
+  ASSERT_TRUE((*started)->Wait().ok());
+  EXPECT_EQ(ReadOnDefaultStream(r, n), send);
+  for (float* p : {s, r}) EXPECT_EQ(cudaFree(p), cudaSuccess);
+}
+
+TEST_F(NcclDeferredTest, AStreamOrderedCollectiveThatNeverCompletesIsAbortedByTheWatchdog) {
+  factory_.reset();
+  shim::on = false;
+  shim::Reset();
+  NcclOptions options;
+  options.timeout = std::chrono::milliseconds(1500);
+  auto factory = NcclCommunicatorFactory::Create(bootstrap_, 0, options);
+  ASSERT_TRUE(factory.ok()) << factory.status();
+  factory_ = std::move(factory).value();
+  auto& nccl = static_cast<NcclCommunicator&>(world());
+  float* buf = DeviceCopy(Ramp(16, 1.0f));
+  ASSERT_NE(buf, nullptr);
+  // A real collective's kernels end at the abort; the stand-in here ends when released, 3 s in
+  // (ncclCommAbort may wait for the device, and health() for the abort). Started first, so that
+  // the stream is released whatever fails below.
+  std::thread release([] {
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    shim::released = true;
+  });
+  shim::stall = true;
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(world().AllReduce(buf, 16, DType::kF32, ReduceOp::kSum, Completion::kStream).ok());
+  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(500));
+  // Nobody calls the communicator: only the watchdog can notice.
+  while (nccl.health().ok() && Clock::now() - t0 < std::chrono::seconds(15)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const auto noticed = Clock::now() - t0;
+  release.join();
+  const absl::Status health = nccl.health();
+  EXPECT_EQ(health.code(), absl::StatusCode::kDeadlineExceeded) << health;
+  EXPECT_THAT(std::string(health.message()), HasSubstr("ncclAllReduce (stream-ordered)"));
+  EXPECT_THAT(std::string(health.message()), HasSubstr("aborted"));
+  EXPECT_GE(noticed, std::chrono::milliseconds(1500));
+  EXPECT_LT(noticed, std::chrono::milliseconds(8000));
+  const absl::Status next =
+      world().AllReduce(buf, 16, DType::kF32, ReduceOp::kSum, Completion::kStream);
+  EXPECT_EQ(next.code(), absl::StatusCode::kFailedPrecondition) << next;
+  EXPECT_THAT(std::string(next.message()), HasSubstr("did not complete within 1500 ms"));
+  // What the model asks after its pass's synchronisation.
+  const absl::Status checked = world().CheckStreamOrdered();
+  EXPECT_EQ(checked.code(), absl::StatusCode::kDeadlineExceeded) << checked;
+  EXPECT_THAT(std::string(checked.message()),
+              HasSubstr("group 'world' (rank 0 of 1): a stream-ordered collective failed"));
+  EXPECT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
+  EXPECT_EQ(cudaFree(buf), cudaSuccess);
 }
 
 }  // namespace

@@ -183,6 +183,58 @@ TEST(CommunicatorTest, StartedAllGathersCompleteAroundOtherCollectives) {
   EXPECT_THAT(std::string(bad.status().message()), HasSubstr("all_gather on group 'world'"));
 }
 
+// Completion::kStream on host buffers (MPI): each call has completed when it returns, with the
+// same results, counts and argument checks as the blocking form.
+TEST(CommunicatorTest, StreamOrderedCompletionOnHostBuffersCompletesAtTheCall) {
+  Communicator& w = World();
+  const int p = w.size(), me = w.rank(), n = 37;
+  const CommStats before = w.stats();
+  std::vector<float> sum = RankValues(me, n, 31);
+  ASSERT_TRUE(w.AllReduce(sum.data(), n, DType::kF32, ReduceOp::kSum, Completion::kStream).ok());
+  std::vector<float> all(static_cast<size_t>(n) * p, -1.0f);
+  const auto mine = RankValues(me, n, 32);
+  ASSERT_TRUE(w.AllGather(mine.data(), n, all.data(), DType::kF32, Completion::kStream).ok());
+  std::vector<float> blocks(static_cast<size_t>(n) * p);
+  for (int r = 0; r < p; ++r) {
+    const auto v = RankValues(me, n, 40 + static_cast<uint32_t>(r));
+    std::copy(v.begin(), v.end(), blocks.begin() + static_cast<int64_t>(r) * n);
+  }
+  std::vector<float> shard(static_cast<size_t>(n), -1.0f);
+  ASSERT_TRUE(w.ReduceScatter(blocks.data(), shard.data(), n, DType::kF32, ReduceOp::kSum,
+                              Completion::kStream)
+                  .ok());
+  std::vector<float> want_sum(static_cast<size_t>(n), 0.0f),
+      want_shard(static_cast<size_t>(n), 0.0f);
+  for (int r = 0; r < p; ++r) {
+    const auto a = RankValues(r, n, 31), g = RankValues(r, n, 32);
+    const auto b = RankValues(r, n, 40 + static_cast<uint32_t>(me));
+    for (int i = 0; i < n; ++i) {
+      want_sum[static_cast<size_t>(i)] += a[static_cast<size_t>(i)];
+      want_shard[static_cast<size_t>(i)] += b[static_cast<size_t>(i)];
+    }
+    EXPECT_TRUE(std::equal(g.begin(), g.end(), all.begin() + static_cast<int64_t>(r) * n))
+        << "block of rank " << r;
+  }
+  EXPECT_EQ(sum, want_sum);
+  EXPECT_EQ(shard, want_shard);
+  EXPECT_TRUE(w.CheckStreamOrdered().ok());  // nothing is left to complete on MPI
+  const CommStats& after = w.stats();
+  EXPECT_EQ(after.Calls(CollectiveOp::kAllReduce, DType::kF32) -
+                before.Calls(CollectiveOp::kAllReduce, DType::kF32),
+            1);
+  EXPECT_EQ(after.Bytes(CollectiveOp::kReduceScatter, DType::kF32) -
+                before.Bytes(CollectiveOp::kReduceScatter, DType::kF32),
+            4 * n * p);
+  // The same checks as the blocking form, and a completion that is neither value is refused.
+  std::vector<uint8_t> codes(8);
+  absl::Status s = w.AllReduce(codes.data(), 8, DType::kU8, ReduceOp::kMax, Completion::kStream);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("FP8"));
+  s = w.AllGather(mine.data(), n, all.data(), DType::kF32, static_cast<Completion>(7));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("completion must be host or stream, got 7"));
+  EXPECT_THAT(std::string(s.message()), HasSubstr("all_gather on group 'world'"));
+}
+
 TEST(CommunicatorTest, CountsBytesByOpAndDtype) {
   Communicator& w = World();
   const CommStats before = w.stats();
