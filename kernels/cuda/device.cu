@@ -166,6 +166,9 @@ absl::Status AllowDynamicSharedMemory(const void* kernel, int bytes) {
   return absl::OkStatus();
 }
 
+// A kernel of this file, asked only whether the build holds code the device can run.
+__global__ void ProbeKernel() {}
+
 int64_t GridFor(int64_t work, int threads, int sm_count, int per_sm) {
   const int64_t needed = std::max<int64_t>(1, (work + threads - 1) / threads);
   return std::min<int64_t>(needed, static_cast<int64_t>(std::max(sm_count, 1)) * per_sm);
@@ -197,7 +200,19 @@ absl::Status UseCudaDevice(int ordinal) {
   FP8RT_RETURN_IF_ERROR(cuda_internal::CheckConcurrentManagedAccess(ordinal, concurrent));
   int pools = 0;
   CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&pools, cudaDevAttrMemoryPoolsSupported, ordinal));
-  return cuda_internal::CheckMemoryPools(ordinal, pools);
+  FP8RT_RETURN_IF_ERROR(cuda_internal::CheckMemoryPools(ordinal, pools));
+  int major = 0, minor = 0;
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal));
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal));
+  cudaFuncAttributes attr{};
+  const cudaError_t image = cudaFuncGetAttributes(&attr, cuda_internal::ProbeKernel);
+  if (image != cudaSuccess) (void)cudaGetLastError();  // not sticky: the answer, not a fault
+  if (image != cudaSuccess && image != cudaErrorNoKernelImageForDevice &&
+      image != cudaErrorInvalidDeviceFunction) {
+    return ::fp8rt::internal::CudaErrorStatus(image, "cudaFuncGetAttributes(ProbeKernel)", __FILE__,
+                                              __LINE__);
+  }
+  return cuda_internal::CheckKernelImage(ordinal, major, minor, image == cudaSuccess);
 }
 
 }  // namespace fp8rt::kernels

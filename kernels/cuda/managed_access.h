@@ -37,4 +37,17 @@ inline absl::Status CheckMemoryPools(int ordinal, int memory_pools_supported) {
       "11.2 or later), or use device: cpu"));
 }
 
+// OK when this build has kernels the device can run (has_kernel_image: cudaFuncGetAttributes on
+// one of its kernels succeeded there); otherwise FailedPrecondition naming the device ordinal,
+// its compute capability (major.minor) and the CMake option to rebuild with, instead of "no
+// kernel image is available" at the first launch.
+inline absl::Status CheckKernelImage(int ordinal, int major, int minor, bool has_kernel_image) {
+  if (has_kernel_image) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "CUDA device ", ordinal, " has compute capability ", major, ".", minor,
+      ", which this build has no kernels for (it was compiled for later GPUs); rebuild with "
+      "-DCMAKE_CUDA_ARCHITECTURES=",
+      major, minor, " (or \"native\"), or use device: cpu"));
+}
+
 }  // namespace fp8rt::kernels::cuda_internal

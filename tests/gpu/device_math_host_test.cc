@@ -248,6 +248,17 @@ TEST(ManagedAccessTest, ADeviceWithoutConcurrentManagedAccessIsRefused) {
   EXPECT_NE(s.message().find("device: cpu"), std::string::npos) << s;
 }
 
+TEST(ManagedAccessTest, ADeviceThisBuildHasNoKernelsForIsRefused) {
+  EXPECT_TRUE(cuda_internal::CheckKernelImage(0, 9, 0, true).ok());
+  const absl::Status s = cuda_internal::CheckKernelImage(1, 8, 0, false);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("CUDA device 1 has compute capability 8.0, which this build has no "
+                             "kernels for"),
+            std::string::npos)
+      << s;
+  EXPECT_NE(s.message().find("-DCMAKE_CUDA_ARCHITECTURES=80"), std::string::npos) << s;
+}
+
 TEST(ManagedAccessTest, ADeviceWithoutMemoryPoolsIsRefused) {
   EXPECT_TRUE(cuda_internal::CheckMemoryPools(0, 1).ok());
   const absl::Status s = cuda_internal::CheckMemoryPools(2, 0);
