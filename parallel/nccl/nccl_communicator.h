@@ -38,7 +38,8 @@
 // in a build without CUDA; the classes below exist in CUDA builds only.
 //
 // Thread-compatible, like every Communicator (the watchdog is internal: a mutex serialises it
-// with the calls; health() may be read from any thread and waits for a call in progress). The
+// with the calls; health() may be read from any thread and waits for a call in progress or an
+// abort, which may wait for the device). The
 // factory and the communicators it returns may be destroyed in any order. Destroying a communicator
 // finalizes it (ncclCommFinalize, waiting up to the timeout for its outstanding work) and aborts it
 // instead if that fails.
