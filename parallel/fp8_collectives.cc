@@ -577,11 +577,12 @@ absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
   switch (dtype) {
     case GradReduceDType::kFP32: {
       if (!accumulate) {
-        return group.ReduceScatter(full_grad, shard_grad, shard_count, DType::kF32, ReduceOp::kSum);
+        return group.ReduceScatter(full_grad, shard_grad, shard_count, DType::kF32, ReduceOp::kSum,
+                                   Completion::kStream);
       }
       Grow(ops, static_cast<size_t>(shard_count), &b.reduced_f32);
       FP8RT_RETURN_IF_ERROR(group.ReduceScatter(full_grad, b.reduced_f32.data(), shard_count,
-                                                DType::kF32, ReduceOp::kSum));
+                                                DType::kF32, ReduceOp::kSum, Completion::kStream));
       return Accumulate(ops, shard_grad, b.reduced_f32.data(), shard_count);
     }
     case GradReduceDType::kBF16: {
@@ -590,7 +591,8 @@ absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
                                     kernels::InputType::kBF16, b.send_bf16.data(), full_count));
       Grow(ops, static_cast<size_t>(shard_count), &b.reduced_bf16);
       FP8RT_RETURN_IF_ERROR(group.ReduceScatter(b.send_bf16.data(), b.reduced_bf16.data(),
-                                                shard_count, DType::kBF16, ReduceOp::kSum));
+                                                shard_count, DType::kBF16, ReduceOp::kSum,
+                                                Completion::kStream));
       if (!accumulate) {
         return Convert(ops, kernels::InputType::kBF16, b.reduced_bf16.data(),
                        kernels::InputType::kF32, shard_grad, shard_count);

@@ -216,6 +216,9 @@ struct GradReduceBuffers {
 // values, or += them with `accumulate` (micro-batch accumulation in FP32). With kBF16 the
 // gradient travels and is summed as BF16 (FP32 additions rounded once per step).
 // `buffers` (optional) holds the temporaries; without it they are allocated for the call.
+// The reduce-scatter is stream-ordered (Completion::kStream): with NCCL the call returns once it
+// is queued, so the shard is for later ops, for the host after ops.layer->synchronize, and
+// trusted only once group.CheckStreamOrdered() is OK.
 absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
                                const float* full_grad, int64_t shard_count, GradReduceDType dtype,
                                bool accumulate, float* shard_grad,

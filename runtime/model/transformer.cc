@@ -375,7 +375,7 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
   p.fp8_shard.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kParamShards);
   p.fp8_shard.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kParamShards);
   p.fp8.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kGatheredWeights, kDevice);
-  p.fp8.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kGatheredWeights);
+  p.fp8.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kGatheredWeights, kDevice);
   for (kernels::DeviceArray<uint8_t>* a : {&p.fp8_shard.e8m0, &p.fp8_shard.col_codes,
                                            &p.fp8_shard.col_e8m0}) {
     *a = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kParamShards);
@@ -1099,7 +1099,8 @@ absl::StatusOr<float> Transformer::Forward(bool train) {
                                               shape_.max_positions, C, st));
     FP8RT_RETURN_IF_ERROR(L.residual_forward(x0, x0, a.pos.data(), N * C, st));
   }
-  FP8RT_RETURN_IF_ERROR(L.synchronize(st));  // the weight is read before it is freed
+  // No wait before a reshard: the gathered buffers are device-only memory, freed in the default
+  // stream's order after the ops that read them (on the CPU the ops have run already).
   Reshard(0);  // the embedding's backward needs no weight
   for (size_t l = 0; l < blocks_.size(); ++l) {
     const Block& blk = *blocks_[l];
@@ -1163,10 +1164,7 @@ absl::StatusOr<float> Transformer::Forward(bool train) {
     FP8RT_RETURN_IF_ERROR(L.residual_forward(next.data(), x.x2.data(), fc2, N * C, st));
     // The last block's backward comes right after the head: it stays gathered. A forward
     // without backward (Evaluate) keeps nothing.
-    if (!train || (recipe_.reshard_after_forward && l + 1 < blocks_.size())) {
-      FP8RT_RETURN_IF_ERROR(L.synchronize(st));
-      Reshard(l + 1);
-    }
+    if (!train || (recipe_.reshard_after_forward && l + 1 < blocks_.size())) Reshard(l + 1);
   }
   FP8RT_RETURN_IF_ERROR(FinishUnshard(head));
   FP8RT_RETURN_IF_ERROR(
@@ -1225,7 +1223,8 @@ absl::Status Transformer::Backward(float dloss) {
   FP8RT_RETURN_IF_ERROR(
       norm(a.dx.data(), final_norm_, final_norm_bias_, a.dlnf.data(), a.x_final.data(), a.meanf,
            a.rstdf));
-  FP8RT_RETURN_IF_ERROR(L.synchronize(st));  // gradients complete before they travel
+  // The gradients travel in stream order after the ops that wrote them (NCCL's stream follows
+  // the default stream; on the CPU the ops have run already): no wait here.
   FP8RT_RETURN_IF_ERROR(ReduceUnitGrads(head));
   Reshard(head);
   for (size_t l = blocks_.size(); l-- > 0;) {
@@ -1290,7 +1289,6 @@ absl::Status Transformer::Backward(float dloss) {
     FP8RT_RETURN_IF_ERROR(L.copy(a.dx.data(), a.dx2.data(), N * C, st));
     FP8RT_RETURN_IF_ERROR(norm(a.dx.data(), blk.attn_norm, blk.attn_norm_b, a.dln.data(),
                                x.x.data(), x.mean1, x.rstd1));
-    FP8RT_RETURN_IF_ERROR(L.synchronize(st));
     FP8RT_RETURN_IF_ERROR(ReduceUnitGrads(l + 1));
     Reshard(l + 1);
   }
@@ -1301,12 +1299,15 @@ absl::Status Transformer::Backward(float dloss) {
     FP8RT_RETURN_IF_ERROR(L.embedding_backward(G(positions_), a.dx.data(), a.positions.device(), N,
                                                shape_.max_positions, C, st));
   }
-  FP8RT_RETURN_IF_ERROR(L.synchronize(st));
   FP8RT_RETURN_IF_ERROR(ReduceUnitGrads(0));
   // The statistics of the pass's FP8 quantizations recorded into their sites, once the backend
-  // has finished and the pass's stream-ordered TP collectives all completed.
+  // has finished and the pass's stream-ordered collectives (TP sums, gradient reduce-scatters)
+  // all completed.
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
   FP8RT_RETURN_IF_ERROR(CheckTp());
+  for (parallel::Communicator* g : {&mesh_.dp(), &mesh_.edp()}) {
+    FP8RT_RETURN_IF_ERROR(g->CheckStreamOrdered());
+  }
   for (Linear* lin : all_linears_) FP8RT_RETURN_IF_ERROR(lin->FlushStats());
   return absl::OkStatus();
 }
