@@ -492,7 +492,6 @@ absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& op
     const kernels::DeviceArray<uint8_t>* from[] = {&shard.e8m0, &shard.col_codes, &shard.col_e8m0};
     kernels::DeviceArray<uint8_t>* to[] = {&out->e8m0, &out->col_codes, &out->col_e8m0};
     for (int i = 0; i < 3; ++i) to[i]->Reset(ops, from[i]->size() * static_cast<size_t>(n));
-    FP8RT_RETURN_IF_ERROR(Synchronize(ops));
     for (int i = 0; i < 4; ++i) {
       const kernels::DeviceArray<uint8_t>& src = i == 0 ? shard.codes : *from[i - 1];
       kernels::DeviceArray<uint8_t>& dst = i == 0 ? out->codes : *to[i - 1];
@@ -507,9 +506,9 @@ absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& op
     FP8RT_RETURN_IF_ERROR(
         ops.layer->copy(out->scale_inv.data(), shard.scale_inv.data(), 1, kernels::Stream{}));
   }
-  // The device copy above and the host's view of the shard must be done before a backend that
-  // reads host-visible memory (MPI) sends it.
-  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+  // No wait for the backend: the CPU ops have run by now (MPI sends what they wrote), and NCCL's
+  // gather starts after the work queued on the default stream (StartAllGather records an event
+  // there for its side stream).
   FP8RT_ASSIGN_OR_RETURN(
       std::unique_ptr<PendingCollective> codes,
       group.StartAllGather(shard.codes.data(), static_cast<int64_t>(shard.codes.size()),

@@ -391,6 +391,9 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllG
       CUDA_RETURN_IF_ERROR(cudaEventRecord(side_done_, side_));
       return absl::OkStatus();
     }();
+    // The watchdog watches it too: a host blocked in a device-wide wait (a free of pinned or
+    // managed memory) before Wait() would otherwise hang behind a gather whose peer died.
+    if (status.ok()) status = Track(side_, deadline, "ncclAllGather (started)").status();
   }
   if (!status.ok()) {
     if (done != nullptr) (void)cudaEventDestroy(done);
@@ -553,30 +556,41 @@ absl::Status NcclCommunicator::WaitEnqueued(Clock::time_point deadline, const ch
   }
 }
 
-absl::Status NcclCommunicator::Queue(absl::Status enqueued, Clock::time_point deadline,
-                                     const char* what) {
-  if (!enqueued.ok()) return Break(enqueued);
-  FP8RT_RETURN_IF_ERROR(WaitEnqueued(deadline, what));
+absl::StatusOr<cudaEvent_t> NcclCommunicator::Track(cudaStream_t stream, Clock::time_point deadline,
+                                                    const char* what) {
   cudaEvent_t done = nullptr;
   if (!spare_events_.empty()) {
     done = spare_events_.back();
     spare_events_.pop_back();
   }
   absl::Status status = [&]() -> absl::Status {
-    if (done == nullptr)
+    if (done == nullptr) {
       CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-    CUDA_RETURN_IF_ERROR(cudaEventRecord(done, stream_));
-    // The default stream's later work (the model's kernels, copies, a synchronisation) waits for
-    // the collective even where no kernel follows it on the default stream before a sync.
-    CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(cudaStreamLegacy, done, 0));
+    }
+    CUDA_RETURN_IF_ERROR(cudaEventRecord(done, stream));
     return absl::OkStatus();
   }();
   if (!status.ok()) {
     if (done != nullptr) (void)cudaEventDestroy(done);
-    return Break(status);
+    return status;
   }
   queued_.push_back(Queued{.done = done, .deadline = deadline, .what = what});
   if (!watchdog_.joinable()) watchdog_ = std::thread([this] { Watch(); });
+  return done;
+}
+
+absl::Status NcclCommunicator::Queue(absl::Status enqueued, Clock::time_point deadline,
+                                     const char* what) {
+  if (!enqueued.ok()) return Break(enqueued);
+  FP8RT_RETURN_IF_ERROR(WaitEnqueued(deadline, what));
+  absl::StatusOr<cudaEvent_t> done = Track(stream_, deadline, what);
+  if (!done.ok()) return Break(done.status());
+  // The default stream's later work (the model's kernels, copies, frees, a synchronisation)
+  // waits for the collective even where no kernel follows it on the default stream before a sync.
+  if (const cudaError_t e = cudaStreamWaitEvent(cudaStreamLegacy, *done, 0); e != cudaSuccess) {
+    return Break(
+        internal::CudaErrorStatus(e, "cudaStreamWaitEvent(queued collective)", __FILE__, __LINE__));
+  }
   return absl::OkStatus();
 }
 

@@ -23,8 +23,9 @@
 // defers the launch, as a non-blocking communicator may), records an event after it and makes
 // the legacy default stream wait for that event, then returns: the model's later kernels, copies
 // and synchronisations on the default stream come after the collective, and the host never waits
-// for the device at the call. A watchdog thread, started by the first such call, checks the
-// queued collectives every timeout/20 (at most 100 ms): one that fails, or has not completed
+// for the device at the call. A watchdog thread, started by the first such call (or the first
+// StartAllGather on device buffers, which it watches too), checks the queued collectives every
+// timeout/20 (at most 100 ms): one that fails, or has not completed
 // within the timeout of its call, aborts the NCCL communicator (which ends its kernels, so a host
 // blocked in a synchronisation behind it returns), and the next call fails with that error.
 // While a blocking call is polling, the watchdog leaves the communicator to it: that call's own
@@ -141,7 +142,8 @@ class NcclCommunicator : public Communicator {
   // With mu_ held: polls until NCCL has put the work just enqueued on its stream (the state
   // leaves ncclInProgress), NCCL reports an error or the deadline passes; aborts on failure.
   absl::Status WaitEnqueued(std::chrono::steady_clock::time_point deadline, const char* what);
-  // A collective queued with Completion::kStream, until it is seen complete.
+  // A collective queued with Completion::kStream or started (StartAllGather), until it is seen
+  // complete.
   struct Queued {
     CUevent_st* done = nullptr;  // recorded on stream_ after the collective
     std::chrono::steady_clock::time_point deadline;
@@ -157,6 +159,11 @@ class NcclCommunicator : public Communicator {
   // the event and hands it to the watchdog. Aborts the communicator on any failure.
   absl::Status Queue(absl::Status enqueued, std::chrono::steady_clock::time_point deadline,
                      const char* what);
+  // With mu_ held: records an event on `stream` after the work just enqueued there and hands it
+  // to the watchdog (queued_ owns it); returns it.
+  absl::StatusOr<CUevent_st*> Track(CUstream_st* stream,
+                                    std::chrono::steady_clock::time_point deadline,
+                                    const char* what);
   // With mu_ held: drops the queued collectives that completed; aborts the communicator if one
   // failed, NCCL reports an error, or the oldest one still running is past its deadline.
   void CheckQueued();

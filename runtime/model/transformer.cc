@@ -839,9 +839,11 @@ absl::Status Transformer::ReduceUnitGrads(size_t unit) {
     Param& p = params_[static_cast<size_t>(i)];
     const bool first = p.reductions++ == 0;
     if (first && p.group->size() == 1 && recipe_.grad_reduce == parallel::GradReduceDType::kFP32) {
-      // A one-rank FSDP group: the full gradient is the shard's (same size, no padding): it
-      // becomes the shard gradient, with no copy.
-      std::swap(p.grad, p.full_grad);
+      // A one-rank FSDP group: the full gradient is the shard's (same size, no padding), copied
+      // by the backend. Not swapped: the arrays would trade placements, and the shard gradient
+      // must stay host-visible (the host reads it at a skipped step; it is prefetched as managed
+      // memory on CUDA).
+      FP8RT_RETURN_IF_ERROR(ops_.layer->copy(p.grad.data(), p.full_grad.data(), p.shard_count, {}));
     } else {
       FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(
           *p.group, ops_, p.full_grad.data(), p.shard_count, recipe_.grad_reduce,

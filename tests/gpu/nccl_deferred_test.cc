@@ -66,6 +66,9 @@ std::atomic<bool> hang{false};  // deferred calls are never made: a collective t
 // place on their stream, and the call returns ncclSuccess (a collective enqueued that never ends).
 std::atomic<bool> stall{false};
 std::atomic<bool> released{false};
+// Deferred calls first put a host function that sleeps 400 ms on their stream, then make the
+// real call: the collective completes well after NCCL enqueued it.
+std::atomic<bool> slow{false};
 std::chrono::milliseconds delay{150};
 std::mutex mu;
 int pending = 0;                   // deferred calls not made yet (guarded by mu)
@@ -100,12 +103,22 @@ void CUDART_CB BlockUntilReleased(void*) {
   while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
+void CUDART_CB Sleep400Ms(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(400)); }
+
 // One collective on `stream`: deferred as it is, stalled, or recorded when inside a group.
 ncclResult_t Call(cudaStream_t stream, std::function<ncclResult_t()> call) {
   if (stall.load() && !in_group) {
     return cudaLaunchHostFunc(stream, BlockUntilReleased, nullptr) == cudaSuccess
                ? ncclSuccess
                : ncclUnhandledCudaError;
+  }
+  if (slow.load()) {
+    call = [stream, inner = std::move(call)] {
+      if (cudaLaunchHostFunc(stream, Sleep400Ms, nullptr) != cudaSuccess) {
+        return ncclUnhandledCudaError;
+      }
+      return inner();
+    };
   }
   if (!on.load()) return call();
   if (in_group) {
@@ -223,6 +236,7 @@ class NcclDeferredTest : public ::testing::Test {
     shim::on = false;
     shim::hang = false;
     shim::stall = false;
+    shim::slow = false;
     shim::released = false;
     NcclOptions options;
     options.timeout = std::chrono::seconds(30);
@@ -236,12 +250,24 @@ class NcclDeferredTest : public ::testing::Test {
     shim::on = false;
     shim::hang = false;
     shim::stall = false;
+    shim::slow = false;
     shim::released = true;
     (void)cudaStreamSynchronize(cudaStreamLegacy);
     factory_.reset();  // aborts or finalises the communicator before the deferred calls end
     shim::Reset();
   }
   Communicator& world() { return factory_->World(); }
+  // The world again, with the shim off while it is set up and the given timeout.
+  void RecreateWithTimeout(std::chrono::milliseconds timeout) {
+    factory_.reset();
+    shim::on = false;
+    shim::Reset();
+    NcclOptions options;
+    options.timeout = timeout;
+    auto factory = NcclCommunicatorFactory::Create(bootstrap_, 0, options);
+    ASSERT_TRUE(factory.ok()) << factory.status();
+    factory_ = std::move(factory).value();
+  }
 
   // Runs `collective`, checks that it was deferred and that the call waited for it.
   template <class F>
@@ -309,14 +335,7 @@ TEST_F(NcclDeferredTest, InPlaceCollectivesOnHostMemoryWaitToo) {
 // A collective that never reaches the stream: the deadline still ends the call, the communicator
 // is aborted and says why, and the host output is left as it was.
 TEST_F(NcclDeferredTest, ACollectiveThatNeverRunsEndsAtTheDeadline) {
-  factory_.reset();
-  shim::on = false;
-  shim::Reset();
-  NcclOptions options;
-  options.timeout = std::chrono::milliseconds(1500);
-  auto factory = NcclCommunicatorFactory::Create(bootstrap_, 0, options);
-  ASSERT_TRUE(factory.ok()) << factory.status();
-  factory_ = std::move(factory).value();
+  ASSERT_NO_FATAL_FAILURE(RecreateWithTimeout(std::chrono::milliseconds(1500)));
   shim::on = true;
   shim::hang = true;
   const std::vector<float> send = Ramp(32, 0.0f);
@@ -389,7 +408,6 @@ TEST_F(NcclDeferredTest, StreamOrderedCollectivesReturnBeforeTheDeviceRunsThem) 
   EXPECT_LT(took, std::chrono::milliseconds(250)) << "a stream-ordered call waited for the device";
   EXPECT_EQ(ReadOnDefaultStream(r, n), send);
   EXPECT_EQ(ReadOnDefaultStream(rs, n), send);
-  EXPECT_EQ(ReadOnDefaultStream(s, n), send);
   // The blocking form, by contrast, waits for the device.
   ASSERT_EQ(cudaLaunchHostFunc(cudaStreamLegacy, SleepHalfASecond, nullptr), cudaSuccess);
   const auto t1 = Clock::now();
@@ -421,31 +439,31 @@ TEST_F(NcclDeferredTest, AStartedAllGatherIsWaitedForEvenWhenNcclEnqueuesItLate)
   float* r = DeviceCopy(std::vector<float>(n, kSentinel));
   ASSERT_TRUE(s != nullptr && r != nullptr);
   EXPECT_TRUE(world().CheckStreamOrdered().ok());
+  // The gather reaches the side stream `delay` after the call, behind 400 ms of sleep there: an
+  // event recorded at the call would complete at once, and Wait would return before the gather.
+  shim::slow = true;
   const int before = shim::Deferred();
+  const auto t0 = Clock::now();
   auto started = world().StartAllGather(s, n, r, DType::kF32);
   ASSERT_TRUE(started.ok()) << started.status();
   EXPECT_GT(shim::Deferred(), before) << "the shim did not defer the call";
   ASSERT_TRUE((*started)->Wait().ok());
+  EXPECT_GE(Clock::now() - t0, shim::delay + std::chrono::milliseconds(400))
+      << "Wait returned before the gather had run";
   EXPECT_EQ(ReadOnDefaultStream(r, n), send);
+  EXPECT_TRUE(world().CheckStreamOrdered().ok());
   for (float* p : {s, r}) EXPECT_EQ(cudaFree(p), cudaSuccess);
 }
 
 TEST_F(NcclDeferredTest, AStreamOrderedCollectiveThatNeverCompletesIsAbortedByTheWatchdog) {
-  factory_.reset();
-  shim::on = false;
-  shim::Reset();
-  NcclOptions options;
-  options.timeout = std::chrono::milliseconds(1500);
-  auto factory = NcclCommunicatorFactory::Create(bootstrap_, 0, options);
-  ASSERT_TRUE(factory.ok()) << factory.status();
-  factory_ = std::move(factory).value();
+  ASSERT_NO_FATAL_FAILURE(RecreateWithTimeout(std::chrono::milliseconds(1500)));
   auto& nccl = static_cast<NcclCommunicator&>(world());
   float* buf = DeviceCopy(Ramp(16, 1.0f));
   ASSERT_NE(buf, nullptr);
   // A real collective's kernels end at the abort; the stand-in here ends when released, 3 s in
   // (ncclCommAbort may wait for the device, and health() for the abort). Started first, so that
   // the stream is released whatever fails below.
-  std::thread release([] {
+  std::jthread release([] {  // joined on every way out of the test
     std::this_thread::sleep_for(std::chrono::seconds(3));
     shim::released = true;
   });
@@ -458,7 +476,6 @@ TEST_F(NcclDeferredTest, AStreamOrderedCollectiveThatNeverCompletesIsAbortedByTh
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   const auto noticed = Clock::now() - t0;
-  release.join();
   const absl::Status health = nccl.health();
   EXPECT_EQ(health.code(), absl::StatusCode::kDeadlineExceeded) << health;
   EXPECT_THAT(std::string(health.message()), HasSubstr("ncclAllReduce (stream-ordered)"));

@@ -992,6 +992,33 @@ TEST(TransformerTest, CopiedLogitsGiveThePassesLoss) {
   }
 }
 
+// The shard gradients stay host-visible step after step (the host reads them at a skipped step),
+// also where the FSDP group has one rank and the FP32 gradient is not reduce-scattered (the full
+// gradient, a device-only array, used to be swapped in, and the arrays traded placements).
+// Their values: the FP32 gradients each pass left, summed over the group, as Grads() gathers them.
+TEST(TransformerTest, ShardGradientsStayHostVisibleStepAfterStep) {
+  const ModelShape shape = Shape(/*layers=*/2, /*d_model=*/32, /*d_ff=*/64, /*seq_len=*/8);
+  ModelRecipe recipe = Fp32Recipe();
+  recipe.grad_reduce = parallel::GradReduceDType::kFP32;
+  const int world = Factory().World().size();
+  ModelUnderTest s =
+      Build({.dp = world, .tp = 1, .ep = 1}, shape, recipe, /*seed=*/7, /*token_seed=*/5);
+  ASSERT_NE(s.model, nullptr);
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(::testing::Message() << "step " << step);
+    ASSERT_TRUE(s.model->BeginStep().ok());
+    ASSERT_FALSE(std::isnan(Loss(s)));
+    for (const Param& p : s.model->params()) {
+      EXPECT_EQ(p.grad.placement(), kernels::Placement::kHostVisible) << p.name;
+      EXPECT_EQ(p.full_grad.placement(), kernels::Placement::kDeviceOnly) << p.name;
+      ASSERT_EQ(p.grad.size(), static_cast<size_t>(p.shard_count)) << p.name;
+      double sum_sq = 0.0;  // a host read of every element: aborts on a device-only array
+      for (const float g : p.grad) sum_sq += static_cast<double>(g) * g;
+      EXPECT_TRUE(std::isfinite(sum_sq)) << p.name;
+    }
+  }
+}
+
 TEST(TransformerTest, LayerNamesAgreeWithTheSpecs) {
   const int world = Factory().World().size();
   for (const char* family : {"plain", "gpt2", "llama"}) {
