@@ -207,8 +207,14 @@ absl::Status RunFp8Gemm(const LinearContext& ctx, kernels::Fp8GemmArgs g) {
 
 }  // namespace
 
-const float* Linear::WithInputOutlier(const float* x, int64_t n) {
+absl::StatusOr<const float*> Linear::WithInputOutlier(const LinearContext& ctx, const float* x,
+                                                      int64_t n) {
   if (!outlier_armed_ || n * in_ == 0) return x;
+  // The input is read and changed on the host: backend memory the host may touch only on the CPU.
+  if (ctx.ops->layer != kernels::CpuOps().layer) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(name_, ": the test fault outlier_act (FP8RT_FAULT) runs on CPU ranks only"));
+  }
   const size_t count = static_cast<size_t>(n * in_);
   outlier_x_.assign(x, x + count);
   if (outlier_forwards_left_ > 0) {
@@ -224,7 +230,7 @@ const float* Linear::WithInputOutlier(const float* x, int64_t n) {
 
 absl::Status Linear::ForwardFp8(const LinearContext& ctx, const float* x, int64_t n, float* y) {
   if (w_fp8_ == nullptr) return absl::FailedPreconditionError(name_ + ": no FP8 weight set");
-  x = WithInputOutlier(x, n);
+  FP8RT_ASSIGN_OR_RETURN(x, WithInputOutlier(ctx, x, n));
   FP8RT_RETURN_IF_ERROR(QuantizeActivation(ctx, input_site_, input_pending_, x, n, in_, &x_codes_,
                                            &x_scale_inv_, &x_e8m0_));
   const kernels::Fp8Format input_format = input_site_.state().config().format;

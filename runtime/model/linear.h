@@ -224,8 +224,10 @@ class Linear {
   float outlier_growth_ = 1.0f, outlier_value_ = 0.0f;
   int64_t outlier_forwards_left_ = 0;
   std::vector<float> outlier_x_;
-  // The input with the outlier in element 0 (ArmInputOutlier), or `x` when unarmed.
-  const float* WithInputOutlier(const float* x, int64_t n);
+  // The input with the outlier in element 0 (ArmInputOutlier), or `x` when unarmed;
+  // FailedPrecondition, naming the layer, when armed on a backend other than the CPU.
+  absl::StatusOr<const float*> WithInputOutlier(const LinearContext& ctx, const float* x,
+                                                int64_t n);
 
   // The statistics of a site's last quantization, not yet recorded into the site.
   struct PendingStats {
