@@ -175,13 +175,15 @@ class AnnotatedPending : public PendingCollective {
  public:
   AnnotatedPending(std::unique_ptr<PendingCollective> inner, std::string prefix)
       : inner_(std::move(inner)), prefix_(std::move(prefix)) {}
-  absl::Status Wait() override {
-    absl::Status s = inner_->Wait();
+  absl::Status Wait() override { return Annotate(inner_->Wait()); }
+  absl::Status WaitStreamOrdered() override { return Annotate(inner_->WaitStreamOrdered()); }
+
+ private:
+  absl::Status Annotate(absl::Status s) const {
     if (s.ok() || absl::StartsWith(s.message(), prefix_)) return s;
     return absl::Status(s.code(), absl::StrCat(prefix_, s.message()));
   }
 
- private:
   std::unique_ptr<PendingCollective> inner_;
   const std::string prefix_;
 };

@@ -89,6 +89,12 @@ class PendingCollective {
  public:
   virtual ~PendingCollective() = default;
   [[nodiscard]] virtual absl::Status Wait() = 0;
+  // For a receive buffer that only the device's later work reads (FSDP's gathered weights): with
+  // NCCL the default stream waits for the gather and the host does not; a failure or timeout
+  // then aborts the communicator from its watchdog and shows at Communicator::
+  // CheckStreamOrdered or the group's next call (see "Stream-ordered completion"). Elsewhere:
+  // Wait(). Wait() after it returns its status.
+  [[nodiscard]] virtual absl::Status WaitStreamOrdered() { return Wait(); }
 };
 
 class Communicator {

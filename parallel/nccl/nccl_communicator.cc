@@ -328,6 +328,20 @@ class NcclPendingAllGather final : public PendingCollective {
     if (!waited_) (void)Wait();
     (void)cudaEventDestroy(done_);
   }
+  // The default stream waits for the gather; the host only takes in what the watchdog found so
+  // far (it watches the gather: DoStartAllGather tracked it).
+  absl::Status WaitStreamOrdered() override {
+    if (!waited_) {
+      waited_ = true;
+      status_ = comm_->CheckStreamOrdered();
+      if (const cudaError_t e = cudaStreamWaitEvent(cudaStreamLegacy, done_, 0);
+          e != cudaSuccess && status_.ok()) {
+        status_ = internal::CudaErrorStatus(e, "cudaStreamWaitEvent(started all-gather)", __FILE__,
+                                            __LINE__);
+      }
+    }
+    return status_;
+  }
   absl::Status Wait() override {
     if (!waited_) {
       waited_ = true;

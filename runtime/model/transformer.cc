@@ -651,8 +651,11 @@ LinearContext Transformer::Ctx() {
   return LinearContext{.ops = &ops_, .tp = tp_ > 1 ? &mesh_.tp() : nullptr, .scratch = &scratch_};
 }
 
-absl::Status Transformer::CheckTp() {
-  return tp_ > 1 ? mesh_.tp().CheckStreamOrdered() : absl::OkStatus();
+absl::Status Transformer::CheckStreamOrdered() {
+  for (parallel::Communicator* g : {&mesh_.tp(), &mesh_.dp(), &mesh_.edp()}) {
+    FP8RT_RETURN_IF_ERROR(g->CheckStreamOrdered());
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Transformer::AllReduceTp(float* buf, int64_t count) {
@@ -773,7 +776,9 @@ absl::Status Transformer::FinishUnshard(size_t unit) {
   FP8RT_RETURN_IF_ERROR(StartUnshard(unit));
   absl::Status status;
   for (std::unique_ptr<parallel::PendingCollective>& g : u.pending) {
-    if (absl::Status s = g->Wait(); status.ok()) status = s;
+    // Only the device's ops read the gathered weights: with NCCL the host does not wait here (the
+    // pass checks the groups after its last synchronisation).
+    if (absl::Status s = g->WaitStreamOrdered(); status.ok()) status = s;
   }
   u.pending.clear();
   u.started = false;
@@ -1175,9 +1180,9 @@ absl::StatusOr<float> Transformer::Forward(bool train) {
   FP8RT_RETURN_IF_ERROR(L.cross_entropy_forward(a.ce_probs.data(), a.losses.data(), a.logits.data(),
                                                 a.targets.device(), N, V, st));
   // The mean loss over the rows, summed in row order on the host once the backend has finished,
-  // and only if the pass's stream-ordered TP collectives all completed.
+  // and only if the pass's stream-ordered collectives (TP sums, FSDP gathers) all completed.
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
-  FP8RT_RETURN_IF_ERROR(CheckTp());
+  FP8RT_RETURN_IF_ERROR(CheckStreamOrdered());
   float loss_sum = 0.0f;
   for (const float row_loss : a.losses) loss_sum += row_loss;
   return loss_sum / static_cast<float>(N) + aux_loss;
@@ -1306,10 +1311,7 @@ absl::Status Transformer::Backward(float dloss) {
   // has finished and the pass's stream-ordered collectives (TP sums, gradient reduce-scatters)
   // all completed.
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
-  FP8RT_RETURN_IF_ERROR(CheckTp());
-  for (parallel::Communicator* g : {&mesh_.dp(), &mesh_.edp()}) {
-    FP8RT_RETURN_IF_ERROR(g->CheckStreamOrdered());
-  }
+  FP8RT_RETURN_IF_ERROR(CheckStreamOrdered());
   for (Linear* lin : all_linears_) FP8RT_RETURN_IF_ERROR(lin->FlushStats());
   return absl::OkStatus();
 }

@@ -412,8 +412,9 @@ class Transformer {
   void RecordWeightShard(Param& p, float weight_scale);  // the weight site's statistics
   // The TP sum of buf, stream-ordered (parallel::Completion::kStream); a no-op without TP.
   absl::Status AllReduceTp(float* buf, int64_t count);
-  // After a synchronisation: the error of any of the pass's stream-ordered TP collectives.
-  absl::Status CheckTp();
+  // After a synchronisation: the error of any of the pass's stream-ordered collectives (TP sums
+  // and amaxes, FSDP gathers and gradient reduce-scatters), on every group.
+  absl::Status CheckStreamOrdered();
   LinearContext Ctx();
 
   // `row_unit`: the model's cut (RowUnitOf of the recipe it was created with).

@@ -455,6 +455,38 @@ TEST_F(NcclDeferredTest, AStartedAllGatherIsWaitedForEvenWhenNcclEnqueuesItLate)
   for (float* p : {s, r}) EXPECT_EQ(cudaFree(p), cudaSuccess);
 }
 
+// FSDP's forward and backward take a started gather with WaitStreamOrdered: the host goes on at
+// once while the gather runs (400 ms of sleep ahead of it on the side stream, which the default
+// stream does not otherwise wait for), and a copy queued on the default stream afterwards still
+// reads the gathered values.
+TEST_F(NcclDeferredTest, AStartedAllGatherWaitedInStreamOrderDoesNotHoldTheHost) {
+  shim::on = false;
+  const int64_t n = 2053;
+  const std::vector<float> send = Ramp(n, -9.0f);
+  float* s = DeviceCopy(send);
+  float* r = DeviceCopy(std::vector<float>(n, kSentinel));
+  ASSERT_TRUE(s != nullptr && r != nullptr);
+  {  // once first, so that NCCL's first-call set-up and the side stream's creation are not timed
+    auto warm = world().StartAllGather(s, n, r, DType::kF32);
+    ASSERT_TRUE(warm.ok()) << warm.status();
+    ASSERT_TRUE((*warm)->Wait().ok());
+    ASSERT_EQ(cudaMemcpy(r, std::vector<float>(n, kSentinel).data(), n * sizeof(float),
+                         cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  shim::slow = true;
+  const auto t0 = Clock::now();
+  auto started = world().StartAllGather(s, n, r, DType::kF32);
+  ASSERT_TRUE(started.ok()) << started.status();
+  ASSERT_TRUE((*started)->WaitStreamOrdered().ok());
+  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(200)) << "the host waited for the gather";
+  EXPECT_EQ(ReadOnDefaultStream(r, n), send);
+  EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(400));
+  EXPECT_TRUE((*started)->Wait().ok());  // the same status again
+  EXPECT_TRUE(world().CheckStreamOrdered().ok());
+  for (float* p : {s, r}) EXPECT_EQ(cudaFree(p), cudaSuccess);
+}
+
 TEST_F(NcclDeferredTest, AStreamOrderedCollectiveThatNeverCompletesIsAbortedByTheWatchdog) {
   ASSERT_NO_FATAL_FAILURE(RecreateWithTimeout(std::chrono::milliseconds(1500)));
   auto& nccl = static_cast<NcclCommunicator&>(world());
