@@ -627,7 +627,9 @@ void NcclCommunicator::CheckQueued() {
     if (rc != ncclSuccess) {
       (void)Break(internal::NcclErrorStatus(rc, "ncclCommGetAsyncError", __FILE__, __LINE__));
     } else if (state != ncclSuccess && state != ncclInProgress) {
-      (void)Break(internal::NcclErrorStatus(state, q.what, __FILE__, __LINE__));
+      // Any of the communicator's collectives may have failed, not necessarily the oldest.
+      (void)Break(
+          internal::NcclErrorStatus(state, "a queued or started collective", __FILE__, __LINE__));
     } else if (Clock::now() >= q.deadline) {
       (void)Break(Timeout(q.what, options_.timeout));
     }

@@ -211,7 +211,7 @@ absl::StatusOr<const float*> Linear::WithInputOutlier(const LinearContext& ctx, 
                                                       int64_t n) {
   if (!outlier_armed_ || n * in_ == 0) return x;
   // The input is read and changed on the host: backend memory the host may touch only on the CPU.
-  if (ctx.ops->layer != kernels::CpuOps().layer) {
+  if (ctx.ops->backend != kernels::Backend::kCpu) {
     return absl::FailedPreconditionError(
         absl::StrCat(name_, ": the test fault outlier_act (FP8RT_FAULT) runs on CPU ranks only"));
   }

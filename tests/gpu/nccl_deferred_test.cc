@@ -365,16 +365,21 @@ float* DeviceCopy(const std::vector<float>& values) {
 
 // `n` floats of device memory read through a copy queued on the default stream right after the
 // caller's collective, then a synchronisation of that stream: what the model's later work sees.
-std::vector<float> ReadOnDefaultStream(const float* device, int64_t n) {
-  float* pinned = nullptr;
+// `pinned` (n floats of pinned memory, allocated before the collective: a pinned allocation is
+// an implicit synchronisation between streams, which would hide a missing wait) or, when null,
+// pinned memory of its own.
+std::vector<float> ReadOnDefaultStream(const float* device, int64_t n, float* pinned = nullptr) {
+  const bool own = pinned == nullptr;
   std::vector<float> out;
-  if (cudaMallocHost(&pinned, static_cast<size_t>(n) * sizeof(float)) != cudaSuccess) return out;
+  if (own && cudaMallocHost(&pinned, static_cast<size_t>(n) * sizeof(float)) != cudaSuccess) {
+    return out;
+  }
   if (cudaMemcpyAsync(pinned, device, static_cast<size_t>(n) * sizeof(float),
                       cudaMemcpyDeviceToHost, cudaStreamLegacy) == cudaSuccess &&
       cudaStreamSynchronize(cudaStreamLegacy) == cudaSuccess) {
     out.assign(pinned, pinned + n);
   }
-  (void)cudaFreeHost(pinned);
+  if (own) (void)cudaFreeHost(pinned);
   return out;
 }
 
@@ -474,16 +479,19 @@ TEST_F(NcclDeferredTest, AStartedAllGatherWaitedInStreamOrderDoesNotHoldTheHost)
                          cudaMemcpyHostToDevice),
               cudaSuccess);
   }
+  float* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, n * sizeof(float)), cudaSuccess);
   shim::slow = true;
   const auto t0 = Clock::now();
   auto started = world().StartAllGather(s, n, r, DType::kF32);
   ASSERT_TRUE(started.ok()) << started.status();
   ASSERT_TRUE((*started)->WaitStreamOrdered().ok());
   EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(200)) << "the host waited for the gather";
-  EXPECT_EQ(ReadOnDefaultStream(r, n), send);
+  EXPECT_EQ(ReadOnDefaultStream(r, n, pinned), send);
   EXPECT_GE(Clock::now() - t0, std::chrono::milliseconds(400));
   EXPECT_TRUE((*started)->Wait().ok());  // the same status again
   EXPECT_TRUE(world().CheckStreamOrdered().ok());
+  EXPECT_EQ(cudaFreeHost(pinned), cudaSuccess);
   for (float* p : {s, r}) EXPECT_EQ(cudaFree(p), cudaSuccess);
 }
 

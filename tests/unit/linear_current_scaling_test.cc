@@ -193,14 +193,17 @@ TEST_F(LinearCurrentScalingTest, ScalesFromTheTensorsAmaxWithoutWaitingForTheBac
   EXPECT_EQ(layer_.input_site().step_stats().count, kN * kIn);
 }
 
-// The outlier test fault reads and changes the input on the host: on any backend but the CPU's
-// (here a table of its own, as a GPU's would be) the armed forward is refused, naming the layer
-// and the fault, instead of reading backend memory on the host.
+// The outlier test fault reads and changes the input on the host: a CPU table (this wrapped one
+// too) takes it; on any other backend (here the same table saying it is CUDA's) the armed forward
+// is refused, naming the layer and the fault, instead of reading backend memory on the host.
 TEST_F(LinearCurrentScalingTest, TheOutlierFaultIsRefusedOffTheCpuBackend) {
   LinearContext ctx{.ops = &ops_, .tp = nullptr, .scratch = &scratch_};
   std::vector<float> y(kN * kOut);
-  ASSERT_TRUE(layer_.Forward(ctx, x_.data(), kN, y.data()).ok());  // unarmed: runs
   layer_.ArmInputOutlier(/*growth=*/4.0f, /*grow_forwards=*/2);
+  ASSERT_TRUE(layer_.Forward(ctx, x_.data(), kN, y.data()).ok());
+  kernels::OpTable gpu_like = ops_;
+  gpu_like.backend = kernels::Backend::kCuda;
+  ctx.ops = &gpu_like;
   const absl::Status s = layer_.Forward(ctx, x_.data(), kN, y.data());
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_NE(s.message().find("test.fc: the test fault outlier_act (FP8RT_FAULT) runs on CPU ranks"),
