@@ -540,17 +540,8 @@ absl::Status NcclCommunicator::DoBarrier() {
 absl::Status NcclCommunicator::DoCheckStreamOrdered() {
   std::lock_guard<std::mutex> lock(mu_);
   CheckQueued();
-  if (comm_ != nullptr) {
-    // A collective that failed and ended (its event complete) shows only here.
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
-    if (rc != ncclSuccess) {
-      (void)Break(internal::NcclErrorStatus(rc, "ncclCommGetAsyncError", __FILE__, __LINE__));
-    } else if (state != ncclSuccess && state != ncclInProgress) {
-      (void)Break(
-          internal::NcclErrorStatus(state, "a stream-ordered collective", __FILE__, __LINE__));
-    }
-  }
+  // A collective that failed and ended (its event complete) shows only in NCCL's state.
+  if (comm_ != nullptr) (void)BreakOnAsyncError();
   return broken_;
 }
 
@@ -608,6 +599,22 @@ absl::Status NcclCommunicator::Queue(absl::Status enqueued, Clock::time_point de
   return absl::OkStatus();
 }
 
+bool NcclCommunicator::BreakOnAsyncError() {
+  ncclResult_t state = ncclSuccess;
+  const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
+  if (rc != ncclSuccess) {
+    (void)Break(internal::NcclErrorStatus(rc, "ncclCommGetAsyncError", __FILE__, __LINE__));
+    return false;
+  }
+  if (state != ncclSuccess && state != ncclInProgress) {
+    // Any of the communicator's collectives may have failed, not necessarily the oldest queued.
+    (void)Break(
+        internal::NcclErrorStatus(state, "a queued or started collective", __FILE__, __LINE__));
+    return false;
+  }
+  return true;
+}
+
 void NcclCommunicator::CheckQueued() {
   while (!queued_.empty() && comm_ != nullptr) {
     const Queued& q = queued_.front();
@@ -622,15 +629,7 @@ void NcclCommunicator::CheckQueued() {
           internal::CudaErrorStatus(e, "cudaEventQuery (queued collective)", __FILE__, __LINE__));
       break;
     }
-    ncclResult_t state = ncclSuccess;
-    const ncclResult_t rc = ncclCommGetAsyncError(comm_, &state);
-    if (rc != ncclSuccess) {
-      (void)Break(internal::NcclErrorStatus(rc, "ncclCommGetAsyncError", __FILE__, __LINE__));
-    } else if (state != ncclSuccess && state != ncclInProgress) {
-      // Any of the communicator's collectives may have failed, not necessarily the oldest.
-      (void)Break(
-          internal::NcclErrorStatus(state, "a queued or started collective", __FILE__, __LINE__));
-    } else if (Clock::now() >= q.deadline) {
+    if (BreakOnAsyncError() && Clock::now() >= q.deadline) {
       (void)Break(Timeout(q.what, options_.timeout));
     }
     break;  // the oldest is still running: the later ones are behind it on the stream

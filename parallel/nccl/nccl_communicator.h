@@ -167,6 +167,9 @@ class NcclCommunicator : public Communicator {
   // With mu_ held: drops the queued collectives that completed; aborts the communicator if one
   // failed, NCCL reports an error, or the oldest one still running is past its deadline.
   void CheckQueued();
+  // With mu_ held and comm_ set: aborts the communicator if NCCL reports an asynchronous error;
+  // whether it is still healthy.
+  bool BreakOnAsyncError();
   // The watchdog thread: CheckQueued every period, when no call holds mu_, until stop_.
   void Watch();
   // Poll with mu_ taken (for NcclPendingAllGather, outside any call).
