@@ -331,34 +331,28 @@ class NcclPendingAllGather final : public PendingCollective {
   // The default stream waits for the gather; the host only takes in what the watchdog found so
   // far (it watches the gather: DoStartAllGather tracked it).
   absl::Status WaitStreamOrdered() override {
-    if (!waited_) {
-      waited_ = true;
-      status_ = comm_->CheckStreamOrdered();
-      if (const cudaError_t e = cudaStreamWaitEvent(cudaStreamLegacy, done_, 0);
-          e != cudaSuccess && status_.ok()) {
-        status_ = internal::CudaErrorStatus(e, "cudaStreamWaitEvent(started all-gather)", __FILE__,
-                                            __LINE__);
-      }
-    }
+    if (!waited_) Settle(comm_->CheckStreamOrdered());
     return status_;
   }
   absl::Status Wait() override {
-    if (!waited_) {
-      waited_ = true;
-      status_ = comm_->PollLocked(done_, deadline_, "ncclAllGather (started)");
-      // Whatever the outcome, the default stream's later work (the model's frees of the gathered
-      // buffer among it: stream-ordered) comes after the gather, which the side stream does not
-      // otherwise order. After an abort the gather's kernels end, so the wait ends too.
-      if (const cudaError_t e = cudaStreamWaitEvent(cudaStreamLegacy, done_, 0);
-          e != cudaSuccess && status_.ok()) {
-        status_ = internal::CudaErrorStatus(e, "cudaStreamWaitEvent(started all-gather)", __FILE__,
-                                            __LINE__);
-      }
-    }
+    if (!waited_) Settle(comm_->PollLocked(done_, deadline_, "ncclAllGather (started)"));
     return status_;
   }
 
  private:
+  // Records `status` and, whatever it is, makes the default stream's later work (the model's
+  // frees of the gathered buffer among it: stream-ordered) come after the gather, which the side
+  // stream does not otherwise order. After an abort the gather's kernels end, so the wait ends.
+  void Settle(absl::Status status) {
+    waited_ = true;
+    status_ = std::move(status);
+    if (const cudaError_t e = cudaStreamWaitEvent(cudaStreamLegacy, done_, 0);
+        e != cudaSuccess && status_.ok()) {
+      status_ = internal::CudaErrorStatus(e, "cudaStreamWaitEvent(started all-gather)", __FILE__,
+                                          __LINE__);
+    }
+  }
+
   NcclCommunicator* const comm_;
   const cudaEvent_t done_;
   const Clock::time_point deadline_;
