@@ -20,7 +20,9 @@
 // Exit status: 0 after SIGINT/SIGTERM (graceful shutdown), 2 for bad flags (the message names the
 // flag), 1 when the state cannot be loaded (naming the file) or an address cannot be bound.
 #include <malloc.h>
+#include <netdb.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -92,6 +94,41 @@ std::optional<HostPort> ParseHostPort(const std::string& text) {
     return std::nullopt;
   }
   return hp;
+}
+
+// Stops the metrics server. civetweb 1.15's listening thread reads its stop flag only between
+// polls of its sockets, so destroying the Exposer took 1.05 s after SIGTERM (measured; every run
+// that `fp8rt launch` ended waited for it). Connecting to the server's own port while it stops
+// ends the poll at once (0.06 s). Connection failures are expected (the socket closes).
+void StopMetricsServer(std::unique_ptr<prometheus::Exposer>& exposer, const HostPort& listen,
+                       int port) {
+  if (exposer == nullptr) return;
+  std::string host = listen.host;
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  if (host.empty() || host == "0.0.0.0") host = "127.0.0.1";
+  if (host == "::") host = "::1";
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* addresses = nullptr;
+  const bool resolved =
+      getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &addresses) == 0;
+  std::atomic<bool> stopped{false};
+  std::thread waker([&] {
+    while (resolved && !stopped.load()) {
+      const int fd = socket(addresses->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd >= 0) {
+        (void)connect(fd, addresses->ai_addr, addresses->ai_addrlen);
+        close(fd);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  exposer.reset();
+  stopped = true;
+  waker.join();
+  if (addresses != nullptr) freeaddrinfo(addresses);
 }
 
 std::string ReadFileOrFlagError(const std::string& flag, const std::string& path) {
@@ -214,6 +251,7 @@ int Run(const Flags& flags) {
 
   std::unique_ptr<prometheus::Exposer> exposer;
   std::string metrics_address;
+  int metrics_port = 0;
   if (metrics_listen) {
     try {
       exposer = std::make_unique<prometheus::Exposer>(flags.metrics_listen, 2);
@@ -224,8 +262,8 @@ int Run(const Flags& flags) {
     }
     exposer->RegisterCollectable(metrics.registry());
     const std::vector<int> ports = exposer->GetListeningPorts();
-    metrics_address =
-        absl::StrCat(metrics_listen->host, ":", ports.empty() ? metrics_listen->port : ports[0]);
+    metrics_port = ports.empty() ? metrics_listen->port : ports[0];
+    metrics_address = absl::StrCat(metrics_listen->host, ":", metrics_port);
   }
 
   const Authenticator auth(token, &controller);
@@ -306,6 +344,7 @@ int Run(const Flags& flags) {
   server->Shutdown(std::chrono::system_clock::now() + kShutdownGrace);
   server->Wait();
   controller.Shutdown();
+  if (metrics_listen) StopMetricsServer(exposer, *metrics_listen, metrics_port);
   return 0;
 }
 
