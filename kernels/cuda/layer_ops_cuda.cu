@@ -48,13 +48,14 @@
 // Buffers: every pointer is device memory, checked before anything is launched (a null pointer
 // is refused when the op has work). Nothing is allocated but by allocate, except sum_squares'
 // block partials (at most 4 KB) and embedding_backward's sort buffers (24 bytes per token plus
-// CUB's scratch): stream-ordered scratch, cudaMallocAsync / cudaFreeAsync on the given stream
-// from the device's default pool, which neither waits nor races with the same op on other
-// streams. Every launch goes on the given stream, and no entry waits for it but synchronize
-// (and deallocate of managed or pinned memory: cudaFree and cudaFreeHost wait; device-only
-// arrays are stream-ordered and do not). Token ids outside [0, V) are the caller's to prevent: here
-// they never make a kernel touch memory outside the buffers (embedding_forward writes NaN rows for
-// them, embedding_backward skips them), so they cannot poison the context.
+// CUB's scratch): stream-ordered scratch, cudaMallocFromPoolAsync / cudaFreeAsync on the given
+// stream from the array pool (which gives its unused memory back when the device is full), which
+// neither waits nor races with the same op on other streams. Every launch goes on the given stream,
+// and no entry waits for it but synchronize (and deallocate of managed or pinned memory: cudaFree
+// and cudaFreeHost wait; device-only arrays are stream-ordered and do not). Token ids outside [0,
+// V) are the caller's to prevent: here they never make a kernel touch memory outside the buffers
+// (embedding_forward writes NaN rows for them, embedding_backward skips them), so they cannot
+// poison the context.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -74,6 +75,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/allocation_registry.h"
 #include "kernels/cuda/cuda_ops_internal.h"
+#include "kernels/cuda/device_pool.h"
 #include "kernels/cuda/layer_math.cuh"
 #include "kernels/layer_ops.h"
 #include "kernels/moe_routing.h"
@@ -575,19 +577,109 @@ absl::StatusOr<dim3> GridOf(int64_t work_items, int threads = kThreads) {
 // One block per row (or item), kThreads threads each.
 absl::StatusOr<dim3> GridOfRows(int64_t rows) { return GridOf(rows * kThreads); }
 
-// Stream-ordered scratch for `op`: cudaMallocAsync of `bytes` on `stream`, from the device's
-// default pool, to be given back with cudaFreeAsync on the same stream once the work using it is
-// enqueued. ResourceExhausted when the device is out of memory, Internal for any other failure
+// The pool the backend's device-only arrays and stream-ordered scratch come from, and NCCL's
+// staging of host values (MallocFromDevicePool): one per device, created on first use and kept
+// for the life of the process. It keeps what is freed for reuse (its release threshold is at the
+// maximum; a pool's default, 0, hands freed memory back to the driver at every synchronisation
+// and maps it again at the next allocation), as a caching allocator does. Memory it keeps is not
+// available to allocations outside it (managed memory, cuBLAS's and NCCL's own): the backend's
+// allocations that fail (but NCCL's staging, which must not wait for the device) give it back
+// (TrimPoolAndRetry) and try once more. Leaked on purpose (no destructor runs at exit), as
+// BackendAllocations is.
+std::mutex& PoolsMutex() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
+std::map<int, cudaMemPool_t>& Pools() {  // device -> its pool; guarded by PoolsMutex()
+  static auto* pools = new std::map<int, cudaMemPool_t>;
+  return *pools;
+}
+
+// The current device's pool in *pool; a CUDA error (cleared, so that the next launch's
+// cudaGetLastError does not report it) when it cannot be made.
+cudaError_t DeviceArrayPool(cudaMemPool_t* pool) {
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return err;
+  }
+  std::lock_guard<std::mutex> lock(PoolsMutex());
+  if (const auto it = Pools().find(device); it != Pools().end()) {
+    *pool = it->second;
+    return cudaSuccess;
+  }
+  cudaMemPoolProps props{};
+  props.allocType = cudaMemAllocationTypePinned;
+  props.location.type = cudaMemLocationTypeDevice;
+  props.location.id = device;
+  cudaMemPool_t created = nullptr;
+  if (const cudaError_t err = cudaMemPoolCreate(&created, &props); err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return err;
+  }
+  uint64_t keep_all = UINT64_MAX;
+  if (const cudaError_t err =
+          cudaMemPoolSetAttribute(created, cudaMemPoolAttrReleaseThreshold, &keep_all);
+      err != cudaSuccess) {
+    (void)cudaGetLastError();
+    (void)cudaMemPoolDestroy(created);
+    return err;
+  }
+  Pools().emplace(device, created);
+  *pool = created;
+  return cudaSuccess;
+}
+
+// `allocate` once; if the device is out of memory, the unused memory of the current device's
+// pool goes back to the driver (after a device synchronisation, so that the frees still queued
+// have happened) and `allocate` runs again. An error of the synchronisation or the trim (a sticky
+// error of an earlier kernel, say) is returned instead of the out-of-memory, so that it is the one
+// reported.
+template <class F>
+cudaError_t TrimPoolAndRetry(F allocate) {
+  const cudaError_t err = allocate();
+  if (err != cudaErrorMemoryAllocation) return err;
+  int device = 0;
+  cudaMemPool_t pool = nullptr;
+  if (cudaGetDevice(&device) != cudaSuccess) return err;
+  {
+    std::lock_guard<std::mutex> lock(PoolsMutex());
+    const auto it = Pools().find(device);
+    if (it == Pools().end()) return err;  // no pool yet: nothing kept
+    pool = it->second;
+  }
+  (void)cudaGetLastError();  // the first attempt's out-of-memory
+  if (const cudaError_t sync = cudaDeviceSynchronize(); sync != cudaSuccess) return sync;
+  if (const cudaError_t trim = cudaMemPoolTrimTo(pool, 0); trim != cudaSuccess) return trim;
+  return allocate();
+}
+
+}  // namespace
+
+cudaError_t MallocFromDevicePool(void** p, size_t bytes, cudaStream_t stream) {
+  cudaMemPool_t pool = nullptr;
+  if (const cudaError_t err = DeviceArrayPool(&pool); err != cudaSuccess) return err;
+  return cudaMallocFromPoolAsync(p, bytes, pool, stream);
+}
+
+namespace {
+
+// Stream-ordered scratch for `op`: `bytes` on `stream` from the device's array pool
+// (MallocFromDevicePool; when the device is full, the pool's unused memory goes back to the
+// driver and the allocation runs once more: a large free block may be what it lacks), to be
+// given back with cudaFreeAsync on the same stream once the work using it
+// is enqueued. ResourceExhausted when the device is out of memory, Internal for any other failure
 // (a device without memory pools); the error is cleared (it is not sticky) so that the next
 // launch's cudaGetLastError does not report it.
 absl::StatusOr<void*> AllocateOnStream(const char* op, size_t bytes, Stream stream) {
   void* p = nullptr;
-  const cudaError_t err = cudaMallocAsync(&p, bytes, ToCuda(stream));
+  const cudaError_t err =
+      TrimPoolAndRetry([&] { return MallocFromDevicePool(&p, bytes, ToCuda(stream)); });
   if (err == cudaSuccess) return p;
   (void)cudaGetLastError();
   const std::string what =
-      absl::StrCat(op, ": cudaMallocAsync of ", bytes, " bytes of scratch: ", cudaGetErrorName(err),
-                   " (", cudaGetErrorString(err), ")");
+      absl::StrCat(op, ": allocating ", bytes, " bytes of scratch: ", cudaGetErrorName(err), " (",
+                   cudaGetErrorString(err), ")");
   return err == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(what)
                                           : absl::InternalError(what);
 }
@@ -1004,75 +1096,24 @@ absl::Status SynchronizeEntry(Stream stream) {
 }
 
 // An allocation's result: p registered (BackendAllocations) and returned, or ResourceExhausted
-// naming the size and the kind of memory. A failed allocation is not a sticky error, but it stays
-// as the thread's last error; it is cleared here so that the next launch's cudaGetLastError does
-// not report it. Every allocation is at least one byte, so that 0 bytes gives a valid pointer.
+// (Internal for an error other than a full device) naming the size and the kind of memory. A failed
+// allocation is not a sticky error, but it stays as the thread's last error; it is cleared here so
+// that the next launch's cudaGetLastError does not report it. Every allocation is at least one
+// byte, so that 0 bytes gives a valid pointer.
 absl::StatusOr<void*> Registered(cudaError_t err, void* p, size_t bytes, const char* kind,
                                  AllocationRegistry::Kind registry_kind) {
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
-    return absl::ResourceExhaustedError(absl::StrCat("allocating ", bytes, " bytes of ", kind,
-                                                     ": ", cudaGetErrorName(err), " (",
-                                                     cudaGetErrorString(err), ")"));
+    const std::string what =
+        absl::StrCat("allocating ", bytes, " bytes of ", kind, ": ", cudaGetErrorName(err), " (",
+                     cudaGetErrorString(err), ")");
+    // Only a full device is ResourceExhausted: any other error (a sticky one of an earlier kernel
+    // that the retry's synchronisation met) is named as what it is.
+    return err == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(what)
+                                            : absl::InternalError(what);
   }
   BackendAllocations().Add(p, std::max<size_t>(bytes, 1), registry_kind);
   return p;
-}
-
-// The pool the backend's device-only arrays come from: one per device, created on first use and
-// kept for the life of the process. It keeps what is freed for reuse (its release threshold is at
-// the maximum; a pool's default, 0, hands freed memory back to the driver at every
-// synchronisation and maps it again at the next allocation), as a caching allocator does. The
-// device's default pool, which CUB's scratch and NCCL's staging use, is left as CUDA configures
-// it. Memory this pool keeps is not available to other allocations: one that fails gives it back
-// (TrimPoolAndRetry) before giving up.
-std::mutex pools_mu;
-std::map<int, cudaMemPool_t> pools;  // device -> its pool; Guarded by pools_mu
-
-absl::StatusOr<cudaMemPool_t> DeviceArrayPool() {
-  int device = 0;
-  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(pools_mu);
-  if (const auto it = pools.find(device); it != pools.end()) return it->second;
-  cudaMemPoolProps props{};
-  props.allocType = cudaMemAllocationTypePinned;
-  props.location.type = cudaMemLocationTypeDevice;
-  props.location.id = device;
-  cudaMemPool_t pool = nullptr;
-  CUDA_RETURN_IF_ERROR(cudaMemPoolCreate(&pool, &props));
-  uint64_t keep_all = UINT64_MAX;
-  if (const cudaError_t err =
-          cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all);
-      err != cudaSuccess) {
-    (void)cudaMemPoolDestroy(pool);
-    return ::fp8rt::internal::CudaErrorStatus(err, "cudaMemPoolSetAttribute(release threshold)",
-                                              __FILE__, __LINE__);
-  }
-  pools.emplace(device, pool);
-  return pool;
-}
-
-// `allocate` once; if the device is out of memory, the unused memory of the current device's
-// array pool goes back to the driver (after a device synchronisation, so that the frees still
-// queued have happened) and `allocate` runs again.
-template <class F>
-cudaError_t TrimPoolAndRetry(F allocate) {
-  const cudaError_t err = allocate();
-  if (err != cudaErrorMemoryAllocation) return err;
-  int device = 0;
-  cudaMemPool_t pool = nullptr;
-  if (cudaGetDevice(&device) != cudaSuccess) return err;
-  {
-    std::lock_guard<std::mutex> lock(pools_mu);
-    const auto it = pools.find(device);
-    if (it == pools.end()) return err;  // no pool yet: nothing kept
-    pool = it->second;
-  }
-  if (cudaDeviceSynchronize() != cudaSuccess || cudaMemPoolTrimTo(pool, 0) != cudaSuccess) {
-    return err;
-  }
-  (void)cudaGetLastError();  // the first attempt's out-of-memory
-  return allocate();
 }
 
 // Managed memory on the current device.
@@ -1091,11 +1132,9 @@ absl::StatusOr<void*> AllocateEntry(size_t bytes) {
 // where cudaFree would on every buffer the step frees (FSDP's gathered weights and gradients,
 // the MoE's temporaries).
 absl::StatusOr<void*> AllocateDeviceEntry(size_t bytes) {
-  FP8RT_ASSIGN_OR_RETURN(const cudaMemPool_t pool, DeviceArrayPool());
   void* p = nullptr;
-  const cudaError_t err = TrimPoolAndRetry([&] {
-    return cudaMallocFromPoolAsync(&p, std::max<size_t>(bytes, 1), pool, cudaStreamLegacy);
-  });
+  const cudaError_t err = TrimPoolAndRetry(
+      [&] { return MallocFromDevicePool(&p, std::max<size_t>(bytes, 1), cudaStreamLegacy); });
   return Registered(err, p, bytes, "CUDA device memory", AllocationRegistry::Kind::kStreamOrdered);
 }
 

@@ -25,6 +25,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/device_pool.h"
 #include "runtime/core/checks.h"
 #include "runtime/core/status.h"
 
@@ -136,15 +137,28 @@ class NcclCommunicator::Staged {
     if (pinned.bytes < bytes) {
       // The old slot is freed with the communicator, not here: cudaFreeHost waits for the device,
       // which a hung stream-ordered collective would keep busy while this call holds the lock
-      // the watchdog needs to abort it.
+      // the watchdog needs to abort it. Allocating pinned memory may synchronise too: this path
+      // is safe only because no host-buffer call is made on a group while a stream-ordered
+      // collective of it is queued (each pass synchronises first), and rare because slots grow
+      // by doubling (at most log2(largest payload) are ever retired).
+      const size_t grow = std::max(bytes, 2 * pinned.bytes);
       void* grown = nullptr;
-      CUDA_RETURN_IF_ERROR(cudaMallocHost(&grown, bytes));
+      CUDA_RETURN_IF_ERROR(cudaMallocHost(&grown, grow));
       if (pinned.p != nullptr) pinned.retired.push_back(pinned.p);
       pinned.p = grown;
-      pinned.bytes = bytes;
+      pinned.bytes = grow;
     }
     pinned_ = pinned.p;
-    CUDA_RETURN_IF_ERROR(cudaMallocAsync(&staged_, bytes, stream));
+    // From fp8rt's device pool, which can reuse the memory freed arrays left there (the
+    // device's default pool cannot), without waiting for the device (mu_ is held).
+    if (const cudaError_t err =
+            kernels::cuda_internal::MallocFromDevicePool(&staged_, bytes, stream);
+        err != cudaSuccess) {
+      (void)cudaGetLastError();
+      staged_ = nullptr;
+      return ::fp8rt::internal::CudaErrorStatus(err, "MallocFromDevicePool (staging)", __FILE__,
+                                                __LINE__);
+    }
     if (in) {
       std::memcpy(pinned_, p, bytes);
       CUDA_RETURN_IF_ERROR(
@@ -249,6 +263,11 @@ absl::Status NcclCommunicator::Break(absl::Status why) {
   return why;
 }
 
+absl::Status NcclCommunicator::BreakLocked(absl::Status why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return Break(std::move(why));
+}
+
 absl::Status NcclCommunicator::health() const {
   std::lock_guard<std::mutex> lock(mu_);
   return broken_;
@@ -343,13 +362,19 @@ class NcclPendingAllGather final : public PendingCollective {
   // Records `status` and, whatever it is, makes the default stream's later work (the model's
   // frees of the gathered buffer among it: stream-ordered) come after the gather, which the side
   // stream does not otherwise order. After an abort the gather's kernels end, so the wait ends.
+  // If the default stream cannot be made to wait, the host waits for the gather instead (the
+  // buffers may be freed as soon as this returns, whatever its status, and kernels may already
+  // read them), and the communicator is broken, so that every later check reports it.
   void Settle(absl::Status status) {
     waited_ = true;
     status_ = std::move(status);
-    if (const cudaError_t e = cudaStreamWaitEvent(cudaStreamLegacy, done_, 0);
-        e != cudaSuccess && status_.ok()) {
-      status_ = internal::CudaErrorStatus(e, "cudaStreamWaitEvent(started all-gather)", __FILE__,
-                                          __LINE__);
+    if (const cudaError_t e = cudaStreamWaitEvent(cudaStreamLegacy, done_, 0); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      absl::Status why = internal::CudaErrorStatus(e, "cudaStreamWaitEvent(started all-gather)",
+                                                   __FILE__, __LINE__);
+      why = comm_->BreakLocked(std::move(why));
+      (void)cudaEventSynchronize(done_);
+      if (status_.ok()) status_ = std::move(why);
     }
   }
 
@@ -383,17 +408,16 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllG
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, done, 0));
     return absl::OkStatus();
   }();
+  bool accepted = false;  // NCCL took the gather: it may be on the side stream, or go there
   if (status.ok()) {
     status = FP8RT_NCCL_ENQUEUE(
         ncclAllGather(send, recv, static_cast<size_t>(count), ToNccl(dtype), comm_, side_));
+    accepted = status.ok();
   }
   // The events must follow the gather on the side stream: a non-blocking communicator may put it
   // there only after the call returned ncclInProgress.
+  if (status.ok()) status = WaitEnqueued(deadline, "ncclAllGather (started)");
   if (status.ok()) {
-    if (absl::Status s = WaitEnqueued(deadline, "ncclAllGather (started)"); !s.ok()) {
-      (void)cudaEventDestroy(done);
-      return s;
-    }
     status = [&]() -> absl::Status {
       CUDA_RETURN_IF_ERROR(cudaEventRecord(done, side_));
       CUDA_RETURN_IF_ERROR(cudaEventRecord(side_done_, side_));
@@ -405,7 +429,12 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllG
   }
   if (!status.ok()) {
     if (done != nullptr) (void)cudaEventDestroy(done);
-    return Break(status);
+    status = Break(status);  // aborts the communicator (once: a second Break keeps the first)
+    // No handle is returned, so the default stream will never wait for this gather: the caller
+    // may free and reuse `recv` at once. The aborted gather ends at once; it must have ended
+    // before this returns.
+    if (accepted) (void)cudaStreamSynchronize(side_);
+    return status;
   }
   return std::unique_ptr<PendingCollective>(
       std::make_unique<NcclPendingAllGather>(this, done, deadline));

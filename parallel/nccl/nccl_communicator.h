@@ -189,6 +189,8 @@ class NcclCommunicator : public Communicator {
                     const char* what);
   // With mu_ held: aborts the NCCL communicator and remembers why.
   absl::Status Break(absl::Status why);
+  // Break with mu_ taken (for NcclPendingAllGather, outside any call).
+  absl::Status BreakLocked(absl::Status why);
   // The NCCL communicator, for ncclCommSplit; null once aborted.
   ncclComm* comm() const { return comm_; }
 

@@ -119,6 +119,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_ops_internal.h"
+#include "kernels/cuda/device_pool.h"
 #include "kernels/device_array.h"
 #include "kernels/layer_ops.h"
 #include "kernels/ops.h"
@@ -1527,6 +1528,47 @@ TEST_F(AllocateTest, DeviceOnlyMemoryIsFreedInStreamOrderWithoutWaiting) {
   ASSERT_EQ(cudaMemGetInfo(&free2, &total), cudaSuccess);
   EXPECT_GE(free2 + (size_t{64} << 20), free1) << "the second allocation took new memory";
   gpu_->deallocate(*b);
+}
+
+// What the array pool keeps after its arrays are freed is not lost to the backend's other
+// allocations (review finding: the ops' scratch and NCCL's staging came from the device's default
+// pool, which cannot take it back). With the device filled with device-only arrays and all of them
+// freed, the default pool cannot give 1 GiB, but MallocFromDevicePool (the ops' scratch, NCCL's
+// staging) can: it takes what fp8rt's pool keeps. The ops that take scratch still run
+// afterwards. (Managed memory is not tried on a full device: its pages would have nowhere to
+// go, and a fault there could end the context for the rest of the file.)
+TEST_F(AllocateTest, MemoryThePoolKeepsGoesToTheBackendsOtherAllocations) {
+  const size_t chunk = size_t{1} << 30;
+  std::vector<void*> held;
+  for (;;) {
+    absl::StatusOr<void*> p = gpu_->allocate_device(chunk);
+    if (!p.ok()) {
+      EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted) << p.status();
+      break;
+    }
+    held.push_back(*p);
+    ASSERT_LT(held.size(), 4096u) << "the device never filled";
+  }
+  ASSERT_GE(held.size(), 2u);
+  for (void* p : held) gpu_->deallocate(p);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // The default pool: the device has less than a chunk left outside fp8rt's pool.
+  void* from_default = nullptr;
+  const cudaError_t direct = cudaMallocAsync(&from_default, chunk, cudaStreamLegacy);
+  if (direct == cudaSuccess) (void)cudaFreeAsync(from_default, cudaStreamLegacy);
+  (void)cudaGetLastError();
+  EXPECT_EQ(direct, cudaErrorMemoryAllocation) << "the device was not full: the test shows nothing";
+  void* staged = nullptr;
+  ASSERT_EQ(cuda_internal::MallocFromDevicePool(&staged, chunk, cudaStreamLegacy), cudaSuccess);
+  ASSERT_EQ(cudaFreeAsync(staged, cudaStreamLegacy), cudaSuccess);
+  // sum_squares takes stream-ordered scratch for its block partials.
+  DeviceArray<float> x(*cuda_ops_, MemCategory::kOther, Placement::kHostRead);
+  x.assign(size_t{1} << 20, 0.5f);
+  DeviceArray<double> sum(*cuda_ops_, MemCategory::kOther, Placement::kHostRead);
+  sum.assign(1, 0.0);
+  ExpectOk(gpu_->sum_squares(x.data(), static_cast<int64_t>(x.size()), sum.data(), stream()));
+  Sync();
+  EXPECT_EQ(sum[0], 0.25 * static_cast<double>(x.size()));
 }
 
 // allocate_host gives pinned host memory mapped for the device (what the host reads every step:

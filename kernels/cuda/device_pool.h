@@ -1,0 +1,23 @@
+// fp8rt's stream-ordered device memory pool (one per device, in kernels/cuda/layer_ops_cuda.cu),
+// for CUDA code outside the op table: NCCL's staging of host values. The pool keeps freed memory
+// for reuse; allocating from it, not from the device's default pool, lets that memory serve the
+// allocation (the default pool cannot take it, and on a device the pool fills it would fail).
+#ifndef FP8RT_KERNELS_CUDA_DEVICE_POOL_H_
+#define FP8RT_KERNELS_CUDA_DEVICE_POOL_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+
+namespace fp8rt::kernels::cuda_internal {
+
+// cudaMallocFromPoolAsync of `bytes` on `stream` from the current device's pool. Never waits for
+// the device (no trim and retry: safe while holding a lock a watchdog needs). Free it with
+// cudaFreeAsync. On failure the CUDA error is returned; a failed allocation is not sticky, but
+// the caller should clear it from the thread (cudaGetLastError) so that the next launch's check
+// does not report it.
+cudaError_t MallocFromDevicePool(void** p, size_t bytes, cudaStream_t stream);
+
+}  // namespace fp8rt::kernels::cuda_internal
+
+#endif  // FP8RT_KERNELS_CUDA_DEVICE_POOL_H_
