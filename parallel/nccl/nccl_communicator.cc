@@ -312,7 +312,8 @@ absl::Status NcclCommunicator::Poll(CUevent_st* done, Clock::time_point deadline
       return Break(internal::NcclErrorStatus(rc, "ncclCommGetAsyncError", __FILE__, __LINE__));
     }
     if (state != ncclSuccess && state != ncclInProgress) {
-      return Break(internal::NcclErrorStatus(state, what, __FILE__, __LINE__));
+      return Break(
+          internal::NcclErrorStatus(state, AsyncErrorSource(what).c_str(), __FILE__, __LINE__));
     }
     // Only once NCCL has finished enqueueing (state ncclSuccess) does an idle stream, or a
     // completed event, mean done.
@@ -505,7 +506,9 @@ absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int
   absl::Status status =
       s.Init(send, Extent(send_counts, send_displs, elem), true, stream_, pinned_[0]);
   if (status.ok())
-    status = r.Init(recv, Extent(recv_counts, recv_displs, elem), false, stream_, pinned_[1]);
+    // Staged as an input too: the whole extent is copied back, so the bytes between the receive
+    // blocks (which MPI leaves alone) must go out as they came in.
+    status = r.Init(recv, Extent(recv_counts, recv_displs, elem), true, stream_, pinned_[1]);
   if (!status.ok()) return Finish(status, deadline, "staging host buffers");
   const auto* send_bytes = static_cast<const char*>(s.device());
   auto* recv_bytes = static_cast<char*>(r.device());
@@ -577,7 +580,8 @@ absl::Status NcclCommunicator::WaitEnqueued(Clock::time_point deadline, const ch
     }
     if (state == ncclSuccess) return absl::OkStatus();
     if (state != ncclInProgress) {
-      return Break(internal::NcclErrorStatus(state, what, __FILE__, __LINE__));
+      return Break(
+          internal::NcclErrorStatus(state, AsyncErrorSource(what).c_str(), __FILE__, __LINE__));
     }
     if (Clock::now() >= deadline) return Break(Timeout(what, options_.timeout));
     Pause(polls);
@@ -620,6 +624,13 @@ absl::Status NcclCommunicator::Queue(absl::Status enqueued, Clock::time_point de
         internal::CudaErrorStatus(e, "cudaStreamWaitEvent(queued collective)", __FILE__, __LINE__));
   }
   return absl::OkStatus();
+}
+
+std::string NcclCommunicator::AsyncErrorSource(const char* what) const {
+  // NCCL's asynchronous error is the communicator's: with collectives of it still queued (or a
+  // gather started), any of them may have failed, not necessarily this call.
+  return queued_.empty() ? std::string(what)
+                         : absl::StrCat(what, " or a queued or started collective");
 }
 
 bool NcclCommunicator::BreakOnAsyncError() {

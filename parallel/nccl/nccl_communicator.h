@@ -167,6 +167,8 @@ class NcclCommunicator : public Communicator {
   // With mu_ held: drops the queued collectives that completed; aborts the communicator if one
   // failed, NCCL reports an error, or the oldest one still running is past its deadline.
   void CheckQueued();
+  // With mu_ held: what an asynchronous NCCL error met by the call `what` is blamed on.
+  std::string AsyncErrorSource(const char* what) const;
   // With mu_ held and comm_ set: aborts the communicator if NCCL reports an asynchronous error;
   // whether it is still healthy.
   bool BreakOnAsyncError();

@@ -215,6 +215,19 @@ TEST_F(NcclTest, HostBuffersAreStaged) {
   ASSERT_TRUE(
       world().AllToAllV(dev.get(), counts, displs, recv.data(), counts, displs, DType::kF32).ok());
   EXPECT_EQ(recv, expected);
+  // A receive block at a displacement: the host bytes before it are left as they were (the staged
+  // extent starts at 0 and is copied back whole).
+  const int64_t gap = 5;
+  const int64_t gap_displs[1] = {gap};
+  recv = Sentinel(gap + count + kGuard, DType::kF32);
+  ASSERT_TRUE(
+      world()
+          .AllToAllV(dev.get(), counts, displs, recv.data(), counts, gap_displs, DType::kF32)
+          .ok());
+  expected = Sentinel(gap, DType::kF32);
+  expected.insert(expected.end(), input.begin(), input.end());
+  expected.insert(expected.end(), guard.begin(), guard.end());
+  EXPECT_EQ(recv, expected);
 }
 
 TEST_P(NcclReduceTest, ReduceScatterOverOneRankCopiesItsBlockOnly) {
