@@ -664,24 +664,31 @@ cudaError_t MallocFromDevicePool(void** p, size_t bytes, cudaStream_t stream) {
 
 namespace {
 
+// A failed allocation's error: `what` (which names the size and the kind of memory), then CUDA's
+// name and text of `err`. Only a full device is ResourceExhausted: any other error (a device
+// without memory pools, or a sticky error of an earlier kernel that a retry's synchronisation met)
+// is Internal, named as what it is. A failed allocation is not a sticky error, but it stays as the
+// thread's last error; it is cleared here so that the next launch's cudaGetLastError does not
+// report it.
+absl::Status AllocationError(const std::string& what, cudaError_t err) {
+  (void)cudaGetLastError();
+  const std::string message =
+      absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
+  return err == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(message)
+                                          : absl::InternalError(message);
+}
+
 // Stream-ordered scratch for `op`: `bytes` on `stream` from the device's array pool
 // (MallocFromDevicePool; when the device is full, the pool's unused memory goes back to the
 // driver and the allocation runs once more: a large free block may be what it lacks), to be
 // given back with cudaFreeAsync on the same stream once the work using it
-// is enqueued. ResourceExhausted when the device is out of memory, Internal for any other failure
-// (a device without memory pools); the error is cleared (it is not sticky) so that the next
-// launch's cudaGetLastError does not report it.
+// is enqueued. On failure, AllocationError's status.
 absl::StatusOr<void*> AllocateOnStream(const char* op, size_t bytes, Stream stream) {
   void* p = nullptr;
   const cudaError_t err =
       TrimPoolAndRetry([&] { return MallocFromDevicePool(&p, bytes, ToCuda(stream)); });
   if (err == cudaSuccess) return p;
-  (void)cudaGetLastError();
-  const std::string what =
-      absl::StrCat(op, ": allocating ", bytes, " bytes of scratch: ", cudaGetErrorName(err), " (",
-                   cudaGetErrorString(err), ")");
-  return err == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(what)
-                                          : absl::InternalError(what);
+  return AllocationError(absl::StrCat(op, ": allocating ", bytes, " bytes of scratch"), err);
 }
 
 // --- entries -------------------------------------------------------------------------------------
@@ -1095,22 +1102,13 @@ absl::Status SynchronizeEntry(Stream stream) {
   return absl::OkStatus();
 }
 
-// An allocation's result: p registered (BackendAllocations) and returned, or ResourceExhausted
-// (Internal for an error other than a full device) naming the size and the kind of memory. A failed
-// allocation is not a sticky error, but it stays as the thread's last error; it is cleared here so
-// that the next launch's cudaGetLastError does not report it. Every allocation is at least one
-// byte, so that 0 bytes gives a valid pointer.
+// An allocation's result: p registered (BackendAllocations) and returned, or AllocationError's
+// status naming the size and the kind of memory. Every allocation is at least one byte, so that
+// 0 bytes gives a valid pointer.
 absl::StatusOr<void*> Registered(cudaError_t err, void* p, size_t bytes, const char* kind,
                                  AllocationRegistry::Kind registry_kind) {
   if (err != cudaSuccess) {
-    (void)cudaGetLastError();
-    const std::string what =
-        absl::StrCat("allocating ", bytes, " bytes of ", kind, ": ", cudaGetErrorName(err), " (",
-                     cudaGetErrorString(err), ")");
-    // Only a full device is ResourceExhausted: any other error (a sticky one of an earlier kernel
-    // that the retry's synchronisation met) is named as what it is.
-    return err == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(what)
-                                            : absl::InternalError(what);
+    return AllocationError(absl::StrCat("allocating ", bytes, " bytes of ", kind), err);
   }
   BackendAllocations().Add(p, std::max<size_t>(bytes, 1), registry_kind);
   return p;

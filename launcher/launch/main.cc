@@ -1148,7 +1148,8 @@ int Launch(const Options& options) {
   }
   // Our connections close before the controller stops: a gRPC server's shutdown waits for each
   // open connection to acknowledge its GOAWAY, and an idle client channel reads it only on its
-  // next poll (about 1 s later, measured: every launch ended 1-3 s after its run).
+  // next poll (about 1 s later; measured with the metrics server's slow stop, every launch ended
+  // 3-4 s after its run: docs/perf.md, "The end of a run").
   watchdog.reset();
   StopController(plane);
 

@@ -1534,10 +1534,22 @@ TEST_F(AllocateTest, DeviceOnlyMemoryIsFreedInStreamOrderWithoutWaiting) {
 // allocations (review finding: the ops' scratch and NCCL's staging came from the device's default
 // pool, which cannot take it back). With the device filled with device-only arrays and all of them
 // freed, the default pool cannot give 1 GiB, but MallocFromDevicePool (the ops' scratch, NCCL's
-// staging) can: it takes what fp8rt's pool keeps. The ops that take scratch still run
-// afterwards. (Managed memory is not tried on a full device: its pages would have nowhere to
-// go, and a fault there could end the context for the rest of the file.)
+// staging) can: it takes what fp8rt's pool keeps. Then what little the device has left outside the
+// pools is taken too (cudaMalloc, down to its 2 MiB granularity) and the default pool trimmed, so
+// that the default pool cannot give even one byte: sum_squares, whose scratch (its block
+// partials) came from that pool before, must still run and give the right sum. (Managed memory is
+// not tried on a full device: its pages would have nowhere to go, and a fault there could end the
+// context for the rest of the file.)
 TEST_F(AllocateTest, MemoryThePoolKeepsGoesToTheBackendsOtherAllocations) {
+  // Everything the op needs besides its scratch exists before the device fills: its input and
+  // output (pinned host memory) and its kernels (loaded lazily on a first launch).
+  DeviceArray<float> x(*cuda_ops_, MemCategory::kOther, Placement::kHostRead);
+  x.assign(size_t{1} << 20, 0.5f);
+  DeviceArray<double> sum(*cuda_ops_, MemCategory::kOther, Placement::kHostRead);
+  sum.assign(1, 0.0);
+  ExpectOk(gpu_->sum_squares(x.data(), static_cast<int64_t>(x.size()), sum.data(), stream()));
+  Sync();
+
   const size_t chunk = size_t{1} << 30;
   std::vector<void*> held;
   for (;;) {
@@ -1561,13 +1573,38 @@ TEST_F(AllocateTest, MemoryThePoolKeepsGoesToTheBackendsOtherAllocations) {
   void* staged = nullptr;
   ASSERT_EQ(cuda_internal::MallocFromDevicePool(&staged, chunk, cudaStreamLegacy), cudaSuccess);
   ASSERT_EQ(cudaFreeAsync(staged, cudaStreamLegacy), cudaSuccess);
-  // sum_squares takes stream-ordered scratch for its block partials.
-  DeviceArray<float> x(*cuda_ops_, MemCategory::kOther, Placement::kHostRead);
-  x.assign(size_t{1} << 20, 0.5f);
-  DeviceArray<double> sum(*cuda_ops_, MemCategory::kOther, Placement::kHostRead);
-  sum.assign(1, 0.0);
-  ExpectOk(gpu_->sum_squares(x.data(), static_cast<int64_t>(x.size()), sum.data(), stream()));
-  Sync();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  // The rest of the device outside the pools, taken by cudaMalloc (which no pool serves).
+  std::vector<void*> outside;
+  for (size_t size = size_t{256} << 20; size >= (size_t{2} << 20);) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, size) == cudaSuccess) {
+      outside.push_back(p);
+      ASSERT_LT(outside.size(), 100000u);
+    } else {
+      (void)cudaGetLastError();
+      size /= 2;
+    }
+  }
+  int device = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  cudaMemPool_t default_pool = nullptr;
+  ASSERT_EQ(cudaDeviceGetDefaultMemPool(&default_pool, device), cudaSuccess);
+  ASSERT_EQ(cudaMemPoolTrimTo(default_pool, 0), cudaSuccess);
+  const cudaError_t one_byte = cudaMallocAsync(&from_default, 1, cudaStreamLegacy);
+  if (one_byte == cudaSuccess) (void)cudaFreeAsync(from_default, cudaStreamLegacy);
+  (void)cudaGetLastError();
+  EXPECT_EQ(one_byte, cudaErrorMemoryAllocation)
+      << "the default pool could still allocate: the op's scratch would be served either way";
+
+  sum[0] = 0.0;
+  const absl::Status st =
+      gpu_->sum_squares(x.data(), static_cast<int64_t>(x.size()), sum.data(), stream());
+  const cudaError_t synced = cudaDeviceSynchronize();
+  for (void* p : outside) (void)cudaFree(p);
+  ExpectOk(st);
+  ASSERT_EQ(synced, cudaSuccess);
   EXPECT_EQ(sum[0], 0.25 * static_cast<double>(x.size()));
 }
 
