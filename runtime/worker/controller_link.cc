@@ -58,11 +58,21 @@ absl::Status Trainer::RegisterWithController() {
   request.set_hostname(host);
   request.set_pid(getpid());
   request.set_resume(options_.resume);
+  faults_.BeforeRegister();  // FP8RT_FAULT slow_register
+  // A rank heartbeats from its own registration on: the controller times it out from then, and
+  // the other ranks may take long to register (rank 0 waits for all of them below; with
+  // heartbeats only after that, a rank slow to start got rank 0 declared lost).
+  auto start_heartbeats = [&](const v1::RegisterResponse& r) {
+    const int interval_ms = std::max(100, r.heartbeat_interval_ms());
+    controller_->StartHeartbeats(world.rank(), std::chrono::milliseconds(interval_ms),
+                                 [this] { return progress_.load(); });
+  };
   // Rank 0 first: its call creates the run (with the spec); then every other rank.
   absl::StatusOr<v1::RegisterResponse> response = absl::UnknownError("not registered");
   if (world.rank() == 0) {
     *request.mutable_spec() = spec_;
     response = controller_->Register(request);
+    if (response.ok()) start_heartbeats(*response);
   }
   int64_t failed = world.rank() == 0 && !response.ok() ? 1 : 0;
   FP8RT_RETURN_IF_ERROR(world.Broadcast(&failed, 1, parallel::DType::kI64, 0));
@@ -70,7 +80,10 @@ absl::Status Trainer::RegisterWithController() {
     if (world.rank() == 0) return response.status();
     return absl::FailedPreconditionError("rank 0 could not register with the controller");
   }
-  if (world.rank() != 0) response = controller_->Register(request);
+  if (world.rank() != 0) {
+    response = controller_->Register(request);
+    if (response.ok()) start_heartbeats(*response);
+  }
   failed = response.ok() ? 0 : 1;
   FP8RT_RETURN_IF_ERROR(
       world.AllReduce(&failed, 1, parallel::DType::kI64, parallel::ReduceOp::kMax));
@@ -81,9 +94,6 @@ absl::Status Trainer::RegisterWithController() {
   // The worker's own --spec stays in force (a resume may extend train.steps); the controller
   // holds the copy rank 0 registered.
   resume_step_ = response->resume_step();
-  const int interval_ms = std::max(100, response->heartbeat_interval_ms());
-  controller_->StartHeartbeats(world.rank(), std::chrono::milliseconds(interval_ms),
-                               [this] { return progress_.load(); });
   if (world.rank() == 0) {
     std::fprintf(stderr, "fp8rt-worker: registered run '%s' with controller %s (%d ranks)\n",
                  options_.controller.run_id.c_str(), options_.controller.address.c_str(),

@@ -1,12 +1,14 @@
 // FP8RT_FAULT's parser and the step loop's fault points (see step_faults.h).
 #include "runtime/worker/step_faults.h"
 
+#include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
-#include <algorithm>
 #include <limits>
 #include <set>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -26,23 +28,29 @@ absl::StatusOr<FaultSpec> FaultSpec::Parse(const std::string& text) {
   FaultSpec f;
   if (text.empty()) return f;
   auto bad = [&] {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "FP8RT_FAULT='", text,
-        "': expected KIND:rank=R:step=S with KIND nan_grad, inf_grad, kill or hang, "
-        "KIND:rank=R:step=S[:block=B] with KIND nan_act or inf_act, or "
-        "outlier_act:rank=R:step=S:layer=NAME[:growth=G][:steps=N]"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("FP8RT_FAULT='", text,
+                     "': expected KIND:rank=R:step=S with KIND nan_grad, inf_grad, kill or hang, "
+                     "KIND:rank=R:step=S[:block=B] with KIND nan_act or inf_act, "
+                     "outlier_act:rank=R:step=S:layer=NAME[:growth=G][:steps=N], or "
+                     "slow_register:rank=R:ms=M"));
   };
   std::vector<std::string> parts = absl::StrSplit(text, ':');
-  static const std::pair<const char*, Kind> kKinds[] = {
-      {"nan_grad", Kind::kNanGrad}, {"inf_grad", Kind::kInfGrad}, {"nan_act", Kind::kNanAct},
-      {"inf_act", Kind::kInfAct},   {"kill", Kind::kKill},        {"hang", Kind::kHang},
-      {"outlier_act", Kind::kOutlierAct}};
+  static const std::pair<const char*, Kind> kKinds[] = {{"nan_grad", Kind::kNanGrad},
+                                                        {"inf_grad", Kind::kInfGrad},
+                                                        {"nan_act", Kind::kNanAct},
+                                                        {"inf_act", Kind::kInfAct},
+                                                        {"kill", Kind::kKill},
+                                                        {"hang", Kind::kHang},
+                                                        {"outlier_act", Kind::kOutlierAct},
+                                                        {"slow_register", Kind::kSlowRegister}};
   for (const auto& [name, kind] : kKinds) {
     if (parts[0] == name) f.kind = kind;
   }
   if (f.kind == Kind::kNone) return bad();
-  // The keys each kind takes; rank and step are required.
-  std::vector<std::string> keys = {"rank", "step"};
+  // The keys each kind takes; rank and step are required (slow_register: rank and ms).
+  const bool slow_register = f.kind == Kind::kSlowRegister;
+  std::vector<std::string> keys = {"rank", slow_register ? "ms" : "step"};
   if (f.act()) keys.push_back("block");
   if (f.kind == Kind::kOutlierAct) keys.insert(keys.end(), {"layer", "growth", "steps"});
   std::set<std::string> seen;
@@ -64,8 +72,15 @@ absl::StatusOr<FaultSpec> FaultSpec::Parse(const std::string& text) {
     if (kv[0] == "block") f.block = value;
     if (kv[0] == "growth") f.growth = value;
     if (kv[0] == "steps") f.grow_steps = value;
+    if (kv[0] == "ms") f.delay_ms = value;
   }
-  if (!seen.contains("rank") || !seen.contains("step") || f.step < 1) return bad();
+  if (!seen.contains("rank")) return bad();
+  if (slow_register) {
+    // At most ten minutes: a test fault, not a way to park a rank.
+    if (!seen.contains("ms") || f.delay_ms > 600'000) return bad();
+    return f;
+  }
+  if (!seen.contains("step") || f.step < 1) return bad();
   if (f.kind == Kind::kOutlierAct && (f.layer.empty() || f.growth < 1 || f.growth > 1024)) {
     return bad();
   }
@@ -90,6 +105,14 @@ absl::Status StepFaults::CheckModel(int64_t layers,
                                                    " blocks (model.layers)"));
   }
   return absl::OkStatus();
+}
+
+void StepFaults::BeforeRegister() const {
+  if (spec_.kind != FaultSpec::Kind::kSlowRegister || spec_.rank != rank_) return;
+  std::fprintf(stderr, "fp8rt-worker: rank %d: FP8RT_FAULT delays its registration by %lld ms\n",
+               rank_, static_cast<long long>(spec_.delay_ms));
+  std::fflush(nullptr);
+  std::this_thread::sleep_for(std::chrono::milliseconds(spec_.delay_ms));
 }
 
 void StepFaults::BeforeStep(int64_t step) const {

@@ -3,8 +3,9 @@
 //
 // Index:
 //   FaultSpec         FP8RT_FAULT parsed: kind, rank, step, block
-//   StepFaults        the points a step passes, in order: BeforeStep (kill, hang), BeforeForward
-//                     (nan_act, inf_act), AfterReduceGrads (nan_grad, inf_grad)
+//   StepFaults        BeforeRegister (slow_register), then the points a step passes, in order:
+//                     BeforeStep (kill, hang), BeforeForward (nan_act, inf_act),
+//                     AfterReduceGrads (nan_grad, inf_grad)
 //   PutIntoGradShard  writes a value into this rank's first gradient shard element (the grad
 //                     faults, and the trainer's non-finite skip)
 //
@@ -38,7 +39,8 @@ struct FaultSpec {
     kInfAct,
     kKill,
     kHang,
-    kOutlierAct
+    kOutlierAct,
+    kSlowRegister
   } kind = Kind::kNone;
   int rank = -1;
   int64_t step = -1;
@@ -48,6 +50,7 @@ struct FaultSpec {
   std::string layer;
   int64_t growth = 2;
   int64_t grow_steps = 10;
+  int64_t delay_ms = 0;  // slow_register: how long the rank waits before it registers
   bool grad() const { return kind == Kind::kNanGrad || kind == Kind::kInfGrad; }
   bool act() const { return kind == Kind::kNanAct || kind == Kind::kInfAct; }
   // The value a nan_* / inf_* fault injects.
@@ -70,6 +73,9 @@ class StepFaults {
   // model's block count) or a layer (`layer_names`) the model lacks.
   absl::Status CheckModel(int64_t layers, const std::vector<std::string>& layer_names) const;
 
+  // Before this rank registers with the controller: slow_register sleeps for its delay (a rank
+  // that registers late, e.g. slow to start on a loaded node), after a line on stderr.
+  void BeforeRegister() const;
   // Start of step `step`, before anything of it runs: kill (SIGKILL) or hang (SIGSTOP) this
   // rank, after a line on stderr. Returns when no such fault is due.
   void BeforeStep(int64_t step) const;

@@ -118,6 +118,8 @@ struct TrainerOptions {
 //                                    resumed run)
 //   hang:rank=R:step=S               rank R SIGSTOPs itself there (a hung rank; not in a resumed
 //                                    run)
+//   slow_register:rank=R:ms=M        rank R waits M ms (at most 600000) before it registers with
+//                                    the controller (a rank slow to start)
 // Non-finite values fire in every attempt (a resumed run included) and must make every rank skip
 // step S (see Step).
 // Checkpoint-write faults come from FP8RT_FAULT_POINT=<point>:kill|enospc[:rank=R][:step=S]
