@@ -1,7 +1,7 @@
 // FP8 -> BF16 conversions for the CPU GEMM: plain decoding of A, and packing of B straight into
-// oneDNN's AMX weights layout. Dispatched with Highway; on AVX-512 the decode is a 128-entry
-// table lookup done with two-table word permutes (32 codes per instruction group), elsewhere a
-// scalar table. Both are exact: every FP8 value is a BF16 value.
+// oneDNN's AMX weights layout (from FP8 codes, FP32 values or BF16 bits). Dispatched with Highway;
+// on AVX-512 the decode is a 128-entry table lookup done with two-table word permutes (32 codes per
+// instruction group), elsewhere a scalar table. Both are exact: every FP8 value is a BF16 value.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "kernels/cpu/convert_cpu.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
@@ -146,6 +146,43 @@ void PackBlock(const uint8_t* b, int64_t n, int64_t k, int64_t nb, int64_t kb, F
   (void)full;
 }
 
+// Packs the 64 (n) x 32 (k) block (nb, kb) of B (n x k, row-major: FP32 values when `f32`, else
+// BF16 bits) into `out` as BF16 in oneDNN's AMX layout, as PackBlock does for FP8 codes. FP32 is
+// rounded to nearest even (F32ToBf16Span, FloatToBf16's rounding). Rows and columns past the
+// matrix are zero.
+void PackBlockBf16(const void* b, bool f32, int64_t n, int64_t k, int64_t nb, int64_t kb,
+                   uint16_t* out) {
+  const int64_t r0 = nb * 64, c0 = kb * 32;
+  const auto* bf = static_cast<const float*>(b);
+  const auto* bh = static_cast<const uint16_t*>(b);
+  if (r0 + 64 <= n && c0 + 32 <= k) {
+    // Each row's 32 values as 16 (even, odd) k pairs, then the 64 x 16 pairs transposed.
+    alignas(64) uint32_t pairs[64][16];
+    for (int64_t ni = 0; ni < 64; ++ni) {
+      const int64_t at = (r0 + ni) * k + c0;
+      if (f32) {
+        F32ToBf16Span(bf + at, 32, reinterpret_cast<uint16_t*>(pairs[ni]));
+      } else {
+        std::memcpy(pairs[ni], bh + at, 64);
+      }
+    }
+    uint32_t* out32 = reinterpret_cast<uint32_t*>(out);
+    for (int64_t j = 0; j < 16; ++j) {
+      for (int64_t ni = 0; ni < 64; ++ni) out32[j * 64 + ni] = pairs[ni][j];
+    }
+    return;
+  }
+  for (int64_t ni = 0; ni < 64; ++ni) {
+    const int64_t r = r0 + ni;
+    for (int64_t kk = 0; kk < 32; ++kk) {
+      const int64_t c = c0 + kk;
+      uint16_t v = 0;
+      if (r < n && c < k) v = f32 ? FloatToBf16(bf[r * k + c]) : bh[r * k + c];
+      out[(kk / 2) * 128 + ni * 2 + (kk % 2)] = v;
+    }
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace fp8rt::kernels::cpu_internal
 HWY_AFTER_NAMESPACE();
@@ -157,6 +194,7 @@ namespace fp8rt::kernels::cpu_internal {
 
 HWY_EXPORT(DecodeSpan);
 HWY_EXPORT(PackBlock);
+HWY_EXPORT(PackBlockBf16);
 HWY_EXPORT(F32ToBf16Span);
 HWY_EXPORT(Bf16ToF32Span);
 
@@ -217,6 +255,18 @@ void PackFp8AmxLayout(const uint8_t* b, int64_t n, int64_t k, Fp8Format format, 
     for (int64_t kb = 0; kb < kblocks; ++kb) {
       HWY_DYNAMIC_DISPATCH(PackBlock)
       (b, n, k, nb, kb, format, dst + kb * k_block_stride + nb * n_block_stride);
+    }
+  }
+}
+
+void PackBf16AmxLayout(const void* b, bool f32, int64_t n, int64_t k, int64_t kp, int64_t np,
+                       int64_t k_block_stride, int64_t n_block_stride, uint16_t* dst) {
+  const int64_t nblocks = np / 64, kblocks = kp / 32;
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t nb = 0; nb < nblocks; ++nb) {
+    for (int64_t kb = 0; kb < kblocks; ++kb) {
+      HWY_DYNAMIC_DISPATCH(PackBlockBf16)
+      (b, f32, n, k, nb, kb, dst + kb * k_block_stride + nb * n_block_stride);
     }
   }
 }

@@ -51,6 +51,10 @@ void DecodeFp8ToBf16(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t
 // 32 k x 64 n, k pairs adjacent), whose padded dims are kp x np and outer block strides are given.
 void PackFp8AmxLayout(const uint8_t* b, int64_t n, int64_t k, Fp8Format format, int64_t kp,
                       int64_t np, int64_t k_block_stride, int64_t n_block_stride, uint16_t* dst);
+// The same layout from B as FP32 values (`f32`; rounded to nearest even as FloatToBf16 does) or
+// as BF16 bits (kernels/cpu/convert_cpu.cc).
+void PackBf16AmxLayout(const void* b, bool f32, int64_t n, int64_t k, int64_t kp, int64_t np,
+                       int64_t k_block_stride, int64_t n_block_stride, uint16_t* dst);
 
 // Tests only: pack B through the generic blocked-layout path even where the AMX layout has a
 // direct loop, so that both paths are checked on this machine.

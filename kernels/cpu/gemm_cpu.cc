@@ -228,9 +228,9 @@ bool IsAmxLayout(const dnnl::memory::desc& md) {
          blk.inner_blks[2] == 2 && blk.inner_idxs[2] == 0;
 }
 
-// Writes B (n x k; element (r, c) given by load(r, c) as BF16 bits) in the layout `md`, padding
-// with zeros. The AMX layout (blocks 16@k, 64@n, 2@k: pairs of k adjacent, 64 n per row) has a
-// direct loop; any other blocking goes through BlockedOffset.
+// Writes B (n x k; element (r, c) given by load(r, c) as BF16 bits) in the blocked layout `md`,
+// padding with zeros, through BlockedOffset: any blocking oneDNN picks. (The AMX layout has
+// direct, vectorised loops: PackFp8AmxLayout, PackBf16AmxLayout.)
 template <class Load>
 absl::Status PackB(const dnnl::memory::desc& md, int64_t n, int64_t k, Load load, uint16_t* dst,
                    size_t capacity) {
@@ -239,24 +239,6 @@ absl::Status PackB(const dnnl::memory::desc& md, int64_t n, int64_t k, Load load
                                             " bytes, the workspace reserves ", capacity));
   }
   const dnnl_blocking_desc_t& blk = md.data.format_desc.blocking;
-  const int64_t kp = md.data.padded_dims[0], np = md.data.padded_dims[1];
-  if (IsAmxLayout(md)) {
-    const int64_t nblocks = np / 64, kblocks = kp / 32;
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t nb = 0; nb < nblocks; ++nb) {
-      for (int64_t kb = 0; kb < kblocks; ++kb) {
-        uint16_t* out = dst + kb * blk.strides[0] + nb * blk.strides[1];
-        for (int64_t ni = 0; ni < 64; ++ni) {
-          const int64_t r = nb * 64 + ni;
-          for (int64_t kk = 0; kk < 32; ++kk) {
-            const int64_t c = kb * 32 + kk;
-            out[(kk / 2) * 128 + ni * 2 + (kk % 2)] = (r < n && c < k) ? load(r, c) : uint16_t{0};
-          }
-        }
-      }
-    }
-    return absl::OkStatus();
-  }
   std::memset(dst, 0, md.get_size());
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
@@ -500,7 +482,15 @@ absl::Status GemmBf16Cpu(const Bf16GemmArgs& args, Stream) {
   FP8RT_ASSIGN_OR_RETURN(
       std::shared_ptr<const Matmul> mm,
       Cache().Get({m, n, k, k, k, BLayout::kPacked, args.accumulate, args.out_type, false}));
-  if (args.b_type == InputType::kF32) {
+  const bool b_f32 = args.b_type == InputType::kF32;
+  if (IsAmxLayout(mm->b_md)) {
+    const dnnl_blocking_desc_t& blk = mm->b_md.data.format_desc.blocking;
+    if (mm->b_md.get_size() > packed_bytes) {
+      return absl::InternalError("oneDNN's weights layout is larger than the workspace reserves");
+    }
+    PackBf16AmxLayout(args.b, b_f32, n, k, mm->b_md.data.padded_dims[0],
+                      mm->b_md.data.padded_dims[1], blk.strides[0], blk.strides[1], b_packed);
+  } else if (b_f32) {
     const float* b = static_cast<const float*>(args.b);
     FP8RT_RETURN_IF_ERROR(PackB(
         mm->b_md, n, k, [&](int64_t r, int64_t c) { return FloatToBf16(b[r * k + c]); }, b_packed,

@@ -1111,5 +1111,48 @@ TEST(CpuPackingTest, GenericPackingMatchesTheAmxLoopsBitForBit) {
   }
 }
 
+// The BF16 GEMM's B (FP32 values, rounded to nearest even, or BF16 bits) packed by the
+// vectorised AMX-layout loop and by the generic blocked path gives the same bits, full blocks
+// and partial ones.
+TEST(CpuPackingTest, Bf16GemmGenericPackingMatchesTheAmxLoopsBitForBit) {
+  std::mt19937 gen(7);
+  std::normal_distribution<float> dist(0.0f, 2.0f);
+  for (const bool b_f32 : {true, false}) {
+    for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{8, 64, 32},
+                           {17, 130, 100},
+                           {64, 256, 384},
+                           {5, 1, 1}}) {
+      std::vector<float> a(static_cast<size_t>(m * k)), b(static_cast<size_t>(n * k));
+      for (float& v : a) v = dist(gen);
+      for (float& v : b) v = dist(gen);
+      std::vector<uint16_t> b16(b.size());
+      for (size_t i = 0; i < b.size(); ++i) b16[i] = FloatToBf16(b[i]);
+      std::vector<float> d_fast(static_cast<size_t>(m * n)), d_generic(d_fast.size());
+      Bf16GemmArgs g;
+      g.m = m;
+      g.n = n;
+      g.k = k;
+      g.a = a.data();
+      g.a_type = InputType::kF32;
+      g.b = b_f32 ? static_cast<const void*>(b.data()) : b16.data();
+      g.b_type = b_f32 ? InputType::kF32 : InputType::kBF16;
+      std::vector<uint8_t> ws(GemmWorkspaceBytes(g) + 64);
+      g.workspace = ws.data() + (64 - reinterpret_cast<uintptr_t>(ws.data()) % 64) % 64;
+      g.workspace_bytes = GemmWorkspaceBytes(g);
+      g.d = d_fast.data();
+      ASSERT_TRUE(CpuOps().gemm_bf16(g, {}).ok());
+      cpu_internal::ForceGenericPackingForTesting(true);
+      g.d = d_generic.data();
+      const absl::Status s = CpuOps().gemm_bf16(g, {});
+      cpu_internal::ForceGenericPackingForTesting(false);
+      ASSERT_TRUE(s.ok()) << s;
+      for (size_t i = 0; i < d_fast.size(); ++i) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(d_fast[i]), std::bit_cast<uint32_t>(d_generic[i]))
+            << (b_f32 ? "f32" : "bf16") << " " << m << "x" << n << "x" << k << " at " << i;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fp8rt::kernels
