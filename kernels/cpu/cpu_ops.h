@@ -45,6 +45,13 @@ const std::array<uint16_t, 256>& Fp8ToBf16Table(Fp8Format format);
 // FP32 -> BF16 (nearest even) on the OpenMP team, vectorised (kernels/cpu/convert_cpu.cc).
 void RoundToBf16(const float* in, int64_t n, uint16_t* out);
 
+struct SpanStats;  // kernels/cpu/quantize_one.h
+// One span of FP32 quantized to FP8 codes with its statistics added to `stats`, vectorised, on
+// the calling thread: the same codes and counts as QuantizeOne per element
+// (kernels/cpu/quantize_cpu.cc).
+void QuantizeF32Span(const float* x, size_t n, float scale, Fp8Format format, uint8_t* out,
+                     SpanStats* stats);
+
 // FP8 codes -> BF16 bits, exact, on the OpenMP team (kernels/cpu/convert_cpu.cc).
 void DecodeFp8ToBf16(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t* out);
 // B (n x k FP8 codes, row-major) packed as BF16 into oneDNN's AMX weights layout (blocks of

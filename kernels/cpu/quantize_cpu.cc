@@ -245,6 +245,15 @@ HWY_EXPORT(QuantizeBf16E5M2);
 HWY_EXPORT(AmaxF32);
 HWY_EXPORT(AmaxBf16);
 
+void QuantizeF32Span(const float* x, size_t n, float scale, Fp8Format format, uint8_t* out,
+                     SpanStats* stats) {
+  if (format == Fp8Format::kE4M3) {
+    HWY_DYNAMIC_DISPATCH(QuantizeF32E4M3)(x, n, scale, out, stats);
+  } else {
+    HWY_DYNAMIC_DISPATCH(QuantizeF32E5M2)(x, n, scale, out, stats);
+  }
+}
+
 namespace {
 
 // Type-erased span functions for one (input type, format) pair, resolved once per call.

@@ -703,9 +703,8 @@ void Update(const AdamWArgs& k, int64_t begin, int64_t end) {
                                   k.one_minus_beta2, k.bias1, k.bias2, k.eps);
 }
 
-// Each chunk updated, then quantized while in cache (tensor scaling: one scale, stats merged in
-// chunk order, which is order-free: a max and counts).
-template <Fp8Format F>
+// Each chunk updated, then quantized (vectorised, QuantizeF32Span) while in cache (tensor
+// scaling: one scale, stats merged in chunk order, which is order-free: a max and counts).
 void AdamWFp8TensorFast(const AdamWArgs& k) {
   const AdamWFp8Output& o = k.fp8;
   const int64_t chunks = (k.count + kSerialBelow - 1) / kSerialBelow;
@@ -714,7 +713,8 @@ void AdamWFp8TensorFast(const AdamWArgs& k) {
   for (int64_t ch = 0; ch < chunks; ++ch) {
     const int64_t begin = ch * kSerialBelow, end = std::min(k.count, begin + kSerialBelow);
     Update(k, begin, end);
-    for (int64_t i = begin; i < end; ++i) o.codes[i] = QuantizeOne<F>(k.master[i], o.scale, stats[ch]);
+    QuantizeF32Span(k.master + begin, static_cast<size_t>(end - begin), o.scale, o.format,
+                    o.codes + begin, &stats[ch]);
   }
   SpanStats s;
   for (const SpanStats& c : stats) {
@@ -743,11 +743,7 @@ absl::Status AdamWFast(const AdamWArgs& k) {
     return absl::OkStatus();
   }
   if (k.fp8.block) return AdamWFp8BlockFast(k);
-  if (k.fp8.format == Fp8Format::kE5M2) {
-    AdamWFp8TensorFast<Fp8Format::kE5M2>(k);
-  } else {
-    AdamWFp8TensorFast<Fp8Format::kE4M3>(k);
-  }
+  AdamWFp8TensorFast(k);
   return absl::OkStatus();
 }
 
