@@ -156,19 +156,19 @@ void PackBlockBf16(const void* b, bool f32, int64_t n, int64_t k, int64_t nb, in
   const auto* bf = static_cast<const float*>(b);
   const auto* bh = static_cast<const uint16_t*>(b);
   if (r0 + 64 <= n && c0 + 32 <= k) {
-    // Each row's 32 values as 16 (even, odd) k pairs, then the 64 x 16 pairs transposed.
-    alignas(64) uint32_t pairs[64][16];
+    // Each row's 32 values as BF16, then its 16 (even, odd) k pairs transposed into place (the
+    // 4-byte pairs moved with memcpy: no type punning).
+    alignas(64) uint16_t rows[64][32];
     for (int64_t ni = 0; ni < 64; ++ni) {
       const int64_t at = (r0 + ni) * k + c0;
       if (f32) {
-        F32ToBf16Span(bf + at, 32, reinterpret_cast<uint16_t*>(pairs[ni]));
+        F32ToBf16Span(bf + at, 32, rows[ni]);
       } else {
-        std::memcpy(pairs[ni], bh + at, 64);
+        std::memcpy(rows[ni], bh + at, sizeof(rows[ni]));
       }
     }
-    uint32_t* out32 = reinterpret_cast<uint32_t*>(out);
     for (int64_t j = 0; j < 16; ++j) {
-      for (int64_t ni = 0; ni < 64; ++ni) out32[j * 64 + ni] = pairs[ni][j];
+      for (int64_t ni = 0; ni < 64; ++ni) std::memcpy(out + j * 128 + ni * 2, &rows[ni][2 * j], 4);
     }
     return;
   }

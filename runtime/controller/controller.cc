@@ -45,6 +45,8 @@ constexpr int kMaxWorldSize = 99999;  // ShardFileName has 5 digits
 constexpr int kMaxReasonBytes = 4096;
 // At most this many worker_lost events per sweep and run; the rest are summed up in one.
 constexpr size_t kMaxLostEvents = 16;
+// How many heartbeat timeouts a rank has to register after rank 0 did (RankState::registering).
+constexpr int kRegistrationTimeouts = 3;
 
 int64_t NowUnixMs() { return absl::ToUnixMillis(absl::Now()); }
 
@@ -478,6 +480,11 @@ absl::StatusOr<v1::RegisterResponse> Controller::RegisterRank0(const v1::Registe
     r->set_world_size(request.world_size());
     rec.set_save_requested(false);
     run->ranks.assign(request.world_size(), RankState{});
+    for (size_t i = 1; i < run->ranks.size(); ++i) {
+      run->ranks[i].registering = true;
+      run->ranks[i].last_seen = Clock::now();
+      run->ranks[i].step = resume_step;
+    }
     run->pending.reset();
     run->saturation_streak.clear();
     run->underflow_streak.clear();
@@ -569,6 +576,7 @@ absl::StatusOr<v1::RegisterResponse> Controller::RegisterOtherRank(
   RankState& rank = run->ranks[request.rank()];
   rank.connected = true;
   rank.awaited = false;
+  rank.registering = false;
   rank.last_seen = Clock::now();
   rank.step = run->record.resume_step();
   rank.hostname = request.hostname();
@@ -591,6 +599,7 @@ absl::StatusOr<v1::HeartbeatResponse> Controller::Heartbeat(const v1::HeartbeatR
   const bool was_connected = rank.connected;
   rank.connected = true;
   rank.awaited = false;
+  rank.registering = false;
   rank.last_seen = Clock::now();
   rank.step = request.step();
   if (!was_connected) metrics_->SetWorkersConnected(request.run_id(), ConnectedLocked(*run));
@@ -1375,14 +1384,21 @@ std::vector<std::string> Controller::SweepLocked(Clock::time_point now) {
   std::vector<std::string> changed;
   for (auto& [id, run] : runs_) {
     std::vector<int> lost;
-    std::vector<bool> never_heard;  // awaited since the controller's start, per lost rank
+    // Per lost rank: awaited since the controller's start, or never registered after rank 0.
+    std::vector<bool> never_heard, unregistered;
     for (int rank = 0; rank < static_cast<int>(run->ranks.size()); ++rank) {
       RankState& r = run->ranks[rank];
-      if ((r.connected || r.awaited) && now - r.last_seen > options_.heartbeat_timeout) {
+      const bool silent =
+          (r.connected || r.awaited) && now - r.last_seen > options_.heartbeat_timeout;
+      const bool late =
+          r.registering && now - r.last_seen > kRegistrationTimeouts * options_.heartbeat_timeout;
+      if (silent || late) {
         lost.push_back(rank);
         never_heard.push_back(r.awaited);
+        unregistered.push_back(late && !silent);
         r.connected = false;
         r.awaited = false;
+        r.registering = false;
       }
     }
     if (lost.empty()) continue;
@@ -1403,7 +1419,12 @@ std::vector<std::string> Controller::SweepLocked(Clock::time_point now) {
       const std::string who =
           r.hostname.empty() ? "" : absl::StrCat(" (", r.hostname, ", pid ", r.pid, ")");
       const std::string message =
-          never_heard[i]
+          unregistered[i]
+              ? absl::StrFormat(
+                    "rank %d did not register within %.1f s of rank 0 (%d x the heartbeat "
+                    "timeout)",
+                    lost[i], kRegistrationTimeouts * timeout_s, kRegistrationTimeouts)
+          : never_heard[i]
               ? absl::StrFormat(
                     "rank %d not heard from since the controller started (timeout "
                     "%.1f s)",

@@ -112,7 +112,11 @@ struct RankState {
   // A rank of a run that was RUNNING when the controller (re)started: not connected, but lost
   // if it is not heard from within the timeout after the start.
   bool awaited = false;
-  Clock::time_point last_seen;  // or the controller's start, for an awaited rank
+  // A rank other than 0 that has not registered since rank 0 did (rank 0 waits for every rank to
+  // register): lost if it does not within kRegistrationTimeouts heartbeat timeouts of rank 0's
+  // registration (ranks heartbeat only from their own registration on).
+  bool registering = false;
+  Clock::time_point last_seen;  // or the controller's start (awaited), or rank 0's registration
   int64_t step = 0;
   std::string hostname;  // from Register ("" when the rank only heartbeats)
   int pid = 0;

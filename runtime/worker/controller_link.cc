@@ -61,8 +61,11 @@ absl::Status Trainer::RegisterWithController() {
   faults_.BeforeRegister();  // FP8RT_FAULT slow_register
   // A rank heartbeats from its own registration on: the controller times it out from then, and
   // the other ranks may take long to register (rank 0 waits for all of them below; with
-  // heartbeats only after that, a rank slow to start got rank 0 declared lost).
+  // heartbeats only after that, a rank slow to start got rank 0 declared lost). A rank that does
+  // not register at all is the controller's to catch (RankState::registering).
   auto start_heartbeats = [&](const v1::RegisterResponse& r) {
+    // Until the first step, the step a resumed run starts after (the controller's answer).
+    progress_.store(std::max<int64_t>(0, r.resume_step()));
     const int interval_ms = std::max(100, r.heartbeat_interval_ms());
     controller_->StartHeartbeats(world.rank(), std::chrono::milliseconds(interval_ms),
                                  [this] { return progress_.load(); });

@@ -108,7 +108,7 @@ absl::Status StepFaults::CheckModel(int64_t layers,
 }
 
 void StepFaults::BeforeRegister() const {
-  if (spec_.kind != FaultSpec::Kind::kSlowRegister || spec_.rank != rank_) return;
+  if (spec_.kind != FaultSpec::Kind::kSlowRegister || spec_.rank != rank_ || resumed_) return;
   std::fprintf(stderr, "fp8rt-worker: rank %d: FP8RT_FAULT delays its registration by %lld ms\n",
                rank_, static_cast<long long>(spec_.delay_ms));
   std::fflush(nullptr);

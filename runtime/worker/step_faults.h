@@ -74,7 +74,8 @@ class StepFaults {
   absl::Status CheckModel(int64_t layers, const std::vector<std::string>& layer_names) const;
 
   // Before this rank registers with the controller: slow_register sleeps for its delay (a rank
-  // that registers late, e.g. slow to start on a loaded node), after a line on stderr.
+  // that registers late, e.g. slow to start on a loaded node), after a line on stderr; not in a
+  // resumed run, as kill and hang.
   void BeforeRegister() const;
   // Start of step `step`, before anything of it runs: kill (SIGKILL) or hang (SIGSTOP) this
   // rank, after a line on stderr. Returns when no such fault is due.

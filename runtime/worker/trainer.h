@@ -119,7 +119,7 @@ struct TrainerOptions {
 //   hang:rank=R:step=S               rank R SIGSTOPs itself there (a hung rank; not in a resumed
 //                                    run)
 //   slow_register:rank=R:ms=M        rank R waits M ms (at most 600000) before it registers with
-//                                    the controller (a rank slow to start)
+//                                    the controller (a rank slow to start; not in a resumed run)
 // Non-finite values fire in every attempt (a resumed run included) and must make every rank skip
 // step S (see Step).
 // Checkpoint-write faults come from FP8RT_FAULT_POINT=<point>:kill|enospc[:rank=R][:step=S]
@@ -211,8 +211,10 @@ class Trainer {
   std::unique_ptr<train::AdamW> optimizer_;
   std::vector<int32_t> tokens_;
   int64_t step_ = 0;
-  std::unique_ptr<ControllerClient> controller_;
+  // Declared before controller_, so that it outlives the heartbeat thread that reads it (the
+  // client's destructor joins that thread).
   std::atomic<int64_t> progress_{0};  // steps done, read by the heartbeat thread
+  std::unique_ptr<ControllerClient> controller_;
   int64_t resume_step_ = -1;          // from the controller's Register answer
   int64_t recipe_version_ = 1;        // applied recipe version
   v1::Recipe live_recipe_;             // and its recipe (the spec's until an update; checkpoints)

@@ -116,6 +116,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_ops_internal.h"
@@ -1552,6 +1553,10 @@ TEST_F(AllocateTest, MemoryThePoolKeepsGoesToTheBackendsOtherAllocations) {
 
   const size_t chunk = size_t{1} << 30;
   std::vector<void*> held;
+  const absl::Cleanup free_held = [&] {
+    for (void* p : held) gpu_->deallocate(p);
+    held.clear();
+  };
   for (;;) {
     absl::StatusOr<void*> p = gpu_->allocate_device(chunk);
     if (!p.ok()) {
@@ -1563,6 +1568,7 @@ TEST_F(AllocateTest, MemoryThePoolKeepsGoesToTheBackendsOtherAllocations) {
   }
   ASSERT_GE(held.size(), 2u);
   for (void* p : held) gpu_->deallocate(p);
+  held.clear();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   // The default pool: the device has less than a chunk left outside fp8rt's pool.
   void* from_default = nullptr;
@@ -1575,8 +1581,14 @@ TEST_F(AllocateTest, MemoryThePoolKeepsGoesToTheBackendsOtherAllocations) {
   ASSERT_EQ(cudaFreeAsync(staged, cudaStreamLegacy), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
-  // The rest of the device outside the pools, taken by cudaMalloc (which no pool serves).
+  // The rest of the device outside the pools, taken by cudaMalloc (which no pool serves), and
+  // given back however the test ends (an early ASSERT included): a full device would fail every
+  // later test of the file.
   std::vector<void*> outside;
+  const absl::Cleanup free_outside = [&outside] {
+    for (void* p : outside) (void)cudaFree(p);
+    outside.clear();
+  };
   for (size_t size = size_t{256} << 20; size >= (size_t{2} << 20);) {
     void* p = nullptr;
     if (cudaMalloc(&p, size) == cudaSuccess) {
@@ -1602,7 +1614,6 @@ TEST_F(AllocateTest, MemoryThePoolKeepsGoesToTheBackendsOtherAllocations) {
   const absl::Status st =
       gpu_->sum_squares(x.data(), static_cast<int64_t>(x.size()), sum.data(), stream());
   const cudaError_t synced = cudaDeviceSynchronize();
-  for (void* p : outside) (void)cudaFree(p);
   ExpectOk(st);
   ASSERT_EQ(synced, cudaSuccess);
   EXPECT_EQ(sum[0], 0.25 * static_cast<double>(x.size()));

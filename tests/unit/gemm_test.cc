@@ -1115,6 +1115,9 @@ TEST(CpuPackingTest, GenericPackingMatchesTheAmxLoopsBitForBit) {
 // vectorised AMX-layout loop and by the generic blocked path gives the same bits, full blocks
 // and partial ones.
 TEST(CpuPackingTest, Bf16GemmGenericPackingMatchesTheAmxLoopsBitForBit) {
+  if (cpu_internal::UsesF32Matmul()) {
+    GTEST_SKIP() << "no oneDNN BF16 matmul on this CPU: B is not packed (FP32 matmul path)";
+  }
   std::mt19937 gen(7);
   std::normal_distribution<float> dist(0.0f, 2.0f);
   for (const bool b_f32 : {true, false}) {
@@ -1152,6 +1155,60 @@ TEST(CpuPackingTest, Bf16GemmGenericPackingMatchesTheAmxLoopsBitForBit) {
       }
     }
   }
+}
+
+// PackBf16AmxLayout against oneDNN's definition of the layout (format tags BA16a64b2a /
+// AB16a64b2a: blocks of 32 k x 64 n, inside them 16 rows of k pairs, each row 64 n of (even k,
+// odd k)), with the outer block strides given: element (r, c) of B goes to
+// (c / 32) * k_stride + (r / 64) * n_stride + ((c % 32) / 2) * 128 + (r % 64) * 2 + c % 2, and the
+// padding is zero. FP32 is rounded as FloatToBf16 rounds (ties to even, NaN kept quiet, Inf and
+// -0 kept), BF16 bits are copied. Both outer orders, full and partial blocks.
+TEST(CpuPackingTest, Bf16PackingFollowsTheBlockedLayoutAndRoundsAsFloatToBf16) {
+  std::mt19937 gen(11);
+  std::normal_distribution<float> dist(0.0f, 2.0f);
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                            -std::numeric_limits<float>::infinity(),
+                            -0.0f,
+                            1.0f + 0x1p-8f,      // a tie: to even, 1
+                            1.0f + 3 * 0x1p-8f,  // a tie: to even, up
+                            3.4e38f,             // rounds up to Inf
+                            1e-40f};             // subnormal
+  for (const bool f32 : {true, false}) {
+    for (auto [n, k] : {std::pair<int64_t, int64_t>{64, 32}, {130, 100}, {64, 96}, {1, 1}}) {
+      for (const bool n_outer : {true, false}) {
+        std::vector<float> b(static_cast<size_t>(n * k));
+        for (float& v : b) v = dist(gen);
+        for (size_t i = 0; i < std::size(specials) && i < b.size(); ++i)
+          b[i * 7 % b.size()] = specials[i];
+        std::vector<uint16_t> b16(b.size());
+        for (size_t i = 0; i < b.size(); ++i) b16[i] = FloatToBf16(b[i]);
+        const int64_t kp = (k + 31) / 32 * 32, np = (n + 63) / 64 * 64;
+        const int64_t kblocks = kp / 32, nblocks = np / 64;
+        // AB: k blocks outermost; BA: n blocks outermost.
+        const int64_t k_stride = n_outer ? 2048 : 2048 * nblocks;
+        const int64_t n_stride = n_outer ? 2048 * kblocks : 2048;
+        std::vector<uint16_t> got(static_cast<size_t>(kp * np), 0xDEAD);
+        cpu_internal::PackBf16AmxLayout(f32 ? static_cast<const void*>(b.data()) : b16.data(), f32,
+                                        n, k, kp, np, k_stride, n_stride, got.data());
+        int64_t bad = 0;
+        for (int64_t r = 0; r < np; ++r) {
+          for (int64_t c = 0; c < kp; ++c) {
+            const int64_t at = (c / 32) * k_stride + (r / 64) * n_stride + ((c % 32) / 2) * 128 +
+                               (r % 64) * 2 + c % 2;
+            const uint16_t want = r < n && c < k ? FloatToBf16(b[r * k + c]) : uint16_t{0};
+            bad += got[static_cast<size_t>(at)] != want;
+          }
+        }
+        EXPECT_EQ(bad, 0) << (f32 ? "f32 " : "bf16 ") << n << "x" << k
+                          << (n_outer ? " n blocks outer" : " k blocks outer");
+      }
+    }
+  }
+  // The reference rounding itself, on the specials (kernels/formats.h).
+  EXPECT_EQ(FloatToBf16(1.0f + 0x1p-8f), 0x3F80);
+  EXPECT_EQ(FloatToBf16(1.0f + 3 * 0x1p-8f), 0x3F82);
+  EXPECT_EQ(FloatToBf16(3.4e38f), 0x7F80);
+  EXPECT_EQ(FloatToBf16(-0.0f), 0x8000);
 }
 
 }  // namespace

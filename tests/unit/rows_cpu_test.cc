@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <random>
 #include <span>
 #include <vector>
@@ -208,6 +209,20 @@ TEST_P(ExactOpsTest, AdamWAndItsFp8ShardEqualAdamWUpdate) {
       st.master[5] = 1e-12f;  // no step (zero gradient and moment): underflows in FP8
       st.grad[5] = 0.0f;
       st.m[5] = 0.0f;
+      if (!k.block) {
+        // Tensor scaling: saturating (|x| * scale far past the format's max) and non-finite
+        // values, in the vectorised part and in the scalar tail of the quantizer's spans.
+        for (const int64_t i : {int64_t{40}, count - 3}) {
+          st.master[i] = 1e4f;
+          st.grad[i] = 0.0f;
+          st.m[i] = 0.0f;
+        }
+        for (const int64_t i : {int64_t{9}, count - 2}) {
+          st.master[i] = -std::numeric_limits<float>::infinity();
+          st.grad[i] = 0.0f;
+          st.m[i] = 0.0f;
+        }
+      }
       return st;
     };
     auto args = [&](State& st) {
@@ -255,6 +270,10 @@ TEST_P(ExactOpsTest, AdamWAndItsFp8ShardEqualAdamWUpdate) {
     EXPECT_EQ(got.stats.nonfinite, want.stats.nonfinite);
     if (k.fp8) {
       EXPECT_GT(got.stats.underflow, 0) << "the case must exercise the statistics";
+    }
+    if (k.fp8 && !k.block) {
+      EXPECT_EQ(got.stats.saturated, 2) << "the case must exercise the saturation count";
+      EXPECT_EQ(got.stats.nonfinite, 2) << "the case must exercise the non-finite count";
     }
   }
 }
