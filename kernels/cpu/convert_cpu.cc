@@ -247,28 +247,38 @@ void DecodeFp8ToBf16(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t
   }
 }
 
-void PackFp8AmxLayout(const uint8_t* b, int64_t n, int64_t k, Fp8Format format, int64_t kp,
-                      int64_t np, int64_t k_block_stride, int64_t n_block_stride, uint16_t* dst) {
+namespace {
+
+// pack(nb, kb, out) for every 64 n x 32 k block of the AMX layout (padded dims kp x np, outer
+// block strides given), across the team; `out` is the block's place in dst.
+template <class PackOne>
+void ForEachAmxBlock(int64_t kp, int64_t np, int64_t k_block_stride, int64_t n_block_stride,
+                     uint16_t* dst, const PackOne& pack) {
   const int64_t nblocks = np / 64, kblocks = kp / 32;
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t nb = 0; nb < nblocks; ++nb) {
     for (int64_t kb = 0; kb < kblocks; ++kb) {
-      HWY_DYNAMIC_DISPATCH(PackBlock)
-      (b, n, k, nb, kb, format, dst + kb * k_block_stride + nb * n_block_stride);
+      pack(nb, kb, dst + kb * k_block_stride + nb * n_block_stride);
     }
   }
 }
 
+}  // namespace
+
+void PackFp8AmxLayout(const uint8_t* b, int64_t n, int64_t k, Fp8Format format, int64_t kp,
+                      int64_t np, int64_t k_block_stride, int64_t n_block_stride, uint16_t* dst) {
+  ForEachAmxBlock(kp, np, k_block_stride, n_block_stride, dst,
+                  [&](int64_t nb, int64_t kb, uint16_t* out) {
+                    HWY_DYNAMIC_DISPATCH(PackBlock)(b, n, k, nb, kb, format, out);
+                  });
+}
+
 void PackBf16AmxLayout(const void* b, bool f32, int64_t n, int64_t k, int64_t kp, int64_t np,
                        int64_t k_block_stride, int64_t n_block_stride, uint16_t* dst) {
-  const int64_t nblocks = np / 64, kblocks = kp / 32;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t nb = 0; nb < nblocks; ++nb) {
-    for (int64_t kb = 0; kb < kblocks; ++kb) {
-      HWY_DYNAMIC_DISPATCH(PackBlockBf16)
-      (b, f32, n, k, nb, kb, dst + kb * k_block_stride + nb * n_block_stride);
-    }
-  }
+  ForEachAmxBlock(kp, np, k_block_stride, n_block_stride, dst,
+                  [&](int64_t nb, int64_t kb, uint16_t* out) {
+                    HWY_DYNAMIC_DISPATCH(PackBlockBf16)(b, f32, n, k, nb, kb, out);
+                  });
 }
 
 }  // namespace fp8rt::kernels::cpu_internal
