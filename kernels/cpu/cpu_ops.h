@@ -66,6 +66,10 @@ void PackBf16AmxLayout(const void* b, bool f32, int64_t n, int64_t k, int64_t kp
 // Tests only: pack B through the generic blocked-layout path even where the AMX layout has a
 // direct loop, so that both paths are checked on this machine.
 void ForceGenericPackingForTesting(bool force);
+// Tests only: how many times, in this process, a GEMM's B went through a direct AMX-layout loop
+// (PackFp8AmxLayout, PackBf16AmxLayout) rather than the generic path, so that a test comparing
+// the two can tell whether oneDNN picked the AMX layout at all.
+int64_t AmxLayoutPacksForTesting();
 // Tests only: run every BF16/FP8 GEMM on the FP32-matmul path (gemm_cpu.cc), as on a CPU without
 // oneDNN BF16 matmul kernels. Set it before sizing a workspace (GemmWorkspaceBytes follows it).
 void ForceF32MatmulForTesting(bool force);

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -45,6 +46,7 @@ namespace {
 
 bool g_force_generic_packing = false;  // tests only: see ForceGenericPackingForTesting
 bool g_force_f32_matmul = false;       // tests only: see ForceF32MatmulForTesting
+std::atomic<int64_t> g_amx_layout_packs{0};  // tests only: see AmxLayoutPacksForTesting
 
 dnnl::engine& CpuEngine() {
   static dnnl::engine* engine = new dnnl::engine(dnnl::engine::kind::cpu, 0);
@@ -228,17 +230,24 @@ bool IsAmxLayout(const dnnl::memory::desc& md) {
          blk.inner_blks[2] == 2 && blk.inner_idxs[2] == 0;
 }
 
-// Writes B (n x k; element (r, c) given by load(r, c) as BF16 bits) in the blocked layout `md`,
-// padding with zeros, through BlockedOffset: any blocking oneDNN picks. (The AMX layout has
-// direct, vectorised loops: PackFp8AmxLayout, PackBf16AmxLayout.)
-template <class Load>
-absl::Status PackB(const dnnl::memory::desc& md, int64_t n, int64_t k, Load load, uint16_t* dst,
-                   size_t capacity) {
+// Writes B (n x k) into `dst` in oneDNN's weights layout `md`, zero-padded, after checking that
+// the layout fits the `capacity` the workspace reserves. The AMX layout goes through `amx_pack`
+// (a direct, vectorised loop: PackFp8AmxLayout, PackBf16AmxLayout), called with the padded dims
+// (k, n) and the outer block strides (k, n); any other blocking oneDNN picks goes through
+// BlockedOffset, element (r, c) given by load(r, c) as BF16 bits.
+template <class AmxPack, class Load>
+absl::Status PackB(const dnnl::memory::desc& md, int64_t n, int64_t k, AmxPack amx_pack, Load load,
+                   uint16_t* dst, size_t capacity) {
   if (md.get_size() > capacity) {
     return absl::InternalError(absl::StrCat("oneDNN's weights layout needs ", md.get_size(),
                                             " bytes, the workspace reserves ", capacity));
   }
   const dnnl_blocking_desc_t& blk = md.data.format_desc.blocking;
+  if (IsAmxLayout(md)) {
+    amx_pack(md.data.padded_dims[0], md.data.padded_dims[1], blk.strides[0], blk.strides[1]);
+    g_amx_layout_packs.fetch_add(1, std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
   std::memset(dst, 0, md.get_size());
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < n; ++r) {
@@ -324,6 +333,7 @@ class Carver {
 
 void ForceGenericPackingForTesting(bool force) { g_force_generic_packing = force; }
 void ForceF32MatmulForTesting(bool force) { g_force_f32_matmul = force; }
+int64_t AmxLayoutPacksForTesting() { return g_amx_layout_packs.load(std::memory_order_relaxed); }
 bool UsesF32Matmul() { return !Bf16MatmulAvailable(); }
 
 namespace {
@@ -436,20 +446,14 @@ absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream) {
     FP8RT_ASSIGN_OR_RETURN(
         std::shared_ptr<const Matmul> mm,
         Cache().Get({m, n, k, k, k, BLayout::kPacked, args.accumulate, args.out_type, false}));
-    if (mm->b_md.get_size() > packed_bytes) {
-      return absl::InternalError("oneDNN's weights layout is larger than the workspace reserves");
-    }
-    if (IsAmxLayout(mm->b_md)) {
-      const dnnl_blocking_desc_t& blk = mm->b_md.data.format_desc.blocking;
-      PackFp8AmxLayout(args.b, n, k, args.b_format, mm->b_md.data.padded_dims[0],
-                       mm->b_md.data.padded_dims[1], blk.strides[0], blk.strides[1], b_packed);
-    } else {
-      const std::array<uint16_t, 256>& lut = Fp8ToBf16Table(args.b_format);
-      const uint8_t* b = args.b;
-      FP8RT_RETURN_IF_ERROR(PackB(
-          mm->b_md, n, k, [&](int64_t r, int64_t c) { return lut[b[r * k + c]]; }, b_packed,
-          packed_bytes));
-    }
+    const uint8_t* b = args.b;
+    const std::array<uint16_t, 256>& lut = Fp8ToBf16Table(args.b_format);
+    FP8RT_RETURN_IF_ERROR(PackB(
+        mm->b_md, n, k,
+        [&](int64_t kp, int64_t np, int64_t k_stride, int64_t n_stride) {
+          PackFp8AmxLayout(b, n, k, args.b_format, kp, np, k_stride, n_stride, b_packed);
+        },
+        [&](int64_t r, int64_t c) { return lut[b[r * k + c]]; }, b_packed, packed_bytes));
     return Execute(*mm, a16, b_packed, args.d, args.a_scale_inv[0] * args.b_scale_inv[0]);
   }
   auto* b16 = ws.Take<uint16_t>(static_cast<size_t>(n * k) * 2);
@@ -483,22 +487,18 @@ absl::Status GemmBf16Cpu(const Bf16GemmArgs& args, Stream) {
       std::shared_ptr<const Matmul> mm,
       Cache().Get({m, n, k, k, k, BLayout::kPacked, args.accumulate, args.out_type, false}));
   const bool b_f32 = args.b_type == InputType::kF32;
-  if (IsAmxLayout(mm->b_md)) {
-    const dnnl_blocking_desc_t& blk = mm->b_md.data.format_desc.blocking;
-    if (mm->b_md.get_size() > packed_bytes) {
-      return absl::InternalError("oneDNN's weights layout is larger than the workspace reserves");
-    }
-    PackBf16AmxLayout(args.b, b_f32, n, k, mm->b_md.data.padded_dims[0],
-                      mm->b_md.data.padded_dims[1], blk.strides[0], blk.strides[1], b_packed);
-  } else if (b_f32) {
+  auto amx_pack = [&](int64_t kp, int64_t np, int64_t k_stride, int64_t n_stride) {
+    PackBf16AmxLayout(args.b, b_f32, n, k, kp, np, k_stride, n_stride, b_packed);
+  };
+  if (b_f32) {
     const float* b = static_cast<const float*>(args.b);
     FP8RT_RETURN_IF_ERROR(PackB(
-        mm->b_md, n, k, [&](int64_t r, int64_t c) { return FloatToBf16(b[r * k + c]); }, b_packed,
-        packed_bytes));
+        mm->b_md, n, k, amx_pack, [&](int64_t r, int64_t c) { return FloatToBf16(b[r * k + c]); },
+        b_packed, packed_bytes));
   } else {
     const uint16_t* b = static_cast<const uint16_t*>(args.b);
     FP8RT_RETURN_IF_ERROR(PackB(
-        mm->b_md, n, k, [&](int64_t r, int64_t c) { return b[r * k + c]; }, b_packed,
+        mm->b_md, n, k, amx_pack, [&](int64_t r, int64_t c) { return b[r * k + c]; }, b_packed,
         packed_bytes));
   }
   return Execute(*mm, a16, b_packed, args.d, 1.0f);

@@ -482,7 +482,7 @@ absl::StatusOr<v1::RegisterResponse> Controller::RegisterRank0(const v1::Registe
     run->ranks.assign(request.world_size(), RankState{});
     for (size_t i = 1; i < run->ranks.size(); ++i) {
       run->ranks[i].registering = true;
-      run->ranks[i].last_seen = Clock::now();
+      run->ranks[i].registration_start = Clock::now();
       run->ranks[i].step = resume_step;
     }
     run->pending.reset();
@@ -1390,8 +1390,8 @@ std::vector<std::string> Controller::SweepLocked(Clock::time_point now) {
       RankState& r = run->ranks[rank];
       const bool silent =
           (r.connected || r.awaited) && now - r.last_seen > options_.heartbeat_timeout;
-      const bool late =
-          r.registering && now - r.last_seen > kRegistrationTimeouts * options_.heartbeat_timeout;
+      const bool late = r.registering && now - r.registration_start >
+                                             kRegistrationTimeouts * options_.heartbeat_timeout;
       if (silent || late) {
         lost.push_back(rank);
         never_heard.push_back(r.awaited);

@@ -116,7 +116,8 @@ struct RankState {
   // register): lost if it does not within kRegistrationTimeouts heartbeat timeouts of rank 0's
   // registration (ranks heartbeat only from their own registration on).
   bool registering = false;
-  Clock::time_point last_seen;  // or the controller's start (awaited), or rank 0's registration
+  Clock::time_point registration_start;  // rank 0's registration (registering)
+  Clock::time_point last_seen;           // last heard from, or the controller's start (awaited)
   int64_t step = 0;
   std::string hostname;  // from Register ("" when the rank only heartbeats)
   int pid = 0;
