@@ -175,17 +175,17 @@ absl::Status Linear::Forward(const LinearContext& ctx, const float* x, int64_t n
 }
 
 absl::Status Linear::Backward(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
-                              float* dw) {
+                              float* dw, BackwardInto into) {
   if (n != n_ || (x_ == nullptr && !saves_fp8_input_only())) {
     return absl::FailedPreconditionError(
         absl::StrCat(name_, ": backward of ", n, " rows without a matching forward"));
   }
-  if (precision_ == GemmPrecision::kFp8) return BackwardFp8(ctx, dy, n, dx, dw);
+  if (precision_ == GemmPrecision::kFp8) return BackwardFp8(ctx, dy, n, dx, dw, into);
   if (dx != nullptr) {
     FP8RT_ASSIGN_OR_RETURN(
         float* wt, ctx.scratch->Get<float>(Scratch::kTransposeB, static_cast<size_t>(in_ * out_)));
     FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(wt, w_f32_, out_, in_, {}));
-    FP8RT_RETURN_IF_ERROR(GemmHigh(ctx, dy, wt, n, in_, out_, dx, true));
+    FP8RT_RETURN_IF_ERROR(GemmHigh(ctx, dy, wt, n, in_, out_, dx, into.add_dx));
   }
   FP8RT_ASSIGN_OR_RETURN(
       float* dyt, ctx.scratch->Get<float>(Scratch::kTransposeA, static_cast<size_t>(out_ * n)));
@@ -193,7 +193,7 @@ absl::Status Linear::Backward(const LinearContext& ctx, const float* dy, int64_t
       float* xt, ctx.scratch->Get<float>(Scratch::kTransposeB, static_cast<size_t>(in_ * n)));
   FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(dyt, dy, n, out_, {}));
   FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose(xt, x_, n, in_, {}));
-  return GemmHigh(ctx, dyt, xt, out_, in_, n, dw, true);
+  return GemmHigh(ctx, dyt, xt, out_, in_, n, dw, into.add_dw);
 }
 
 namespace {
@@ -274,7 +274,7 @@ absl::Status Linear::QuantizeMx32Transposed(const LinearContext& ctx, kernels::F
 }
 
 absl::Status Linear::BackwardMx32(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
-                                  float* dw) {
+                                  float* dw, BackwardInto into) {
   const kernels::Fp8Format grad_format = grad_site_.state().config().format;
   kernels::Fp8GemmArgs g;
   g.scaling = kernels::GemmScaling::kMx32;
@@ -301,7 +301,7 @@ absl::Status Linear::BackwardMx32(const LinearContext& ctx, const float* dy, int
     g.b_format = weight_site_.state().config().format;
     g.b_e8m0 = ws;
     g.d = dx;
-    g.accumulate = true;
+    g.accumulate = into.add_dx;
     FP8RT_RETURN_IF_ERROR(RunFp8Gemm(ctx, g));
   }
   // dw[out, in] += (dy^T)[out, n] (x^T)[in, n]^T, K = n: both along the tokens.
@@ -322,15 +322,15 @@ absl::Status Linear::BackwardMx32(const LinearContext& ctx, const float* dy, int
   g.b_format = input_site_.state().config().format;
   g.b_e8m0 = xt_e8m0_.data();
   g.d = dw;
-  g.accumulate = true;
+  g.accumulate = into.add_dw;
   return RunFp8Gemm(ctx, g);
 }
 
 absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
-                                 float* dw) {
+                                 float* dw, BackwardInto into) {
   FP8RT_RETURN_IF_ERROR(QuantizeActivation(ctx, grad_site_, grad_pending_, dy, n, out_, &dy_codes_,
                                            &dy_scale_inv_, &dy_e8m0_));
-  if (mx32()) return BackwardMx32(ctx, dy, n, dx, dw);
+  if (mx32()) return BackwardMx32(ctx, dy, n, dx, dw, into);
   const bool block = block_scaling();
   const kernels::Fp8Format grad_format = grad_site_.state().config().format;
   const kernels::Fp8Format input_format = input_site_.state().config().format;
@@ -363,7 +363,7 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
     g.b_format = weight_format;
     g.b_scale_inv = wt_scale;
     g.d = dx;
-    g.accumulate = true;
+    g.accumulate = into.add_dx;
     FP8RT_RETURN_IF_ERROR(RunFp8Gemm(ctx, g));
   }
 
@@ -444,7 +444,7 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
   g.b_format = input_format;
   g.b_scale_inv = xt_scale;
   g.d = dw;
-  g.accumulate = true;
+  g.accumulate = into.add_dw;
   return RunFp8Gemm(ctx, g);
 }
 

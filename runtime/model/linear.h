@@ -146,6 +146,13 @@ struct Fp8SiteConfigs {
   train::ScalingConfig grad_output;
 };
 
+// How Linear::Backward writes its gradients: added to what the buffer holds, or written over it
+// (the caller then need not zero it first).
+struct BackwardInto {
+  bool add_dx = true;
+  bool add_dw = true;
+};
+
 class Linear {
  public:
   // A layer named `name` ("blocks.0.mlp.fc1") mapping `in` features to `out` (this rank's
@@ -192,8 +199,10 @@ class Linear {
   // y[n, out] = x[n, in] W^T. `x` must stay valid and unchanged until Backward unless
   // saves_fp8_input_only().
   absl::Status Forward(const LinearContext& ctx, const float* x, int64_t n, float* y);
-  // dx[n, in] += dy W;  dw[out, in] += dy^T x  (accumulates). dx may be null (no input gradient).
-  absl::Status Backward(const LinearContext& ctx, const float* dy, int64_t n, float* dx, float* dw);
+  // dx[n, in] (+)= dy W;  dw[out, in] (+)= dy^T x  (added unless `into` says otherwise). dx may
+  // be null (no input gradient).
+  absl::Status Backward(const LinearContext& ctx, const float* dy, int64_t n, float* dx, float* dw,
+                        BackwardInto into = {});
 
   // The statistics of the FP8 quantizations of Forward and Backward stay in the backend's memory
   // (the host does not wait for each quantization) until this records them into the sites,
@@ -257,10 +266,10 @@ class Linear {
                                       const float* src, int64_t rows, int64_t cols, uint8_t* codes,
                                       uint8_t* e8m0);
   absl::Status BackwardMx32(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
-                            float* dw);
+                            float* dw, BackwardInto into);
   absl::Status ForwardFp8(const LinearContext& ctx, const float* x, int64_t n, float* y);
   absl::Status BackwardFp8(const LinearContext& ctx, const float* dy, int64_t n, float* dx,
-                           float* dw);
+                           float* dw, BackwardInto into);
   absl::Status GemmHigh(const LinearContext& ctx, const float* a, const float* b, int64_t m,
                         int64_t nn, int64_t k, float* d, bool accumulate);
 

@@ -813,12 +813,14 @@ void Transformer::Reshard(size_t unit) {
   }
 }
 
-absl::Status Transformer::BeginUnitGrads(size_t unit) {
+absl::Status Transformer::BeginUnitGrads(size_t unit, std::initializer_list<int> overwritten) {
   for (const int i : units_[unit].params) {
     Param& p = params_[static_cast<size_t>(i)];
     p.full_grad.Reset(ops_, static_cast<size_t>(p.shard_count * p.group->size()));
-    FP8RT_RETURN_IF_ERROR(
-        ops_.layer->fill(p.full_grad.data(), 0.0f, static_cast<int64_t>(p.full_grad.size()), {}));
+    p.grad_unwritten = std::find(overwritten.begin(), overwritten.end(), i) != overwritten.end();
+    const int64_t from = p.grad_unwritten ? p.local_count() : 0;
+    FP8RT_RETURN_IF_ERROR(ops_.layer->fill(p.full_grad.data() + from, 0.0f,
+                                           static_cast<int64_t>(p.full_grad.size()) - from, {}));
   }
   // An MoE block's layer writes its gradients itself: hand it this backward's buffers.
   if (unit >= 1 && unit <= blocks_.size()) {
@@ -842,6 +844,11 @@ absl::Status Transformer::ReduceUnitGrads(size_t unit) {
   // micro-batches, the second use of a tied embedding) add to it.
   for (const int i : units_[unit].params) {
     Param& p = params_[static_cast<size_t>(i)];
+    if (p.grad_unwritten) {
+      return absl::InternalError(absl::StrCat(
+          "the full gradient of ", p.name,
+          " was left unzeroed for its layer to write over, and the backward did not write it"));
+    }
     const bool first = p.reductions++ == 0;
     if (first && p.group->size() == 1 && recipe_.grad_reduce == parallel::GradReduceDType::kFP32) {
       // A one-rank FSDP group: the full gradient is the shard's (same size, no padding), copied
@@ -1216,16 +1223,23 @@ absl::Status Transformer::Backward(float dloss) {
   auto bias = [&](int b, const float* dy, int64_t cols) {
     return b < 0 ? absl::OkStatus() : L.bias_backward(G(b), dy, N, cols, st);
   };
+  // A linear layer's backward into weight gradient w: written over where BeginUnitGrads left it
+  // unzeroed, added otherwise; dx written over unless add_dx.
+  auto linear = [&](Linear* lin, const float* dy, float* dx, bool add_dx, int w) {
+    Param& p = P(w);
+    const BackwardInto into{.add_dx = add_dx, .add_dw = !p.grad_unwritten};
+    p.grad_unwritten = false;
+    return lin->Backward(ctx, dy, N, dx, G(w), into);
+  };
   const size_t head = blocks_.size() + 1;
 
-  // Every op accumulates into zeroed buffers.
+  // The ops accumulate into zeroed buffers, except the linear layers' backwards where they are
+  // the first to write a buffer: those write over it, and it is not zeroed.
   FP8RT_RETURN_IF_ERROR(zero(a.dlogits));
   FP8RT_RETURN_IF_ERROR(L.cross_entropy_backward(a.dlogits.data(), a.ce_probs.data(),
                                                  a.targets.device(), N, V, dloss, st));
-  FP8RT_RETURN_IF_ERROR(zero(a.dlnf));
-  FP8RT_RETURN_IF_ERROR(BeginUnitGrads(head));
-  FP8RT_RETURN_IF_ERROR(
-      lm_head_->Backward(ctx, a.dlogits.data(), N, a.dlnf.data(), G(lm_head_param_)));
+  FP8RT_RETURN_IF_ERROR(BeginUnitGrads(head, {lm_head_param_}));
+  FP8RT_RETURN_IF_ERROR(linear(lm_head_, a.dlogits.data(), a.dlnf.data(), false, lm_head_param_));
   FP8RT_RETURN_IF_ERROR(zero(a.dx));
   FP8RT_RETURN_IF_ERROR(
       norm(a.dx.data(), final_norm_, final_norm_bias_, a.dlnf.data(), a.x_final.data(), a.meanf,
@@ -1239,15 +1253,22 @@ absl::Status Transformer::Backward(float dloss) {
     Acts::Layer& x = a.layers[l];
     FP8RT_RETURN_IF_ERROR(FinishUnshard(l + 1));
     if (l > 0) FP8RT_RETURN_IF_ERROR(StartUnshard(l));  // the block below, for its backward
-    FP8RT_RETURN_IF_ERROR(BeginUnitGrads(l + 1));
-    // out = x2 + mlp(norm(x2)): the residual passes dx straight to x2.
-    FP8RT_RETURN_IF_ERROR(zero(a.dln));
+    // An MoE block's layer writes its own weight gradients (an expert may get no tokens).
     if (blk.moe != nullptr) {
+      FP8RT_RETURN_IF_ERROR(BeginUnitGrads(l + 1, {blk.qkv_w, blk.proj_w}));
+    } else if (blk.up != nullptr) {
+      FP8RT_RETURN_IF_ERROR(
+          BeginUnitGrads(l + 1, {blk.qkv_w, blk.proj_w, blk.fc1_w, blk.up_w, blk.fc2_w}));
+    } else {
+      FP8RT_RETURN_IF_ERROR(BeginUnitGrads(l + 1, {blk.qkv_w, blk.proj_w, blk.fc1_w, blk.fc2_w}));
+    }
+    // out = x2 + mlp(norm(x2)): the residual passes dx straight to x2.
+    if (blk.moe != nullptr) {
+      FP8RT_RETURN_IF_ERROR(zero(a.dln));
       FP8RT_RETURN_IF_ERROR(blk.moe->Backward(ctx, a.dx.data(), N, dloss, a.dln.data()));
     } else {
       FP8RT_RETURN_IF_ERROR(bias(blk.fc2_b, a.dx.data(), C));
-      FP8RT_RETURN_IF_ERROR(zero(a.dg));
-      FP8RT_RETURN_IF_ERROR(blk.fc2->Backward(ctx, a.dx.data(), N, a.dg.data(), G(blk.fc2_w)));
+      FP8RT_RETURN_IF_ERROR(linear(blk.fc2, a.dx.data(), a.dg.data(), false, blk.fc2_w));
       FP8RT_RETURN_IF_ERROR(zero(a.dh));
       if (blk.up != nullptr) {
         FP8RT_RETURN_IF_ERROR(zero(a.du));
@@ -1257,9 +1278,9 @@ absl::Status Transformer::Backward(float dloss) {
         FP8RT_RETURN_IF_ERROR(L.gelu_backward(a.dh.data(), a.dg.data(), x.h.data(), N * Fl, st));
       }
       FP8RT_RETURN_IF_ERROR(bias(blk.fc1_b, a.dh.data(), Fl));
-      FP8RT_RETURN_IF_ERROR(blk.fc1->Backward(ctx, a.dh.data(), N, a.dln.data(), G(blk.fc1_w)));
+      FP8RT_RETURN_IF_ERROR(linear(blk.fc1, a.dh.data(), a.dln.data(), false, blk.fc1_w));
       if (blk.up != nullptr) {
-        FP8RT_RETURN_IF_ERROR(blk.up->Backward(ctx, a.du.data(), N, a.dln.data(), G(blk.up_w)));
+        FP8RT_RETURN_IF_ERROR(linear(blk.up, a.du.data(), a.dln.data(), true, blk.up_w));
       }
       FP8RT_RETURN_IF_ERROR(AllReduceTp(a.dln.data(), N * C));
     }
@@ -1268,8 +1289,7 @@ absl::Status Transformer::Backward(float dloss) {
                                x.x2.data(), x.mean2, x.rstd2));
     // x2 = x + proj(attention(qkv(norm(x)))).
     FP8RT_RETURN_IF_ERROR(bias(blk.proj_b, a.dx2.data(), C));
-    FP8RT_RETURN_IF_ERROR(zero(a.datt));
-    FP8RT_RETURN_IF_ERROR(blk.proj->Backward(ctx, a.dx2.data(), N, a.datt.data(), G(blk.proj_w)));
+    FP8RT_RETURN_IF_ERROR(linear(blk.proj, a.dx2.data(), a.datt.data(), false, blk.proj_w));
     FP8RT_RETURN_IF_ERROR(zero(a.dq));
     FP8RT_RETURN_IF_ERROR(zero(a.dk));
     FP8RT_RETURN_IF_ERROR(zero(a.dv));
@@ -1290,8 +1310,7 @@ absl::Status Transformer::Backward(float dloss) {
     }
     FP8RT_RETURN_IF_ERROR(L.join_heads(a.dqkv.data(), dq, dk, a.dv.data(), N, KVl, Q, Dh, st));
     FP8RT_RETURN_IF_ERROR(bias(blk.qkv_b, a.dqkv.data(), qkv_cols));
-    FP8RT_RETURN_IF_ERROR(zero(a.dln));
-    FP8RT_RETURN_IF_ERROR(blk.qkv->Backward(ctx, a.dqkv.data(), N, a.dln.data(), G(blk.qkv_w)));
+    FP8RT_RETURN_IF_ERROR(linear(blk.qkv, a.dqkv.data(), a.dln.data(), false, blk.qkv_w));
     FP8RT_RETURN_IF_ERROR(AllReduceTp(a.dln.data(), N * C));
     FP8RT_RETURN_IF_ERROR(L.copy(a.dx.data(), a.dx2.data(), N * C, st));
     FP8RT_RETURN_IF_ERROR(norm(a.dx.data(), blk.attn_norm, blk.attn_norm_b, a.dln.data(),

@@ -66,6 +66,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <span>
@@ -191,6 +192,9 @@ struct Param {
   // Gradient reductions into `grad` this step: the first writes, later ones add (a tied
   // embedding is reduced by the head's backward and by the embedding's).
   int64_t reductions = 0;
+  // full_grad was left unzeroed by BeginUnitGrads: its layer's backward writes it over (and
+  // clears this) before anything reads it.
+  bool grad_unwritten = false;
 
   int64_t local_count() const { return local_rows * local_cols; }
 };
@@ -403,7 +407,9 @@ class Transformer {
   absl::Status StartUnshard(size_t unit);   // starts the unit's gathers (nonblocking where it can)
   absl::Status FinishUnshard(size_t unit);  // waits for them, hands the weights to the layers
   void Reshard(size_t unit);                // frees the gathered weights
-  absl::Status BeginUnitGrads(size_t unit);   // zeroed full gradients for the unit's backward
+  // Full gradients for the unit's backward, zeroed except those in `overwritten` (their layers
+  // write them over; only their padding past local_count() is zeroed).
+  absl::Status BeginUnitGrads(size_t unit, std::initializer_list<int> overwritten = {});
   absl::Status ReduceUnitGrads(size_t unit);  // reduce-scatter into the shards, then free
   // Queues the quantization of p's shard (no wait: BeginStep reads the statistics of all of them
   // after one synchronize); mx32's transposes go through `scratch`.
