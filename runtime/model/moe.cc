@@ -15,18 +15,24 @@ namespace fp8rt::model {
 namespace {
 
 // The rows an expert's GEMMs run on: its token count rounded up to the backend's GEMM row unit.
-// cuBLASLt takes FP8 GEMMs only when M, N and K are multiples of 16 (kernels/cuda/gemm_cuda.cc),
-// and an expert's token count is whatever the router gave it, so on CUDA each expert's rows are
-// padded with zero rows to a multiple of 16 (its forward M, dgrad M and wgrad K). Zero rows change
-// no real row, no amax and no gradient: the pad rows of the activation are zeroed again before
-// fc2 (a bias would make them nonzero), and their output gradients are zero. The CPU GEMMs take
-// any shape: no padding there, so the CPU path is unchanged.
-// MoeConfig::gemm_row_unit, when set, replaces the backend's unit.
-int64_t ExpertRows(const MoeConfig& config, const kernels::OpTable& ops, int64_t tokens) {
+// cuBLASLt takes FP8 GEMMs only when M, N and K are multiples of 16, and with block or mx32
+// scaling K a multiple of 128 (kernels/cuda/gemm_route.h); an expert's token count is whatever
+// the router gave it, and it is the weight gradient's K. So on CUDA each expert's rows are padded
+// with zero rows to a multiple of 16, or of 128 when its GEMMs are FP8 with per-block scales (its
+// forward M, dgrad M and wgrad K). Zero rows change no real row, no amax and no gradient: the pad
+// rows of the activation are zeroed again before fc2 (a bias would make them nonzero), and their
+// output gradients are zero. The CPU GEMMs take any shape: no padding there, so the CPU path is
+// unchanged. MoeConfig::gemm_row_unit, when set, replaces the backend's unit.
+int64_t ExpertRows(const MoeConfig& config, const kernels::OpTable& ops, const Linear& fc1,
+                   int64_t tokens) {
   constexpr int64_t kCudaGemmRowUnit = 16;
+  constexpr int64_t kCudaBlockScaledRowUnit = 128;
+  const bool per_block =
+      fc1.precision() == GemmPrecision::kFp8 && (fc1.block_scaling() || fc1.mx32());
   const int64_t unit = config.gemm_row_unit > 0                 ? config.gemm_row_unit
-                       : ops.backend == kernels::Backend::kCuda ? kCudaGemmRowUnit
-                                                                : 1;
+                       : ops.backend != kernels::Backend::kCuda ? 1
+                       : per_block                              ? kCudaBlockScaledRowUnit
+                                                                : kCudaGemmRowUnit;
   return (tokens + unit - 1) / unit * unit;
 }
 
@@ -188,6 +194,7 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
   std::vector<int64_t> rows;
   expert_base_.assign(static_cast<size_t>(local_), 0);
   expert_tokens_.assign(static_cast<size_t>(local_), 0);
+  expert_padded_.assign(static_cast<size_t>(local_), 0);
   for (int64_t le = 0; le < local_; ++le) {
     expert_base_[static_cast<size_t>(le)] = static_cast<int64_t>(rows.size());
     for (int r = 0; r < ep; ++r) {
@@ -196,8 +203,10 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     }
     const int64_t ne = static_cast<int64_t>(rows.size()) - expert_base_[static_cast<size_t>(le)];
     expert_tokens_[static_cast<size_t>(le)] = ne;
-    rows.resize(static_cast<size_t>(expert_base_[static_cast<size_t>(le)] +
-                                    ExpertRows(config_, *ctx.ops, ne)),
+    const int64_t np =
+        ExpertRows(config_, *ctx.ops, *fc1_[static_cast<size_t>(first_local_ + le)], ne);
+    expert_padded_[static_cast<size_t>(le)] = np;
+    rows.resize(static_cast<size_t>(expert_base_[static_cast<size_t>(le)] + np),
                 -1);  // zero rows up to the GEMM row unit
   }
   // The backend has been idle since the wait above: the host writes the plan now, and it goes to
@@ -240,7 +249,7 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     const int64_t e = first_local_ + le;
     const int64_t ne = expert_tokens_[static_cast<size_t>(le)];
     if (ne == 0) continue;  // an expert without tokens: its sites stay unused this micro-batch
-    const int64_t np = ExpertRows(config_, *ctx.ops, ne);  // ne real rows, then zero rows
+    const int64_t np = expert_padded_[static_cast<size_t>(le)];  // ne real rows, then zero rows
     const int64_t* expert_rows = expert_rows_.device() + expert_base_[static_cast<size_t>(le)];
     float* xe = AtLeast(ctx, xe_[static_cast<size_t>(le)], np * C);
     float* he = AtLeast(ctx, he_[static_cast<size_t>(le)], np * F);
@@ -291,7 +300,7 @@ absl::Status MoeLayer::Backward(const LinearContext& ctx, const float* dout, int
     const int64_t e = first_local_ + le;
     const int64_t ne = expert_tokens_[static_cast<size_t>(le)];
     if (ne == 0) continue;
-    const int64_t np = ExpertRows(config_, *ctx.ops, ne);  // as in the forward: zero rows after ne
+    const int64_t np = expert_padded_[static_cast<size_t>(le)];  // as the forward's plan
     const int64_t* expert_rows = expert_rows_.device() + expert_base_[static_cast<size_t>(le)];
     float* dye = AtLeast(ctx, dye_, np * C);
     FP8RT_RETURN_IF_ERROR(L.gather_rows(dye, dy_recv, expert_rows, np, C, {}));

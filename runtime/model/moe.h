@@ -53,8 +53,8 @@ struct MoeConfig {
   double aux_loss_coef = 0.01;
   bool drop_tokens = true;
   // Each expert's GEMMs run on its token rows padded with zero rows to a multiple of this (0: the
-  // backend's, 16 on CUDA for cuBLASLt and 1 on the CPU). Padding changes no result; tests set it
-  // on the CPU to show that.
+  // backend's: on CUDA 16 for cuBLASLt, 128 with FP8 block or mx32 scaling; 1 on the CPU).
+  // Padding changes no result; tests set it on the CPU to show that.
   int64_t gemm_row_unit = 0;
 };
 
@@ -136,7 +136,8 @@ class MoeLayer {
   // The received rows of each local expert (source rank, then token order), each expert's list
   // padded with -1 (zero rows) to its GEMM rows; expert le's list starts at expert_base_[le].
   Index expert_rows_;
-  std::vector<int64_t> expert_base_, expert_tokens_;  // per local expert: offset, real rows
+  // Per local expert: offset, real rows, GEMM rows (real rows and the zero rows after them).
+  std::vector<int64_t> expert_base_, expert_tokens_, expert_padded_;
   int64_t sent_ = 0, received_ = 0;
   std::vector<int64_t> send_counts_;      // rows to each ep rank
   std::vector<int64_t> recv_counts_;      // rows from each ep rank

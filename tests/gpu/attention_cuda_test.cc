@@ -93,6 +93,7 @@ constexpr double kSafety = 2.0;
 using gpu_test::CudaStreamTest;
 using gpu_test::DeviceBuffer;
 using gpu_test::Download;
+using gpu_test::Poison;
 using gpu_test::Put;
 
 uint32_t Bits(float x) { return std::bit_cast<uint32_t>(x); }
@@ -235,6 +236,8 @@ const AttnShape kAttnShapes[] = {
     {3, 40, 64, 64, 8},   // B * H = 192, more heads than any current GPU has SMs
     {1, 70, 1, 1, 300},   // Dh > 256: two register passes per warp
     {1, 1100, 2, 2, 8},   // T > 1024: the dk/dv kernel's row terms in two chunks
+    {8, 640, 4, 4, 8},    // 20480 query rows: more than the grid's warps (about 8,400 on an
+                          // H100), so warp-stride loops take a second row
     // Grouped-query attention.
     {2, 257, 8, 2, 64},   // four query heads per kv head
     {1, 100, 6, 1, 128},  // multi-query: one kv head for all
@@ -269,8 +272,8 @@ TEST_P(AttentionForwardTest, GpuAndCpuWithinFp64BoundsAndReruns) {
   EXPECT_TRUE(err.empty()) << "cpu: " << err;
 
   // A second run over the same inputs (outputs poisoned again) gives the same bits.
-  ASSERT_EQ(cudaMemset(d.out.f(), 0xA5, x.size * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemset(d.lse.f(), 0xA5, x.lse_size * 4), cudaSuccess);
+  ASSERT_TRUE(Poison(d.out.f(), x.size * 4));
+  ASSERT_TRUE(Poison(d.lse.f(), x.lse_size * 4));
   ASSERT_TRUE(d.Forward(*gpu_, stream()).ok());
   Sync();
   EXPECT_TRUE(SameBits(Download<float>(d.out, x.size), g_out)) << "out differs between runs";
@@ -362,17 +365,19 @@ using attention_check::Precision;
 // Shapes for the BF16 entries: the fused kernels' tiles (64 rows, 64 keys, Dh padded to 16) at
 // their edges, and Dh > 128, where the entries run the FP32 kernels.
 const AttnShape kBf16Shapes[] = {
-    {1, 1, 1, 1, 1},      // T = 1, Dh = 1: one row of one tile, 15 zero columns
-    {1, 64, 2, 2, 64},    // exactly one tile
-    {2, 65, 2, 2, 64},    // a second tile with one row and one key
-    {1, 200, 3, 3, 24},   // four tiles, Dh padded from 24 to 32
-    {1, 130, 2, 2, 100},  // Dh padded from 100 to 112
-    {1, 257, 4, 4, 128},  // the largest fused head, five tiles
-    {3, 40, 64, 64, 8},   // B * H = 192 items on fewer blocks
-    {2, 257, 8, 2, 64},   // grouped-query: four query heads per kv head
-    {1, 100, 6, 1, 128},  // multi-query
-    {1, 1100, 2, 2, 16},  // 18 tiles
-    {1, 70, 4, 2, 300},   // Dh > 128: the FP32 kernels
+    {1, 1, 1, 1, 1},       // T = 1, Dh = 1: one row of one tile, 15 zero columns
+    {1, 64, 2, 2, 64},     // exactly one tile
+    {2, 65, 2, 2, 64},     // a second tile with one row and one key
+    {1, 200, 3, 3, 24},    // four tiles, Dh padded from 24 to 32
+    {1, 130, 2, 2, 100},   // Dh padded from 100 to 112
+    {1, 257, 4, 4, 128},   // the largest fused head, five tiles
+    {3, 40, 64, 64, 8},    // B * H = 192 items on fewer blocks
+    {2, 257, 8, 2, 64},    // grouped-query: four query heads per kv head
+    {1, 100, 6, 1, 128},   // multi-query
+    {1, 1100, 2, 2, 16},   // 18 tiles
+    {8, 512, 16, 16, 64},  // 1,024 work items over at most 2 blocks per SM (264 on an H100 or
+                           // H200): blocks move on to further items, re-initialising their state
+    {1, 70, 4, 2, 300},    // Dh > 128: the FP32 kernels
 };
 
 class AttentionBf16Test : public CudaLayerTest, public ::testing::WithParamInterface<AttnShape> {
@@ -398,8 +403,8 @@ TEST_P(AttentionBf16Test, ForwardWithinBf16BoundsAndReruns) {
   err = attention_check::OutOfBounds("lse", g_lse, want.lse, want.lse_bound);
   EXPECT_TRUE(err.empty()) << err;
 
-  ASSERT_EQ(cudaMemset(d.out.f(), 0xA5, x.size * 4), cudaSuccess);
-  ASSERT_EQ(cudaMemset(d.lse.f(), 0xA5, x.lse_size * 4), cudaSuccess);
+  ASSERT_TRUE(Poison(d.out.f(), x.size * 4));
+  ASSERT_TRUE(Poison(d.lse.f(), x.lse_size * 4));
   ASSERT_TRUE(d.Forward(*gpu_, stream(), /*bf16=*/true).ok());
   Sync();
   EXPECT_TRUE(SameBits(Download<float>(d.out, x.size), g_out)) << "out differs between runs";
@@ -580,7 +585,7 @@ TEST_P(CrossEntropyForwardTest, MatchesCpuAndFp64WithinBoundsAndReruns) {
   const CeForwardBuffers d(x.logits, x.targets, n, v);
   std::vector<float> g_probs, g_losses;
   for (int run = 0; run < 2; ++run) {
-    ASSERT_EQ(cudaMemset(d.probs.f(), 0xA5, nv * 4), cudaSuccess);
+    ASSERT_TRUE(Poison(d.probs.f(), nv * 4));
     ASSERT_TRUE(d.Forward(*gpu_, stream()).ok());
     Sync();
     std::vector<float> p = d.Probs(), l = d.Losses();

@@ -33,6 +33,25 @@ namespace fp8rt::kernels::gpu_test {
 
 // --- device memory -------------------------------------------------------------------------------
 
+// Fills `bytes` at `p` with 0xA5 (an output element a kernel forgot to write shows up:
+// 0xA5A5A5A5 is -2.9e-16) and waits for the device, so that the fill is done before work on any
+// stream, a non-blocking one included (plain cudaMemset goes on the legacy default stream, which
+// such a stream is not ordered after).
+inline ::testing::AssertionResult Poison(void* p, size_t bytes) {
+  if (cudaMemset(p, 0xA5, bytes) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+    return ::testing::AssertionFailure() << "poisoning " << bytes << " bytes of device memory";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Waits for the device after a host-to-device cudaMemcpy: from pageable memory it may return
+// before the data reaches the device, and a non-blocking stream's next kernel is not ordered
+// after it.
+inline cudaError_t CopyToDevice(void* dst, const void* src, size_t bytes) {
+  const cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
+  return e != cudaSuccess ? e : cudaDeviceSynchronize();
+}
+
 // At least one byte is allocated (and poisoned), so even an empty buffer has a non-null address.
 // A failed cudaMalloc is a test failure and leaves the buffer null; the copies below then do
 // nothing.
@@ -43,8 +62,7 @@ class DeviceBuffer {
       ADD_FAILURE() << "cudaMalloc of " << bytes << " bytes failed";
       ptr_ = nullptr;
     } else {
-      // Poison: an output element a kernel forgot to write shows up (0xA5A5A5A5 is -2.9e-16).
-      (void)cudaMemset(ptr_, 0xA5, std::max<size_t>(bytes, 1));
+      EXPECT_TRUE(Poison(ptr_, std::max<size_t>(bytes, 1)));
     }
   }
   DeviceBuffer(const DeviceBuffer&) = delete;
@@ -69,8 +87,7 @@ template <class T>
 DeviceBuffer Upload(const std::vector<T>& host) {
   DeviceBuffer d(host.size() * sizeof(T));
   if (d.as() != nullptr && !host.empty()) {
-    EXPECT_EQ(cudaMemcpy(d.as(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-              cudaSuccess);
+    EXPECT_EQ(CopyToDevice(d.as(), host.data(), host.size() * sizeof(T)), cudaSuccess);
   }
   return d;
 }
@@ -79,8 +96,7 @@ DeviceBuffer Upload(const std::vector<T>& host) {
 template <class T>
 void Put(const DeviceBuffer& d, const std::vector<T>& host) {
   if (!host.empty() && d.as() != nullptr) {
-    ASSERT_EQ(cudaMemcpy(d.as(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-              cudaSuccess);
+    ASSERT_EQ(CopyToDevice(d.as(), host.data(), host.size() * sizeof(T)), cudaSuccess);
   }
 }
 

@@ -732,34 +732,54 @@ double GlobalLoss(ModelUnderTest& s) {
 }
 
 // On CUDA each expert's GEMMs run on its rows padded with zero rows to a multiple of 16
-// (cuBLASLt's FP8 shapes; MoeConfig::gemm_row_unit). Zero rows add exact zeros to every sum and
-// change no amax, so padding must leave the loss and every gradient bit for bit as they were:
-// shown here on the CPU, where the unit can be forced, in FP8 with both MLP kinds. 8 tokens a
-// rank and top-2 of 4 experts give each expert a count that 16 does not divide.
+// (cuBLASLt's FP8 shapes), or of 128 with block or mx32 scaling (K of the weight gradient;
+// MoeConfig::gemm_row_unit). Zero rows add exact zeros to every sum and change no amax (a zero
+// tile or block adds zeros whatever its scale), so padding must leave the loss and every gradient
+// bit for bit as they were: shown here on the CPU, where the unit can be forced, in FP8 with both
+// MLP kinds, tensor scaling at 16 and per-block scaling at 128. 8 tokens a rank and top-2 of 4
+// experts give each expert a count that neither unit divides.
 TEST(MoeTest, PaddingExpertRowsChangesNothing) {
-  for (MlpKind mlp : {MlpKind::kGelu, MlpKind::kSwiglu}) {
-    ModelShape shape =
-        Shape(/*layers=*/1, /*d_model=*/64, /*d_ff=*/128, /*seq_len=*/8,
-              {.experts = 4, .top_k = 2, .capacity_factor = 2.0, .drop_tokens = false});
-    shape.mlp = mlp;
-    shape.bias = true;
-    ModelUnderTest plain = MakeMoe(shape, ModelRecipe{});
-    shape.moe.gemm_row_unit = 16;
-    ModelUnderTest padded = MakeMoe(shape, ModelRecipe{});
-    ASSERT_TRUE(plain.model->BeginStep().ok());
-    ASSERT_TRUE(padded.model->BeginStep().ok());
-    const double a = GlobalLoss(plain), b = GlobalLoss(padded);
-    EXPECT_EQ(std::bit_cast<uint64_t>(a), std::bit_cast<uint64_t>(b)) << a << " vs " << b;
-    const std::vector<std::vector<float>> ga = Grads(*plain.model), gb = Grads(*padded.model);
-    ASSERT_EQ(ga.size(), gb.size());
-    bool same = true;
-    for (size_t i = 0; i < ga.size(); ++i) {
-      if (ga[i] != gb[i]) {
-        same = false;
-        ADD_FAILURE() << plain.model->params()[i].name << ": gradients differ when padded";
+  struct Padding {
+    train::ScalingStrategy strategy;
+    int64_t unit;
+  };
+  for (const Padding pad :
+       {Padding{train::ScalingStrategy::kDelayed, 16}, Padding{train::ScalingStrategy::kBlock, 128},
+        Padding{train::ScalingStrategy::kMx32, 128}}) {
+    for (MlpKind mlp : {MlpKind::kGelu, MlpKind::kSwiglu}) {
+      SCOPED_TRACE(std::string(train::ScalingStrategyName(pad.strategy)) + " scaling, unit " +
+                   std::to_string(pad.unit) + (mlp == MlpKind::kGelu ? ", gelu" : ", swiglu"));
+      // Per-block scaling cuts the FSDP shards of the FP8 weights in whole 128-row blocks at dp 1
+      // and 2: 256-wide layers.
+      const bool per_block = pad.strategy != train::ScalingStrategy::kDelayed;
+      ModelShape shape = Shape(
+          /*layers=*/1, /*d_model=*/per_block ? 256 : 64, /*d_ff=*/per_block ? 256 : 128,
+          /*seq_len=*/8, {.experts = 4, .top_k = 2, .capacity_factor = 2.0, .drop_tokens = false});
+      shape.mlp = mlp;
+      shape.bias = true;
+      ModelRecipe recipe;
+      for (train::ScalingConfig* c :
+           {&recipe.sites.input, &recipe.sites.weight, &recipe.sites.grad_output}) {
+        c->strategy = pad.strategy;
       }
+      ModelUnderTest plain = MakeMoe(shape, recipe);
+      shape.moe.gemm_row_unit = pad.unit;
+      ModelUnderTest padded = MakeMoe(shape, recipe);
+      ASSERT_TRUE(plain.model->BeginStep().ok());
+      ASSERT_TRUE(padded.model->BeginStep().ok());
+      const double a = GlobalLoss(plain), b = GlobalLoss(padded);
+      EXPECT_EQ(std::bit_cast<uint64_t>(a), std::bit_cast<uint64_t>(b)) << a << " vs " << b;
+      const std::vector<std::vector<float>> ga = Grads(*plain.model), gb = Grads(*padded.model);
+      ASSERT_EQ(ga.size(), gb.size());
+      bool same = true;
+      for (size_t i = 0; i < ga.size(); ++i) {
+        if (ga[i] != gb[i]) {
+          same = false;
+          ADD_FAILURE() << plain.model->params()[i].name << ": gradients differ when padded";
+        }
+      }
+      EXPECT_TRUE(AllRanksOk(same));
     }
-    EXPECT_TRUE(AllRanksOk(same));
   }
 }
 
