@@ -650,7 +650,8 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
 absl::Status AllToAllFp8TokensInto(Communicator& group, const kernels::OpTable& ops,
                                    const float* tokens, int64_t hidden,
                                    std::span<const int64_t> send_counts, Fp8Format format,
-                                   TokenScratch* scratch, Fp8Tokens* out) {
+                                   TokenScratch* scratch, Fp8Tokens* out,
+                                   std::span<const int64_t> recv_counts) {
   constexpr const char* kFn = "AllToAllFp8Tokens";
   if (scratch == nullptr || out == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(kFn, ": scratch and out must not be null"));
@@ -671,9 +672,18 @@ absl::Status AllToAllFp8TokensInto(Communicator& group, const kernels::OpTable& 
     return s;
   }
 
-  absl::StatusOr<std::vector<int64_t>> recv_counts = ExchangeTokenCounts(group, send_counts);
-  if (!recv_counts.ok()) return recv_counts.status();
-  out->recv_counts = *std::move(recv_counts);
+  if (recv_counts.empty()) {
+    absl::StatusOr<std::vector<int64_t>> exchanged = ExchangeTokenCounts(group, send_counts);
+    if (!exchanged.ok()) return exchanged.status();
+    out->recv_counts = *std::move(exchanged);
+  } else {
+    int64_t recv_tokens = 0;
+    if (absl::Status s = CheckCounts(group, recv_counts, "recv_counts", kFn, &recv_tokens);
+        !s.ok()) {
+      return s;
+    }
+    out->recv_counts.assign(recv_counts.begin(), recv_counts.end());
+  }
   out->tokens = 0;
   for (int64_t c : out->recv_counts) out->tokens += c;
 

@@ -261,10 +261,14 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
 // The same into `out`, whose codes and scale_inv are grown (they may hold more than `tokens`
 // rows), with the temporaries in `scratch`; waits for nothing but the collectives, and leaves
 // out->send_stats alone (the statistics stay in scratch->send_stats, in the backend's memory).
+// `recv_counts`, when given (one entry per rank), is the rows each peer sends, which the caller
+// already knows (MoE's per-expert count exchange): the count exchange is then skipped, one
+// collective and one host wait fewer. They must be what the peers send.
 absl::Status AllToAllFp8TokensInto(Communicator& group, const kernels::OpTable& ops,
                                    const float* tokens, int64_t hidden,
                                    std::span<const int64_t> send_counts, kernels::Fp8Format format,
-                                   TokenScratch* scratch, Fp8Tokens* out);
+                                   TokenScratch* scratch, Fp8Tokens* out,
+                                   std::span<const int64_t> recv_counts = {});
 
 // Sends tokens (rows of `hidden` FP32 values, grouped by destination) as BF16; `recv_counts`
 // must be what the peers send (e.g. the send_counts of the matching dispatch, reversed). The

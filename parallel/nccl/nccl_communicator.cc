@@ -279,9 +279,18 @@ absl::Status NcclCommunicator::Begin() {
     return absl::FailedPreconditionError(
         absl::StrCat("communicator is unusable after an earlier failure: ", broken_.message()));
   }
-  CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  // A failure here breaks the communicator: this rank would otherwise skip a collective its
+  // peers make, and its next one would pair with their previous one.
+  if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
+    return Break(internal::CudaErrorStatus(e, "cudaSetDevice", __FILE__, __LINE__));
+  }
   // After the side stream's last all-gather: one collective at a time, in call order.
-  if (side_done_ != nullptr) CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, side_done_, 0));
+  if (side_done_ != nullptr) {
+    if (const cudaError_t e = cudaStreamWaitEvent(stream_, side_done_, 0); e != cudaSuccess) {
+      return Break(internal::CudaErrorStatus(e, "cudaStreamWaitEvent(stream_, side_done_)",
+                                             __FILE__, __LINE__));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -326,7 +335,9 @@ absl::Status NcclCommunicator::Poll(CUevent_st* done, Clock::time_point deadline
             __LINE__));
       }
     }
-    if (Clock::now() >= deadline) return Break(Timeout(what, options_.timeout));
+    if (Clock::now() >= deadline) {
+      return Break(Timeout(AsyncErrorSource(what).c_str(), options_.timeout));
+    }
     Pause(polls);
   }
 }
@@ -583,7 +594,9 @@ absl::Status NcclCommunicator::WaitEnqueued(Clock::time_point deadline, const ch
       return Break(
           internal::NcclErrorStatus(state, AsyncErrorSource(what).c_str(), __FILE__, __LINE__));
     }
-    if (Clock::now() >= deadline) return Break(Timeout(what, options_.timeout));
+    if (Clock::now() >= deadline) {
+      return Break(Timeout(AsyncErrorSource(what).c_str(), options_.timeout));
+    }
     Pause(polls);
   }
 }

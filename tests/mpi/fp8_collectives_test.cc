@@ -990,6 +990,30 @@ TEST_P(TokenAllToAllTest, Fp8DispatchThenBf16CombineReturnsEveryTokenToItsOrigin
     }
   }
 
+  // With the receive counts given (as MoE knows them from its per-expert counts), no count
+  // exchange: the same rows arrive, bit for bit.
+  {
+    TokenScratch scratch;
+    Fp8Tokens known;
+    ASSERT_TRUE(AllOk(AllToAllFp8TokensInto(World(), Ops(), tokens.data(), hidden, send_counts,
+                                            c.format, &scratch, &known, want_recv)));
+    ASSERT_TRUE(Ops().layer->synchronize({}).ok());
+    EXPECT_EQ(known.recv_counts, want_recv);
+    EXPECT_EQ(known.tokens, recv_tokens);
+    std::vector<uint8_t> codes = Host(known.codes);
+    std::vector<float> scales = Host(known.scale_inv);
+    codes.resize(static_cast<size_t>(recv_tokens * hidden));
+    scales.resize(static_cast<size_t>(recv_tokens * tiles));
+    EXPECT_TRUE(SameBits(codes, ref.codes)) << "codes, receive counts given";
+    EXPECT_TRUE(SameBits(scales, ref.scale_inv)) << "scale_inv, receive counts given";
+    const std::vector<int64_t> short_counts(static_cast<size_t>(n + 1), 0);
+    const absl::Status refused =
+        AllToAllFp8TokensInto(World(), Ops(), tokens.data(), hidden, send_counts, c.format,
+                              &scratch, &known, short_counts);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    EXPECT_NE(refused.message().find("recv_counts has"), std::string::npos) << refused;
+  }
+
   // The "expert" doubles every value (exact), then the combine sends the rows back in BF16.
   for (float& v : deq) v *= 2.0f;
   std::vector<float> back(static_cast<size_t>(send_tokens * hidden),
