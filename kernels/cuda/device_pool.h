@@ -18,6 +18,11 @@ namespace fp8rt::kernels::cuda_internal {
 // does not report it.
 cudaError_t MallocFromDevicePool(void** p, size_t bytes, cudaStream_t stream);
 
+// Waits for the device (so that frees still queued have happened), then gives the memory the
+// current device's pool keeps unused back to the driver. For tests that fill the device and must
+// leave it as they found it; the backend trims by itself when an allocation fails.
+cudaError_t TrimDevicePool();
+
 }  // namespace fp8rt::kernels::cuda_internal
 
 #endif  // FP8RT_KERNELS_CUDA_DEVICE_POOL_H_

@@ -662,6 +662,13 @@ cudaError_t MallocFromDevicePool(void** p, size_t bytes, cudaStream_t stream) {
   return cudaMallocFromPoolAsync(p, bytes, pool, stream);
 }
 
+cudaError_t TrimDevicePool() {
+  cudaMemPool_t pool = nullptr;
+  if (const cudaError_t err = DeviceArrayPool(&pool); err != cudaSuccess) return err;
+  if (const cudaError_t sync = cudaDeviceSynchronize(); sync != cudaSuccess) return sync;
+  return cudaMemPoolTrimTo(pool, 0);
+}
+
 namespace {
 
 // A failed allocation's error: `what` (which names the size and the kind of memory), then CUDA's

@@ -13,11 +13,13 @@
 #include <gtest/gtest.h>
 
 #include <bit>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -291,9 +293,12 @@ TEST_P(NcclMoveTest, AllGatherPlacesTheRankBlockUnchanged) {
 // collective must wait for it, and Wait() completes it. Two gathers in flight at once, then an
 // all-reduce on the main stream, then both waits: every result as its definition says. Host
 // buffers take the blocking path and give the same bytes.
+// Holds the stream it is queued on for 300 ms.
+void CUDART_CB Sleep300Ms(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(300)); }
+
 TEST_P(NcclMoveTest, StartedAllGatherIsOrderedAfterEarlierDeviceWork) {
   const DType dtype = GetParam();
-  const int64_t count = 1 << 20;  // large enough that the memset is still running
+  const int64_t count = 1 << 20;
   const int64_t bytes = Communicator::Bytes(count, dtype);
   DevicePtr send = ToDevice(Values(dtype, count, 8));
   DevicePtr send2 = ToDevice(Values(dtype, count, 9));
@@ -301,6 +306,10 @@ TEST_P(NcclMoveTest, StartedAllGatherIsOrderedAfterEarlierDeviceWork) {
   DevicePtr recv2 = ToDevice(Sentinel(count, dtype));
   ASSERT_NE(send, nullptr);
   ASSERT_NE(recv2, nullptr);
+  // The default stream is held for 300 ms before the memset, so the memset is certainly still
+  // queued when the gather starts: a side stream not ordered after the default stream would
+  // gather the old values (8), not the memset's bytes.
+  ASSERT_EQ(cudaLaunchHostFunc(cudaStreamLegacy, Sleep300Ms, nullptr), cudaSuccess);
   ASSERT_EQ(cudaMemsetAsync(send.get(), 0x3C, static_cast<size_t>(bytes), cudaStreamLegacy),
             cudaSuccess);
   auto first = world().StartAllGather(send.get(), count, recv.get(), dtype);

@@ -29,6 +29,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -69,6 +70,11 @@ std::atomic<bool> released{false};
 // Deferred calls first put a host function that sleeps 400 ms on their stream, then make the
 // real call: the collective completes well after NCCL enqueued it.
 std::atomic<bool> slow{false};
+// When >= 0, an all-reduce or broadcast is followed, on its stream, by a memset of its receive
+// buffer to this byte: the collective's result is then that pattern, not its input, so that a
+// result copied back to the host before the collective ran would show (with one rank an in-place
+// all-reduce or broadcast leaves its input as it was).
+std::atomic<int> mark{-1};
 std::chrono::milliseconds delay{150};
 std::mutex mu;
 int pending = 0;                   // deferred calls not made yet (guarded by mu)
@@ -128,6 +134,36 @@ ncclResult_t Call(cudaStream_t stream, std::function<ncclResult_t()> call) {
   return Defer(std::move(call));
 }
 
+size_t Size(ncclDataType_t t) {
+  switch (t) {
+    case ncclInt8:
+    case ncclUint8:
+      return 1;
+    case ncclFloat16:
+    case ncclBfloat16:
+      return 2;
+    case ncclInt64:
+    case ncclUint64:
+    case ncclFloat64:
+      return 8;
+    default:
+      return 4;
+  }
+}
+
+// `call`, then (under `mark`) the memset of its `bytes` at `recv` on `stream`.
+std::function<ncclResult_t()> Marked(void* recv, size_t bytes, cudaStream_t stream,
+                                     std::function<ncclResult_t()> call) {
+  const int pattern = mark.load();
+  if (pattern < 0) return call;
+  return [=, inner = std::move(call)] {
+    const ncclResult_t r = inner();
+    if (r != ncclSuccess && r != ncclInProgress) return r;
+    return cudaMemsetAsync(recv, pattern, bytes, stream) == cudaSuccess ? r
+                                                                        : ncclUnhandledCudaError;
+  };
+}
+
 void Join() {
   for (std::thread& t : threads) t.join();
   threads.clear();
@@ -151,7 +187,8 @@ int Deferred() {
 extern "C" {
 ncclResult_t __wrap_ncclAllReduce(const void* s, void* r, size_t n, ncclDataType_t t,
                                   ncclRedOp_t op, ncclComm_t c, cudaStream_t st) {
-  return shim::Call(st, [=] { return __real_ncclAllReduce(s, r, n, t, op, c, st); });
+  return shim::Call(st, shim::Marked(r, n * shim::Size(t), st,
+                                     [=] { return __real_ncclAllReduce(s, r, n, t, op, c, st); }));
 }
 ncclResult_t __wrap_ncclAllGather(const void* s, void* r, size_t n, ncclDataType_t t, ncclComm_t c,
                                   cudaStream_t st) {
@@ -163,7 +200,9 @@ ncclResult_t __wrap_ncclReduceScatter(const void* s, void* r, size_t n, ncclData
 }
 ncclResult_t __wrap_ncclBroadcast(const void* s, void* r, size_t n, ncclDataType_t t, int root,
                                   ncclComm_t c, cudaStream_t st) {
-  return shim::Call(st, [=] { return __real_ncclBroadcast(s, r, n, t, root, c, st); });
+  return shim::Call(st, shim::Marked(r, n * shim::Size(t), st, [=] {
+                      return __real_ncclBroadcast(s, r, n, t, root, c, st);
+                    }));
 }
 ncclResult_t __wrap_ncclSend(const void* s, size_t n, ncclDataType_t t, int peer, ncclComm_t c,
                              cudaStream_t st) {
@@ -237,6 +276,7 @@ class NcclDeferredTest : public ::testing::Test {
     shim::hang = false;
     shim::stall = false;
     shim::slow = false;
+    shim::mark = -1;
     shim::released = false;
     NcclOptions options;
     options.timeout = std::chrono::seconds(30);
@@ -251,6 +291,7 @@ class NcclDeferredTest : public ::testing::Test {
     shim::hang = false;
     shim::stall = false;
     shim::slow = false;
+    shim::mark = -1;
     shim::released = true;
     (void)cudaStreamSynchronize(cudaStreamLegacy);
     factory_.reset();  // aborts or finalises the communicator before the deferred calls end
@@ -330,6 +371,16 @@ TEST_F(NcclDeferredTest, InPlaceCollectivesOnHostMemoryWaitToo) {
   EXPECT_EQ(buf, input);
   ExpectWaitedFor([&] { return world().Broadcast(buf.data(), 64, DType::kF32, 0); });
   EXPECT_EQ(buf, input);
+  // The same with each collective's result made different from its input (shim::mark): what
+  // reaches the host is the result, so it was copied back after the collective ran.
+  float marked = 0.0f;
+  std::memset(&marked, 0x3F, sizeof(marked));
+  shim::mark = 0x3F;
+  ExpectWaitedFor([&] { return world().AllReduce(buf.data(), 64, DType::kF32, ReduceOp::kMax); });
+  EXPECT_EQ(buf, std::vector<float>(64, marked)) << "all-reduce: the input came back";
+  buf = input;
+  ExpectWaitedFor([&] { return world().Broadcast(buf.data(), 64, DType::kF32, 0); });
+  EXPECT_EQ(buf, std::vector<float>(64, marked)) << "broadcast: the input came back";
 }
 
 // A collective that never reaches the stream: the deadline still ends the call, the communicator
