@@ -37,8 +37,13 @@ struct Fp8GemmArgs {
   int64_t k = 0;
   const uint8_t* a = nullptr;  // M x K FP8 codes
   Fp8Format a_format = Fp8Format::kE4M3;
-  const uint8_t* b = nullptr;  // N x K FP8 codes
+  const uint8_t* b = nullptr;  // N x K FP8 codes (K x N with b_transposed)
   Fp8Format b_format = Fp8Format::kE4M3;
+  // B given transposed: K x N row-major (B^T), so that a caller holding B^T (a weight in the
+  // backward's dgrad, an input in its wgrad) need not transpose it first. Tensor scaling only,
+  // and only on a backend whose OpTable::gemm_fp8_takes_b_transposed is set (the CPU; cuBLASLt's
+  // FP8 GEMMs take B as N x K only).
+  bool b_transposed = false;
   GemmScaling scaling = GemmScaling::kTensor;
   const float* a_scale_inv = nullptr;  // 1 value, or M x ceil(K/128) for kBlock
   const float* b_scale_inv = nullptr;  // 1 value, or ceil(N/128) x ceil(K/128) for kBlock

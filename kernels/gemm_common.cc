@@ -40,6 +40,10 @@ absl::Status ValidateGemmArgs(const Fp8GemmArgs& args, size_t required_workspace
     if (args.a_scale_inv == nullptr) return absl::InvalidArgumentError("a_scale_inv is null");
     if (args.b_scale_inv == nullptr) return absl::InvalidArgumentError("b_scale_inv is null");
   }
+  if (args.b_transposed && args.scaling != GemmScaling::kTensor) {
+    return absl::InvalidArgumentError(
+        "b_transposed (B given as K x N) takes tensor scaling only, not block or mx32 scales");
+  }
   return ValidateCommon(args.m, args.n, args.k, args.a, args.b, args.d, args.out_type,
                         args.accumulate, args.workspace_bytes, args.workspace, required_workspace);
 }

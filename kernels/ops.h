@@ -63,6 +63,8 @@ struct OpTable {
   size_t (*bf16_gemm_workspace_bytes)(const Bf16GemmArgs& args);
   // The non-GEMM layer ops, the optimizer update and stream synchronisation (kernels/layer_ops.h).
   const LayerOps* layer;
+  // gemm_fp8 takes Fp8GemmArgs::b_transposed (with tensor scaling).
+  bool gemm_fp8_takes_b_transposed = false;
 };
 
 const OpTable& CpuOps();

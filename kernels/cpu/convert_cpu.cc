@@ -146,6 +146,47 @@ void PackBlock(const uint8_t* b, int64_t n, int64_t k, int64_t nb, int64_t kb, F
   (void)full;
 }
 
+// PackBlock from B given transposed: bt is K x N FP8 codes, row-major (B^T), so B(r, c) is
+// bt[c * n + r]. Each (even, odd) k pair is two rows of bt, 64 n values apiece, decoded and
+// interleaved: no transpose inside the block.
+void PackBlockKxN(const uint8_t* bt, int64_t n, int64_t k, int64_t nb, int64_t kb, Fp8Format format,
+                  uint16_t* out) {
+  const Bf16Table& table = TableFor(format);
+  const int64_t r0 = nb * 64, c0 = kb * 32;
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  if (r0 + 64 <= n && c0 + 32 <= k) {
+    const Avx512Decoder decode(table);
+    // Word i of the result: lane i / 2 of `even` (i even) or of `odd` (i odd), from the first
+    // (lo) or second (hi) half of the 32 lanes.
+    alignas(64) uint16_t lo_index[32], hi_index[32];
+    for (int i = 0; i < 32; ++i) {
+      lo_index[i] = static_cast<uint16_t>(i / 2 + (i % 2) * 32);
+      hi_index[i] = static_cast<uint16_t>(16 + i / 2 + (i % 2) * 32);
+    }
+    const __m512i lo = _mm512_load_si512(lo_index), hi = _mm512_load_si512(hi_index);
+    for (int64_t j = 0; j < 16; ++j) {
+      const uint8_t* even = bt + (c0 + 2 * j) * n + r0;
+      const uint8_t* odd = even + n;
+      uint16_t* row = out + j * 128;
+      for (int64_t half = 0; half < 2; ++half) {  // n 0..31, then 32..63
+        const __m512i e = decode(even + half * 32), o = decode(odd + half * 32);
+        _mm512_storeu_si512(row + half * 64, _mm512_permutex2var_epi16(e, lo, o));
+        _mm512_storeu_si512(row + half * 64 + 32, _mm512_permutex2var_epi16(e, hi, o));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t ni = 0; ni < 64; ++ni) {
+    const int64_t r = r0 + ni;
+    for (int64_t kk = 0; kk < 32; ++kk) {
+      const int64_t c = c0 + kk;
+      out[(kk / 2) * 128 + ni * 2 + (kk % 2)] =
+          (r < n && c < k) ? table.bits[bt[c * n + r]] : uint16_t{0};
+    }
+  }
+}
+
 // Packs the 64 (n) x 32 (k) block (nb, kb) of B (n x k, row-major: FP32 values when `f32`, else
 // BF16 bits) into `out` as BF16 in oneDNN's AMX layout, as PackBlock does for FP8 codes. FP32 is
 // rounded to nearest even (F32ToBf16Span, FloatToBf16's rounding). Rows and columns past the
@@ -194,6 +235,7 @@ namespace fp8rt::kernels::cpu_internal {
 
 HWY_EXPORT(DecodeSpan);
 HWY_EXPORT(PackBlock);
+HWY_EXPORT(PackBlockKxN);
 HWY_EXPORT(PackBlockBf16);
 HWY_EXPORT(F32ToBf16Span);
 HWY_EXPORT(Bf16ToF32Span);
@@ -265,11 +307,16 @@ void ForEachAmxBlock(int64_t kp, int64_t np, int64_t k_block_stride, int64_t n_b
 
 }  // namespace
 
-void PackFp8AmxLayout(const uint8_t* b, int64_t n, int64_t k, Fp8Format format, int64_t kp,
-                      int64_t np, int64_t k_block_stride, int64_t n_block_stride, uint16_t* dst) {
+void PackFp8AmxLayout(const uint8_t* b, bool b_transposed, int64_t n, int64_t k, Fp8Format format,
+                      int64_t kp, int64_t np, int64_t k_block_stride, int64_t n_block_stride,
+                      uint16_t* dst) {
   ForEachAmxBlock(kp, np, k_block_stride, n_block_stride, dst,
                   [&](int64_t nb, int64_t kb, uint16_t* out) {
-                    HWY_DYNAMIC_DISPATCH(PackBlock)(b, n, k, nb, kb, format, out);
+                    if (b_transposed) {
+                      HWY_DYNAMIC_DISPATCH(PackBlockKxN)(b, n, k, nb, kb, format, out);
+                    } else {
+                      HWY_DYNAMIC_DISPATCH(PackBlock)(b, n, k, nb, kb, format, out);
+                    }
                   });
 }
 

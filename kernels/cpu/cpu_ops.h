@@ -54,10 +54,12 @@ void QuantizeF32Span(const float* x, size_t n, float scale, Fp8Format format, ui
 
 // FP8 codes -> BF16 bits, exact, on the OpenMP team (kernels/cpu/convert_cpu.cc).
 void DecodeFp8ToBf16(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t* out);
-// B (n x k FP8 codes, row-major) packed as BF16 into oneDNN's AMX weights layout (blocks of
-// 32 k x 64 n, k pairs adjacent), whose padded dims are kp x np and outer block strides are given.
-void PackFp8AmxLayout(const uint8_t* b, int64_t n, int64_t k, Fp8Format format, int64_t kp,
-                      int64_t np, int64_t k_block_stride, int64_t n_block_stride, uint16_t* dst);
+// B (n x k FP8 codes, row-major; with `b_transposed` B^T, k x n row-major) packed as BF16 into
+// oneDNN's AMX weights layout (blocks of 32 k x 64 n, k pairs adjacent), whose padded dims are
+// kp x np and outer block strides are given.
+void PackFp8AmxLayout(const uint8_t* b, bool b_transposed, int64_t n, int64_t k, Fp8Format format,
+                      int64_t kp, int64_t np, int64_t k_block_stride, int64_t n_block_stride,
+                      uint16_t* dst);
 // The same layout from B as FP32 values (`f32`; rounded to nearest even as FloatToBf16 does) or
 // as BF16 bits (kernels/cpu/convert_cpu.cc).
 void PackBf16AmxLayout(const void* b, bool f32, int64_t n, int64_t k, int64_t kp, int64_t np,

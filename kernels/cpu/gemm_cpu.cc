@@ -345,7 +345,19 @@ absl::Status GemmFp8CpuF32(const Fp8GemmArgs& args) {
   auto* a32 = ws.Take<float>(static_cast<size_t>(m * k) * 4);
   auto* b32 = ws.Take<float>(static_cast<size_t>(n * k) * 4);
   Fp8ToF32(args.a, m * k, args.a_format, a32);
-  Fp8ToF32(args.b, n * k, args.b_format, b32);
+  if (args.b_transposed) {
+    // B comes K x N: decoded into its N x K place, which the FP32 matmul reads.
+    std::array<float, 256> lut;
+    std::array<uint8_t, 256> codes;
+    for (int c = 0; c < 256; ++c) codes[static_cast<size_t>(c)] = static_cast<uint8_t>(c);
+    Fp8ToF32(codes.data(), 256, args.b_format, lut.data());
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t c = 0; c < k; ++c) b32[r * k + c] = lut[args.b[c * n + r]];
+    }
+  } else {
+    Fp8ToF32(args.b, n * k, args.b_format, b32);
+  }
   if (args.scaling == GemmScaling::kTensor) {
     float* acc = args.out_type == OutputType::kBF16 ? ws.Take<float>(static_cast<size_t>(m * n) * 4)
                                                      : nullptr;
@@ -448,12 +460,16 @@ absl::Status GemmFp8Cpu(const Fp8GemmArgs& args, Stream) {
         Cache().Get({m, n, k, k, k, BLayout::kPacked, args.accumulate, args.out_type, false}));
     const uint8_t* b = args.b;
     const std::array<uint16_t, 256>& lut = Fp8ToBf16Table(args.b_format);
+    // B(r, c): b[r * k + c], or b[c * n + r] when B comes transposed (K x N).
+    const int64_t row_stride = args.b_transposed ? 1 : k, col_stride = args.b_transposed ? n : 1;
     FP8RT_RETURN_IF_ERROR(PackB(
         mm->b_md, n, k,
         [&](int64_t kp, int64_t np, int64_t k_stride, int64_t n_stride) {
-          PackFp8AmxLayout(b, n, k, args.b_format, kp, np, k_stride, n_stride, b_packed);
+          PackFp8AmxLayout(b, args.b_transposed, n, k, args.b_format, kp, np, k_stride, n_stride,
+                           b_packed);
         },
-        [&](int64_t r, int64_t c) { return lut[b[r * k + c]]; }, b_packed, packed_bytes));
+        [&](int64_t r, int64_t c) { return lut[b[r * row_stride + c * col_stride]]; }, b_packed,
+        packed_bytes));
     return Execute(*mm, a16, b_packed, args.d, args.a_scale_inv[0] * args.b_scale_inv[0]);
   }
   auto* b16 = ws.Take<uint16_t>(static_cast<size_t>(n * k) * 2);

@@ -19,6 +19,7 @@ const OpTable& CpuOps() {
       .bf16_gemm_workspace_bytes =
           static_cast<size_t (*)(const Bf16GemmArgs&)>(&GemmWorkspaceBytes),
       .layer = &cpu_internal::kLayerOps,
+      .gemm_fp8_takes_b_transposed = true,
   };
   return kTable;
 }

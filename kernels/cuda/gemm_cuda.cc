@@ -320,6 +320,11 @@ class Carver {
 
 absl::Status GemmFp8Cuda(const Fp8GemmArgs& args, Stream stream_arg) {
   FP8RT_RETURN_IF_ERROR(ValidateGemmArgs(args, CudaGemmWorkspaceBytes(args)));
+  if (args.b_transposed) {
+    return absl::UnimplementedError(
+        "gemm_fp8: B given as K x N (b_transposed): cuBLASLt's FP8 GEMMs take B as N x K only "
+        "(OpTable::gemm_fp8_takes_b_transposed is false on CUDA)");
+  }
   const bool mx = args.scaling == GemmScaling::kMx32;
   FP8RT_RETURN_IF_ERROR(
       CheckDevicePointers({{"a", args.a},

@@ -337,12 +337,20 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
   const kernels::Fp8Format weight_format = weight_site_.state().config().format;
   kernels::Fp8GemmArgs g;
   g.scaling = block ? kernels::GemmScaling::kBlock : kernels::GemmScaling::kTensor;
+  // With tensor scaling, a backend that takes B as K x N gets W (dgrad) and x (wgrad) as they
+  // are, instead of transposed copies.
+  const bool b_as_kxn = !block && ctx.ops->gemm_fp8_takes_b_transposed;
 
-  // dx[n, in] += dy[n, out] (W^T)[in, out]^T: W^T is W's codes (and block grid) transposed.
+  // dx[n, in] += dy[n, out] (W^T)[in, out]^T: W^T is W's codes (and block grid) transposed, or W
+  // itself given as B^T.
   if (dx != nullptr) {
-    FP8RT_ASSIGN_OR_RETURN(
-        uint8_t * wt, ctx.scratch->Get<uint8_t>(Scratch::kCodesB, static_cast<size_t>(in_ * out_)));
-    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose_bytes(wt, w_fp8_->codes.data(), out_, in_, {}));
+    const uint8_t* wt = w_fp8_->codes.data();
+    if (!b_as_kxn) {
+      FP8RT_ASSIGN_OR_RETURN(uint8_t * t, ctx.scratch->Get<uint8_t>(
+                                              Scratch::kCodesB, static_cast<size_t>(in_ * out_)));
+      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose_bytes(t, wt, out_, in_, {}));
+      wt = t;
+    }
     const float* wt_scale = w_fp8_->scale_inv.data();
     if (block) {
       const kernels::ScaleGrid grid =
@@ -360,6 +368,7 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
     g.a_format = grad_format;
     g.a_scale_inv = dy_scale_inv_.data();
     g.b = wt;
+    g.b_transposed = b_as_kxn;
     g.b_format = weight_format;
     g.b_scale_inv = wt_scale;
     g.d = dx;
@@ -376,7 +385,11 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
   const float* xt_scale = x_scale_inv_.data();
   if (!block) {
     FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose_bytes(dyt, dy_codes_.data(), n, out_, {}));
-    FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose_bytes(xt, x_codes_.data(), n, in_, {}));
+    if (b_as_kxn) {
+      xt = x_codes_.data();  // x (n x in) is x^T given as K x N
+    } else {
+      FP8RT_RETURN_IF_ERROR(ctx.ops->layer->transpose_bytes(xt, x_codes_.data(), n, in_, {}));
+    }
   } else {
     // New tiles along the token dimension, quantized from the FP32 transposes.
     const train::ScalingConfig& gcfg = grad_site_.state().config();
@@ -441,6 +454,7 @@ absl::Status Linear::BackwardFp8(const LinearContext& ctx, const float* dy, int6
   g.a_format = grad_format;
   g.a_scale_inv = dyt_scale;
   g.b = xt;
+  g.b_transposed = b_as_kxn;
   g.b_format = input_format;
   g.b_scale_inv = xt_scale;
   g.d = dw;

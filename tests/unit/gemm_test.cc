@@ -280,6 +280,8 @@ struct Fp8Problem {
   // kMx32: the E8M0 codes of those scales (powers of two), code = log2(scale) + 127 as OCP MX
   // v1.0 defines it; the kernel gets the codes, the reference the scales.
   std::vector<uint8_t> a_e8m0, b_e8m0;
+  // b holds B^T (K x N) instead (Fp8GemmArgs::b_transposed); the reference then does not apply.
+  bool b_transposed = false;
 };
 
 int64_t AScaleCount(const Shape& s, GemmScaling scaling) {
@@ -330,6 +332,7 @@ Fp8GemmArgs MakeArgs(const Fp8Problem& p, OutputType out, bool accumulate) {
   args.a_format = p.a_format;
   args.b = p.b.data();
   args.b_format = p.b_format;
+  args.b_transposed = p.b_transposed;
   args.scaling = p.scaling;
   args.a_scale_inv = p.a_scale_inv.data();
   args.b_scale_inv = p.b_scale_inv.data();
@@ -1171,6 +1174,104 @@ TEST(CpuPackingTest, Bf16GemmGenericPackingMatchesTheAmxLoopsBitForBit) {
   if (shapes_through_amx_loop == 0) {
     GTEST_SKIP() << "oneDNN picked no AMX weights layout on this CPU: the direct packing loop "
                     "never ran, so only the generic path was exercised";
+  }
+}
+
+// B given as K x N (Fp8GemmArgs::b_transposed, tensor scaling: the CPU backward's dgrad and
+// wgrad) gives the exact product of the same data with B as N x K (exactly representable data, see
+// ExactProblem), on the vectorised AMX packing loop, the generic blocked path and the FP32-matmul
+// path, FP32 and BF16 output, full and partial blocks. Block and mx32 scaling refuse it.
+TEST(Fp8GemmBTransposedTest, GivesTheExactProductOnEveryPath) {
+  std::mt19937_64 rng(91);
+  enum class Path { kAmxLoop, kGeneric, kF32Matmul };
+  int amx_loop_runs = 0;
+  for (const Shape s : {Shape{8, 64, 32}, Shape{17, 130, 100}, Shape{64, 256, 384}, Shape{5, 1, 1},
+                        Shape{3, 65, 33}}) {
+    for (const Path path : {Path::kAmxLoop, Path::kGeneric, Path::kF32Matmul}) {
+      for (const OutputType out : {OutputType::kF32, OutputType::kBF16}) {
+        const Fp8Problem p =
+            ExactProblem(s, Fp8Format::kE4M3, Fp8Format::kE5M2, GemmScaling::kTensor, rng);
+        Fp8Problem t = p;
+        t.b_transposed = true;
+        for (int64_t r = 0; r < s.n; ++r) {
+          for (int64_t c = 0; c < s.k; ++c) t.b[c * s.n + r] = p.b[r * s.k + c];
+        }
+        cpu_internal::ForceGenericPackingForTesting(path == Path::kGeneric);
+        cpu_internal::ForceF32MatmulForTesting(path == Path::kF32Matmul);
+        const int64_t amx_packs = cpu_internal::AmxLayoutPacksForTesting();
+        const absl::StatusOr<std::vector<float>> d = RunFp8Gemm(t, out, /*accumulate=*/false);
+        amx_loop_runs += cpu_internal::AmxLayoutPacksForTesting() > amx_packs;
+        cpu_internal::ForceGenericPackingForTesting(false);
+        cpu_internal::ForceF32MatmulForTesting(false);
+        ASSERT_TRUE(d.ok()) << d.status();
+        SCOPED_TRACE(absl::StrCat(s.m, "x", s.n, "x", s.k, " path ", static_cast<int>(path),
+                                  out == OutputType::kF32 ? " f32" : " bf16"));
+        ExpectExact(*d, RefFp8Gemm(p), s.n, out);
+      }
+    }
+  }
+  for (const GemmScaling scaling : {GemmScaling::kBlock, GemmScaling::kMx32}) {
+    Fp8Problem p =
+        ExactProblem(Shape{8, 64, 128}, Fp8Format::kE4M3, Fp8Format::kE4M3, scaling, rng);
+    MxScales(p);
+    p.b_transposed = true;
+    const absl::StatusOr<std::vector<float>> d = RunFp8Gemm(p, OutputType::kF32, false);
+    EXPECT_EQ(d.status().code(), absl::StatusCode::kInvalidArgument) << d.status();
+    EXPECT_NE(d.status().message().find("b_transposed"), std::string::npos) << d.status();
+  }
+  if (amx_loop_runs == 0) {
+    GTEST_SKIP() << "oneDNN picked no AMX weights layout on this CPU (or has no BF16 matmul): "
+                    "the direct K x N packing loop never ran; the generic and FP32 paths passed";
+  }
+}
+
+// PackFp8AmxLayout, from B as N x K and from B^T as K x N, against oneDNN's definition of the
+// AMX layout (see the BF16 packing test below): element (r, c) of B goes to
+// (c / 32) * k_stride + (r / 64) * n_stride + ((c % 32) / 2) * 128 + (r % 64) * 2 + c % 2 as the
+// BF16 bits of its decoded value (FP8 values are exact in BF16; a NaN code gives a BF16 NaN), and
+// the padding is zero. Every code, both formats, both outer orders, full and partial blocks.
+TEST(CpuPackingTest, Fp8PackingFollowsTheBlockedLayoutFromEitherOrientation) {
+  std::mt19937 gen(12);
+  std::uniform_int_distribution<int> code(0, 255);
+  for (const Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    for (auto [n, k] :
+         {std::pair<int64_t, int64_t>{64, 32}, {130, 100}, {64, 96}, {1, 1}, {200, 64}}) {
+      std::vector<uint8_t> b(static_cast<size_t>(n * k)), bt(b.size());
+      for (size_t i = 0; i < b.size(); ++i) b[i] = static_cast<uint8_t>(i < 256 ? i : code(gen));
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t c = 0; c < k; ++c) bt[c * n + r] = b[r * k + c];
+      }
+      for (const bool transposed : {false, true}) {
+        for (const bool n_outer : {true, false}) {
+          const int64_t kp = (k + 31) / 32 * 32, np = (n + 63) / 64 * 64;
+          const int64_t kblocks = kp / 32, nblocks = np / 64;
+          const int64_t k_stride = n_outer ? 2048 : 2048 * nblocks;
+          const int64_t n_stride = n_outer ? 2048 * kblocks : 2048;
+          std::vector<uint16_t> got(static_cast<size_t>(kp * np), 0xDEAD);
+          cpu_internal::PackFp8AmxLayout(transposed ? bt.data() : b.data(), transposed, n, k,
+                                         format, kp, np, k_stride, n_stride, got.data());
+          int64_t bad = 0;
+          for (int64_t r = 0; r < np; ++r) {
+            for (int64_t c = 0; c < kp; ++c) {
+              const int64_t at = (c / 32) * k_stride + (r / 64) * n_stride + ((c % 32) / 2) * 128 +
+                                 (r % 64) * 2 + c % 2;
+              const uint16_t g = got[static_cast<size_t>(at)];
+              if (r >= n || c >= k) {
+                bad += g != 0;
+                continue;
+              }
+              const double want = RefDecodeFp8(b[r * k + c], format);
+              bad += std::isnan(want) ? !std::isnan(Bf16ToFloat(g))
+                                      : std::bit_cast<uint32_t>(Bf16ToFloat(g)) !=
+                                            std::bit_cast<uint32_t>(static_cast<float>(want));
+            }
+          }
+          EXPECT_EQ(bad, 0) << (format == Fp8Format::kE4M3 ? "e4m3 " : "e5m2 ") << n << "x" << k
+                            << (transposed ? " from K x N" : " from N x K")
+                            << (n_outer ? ", n blocks outer" : ", k blocks outer");
+        }
+      }
+    }
   }
 }
 
