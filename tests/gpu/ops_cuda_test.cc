@@ -1094,6 +1094,40 @@ TEST_F(CudaTest, BlockScaledGemmOnHopperRunsOnCublasLt) {
   }
 }
 
+// B given as K x N (Fp8GemmArgs::b_transposed) is the CPU's: the CUDA table says it does not take
+// it, and a call that passes it anyway is refused as Unimplemented before anything is launched
+// (the model then transposes, as it does for cuBLASLt's TN layout).
+TEST_F(CudaTest, BGivenAsKxNIsRefusedAndNotAdvertised) {
+  EXPECT_FALSE(gpu_->gemm_fp8_takes_b_transposed);
+  EXPECT_TRUE(cpu_.gemm_fp8_takes_b_transposed);
+  const int64_t m = 32, n = 64, k = 64;
+  const DeviceBuffer a = Upload(Fp8Operand(m, k, Fp8Format::kE4M3, GemmData::kRandom, 1));
+  const DeviceBuffer b = Upload(Fp8Operand(k, n, Fp8Format::kE4M3, GemmData::kRandom, 2));
+  const DeviceBuffer sa = Upload(Scales(1, GemmData::kRandom, 3));
+  const DeviceBuffer sb = Upload(Scales(1, GemmData::kRandom, 4));
+  const std::vector<float> poison(static_cast<size_t>(m * n), 7.0f);
+  const DeviceBuffer d = Upload(poison);
+  Fp8GemmArgs g;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.b_transposed = true;
+  const size_t ws_bytes = CudaGemmWorkspaceBytes(g) + kCublasLtWorkspaceBytes;
+  DeviceBuffer ws(ws_bytes);
+  g.a = a.as<uint8_t>();
+  g.b = b.as<uint8_t>();
+  g.a_scale_inv = sa.as<float>();
+  g.b_scale_inv = sb.as<float>();
+  g.d = d.as();
+  g.workspace = ws.as();
+  g.workspace_bytes = ws_bytes;
+  const absl::Status s = gpu_->gemm_fp8(g, stream());
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(s.message().find("b_transposed"), std::string::npos) << s;
+  Sync();
+  EXPECT_EQ(Download<float>(d, poison.size()), poison) << "D was written";
+}
+
 class Bf16GemmTest
     : public CudaTest,
       public ::testing::WithParamInterface<
