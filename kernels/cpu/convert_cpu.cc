@@ -112,6 +112,21 @@ void DecodeSpan(const uint8_t* codes, int64_t n, Fp8Format format, uint16_t* out
   for (; i < n; ++i) out[i] = table.bits[codes[i]];
 }
 
+// The block of B at rows r0.., columns c0.. (element (r, c) at b[r * row_stride + c *
+// col_stride]) decoded into `out` in the AMX layout one element at a time, zero past the matrix:
+// the partial blocks, and every block without AVX-512.
+void PackBlockScalar(const uint8_t* b, int64_t row_stride, int64_t col_stride, int64_t n, int64_t k,
+                     int64_t r0, int64_t c0, const Bf16Table& table, uint16_t* out) {
+  for (int64_t ni = 0; ni < 64; ++ni) {
+    const int64_t r = r0 + ni;
+    for (int64_t kk = 0; kk < 32; ++kk) {
+      const int64_t c = c0 + kk;
+      out[(kk / 2) * 128 + ni * 2 + (kk % 2)] =
+          (r < n && c < k) ? table.bits[b[r * row_stride + c * col_stride]] : uint16_t{0};
+    }
+  }
+}
+
 // Packs the 64 (n) x 32 (k) block (nb, kb) of B (n x k FP8 codes, row-major) into `out`, the
 // block's 2048 BF16 values in oneDNN's AMX layout: out[(kk / 2) * 128 + ni * 2 + kk % 2].
 // Rows and columns past the matrix are zero.
@@ -135,14 +150,7 @@ void PackBlock(const uint8_t* b, int64_t n, int64_t k, int64_t nb, int64_t kb, F
     return;
   }
 #endif
-  for (int64_t ni = 0; ni < 64; ++ni) {
-    const int64_t r = r0 + ni;
-    for (int64_t kk = 0; kk < 32; ++kk) {
-      const int64_t c = c0 + kk;
-      out[(kk / 2) * 128 + ni * 2 + (kk % 2)] =
-          (r < n && c < k) ? table.bits[b[r * k + c]] : uint16_t{0};
-    }
-  }
+  PackBlockScalar(b, k, 1, n, k, r0, c0, table, out);
   (void)full;
 }
 
@@ -177,14 +185,7 @@ void PackBlockKxN(const uint8_t* bt, int64_t n, int64_t k, int64_t nb, int64_t k
     return;
   }
 #endif
-  for (int64_t ni = 0; ni < 64; ++ni) {
-    const int64_t r = r0 + ni;
-    for (int64_t kk = 0; kk < 32; ++kk) {
-      const int64_t c = c0 + kk;
-      out[(kk / 2) * 128 + ni * 2 + (kk % 2)] =
-          (r < n && c < k) ? table.bits[bt[c * n + r]] : uint16_t{0};
-    }
-  }
+  PackBlockScalar(bt, 1, n, n, k, r0, c0, table, out);
 }
 
 // Packs the 64 (n) x 32 (k) block (nb, kb) of B (n x k, row-major: FP32 values when `f32`, else

@@ -54,8 +54,9 @@ dnnl::engine& CpuEngine() {
 }
 
 // How the B operand reaches oneDNN: packed into the weights layout oneDNN prefers (the fast
-// AMX path), or as plain n x k rows (the 128-wide K slices of block scaling).
-enum class BLayout : uint8_t { kPacked, kPlain };
+// AMX path), as plain n x k rows (the 128-wide K slices of block scaling), or as plain k x n rows
+// (B given transposed, on the FP32-matmul path: oneDNN's own weights order).
+enum class BLayout : uint8_t { kPacked, kPlain, kPlainKxN };
 
 // A cached matmul primitive: D(m x n) = alpha * A(m x k, row stride lda) x B^T [+ D], with alpha
 // a run-time scalar (a binary-multiply post-op keeps oneDNN on its brgemm/AMX kernels, which a
@@ -83,10 +84,13 @@ absl::StatusOr<std::shared_ptr<const Matmul>> CreateMatmul(const MatmulKey& key)
   using dt = dnnl::memory::data_type;
   const dt in_type = key.f32_inputs ? dt::f32 : dt::bf16;
   dnnl::memory::desc a_md({key.m, key.k}, in_type, {key.lda, 1});
-  // B is stored n x k: as the k x n weights of oneDNN it has strides {1, ldb}.
+  // B is stored n x k: as the k x n weights of oneDNN it has strides {1, ldb}; stored k x n
+  // (kPlainKxN) it has strides {ldb, 1}.
   dnnl::memory::desc b_md =
       key.b_layout == BLayout::kPacked
           ? dnnl::memory::desc({key.k, key.n}, in_type, dnnl::memory::format_tag::any)
+      : key.b_layout == BLayout::kPlainKxN
+          ? dnnl::memory::desc({key.k, key.n}, in_type, {key.ldb, 1})
           : dnnl::memory::desc({key.k, key.n}, in_type, {1, key.ldb});
   dnnl::memory::desc d_md({key.m, key.n}, key.out_type == OutputType::kF32 ? dt::f32 : dt::bf16,
                           {key.n, 1});
@@ -195,11 +199,12 @@ void Fp8ToF32(const uint8_t* codes, int64_t n, Fp8Format format, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(lut[codes[i]]);
 }
 
-// D (m x n, FP32 or BF16) [+]= alpha * A B^T on the FP32 matmul, A and B FP32 (B n x k plain).
-// BF16 output goes through the FP32 accumulator `acc` (m x n) and is rounded once, as the BF16
-// matmul's sum post-op does.
+// D (m x n, FP32 or BF16) [+]= alpha * A B^T on the FP32 matmul, A and B FP32 (B n x k plain,
+// or k x n with `b_kxn`). BF16 output goes through the FP32 accumulator `acc` (m x n) and is
+// rounded once, as the BF16 matmul's sum post-op does.
 absl::Status F32Matmul(int64_t m, int64_t n, int64_t k, const float* a, const float* b,
-                       OutputType out_type, bool accumulate, void* d, float alpha, float* acc);
+                       OutputType out_type, bool accumulate, void* d, float alpha, float* acc,
+                       bool b_kxn = false);
 
 // Offset of element (k, n) of the k x n weights in a blocked oneDNN layout, from its blocking
 // descriptor: outer block indices times their strides, plus the position inside the nested
@@ -257,18 +262,24 @@ absl::Status PackB(const dnnl::memory::desc& md, int64_t n, int64_t k, AmxPack a
 }
 
 absl::Status F32Matmul(int64_t m, int64_t n, int64_t k, const float* a, const float* b,
-                       OutputType out_type, bool accumulate, void* d, float alpha, float* acc) {
+                       OutputType out_type, bool accumulate, void* d, float alpha, float* acc,
+                       bool b_kxn) {
+  const MatmulKey key{m,
+                      n,
+                      k,
+                      k,
+                      b_kxn ? n : k,
+                      b_kxn ? BLayout::kPlainKxN : BLayout::kPlain,
+                      accumulate,
+                      OutputType::kF32,
+                      true};
   if (out_type == OutputType::kF32) {
-    FP8RT_ASSIGN_OR_RETURN(
-        std::shared_ptr<const Matmul> mm,
-        Cache().Get({m, n, k, k, k, BLayout::kPlain, accumulate, OutputType::kF32, true}));
+    FP8RT_ASSIGN_OR_RETURN(std::shared_ptr<const Matmul> mm, Cache().Get(key));
     return Execute(*mm, a, b, d, alpha);
   }
   auto* d16 = static_cast<uint16_t*>(d);
   if (accumulate) Bf16ToF32(d16, m * n, acc);
-  FP8RT_ASSIGN_OR_RETURN(
-      std::shared_ptr<const Matmul> mm,
-      Cache().Get({m, n, k, k, k, BLayout::kPlain, accumulate, OutputType::kF32, true}));
+  FP8RT_ASSIGN_OR_RETURN(std::shared_ptr<const Matmul> mm, Cache().Get(key));
   FP8RT_RETURN_IF_ERROR(Execute(*mm, a, b, acc, alpha));
   RoundToBf16(acc, m * n, d16);
   return absl::OkStatus();
@@ -345,24 +356,12 @@ absl::Status GemmFp8CpuF32(const Fp8GemmArgs& args) {
   auto* a32 = ws.Take<float>(static_cast<size_t>(m * k) * 4);
   auto* b32 = ws.Take<float>(static_cast<size_t>(n * k) * 4);
   Fp8ToF32(args.a, m * k, args.a_format, a32);
-  if (args.b_transposed) {
-    // B comes K x N: decoded into its N x K place, which the FP32 matmul reads.
-    std::array<float, 256> lut;
-    std::array<uint8_t, 256> codes;
-    for (int c = 0; c < 256; ++c) codes[static_cast<size_t>(c)] = static_cast<uint8_t>(c);
-    Fp8ToF32(codes.data(), 256, args.b_format, lut.data());
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < n; ++r) {
-      for (int64_t c = 0; c < k; ++c) b32[r * k + c] = lut[args.b[c * n + r]];
-    }
-  } else {
-    Fp8ToF32(args.b, n * k, args.b_format, b32);
-  }
+  Fp8ToF32(args.b, n * k, args.b_format, b32);  // K x N when b_transposed: the matmul reads it so
   if (args.scaling == GemmScaling::kTensor) {
     float* acc = args.out_type == OutputType::kBF16 ? ws.Take<float>(static_cast<size_t>(m * n) * 4)
                                                      : nullptr;
     return F32Matmul(m, n, k, a32, b32, args.out_type, args.accumulate, args.d,
-                     args.a_scale_inv[0] * args.b_scale_inv[0], acc);
+                     args.a_scale_inv[0] * args.b_scale_inv[0], acc, args.b_transposed);
   }
   auto* partial = ws.Take<float>(static_cast<size_t>(std::min<int64_t>(m, 256) * n) * 4);
   if (args.out_type == OutputType::kF32) {

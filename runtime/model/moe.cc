@@ -18,22 +18,26 @@ namespace {
 // cuBLASLt takes FP8 GEMMs only when M, N and K are multiples of 16, and with block or mx32
 // scaling K a multiple of 128 (kernels/cuda/gemm_route.h); an expert's token count is whatever
 // the router gave it, and it is the weight gradient's K. So on CUDA each expert's rows are padded
-// with zero rows to a multiple of 16, or of 128 when its GEMMs are FP8 with per-block scales (its
-// forward M, dgrad M and wgrad K). Zero rows change no real row, no amax and no gradient: the pad
-// rows of the activation are zeroed again before fc2 (a bias would make them nonzero), and their
-// output gradients are zero. The CPU GEMMs take any shape: no padding there, so the CPU path is
-// unchanged. MoeConfig::gemm_row_unit, when set, replaces the backend's unit.
-int64_t ExpertRows(const MoeConfig& config, const kernels::OpTable& ops, const Linear& fc1,
+// with zero rows to a multiple of 16, or of 128 when any of its GEMMs is FP8 with per-block
+// scales (`per_block`; its forward M, dgrad M and wgrad K). Zero rows change no real row, no amax
+// and no gradient: the pad rows of the activation are zeroed again before fc2 (a bias would make
+// them nonzero), and their output gradients are zero. The CPU GEMMs take any shape: no padding
+// there, so the CPU path is unchanged. MoeConfig::gemm_row_unit, when set, replaces the backend's
+// unit.
+int64_t ExpertRows(const MoeConfig& config, const kernels::OpTable& ops, bool per_block,
                    int64_t tokens) {
   constexpr int64_t kCudaGemmRowUnit = 16;
   constexpr int64_t kCudaBlockScaledRowUnit = 128;
-  const bool per_block =
-      fc1.precision() == GemmPrecision::kFp8 && (fc1.block_scaling() || fc1.mx32());
   const int64_t unit = config.gemm_row_unit > 0                 ? config.gemm_row_unit
                        : ops.backend != kernels::Backend::kCuda ? 1
                        : per_block                              ? kCudaBlockScaledRowUnit
                                                                 : kCudaGemmRowUnit;
   return (tokens + unit - 1) / unit * unit;
+}
+
+// An FP8 linear with block or mx32 scales (its cuBLASLt GEMMs need K a multiple of 128).
+bool PerBlockFp8(const Linear& l) {
+  return l.precision() == GemmPrecision::kFp8 && (l.block_scaling() || l.mx32());
 }
 
 std::vector<int64_t> Displacements(const std::vector<int64_t>& counts) {
@@ -174,6 +178,21 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     }
   }
   sent_ = static_cast<int64_t>(send_token.size());
+  // The token all-to-all below takes each peer's row count from the per-expert counts exchanged
+  // next, instead of exchanging them again: so the rows sent to each owner must be the per-expert
+  // counts of its experts, summed. A mismatch would pair unequal sends and receives across ranks;
+  // it is refused here, on the rank that has it, before any of this micro-batch's exchanges.
+  for (int r = 0; r < ep; ++r) {
+    int64_t announced = 0;
+    for (int64_t le = 0; le < local_; ++le) {
+      announced += stats.tokens_per_expert[static_cast<size_t>(r * local_ + le)];
+    }
+    if (announced != send_counts_[static_cast<size_t>(r)]) {
+      return absl::InternalError(
+          absl::StrCat(name_, ": the dispatch plan sends ", send_counts_[static_cast<size_t>(r)],
+                       " rows to rank ", r, ", its experts' counts say ", announced));
+    }
+  }
   // Each owner learns how many rows of each of its experts every rank sends (what it needs to
   // find each expert's rows among those it receives, without receiving the expert ids).
   std::vector<int64_t> recv_expert_counts(static_cast<size_t>(ep * local_));
@@ -203,8 +222,10 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
     }
     const int64_t ne = static_cast<int64_t>(rows.size()) - expert_base_[static_cast<size_t>(le)];
     expert_tokens_[static_cast<size_t>(le)] = ne;
-    const int64_t np =
-        ExpertRows(config_, *ctx.ops, *fc1_[static_cast<size_t>(first_local_ + le)], ne);
+    // Expert e's layers may have recipes of their own (per-layer precision and scaling).
+    bool per_block = false;
+    for (const Linear* l : expert_linears(first_local_ + le)) per_block |= PerBlockFp8(*l);
+    const int64_t np = ExpertRows(config_, *ctx.ops, per_block, ne);
     expert_padded_[static_cast<size_t>(le)] = np;
     rows.resize(static_cast<size_t>(expert_base_[static_cast<size_t>(le)] + np),
                 -1);  // zero rows up to the GEMM row unit

@@ -53,7 +53,8 @@ struct MoeConfig {
   double aux_loss_coef = 0.01;
   bool drop_tokens = true;
   // Each expert's GEMMs run on its token rows padded with zero rows to a multiple of this (0: the
-  // backend's: on CUDA 16 for cuBLASLt, 128 with FP8 block or mx32 scaling; 1 on the CPU).
+  // backend's: on CUDA 16 for cuBLASLt, 128 when any of the expert's GEMMs is FP8 with block or
+  // mx32 scaling; 1 on the CPU).
   // Padding changes no result; tests set it on the CPU to show that.
   int64_t gemm_row_unit = 0;
 };

@@ -842,13 +842,17 @@ absl::Status Transformer::BeginUnitGrads(size_t unit, std::initializer_list<int>
 absl::Status Transformer::ReduceUnitGrads(size_t unit) {
   // The step's first reduction of a parameter writes its shard gradient, later ones (later
   // micro-batches, the second use of a tied embedding) add to it.
+  // Checked for the whole unit before its first reduction, so that a refusal reduces none.
   for (const int i : units_[unit].params) {
-    Param& p = params_[static_cast<size_t>(i)];
+    const Param& p = params_[static_cast<size_t>(i)];
     if (p.grad_unwritten) {
       return absl::InternalError(absl::StrCat(
           "the full gradient of ", p.name,
           " was left unzeroed for its layer to write over, and the backward did not write it"));
     }
+  }
+  for (const int i : units_[unit].params) {
+    Param& p = params_[static_cast<size_t>(i)];
     const bool first = p.reductions++ == 0;
     if (first && p.group->size() == 1 && recipe_.grad_reduce == parallel::GradReduceDType::kFP32) {
       // A one-rank FSDP group: the full gradient is the shard's (same size, no padding), copied

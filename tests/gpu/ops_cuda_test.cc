@@ -1051,6 +1051,22 @@ TEST_F(CudaTest, Mx32GemmOnBlackwellRunsOnCublasLt) {
       << "cuBLASLt declined VEC32_UE8M0 scaling for " << m << "x" << n << "x" << k;
 }
 
+// Points `g` (shape and scaling set) at the device operands a, b, their tensor or block scales
+// sa, sb and the output d, and at a workspace of the size the backend wants, which it returns.
+DeviceBuffer PointAt(Fp8GemmArgs& g, const DeviceBuffer& a, const DeviceBuffer& b,
+                     const DeviceBuffer& sa, const DeviceBuffer& sb, const DeviceBuffer& d) {
+  const size_t ws_bytes = CudaGemmWorkspaceBytes(g) + kCublasLtWorkspaceBytes;
+  DeviceBuffer ws(ws_bytes);
+  g.a = a.as<uint8_t>();
+  g.b = b.as<uint8_t>();
+  g.a_scale_inv = sa.as<float>();
+  g.b_scale_inv = sb.as<float>();
+  g.d = d.as();
+  g.workspace = ws.as();
+  g.workspace_bytes = ws_bytes;
+  return ws;
+}
+
 TEST_F(CudaTest, BlockScaledGemmOnHopperRunsOnCublasLt) {
   int device = 0, major = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
@@ -1071,15 +1087,7 @@ TEST_F(CudaTest, BlockScaledGemmOnHopperRunsOnCublasLt) {
     g.k = k;
     g.scaling = GemmScaling::kBlock;
     g.out_type = out;
-    const size_t ws_bytes = CudaGemmWorkspaceBytes(g) + kCublasLtWorkspaceBytes;
-    DeviceBuffer ws(ws_bytes);
-    g.a = a.as<uint8_t>();
-    g.b = b.as<uint8_t>();
-    g.a_scale_inv = sa.as<float>();
-    g.b_scale_inv = sb.as<float>();
-    g.d = d.as();
-    g.workspace = ws.as();
-    g.workspace_bytes = ws_bytes;
+    const DeviceBuffer ws = PointAt(g, a, b, sa, sb, d);
     const cuda_testing::GemmPathCounts before = cuda_testing::GetGemmPathCounts();
     ASSERT_TRUE(gpu_->gemm_fp8(g, stream()).ok());
     Sync();
@@ -1112,15 +1120,7 @@ TEST_F(CudaTest, BGivenAsKxNIsRefusedAndNotAdvertised) {
   g.n = n;
   g.k = k;
   g.b_transposed = true;
-  const size_t ws_bytes = CudaGemmWorkspaceBytes(g) + kCublasLtWorkspaceBytes;
-  DeviceBuffer ws(ws_bytes);
-  g.a = a.as<uint8_t>();
-  g.b = b.as<uint8_t>();
-  g.a_scale_inv = sa.as<float>();
-  g.b_scale_inv = sb.as<float>();
-  g.d = d.as();
-  g.workspace = ws.as();
-  g.workspace_bytes = ws_bytes;
+  const DeviceBuffer ws = PointAt(g, a, b, sa, sb, d);
   const absl::Status s = gpu_->gemm_fp8(g, stream());
   EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
   EXPECT_NE(s.message().find("b_transposed"), std::string::npos) << s;

@@ -4,18 +4,24 @@
 // transformer relies on it to skip zeroing the buffers a linear layer writes first (its weight
 // gradients and the input gradients of lm_head, fc2, fc1, proj and qkv).
 //
+// Also: the backward on an op table without Fp8GemmArgs::b_transposed (the transposes CUDA needs)
+// against the CPU's K x N path.
+//
 // Reference: the same layer's adding backward into zeros, run first. Adding a product to 0.0f
 // gives the product exactly, so the two must agree value for value (an exact zero may differ in
 // sign). The written-over buffers start as NaN, so any element the backward failed to write, or
 // added to instead of writing, shows.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_ops.h"
 #include "kernels/device_array.h"
 #include "kernels/formats.h"
 #include "kernels/ops.h"
@@ -147,6 +153,35 @@ TEST_P(LinearBackwardIntoTest, WrittenOverGradientsEqualTheAddingBackwardIntoZer
                             BackwardInto{.add_dx = true, .add_dw = false})
                   .ok());
   ExpectSameValues(dw3, dw_ref, "dw written over without dx");
+
+  // The backward on a table without B as K x N (CUDA's: W and x transposed first, then B as N x K)
+  // packs the same BF16 values into the same layout, so with the BF16 matmul it gives the same
+  // bits as the CPU's K x N path above; on the FP32-matmul path oneDNN reads the two B layouts
+  // with different kernels, so there the sums may differ in the last bits.
+  if (GetParam().precision == GemmPrecision::kFp8) {
+    kernels::OpTable transposing = ops_;
+    transposing.gemm_fp8_takes_b_transposed = false;
+    Scratch scratch(transposing);
+    const LinearContext tctx{.ops = &transposing, .scratch = &scratch};
+    std::vector<float> dx4(kN * kIn, nan), dw4(kOut * kIn, nan);
+    ASSERT_TRUE(layer_
+                    .Backward(tctx, dy_.data(), kN, dx4.data(), dw4.data(),
+                              BackwardInto{.add_dx = false, .add_dw = false})
+                    .ok());
+    if (!kernels::cpu_internal::UsesF32Matmul()) {
+      ExpectSameValues(dx4, dx_ref, "dx through transposes");
+      ExpectSameValues(dw4, dw_ref, "dw through transposes");
+    } else {
+      // FP32 sums of at most 72 terms in two orders: well within 1e-5 of the largest value.
+      for (auto [got, want, what] : {std::tuple{&dx4, &dx_ref, "dx"}, {&dw4, &dw_ref, "dw"}}) {
+        float largest = 0.0f;
+        for (float v : *want) largest = std::max(largest, std::fabs(v));
+        for (size_t i = 0; i < got->size(); ++i) {
+          ASSERT_NEAR((*got)[i], (*want)[i], 1e-5f * largest) << what << " at " << i;
+        }
+      }
+    }
+  }
   ASSERT_TRUE(layer_.FlushStats().ok());
 }
 
