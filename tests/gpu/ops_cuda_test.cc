@@ -1015,6 +1015,28 @@ TEST_F(CudaTest, Mx32GemmMatchesTheCpuBackend) {
 // later. Correctness is Mx32GemmMatchesTheCpuBackend's (its K % 128 cases take this path there);
 // this checks that the path is taken, so that a layout cuBLASLt refuses does not hide behind the
 // fallback kernel.
+// Points `g` (shape and scaling set) at the device operands a, b, their scales sa, sb (FP32
+// tensor or block scales, or E8M0 codes with mx32 scaling) and the output d, and at a workspace
+// of the size the backend wants, which it returns.
+DeviceBuffer PointAt(Fp8GemmArgs& g, const DeviceBuffer& a, const DeviceBuffer& b,
+                     const DeviceBuffer& sa, const DeviceBuffer& sb, const DeviceBuffer& d) {
+  const size_t ws_bytes = CudaGemmWorkspaceBytes(g) + kCublasLtWorkspaceBytes;
+  DeviceBuffer ws(ws_bytes);
+  g.a = a.as<uint8_t>();
+  g.b = b.as<uint8_t>();
+  if (g.scaling == GemmScaling::kMx32) {
+    g.a_e8m0 = sa.as<uint8_t>();
+    g.b_e8m0 = sb.as<uint8_t>();
+  } else {
+    g.a_scale_inv = sa.as<float>();
+    g.b_scale_inv = sb.as<float>();
+  }
+  g.d = d.as();
+  g.workspace = ws.as();
+  g.workspace_bytes = ws_bytes;
+  return ws;
+}
+
 TEST_F(CudaTest, Mx32GemmOnBlackwellRunsOnCublasLt) {
   int device = 0, major = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
@@ -1035,36 +1057,12 @@ TEST_F(CudaTest, Mx32GemmOnBlackwellRunsOnCublasLt) {
   g.k = k;
   g.scaling = GemmScaling::kMx32;
   g.out_type = OutputType::kBF16;
-  const size_t ws_bytes = CudaGemmWorkspaceBytes(g) + kCublasLtWorkspaceBytes;
-  DeviceBuffer ws(ws_bytes);
-  g.a = a.as<uint8_t>();
-  g.b = b.as<uint8_t>();
-  g.a_e8m0 = ea.as<uint8_t>();
-  g.b_e8m0 = eb.as<uint8_t>();
-  g.d = d.as();
-  g.workspace = ws.as();
-  g.workspace_bytes = ws_bytes;
+  const DeviceBuffer ws = PointAt(g, a, b, ea, eb, d);
   const cuda_testing::GemmPathCounts before = cuda_testing::GetGemmPathCounts();
   ASSERT_TRUE(gpu_->gemm_fp8(g, stream()).ok());
   Sync();
   EXPECT_GT(cuda_testing::GetGemmPathCounts().cublaslt, before.cublaslt)
       << "cuBLASLt declined VEC32_UE8M0 scaling for " << m << "x" << n << "x" << k;
-}
-
-// Points `g` (shape and scaling set) at the device operands a, b, their tensor or block scales
-// sa, sb and the output d, and at a workspace of the size the backend wants, which it returns.
-DeviceBuffer PointAt(Fp8GemmArgs& g, const DeviceBuffer& a, const DeviceBuffer& b,
-                     const DeviceBuffer& sa, const DeviceBuffer& sb, const DeviceBuffer& d) {
-  const size_t ws_bytes = CudaGemmWorkspaceBytes(g) + kCublasLtWorkspaceBytes;
-  DeviceBuffer ws(ws_bytes);
-  g.a = a.as<uint8_t>();
-  g.b = b.as<uint8_t>();
-  g.a_scale_inv = sa.as<float>();
-  g.b_scale_inv = sb.as<float>();
-  g.d = d.as();
-  g.workspace = ws.as();
-  g.workspace_bytes = ws_bytes;
-  return ws;
 }
 
 TEST_F(CudaTest, BlockScaledGemmOnHopperRunsOnCublasLt) {
