@@ -327,6 +327,20 @@ absl::StatusOr<std::unique_ptr<Communicator>> MpiCommunicatorFactory::Split(int 
       new MpiCommunicator(comm, std::move(name), rank, size, options_));
 }
 
+absl::StatusOr<HostRanks> MpiCommunicatorFactory::RanksOnThisHost() {
+  auto* world = static_cast<MpiCommunicator*>(world_.get());
+  MPI_Comm host = MPI_COMM_NULL;
+  MPI_RETURN_IF_ERROR(MPI_Comm_split_type(world->comm(), MPI_COMM_TYPE_SHARED, world->rank(),
+                                          MPI_INFO_NULL, &host));
+  HostRanks ranks;
+  const int rank_rc = MPI_Comm_rank(host, &ranks.local_rank);
+  const int size_rc = MPI_Comm_size(host, &ranks.local_size);
+  MPI_RETURN_IF_ERROR(MPI_Comm_free(&host));
+  MPI_RETURN_IF_ERROR(rank_rc);
+  MPI_RETURN_IF_ERROR(size_rc);
+  return ranks;
+}
+
 namespace {
 bool g_we_initialized = false;
 }  // namespace

@@ -18,6 +18,12 @@
 
 namespace fp8rt::parallel {
 
+// Where a rank sits among the ranks of its own host: what a rank needs to pick its GPU.
+struct HostRanks {
+  int local_rank = 0;  // 0 .. local_size - 1, in world-rank order
+  int local_size = 1;  // ranks on this host
+};
+
 struct MpiOptions {
   // A collective that has not completed after this long fails with DeadlineExceeded.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
@@ -33,6 +39,12 @@ class MpiCommunicatorFactory : public CommunicatorFactory {
   Communicator& World() override { return *world_; }
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key,
                                                       std::string name) override;
+
+  // This rank's place on its host, from MPI itself (MPI_Comm_split_type, MPI_COMM_TYPE_SHARED,
+  // on the world group, keyed by world rank) rather than from one launcher's environment
+  // (OMPI_COMM_WORLD_LOCAL_RANK is Open MPI's; Kubernetes operators and other MPIs set others or
+  // none). Collective over the world: every rank calls it, at the same point.
+  absl::StatusOr<HostRanks> RanksOnThisHost();
 
  private:
   MpiCommunicatorFactory() = default;

@@ -8,9 +8,9 @@
 // the checkpoint commits (runtime/worker/trainer.h).
 //
 // Device (the spec's `device`): cpu ranks run the CPU op table and talk MPI. cuda ranks each take
-// one CUDA device (local rank modulo the devices the rank sees; the local rank is
-// OMPI_COMM_WORLD_LOCAL_RANK, else the world rank), run the CUDA op table and talk NCCL, whose
-// unique id is exchanged over the MPI world.
+// one CUDA device (its rank among the ranks of its host, as MPI groups them, whatever launched
+// it; more ranks on a host than devices is refused on every rank), run the CUDA op table and talk
+// NCCL, whose unique id is exchanged over the MPI world.
 //
 // Exit codes: 0 done; 2 bad input (spec, options, run folder, and device: cuda on a rank without
 // a usable CUDA device or in a build without CUDA): every rank reaches the same verdict and exits
@@ -19,7 +19,6 @@
 // peers have reported the same failure or after kReportGrace (2 s).
 // Environment: FP8RT_FAULT (test faults, runtime/worker/trainer.h), FP8RT_COLLECTIVE_TIMEOUT_S
 // (a collective that does not complete within it fails the run; default 300).
-#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -52,26 +51,19 @@ namespace {
 constexpr std::chrono::milliseconds kReportGrace(2000);
 
 // device: cuda on this rank: picks and makes current its CUDA device (*device), then returns the
-// CUDA op table for it. The errors say why there is none (no CUDA in the build, no driver, no
-// device, a device the kernels were not built for).
-absl::StatusOr<const fp8rt::kernels::OpTable*> UseCudaForRank(int rank, int* device) {
+// CUDA op table for it. `host` is the rank's place among the ranks of its host (from MPI: the
+// ranks of one host share its devices). The errors say why there is none (no CUDA in the build,
+// no driver, no device, more ranks on the host than devices, a device the kernels were not built
+// for).
+absl::StatusOr<const fp8rt::kernels::OpTable*> UseCudaForRank(
+    const absl::StatusOr<fp8rt::parallel::HostRanks>& host, int* device) {
   namespace kernels = fp8rt::kernels;
+  if (!host.ok()) return host.status();
   std::string why;
   const int count = kernels::CudaDeviceCount(&why);
   if (count == 0) return absl::UnavailableError("no CUDA device: " + why);
-  // Ranks of one host share its devices; without Open MPI's local rank and size, the world rank
-  // (one host).
-  auto env_int = [](const char* name, int fallback) {
-    const char* env = std::getenv(name);
-    if (env == nullptr) return fallback;
-    const std::string_view text(env);
-    int value = -1;
-    const auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    return ec == std::errc() && ptr == text.data() + text.size() && value >= 0 ? value : fallback;
-  };
-  const int local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", rank);
-  const int local_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", local_rank + 1);
-  FP8RT_ASSIGN_OR_RETURN(*device, fp8rt::worker::CudaDeviceForRank(local_rank, local_size, count));
+  FP8RT_ASSIGN_OR_RETURN(
+      *device, fp8rt::worker::CudaDeviceForRank(host->local_rank, host->local_size, count));
   if (absl::Status s = kernels::UseCudaDevice(*device); !s.ok()) return s;
   return kernels::CudaOps();
 }
@@ -167,7 +159,9 @@ int main(int argc, char** argv) {
   parallel::CommunicatorFactory* comms = factory->get();
   if (spec->device() == v1::RunSpec::DEVICE_CUDA) {
     int device = -1;
-    absl::StatusOr<const kernels::OpTable*> cuda = UseCudaForRank(rank, &device);
+    // Collective over the world, on every rank alike (the spec's device is the same everywhere).
+    absl::StatusOr<const kernels::OpTable*> cuda =
+        UseCudaForRank((*factory)->RanksOnThisHost(), &device);
     // Hosts may differ: agree on one verdict before any NCCL call, so that a rank without a GPU
     // stops every rank instead of leaving them in ncclCommInitRank. After the MAX: world - the
     // lowest failing rank (0: none failed), and whether any rank succeeded.

@@ -3,19 +3,24 @@
 // input from its seed), never from the collective under test.
 #include "parallel/communicator.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "parallel/fault_injection.h"
 #include "parallel/mesh.h"
+#include "parallel/mpi/mpi_communicator.h"
 #include "tests/mpi/mpi_test_env.h"
 
 namespace fp8rt::parallel {
@@ -339,6 +344,35 @@ TEST(FaultInjectionTest, ParsesSpecsAndRejectsBadOnes) {
   for (const char* bad : {"explode:op=all_reduce", "fail:op=nope", "fail:call=1",
                           "fail:op=all_reduce:call=0", "fail:op=all_reduce:color=3"}) {
     EXPECT_EQ(ParseCommFault(bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
+// RanksOnThisHost (how a device: cuda rank picks its GPU): the place among the ranks of this
+// host, against what every rank's hostname says (gathered here) and, where Open MPI's launcher set
+// them, against its OMPI_COMM_WORLD_LOCAL_RANK and _SIZE.
+TEST(HostRanksTest, RanksOnThisHostAgreeWithTheHostnamesAndTheLauncher) {
+  auto* mpi = dynamic_cast<MpiCommunicatorFactory*>(&testing::Factory());
+  ASSERT_NE(mpi, nullptr);
+  const absl::StatusOr<HostRanks> host = mpi->RanksOnThisHost();
+  ASSERT_TRUE(testing::AllRanksOk(host.ok())) << host.status();
+  Communicator& w = World();
+  constexpr int kName = 256;
+  std::vector<char> name(kName, '\0'), names(static_cast<size_t>(kName) * w.size());
+  ASSERT_EQ(gethostname(name.data(), kName - 1), 0);
+  ASSERT_TRUE(w.AllGather(name.data(), kName, names.data(), DType::kU8).ok());
+  int before = 0, same = 0;
+  for (int r = 0; r < w.size(); ++r) {
+    if (std::string(names.data() + static_cast<size_t>(r) * kName) != name.data()) continue;
+    ++same;
+    if (r < w.rank()) ++before;
+  }
+  EXPECT_EQ(host->local_rank, before);
+  EXPECT_EQ(host->local_size, same);
+  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK")) {
+    EXPECT_EQ(host->local_rank, std::atoi(env));
+  }
+  if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) {
+    EXPECT_EQ(host->local_size, std::atoi(env));
   }
 }
 
