@@ -336,7 +336,8 @@ struct LayerOps {
   // Per token t < n: probs[t, :] = softmax(logits[t, :]) over e experts, expert[t, :] its k most
   // probable (ties to the lower index), gate[t, :] their probabilities renormalised (RouteToken);
   // prob_sums[x] = sum over t of probs[t, x] in FP64, in token order. k in [1, e]. CUDA: the
-  // device expf, otherwise the same operations.
+  // device expf, otherwise the same operations, but for prob_sums: 32 interleaved partial sums
+  // (one warp per expert) added by a fixed tree, the same bits on every run.
   absl::Status (*moe_route)(float* probs, int32_t* expert, float* gate, double* prob_sums,
                             const float* logits, int64_t n, int64_t e, int64_t k, Stream stream);
   // dst[i, :] = src[index[i], :] for i < rows, zeros where index[i] < 0 (the padding rows of an

@@ -285,11 +285,12 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // Says `message` on stderr the first time a GEMM of this scaling falls back for the device's
 // sake, so that a recipe the device has no fast kernel for is named once, not silently slow and
 // not once per GEMM. One atomic flag per scaling: no lock on the GEMM path.
-void WarnOnce(GemmScaling scaling, const std::string& message) {
-  static std::atomic<bool> said[3];
-  const auto i = static_cast<size_t>(scaling);
-  if (i >= std::size(said) || said[i].exchange(true)) return;
-  std::fprintf(stderr, "fp8rt: warning: %s\n", message.c_str());
+// Prints a FallbackNotice the first time its kind comes up in this process.
+void WarnOnce(const FallbackNotice& notice) {
+  static std::atomic<bool> said[FallbackNotice::kKinds];
+  if (notice.kind < 0 || notice.kind >= FallbackNotice::kKinds) return;
+  if (said[notice.kind].exchange(true)) return;
+  std::fprintf(stderr, "fp8rt: warning: %s\n", notice.text.c_str());
 }
 
 // Carves the caller's workspace: fixed parts first (64-byte aligned, in the order
@@ -357,10 +358,9 @@ absl::Status GemmFp8Cuda(const Fp8GemmArgs& args, Stream stream_arg) {
     FP8RT_ASSIGN_OR_RETURN(cc, CurrentDeviceComputeCapability());
   }
   const cuda_internal::Fp8GemmRoute route = cuda_internal::RouteFp8Gemm(args, cc);
-  if (!route.cublaslt && route.architecture) WarnOnce(args.scaling, route.why);
-  const bool use_lt = !g_force_fallback.load() && route.cublaslt && Aligned16(args.a) &&
-                      Aligned16(args.b) && Aligned16(args.d);
-  if (use_lt) {
+  const bool aligned = Aligned16(args.a) && Aligned16(args.b) && Aligned16(args.d);
+  if (!route.cublaslt || !aligned) WarnOnce(cuda_internal::NoticeFor(args, route, aligned));
+  if (!g_force_fallback.load() && route.cublaslt && aligned) {
     LtProblem p;
     p.fp8 = true;
     p.fast_accum = args.fast_accum && args.scaling == GemmScaling::kTensor;

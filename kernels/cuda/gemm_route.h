@@ -5,6 +5,8 @@
 //
 //   RouteFp8Gemm  cuBLASLt or the fallback kernel for these arguments on a device of compute
 //                 capability cc, and why not cuBLASLt
+//   NoticeFor     the warning the backend prints, once per kind and process, when a GEMM leaves
+//                 cuBLASLt
 #pragma once
 
 #include <string>
@@ -16,9 +18,20 @@ namespace fp8rt::kernels::cuda_internal {
 struct Fp8GemmRoute {
   bool cublaslt = true;
   // The device, not the shape, rules cuBLASLt out: block scaling off Hopper, mx32 before
-  // Blackwell. Worth telling the user once (a recipe choice makes it slow); a ragged shape is not.
+  // Blackwell (a recipe choice makes it slow: NoticeFor tells it once per scaling).
   bool architecture = false;
   std::string why;  // empty when cublaslt
+};
+
+// A GEMM's way off cuBLASLt as the user is told it, once per kind and process (the backend keeps
+// the "once"): the device's reasons once per scaling (kinds 0-2, the GemmScaling), a shape or
+// format cuBLASLt has no kernel for once in all (kind 3), operands not 16-byte aligned once in all
+// (kind 4); each of the last two names the first GEMM that met it. Several GEMMs a step would
+// otherwise run far slower with nothing said (a model dimension not a multiple of 16).
+struct FallbackNotice {
+  static constexpr int kKinds = 5;
+  int kind = -1;  // -1: nothing to say (the route is cuBLASLt's)
+  std::string text;
 };
 
 // cc: 90 for 9.0. Rules: E5M2 x E5M2 has no cuBLASLt kernel; M, N and K multiples of 16; block
@@ -59,6 +72,28 @@ inline Fp8GemmRoute RouteFp8Gemm(const Fp8GemmArgs& args, int cc) {
     if (args.k % 128 != 0) return no(false, "mx32 scaling needs K a multiple of 128 for cuBLASLt");
   }
   return {};
+}
+
+// The notice for a GEMM routed `route` whose operand pointers are (`aligned`) or are not all
+// 16-byte aligned.
+inline FallbackNotice NoticeFor(const Fp8GemmArgs& args, const Fp8GemmRoute& route, bool aligned) {
+  if (route.cublaslt && aligned) return {};
+  if (route.architecture) {
+    return {.kind = static_cast<int>(args.scaling), .text = route.why};
+  }
+  const std::string gemm = "an FP8 GEMM of M=" + std::to_string(args.m) +
+                           " N=" + std::to_string(args.n) + " K=" + std::to_string(args.k);
+  const std::string once = " (said once per process; later such GEMMs are not reported)";
+  if (!route.cublaslt) {
+    return {.kind = 3,
+            .text = gemm + " runs on the CUDA-core fallback kernel, far slower than cuBLASLt: " +
+                    route.why + once};
+  }
+  return {.kind = 4,
+          .text = gemm +
+                  " runs on the CUDA-core fallback kernel, far slower than cuBLASLt: its A, B "
+                  "or D pointer is not 16-byte aligned" +
+                  once};
 }
 
 }  // namespace fp8rt::kernels::cuda_internal

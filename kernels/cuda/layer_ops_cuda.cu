@@ -1214,10 +1214,18 @@ __global__ void MoeRouteKernel(float* probs, int32_t* expert, float* gate, const
   }
 }
 
+// One warp per expert (blockDim a multiple of 32, so a warp's lanes share x and the loop): lane l
+// sums tokens l, l + 32, ... in order, then a fixed shuffle tree adds the 32 partial sums. The
+// order is fixed, so the sums repeat run to run; they differ from the CPU's token-order sums
+// (moe::ProbSum) by a few FP64 roundings, far below the FP32 probabilities' own differences.
 __global__ void MoeProbSumsKernel(double* prob_sums, const float* probs, int64_t n, int64_t e) {
-  for (int64_t x = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; x < e;
-       x += int64_t{gridDim.x} * blockDim.x) {
-    prob_sums[x] = moe::ProbSum(probs, n, e, x);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for (int64_t x = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32; x < e;
+       x += int64_t{gridDim.x} * blockDim.x / 32) {
+    double s = 0.0;
+    for (int64_t t = lane; t < n; t += 32) s += probs[t * e + x];
+    for (int offset = 16; offset > 0; offset /= 2) s += __shfl_down_sync(0xffffffffu, s, offset);
+    if (lane == 0) prob_sums[x] = s;
   }
 }
 
@@ -1288,7 +1296,8 @@ absl::Status MoeRouteEntry(float* probs, int32_t* expert, float* gate, double* p
     FP8RT_RETURN_IF_ERROR(
         Launch(MoeRouteKernel, grid, dim3(kThreads), stream, probs, expert, gate, logits, n, e, k));
   }
-  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(e));
+  static_assert(kThreads % 32 == 0, "MoeProbSumsKernel gives each expert a whole warp");
+  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(e * 32));
   return Launch(MoeProbSumsKernel, grid, dim3(kThreads), stream, prob_sums,
                 static_cast<const float*>(probs), n, e);
 }

@@ -356,7 +356,7 @@ TEST(GemmRouteTest, AlignedTensorScaledGemmsTakeCublasLtOnEveryFp8Gpu) {
   EXPECT_TRUE(cuda_internal::RouteFp8Gemm(hybrid, 90).cublaslt);
 }
 
-TEST(GemmRouteTest, RaggedShapesAndE5m2PairsFallBackQuietly) {
+TEST(GemmRouteTest, RaggedShapesAndE5m2PairsFallBack) {
   const auto ragged =
       cuda_internal::RouteFp8Gemm(RouteArgs(130, 256, 384, GemmScaling::kTensor), 90);
   EXPECT_FALSE(ragged.cublaslt);
@@ -392,6 +392,49 @@ TEST(GemmRouteTest, ScalingTheDeviceHasNoKernelForIsNamed) {
   const auto k144 = cuda_internal::RouteFp8Gemm(RouteArgs(64, 256, 144, GemmScaling::kBlock), 90);
   EXPECT_FALSE(k144.cublaslt);
   EXPECT_FALSE(k144.architecture);
+}
+
+// What the user is told when a GEMM leaves cuBLASLt: nothing on cuBLASLt's route; otherwise one
+// notice per kind (the backend prints each kind once per process), the device's per scaling with
+// the route's reason, the shape's and the alignment's naming the GEMM.
+TEST(GemmRouteTest, EachWayOffCublasLtHasItsNotice) {
+  const Fp8GemmArgs fine = RouteArgs(256, 512, 384, GemmScaling::kTensor);
+  EXPECT_EQ(cuda_internal::NoticeFor(fine, cuda_internal::RouteFp8Gemm(fine, 90), true).kind, -1);
+  EXPECT_TRUE(
+      cuda_internal::NoticeFor(fine, cuda_internal::RouteFp8Gemm(fine, 90), true).text.empty());
+
+  const Fp8GemmArgs ragged = RouteArgs(130, 1000, 384, GemmScaling::kTensor);
+  const auto shape =
+      cuda_internal::NoticeFor(ragged, cuda_internal::RouteFp8Gemm(ragged, 90), true);
+  EXPECT_EQ(shape.kind, 3);
+  EXPECT_NE(shape.text.find("M=130 N=1000 K=384"), std::string::npos) << shape.text;
+  EXPECT_NE(shape.text.find("multiples of 16"), std::string::npos) << shape.text;
+  EXPECT_NE(shape.text.find("once per process"), std::string::npos) << shape.text;
+
+  Fp8GemmArgs e5 = RouteArgs(64, 64, 64, GemmScaling::kTensor);
+  e5.a_format = e5.b_format = Fp8Format::kE5M2;
+  const auto pair = cuda_internal::NoticeFor(e5, cuda_internal::RouteFp8Gemm(e5, 90), true);
+  EXPECT_EQ(pair.kind, 3);
+  EXPECT_NE(pair.text.find("E5M2 x E5M2"), std::string::npos) << pair.text;
+
+  const auto unaligned =
+      cuda_internal::NoticeFor(fine, cuda_internal::RouteFp8Gemm(fine, 90), false);
+  EXPECT_EQ(unaligned.kind, 4);
+  EXPECT_NE(unaligned.text.find("M=256 N=512 K=384"), std::string::npos) << unaligned.text;
+  EXPECT_NE(unaligned.text.find("16-byte aligned"), std::string::npos) << unaligned.text;
+
+  for (const auto& [scaling, cc] :
+       {std::pair{GemmScaling::kBlock, 100}, std::pair{GemmScaling::kMx32, 90}}) {
+    const Fp8GemmArgs args = RouteArgs(256, 256, 256, scaling);
+    const auto route = cuda_internal::RouteFp8Gemm(args, cc);
+    const auto device = cuda_internal::NoticeFor(args, route, true);
+    EXPECT_EQ(device.kind, static_cast<int>(scaling));
+    EXPECT_EQ(device.text, route.why);
+  }
+  // Every kind fits the backend's table of "said" flags.
+  for (int kind : {shape.kind, unaligned.kind, static_cast<int>(GemmScaling::kMx32)}) {
+    EXPECT_LT(kind, cuda_internal::FallbackNotice::kKinds);
+  }
 }
 
 }  // namespace

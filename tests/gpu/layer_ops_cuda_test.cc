@@ -1234,6 +1234,11 @@ TEST_F(MoeRoutingTest, MatchesTheCpuBackend) {
   ExpectWithin(Download<float>(d_gate, gate.size()), gate, tol_g, "gate");
   const std::vector<double> got_sums = Download<double>(d_sums, sums.size());
   for (int64_t x = 0; x < e; ++x) EXPECT_NEAR(got_sums[x], sums[x], 1e-6 * n) << x;
+  // The sums' order is fixed (a warp per expert, a fixed tree): the same bits again.
+  ExpectOk(gpu_->moe_route(d_probs.f(), d_expert.as<int32_t>(), d_gate.f(), d_sums.as<double>(),
+                           d_logits.f(), n, e, k, stream()));
+  Sync();
+  EXPECT_EQ(Download<double>(d_sums, sums.size()), got_sums) << "prob_sums on a second run";
 
   // The dispatch plan of a capacity of 60 per expert: slots in expert-major order.
   std::vector<int64_t> slot(n * k, -1), send_token;

@@ -4,7 +4,7 @@
 // CPU run uses a SoloCommunicatorFactory and the CUDA run NCCL bootstrapped over a solo world).
 //
 // For each precision mode (fp32; bf16; fp8 with delayed, current, block and mx32 scaling; fp8 with
-// MoE blocks):
+// two micro-batches per step; fp8 with MoE blocks):
 //   MatchesTheCpuRun      kSteps steps from the same weights on the same text: every loss finite,
 //                         no step skipped, each step's loss within the mode's tolerance of the
 //                         CPU's, the loss falls, and the GEMMs ran on the GPU (cuBLASLt or the
@@ -210,6 +210,12 @@ INSTANTIATE_TEST_SUITE_P(
         Mode{"fp8_current",
              {"precision.mode=fp8", "precision.scaling=current",
               "precision.fp8_fast_accum_forward=false"},
+             5e-3},
+        // Two micro-batches per step: the second backward adds onto the weight gradients the
+        // first wrote (the GEMMs' accumulate, BackwardInto's add_dw) before one reduce-scatter.
+        Mode{"fp8_grad_accum",
+             {"precision.mode=fp8", "precision.scaling=current",
+              "precision.fp8_fast_accum_forward=false", "train.grad_accum=2"},
              5e-3},
         Mode{"fp8_block", {"precision.mode=fp8", "precision.scaling=block"}, 5e-3},
         Mode{"fp8_mx32", {"precision.mode=fp8", "precision.scaling=mx32"}, 5e-3},
