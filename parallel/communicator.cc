@@ -158,6 +158,13 @@ absl::Status Communicator::DoReduceScatterQueued(const void* send, void* recv, i
   return DoReduceScatter(send, recv, recv_count, dtype, op);
 }
 
+absl::Status Communicator::DoAllToAllVQueued(const void* send, std::span<const int64_t> send_counts,
+                                             std::span<const int64_t> send_displs, void* recv,
+                                             std::span<const int64_t> recv_counts,
+                                             std::span<const int64_t> recv_displs, DType dtype) {
+  return DoAllToAllV(send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype);
+}
+
 namespace {
 
 // A collective that completed (or failed) when it was started.
@@ -228,7 +235,8 @@ absl::Status Communicator::ReduceScatter(const void* send, void* recv, int64_t r
 absl::Status Communicator::AllToAllV(const void* send, std::span<const int64_t> send_counts,
                                      std::span<const int64_t> send_displs, void* recv,
                                      std::span<const int64_t> recv_counts,
-                                     std::span<const int64_t> recv_displs, DType dtype) {
+                                     std::span<const int64_t> recv_displs, DType dtype,
+                                     Completion completion) {
   const size_t n = static_cast<size_t>(size_);
   if (send_counts.size() != n || send_displs.size() != n || recv_counts.size() != n ||
       recv_displs.size() != n) {
@@ -248,10 +256,14 @@ absl::Status Communicator::AllToAllV(const void* send, std::span<const int64_t> 
   }
   absl::Status s = CheckCount(sent, send, "send");
   if (s.ok()) s = CheckCount(received, recv, "recv");
+  if (s.ok()) s = CheckCompletion(completion);
   if (!s.ok()) return Annotate(CollectiveOp::kAllToAllV, s);
   Count(CollectiveOp::kAllToAllV, dtype, Bytes(sent, dtype));
-  return Annotate(CollectiveOp::kAllToAllV, DoAllToAllV(send, send_counts, send_displs, recv,
-                                                        recv_counts, recv_displs, dtype));
+  return Annotate(
+      CollectiveOp::kAllToAllV,
+      completion == Completion::kStream
+          ? DoAllToAllVQueued(send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype)
+          : DoAllToAllV(send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype));
 }
 
 absl::Status Communicator::Broadcast(void* buf, int64_t count, DType dtype, int root) {

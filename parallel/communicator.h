@@ -11,16 +11,16 @@
 // the op and group, after which the communicator is unusable (the job is expected to tear down and
 // restart from a checkpoint).
 //
-// Stream-ordered completion (Completion::kStream, all-reduce, all-gather and reduce-scatter): for
-// results that only the device's later work reads (a TP activation sum, a current-scaling amax,
-// a gradient shard). A backend whose buffers are device memory (NCCL) then returns once the
-// collective is on the device's queue, ordered before every kernel, copy and synchronisation
-// queued after it on the default stream, instead of waiting for it to complete; the host may
-// read the buffers only after such a synchronisation. A collective queued this way that fails
-// or outlives the group's timeout aborts the communicator from a watchdog thread: the device
-// work waiting for it is released, and the next call on the group returns the error. Backends
-// with host buffers (MPI), and NCCL with host buffers, complete such calls before returning,
-// as with Completion::kHost.
+// Stream-ordered completion (Completion::kStream, all-reduce, all-gather, reduce-scatter and
+// all-to-all): for results that only the device's later work reads (a TP activation sum, a
+// current-scaling amax, a gradient shard, MoE tokens sent to their experts' ranks). A backend whose
+// buffers are device memory (NCCL) then returns once the collective is on the device's queue,
+// ordered before every kernel, copy and synchronisation queued after it on the default stream,
+// instead of waiting for it to complete; the host may read the buffers only after such a
+// synchronisation. A collective queued this way that fails or outlives the group's timeout aborts
+// the communicator from a watchdog thread: the device work waiting for it is released, and the next
+// call on the group returns the error. Backends with host buffers (MPI), and NCCL with host
+// buffers, complete such calls before returning, as with Completion::kHost.
 //
 // Reductions: kSum and kMax on f32, bf16, i32, i64. A BF16 sum adds in FP32 and rounds to BF16
 // once per reduction step, as NCCL does. FP8 bytes (kU8) are never reduced: gather, all-to-all
@@ -129,7 +129,7 @@ class Communicator {
   absl::Status AllToAllV(const void* send, std::span<const int64_t> send_counts,
                          std::span<const int64_t> send_displs, void* recv,
                          std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
-                         DType dtype);
+                         DType dtype, Completion completion = Completion::kHost);
   absl::Status Broadcast(void* buf, int64_t count, DType dtype, int root);
   absl::Status Barrier();
   // The error of any Completion::kStream collective of this group that failed or timed out (OK
@@ -164,6 +164,10 @@ class Communicator {
   virtual absl::Status DoAllGatherQueued(const void* send, int64_t count, void* recv, DType dtype);
   virtual absl::Status DoReduceScatterQueued(const void* send, void* recv, int64_t recv_count,
                                              DType dtype, ReduceOp op);
+  virtual absl::Status DoAllToAllVQueued(const void* send, std::span<const int64_t> send_counts,
+                                         std::span<const int64_t> send_displs, void* recv,
+                                         std::span<const int64_t> recv_counts,
+                                         std::span<const int64_t> recv_displs, DType dtype);
   // Default: OK (every call completed when it returned, and reported its own error).
   virtual absl::Status DoCheckStreamOrdered();
   // Default: DoAllGather now, and a completed handle.

@@ -640,10 +640,11 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
       AllToAllFp8TokensInto(group, ops, tokens, hidden, send_counts, format, &scratch, &out));
   int64_t send_tokens = 0;
   for (int64_t c : send_counts) send_tokens += c;
-  if (send_tokens > 0) {
-    FP8RT_RETURN_IF_ERROR(Synchronize(ops));
-    out.send_stats = scratch.send_stats[0];
-  }
+  // The host reads what came in and the statistics: after the device is done (the all-to-alls
+  // are stream-ordered) and the group says they succeeded.
+  FP8RT_RETURN_IF_ERROR(Synchronize(ops));
+  FP8RT_RETURN_IF_ERROR(group.CheckStreamOrdered());
+  if (send_tokens > 0) out.send_stats = scratch.send_stats[0];
   return out;
 }
 
@@ -712,15 +713,18 @@ absl::Status AllToAllFp8TokensInto(Communicator& group, const kernels::OpTable& 
   out->scale_inv.Grow(ops, static_cast<size_t>(out->tokens * tiles));
   const AllToAllLayout send_c = RowsLayout(send_counts, hidden);
   const AllToAllLayout recv_c = RowsLayout(out->recv_counts, hidden);
+  // Stream-ordered: only the device's later work (the experts' GEMMs) reads the rows.
   if (absl::Status s = group.AllToAllV(scratch->send_codes.data(), send_c.counts, send_c.displs,
-                                       out->codes.data(), recv_c.counts, recv_c.displs, DType::kU8);
+                                       out->codes.data(), recv_c.counts, recv_c.displs, DType::kU8,
+                                       Completion::kStream);
       !s.ok()) {
     return s;
   }
   const AllToAllLayout send_s = RowsLayout(send_counts, tiles);
   const AllToAllLayout recv_s = RowsLayout(out->recv_counts, tiles);
   return group.AllToAllV(scratch->send_scale_inv.data(), send_s.counts, send_s.displs,
-                         out->scale_inv.data(), recv_s.counts, recv_s.displs, DType::kF32);
+                         out->scale_inv.data(), recv_s.counts, recv_s.displs, DType::kF32,
+                         Completion::kStream);
 }
 
 absl::Status AllToAllBf16Tokens(Communicator& group, const kernels::OpTable& ops,
@@ -758,8 +762,10 @@ absl::Status AllToAllBf16Tokens(Communicator& group, const kernels::OpTable& ops
   recv.Grow(ops, static_cast<size_t>(recv_elems));
   const AllToAllLayout send_l = RowsLayout(send_counts, hidden);
   const AllToAllLayout recv_l = RowsLayout(recv_counts, hidden);
-  if (absl::Status s = group.AllToAllV(send.data(), send_l.counts, send_l.displs, recv.data(),
-                                       recv_l.counts, recv_l.displs, DType::kBF16);
+  // Stream-ordered: the conversion below, on the device, is what reads the rows.
+  if (absl::Status s =
+          group.AllToAllV(send.data(), send_l.counts, send_l.displs, recv.data(), recv_l.counts,
+                          recv_l.displs, DType::kBF16, Completion::kStream);
       !s.ok()) {
     return s;
   }

@@ -259,8 +259,11 @@ absl::StatusOr<Fp8Tokens> AllToAllFp8Tokens(Communicator& group, const kernels::
                                             std::span<const int64_t> send_counts,
                                             kernels::Fp8Format format);
 // The same into `out`, whose codes and scale_inv are grown (they may hold more than `tokens`
-// rows), with the temporaries in `scratch`; waits for nothing but the collectives, and leaves
-// out->send_stats alone (the statistics stay in scratch->send_stats, in the backend's memory).
+// rows), with the temporaries in `scratch`; leaves out->send_stats alone (the statistics stay in
+// scratch->send_stats, in the backend's memory). The token all-to-alls are stream-ordered
+// (Completion::kStream): with NCCL and device buffers the call returns once they are on the
+// device's queue, so the rows are for the device's later work; the host reads them after a
+// synchronisation and group.CheckStreamOrdered(). Waits on the host only for the count exchange.
 // `recv_counts`, when given (one entry per rank), is the rows each peer sends, which the caller
 // already knows (MoE's per-expert count exchange): the count exchange is then skipped, one
 // collective and one host wait fewer. They must be what the peers send.
@@ -272,7 +275,7 @@ absl::Status AllToAllFp8TokensInto(Communicator& group, const kernels::OpTable& 
 
 // Sends tokens (rows of `hidden` FP32 values, grouped by destination) as BF16; `recv_counts`
 // must be what the peers send (e.g. the send_counts of the matching dispatch, reversed). The
-// received rows are written to `out` as FP32 (exact BF16 values).
+// received rows are written to `out` as FP32 (exact BF16 values), stream-ordered as above.
 absl::Status AllToAllBf16Tokens(Communicator& group, const kernels::OpTable& ops,
                                 const float* tokens, int64_t hidden,
                                 std::span<const int64_t> send_counts,

@@ -512,7 +512,6 @@ absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int
   FP8RT_RETURN_IF_ERROR(Begin());
   const auto deadline = Clock::now() + options_.timeout;
   const size_t elem = DTypeSize(dtype);
-  const ncclDataType_t type = ToNccl(dtype);
   Staged s, r;
   absl::Status status =
       s.Init(send, Extent(send_counts, send_displs, elem), true, stream_, pinned_[0]);
@@ -521,30 +520,40 @@ absl::Status NcclCommunicator::DoAllToAllV(const void* send, std::span<const int
     // blocks (which MPI leaves alone) must go out as they came in.
     status = r.Init(recv, Extent(recv_counts, recv_displs, elem), true, stream_, pinned_[1]);
   if (!status.ok()) return Finish(status, deadline, "staging host buffers");
-  const auto* send_bytes = static_cast<const char*>(s.device());
-  auto* recv_bytes = static_cast<char*>(r.device());
+  return Finish(EnqueueAllToAllV(s.device(), send_counts, send_displs, r.device(), recv_counts,
+                                 recv_displs, dtype),
+                deadline, "ncclSend/ncclRecv group", {&r});
+}
+
+absl::Status NcclCommunicator::EnqueueAllToAllV(const void* send,
+                                                std::span<const int64_t> send_counts,
+                                                std::span<const int64_t> send_displs, void* recv,
+                                                std::span<const int64_t> recv_counts,
+                                                std::span<const int64_t> recv_displs, DType dtype) {
+  const size_t elem = DTypeSize(dtype);
+  const ncclDataType_t type = ToNccl(dtype);
+  const auto* send_bytes = static_cast<const char*>(send);
+  auto* recv_bytes = static_cast<char*>(recv);
   // One group of point-to-point calls: NCCL schedules them together, so the order of peers
   // cannot deadlock. Empty transfers are skipped on both sides (counts agree pairwise).
-  status = FP8RT_NCCL_ENQUEUE(ncclGroupStart());
-  if (status.ok()) {
-    for (int peer = 0; peer < size() && status.ok(); ++peer) {
-      const size_t p = static_cast<size_t>(peer);
-      if (send_counts[p] > 0) {
-        status = FP8RT_NCCL_ENQUEUE(ncclSend(send_bytes + send_displs[p] * elem,
-                                             static_cast<size_t>(send_counts[p]), type, peer, comm_,
-                                             stream_));
-      }
-      if (status.ok() && recv_counts[p] > 0) {
-        status = FP8RT_NCCL_ENQUEUE(ncclRecv(recv_bytes + recv_displs[p] * elem,
-                                             static_cast<size_t>(recv_counts[p]), type, peer, comm_,
-                                             stream_));
-      }
+  absl::Status status = FP8RT_NCCL_ENQUEUE(ncclGroupStart());
+  if (!status.ok()) return status;
+  for (int peer = 0; peer < size() && status.ok(); ++peer) {
+    const size_t p = static_cast<size_t>(peer);
+    if (send_counts[p] > 0) {
+      status = FP8RT_NCCL_ENQUEUE(ncclSend(send_bytes + send_displs[p] * elem,
+                                           static_cast<size_t>(send_counts[p]), type, peer, comm_,
+                                           stream_));
     }
-    // The group is closed even after a failed call, or this thread's NCCL group stays open.
-    const absl::Status end = FP8RT_NCCL_ENQUEUE(ncclGroupEnd());
-    if (status.ok()) status = end;
+    if (status.ok() && recv_counts[p] > 0) {
+      status = FP8RT_NCCL_ENQUEUE(ncclRecv(recv_bytes + recv_displs[p] * elem,
+                                           static_cast<size_t>(recv_counts[p]), type, peer, comm_,
+                                           stream_));
+    }
   }
-  return Finish(status, deadline, "ncclSend/ncclRecv group", {&r});
+  // The group is closed even after a failed call, or this thread's NCCL group stays open.
+  const absl::Status end = FP8RT_NCCL_ENQUEUE(ncclGroupEnd());
+  return status.ok() ? end : status;
 }
 
 absl::Status NcclCommunicator::DoBroadcast(void* buf, int64_t count, DType dtype, int root) {
@@ -743,6 +752,31 @@ absl::Status NcclCommunicator::DoReduceScatterQueued(const void* send, void* rec
   return Queue(FP8RT_NCCL_ENQUEUE(ncclReduceScatter(send, recv, static_cast<size_t>(recv_count),
                                                     ToNccl(dtype), ToNccl(op), comm_, stream_)),
                deadline, "ncclReduceScatter (stream-ordered)");
+}
+
+absl::Status NcclCommunicator::DoAllToAllVQueued(const void* send,
+                                                 std::span<const int64_t> send_counts,
+                                                 std::span<const int64_t> send_displs, void* recv,
+                                                 std::span<const int64_t> recv_counts,
+                                                 std::span<const int64_t> recv_displs,
+                                                 DType dtype) {
+  int64_t sent = 0, received = 0;
+  for (size_t p = 0; p < send_counts.size(); ++p) {
+    sent += send_counts[p];
+    received += recv_counts[p];
+  }
+  // Nothing to move, or a buffer that needs staging: the blocking form (which returns at once or
+  // stages). A side that moves nothing may be null.
+  if ((sent == 0 && received == 0) || (sent > 0 && !DeviceAddressable(send)) ||
+      (received > 0 && !DeviceAddressable(recv))) {
+    return DoAllToAllV(send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  FP8RT_RETURN_IF_ERROR(Begin());
+  const auto deadline = Clock::now() + options_.timeout;
+  return Queue(
+      EnqueueAllToAllV(send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype),
+      deadline, "ncclSend/ncclRecv group (stream-ordered)");
 }
 
 // --- NcclCommunicatorFactory -------------------------------------------------------------------

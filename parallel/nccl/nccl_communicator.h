@@ -18,9 +18,9 @@
 // other streams must be complete before the call (synchronize it, or make stream() wait on an
 // event recorded after it). When a call returns OK its results are visible to every stream.
 //
-// Completion::kStream (all-reduce, all-gather, reduce-scatter on device-addressable buffers):
-// the call waits only until NCCL has put the collective on stream() (immediate unless NCCL
-// defers the launch, as a non-blocking communicator may), records an event after it and makes
+// Completion::kStream (all-reduce, all-gather, reduce-scatter, all-to-all on device-addressable
+// buffers): the call waits only until NCCL has put the collective on stream() (immediate unless
+// NCCL defers the launch, as a non-blocking communicator may), records an event after it and makes
 // the legacy default stream wait for that event, then returns: the model's later kernels, copies
 // and synchronisations on the default stream come after the collective, and the host never waits
 // for the device at the call. A watchdog thread, started by the first such call (or the first
@@ -105,6 +105,10 @@ class NcclCommunicator : public Communicator {
   absl::Status DoAllGatherQueued(const void* send, int64_t count, void* recv, DType dtype) override;
   absl::Status DoReduceScatterQueued(const void* send, void* recv, int64_t recv_count, DType dtype,
                                      ReduceOp op) override;
+  absl::Status DoAllToAllVQueued(const void* send, std::span<const int64_t> send_counts,
+                                 std::span<const int64_t> send_displs, void* recv,
+                                 std::span<const int64_t> recv_counts,
+                                 std::span<const int64_t> recv_displs, DType dtype) override;
   // health(), after taking in what the queued collectives and NCCL's asynchronous state say.
   absl::Status DoCheckStreamOrdered() override;
   // FSDP's prefetch: the all-gather runs on the communicator's side stream, a non-blocking
@@ -159,6 +163,12 @@ class NcclCommunicator : public Communicator {
   // the event and hands it to the watchdog. Aborts the communicator on any failure.
   absl::Status Queue(absl::Status enqueued, std::chrono::steady_clock::time_point deadline,
                      const char* what);
+  // With mu_ held: enqueues the all-to-all's ncclSend/ncclRecv group on stream_ (device buffers);
+  // the status of the enqueue calls, for Finish or Queue.
+  absl::Status EnqueueAllToAllV(const void* send, std::span<const int64_t> send_counts,
+                                std::span<const int64_t> send_displs, void* recv,
+                                std::span<const int64_t> recv_counts,
+                                std::span<const int64_t> recv_displs, DType dtype);
   // With mu_ held: records an event on `stream` after the work just enqueued there and hands it
   // to the watchdog (queued_ owns it); returns it.
   absl::StatusOr<CUevent_st*> Track(CUstream_st* stream,

@@ -652,7 +652,7 @@ LinearContext Transformer::Ctx() {
 }
 
 absl::Status Transformer::CheckStreamOrdered() {
-  for (parallel::Communicator* g : {&mesh_.tp(), &mesh_.dp(), &mesh_.edp()}) {
+  for (parallel::Communicator* g : {&mesh_.tp(), &mesh_.dp(), &mesh_.ep(), &mesh_.edp()}) {
     FP8RT_RETURN_IF_ERROR(g->CheckStreamOrdered());
   }
   return absl::OkStatus();

@@ -419,7 +419,8 @@ class Transformer {
   // The TP sum of buf, stream-ordered (parallel::Completion::kStream); a no-op without TP.
   absl::Status AllReduceTp(float* buf, int64_t count);
   // After a synchronisation: the error of any of the pass's stream-ordered collectives (TP sums
-  // and amaxes, FSDP gathers and gradient reduce-scatters), on every group.
+  // and amaxes, FSDP gathers and gradient reduce-scatters, MoE token all-to-alls), on every
+  // group.
   absl::Status CheckStreamOrdered();
   LinearContext Ctx();
 

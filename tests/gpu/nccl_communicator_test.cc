@@ -355,6 +355,15 @@ TEST_P(NcclMoveTest, AllToAllVHonoursDisplacements) {
               static_cast<size_t>(n * elem));
   EXPECT_EQ(ToHost(recv, expected.size()), expected);
   EXPECT_EQ(world().stats().Bytes(CollectiveOp::kAllToAllV, dtype), Communicator::Bytes(n, dtype));
+  // Stream-ordered (MoE's tokens): the same bytes, read through a copy on the default stream.
+  DevicePtr queued = ToDevice(Sentinel(recv_total, dtype));
+  ASSERT_NE(queued, nullptr);
+  ASSERT_TRUE(world()
+                  .AllToAllV(send.get(), counts, send_displs, queued.get(), counts, recv_displs,
+                             dtype, Completion::kStream)
+                  .ok());
+  EXPECT_EQ(ToHost(queued, expected.size()), expected);
+  EXPECT_TRUE(world().CheckStreamOrdered().ok());
 }
 
 TEST_P(NcclMoveTest, BroadcastFromTheOnlyRankKeepsTheData) {

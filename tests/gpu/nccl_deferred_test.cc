@@ -445,7 +445,8 @@ TEST_F(NcclDeferredTest, StreamOrderedCollectivesReturnBeforeTheDeviceRunsThem) 
   float* s = DeviceCopy(send);
   float* r = DeviceCopy(std::vector<float>(n, kSentinel));
   float* rs = DeviceCopy(std::vector<float>(n, kSentinel));
-  ASSERT_TRUE(s != nullptr && r != nullptr && rs != nullptr);
+  float* a2a = DeviceCopy(std::vector<float>(n, kSentinel));
+  ASSERT_TRUE(s != nullptr && r != nullptr && rs != nullptr && a2a != nullptr);
   // Once first, so that NCCL's first-call set-up is not timed.
   ASSERT_TRUE(world().AllGather(s, n, r, DType::kF32, Completion::kStream).ok());
   ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
@@ -460,16 +461,22 @@ TEST_F(NcclDeferredTest, StreamOrderedCollectivesReturnBeforeTheDeviceRunsThem) 
   ASSERT_TRUE(
       world().ReduceScatter(s, rs, n, DType::kF32, ReduceOp::kSum, Completion::kStream).ok());
   ASSERT_TRUE(world().AllReduce(s, n, DType::kF32, ReduceOp::kMax, Completion::kStream).ok());
+  const int64_t counts[] = {n}, displs[] = {0};
+  ASSERT_TRUE(
+      world()
+          .AllToAllV(s, counts, displs, a2a, counts, displs, DType::kF32, Completion::kStream)
+          .ok());
   const auto took = Clock::now() - t0;
   EXPECT_LT(took, std::chrono::milliseconds(250)) << "a stream-ordered call waited for the device";
   EXPECT_EQ(ReadOnDefaultStream(r, n), send);
   EXPECT_EQ(ReadOnDefaultStream(rs, n), send);
+  EXPECT_EQ(ReadOnDefaultStream(a2a, n), send);
   // The blocking form, by contrast, waits for the device.
   ASSERT_EQ(cudaLaunchHostFunc(cudaStreamLegacy, SleepHalfASecond, nullptr), cudaSuccess);
   const auto t1 = Clock::now();
   ASSERT_TRUE(world().AllGather(s, n, r, DType::kF32).ok());
   EXPECT_GE(Clock::now() - t1, std::chrono::milliseconds(400));
-  for (float* p : {s, r, rs}) EXPECT_EQ(cudaFree(p), cudaSuccess);
+  for (float* p : {s, r, rs, a2a}) EXPECT_EQ(cudaFree(p), cudaSuccess);
 }
 
 TEST_F(NcclDeferredTest, StreamOrderedCollectivesWaitForNcclToEnqueueThem) {
@@ -482,7 +489,16 @@ TEST_F(NcclDeferredTest, StreamOrderedCollectivesWaitForNcclToEnqueueThem) {
   // not follow the collective, and the copy below would read the sentinel.
   ExpectWaitedFor([&] { return world().AllGather(s, n, r, DType::kF32, Completion::kStream); });
   EXPECT_EQ(ReadOnDefaultStream(r, n), send);
-  for (float* p : {s, r}) EXPECT_EQ(cudaFree(p), cudaSuccess);
+  // The all-to-all is a whole ncclGroupStart..ncclGroupEnd, which the shim defers as one.
+  float* a2a = DeviceCopy(std::vector<float>(n, kSentinel));
+  ASSERT_NE(a2a, nullptr);
+  const int64_t counts[] = {n}, displs[] = {0};
+  ExpectWaitedFor([&] {
+    return world().AllToAllV(s, counts, displs, a2a, counts, displs, DType::kF32,
+                             Completion::kStream);
+  });
+  EXPECT_EQ(ReadOnDefaultStream(a2a, n), send);
+  for (float* p : {s, r, a2a}) EXPECT_EQ(cudaFree(p), cudaSuccess);
 }
 
 // FSDP's prefetch: the started all-gather's completion event must follow the gather even when

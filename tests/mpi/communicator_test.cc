@@ -145,6 +145,14 @@ TEST(CommunicatorTest, GatherScatterAllToAllBroadcast) {
   for (int s = 0; s < p; ++s) {
     for (int i = 0; i < rc[s]; ++i) EXPECT_EQ(recv[rd[s] + i], 100 * s + me);
   }
+  // Stream-ordered (MoE's token all-to-alls): host buffers complete at the call, with the same
+  // result; nothing was left failing.
+  std::vector<int32_t> recv_queued(static_cast<size_t>(total), -1);
+  ASSERT_TRUE(
+      w.AllToAllV(send.data(), sc, sd, recv_queued.data(), rc, rd, DType::kI32, Completion::kStream)
+          .ok());
+  EXPECT_EQ(recv_queued, recv);
+  EXPECT_TRUE(w.CheckStreamOrdered().ok());
   // Broadcast from every root.
   for (int root = 0; root < p; ++root) {
     std::vector<int64_t> b(5, me == root ? 7 * root + 1 : -1);
@@ -272,6 +280,13 @@ TEST(CommunicatorTest, RefusesToReduceFp8AndBadArguments) {
   std::vector<int64_t> counts(static_cast<size_t>(w.size()) + 1, 0);
   s = w.AllToAllV(codes.data(), counts, counts, codes.data(), counts, counts, DType::kU8);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  // A completion that is neither host nor stream, refused before anything moves (every rank
+  // alike, so no rank is left in the collective).
+  counts.pop_back();
+  s = w.AllToAllV(codes.data(), counts, counts, codes.data(), counts, counts, DType::kU8,
+                  static_cast<Completion>(7));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("completion must be host or stream, got 7"));
 }
 
 // The groups of every layout this world size allows, checked by gathering world ranks.
