@@ -276,6 +276,9 @@ absl::Status AllToAllFp8TokensInto(Communicator& group, const kernels::OpTable& 
 // Sends tokens (rows of `hidden` FP32 values, grouped by destination) as BF16; `recv_counts`
 // must be what the peers send (e.g. the send_counts of the matching dispatch, reversed). The
 // received rows are written to `out` as FP32 (exact BF16 values), stream-ordered as above.
+// Without `scratch` the call's own temporaries are freed at its end; on CUDA that free waits for
+// the device (managed memory), so the call then completes before it returns: a caller that moves
+// tokens every micro-batch passes `scratch`.
 absl::Status AllToAllBf16Tokens(Communicator& group, const kernels::OpTable& ops,
                                 const float* tokens, int64_t hidden,
                                 std::span<const int64_t> send_counts,

@@ -285,12 +285,14 @@ bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 // Says `message` on stderr the first time a GEMM of this scaling falls back for the device's
 // sake, so that a recipe the device has no fast kernel for is named once, not silently slow and
 // not once per GEMM. One atomic flag per scaling: no lock on the GEMM path.
-// Prints a FallbackNotice the first time its kind comes up in this process.
-void WarnOnce(const FallbackNotice& notice) {
+// Prints the GEMM's FallbackNotice the first time its kind comes up in this process (the text is
+// built only then).
+void WarnOnce(const Fp8GemmArgs& args, const Fp8GemmRoute& route, bool aligned) {
   static std::atomic<bool> said[FallbackNotice::kKinds];
-  if (notice.kind < 0 || notice.kind >= FallbackNotice::kKinds) return;
-  if (said[notice.kind].exchange(true)) return;
-  std::fprintf(stderr, "fp8rt: warning: %s\n", notice.text.c_str());
+  const int kind = NoticeKind(args, route, aligned);
+  if (kind < 0 || kind >= FallbackNotice::kKinds) return;
+  if (said[kind].load(std::memory_order_relaxed) || said[kind].exchange(true)) return;
+  std::fprintf(stderr, "fp8rt: warning: %s\n", NoticeFor(args, route, aligned).text.c_str());
 }
 
 // Carves the caller's workspace: fixed parts first (64-byte aligned, in the order
@@ -359,7 +361,7 @@ absl::Status GemmFp8Cuda(const Fp8GemmArgs& args, Stream stream_arg) {
   }
   const cuda_internal::Fp8GemmRoute route = cuda_internal::RouteFp8Gemm(args, cc);
   const bool aligned = Aligned16(args.a) && Aligned16(args.b) && Aligned16(args.d);
-  if (!route.cublaslt || !aligned) WarnOnce(cuda_internal::NoticeFor(args, route, aligned));
+  if (!route.cublaslt || !aligned) WarnOnce(args, route, aligned);
   if (!g_force_fallback.load() && route.cublaslt && aligned) {
     LtProblem p;
     p.fp8 = true;

@@ -5,7 +5,8 @@
 //
 //   RouteFp8Gemm  cuBLASLt or the fallback kernel for these arguments on a device of compute
 //                 capability cc, and why not cuBLASLt
-//   NoticeFor     the warning the backend prints, once per kind and process, when a GEMM leaves
+//   NoticeKind, NoticeFor
+//                 the warning the backend prints, once per kind and process, when a GEMM leaves
 //                 cuBLASLt
 #pragma once
 
@@ -74,22 +75,29 @@ inline Fp8GemmRoute RouteFp8Gemm(const Fp8GemmArgs& args, int cc) {
   return {};
 }
 
-// The notice for a GEMM routed `route` whose operand pointers are (`aligned`) or are not all
-// 16-byte aligned.
+// The kind of notice (FallbackNotice::kind) for a GEMM routed `route` whose operand pointers are
+// (`aligned`) or are not all 16-byte aligned; cheap, so that the backend builds the text only
+// the first time a kind comes up.
+inline int NoticeKind(const Fp8GemmArgs& args, const Fp8GemmRoute& route, bool aligned) {
+  if (route.cublaslt && aligned) return -1;
+  if (route.architecture) return static_cast<int>(args.scaling);
+  return route.cublaslt ? 4 : 3;
+}
+
+// The notice itself, kind and text.
 inline FallbackNotice NoticeFor(const Fp8GemmArgs& args, const Fp8GemmRoute& route, bool aligned) {
-  if (route.cublaslt && aligned) return {};
-  if (route.architecture) {
-    return {.kind = static_cast<int>(args.scaling), .text = route.why};
-  }
+  const int kind = NoticeKind(args, route, aligned);
+  if (kind < 0) return {};
+  if (route.architecture) return {.kind = kind, .text = route.why};
   const std::string gemm = "an FP8 GEMM of M=" + std::to_string(args.m) +
                            " N=" + std::to_string(args.n) + " K=" + std::to_string(args.k);
   const std::string once = " (said once per process; later such GEMMs are not reported)";
   if (!route.cublaslt) {
-    return {.kind = 3,
+    return {.kind = kind,
             .text = gemm + " runs on the CUDA-core fallback kernel, far slower than cuBLASLt: " +
                     route.why + once};
   }
-  return {.kind = 4,
+  return {.kind = kind,
           .text = gemm +
                   " runs on the CUDA-core fallback kernel, far slower than cuBLASLt: its A, B "
                   "or D pointer is not 16-byte aligned" +

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/formats.h"
 #include "runtime/core/checks.h"
+#include "runtime/core/status.h"
 
 namespace fp8rt::internal {
 
@@ -328,16 +329,26 @@ absl::StatusOr<std::unique_ptr<Communicator>> MpiCommunicatorFactory::Split(int 
 }
 
 absl::StatusOr<HostRanks> MpiCommunicatorFactory::RanksOnThisHost() {
-  auto* world = static_cast<MpiCommunicator*>(world_.get());
-  MPI_Comm host = MPI_COMM_NULL;
-  MPI_RETURN_IF_ERROR(MPI_Comm_split_type(world->comm(), MPI_COMM_TYPE_SHARED, world->rank(),
-                                          MPI_INFO_NULL, &host));
-  HostRanks ranks;
-  const int rank_rc = MPI_Comm_rank(host, &ranks.local_rank);
-  const int size_rc = MPI_Comm_size(host, &ranks.local_size);
-  MPI_RETURN_IF_ERROR(MPI_Comm_free(&host));
-  MPI_RETURN_IF_ERROR(rank_rc);
-  MPI_RETURN_IF_ERROR(size_rc);
+  // Every rank's MPI processor name (its host's name), gathered over the world group: a collective
+  // with the group's deadline, unlike MPI_Comm_split_type, so that a peer that never gets here (it
+  // stopped on bad input of its own) fails this rank instead of holding it forever.
+  // The name travels as int64 words (kU8 would count as FP8 bytes in the group's statistics).
+  constexpr int kWords = (MPI_MAX_PROCESSOR_NAME + 1 + 7) / 8;
+  constexpr size_t kBytes = kWords * sizeof(int64_t);
+  std::vector<int64_t> name(kWords, 0);
+  int length = 0;
+  MPI_RETURN_IF_ERROR(MPI_Get_processor_name(reinterpret_cast<char*>(name.data()), &length));
+  Communicator& world = *world_;
+  std::vector<int64_t> names(static_cast<size_t>(kWords) * static_cast<size_t>(world.size()));
+  FP8RT_RETURN_IF_ERROR(world.AllGather(name.data(), kWords, names.data(), DType::kI64));
+  HostRanks ranks{.local_rank = 0, .local_size = 0};
+  for (int r = 0; r < world.size(); ++r) {
+    if (std::memcmp(names.data() + static_cast<size_t>(r) * kWords, name.data(), kBytes) != 0) {
+      continue;
+    }
+    ++ranks.local_size;
+    if (r < world.rank()) ++ranks.local_rank;
+  }
   return ranks;
 }
 

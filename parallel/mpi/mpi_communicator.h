@@ -40,10 +40,11 @@ class MpiCommunicatorFactory : public CommunicatorFactory {
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key,
                                                       std::string name) override;
 
-  // This rank's place on its host, from MPI itself (MPI_Comm_split_type, MPI_COMM_TYPE_SHARED,
-  // on the world group, keyed by world rank) rather than from one launcher's environment
-  // (OMPI_COMM_WORLD_LOCAL_RANK is Open MPI's; Kubernetes operators and other MPIs set others or
-  // none). Collective over the world: every rank calls it, at the same point.
+  // This rank's place on its host, from MPI itself (the ranks whose MPI processor name, the host
+  // name, is this rank's, in world-rank order; gathered over the world group, within its
+  // timeout) rather than from one launcher's environment (OMPI_COMM_WORLD_LOCAL_RANK is Open
+  // MPI's; Kubernetes operators and other MPIs set others or none). Collective over the world:
+  // every rank calls it, at the same point.
   absl::StatusOr<HostRanks> RanksOnThisHost();
 
  private:

@@ -765,14 +765,15 @@ absl::Status NcclCommunicator::DoAllToAllVQueued(const void* send,
     sent += send_counts[p];
     received += recv_counts[p];
   }
-  // Nothing to move, or a buffer that needs staging: the blocking form (which returns at once or
-  // stages). A side that moves nothing may be null.
-  if ((sent == 0 && received == 0) || (sent > 0 && !DeviceAddressable(send)) ||
-      (received > 0 && !DeviceAddressable(recv))) {
+  // A buffer that needs staging: the blocking form. A side that moves nothing may be null.
+  if ((sent > 0 && !DeviceAddressable(send)) || (received > 0 && !DeviceAddressable(recv))) {
     return DoAllToAllV(send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype);
   }
   std::lock_guard<std::mutex> lock(mu_);
   FP8RT_RETURN_IF_ERROR(Begin());
+  // Nothing to move for this rank (its peers' sends and receives pair among themselves): no
+  // call, and no wait for the group's queued collectives either.
+  if (sent == 0 && received == 0) return absl::OkStatus();
   const auto deadline = Clock::now() + options_.timeout;
   return Queue(
       EnqueueAllToAllV(send, send_counts, send_displs, recv, recv_counts, recv_displs, dtype),

@@ -431,10 +431,14 @@ TEST(GemmRouteTest, EachWayOffCublasLtHasItsNotice) {
     EXPECT_EQ(device.kind, static_cast<int>(scaling));
     EXPECT_EQ(device.text, route.why);
   }
-  // Every kind fits the backend's table of "said" flags.
+  // Every kind fits the backend's table of "said" flags, and the cheap kind the backend checks
+  // first is the notice's.
   for (int kind : {shape.kind, unaligned.kind, static_cast<int>(GemmScaling::kMx32)}) {
     EXPECT_LT(kind, cuda_internal::FallbackNotice::kKinds);
   }
+  EXPECT_EQ(cuda_internal::NoticeKind(ragged, cuda_internal::RouteFp8Gemm(ragged, 90), true), 3);
+  EXPECT_EQ(cuda_internal::NoticeKind(fine, cuda_internal::RouteFp8Gemm(fine, 90), false), 4);
+  EXPECT_EQ(cuda_internal::NoticeKind(fine, cuda_internal::RouteFp8Gemm(fine, 90), true), -1);
 }
 
 }  // namespace

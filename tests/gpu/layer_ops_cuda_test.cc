@@ -114,6 +114,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -1211,6 +1212,44 @@ INSTANTIATE_TEST_SUITE_P(Shapes, HeadsTest,
 // probabilities, gates and sums are within a few FP32 roundings of the CPU's.
 
 class MoeRoutingTest : public LayerOpsCudaTest {};
+
+// The router probability sums (a warp per expert, interleaved partial sums, a fixed tree) on
+// shapes that leave lanes idle (n < 32), no tokens at all, an expert count that is no multiple of
+// anything, and more warps than one block holds: within FP64 roundings of the CPU's token-order
+// sums (the probabilities themselves come from the device's expf), and the same bits again.
+TEST_F(MoeRoutingTest, ProbabilitySumsOnEveryShape) {
+  for (const auto& [n, e, k] : {std::tuple<int64_t, int64_t, int64_t>{5, 37, 3},
+                                {0, 3, 1},
+                                {31, 1, 1},
+                                {1000, 19, 2},
+                                {70, 300, 4}}) {
+    const std::vector<float> logits = Normal(std::max<int64_t>(n * e, 1), 17, 2.0f);
+    std::vector<float> probs(std::max<int64_t>(n * e, 1)), gate(std::max<int64_t>(n * k, 1));
+    std::vector<int32_t> expert(std::max<int64_t>(n * k, 1));
+    std::vector<double> sums(e, -1.0);
+    ExpectOk(cpu_.moe_route(probs.data(), expert.data(), gate.data(), sums.data(), logits.data(), n,
+                            e, k, {}));
+    auto d_logits = Upload(logits);
+    DeviceBuffer d_probs(probs.size() * 4), d_expert(expert.size() * 4), d_gate(gate.size() * 4),
+        d_sums(sums.size() * 8);
+    std::vector<double> first;
+    for (int run = 0; run < 2; ++run) {
+      ExpectOk(gpu_->moe_route(d_probs.f(), d_expert.as<int32_t>(), d_gate.f(), d_sums.as<double>(),
+                               d_logits.f(), n, e, k, stream()));
+      Sync();
+      const std::vector<double> got = Download<double>(d_sums, sums.size());
+      if (run == 0) {
+        for (int64_t x = 0; x < e; ++x) {
+          EXPECT_NEAR(got[x], sums[x], 1e-6 * static_cast<double>(n) + 1e-300)
+              << "n " << n << " e " << e << " expert " << x;
+        }
+        first = got;
+      } else {
+        EXPECT_EQ(got, first) << "n " << n << " e " << e << ": prob_sums on a second run";
+      }
+    }
+  }
+}
 
 TEST_F(MoeRoutingTest, MatchesTheCpuBackend) {
   const int64_t n = 300, e = 8, k = 2, c = 40;

@@ -364,6 +364,8 @@ TEST_P(NcclMoveTest, AllToAllVHonoursDisplacements) {
                   .ok());
   EXPECT_EQ(ToHost(queued, expected.size()), expected);
   EXPECT_TRUE(world().CheckStreamOrdered().ok());
+  EXPECT_EQ(world().stats().Bytes(CollectiveOp::kAllToAllV, dtype),
+            2 * Communicator::Bytes(n, dtype));
 }
 
 TEST_P(NcclMoveTest, BroadcastFromTheOnlyRankKeepsTheData) {

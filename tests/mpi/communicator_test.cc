@@ -3,6 +3,7 @@
 // input from its seed), never from the collective under test.
 #include "parallel/communicator.h"
 
+#include <mpi.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -363,8 +364,9 @@ TEST(FaultInjectionTest, ParsesSpecsAndRejectsBadOnes) {
 }
 
 // RanksOnThisHost (how a device: cuda rank picks its GPU): the place among the ranks of this
-// host, against what every rank's hostname says (gathered here) and, where Open MPI's launcher set
-// them, against its OMPI_COMM_WORLD_LOCAL_RANK and _SIZE.
+// host, against what every rank's hostname says (gathered here), against MPI's own shared-memory
+// grouping (MPI_Comm_split_type) and, where Open MPI's launcher set them, against its
+// OMPI_COMM_WORLD_LOCAL_RANK and _SIZE.
 TEST(HostRanksTest, RanksOnThisHostAgreeWithTheHostnamesAndTheLauncher) {
   auto* mpi = dynamic_cast<MpiCommunicatorFactory*>(&testing::Factory());
   ASSERT_NE(mpi, nullptr);
@@ -383,6 +385,16 @@ TEST(HostRanksTest, RanksOnThisHostAgreeWithTheHostnamesAndTheLauncher) {
   }
   EXPECT_EQ(host->local_rank, before);
   EXPECT_EQ(host->local_size, same);
+  MPI_Comm shared = MPI_COMM_NULL;
+  ASSERT_EQ(
+      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, w.rank(), MPI_INFO_NULL, &shared),
+      MPI_SUCCESS);
+  int shared_rank = -1, shared_size = -1;
+  EXPECT_EQ(MPI_Comm_rank(shared, &shared_rank), MPI_SUCCESS);
+  EXPECT_EQ(MPI_Comm_size(shared, &shared_size), MPI_SUCCESS);
+  EXPECT_EQ(MPI_Comm_free(&shared), MPI_SUCCESS);
+  EXPECT_EQ(host->local_rank, shared_rank);
+  EXPECT_EQ(host->local_size, shared_size);
   if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK")) {
     EXPECT_EQ(host->local_rank, std::atoi(env));
   }
