@@ -44,6 +44,11 @@ struct Case {
 // n, in and out leave partial 32- and 128-blocks and odd GEMM shapes.
 constexpr int64_t kN = 37, kIn = 72, kOut = 40;
 
+kernels::OpTable WithoutBTransposed(kernels::OpTable ops) {
+  ops.gemm_fp8_takes_b_transposed = false;
+  return ops;
+}
+
 class LinearBackwardIntoTest : public ::testing::TestWithParam<Case> {
  protected:
   LinearBackwardIntoTest()
@@ -102,6 +107,11 @@ class LinearBackwardIntoTest : public ::testing::TestWithParam<Case> {
 
   const kernels::OpTable& ops_;
   Scratch scratch_;
+  // The CPU's table without B as K x N (CUDA's transposes), and its scratch. Members declared
+  // before the layer, so that they outlive it: the layer's arrays (its pending statistics) are
+  // memory of the last call's table and are freed through it.
+  kernels::OpTable transposing_ = WithoutBTransposed(kernels::CpuOps());
+  Scratch transposing_scratch_{transposing_};
   Linear layer_;
   parallel::Fp8Weight weight_;
   std::vector<float> w_, x_, dy_;
@@ -159,10 +169,7 @@ TEST_P(LinearBackwardIntoTest, WrittenOverGradientsEqualTheAddingBackwardIntoZer
   // bits as the CPU's K x N path above; on the FP32-matmul path oneDNN reads the two B layouts
   // with different kernels, so there the sums may differ in the last bits.
   if (GetParam().precision == GemmPrecision::kFp8) {
-    kernels::OpTable transposing = ops_;
-    transposing.gemm_fp8_takes_b_transposed = false;
-    Scratch scratch(transposing);
-    const LinearContext tctx{.ops = &transposing, .scratch = &scratch};
+    const LinearContext tctx{.ops = &transposing_, .scratch = &transposing_scratch_};
     std::vector<float> dx4(kN * kIn, nan), dw4(kOut * kIn, nan);
     ASSERT_TRUE(layer_
                     .Backward(tctx, dy_.data(), kN, dx4.data(), dw4.data(),
