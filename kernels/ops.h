@@ -80,6 +80,11 @@ int CudaDeviceCount(std::string* why);
 // is not built or the runtime fails (the message carries the CUDA error).
 [[nodiscard]] absl::Status UseCudaDevice(int ordinal);
 
+// The PCI bus id of CUDA device `ordinal` as cudaDeviceGetPCIBusId writes it ("0000:3B:00.0"):
+// one GPU's name on its host whatever each process's CUDA_VISIBLE_DEVICES made of its ordinal
+// (NCCL tells ranks' devices apart by it too). Errors as UseCudaDevice's.
+absl::StatusOr<std::string> CudaDevicePciBusId(int ordinal);
+
 }  // namespace fp8rt::kernels
 
 #endif  // FP8RT_KERNELS_OPS_H_

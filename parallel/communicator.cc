@@ -2,6 +2,9 @@
 // backend.
 #include "parallel/communicator.h"
 
+#include <algorithm>
+#include <cstring>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
@@ -279,6 +282,26 @@ absl::Status Communicator::Broadcast(void* buf, int64_t count, DType dtype, int 
 absl::Status Communicator::Barrier() {
   Count(CollectiveOp::kBarrier, DType::kU8, 0);
   return Annotate(CollectiveOp::kBarrier, DoBarrier());
+}
+
+absl::StatusOr<std::vector<std::string>> AllGatherStrings(Communicator& group,
+                                                          std::string_view mine, size_t max_bytes) {
+  // Fixed-width, zero-padded int64 words (kU8 would count as FP8 bytes in the group's statistics).
+  const size_t words = (max_bytes + 7) / 8;
+  std::vector<int64_t> send(words, 0);
+  std::memcpy(send.data(), mine.data(), std::min(mine.size(), max_bytes));
+  std::vector<int64_t> all(words * static_cast<size_t>(group.size()));
+  if (absl::Status s =
+          group.AllGather(send.data(), static_cast<int64_t>(words), all.data(), DType::kI64);
+      !s.ok()) {
+    return s;
+  }
+  std::vector<std::string> out(static_cast<size_t>(group.size()));
+  for (size_t r = 0; r < out.size(); ++r) {
+    const char* text = reinterpret_cast<const char*>(all.data() + r * words);
+    out[r].assign(text, strnlen(text, std::min(max_bytes, words * 8)));
+  }
+  return out;
 }
 
 }  // namespace fp8rt::parallel

@@ -37,6 +37,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -197,6 +198,12 @@ class CommunicatorFactory {
   virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key,
                                                               std::string name) = 0;
 };
+
+// Every rank's `mine` (its host's name, its GPU's PCI bus id), in rank order: an all-gather over
+// `group`, within its timeout, of `max_bytes` per rank (a longer string is cut there, so compare
+// only strings known to be shorter). Collective: every rank of the group calls it.
+absl::StatusOr<std::vector<std::string>> AllGatherStrings(Communicator& group,
+                                                          std::string_view mine, size_t max_bytes);
 
 }  // namespace fp8rt::parallel
 

@@ -134,9 +134,8 @@ void PackBlock(const uint8_t* b, int64_t n, int64_t k, int64_t nb, int64_t kb, F
                uint16_t* out) {
   const Bf16Table& table = TableFor(format);
   const int64_t r0 = nb * 64, c0 = kb * 32;
-  const bool full = r0 + 64 <= n && c0 + 32 <= k;
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  if (full) {
+  if (r0 + 64 <= n && c0 + 32 <= k) {
     // Decode each row's 32 codes as 16 (even, odd) k pairs, then transpose the 64 x 16 pairs.
     alignas(64) uint32_t pairs[64][16];
     const Avx512Decoder decode(table);
@@ -151,7 +150,6 @@ void PackBlock(const uint8_t* b, int64_t n, int64_t k, int64_t nb, int64_t kb, F
   }
 #endif
   PackBlockScalar(b, k, 1, n, k, r0, c0, table, out);
-  (void)full;
 }
 
 // PackBlock from B given transposed: bt is K x N FP8 codes, row-major (B^T), so B(r, c) is

@@ -177,8 +177,10 @@ int64_t GridFor(int64_t work, int threads, int sm_count, int per_sm) {
 }  // namespace fp8rt::kernels::cuda_internal
 
 namespace fp8rt::kernels {
+namespace {
 
-absl::Status UseCudaDevice(int ordinal) {
+// Unavailable without a device; InvalidArgument for an ordinal outside the visible ones.
+absl::Status CheckOrdinal(int ordinal) {
   std::string why;
   const int count = cuda_internal::DeviceCount(&why);
   if (count == 0) return absl::UnavailableError("no CUDA device: " + why);
@@ -187,6 +189,13 @@ absl::Status UseCudaDevice(int ordinal) {
                                                    count, " device", count == 1 ? "" : "s",
                                                    " visible)"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status UseCudaDevice(int ordinal) {
+  FP8RT_RETURN_IF_ERROR(CheckOrdinal(ordinal));
   const cudaError_t err = cudaSetDevice(ordinal);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
@@ -213,6 +222,13 @@ absl::Status UseCudaDevice(int ordinal) {
                                               __LINE__);
   }
   return cuda_internal::CheckKernelImage(ordinal, major, minor, image == cudaSuccess);
+}
+
+absl::StatusOr<std::string> CudaDevicePciBusId(int ordinal) {
+  FP8RT_RETURN_IF_ERROR(CheckOrdinal(ordinal));
+  char id[64] = {};  // "dddd:bb:dd.f" and its NUL fit in 16; room to spare
+  CUDA_RETURN_IF_ERROR(cudaDeviceGetPCIBusId(id, static_cast<int>(sizeof(id)), ordinal));
+  return std::string(id);
 }
 
 }  // namespace fp8rt::kernels

@@ -92,16 +92,11 @@ inline FallbackNotice NoticeFor(const Fp8GemmArgs& args, const Fp8GemmRoute& rou
   const std::string gemm = "an FP8 GEMM of M=" + std::to_string(args.m) +
                            " N=" + std::to_string(args.n) + " K=" + std::to_string(args.k);
   const std::string once = " (said once per process; later such GEMMs are not reported)";
-  if (!route.cublaslt) {
-    return {.kind = kind,
-            .text = gemm + " runs on the CUDA-core fallback kernel, far slower than cuBLASLt: " +
-                    route.why + once};
-  }
+  const std::string why =
+      !route.cublaslt ? route.why : "its A, B or D pointer is not 16-byte aligned";
   return {.kind = kind,
-          .text = gemm +
-                  " runs on the CUDA-core fallback kernel, far slower than cuBLASLt: its A, B "
-                  "or D pointer is not 16-byte aligned" +
-                  once};
+          .text = gemm + " runs on the CUDA-core fallback kernel, far slower than cuBLASLt: " +
+                  why + once};
 }
 
 }  // namespace fp8rt::kernels::cuda_internal

@@ -2,11 +2,16 @@
 #include "kernels/ops.h"
 
 namespace fp8rt::kernels {
+namespace {
 
-absl::StatusOr<const OpTable*> CudaOps() {
+absl::Status NotBuilt() {
   return absl::UnavailableError(
       "the CUDA backend is not built into this fp8rt (configure with -DFP8RT_CUDA=ON and nvcc)");
 }
+
+}  // namespace
+
+absl::StatusOr<const OpTable*> CudaOps() { return NotBuilt(); }
 
 int CudaDeviceCount(std::string* why) {
   if (why != nullptr) *why = "fp8rt was built without CUDA (FP8RT_CUDA=OFF)";
@@ -15,8 +20,12 @@ int CudaDeviceCount(std::string* why) {
 
 absl::Status UseCudaDevice(int ordinal) {
   (void)ordinal;
-  return absl::UnavailableError(
-      "the CUDA backend is not built into this fp8rt (configure with -DFP8RT_CUDA=ON and nvcc)");
+  return NotBuilt();
+}
+
+absl::StatusOr<std::string> CudaDevicePciBusId(int ordinal) {
+  (void)ordinal;
+  return NotBuilt();
 }
 
 }  // namespace fp8rt::kernels

@@ -4,6 +4,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <bit>
 #include <climits>
 #include <cmath>
@@ -332,20 +333,17 @@ absl::StatusOr<HostRanks> MpiCommunicatorFactory::RanksOnThisHost() {
   // Every rank's MPI processor name (its host's name), gathered over the world group: a collective
   // with the group's deadline, unlike MPI_Comm_split_type, so that a peer that never gets here (it
   // stopped on bad input of its own) fails this rank instead of holding it forever.
-  // The name travels as int64 words (kU8 would count as FP8 bytes in the group's statistics).
-  constexpr int kWords = (MPI_MAX_PROCESSOR_NAME + 1 + 7) / 8;
-  constexpr size_t kBytes = kWords * sizeof(int64_t);
-  std::vector<int64_t> name(kWords, 0);
+  std::string name(MPI_MAX_PROCESSOR_NAME, '\0');
   int length = 0;
-  MPI_RETURN_IF_ERROR(MPI_Get_processor_name(reinterpret_cast<char*>(name.data()), &length));
+  MPI_RETURN_IF_ERROR(MPI_Get_processor_name(name.data(), &length));
+  name.resize(static_cast<size_t>(std::clamp(length, 0, MPI_MAX_PROCESSOR_NAME)));
   Communicator& world = *world_;
-  std::vector<int64_t> names(static_cast<size_t>(kWords) * static_cast<size_t>(world.size()));
-  FP8RT_RETURN_IF_ERROR(world.AllGather(name.data(), kWords, names.data(), DType::kI64));
-  HostRanks ranks{.local_rank = 0, .local_size = 0};
+  FP8RT_ASSIGN_OR_RETURN(std::vector<std::string> names,
+                         AllGatherStrings(world, name, MPI_MAX_PROCESSOR_NAME));
+  HostRanks ranks{.local_rank = 0, .local_size = 0, .world_ranks = {}};
   for (int r = 0; r < world.size(); ++r) {
-    if (std::memcmp(names.data() + static_cast<size_t>(r) * kWords, name.data(), kBytes) != 0) {
-      continue;
-    }
+    if (names[static_cast<size_t>(r)] != name) continue;
+    ranks.world_ranks.push_back(r);
     ++ranks.local_size;
     if (r < world.rank()) ++ranks.local_rank;
   }

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "parallel/communicator.h"
@@ -22,6 +23,7 @@ namespace fp8rt::parallel {
 struct HostRanks {
   int local_rank = 0;  // 0 .. local_size - 1, in world-rank order
   int local_size = 1;  // ranks on this host
+  std::vector<int> world_ranks;  // the world ranks of this host's ranks, ascending (this one too)
 };
 
 struct MpiOptions {

@@ -50,24 +50,6 @@ namespace {
 // reported by each of them, not only by the first one to abort. A rank failing alone waits it out.
 constexpr std::chrono::milliseconds kReportGrace(2000);
 
-// device: cuda on this rank: picks and makes current its CUDA device (*device), then returns the
-// CUDA op table for it. `host` is the rank's place among the ranks of its host (from MPI: the
-// ranks of one host share its devices). The errors say why there is none (no CUDA in the build,
-// no driver, no device, more ranks on the host than devices, a device the kernels were not built
-// for).
-absl::StatusOr<const fp8rt::kernels::OpTable*> UseCudaForRank(
-    const absl::StatusOr<fp8rt::parallel::HostRanks>& host, int* device) {
-  namespace kernels = fp8rt::kernels;
-  if (!host.ok()) return host.status();
-  std::string why;
-  const int count = kernels::CudaDeviceCount(&why);
-  if (count == 0) return absl::UnavailableError("no CUDA device: " + why);
-  FP8RT_ASSIGN_OR_RETURN(
-      *device, fp8rt::worker::CudaDeviceForRank(host->local_rank, host->local_size, count));
-  if (absl::Status s = kernels::UseCudaDevice(*device); !s.ok()) return s;
-  return kernels::CudaOps();
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -158,10 +140,14 @@ int main(int argc, char** argv) {
   const kernels::OpTable* ops = &kernels::CpuOps();
   parallel::CommunicatorFactory* comms = factory->get();
   if (spec->device() == v1::RunSpec::DEVICE_CUDA) {
-    int device = -1;
-    // Collective over the world, on every rank alike (the spec's device is the same everywhere).
+    // This rank's GPU, from its place among its host's ranks as MPI sees them, checked against
+    // the other ranks' (no two of a host on one GPU). Collective over the world, on every rank
+    // alike (the spec's device is the same everywhere).
+    const absl::StatusOr<int> picked = worker::PickCudaDevice(
+        (*factory)->World(), (*factory)->RanksOnThisHost(), worker::SystemCudaDevices());
+    const int device = picked.ok() ? *picked : -1;
     absl::StatusOr<const kernels::OpTable*> cuda =
-        UseCudaForRank((*factory)->RanksOnThisHost(), &device);
+        picked.ok() ? kernels::CudaOps() : absl::StatusOr<const kernels::OpTable*>(picked.status());
     // Hosts may differ: agree on one verdict before any NCCL call, so that a rank without a GPU
     // stops every rank instead of leaving them in ncclCommInitRank. After the MAX: world - the
     // lowest failing rank (0: none failed), and whether any rank succeeded.

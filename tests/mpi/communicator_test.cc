@@ -363,6 +363,25 @@ TEST(FaultInjectionTest, ParsesSpecsAndRejectsBadOnes) {
   }
 }
 
+// AllGatherStrings: every rank's text in rank order, whatever its length (empty on rank 0; the
+// last rank's is longer than the width and comes back cut at it, NUL bytes not included).
+TEST(AllGatherStringsTest, EveryRanksTextInRankOrderCutAtTheWidth) {
+  Communicator& w = World();
+  constexpr size_t kWidth = 13;  // not a multiple of the 8-byte words it travels in
+  auto text_of = [&](int r) {
+    if (r == 0) return std::string();
+    if (r == w.size() - 1) return std::string(kWidth + 5, static_cast<char>('a' + r));
+    return "rank " + std::to_string(r) + std::string(static_cast<size_t>(r), '.');
+  };
+  const absl::StatusOr<std::vector<std::string>> all =
+      AllGatherStrings(w, text_of(w.rank()), kWidth);
+  ASSERT_TRUE(testing::AllRanksOk(all.ok())) << all.status();
+  ASSERT_EQ(all->size(), static_cast<size_t>(w.size()));
+  for (int r = 0; r < w.size(); ++r) {
+    EXPECT_EQ((*all)[static_cast<size_t>(r)], text_of(r).substr(0, kWidth)) << "rank " << r;
+  }
+}
+
 // RanksOnThisHost (how a device: cuda rank picks its GPU): the place among the ranks of this
 // host, against what every rank's hostname says (gathered here), against MPI's own shared-memory
 // grouping (MPI_Comm_split_type) and, where Open MPI's launcher set them, against its
@@ -385,6 +404,13 @@ TEST(HostRanksTest, RanksOnThisHostAgreeWithTheHostnamesAndTheLauncher) {
   }
   EXPECT_EQ(host->local_rank, before);
   EXPECT_EQ(host->local_size, same);
+  std::vector<int> here;  // the world ranks whose hostname is this rank's
+  for (int r = 0; r < w.size(); ++r) {
+    if (std::string(names.data() + static_cast<size_t>(r) * kName) == name.data()) {
+      here.push_back(r);
+    }
+  }
+  EXPECT_THAT(host->world_ranks, ElementsAreArray(here));
   MPI_Comm shared = MPI_COMM_NULL;
   ASSERT_EQ(
       MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, w.rank(), MPI_INFO_NULL, &shared),

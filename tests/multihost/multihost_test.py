@@ -22,8 +22,9 @@ exit 0, every step in metrics.jsonl, checkpoints committed through the controlle
 started daemons on both worker hosts (and on no other), the controller's Prometheus endpoint
 (scraped from the head) counts the run's steps, and the losses equal those of the same run on
 one host (shared memory): the same reductions in the same order, so equal to 1e-6 relative.
-  3. Each rank's place among its host's ranks, from MPI (how a device: cuda rank picks its
-     GPU): communicator_test's HostRanksTest with two ranks on each worker host.
+  3. Each rank's place among its host's ranks, from MPI, and the GPU it picks (device: cuda):
+     communicator_test's HostRanksTest and device_pick_test (fake devices, the same PCI bus ids
+     on both hosts) with two ranks on each worker host.
   4. Bad input: --hostfile with a controller on loopback, and a missing hostfile, exit 2 naming
      the option.
 
@@ -297,21 +298,25 @@ def main():
     # Each rank's place among its host's ranks, as MPI groups them (how a device: cuda rank picks
     # its GPU, whatever launched it): communicator_test's HostRanksTest with two ranks on each of
     # w1 and w2, where the local ranks (0, 1 on each host) are not the world ranks.
-    check = os.path.join(os.path.dirname(bin_dir), "tests", "mpi", "communicator_test")
-    if not os.path.exists(check):
-        fail("%s is not built" % check)
+    # Then how each picks its GPU (device_pick_test, fake devices: no GPU here): the two hosts have
+    # the same PCI bus ids, which must not count as one GPU shared across hosts.
     mpirun_mca = []
     for i in range(0, len(mca), 2):
         key, value = mca[i + 1].split("=", 1)
         mpirun_mca += ["--mca", key, value]
-    r = run(net.exec("head", ["mpirun", "--allow-run-as-root", "-np", "4", "--hostfile",
-                              os.path.join(tmp, "dp2xtp2.hosts")] + mpirun_mca +
-                     ["-x", "OMP_NUM_THREADS=1", check, "--gtest_filter=HostRanksTest.*"]),
-            check=False, env=env, timeout=300)
-    if r.returncode != 0 or "[  PASSED  ] 1 test" not in r.stdout:
-        fail("HostRanksTest across w1 and w2 exited %d:\n%s" % (r.returncode, r.stdout[-3000:]))
-    print("ranks on their hosts: HostRanksTest passed with two ranks on each of w1 and w2",
-          flush=True)
+    for exe, tests, gtest_filter in (("communicator_test", 1, "HostRanksTest.*"),
+                                     ("device_pick_test", 6, "*")):
+        check = os.path.join(os.path.dirname(bin_dir), "tests", "mpi", exe)
+        if not os.path.exists(check):
+            fail("%s is not built" % check)
+        r = run(net.exec("head", ["mpirun", "--allow-run-as-root", "-np", "4", "--hostfile",
+                                  os.path.join(tmp, "dp2xtp2.hosts")] + mpirun_mca +
+                         ["-x", "OMP_NUM_THREADS=1", check, "--gtest_filter=" + gtest_filter]),
+                check=False, env=env, timeout=300)
+        if r.returncode != 0 or "[  PASSED  ] %d test" % tests not in r.stdout:
+            fail("%s across w1 and w2 exited %d:\n%s" % (exe, r.returncode, r.stdout[-3000:]))
+        print("ranks on their hosts: %s (%s) passed with two ranks on each of w1 and w2" %
+              (exe, gtest_filter), flush=True)
 
     # Bad input: exit 2 naming the option, before anything starts.
     hostfile = os.path.join(tmp, "dp2.hosts")
