@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -1349,6 +1350,41 @@ TEST_F(ArgumentTest, GemmWorkspaceIsCheckedAgainstTheCudaRequirement) {
   Fp8GemmArgs t = g;
   t.scaling = GemmScaling::kTensor;
   EXPECT_EQ(CudaGemmWorkspaceBytes(t), 0u);
+}
+
+// CudaDevicePciBusId (how the ranks of a host tell their GPUs apart, runtime/worker/
+// device_placement.h): each visible device's id is the one its PCI domain, bus and device
+// attributes spell, in cudaDeviceGetPCIBusId's "dddd:bb:dd.f" form, and no two devices share one.
+TEST_F(CudaTest, PciBusIdsNameEachVisibleDeviceByItsPciAttributes) {
+  const int count = CudaDeviceCount(nullptr);
+  std::vector<std::string> seen;
+  for (int d = 0; d < count; ++d) {
+    absl::StatusOr<std::string> id = CudaDevicePciBusId(d);
+    ASSERT_TRUE(id.ok()) << id.status();
+    int domain = -1, bus = -1, device = -1;
+    ASSERT_EQ(cudaDeviceGetAttribute(&domain, cudaDevAttrPciDomainId, d), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&bus, cudaDevAttrPciBusId, d), cudaSuccess);
+    ASSERT_EQ(cudaDeviceGetAttribute(&device, cudaDevAttrPciDeviceId, d), cudaSuccess);
+    char want[32];
+    std::snprintf(want, sizeof(want), "%04x:%02x:%02x.", domain, bus, device);
+    std::string got = *id;
+    std::transform(got.begin(), got.end(), got.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    EXPECT_EQ(got.substr(0, std::strlen(want)), want) << "device " << d << ": " << *id;
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), got), 0) << "device " << d << ": " << *id;
+    seen.push_back(got);
+  }
+  EXPECT_EQ(CudaDevicePciBusId(count).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CudaDevicePciBusId(-1).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CudaOpsWithoutDeviceTest, PciBusIdSaysWhyThereIsNone) {
+  std::string why;
+  if (CudaDeviceCount(&why) > 0) GTEST_SKIP() << "a CUDA device is present";
+  absl::StatusOr<std::string> id = CudaDevicePciBusId(0);
+  ASSERT_FALSE(id.ok());
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(std::string(id.status().message()).find(why), std::string::npos) << id.status();
 }
 
 TEST(CudaOpsWithoutDeviceTest, SaysWhyItIsUnavailable) {
