@@ -570,6 +570,43 @@ TEST_F(NcclDeferredTest, AStartedAllGatherWaitedInStreamOrderDoesNotHoldTheHost)
   for (float* p : {s, r}) EXPECT_EQ(cudaFree(p), cudaSuccess);
 }
 
+// FSDP's prefetch when a peer dies: a started gather whose collective never completes (the
+// stall stand-in, released 3 s in). Starting it does not wait; Wait ends at the deadline with the
+// communicator aborted, naming the started gather, and says the same again; the next collective
+// is refused; the default stream's later work still comes after the gather (the read below sees
+// the buffer only once the stand-in ended, and the gather never wrote it).
+TEST_F(NcclDeferredTest, AStartedAllGatherThatNeverCompletesEndsAtTheDeadline) {
+  ASSERT_NO_FATAL_FAILURE(RecreateWithTimeout(std::chrono::milliseconds(1500)));
+  const int64_t n = 257;
+  float* s = DeviceCopy(Ramp(n, 1.0f));
+  float* r = DeviceCopy(std::vector<float>(n, kSentinel));
+  ASSERT_TRUE(s != nullptr && r != nullptr);
+  std::jthread release([] {  // joined on every way out of the test
+    std::this_thread::sleep_for(std::chrono::seconds(3));
+    shim::released = true;
+  });
+  shim::stall = true;
+  const auto t0 = Clock::now();
+  auto started = world().StartAllGather(s, n, r, DType::kF32);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(500)) << "starting it waited";
+  const absl::Status waited = (*started)->Wait();
+  const auto took = Clock::now() - t0;
+  EXPECT_EQ(waited.code(), absl::StatusCode::kDeadlineExceeded) << waited;
+  EXPECT_THAT(std::string(waited.message()), HasSubstr("ncclAllGather (started)"));
+  EXPECT_THAT(std::string(waited.message()), HasSubstr("aborted"));
+  EXPECT_GE(took, std::chrono::milliseconds(1500));
+  EXPECT_LT(took, std::chrono::milliseconds(8000));
+  EXPECT_EQ((*started)->Wait(), waited);
+  auto next = world().StartAllGather(s, n, r, DType::kF32);
+  ASSERT_FALSE(next.ok());
+  EXPECT_EQ(next.status().code(), absl::StatusCode::kFailedPrecondition) << next.status();
+  EXPECT_EQ(ReadOnDefaultStream(r, n), std::vector<float>(n, kSentinel));
+  EXPECT_GE(Clock::now() - t0, std::chrono::seconds(3)) << "the default stream did not wait";
+  started->reset();
+  for (float* p : {s, r}) EXPECT_EQ(cudaFree(p), cudaSuccess);
+}
+
 TEST_F(NcclDeferredTest, AStreamOrderedCollectiveThatNeverCompletesIsAbortedByTheWatchdog) {
   ASSERT_NO_FATAL_FAILURE(RecreateWithTimeout(std::chrono::milliseconds(1500)));
   auto& nccl = static_cast<NcclCommunicator&>(world());
