@@ -286,6 +286,7 @@ absl::Status Communicator::Barrier() {
 
 absl::StatusOr<std::vector<std::string>> AllGatherStrings(Communicator& group,
                                                           std::string_view mine, size_t max_bytes) {
+  if (max_bytes == 0) return absl::InvalidArgumentError("AllGatherStrings: max_bytes is 0");
   // Fixed-width, zero-padded int64 words (kU8 would count as FP8 bytes in the group's statistics).
   const size_t words = (max_bytes + 7) / 8;
   std::vector<int64_t> send(words, 0);
@@ -299,7 +300,7 @@ absl::StatusOr<std::vector<std::string>> AllGatherStrings(Communicator& group,
   std::vector<std::string> out(static_cast<size_t>(group.size()));
   for (size_t r = 0; r < out.size(); ++r) {
     const char* text = reinterpret_cast<const char*>(all.data() + r * words);
-    out[r].assign(text, strnlen(text, std::min(max_bytes, words * 8)));
+    out[r].assign(text, std::find(text, text + max_bytes, '\0'));
   }
   return out;
 }

@@ -200,8 +200,9 @@ class CommunicatorFactory {
 };
 
 // Every rank's `mine` (its host's name, its GPU's PCI bus id), in rank order: an all-gather over
-// `group`, within its timeout, of `max_bytes` per rank (a longer string is cut there, so compare
-// only strings known to be shorter). Collective: every rank of the group calls it.
+// `group`, within its timeout, of `max_bytes` per rank. A string ends at its first NUL byte and is
+// cut at `max_bytes` (so compare only strings known to be shorter). InvalidArgument for
+// `max_bytes` 0. Collective: every rank of the group calls it.
 absl::StatusOr<std::vector<std::string>> AllGatherStrings(Communicator& group,
                                                           std::string_view mine, size_t max_bytes);
 

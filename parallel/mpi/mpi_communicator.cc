@@ -9,7 +9,6 @@
 #include <climits>
 #include <cmath>
 #include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <thread>
 #include <vector>

@@ -12,28 +12,34 @@ absl::StatusOr<int> CudaDeviceForRank(int local_rank, int local_size, int device
                                                    " ranks on this host is out of range"));
   }
   if (device_count <= 0) return absl::InvalidArgumentError("no CUDA device to pick from");
-  return local_size <= device_count ? local_rank : local_rank % device_count;
+  return local_rank % device_count;  // the local rank itself when the devices are enough
 }
 
 absl::Status CheckOneRankPerGpu(const std::vector<std::string>& bus_ids,
                                 const parallel::HostRanks& host, int world_rank, int device_count,
                                 int device) {
-  if (world_rank < 0 || static_cast<size_t>(world_rank) >= bus_ids.size()) {
+  auto out_of_range = [&](int r) { return r < 0 || static_cast<size_t>(r) >= bus_ids.size(); };
+  for (int r : host.world_ranks) {
+    if (out_of_range(r)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "world rank ", r, " of this host has no bus id (", bus_ids.size(), " gathered)"));
+    }
+  }
+  if (out_of_range(world_rank)) {
     return absl::InvalidArgumentError(
         absl::StrCat("world rank ", world_rank, " has no bus id (", bus_ids.size(), " gathered)"));
   }
   const std::string& mine = bus_ids[static_cast<size_t>(world_rank)];
-  std::vector<int> sharing;
+  std::vector<int> sharing;  // world ranks, this one included
   for (int r : host.world_ranks) {
-    if (r == world_rank || r < 0 || static_cast<size_t>(r) >= bus_ids.size()) continue;
     if (!mine.empty() && bus_ids[static_cast<size_t>(r)] == mine) sharing.push_back(r);
   }
-  if (sharing.empty()) return absl::OkStatus();
+  if (sharing.size() < 2) return absl::OkStatus();
   const std::string what = absl::StrCat(
-      "rank ", world_rank, " would share the GPU at PCI ", mine, " with rank",
-      sharing.size() == 1 ? " " : "s ", absl::StrJoin(sharing, ", "), " of this host (",
-      host.local_size, " ranks on this host; this rank sees ", device_count,
-      " CUDA device(s) and took device ", device, "): device: cuda needs one GPU per rank");
+      "world ranks ", absl::StrJoin(sharing, ", "), " of one host would share the GPU at PCI ",
+      mine, " (", host.local_size, " ranks on this host; world rank ", world_rank, " sees ",
+      device_count, " CUDA device(s) and took device ", device,
+      "): device: cuda needs one GPU per rank");
   if (host.local_size > device_count) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, " (start at most ", device_count,
@@ -57,7 +63,9 @@ const CudaDeviceQuery& SystemCudaDevices() {
 absl::StatusOr<int> PickCudaDevice(parallel::Communicator& world,
                                    const absl::StatusOr<parallel::HostRanks>& host,
                                    const CudaDeviceQuery& devices) {
-  // This rank's own choice first, then the gather on every rank alike, failed or not.
+  // This rank's choice and its bus id (which needs no context on the device), then the gather on
+  // every rank alike, failed or not, then the check; only then is the device made current, so
+  // that two ranks refused for sharing a GPU (or an exclusive-process GPU) get the clear refusal.
   int count = 0;
   std::string bus_id;
   const absl::StatusOr<int> device = [&]() -> absl::StatusOr<int> {
@@ -67,22 +75,23 @@ absl::StatusOr<int> PickCudaDevice(parallel::Communicator& world,
     if (count <= 0) return absl::UnavailableError("no CUDA device: " + why);
     absl::StatusOr<int> picked = CudaDeviceForRank(host->local_rank, host->local_size, count);
     if (!picked.ok()) return picked.status();
-    if (absl::Status s = devices.use(*picked); !s.ok()) return s;
     absl::StatusOr<std::string> id = devices.pci_bus_id(*picked);
     if (!id.ok()) return id.status();
-    if (id->empty())
+    if (id->empty()) {
       return absl::InternalError(absl::StrCat("CUDA device ", *picked, ": empty PCI bus id"));
+    }
     bus_id = *std::move(id);
     return picked;
   }();
   constexpr size_t kBusIdBytes = 64;  // "dddd:bb:dd.f" needs 12
   absl::StatusOr<std::vector<std::string>> bus_ids =
-      parallel::AllGatherStrings(world, bus_id.substr(0, kBusIdBytes), kBusIdBytes);
+      parallel::AllGatherStrings(world, bus_id, kBusIdBytes);
   if (!device.ok()) return device.status();
   if (!bus_ids.ok()) return bus_ids.status();
   if (absl::Status s = CheckOneRankPerGpu(*bus_ids, *host, world.rank(), count, *device); !s.ok()) {
     return s;
   }
+  if (absl::Status s = devices.use(*device); !s.ok()) return s;
   return device;
 }
 

@@ -364,22 +364,29 @@ TEST(FaultInjectionTest, ParsesSpecsAndRejectsBadOnes) {
 }
 
 // AllGatherStrings: every rank's text in rank order, whatever its length (empty on rank 0; the
-// last rank's is longer than the width and comes back cut at it, NUL bytes not included).
+// last rank's is longer than the width and comes back cut at it; rank 1's, with np > 2, has a NUL
+// byte, where it ends). A width of 0 is refused (on every rank alike, before any collective).
 TEST(AllGatherStringsTest, EveryRanksTextInRankOrderCutAtTheWidth) {
   Communicator& w = World();
   constexpr size_t kWidth = 13;  // not a multiple of the 8-byte words it travels in
   auto text_of = [&](int r) {
     if (r == 0) return std::string();
     if (r == w.size() - 1) return std::string(kWidth + 5, static_cast<char>('a' + r));
+    if (r == 1) return std::string("ab\0cd", 5);
     return "rank " + std::to_string(r) + std::string(static_cast<size_t>(r), '.');
+  };
+  auto expected = [&](int r) {
+    if (r == 1 && w.size() > 2) return std::string("ab");
+    return text_of(r).substr(0, kWidth);
   };
   const absl::StatusOr<std::vector<std::string>> all =
       AllGatherStrings(w, text_of(w.rank()), kWidth);
   ASSERT_TRUE(testing::AllRanksOk(all.ok())) << all.status();
   ASSERT_EQ(all->size(), static_cast<size_t>(w.size()));
   for (int r = 0; r < w.size(); ++r) {
-    EXPECT_EQ((*all)[static_cast<size_t>(r)], text_of(r).substr(0, kWidth)) << "rank " << r;
+    EXPECT_EQ((*all)[static_cast<size_t>(r)], expected(r)) << "rank " << r;
   }
+  EXPECT_EQ(AllGatherStrings(w, "x", 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // RanksOnThisHost (how a device: cuda rank picks its GPU): the place among the ranks of this
@@ -396,14 +403,6 @@ TEST(HostRanksTest, RanksOnThisHostAgreeWithTheHostnamesAndTheLauncher) {
   std::vector<char> name(kName, '\0'), names(static_cast<size_t>(kName) * w.size());
   ASSERT_EQ(gethostname(name.data(), kName - 1), 0);
   ASSERT_TRUE(w.AllGather(name.data(), kName, names.data(), DType::kU8).ok());
-  int before = 0, same = 0;
-  for (int r = 0; r < w.size(); ++r) {
-    if (std::string(names.data() + static_cast<size_t>(r) * kName) != name.data()) continue;
-    ++same;
-    if (r < w.rank()) ++before;
-  }
-  EXPECT_EQ(host->local_rank, before);
-  EXPECT_EQ(host->local_size, same);
   std::vector<int> here;  // the world ranks whose hostname is this rank's
   for (int r = 0; r < w.size(); ++r) {
     if (std::string(names.data() + static_cast<size_t>(r) * kName) == name.data()) {
@@ -411,6 +410,9 @@ TEST(HostRanksTest, RanksOnThisHostAgreeWithTheHostnamesAndTheLauncher) {
     }
   }
   EXPECT_THAT(host->world_ranks, ElementsAreArray(here));
+  EXPECT_EQ(host->local_rank,
+            std::count_if(here.begin(), here.end(), [&](int r) { return r < w.rank(); }));
+  EXPECT_EQ(host->local_size, static_cast<int>(here.size()));
   MPI_Comm shared = MPI_COMM_NULL;
   ASSERT_EQ(
       MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, w.rank(), MPI_INFO_NULL, &shared),

@@ -88,6 +88,7 @@ TEST(PickCudaDeviceTest, RanksSharingOneGpuAreAllRefused) {
   EXPECT_EQ(device.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(device.status().message()),
               AllOf(HasSubstr("would share the GPU at PCI " + BusId(0)), HasSubstr("ppr:1:node")));
+  EXPECT_EQ(fake.used, -1) << "a refused rank made the GPU current";
 }
 
 TEST(PickCudaDeviceTest, GpusListedInAnotherOrderOnOneRankAreCaught) {
@@ -95,6 +96,7 @@ TEST(PickCudaDeviceTest, GpusListedInAnotherOrderOnOneRankAreCaught) {
   // (its local rank) names the GPU of the local rank 0, so those two are refused.
   absl::StatusOr<parallel::HostRanks> host = RanksOnThisHost();
   ASSERT_TRUE(parallel::testing::AllRanksOk(host.ok())) << host.status();
+  ASSERT_GE(host->local_size, 2);  // mpirun starts every rank of this test on this machine
   const int n = host->local_size;
   FakeDevices fake{.visible = {}};
   for (int g = 0; g < n; ++g) fake.visible.push_back(host->local_rank == n - 1 ? (g + 1) % n : g);

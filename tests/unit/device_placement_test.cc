@@ -65,13 +65,13 @@ TEST(CheckOneRankPerGpuTest, MoreRanksThanGpusIsRefusedOnTheRanksThatShare) {
   for (int r : {0, 2}) {
     const absl::Status s = CheckOneRankPerGpu(ids, HostOf(r), r, 2, 0);
     ASSERT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << r;
-    EXPECT_THAT(
-        std::string(s.message()),
-        AllOf(HasSubstr("rank " + std::to_string(r) + " would share the GPU at PCI " +
-                        "0000:18:00.0 with rank " + std::to_string(2 - r) + " of this host"),
-              HasSubstr("3 ranks on this host; this rank sees 2 CUDA device(s)"),
-              HasSubstr("one GPU per rank"), HasSubstr("ppr:2:node"),
-              HasSubstr("CUDA_VISIBLE_DEVICES")));
+    EXPECT_THAT(std::string(s.message()),
+                AllOf(HasSubstr("world ranks 0, 2 of one host would share the GPU at PCI "
+                                "0000:18:00.0"),
+                      HasSubstr("3 ranks on this host; world rank " + std::to_string(r) +
+                                " sees 2 CUDA device(s) and took device 0"),
+                      HasSubstr("one GPU per rank"), HasSubstr("ppr:2:node"),
+                      HasSubstr("CUDA_VISIBLE_DEVICES")));
   }
   EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(1), 1, 2, 1).ok());
   // Rank 3 has the first host's 0000:18:00.0 too, but on its own host nobody else does.
@@ -86,7 +86,7 @@ TEST(CheckOneRankPerGpuTest, RanksSeeingTheGpusInDifferentOrdersAreTold) {
   const absl::Status s = CheckOneRankPerGpu(ids, HostOf(2), 2, 3, 2);
   ASSERT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.message()),
-              AllOf(HasSubstr("with rank 0 of this host"), HasSubstr("different orders"),
+              AllOf(HasSubstr("world ranks 0, 2 of one host"), HasSubstr("different orders"),
                     Not(HasSubstr("ppr:"))));
 }
 
@@ -94,7 +94,15 @@ TEST(CheckOneRankPerGpuTest, ARankWithoutAGpuSharesWithNobody) {
   // Ranks 0 and 1 found no device (empty id): neither collides with the other.
   const std::vector<std::string> ids = {"", "", "0000:18:00.0", "", "", ""};
   for (int r = 0; r < 3; ++r) EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(r), r, 1, 0).ok()) << r;
+}
+
+TEST(CheckOneRankPerGpuTest, ARankWithoutABusIdIsAnError) {
+  const std::vector<std::string> ids = {"0000:18:00.0", "0000:3B:00.0", "0000:86:00.0"};
+  // This rank, or a rank of its host, beyond the gathered ids (the host's ranks are 3, 4, 5).
   EXPECT_EQ(CheckOneRankPerGpu(ids, HostOf(0), 6, 1, 0).code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status s = CheckOneRankPerGpu(ids, HostOf(3), 0, 1, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("world rank 3 of this host has no bus id"));
 }
 
 }  // namespace
