@@ -2,12 +2,10 @@
 //
 // On a non-blocking communicator a collective may return ncclInProgress and reach the stream
 // later, from NCCL's own thread. With two or more ranks that is what happens; with one rank NCCL
-// usually enqueues at once, so one GPU hides the difference. This test makes it visible: the link
-// wraps the collectives and ncclCommGetAsyncError (-Wl,--wrap, tests/gpu/CMakeLists.txt). While
-// the shim is on, a wrapped collective (or a whole ncclGroupStart..ncclGroupEnd) is not passed to
-// NCCL at once: its call returns ncclInProgress, and a thread makes the real call `delay` later;
-// until then the wrapped ncclCommGetAsyncError answers ncclInProgress. That is NCCL's documented
-// contract, only slower, so results must come out right and the caller must wait for them.
+// usually enqueues at once, so one GPU hides the difference. This test makes it visible with the
+// NCCL shim (tests/gpu/nccl_shim.h): while it is on, a collective's call returns ncclInProgress
+// and the real call is made `delay` later. That is NCCL's documented contract, only slower, so
+// results must come out right and the caller must wait for them.
 //
 // A communicator that queued the copy of a staged (host) output straight after the call, as
 // fp8rt's did before this test, hands back the buffer as it was: the H200 showed it in training
@@ -25,13 +23,10 @@
 #include <cuda_runtime.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <nccl.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <functional>
-#include <mutex>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -40,212 +35,7 @@
 #include "parallel/communicator.h"
 #include "parallel/nccl/nccl_communicator.h"
 #include "parallel/solo_communicator.h"
-
-// --- the shim ------------------------------------------------------------------------------------
-
-extern "C" {
-ncclResult_t __real_ncclAllReduce(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t,
-                                  ncclComm_t, cudaStream_t);
-ncclResult_t __real_ncclAllGather(const void*, void*, size_t, ncclDataType_t, ncclComm_t,
-                                  cudaStream_t);
-ncclResult_t __real_ncclReduceScatter(const void*, void*, size_t, ncclDataType_t, ncclRedOp_t,
-                                      ncclComm_t, cudaStream_t);
-ncclResult_t __real_ncclBroadcast(const void*, void*, size_t, ncclDataType_t, int, ncclComm_t,
-                                  cudaStream_t);
-ncclResult_t __real_ncclSend(const void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
-ncclResult_t __real_ncclRecv(void*, size_t, ncclDataType_t, int, ncclComm_t, cudaStream_t);
-ncclResult_t __real_ncclGroupStart();
-ncclResult_t __real_ncclGroupEnd();
-ncclResult_t __real_ncclCommGetAsyncError(ncclComm_t, ncclResult_t*);
-}
-
-namespace shim {
-
-std::atomic<bool> on{false};
-std::atomic<bool> hang{false};  // deferred calls are never made: a collective that never ends
-// Collectives are not passed to NCCL: a host function that blocks until `released` takes their
-// place on their stream, and the call returns ncclSuccess (a collective enqueued that never ends).
-std::atomic<bool> stall{false};
-std::atomic<bool> released{false};
-// Deferred calls first put a host function that sleeps 400 ms on their stream, then make the
-// real call: the collective completes well after NCCL enqueued it.
-std::atomic<bool> slow{false};
-// When >= 0, an all-reduce or broadcast is followed, on its stream, by a memset of its receive
-// buffer to this byte: the collective's result is then that pattern, not its input, so that a
-// result copied back to the host before the collective ran would show (with one rank an in-place
-// all-reduce or broadcast leaves its input as it was).
-std::atomic<int> mark{-1};
-std::chrono::milliseconds delay{150};
-std::mutex mu;
-int pending = 0;                   // deferred calls not made yet (guarded by mu)
-int deferred = 0;                  // calls deferred since the last Reset (guarded by mu)
-ncclResult_t error = ncclSuccess;  // a deferred call's failure (guarded by mu)
-bool in_group = false;             // main thread only
-std::vector<std::function<ncclResult_t()>> group;  // main thread only
-std::vector<std::thread> threads;                  // main thread only
-
-// Makes `call` `delay` from now on a thread of its own; the caller returns ncclInProgress.
-ncclResult_t Defer(std::function<ncclResult_t()> call) {
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    ++pending;
-    ++deferred;
-  }
-  int device = 0;
-  (void)cudaGetDevice(&device);
-  threads.emplace_back([call = std::move(call), device] {
-    std::this_thread::sleep_for(delay);
-    if (hang.load()) return;
-    (void)cudaSetDevice(device);
-    const ncclResult_t r = call();
-    std::lock_guard<std::mutex> lock(mu);
-    if (r != ncclSuccess && r != ncclInProgress) error = r;
-    --pending;
-  });
-  return ncclInProgress;
-}
-
-void CUDART_CB BlockUntilReleased(void*) {
-  while (!released.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-}
-
-void CUDART_CB Sleep400Ms(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(400)); }
-
-// One collective on `stream`: deferred as it is, stalled, or recorded when inside a group.
-ncclResult_t Call(cudaStream_t stream, std::function<ncclResult_t()> call) {
-  if (stall.load() && !in_group) {
-    return cudaLaunchHostFunc(stream, BlockUntilReleased, nullptr) == cudaSuccess
-               ? ncclSuccess
-               : ncclUnhandledCudaError;
-  }
-  if (slow.load()) {
-    call = [stream, inner = std::move(call)] {
-      if (cudaLaunchHostFunc(stream, Sleep400Ms, nullptr) != cudaSuccess) {
-        return ncclUnhandledCudaError;
-      }
-      return inner();
-    };
-  }
-  if (!on.load()) return call();
-  if (in_group) {
-    group.push_back(std::move(call));
-    return ncclSuccess;
-  }
-  return Defer(std::move(call));
-}
-
-size_t Size(ncclDataType_t t) {
-  switch (t) {
-    case ncclInt8:
-    case ncclUint8:
-      return 1;
-    case ncclFloat16:
-    case ncclBfloat16:
-      return 2;
-    case ncclInt64:
-    case ncclUint64:
-    case ncclFloat64:
-      return 8;
-    default:
-      return 4;
-  }
-}
-
-// `call`, then (under `mark`) the memset of its `bytes` at `recv` on `stream`.
-std::function<ncclResult_t()> Marked(void* recv, size_t bytes, cudaStream_t stream,
-                                     std::function<ncclResult_t()> call) {
-  const int pattern = mark.load();
-  if (pattern < 0) return call;
-  return [=, inner = std::move(call)] {
-    const ncclResult_t r = inner();
-    if (r != ncclSuccess && r != ncclInProgress) return r;
-    return cudaMemsetAsync(recv, pattern, bytes, stream) == cudaSuccess ? r
-                                                                        : ncclUnhandledCudaError;
-  };
-}
-
-void Join() {
-  for (std::thread& t : threads) t.join();
-  threads.clear();
-}
-
-void Reset() {
-  Join();
-  std::lock_guard<std::mutex> lock(mu);
-  pending = 0;
-  deferred = 0;
-  error = ncclSuccess;
-}
-
-int Deferred() {
-  std::lock_guard<std::mutex> lock(mu);
-  return deferred;
-}
-
-}  // namespace shim
-
-extern "C" {
-ncclResult_t __wrap_ncclAllReduce(const void* s, void* r, size_t n, ncclDataType_t t,
-                                  ncclRedOp_t op, ncclComm_t c, cudaStream_t st) {
-  return shim::Call(st, shim::Marked(r, n * shim::Size(t), st,
-                                     [=] { return __real_ncclAllReduce(s, r, n, t, op, c, st); }));
-}
-ncclResult_t __wrap_ncclAllGather(const void* s, void* r, size_t n, ncclDataType_t t, ncclComm_t c,
-                                  cudaStream_t st) {
-  return shim::Call(st, [=] { return __real_ncclAllGather(s, r, n, t, c, st); });
-}
-ncclResult_t __wrap_ncclReduceScatter(const void* s, void* r, size_t n, ncclDataType_t t,
-                                      ncclRedOp_t op, ncclComm_t c, cudaStream_t st) {
-  return shim::Call(st, [=] { return __real_ncclReduceScatter(s, r, n, t, op, c, st); });
-}
-ncclResult_t __wrap_ncclBroadcast(const void* s, void* r, size_t n, ncclDataType_t t, int root,
-                                  ncclComm_t c, cudaStream_t st) {
-  return shim::Call(st, shim::Marked(r, n * shim::Size(t), st, [=] {
-                      return __real_ncclBroadcast(s, r, n, t, root, c, st);
-                    }));
-}
-ncclResult_t __wrap_ncclSend(const void* s, size_t n, ncclDataType_t t, int peer, ncclComm_t c,
-                             cudaStream_t st) {
-  return shim::Call(st, [=] { return __real_ncclSend(s, n, t, peer, c, st); });
-}
-ncclResult_t __wrap_ncclRecv(void* r, size_t n, ncclDataType_t t, int peer, ncclComm_t c,
-                             cudaStream_t st) {
-  return shim::Call(st, [=] { return __real_ncclRecv(r, n, t, peer, c, st); });
-}
-ncclResult_t __wrap_ncclGroupStart() {
-  if (!shim::on.load()) return __real_ncclGroupStart();
-  shim::in_group = true;
-  shim::group.clear();
-  return ncclSuccess;
-}
-ncclResult_t __wrap_ncclGroupEnd() {
-  if (!shim::on.load()) return __real_ncclGroupEnd();
-  shim::in_group = false;
-  return shim::Defer([calls = std::move(shim::group)] {
-    ncclResult_t r = __real_ncclGroupStart();
-    for (const auto& call : calls) {
-      const ncclResult_t c = call();
-      if (c != ncclSuccess && c != ncclInProgress) r = c;
-    }
-    const ncclResult_t end = __real_ncclGroupEnd();
-    return r != ncclSuccess ? r : end;
-  });
-}
-ncclResult_t __wrap_ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* state) {
-  if (shim::on.load()) {
-    std::lock_guard<std::mutex> lock(shim::mu);
-    if (shim::error != ncclSuccess) {
-      *state = shim::error;
-      return ncclSuccess;
-    }
-    if (shim::pending > 0) {
-      *state = ncclInProgress;
-      return ncclSuccess;
-    }
-  }
-  return __real_ncclCommGetAsyncError(comm, state);
-}
-}  // extern "C"
+#include "tests/gpu/nccl_shim.h"
 
 namespace fp8rt::parallel {
 namespace {

@@ -11,6 +11,12 @@
 //                         fallback kernel counted them)
 //   RerunIsBitIdentical   a second GPU run gives the same loss bits at every step (the CUDA
 //                         kernels reduce in a fixed order: no floating-point atomics)
+//   LateNcclGivesTheSameBits  (modes with late_nccl) the GPU run again with every NCCL call
+//                         completing late, as with several ranks (tests/gpu/nccl_shim.h: each
+//                         call returns ncclInProgress, is made 2 ms later behind 15 ms of sleep
+//                         on its stream): the same loss bits at every step. A result read before
+//                         its collective ran (issue 23, point 1) or a stream-ordered collective
+//                         not waited for would change them.
 // Tolerances (relative, per step), first estimates until a GPU run records the measured maxima in
 // docs/perf.md (the test prints them): the CPU's own layouts differ by up to 6e-5 over 8 FP8 steps
 // (tests/integration/train_test.cc LayoutInvariance); on the GPU, exp/tanh/log differ by a few
@@ -45,6 +51,7 @@
 #include "runtime/spec/run_spec.h"
 #include "runtime/worker/trainer.h"
 #include "tests/gpu/gpu_test_support.h"
+#include "tests/gpu/nccl_shim.h"
 
 namespace fp8rt {
 namespace {
@@ -57,6 +64,37 @@ struct Mode {
   std::string name;
   std::vector<std::string> sets;  // run-spec overrides
   double tolerance;               // relative, per step
+  bool late_nccl = false;         // LateNcclGivesTheSameBits runs on it (a few modes: time)
+};
+
+// Turns the NCCL shim on for a run (Start, after the communicators' set-up, which runs with it
+// off), and off with its threads joined when the run's communicators are gone (it is declared
+// before them), counting the calls it deferred into `*deferred`. Null: the shim stays off.
+class LateNccl {
+ public:
+  explicit LateNccl(int* deferred) : deferred_(deferred) {}
+  LateNccl(const LateNccl&) = delete;
+  LateNccl& operator=(const LateNccl&) = delete;
+  ~LateNccl() {
+    if (deferred_ == nullptr) return;
+    shim::on = false;
+    shim::slow = false;
+    *deferred_ = shim::Deferred();
+    shim::Reset();
+    shim::delay = std::chrono::milliseconds(150);
+    shim::slow_ms = 400;
+  }
+  void Start() {
+    if (deferred_ == nullptr) return;
+    shim::Reset();
+    shim::delay = std::chrono::milliseconds(2);
+    shim::slow_ms = 15;
+    shim::slow = true;
+    shim::on = true;
+  }
+
+ private:
+  int* const deferred_;
 };
 
 // Learnable text: sentences built from a small vocabulary by a fixed recurrence (no data files
@@ -123,8 +161,11 @@ class TrainCudaTest : public kernels::gpu_test::CudaStreamTest,
   }
 
   // kSteps steps of the mode on `device`; the loss of each (empty after a failure).
-  std::vector<double> Run(const std::string& device, const std::string& name) {
+  // `late_calls`, when not null: with every NCCL call completing late (LateNccl), counting them.
+  std::vector<double> Run(const std::string& device, const std::string& name,
+                          int* late_calls = nullptr) {
     const v1::RunSpec spec = Spec(device);
+    LateNccl late(late_calls);
     worker::TrainerOptions options{.run_dir = (dir_ / name).string(),
                                    .resume = false,
                                    .print_progress = false,
@@ -141,6 +182,7 @@ class TrainCudaTest : public kernels::gpu_test::CudaStreamTest,
       comms = nccl.get();
       ops = cuda_;
     }
+    late.Start();
     auto trainer = worker::Trainer::Create(spec, options, *comms, *ops);
     EXPECT_TRUE(trainer.ok()) << trainer.status();
     if (!trainer.ok()) return {};
@@ -197,6 +239,25 @@ TEST_P(TrainCudaTest, RerunIsBitIdentical) {
   }
 }
 
+TEST_P(TrainCudaTest, LateNcclGivesTheSameBits) {
+  if (!GetParam().late_nccl) {
+    GTEST_SKIP() << "runs on fp8_current, fp8_grad_accum and fp8_moe only (each late call "
+                    "costs about 17 ms)";
+  }
+  const std::vector<double> a = Run("cuda", "a");
+  int late_calls = 0;
+  const std::vector<double> b = Run("cuda", "late", &late_calls);
+  ASSERT_EQ(a.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(b.size(), static_cast<size_t>(kSteps));
+  EXPECT_GT(late_calls, kSteps) << "the shim deferred too few NCCL calls";
+  std::printf("[train_cuda] %s: %d NCCL calls completed late, losses bit for bit\n",
+              GetParam().name.c_str(), late_calls);
+  for (int s = 0; s < kSteps; ++s) {
+    EXPECT_EQ(std::bit_cast<uint64_t>(a[s]), std::bit_cast<uint64_t>(b[s]))
+        << "step " << s + 1 << ": " << a[s] << " on time, " << b[s] << " with NCCL late";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Modes, TrainCudaTest,
     ::testing::Values(
@@ -210,13 +271,15 @@ INSTANTIATE_TEST_SUITE_P(
         Mode{"fp8_current",
              {"precision.mode=fp8", "precision.scaling=current",
               "precision.fp8_fast_accum_forward=false"},
-             5e-3},
+             5e-3,
+             /*late_nccl=*/true},
         // Two micro-batches per step: the second backward adds onto the weight gradients the
         // first wrote (the GEMMs' accumulate, BackwardInto's add_dw) before one reduce-scatter.
         Mode{"fp8_grad_accum",
              {"precision.mode=fp8", "precision.scaling=current",
               "precision.fp8_fast_accum_forward=false", "train.grad_accum=2"},
-             5e-3},
+             5e-3,
+             /*late_nccl=*/true},
         Mode{"fp8_block", {"precision.mode=fp8", "precision.scaling=block"}, 5e-3},
         Mode{"fp8_mx32", {"precision.mode=fp8", "precision.scaling=mx32"}, 5e-3},
         // The default recipe: the forward GEMMs accumulate without promotion on the GPU (the CPU
@@ -232,7 +295,8 @@ INSTANTIATE_TEST_SUITE_P(
         Mode{"fp8_moe",
              {"precision.mode=fp8", "precision.scaling=delayed", "moe.experts=4", "moe.top_k=2",
               "moe.every=2"},
-             1e-2}),
+             1e-2,
+             /*late_nccl=*/true}),
     [](const ::testing::TestParamInfo<Mode>& info) { return info.param.name; });
 
 }  // namespace
