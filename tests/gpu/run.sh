@@ -16,8 +16,8 @@
 #      attention_cuda_test (the CUDA layer ops, attention and cross-entropy against the CPU ones),
 #      nccl_communicator_test (NCCL on one GPU), nccl_deferred_test (the same with every
 #      collective completing late, as with several ranks) and train_cuda_test (8 training steps on
-#      the GPU against the CPU run, every precision mode), through `ctest -L gpu` in build mode and
-#      directly in bundle mode; and the host-only device_math_host_test and layer_math_host_test.
+#      the GPU against the CPU run, every precision mode; three modes again with NCCL late), through
+#      `ctest -L gpu` in build mode and directly in bundle mode; and the host-only device_math_host_test and layer_math_host_test.
 #      gtest/JUnit XML for each, packed into one tarball.
 #   4. Runs the GPU benchmarks: `fp8rt bench quantize --device cuda`,
 #      `fp8rt bench gemm --device cuda --size 8192`, `fp8rt bench step --device cuda` (one
