@@ -1,5 +1,5 @@
 // The NCCL shim of the GPU tests (tests/gpu/nccl_shim.h): fp8rt's NCCL calls reach it through
-// the link's --wrap (tests/gpu/CMakeLists.txt, fp8rt_nccl_shim), and it passes them on to NCCL
+// the link's --wrap (tests/gpu/CMakeLists.txt, FP8RT_NCCL_SHIM_WRAP), and it passes them on to NCCL
 // (__real_*) at once, later, or never, as the test asks.
 #include "tests/gpu/nccl_shim.h"
 
@@ -50,10 +50,18 @@ std::vector<std::thread> threads;                  // main thread only
 
 // Makes `call` `delay` from now on a thread of its own; the caller returns ncclInProgress.
 ncclResult_t Defer(std::function<ncclResult_t()> call) {
+  bool all_made = false;
   {
     std::lock_guard<std::mutex> lock(mu);
+    all_made = pending == 0;
     ++pending;
     ++deferred;
+  }
+  // Every earlier thread has made its call: join them now, so that a long run (a training run
+  // with the shim on) does not keep thousands of them until Reset.
+  if (all_made) {
+    for (std::thread& t : threads) t.join();
+    threads.clear();
   }
   int device = 0;
   (void)cudaGetDevice(&device);

@@ -2,7 +2,8 @@
 // completion visible on one GPU. With two or more ranks a collective on a non-blocking
 // communicator may return ncclInProgress and reach its stream later, from NCCL's own thread; with
 // one rank NCCL usually enqueues at once, which hides the difference. A test executable linked
-// with the shim (fp8rt_nccl_shim in tests/gpu/CMakeLists.txt: the link's --wrap routes
+// with the shim (nccl_shim.cc among its sources, and FP8RT_NCCL_SHIM_WRAP in
+// tests/gpu/CMakeLists.txt among its link options: the link's --wrap routes
 // ncclAllReduce, ncclAllGather, ncclReduceScatter, ncclBroadcast, ncclSend, ncclRecv,
 // ncclGroupStart, ncclGroupEnd and ncclCommGetAsyncError here) calls NCCL as usual until it turns
 // the shim on. Then a wrapped collective (or a whole ncclGroupStart..ncclGroupEnd) is not passed

@@ -1365,12 +1365,17 @@ TEST_F(CudaTest, PciBusIdsNameEachVisibleDeviceByItsPciAttributes) {
     ASSERT_EQ(cudaDeviceGetAttribute(&domain, cudaDevAttrPciDomainId, d), cudaSuccess);
     ASSERT_EQ(cudaDeviceGetAttribute(&bus, cudaDevAttrPciBusId, d), cudaSuccess);
     ASSERT_EQ(cudaDeviceGetAttribute(&device, cudaDevAttrPciDeviceId, d), cudaSuccess);
-    char want[32];
-    std::snprintf(want, sizeof(want), "%04x:%02x:%02x.", domain, bus, device);
+    unsigned got_domain = 0, got_bus = 0, got_device = 0, got_function = 0;
+    ASSERT_EQ(
+        std::sscanf(id->c_str(), "%x:%x:%x.%x", &got_domain, &got_bus, &got_device, &got_function),
+        4)
+        << "device " << d << ": " << *id;
+    EXPECT_EQ(got_domain, static_cast<unsigned>(domain)) << "device " << d << ": " << *id;
+    EXPECT_EQ(got_bus, static_cast<unsigned>(bus)) << "device " << d << ": " << *id;
+    EXPECT_EQ(got_device, static_cast<unsigned>(device)) << "device " << d << ": " << *id;
     std::string got = *id;
     std::transform(got.begin(), got.end(), got.begin(),
                    [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-    EXPECT_EQ(got.substr(0, std::strlen(want)), want) << "device " << d << ": " << *id;
     EXPECT_EQ(std::count(seen.begin(), seen.end(), got), 0) << "device " << d << ": " << *id;
     seen.push_back(got);
   }
