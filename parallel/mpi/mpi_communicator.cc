@@ -339,12 +339,9 @@ absl::StatusOr<HostRanks> MpiCommunicatorFactory::RanksOnThisHost() {
   Communicator& world = *world_;
   FP8RT_ASSIGN_OR_RETURN(std::vector<std::string> names,
                          AllGatherStrings(world, name, MPI_MAX_PROCESSOR_NAME));
-  HostRanks ranks{.local_rank = 0, .local_size = 0, .world_ranks = {}};
+  HostRanks ranks{.world_rank = world.rank(), .world_ranks = {}};
   for (int r = 0; r < world.size(); ++r) {
-    if (names[static_cast<size_t>(r)] != name) continue;
-    ranks.world_ranks.push_back(r);
-    ++ranks.local_size;
-    if (r < world.rank()) ++ranks.local_rank;
+    if (names[static_cast<size_t>(r)] == name) ranks.world_ranks.push_back(r);
   }
   return ranks;
 }

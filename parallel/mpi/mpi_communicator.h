@@ -9,6 +9,7 @@
 #ifndef FP8RT_PARALLEL_MPI_MPI_COMMUNICATOR_H_
 #define FP8RT_PARALLEL_MPI_MPI_COMMUNICATOR_H_
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -21,9 +22,14 @@ namespace fp8rt::parallel {
 
 // Where a rank sits among the ranks of its own host: what a rank needs to pick its GPU.
 struct HostRanks {
-  int local_rank = 0;  // 0 .. local_size - 1, in world-rank order
-  int local_size = 1;  // ranks on this host
+  int world_rank = 0;            // this rank
   std::vector<int> world_ranks;  // the world ranks of this host's ranks, ascending (this one too)
+  // This rank's place among them, 0 .. local_size() - 1.
+  int local_rank() const {
+    return static_cast<int>(std::count_if(world_ranks.begin(), world_ranks.end(),
+                                          [&](int r) { return r < world_rank; }));
+  }
+  int local_size() const { return static_cast<int>(world_ranks.size()); }  // ranks on this host
 };
 
 struct MpiOptions {

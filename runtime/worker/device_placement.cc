@@ -16,31 +16,28 @@ absl::StatusOr<int> CudaDeviceForRank(int local_rank, int local_size, int device
 }
 
 absl::Status CheckOneRankPerGpu(const std::vector<std::string>& bus_ids,
-                                const parallel::HostRanks& host, int world_rank, int device_count,
-                                int device) {
-  auto out_of_range = [&](int r) { return r < 0 || static_cast<size_t>(r) >= bus_ids.size(); };
-  for (int r : host.world_ranks) {
-    if (out_of_range(r)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "world rank ", r, " of this host has no bus id (", bus_ids.size(), " gathered)"));
-    }
-  }
-  if (out_of_range(world_rank)) {
+                                const parallel::HostRanks& host, int device_count, int device) {
+  const int world_rank = host.world_rank;
+  auto no_bus_id = [&](int r, const char* whose) {
     return absl::InvalidArgumentError(
-        absl::StrCat("world rank ", world_rank, " has no bus id (", bus_ids.size(), " gathered)"));
+        absl::StrCat("world rank ", r, whose, " has no bus id (", bus_ids.size(), " gathered)"));
+  };
+  if (world_rank < 0 || static_cast<size_t>(world_rank) >= bus_ids.size()) {
+    return no_bus_id(world_rank, "");
   }
   const std::string& mine = bus_ids[static_cast<size_t>(world_rank)];
   std::vector<int> sharing;  // world ranks, this one included
   for (int r : host.world_ranks) {
+    if (r < 0 || static_cast<size_t>(r) >= bus_ids.size()) return no_bus_id(r, " of this host");
     if (!mine.empty() && bus_ids[static_cast<size_t>(r)] == mine) sharing.push_back(r);
   }
   if (sharing.size() < 2) return absl::OkStatus();
   const std::string what = absl::StrCat(
       "world ranks ", absl::StrJoin(sharing, ", "), " of one host would share the GPU at PCI ",
-      mine, " (", host.local_size, " ranks on this host; world rank ", world_rank, " sees ",
+      mine, " (", host.local_size(), " ranks on this host; world rank ", world_rank, " sees ",
       device_count, " CUDA device(s) and took device ", device,
       "): device: cuda needs one GPU per rank");
-  if (host.local_size > device_count) {
+  if (host.local_size() > device_count) {
     return absl::FailedPreconditionError(
         absl::StrCat(what, " (start at most ", device_count,
                      " ranks per host: fewer --np, or mpirun --map-by ppr:", device_count,
@@ -73,7 +70,7 @@ absl::StatusOr<int> PickCudaDevice(parallel::Communicator& world,
     std::string why;
     count = devices.count(&why);
     if (count <= 0) return absl::UnavailableError("no CUDA device: " + why);
-    absl::StatusOr<int> picked = CudaDeviceForRank(host->local_rank, host->local_size, count);
+    absl::StatusOr<int> picked = CudaDeviceForRank(host->local_rank(), host->local_size(), count);
     if (!picked.ok()) return picked.status();
     absl::StatusOr<std::string> id = devices.pci_bus_id(*picked);
     if (!id.ok()) return id.status();
@@ -88,7 +85,7 @@ absl::StatusOr<int> PickCudaDevice(parallel::Communicator& world,
       parallel::AllGatherStrings(world, bus_id, kBusIdBytes);
   if (!device.ok()) return device.status();
   if (!bus_ids.ok()) return bus_ids.status();
-  if (absl::Status s = CheckOneRankPerGpu(*bus_ids, *host, world.rank(), count, *device); !s.ok()) {
+  if (absl::Status s = CheckOneRankPerGpu(*bus_ids, *host, count, *device); !s.ok()) {
     return s;
   }
   if (absl::Status s = devices.use(*device); !s.ok()) return s;

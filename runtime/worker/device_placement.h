@@ -25,14 +25,13 @@ namespace fp8rt::worker {
 absl::StatusOr<int> CudaDeviceForRank(int local_rank, int local_size, int device_count);
 
 // NCCL refuses two ranks of one communicator on one GPU, but only inside ncclCommInitRank, much
-// later and less clearly: so this rank (world rank `world_rank`, on `host`) is refused here when
-// another rank of its host took the same GPU; the message names the world ranks that share it and
+// later and less clearly: so this rank (`host.world_rank`) is refused here when another rank of
+// its host took the same GPU; the message names the world ranks that share it and
 // says what to do instead. `bus_ids`: every world rank's GPU as its PCI bus id (empty for a rank
 // that found none). `device_count`, `device`: what this rank sees and took, for the message.
 // Ranks of other hosts may share a bus id. InvalidArgument for a rank without a bus id.
 absl::Status CheckOneRankPerGpu(const std::vector<std::string>& bus_ids,
-                                const parallel::HostRanks& host, int world_rank, int device_count,
-                                int device);
+                                const parallel::HostRanks& host, int device_count, int device);
 
 // What a rank can learn of the CUDA devices it sees: the CUDA backend's (SystemCudaDevices) or a
 // test's.

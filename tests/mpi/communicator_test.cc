@@ -410,9 +410,9 @@ TEST(HostRanksTest, RanksOnThisHostAgreeWithTheHostnamesAndTheLauncher) {
     }
   }
   EXPECT_THAT(host->world_ranks, ElementsAreArray(here));
-  EXPECT_EQ(host->local_rank,
+  EXPECT_EQ(host->local_rank(),
             std::count_if(here.begin(), here.end(), [&](int r) { return r < w.rank(); }));
-  EXPECT_EQ(host->local_size, static_cast<int>(here.size()));
+  EXPECT_EQ(host->local_size(), static_cast<int>(here.size()));
   MPI_Comm shared = MPI_COMM_NULL;
   ASSERT_EQ(
       MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, w.rank(), MPI_INFO_NULL, &shared),
@@ -421,13 +421,13 @@ TEST(HostRanksTest, RanksOnThisHostAgreeWithTheHostnamesAndTheLauncher) {
   EXPECT_EQ(MPI_Comm_rank(shared, &shared_rank), MPI_SUCCESS);
   EXPECT_EQ(MPI_Comm_size(shared, &shared_size), MPI_SUCCESS);
   EXPECT_EQ(MPI_Comm_free(&shared), MPI_SUCCESS);
-  EXPECT_EQ(host->local_rank, shared_rank);
-  EXPECT_EQ(host->local_size, shared_size);
+  EXPECT_EQ(host->local_rank(), shared_rank);
+  EXPECT_EQ(host->local_size(), shared_size);
   if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK")) {
-    EXPECT_EQ(host->local_rank, std::atoi(env));
+    EXPECT_EQ(host->local_rank(), std::atoi(env));
   }
   if (const char* env = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) {
-    EXPECT_EQ(host->local_size, std::atoi(env));
+    EXPECT_EQ(host->local_size(), std::atoi(env));
   }
 }
 

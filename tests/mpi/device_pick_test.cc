@@ -59,18 +59,18 @@ TEST(PickCudaDeviceTest, EveryRankSeeingTheHostsGpusTakesItsLocalRank) {
   absl::StatusOr<parallel::HostRanks> host = RanksOnThisHost();
   ASSERT_TRUE(parallel::testing::AllRanksOk(host.ok())) << host.status();
   FakeDevices fake{.visible = {}};
-  for (int g = 0; g < host->local_size; ++g) fake.visible.push_back(g);
+  for (int g = 0; g < host->local_size(); ++g) fake.visible.push_back(g);
   const absl::StatusOr<int> device = PickCudaDevice(World(), host, fake.Query());
   ASSERT_TRUE(device.ok()) << device.status();
-  EXPECT_EQ(*device, host->local_rank);
-  EXPECT_EQ(fake.used, host->local_rank);
+  EXPECT_EQ(*device, host->local_rank());
+  EXPECT_EQ(fake.used, host->local_rank());
 }
 
 TEST(PickCudaDeviceTest, EachRankWithAGpuOfItsOwnTakesOrdinalZero) {
   // The launcher gives each rank its own GPU (CUDA_VISIBLE_DEVICES per rank): one device each.
   absl::StatusOr<parallel::HostRanks> host = RanksOnThisHost();
   ASSERT_TRUE(parallel::testing::AllRanksOk(host.ok())) << host.status();
-  FakeDevices fake{.visible = {host->local_rank}};
+  FakeDevices fake{.visible = {host->local_rank()}};
   const absl::StatusOr<int> device = PickCudaDevice(World(), host, fake.Query());
   ASSERT_TRUE(device.ok()) << device.status();
   EXPECT_EQ(*device, 0);
@@ -81,7 +81,7 @@ TEST(PickCudaDeviceTest, RanksSharingOneGpuAreAllRefused) {
   // Every rank sees the same single GPU: more ranks on the host than GPUs.
   absl::StatusOr<parallel::HostRanks> host = RanksOnThisHost();
   ASSERT_TRUE(parallel::testing::AllRanksOk(host.ok())) << host.status();
-  ASSERT_GE(host->local_size, 2);  // mpirun starts every rank of this test on this machine
+  ASSERT_GE(host->local_size(), 2);  // mpirun starts every rank of this test on this machine
   FakeDevices fake{.visible = {0}};
   const absl::StatusOr<int> device = PickCudaDevice(World(), host, fake.Query());
   ASSERT_FALSE(device.ok());
@@ -96,12 +96,12 @@ TEST(PickCudaDeviceTest, GpusListedInAnotherOrderOnOneRankAreCaught) {
   // (its local rank) names the GPU of the local rank 0, so those two are refused.
   absl::StatusOr<parallel::HostRanks> host = RanksOnThisHost();
   ASSERT_TRUE(parallel::testing::AllRanksOk(host.ok())) << host.status();
-  ASSERT_GE(host->local_size, 2);  // mpirun starts every rank of this test on this machine
-  const int n = host->local_size;
+  ASSERT_GE(host->local_size(), 2);  // mpirun starts every rank of this test on this machine
+  const int n = host->local_size();
   FakeDevices fake{.visible = {}};
-  for (int g = 0; g < n; ++g) fake.visible.push_back(host->local_rank == n - 1 ? (g + 1) % n : g);
+  for (int g = 0; g < n; ++g) fake.visible.push_back(host->local_rank() == n - 1 ? (g + 1) % n : g);
   const absl::StatusOr<int> device = PickCudaDevice(World(), host, fake.Query());
-  const bool refused = host->local_rank == 0 || host->local_rank == n - 1;
+  const bool refused = host->local_rank() == 0 || host->local_rank() == n - 1;
   EXPECT_EQ(device.ok(), !refused) << device.status();
   if (refused) {
     EXPECT_THAT(
@@ -116,7 +116,7 @@ TEST(PickCudaDeviceTest, ARankWithoutAGpuOrHostFailsAloneAndNobodyHangs) {
   absl::StatusOr<parallel::HostRanks> host = RanksOnThisHost();
   ASSERT_TRUE(parallel::testing::AllRanksOk(host.ok())) << host.status();
   const int rank = World().rank(), size = World().size();
-  FakeDevices fake{.visible = {host->local_rank}};
+  FakeDevices fake{.visible = {host->local_rank()}};
   if (rank == size - 1) fake.visible.clear();
   const absl::StatusOr<parallel::HostRanks> given =
       rank == size - 2 ? absl::StatusOr<parallel::HostRanks>(absl::DeadlineExceededError("fake"))
@@ -137,13 +137,11 @@ TEST(PickCudaDeviceTest, TheSameBusIdOnTwoHostsIsTwoGpus) {
   // The world as two hosts of equal halves, each rank seeing its own host's GPU number `local
   // rank`: the halves repeat each other's bus ids, and nobody is refused.
   const int rank = World().rank(), half = World().size() / 2;
-  parallel::HostRanks host;
+  parallel::HostRanks host{.world_rank = rank, .world_ranks = {}};
   for (int r = 0; r < World().size(); ++r) {
     if ((r < half) == (rank < half)) host.world_ranks.push_back(r);
   }
-  host.local_size = static_cast<int>(host.world_ranks.size());
-  host.local_rank = rank % half;
-  FakeDevices fake{.visible = {host.local_rank}};
+  FakeDevices fake{.visible = {host.local_rank()}};
   const absl::StatusOr<int> device = PickCudaDevice(World(), host, fake.Query());
   EXPECT_TRUE(device.ok()) << device.status();
 }

@@ -39,13 +39,12 @@ TEST(CudaDeviceForRankTest, ARankOutsideTheHostOrNoDeviceIsAnError) {
   EXPECT_EQ(CudaDeviceForRank(0, 2, 0).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
-// Two hosts of 3 ranks each: world ranks 0-2 on the first, 3-5 on the second.
-parallel::HostRanks HostOf(int world_rank) {
-  parallel::HostRanks host;
-  host.world_ranks = world_rank < 3 ? std::vector<int>{0, 1, 2} : std::vector<int>{3, 4, 5};
-  host.local_size = 3;
-  host.local_rank = world_rank % 3;
-  return host;
+// Two hosts of 3 ranks each: world ranks 0-2 on the first, 3-5 on the second. `host_of`: the
+// rank whose host it is (the rank itself unless a case needs a rank outside its host's list).
+parallel::HostRanks HostOf(int world_rank, int host_of = -1) {
+  if (host_of < 0) host_of = world_rank;
+  return {.world_rank = world_rank,
+          .world_ranks = host_of < 3 ? std::vector<int>{0, 1, 2} : std::vector<int>{3, 4, 5}};
 }
 
 TEST(CheckOneRankPerGpuTest, DistinctGpusOnEachHostPassEvenWhenHostsRepeatBusIds) {
@@ -53,8 +52,8 @@ TEST(CheckOneRankPerGpuTest, DistinctGpusOnEachHostPassEvenWhenHostsRepeatBusIds
   const std::vector<std::string> ids = {"0000:18:00.0", "0000:3B:00.0", "0000:86:00.0",
                                         "0000:18:00.0", "0000:3B:00.0", "0000:86:00.0"};
   for (int r = 0; r < 6; ++r) {
-    EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(r), r, 1, 0).ok()) << r;      // each sees its own
-    EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(r), r, 3, r % 3).ok()) << r;  // each sees all three
+    EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(r), 1, 0).ok()) << r;      // each sees its own
+    EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(r), 3, r % 3).ok()) << r;  // each sees all three
   }
 }
 
@@ -63,7 +62,7 @@ TEST(CheckOneRankPerGpuTest, MoreRanksThanGpusIsRefusedOnTheRanksThatShare) {
   const std::vector<std::string> ids = {"0000:18:00.0", "0000:3B:00.0", "0000:18:00.0",
                                         "0000:18:00.0", "0000:3B:00.0", "0000:86:00.0"};
   for (int r : {0, 2}) {
-    const absl::Status s = CheckOneRankPerGpu(ids, HostOf(r), r, 2, 0);
+    const absl::Status s = CheckOneRankPerGpu(ids, HostOf(r), 2, 0);
     ASSERT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << r;
     EXPECT_THAT(std::string(s.message()),
                 AllOf(HasSubstr("world ranks 0, 2 of one host would share the GPU at PCI "
@@ -73,9 +72,9 @@ TEST(CheckOneRankPerGpuTest, MoreRanksThanGpusIsRefusedOnTheRanksThatShare) {
                       HasSubstr("one GPU per rank"), HasSubstr("ppr:2:node"),
                       HasSubstr("CUDA_VISIBLE_DEVICES")));
   }
-  EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(1), 1, 2, 1).ok());
+  EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(1), 2, 1).ok());
   // Rank 3 has the first host's 0000:18:00.0 too, but on its own host nobody else does.
-  EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(3), 3, 3, 0).ok());
+  EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(3), 3, 0).ok());
 }
 
 TEST(CheckOneRankPerGpuTest, RanksSeeingTheGpusInDifferentOrdersAreTold) {
@@ -83,7 +82,7 @@ TEST(CheckOneRankPerGpuTest, RanksSeeingTheGpusInDifferentOrdersAreTold) {
   // in another order: its ordinal 2 is the GPU rank 0 took as its ordinal 0.
   const std::vector<std::string> ids = {"0000:18:00.0", "0000:3B:00.0", "0000:18:00.0",
                                         "0000:18:00.0", "0000:3B:00.0", "0000:86:00.0"};
-  const absl::Status s = CheckOneRankPerGpu(ids, HostOf(2), 2, 3, 2);
+  const absl::Status s = CheckOneRankPerGpu(ids, HostOf(2), 3, 2);
   ASSERT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.message()),
               AllOf(HasSubstr("world ranks 0, 2 of one host"), HasSubstr("different orders"),
@@ -93,14 +92,14 @@ TEST(CheckOneRankPerGpuTest, RanksSeeingTheGpusInDifferentOrdersAreTold) {
 TEST(CheckOneRankPerGpuTest, ARankWithoutAGpuSharesWithNobody) {
   // Ranks 0 and 1 found no device (empty id): neither collides with the other.
   const std::vector<std::string> ids = {"", "", "0000:18:00.0", "", "", ""};
-  for (int r = 0; r < 3; ++r) EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(r), r, 1, 0).ok()) << r;
+  for (int r = 0; r < 3; ++r) EXPECT_TRUE(CheckOneRankPerGpu(ids, HostOf(r), 1, 0).ok()) << r;
 }
 
 TEST(CheckOneRankPerGpuTest, ARankWithoutABusIdIsAnError) {
   const std::vector<std::string> ids = {"0000:18:00.0", "0000:3B:00.0", "0000:86:00.0"};
   // This rank, or a rank of its host, beyond the gathered ids (the host's ranks are 3, 4, 5).
-  EXPECT_EQ(CheckOneRankPerGpu(ids, HostOf(0), 6, 1, 0).code(), absl::StatusCode::kInvalidArgument);
-  const absl::Status s = CheckOneRankPerGpu(ids, HostOf(3), 0, 1, 0);
+  EXPECT_EQ(CheckOneRankPerGpu(ids, HostOf(6, 0), 1, 0).code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status s = CheckOneRankPerGpu(ids, HostOf(0, 3), 1, 0);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(s.message()), HasSubstr("world rank 3 of this host has no bus id"));
 }
