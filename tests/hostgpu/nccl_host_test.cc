@@ -1,0 +1,461 @@
+// NcclCommunicator with two or more ranks, on CPU ranks: the NCCL backend's own source built
+// against the host emulation of CUDA's runtime and NCCL (host_gpu.h), under mpirun (issue 23,
+// point 1). On a non-blocking communicator NCCL answers ncclInProgress and puts a collective on
+// its stream later, as it does with several ranks; the emulation writes a collective's results
+// only then. So a result read before the backend saw the collective complete is the buffer as it
+// was before (on a host buffer: this rank's own input), and differs from the expected one, which
+// the tests compute from every rank's input by the collective's definition. Each collective runs
+// on plain host memory (staged through device memory), on device memory and on pinned memory,
+// with the call waiting (Completion::kHost) and stream-ordered (Completion::kStream); then
+// started all-gathers, splits, late completion, a peer that hangs and a peer that fails. Every
+// test also asserts that no NCCL call was made while a communicator was still ncclInProgress.
+#include <cuda_runtime.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nccl.h>
+
+#include <bit>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "parallel/communicator.h"
+#include "parallel/nccl/nccl_communicator.h"
+#include "tests/hostgpu/host_gpu.h"
+#include "tests/mpi/mpi_test_env.h"
+
+namespace fp8rt::parallel {
+namespace {
+
+using ::testing::HasSubstr;
+using Bytes = std::vector<uint8_t>;
+using namespace std::chrono_literals;
+
+enum class Memory { kHost, kDevice, kPinned };
+
+const char* Name(Memory m) {
+  switch (m) {
+    case Memory::kHost:
+      return "host";
+    case Memory::kDevice:
+      return "device";
+    case Memory::kPinned:
+      return "pinned";
+  }
+  return "?";
+}
+
+// A buffer in the memory under test, filled from host bytes and read back as bytes.
+class Buffer {
+ public:
+  Buffer(Memory memory, const Bytes& init) : memory_(memory), bytes_(init.size()) {
+    if (memory == Memory::kHost) {
+      host_ = init;
+      return;
+    }
+    const cudaError_t e =
+        memory == Memory::kDevice ? cudaMalloc(&p_, bytes_) : cudaMallocHost(&p_, bytes_);
+    EXPECT_EQ(e, cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(p_, init.data(), bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~Buffer() {
+    if (p_ != nullptr) (void)(memory_ == Memory::kDevice ? cudaFree(p_) : cudaFreeHost(p_));
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void* get() { return memory_ == Memory::kHost ? host_.data() : p_; }
+  Bytes Read() const {
+    if (memory_ == Memory::kHost) return host_;
+    Bytes out(bytes_);
+    EXPECT_EQ(cudaMemcpy(out.data(), p_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+    return out;
+  }
+
+ private:
+  const Memory memory_;
+  const size_t bytes_;
+  Bytes host_;
+  void* p_ = nullptr;
+};
+
+template <typename T>
+Bytes AsBytes(const std::vector<T>& v) {
+  Bytes out(v.size() * sizeof(T));
+  std::memcpy(out.data(), v.data(), out.size());
+  return out;
+}
+
+template <typename T>
+std::vector<T> FromBytes(const Bytes& b) {
+  std::vector<T> out(b.size() / sizeof(T));
+  std::memcpy(out.data(), b.data(), out.size() * sizeof(T));
+  return out;
+}
+
+// Rank r's i-th input: small integers (some negative), exact in every type and in every sum of
+// a few of them, so that the expected reductions do not depend on the order of the ranks.
+int Input(int rank, int64_t i) { return (rank + 1) * static_cast<int>(i % 13 + 1) - 5 * rank; }
+
+uint16_t Bf16(float f) { return static_cast<uint16_t>(std::bit_cast<uint32_t>(f) >> 16); }
+
+// Rank r's `count` inputs as `dtype` bytes.
+Bytes Inputs(DType dtype, int rank, int64_t count) {
+  Bytes out;
+  for (int64_t i = 0; i < count; ++i) {
+    const int v = Input(rank, i);
+    switch (dtype) {
+      case DType::kF32: {
+        const Bytes b = AsBytes(std::vector<float>{static_cast<float>(v)});
+        out.insert(out.end(), b.begin(), b.end());
+        break;
+      }
+      case DType::kBF16: {
+        const Bytes b = AsBytes(std::vector<uint16_t>{Bf16(static_cast<float>(v))});
+        out.insert(out.end(), b.begin(), b.end());
+        break;
+      }
+      case DType::kI32: {
+        const Bytes b = AsBytes(std::vector<int32_t>{v});
+        out.insert(out.end(), b.begin(), b.end());
+        break;
+      }
+      case DType::kI64: {
+        const Bytes b = AsBytes(std::vector<int64_t>{int64_t{v} << 33});  // beyond 32 bits
+        out.insert(out.end(), b.begin(), b.end());
+        break;
+      }
+      case DType::kU8:
+        out.push_back(static_cast<uint8_t>(v));
+        break;
+    }
+  }
+  return out;
+}
+
+// The reduction of the ranks [first, first + ranks)'s inputs [offset, offset + count), by
+// definition.
+Bytes Reduced(DType dtype, ReduceOp op, int ranks, int64_t offset, int64_t count) {
+  Bytes out;
+  for (int64_t i = offset; i < offset + count; ++i) {
+    int64_t acc = Input(0, i);
+    for (int r = 1; r < ranks; ++r) {
+      acc = op == ReduceOp::kSum ? acc + Input(r, i) : std::max<int64_t>(acc, Input(r, i));
+    }
+    Bytes one;
+    switch (dtype) {
+      case DType::kF32:
+        one = AsBytes(std::vector<float>{static_cast<float>(acc)});
+        break;
+      case DType::kBF16:
+        one = AsBytes(std::vector<uint16_t>{Bf16(static_cast<float>(acc))});
+        break;
+      case DType::kI32:
+        one = AsBytes(std::vector<int32_t>{static_cast<int32_t>(acc)});
+        break;
+      case DType::kI64:
+        one = AsBytes(std::vector<int64_t>{acc << 33});
+        break;
+      case DType::kU8:
+        one = {static_cast<uint8_t>(acc)};
+        break;
+    }
+    out.insert(out.end(), one.begin(), one.end());
+  }
+  return out;
+}
+
+NcclOptions Options(std::chrono::milliseconds timeout) {
+  NcclOptions options;
+  options.timeout = timeout;
+  return options;
+}
+
+class NcclHostTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    hostgpu::settings() = hostgpu::Settings{};
+    hostgpu::ResetStats();
+  }
+  void TearDown() override {
+    const hostgpu::Stats s = hostgpu::stats();
+    EXPECT_EQ(s.misuse, 0) << "first: " << s.first_misuse;
+    hostgpu::settings() = hostgpu::Settings{};
+  }
+
+  // A factory over the MPI world (the bootstrap), on the emulated device 0.
+  static std::unique_ptr<NcclCommunicatorFactory> Make(
+      std::chrono::milliseconds timeout = std::chrono::seconds(20)) {
+    absl::StatusOr<std::unique_ptr<NcclCommunicatorFactory>> f =
+        NcclCommunicatorFactory::Create(testing::Factory().World(), 0, Options(timeout));
+    EXPECT_TRUE(f.ok()) << f.status();
+    return f.ok() ? *std::move(f) : nullptr;
+  }
+};
+
+struct Case {
+  Memory memory;
+  Completion completion;
+};
+
+std::string CaseName(const Case& c) {
+  return std::string(Name(c.memory)) + (c.completion == Completion::kStream ? "/stream" : "/host");
+}
+
+const Case kCases[] = {
+    {Memory::kHost, Completion::kHost},     {Memory::kDevice, Completion::kHost},
+    {Memory::kPinned, Completion::kHost},   {Memory::kHost, Completion::kStream},
+    {Memory::kDevice, Completion::kStream},
+};
+
+TEST_F(NcclHostTest, EveryCollectiveGivesEveryRanksResult) {
+  auto factory = Make();
+  ASSERT_NE(factory, nullptr);
+  Communicator& comm = factory->World();
+  const int rank = comm.rank(), size = comm.size();
+  ASSERT_EQ(size, testing::Factory().World().size());
+  constexpr int64_t kCount = 37;  // not a multiple of anything the backend might round to
+
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(CaseName(c));
+    // All-reduce, in place, every dtype the backend reduces.
+    const std::pair<DType, ReduceOp> reductions[] = {
+        {DType::kF32, ReduceOp::kSum},  {DType::kF32, ReduceOp::kMax},
+        {DType::kBF16, ReduceOp::kSum}, {DType::kI32, ReduceOp::kSum},
+        {DType::kI64, ReduceOp::kMax},
+    };
+    for (const auto& [dtype, op] : reductions) {
+      SCOPED_TRACE(DTypeName(dtype));
+      Buffer buf(c.memory, Inputs(dtype, rank, kCount));
+      EXPECT_TRUE(comm.AllReduce(buf.get(), kCount, dtype, op, c.completion).ok());
+      EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+      EXPECT_EQ(buf.Read(), Reduced(dtype, op, size, 0, kCount));
+    }
+    {
+      SCOPED_TRACE("all-gather");
+      Buffer send(c.memory, Inputs(DType::kU8, rank, kCount));
+      Buffer recv(c.memory, Bytes(kCount * size, 0xEE));
+      EXPECT_TRUE(comm.AllGather(send.get(), kCount, recv.get(), DType::kU8, c.completion).ok());
+      EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+      Bytes expected;
+      for (int r = 0; r < size; ++r) {
+        const Bytes b = Inputs(DType::kU8, r, kCount);
+        expected.insert(expected.end(), b.begin(), b.end());
+      }
+      EXPECT_EQ(recv.Read(), expected);
+    }
+    {
+      SCOPED_TRACE("reduce-scatter");
+      // Every rank sends size * kCount elements; rank r gets the sum of block r.
+      Buffer send(c.memory, Inputs(DType::kF32, rank, kCount * size));
+      Buffer recv(c.memory, AsBytes(std::vector<float>(kCount, -1.0f)));
+      EXPECT_TRUE(comm.ReduceScatter(send.get(), recv.get(), kCount, DType::kF32, ReduceOp::kSum,
+                                     c.completion)
+                      .ok());
+      EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+      EXPECT_EQ(recv.Read(), Reduced(DType::kF32, ReduceOp::kSum, size, rank * kCount, kCount));
+    }
+    if (c.completion == Completion::kHost) {
+      SCOPED_TRACE("broadcast");
+      const int root = size - 1;
+      Buffer buf(c.memory, Inputs(DType::kI32, rank, kCount));
+      EXPECT_TRUE(comm.Broadcast(buf.get(), kCount, DType::kI32, root).ok());
+      EXPECT_EQ(buf.Read(), Inputs(DType::kI32, root, kCount));
+      EXPECT_TRUE(comm.Barrier().ok());
+    }
+    {
+      SCOPED_TRACE("all-to-all");
+      // Rank s sends (s + 2 d) % 4 elements to rank d (none for some pairs), value
+      // 1000 s + 100 d + k; blocks are laid out backwards with a gap of one element, which the
+      // receiver's sentinel must keep.
+      auto count = [](int s, int d) { return static_cast<int64_t>((s + 2 * d) % 4); };
+      std::vector<int64_t> send_counts(size), send_displs(size), recv_counts(size),
+          recv_displs(size);
+      int64_t send_end = 0, recv_end = 0;
+      for (int p = size - 1; p >= 0; --p) {
+        send_counts[p] = count(rank, p);
+        send_displs[p] = send_end;
+        send_end += send_counts[p] + 1;
+        recv_counts[p] = count(p, rank);
+        recv_displs[p] = recv_end;
+        recv_end += recv_counts[p] + 1;
+      }
+      std::vector<int32_t> send_values(send_end, -9), expected(recv_end, -7);
+      for (int p = 0; p < size; ++p) {
+        for (int64_t k = 0; k < send_counts[p]; ++k) {
+          send_values[send_displs[p] + k] = 1000 * rank + 100 * p + static_cast<int32_t>(k);
+        }
+        for (int64_t k = 0; k < recv_counts[p]; ++k) {
+          expected[recv_displs[p] + k] = 1000 * p + 100 * rank + static_cast<int32_t>(k);
+        }
+      }
+      Buffer send(c.memory, AsBytes(send_values));
+      Buffer recv(c.memory, AsBytes(std::vector<int32_t>(recv_end, -7)));
+      EXPECT_TRUE(comm.AllToAllV(send.get(), send_counts, send_displs, recv.get(), recv_counts,
+                                 recv_displs, DType::kI32, c.completion)
+                      .ok());
+      EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+      EXPECT_EQ(FromBytes<int32_t>(recv.Read()), expected);
+    }
+  }
+  // The emulated NCCL deferred its calls, so the results above were waited for.
+  EXPECT_GT(hostgpu::stats().deferred, 0);
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
+TEST_F(NcclHostTest, StartedAllGathersCompleteInWait) {
+  auto factory = Make();
+  ASSERT_NE(factory, nullptr);
+  Communicator& comm = factory->World();
+  const int rank = comm.rank(), size = comm.size();
+  constexpr int64_t kCount = 19;
+  for (Memory memory : {Memory::kHost, Memory::kDevice}) {
+    SCOPED_TRACE(Name(memory));
+    // Two gathers in flight at once, then a collective on the main stream behind them.
+    Buffer send_a(memory, Inputs(DType::kBF16, rank, kCount));
+    Buffer send_b(memory, Inputs(DType::kF32, rank + 3, kCount));
+    Buffer recv_a(memory, Bytes(2 * kCount * size, 0));
+    Buffer recv_b(memory, Bytes(4 * kCount * size, 0));
+    auto a = comm.StartAllGather(send_a.get(), kCount, recv_a.get(), DType::kBF16);
+    auto b = comm.StartAllGather(send_b.get(), kCount, recv_b.get(), DType::kF32);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    Buffer sum(memory, Inputs(DType::kI32, rank, kCount));
+    EXPECT_TRUE(comm.AllReduce(sum.get(), kCount, DType::kI32, ReduceOp::kSum).ok());
+    EXPECT_TRUE((*a)->Wait().ok());
+    EXPECT_TRUE((*b)->WaitStreamOrdered().ok());
+    EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+    Bytes expected_a, expected_b;
+    for (int r = 0; r < size; ++r) {
+      const Bytes x = Inputs(DType::kBF16, r, kCount), y = Inputs(DType::kF32, r + 3, kCount);
+      expected_a.insert(expected_a.end(), x.begin(), x.end());
+      expected_b.insert(expected_b.end(), y.begin(), y.end());
+    }
+    EXPECT_EQ(recv_a.Read(), expected_a);
+    EXPECT_EQ(recv_b.Read(), expected_b);
+    EXPECT_EQ(sum.Read(), Reduced(DType::kI32, ReduceOp::kSum, size, 0, kCount));
+  }
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
+TEST_F(NcclHostTest, SplitGroupsReduceOverTheirOwnRanks) {
+  auto factory = Make();
+  ASSERT_NE(factory, nullptr);
+  const int rank = factory->World().rank(), size = factory->World().size();
+  // Even and odd world ranks, each group in reverse world order (key = -rank).
+  absl::StatusOr<std::unique_ptr<Communicator>> group = factory->Split(rank % 2, -rank, "parity");
+  ASSERT_TRUE(group.ok()) << group.status();
+  Communicator& g = **group;
+  std::vector<int32_t> members;
+  for (int r = size - 1; r >= 0; --r) {
+    if (r % 2 == rank % 2) members.push_back(r);
+  }
+  ASSERT_EQ(g.size(), static_cast<int>(members.size()));
+  EXPECT_EQ(members[static_cast<size_t>(g.rank())], rank);
+  for (Memory memory : {Memory::kHost, Memory::kDevice}) {
+    SCOPED_TRACE(Name(memory));
+    Buffer who(memory, AsBytes(std::vector<int32_t>{rank}));
+    Buffer all(memory, Bytes(4 * members.size(), 0));
+    EXPECT_TRUE(g.AllGather(who.get(), 1, all.get(), DType::kI32).ok());
+    EXPECT_EQ(FromBytes<int32_t>(all.Read()), members);
+    Buffer sum(memory, AsBytes(std::vector<int64_t>{int64_t{1} << (2 * rank)}));
+    EXPECT_TRUE(g.AllReduce(sum.get(), 1, DType::kI64, ReduceOp::kSum, Completion::kStream).ok());
+    EXPECT_TRUE(g.CheckStreamOrdered().ok());
+    int64_t expected = 0;
+    for (int32_t r : members) expected += int64_t{1} << (2 * r);
+    EXPECT_EQ(FromBytes<int64_t>(sum.Read()), std::vector<int64_t>{expected});
+  }
+  // The world still works after the split, and the group is destroyed first or last alike.
+  int32_t one = 1;
+  EXPECT_TRUE(factory->World().AllReduce(&one, 1, DType::kI32, ReduceOp::kSum).ok());
+  EXPECT_EQ(one, size);
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
+TEST_F(NcclHostTest, ResultsThatArriveLateAreWaitedFor) {
+  // NCCL keeps every call ncclInProgress for 40 polls and 20 ms: longer than any copy back.
+  hostgpu::settings().polls = 40;
+  hostgpu::settings().delay = 20ms;
+  auto factory = Make();
+  ASSERT_NE(factory, nullptr);
+  Communicator& comm = factory->World();
+  const int size = comm.size();
+  float loss = static_cast<float>(comm.rank() + 1);
+  EXPECT_TRUE(comm.AllReduce(&loss, 1, DType::kF32, ReduceOp::kSum).ok());
+  EXPECT_EQ(loss, static_cast<float>(size * (size + 1) / 2));
+  Buffer amax(Memory::kDevice, AsBytes(std::vector<float>{static_cast<float>(comm.rank())}));
+  EXPECT_TRUE(comm.AllReduce(amax.get(), 1, DType::kF32, ReduceOp::kMax, Completion::kStream).ok());
+  EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+  EXPECT_EQ(FromBytes<float>(amax.Read()), std::vector<float>{static_cast<float>(size - 1)});
+  EXPECT_GE(hostgpu::stats().deferred, 3);  // init and both all-reduces
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
+TEST_F(NcclHostTest, AHungCollectiveEndsAtTheDeadlineAndAbortsTheCommunicator) {
+  for (Memory memory : {Memory::kHost, Memory::kDevice}) {
+    for (Completion completion : {Completion::kHost, Completion::kStream}) {
+      SCOPED_TRACE(CaseName(Case{memory, completion}));
+      auto factory = Make(300ms);
+      ASSERT_NE(factory, nullptr);
+      Communicator& comm = factory->World();
+      hostgpu::settings().hang = true;
+      const Bytes input = Inputs(DType::kF32, comm.rank(), 5);
+      Buffer buf(memory, input);
+      const auto start = std::chrono::steady_clock::now();
+      const absl::Status s = comm.AllReduce(buf.get(), 5, DType::kF32, ReduceOp::kSum, completion);
+      const auto took = std::chrono::steady_clock::now() - start;
+      hostgpu::settings().hang = false;
+      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+      EXPECT_THAT(s.message(), HasSubstr("ncclAllReduce"));
+      EXPECT_THAT(s.message(), HasSubstr("did not complete within 300 ms"));
+      EXPECT_THAT(s.message(), HasSubstr("the NCCL communicator was aborted"));
+      EXPECT_LT(took, 5s);
+      // Nothing half-done reaches the caller's buffer.
+      EXPECT_EQ(buf.Read(), input);
+      EXPECT_GE(hostgpu::stats().aborted, 1);
+      const absl::Status next = comm.Barrier();
+      EXPECT_EQ(next.code(), absl::StatusCode::kFailedPrecondition) << next;
+      EXPECT_THAT(next.message(), HasSubstr("unusable after an earlier failure"));
+    }
+  }
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
+TEST_F(NcclHostTest, AStartedAllGatherWhosePeerHangsFails) {
+  auto factory = Make(300ms);
+  ASSERT_NE(factory, nullptr);
+  Communicator& comm = factory->World();
+  hostgpu::settings().hang = true;
+  Buffer send(Memory::kDevice, Bytes(8, 1));
+  Buffer recv(Memory::kDevice, Bytes(8 * static_cast<size_t>(comm.size()), 0));
+  auto pending = comm.StartAllGather(send.get(), 8, recv.get(), DType::kU8);
+  hostgpu::settings().hang = false;
+  // NCCL never put the gather on its stream: the start itself times out.
+  ASSERT_FALSE(pending.ok());
+  EXPECT_EQ(pending.status().code(), absl::StatusCode::kDeadlineExceeded) << pending.status();
+  EXPECT_THAT(pending.status().message(), HasSubstr("ncclAllGather (started)"));
+  EXPECT_EQ(comm.CheckStreamOrdered().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
+TEST_F(NcclHostTest, APeerThatFailsGivesUnavailable) {
+  auto factory = Make(5s);
+  ASSERT_NE(factory, nullptr);
+  Communicator& comm = factory->World();
+  hostgpu::settings().fail = ncclRemoteError;
+  float x = 1.0f;
+  const absl::Status s = comm.AllReduce(&x, 1, DType::kF32, ReduceOp::kSum);
+  hostgpu::settings().fail = ncclSuccess;
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(s.message(), HasSubstr("ncclAllReduce"));
+  EXPECT_THAT(s.message(), HasSubstr("remote process exited"));
+  EXPECT_THAT(s.message(), HasSubstr("the NCCL communicator was aborted"));
+  EXPECT_EQ(x, 1.0f);
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
+}  // namespace
+}  // namespace fp8rt::parallel
