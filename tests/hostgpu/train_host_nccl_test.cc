@@ -1,0 +1,242 @@
+// Whole training runs over the NCCL backend with several ranks, on CPU ranks (issue 23, point 1):
+// the same run once with MPI communicators and once with NcclCommunicators over the host
+// emulation of CUDA's runtime and NCCL (host_gpu.h), in which every NCCL call completes late, as
+// across GPUs. The model runs the CPU op table, with its memory allocated through the emulated
+// runtime (device memory, and pinned memory for what the host reads), so the NCCL backend takes
+// the paths it takes on GPUs: stream-ordered collectives (Completion::kStream), FSDP's started
+// all-gathers on the side stream, and staging only for the step loop's host values (the loss,
+// the gradient norm, MoE's counts). Every step's loss and gradient norm must be the same bits:
+// every group has two ranks, where a sum's order cannot matter. A result read before its
+// collective ran (the amax sync, the global norm, the MoE counts or tokens, a gathered weight)
+// would change them. No NCCL call may be made while a communicator is still in progress.
+//
+// Built only without FP8RT_CUDA (the sanitizer build in scripts/test): in a CUDA build the op
+// tables' CUDA code would link against the emulation's entry points.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "kernels/layer_ops.h"
+#include "kernels/ops.h"
+#include "parallel/nccl/nccl_communicator.h"
+#include "runtime/spec/run_spec.h"
+#include "runtime/worker/trainer.h"
+#include "tests/hostgpu/host_gpu.h"
+#include "tests/mpi/mpi_test_env.h"
+
+namespace fp8rt {
+namespace {
+
+namespace fs = std::filesystem;
+using parallel::testing::AllRanksOk;
+using parallel::testing::Factory;
+
+constexpr int kSteps = 4;
+
+absl::StatusOr<void*> DeviceAllocate(size_t bytes) {
+  void* p = nullptr;
+  if (cudaMalloc(&p, bytes) != cudaSuccess) {
+    return absl::ResourceExhaustedError("cudaMalloc (emulated) failed");
+  }
+  return p;
+}
+absl::StatusOr<void*> PinnedAllocate(size_t bytes) {
+  void* p = nullptr;
+  if (cudaMallocHost(&p, bytes) != cudaSuccess) {
+    return absl::ResourceExhaustedError("cudaMallocHost (emulated) failed");
+  }
+  return p;
+}
+void Deallocate(void* p) {
+  if (p == nullptr) return;
+  cudaPointerAttributes a{};
+  (void)cudaPointerGetAttributes(&a, p);
+  (void)(a.type == cudaMemoryTypeHost ? cudaFreeHost(p) : cudaFree(p));
+}
+
+// The CPU op table with its memory from the emulated CUDA runtime.
+const kernels::OpTable& CpuOpsOnEmulatedDevice() {
+  static const kernels::LayerOps layer = [] {
+    kernels::LayerOps l = *kernels::CpuOps().layer;
+    l.allocate = &DeviceAllocate;
+    l.allocate_device = &DeviceAllocate;
+    l.allocate_host = &PinnedAllocate;
+    l.deallocate = &Deallocate;
+    return l;
+  }();
+  static const kernels::OpTable table = [] {
+    kernels::OpTable t = kernels::CpuOps();
+    t.layer = &layer;
+    return t;
+  }();
+  return table;
+}
+
+struct Mode {
+  std::string name;
+  std::vector<std::string> sets;  // run-spec overrides
+  bool moe = false;               // expert parallelism over 2 ranks
+};
+void PrintTo(const Mode& mode, std::ostream* os) { *os << mode.name; }
+
+// Learnable text from a small vocabulary (no data files needed).
+std::string MakeText() {
+  static const char* kWords[] = {"the",    "model",  "learns", "to",  "predict", "next",
+                                 "byte",   "of",     "text",   "in",  "fp8",     "while",
+                                 "scales", "follow", "each",   "amax"};
+  std::string text;
+  uint32_t x = 12345;
+  while (text.size() < (1u << 17)) {
+    x = x * 1664525u + 1013904223u;
+    text += kWords[(x >> 20) % 16];
+    text += (x >> 8) % 9 == 0 ? ".\n" : " ";
+  }
+  return text;
+}
+
+struct Record {
+  double loss = 0.0;
+  double grad_norm = 0.0;
+};
+
+class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
+ protected:
+  void SetUp() override {
+    hostgpu::settings() = hostgpu::Settings{};
+    hostgpu::ResetStats();
+    std::string tmpl = (fs::temp_directory_path() / "fp8rt_train_host_nccl_XXXXXX").string();
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+    std::ofstream(dir_ / "text.txt", std::ios::binary) << MakeText();
+  }
+  void TearDown() override {
+    const hostgpu::Stats s = hostgpu::stats();
+    EXPECT_EQ(s.misuse, 0) << "first: " << s.first_misuse;
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+
+  // The run's layout: groups of two ranks (dp 2, and tp 2 with 4 ranks; ep 2 with MoE).
+  std::vector<std::string> Layout() const {
+    const int world = Factory().World().size();
+    const int tp = world / 2;
+    return {"parallel.dp=2", "parallel.tp=" + std::to_string(tp),
+            std::string("parallel.ep=") + (GetParam().moe ? "2" : "1")};
+  }
+
+  // kSteps steps over MPI communicators or the emulated NCCL ones; empty after a failure.
+  std::vector<Record> Run(bool nccl) {
+    const std::string yaml =
+        "model:\n  family: llama\n  layers: 2\n  d_model: 128\n  heads: 4\n  kv_heads: 2\n"
+        "  d_ff: 256\n  seq_len: 32\n  vocab: 256\n"
+        "train:\n  steps: " +
+        std::to_string(kSteps) +
+        "\n  micro_batch: 4\n  lr: 1.0e-3\n  warmup: 1\n  clip: 1.0\n"
+        "checkpoint:\n  every: 0\nmetrics:\n  every: 100\n"
+        "data:\n  path: " +
+        (dir_ / "text.txt").string() + "\n";
+    std::vector<std::string> sets = GetParam().sets;
+    for (const std::string& s : Layout()) sets.push_back(s);
+    absl::StatusOr<v1::RunSpec> spec = ParseRunSpec(yaml, "train_host_nccl_test", sets);
+    EXPECT_TRUE(spec.ok()) << spec.status();
+    if (!spec.ok()) return {};
+    const absl::Status valid = ValidateRunSpec(*spec, Factory().World().size());
+    EXPECT_TRUE(valid.ok()) << valid;
+    if (!valid.ok()) return {};
+
+    std::unique_ptr<parallel::NcclCommunicatorFactory> nccl_factory;
+    parallel::CommunicatorFactory* comms = &Factory();
+    const kernels::OpTable* ops = &kernels::CpuOps();
+    if (nccl) {
+      auto created = parallel::NcclCommunicatorFactory::Create(Factory().World(), /*device=*/0);
+      EXPECT_TRUE(created.ok()) << created.status();
+      if (!created.ok()) return {};
+      nccl_factory = *std::move(created);
+      comms = nccl_factory.get();
+      ops = &CpuOpsOnEmulatedDevice();
+    }
+    const worker::TrainerOptions options{.run_dir = (dir_ / (nccl ? "nccl" : "mpi")).string(),
+                                         .resume = false,
+                                         .print_progress = false,
+                                         .controller = {}};
+    auto trainer = worker::Trainer::Create(*spec, options, *comms, *ops);
+    EXPECT_TRUE(trainer.ok()) << trainer.status();
+    if (!trainer.ok()) return {};
+    std::vector<Record> records;
+    for (int s = 1; s <= kSteps; ++s) {
+      absl::StatusOr<worker::StepRecord> rec = (*trainer)->Step();
+      EXPECT_TRUE(rec.ok()) << (nccl ? "nccl" : "mpi") << " step " << s << ": " << rec.status();
+      if (!rec.ok()) return {};
+      EXPECT_FALSE(rec->skipped) << "step " << s << " was skipped";
+      EXPECT_TRUE(std::isfinite(rec->loss));
+      records.push_back(Record{rec->loss, rec->grad_norm});
+    }
+    return records;
+  }
+
+  fs::path dir_;
+};
+
+TEST_P(TrainHostNcclTest, SameBitsAsMpi) {
+  if (GetParam().moe && Factory().World().size() != 2) {
+    GTEST_SKIP() << "MoE needs parallel.tp 1, so more than 2 ranks would make DP sums over more "
+                    "than 2 ranks, whose order MPI chooses (bits could differ); np2 runs it";
+  }
+  const std::vector<Record> mpi = Run(/*nccl=*/false);
+  const std::vector<Record> nccl = Run(/*nccl=*/true);
+  ASSERT_TRUE(AllRanksOk(mpi.size() == kSteps && nccl.size() == kSteps));
+  for (int s = 0; s < kSteps; ++s) {
+    EXPECT_EQ(std::bit_cast<uint64_t>(mpi[s].loss), std::bit_cast<uint64_t>(nccl[s].loss))
+        << "step " << s + 1 << ": loss " << mpi[s].loss << " over MPI, " << nccl[s].loss
+        << " over NCCL";
+    EXPECT_EQ(std::bit_cast<uint64_t>(mpi[s].grad_norm), std::bit_cast<uint64_t>(nccl[s].grad_norm))
+        << "step " << s + 1 << ": gradient norm " << mpi[s].grad_norm << " over MPI, "
+        << nccl[s].grad_norm << " over NCCL";
+  }
+  EXPECT_LT(nccl.back().loss, nccl.front().loss) << "the loss must fall";
+  const hostgpu::Stats stats = hostgpu::stats();
+  // Every NCCL call was deferred: the whole run waited for results that came late.
+  EXPECT_GT(stats.deferred, 10 * kSteps);
+  if (Factory().World().rank() == 0 && !::testing::Test::HasFailure()) {
+    std::printf(
+        "[train_host_nccl] %s on %d ranks: %lld NCCL calls completed late; loss %.4f -> "
+        "%.4f, the same bits as over MPI\n",
+        GetParam().name.c_str(), Factory().World().size(), static_cast<long long>(stats.deferred),
+        nccl.front().loss, nccl.back().loss);
+  }
+  EXPECT_TRUE(AllRanksOk(!::testing::Test::HasFailure()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, TrainHostNcclTest,
+    ::testing::Values(
+        Mode{"bf16", {"precision.mode=bf16"}},
+        Mode{"fp8_delayed", {"precision.mode=fp8", "precision.scaling=delayed"}},
+        // Current scaling: the amaxes' TP max on the device, the scale derived there.
+        Mode{"fp8_current", {"precision.mode=fp8", "precision.scaling=current"}},
+        // Two micro-batches per step before one gradient reduce-scatter.
+        Mode{"fp8_grad_accum",
+             {"precision.mode=fp8", "precision.scaling=current", "train.grad_accum=2"}},
+        // BF16 FSDP gathers (the baseline), quantized after the gather.
+        Mode{"fp8_bf16_gather",
+             {"precision.mode=fp8", "precision.scaling=delayed", "precision.fsdp_gather=bf16"}},
+        // MoE in every second block, experts over 2 ranks: counts and tokens all-to-all.
+        Mode{"fp8_moe",
+             {"precision.mode=fp8", "precision.scaling=delayed", "moe.experts=4", "moe.top_k=2",
+              "moe.every=2"},
+             /*moe=*/true}),
+    [](const ::testing::TestParamInfo<Mode>& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace fp8rt
