@@ -92,6 +92,14 @@ bool LiveStream(cudaStream_t s) {
   return rt.streams.count(s) != 0;
 }
 
+// Whether CUDA work may be enqueued on `s` now: a live stream that no NCCL call still
+// ncclInProgress is about to use (`call` is counted as misuse otherwise).
+cudaError_t Enqueue(cudaStream_t s, const char* call) {
+  if (!LiveStream(s)) return Fail(cudaErrorInvalidResourceHandle);
+  if (fp8rt::hostgpu::NcclHoldsStream(s, call)) return Fail(cudaErrorInvalidValue);
+  return cudaSuccess;
+}
+
 bool ValidEvent(cudaEvent_t e) {
   Runtime& rt = State();
   std::lock_guard<std::mutex> lock(rt.mu);
@@ -142,7 +150,7 @@ bool ValidStream(void* stream) { return LiveStream(static_cast<cudaStream_t>(str
 namespace fp8rt::kernels::cuda_internal {
 
 cudaError_t MallocFromDevicePool(void** p, size_t bytes, cudaStream_t stream) {
-  if (!LiveStream(stream)) return Fail(cudaErrorInvalidResourceHandle);
+  if (const cudaError_t e = Enqueue(stream, "MallocFromDevicePool"); e != cudaSuccess) return e;
   return Allocate(p, bytes, cudaMemoryTypeDevice);
 }
 
@@ -157,7 +165,7 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
 }
 cudaError_t cudaFreeHost(void* p) { return Release(p, cudaMemoryTypeHost); }
 cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
-  if (!LiveStream(stream)) return Fail(cudaErrorInvalidResourceHandle);
+  if (const cudaError_t e = Enqueue(stream, "cudaFreeAsync"); e != cudaSuccess) return e;
   return Release(p, cudaMemoryTypeDevice);
 }
 
@@ -166,12 +174,12 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind 
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
                             cudaStream_t stream) {
-  if (!LiveStream(stream)) return Fail(cudaErrorInvalidResourceHandle);
+  if (const cudaError_t e = Enqueue(stream, "cudaMemcpyAsync"); e != cudaSuccess) return e;
   return Copy(dst, src, count, kind);
 }
 cudaError_t cudaMemset(void* p, int value, size_t count) { return Set(p, value, count); }
 cudaError_t cudaMemsetAsync(void* p, int value, size_t count, cudaStream_t stream) {
-  if (!LiveStream(stream)) return Fail(cudaErrorInvalidResourceHandle);
+  if (const cudaError_t e = Enqueue(stream, "cudaMemsetAsync"); e != cudaSuccess) return e;
   return Set(p, value, count);
 }
 
@@ -265,11 +273,12 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) { return cudaStreamQuery(stream); }
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags) {
-  if (!LiveStream(stream) || !ValidEvent(event)) return Fail(cudaErrorInvalidResourceHandle);
+  if (!ValidEvent(event)) return Fail(cudaErrorInvalidResourceHandle);
+  if (const cudaError_t e = Enqueue(stream, "cudaStreamWaitEvent"); e != cudaSuccess) return e;
   return flags == 0 ? cudaSuccess : Fail(cudaErrorInvalidValue);
 }
 cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* data) {
-  if (!LiveStream(stream)) return Fail(cudaErrorInvalidResourceHandle);
+  if (const cudaError_t e = Enqueue(stream, "cudaLaunchHostFunc"); e != cudaSuccess) return e;
   if (fn == nullptr) return Fail(cudaErrorInvalidValue);
   fn(data);
   return cudaSuccess;
@@ -297,8 +306,8 @@ cudaError_t cudaEventDestroy(cudaEvent_t event) {
   return cudaSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
-  if (!ValidEvent(event) || !LiveStream(stream)) return Fail(cudaErrorInvalidResourceHandle);
-  return cudaSuccess;
+  if (!ValidEvent(event)) return Fail(cudaErrorInvalidResourceHandle);
+  return Enqueue(stream, "cudaEventRecord");
 }
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   return ValidEvent(event) ? cudaSuccess : Fail(cudaErrorInvalidResourceHandle);

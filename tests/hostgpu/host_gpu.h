@@ -22,8 +22,11 @@
 //     poll of ncclCommGetAsyncError that first answers ncclSuccess: at least `polls` polls and
 //     `delay` after the call, and not before every rank has sent its part. So a result read
 //     before NCCL's state left ncclInProgress is the buffer as it was before the collective.
-//   - Another call on a communicator while its state is ncclInProgress (NCCL forbids it) fails
-//     with ncclInvalidUsage and is counted (Stats::misuse), so that a test can assert none.
+//   - Another call on a communicator while its state is ncclInProgress fails with
+//     ncclInvalidUsage, and CUDA work enqueued meanwhile on the stream that call will use fails
+//     with cudaErrorInvalidValue; both are counted (Stats::misuse), so that a test can assert
+//     none. NCCL's documentation forbids both: after ncclInProgress, query the state until it is
+//     ncclSuccess before calling NCCL again or issuing CUDA work on NCCL's streams.
 //   - Communicator creation (the unique id must be the same on every rank: it is checked),
 //     ncclCommSplit (the child's handle is written when the parent leaves ncclInProgress) and
 //     ncclCommFinalize are deferred the same way.
@@ -68,6 +71,10 @@ void ResetStats();
 // null, legacy or per-thread stream).
 bool DeviceRange(const void* p, size_t bytes);
 bool ValidStream(void* stream);
+// For cuda_runtime_host.cc: whether a NCCL call still ncclInProgress will be put on `stream`, in
+// which case `call`, CUDA work on that stream, is counted as misuse (NCCL's documentation: until
+// the communicator's state is ncclSuccess, issue no CUDA work on the streams NCCL uses).
+bool NcclHoldsStream(void* stream, const char* call);
 
 }  // namespace fp8rt::hostgpu
 

@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,6 +42,7 @@ struct Deferred {
   int polls_left = 0;
   Clock::time_point ready;
   bool collective = false;  // moves data: Settings::hang and Settings::fail apply
+  cudaStream_t stream = nullptr;  // the stream NCCL puts it on (none for init, split, finalize)
 };
 
 }  // namespace
@@ -61,6 +63,7 @@ namespace {
 std::mutex mu;  // guards every communicator, the stats and the graveyard
 fp8rt::hostgpu::Stats stats;
 std::vector<ncclComm*> graveyard;  // aborted with MPI operations started: never freed
+std::set<ncclComm*> live;          // created and not yet destroyed or aborted
 thread_local std::string thread_last_error;
 
 // A send or receive of the current thread's ncclGroupStart..ncclGroupEnd.
@@ -71,6 +74,7 @@ struct P2p {
   size_t bytes = 0;
   int peer = 0;
   ncclComm_t comm = nullptr;
+  cudaStream_t stream = nullptr;
 };
 thread_local int group_depth = 0;
 thread_local std::vector<P2p> group;
@@ -168,9 +172,10 @@ void Reduce(const uint8_t* blocks, size_t stride, int ranks, size_t count, ncclD
 
 bool Busy(ncclComm_t comm) { return comm->async == ncclSuccess && !comm->pending.empty(); }
 
-ncclResult_t Misuse(ncclComm_t comm, const char* call) {
+ncclResult_t Misuse(ncclComm_t comm, const char* call,
+                    const char* where = "on a communicator still ncclInProgress") {
   ++stats.misuse;
-  const std::string why = std::string(call) + " on a communicator still ncclInProgress";
+  const std::string why = std::string(call) + " " + where;
   if (stats.first_misuse.empty()) stats.first_misuse = why;
   return Error(comm, ncclInvalidUsage, why);
 }
@@ -204,10 +209,11 @@ void Progress(ncclComm_t comm) {
 }
 
 // With mu held: comm takes `d` (nothing deferred on a blocking communicator: done at once).
-ncclResult_t Submit(ncclComm_t comm, std::unique_ptr<Deferred> d) {
+ncclResult_t Submit(ncclComm_t comm, std::unique_ptr<Deferred> d, cudaStream_t stream = nullptr) {
   const fp8rt::hostgpu::Settings& s = fp8rt::hostgpu::settings();
   d->polls_left = s.polls;
   d->ready = Clock::now() + s.delay;
+  d->stream = stream;
   if (comm->blocking) {
     if (!d->requests.empty()) {
       MPI_Waitall(static_cast<int>(d->requests.size()), d->requests.data(), MPI_STATUSES_IGNORE);
@@ -272,11 +278,13 @@ ncclComm_t NewComm(MPI_Comm mpi, const ncclConfig_t* config) {
   comm->blocking =
       config == nullptr || config->blocking == NCCL_CONFIG_UNDEF_INT || config->blocking != 0;
   comm->owner = std::this_thread::get_id();
+  live.insert(comm);
   return comm;
 }
 
 // With mu held: frees comm, or keeps it for ever when MPI may still write into its buffers.
 void Bury(ncclComm_t comm) {
+  live.erase(comm);
   bool started = false;
   for (const auto& d : comm->pending) started |= !d->requests.empty();
   if (started || std::this_thread::get_id() != comm->owner) {
@@ -302,6 +310,20 @@ Stats stats() {
 void ResetStats() {
   std::lock_guard<std::mutex> lock(mu);
   ::stats = Stats{};
+}
+
+bool NcclHoldsStream(void* stream, const char* call) {
+  std::lock_guard<std::mutex> lock(mu);
+  for (const ncclComm* comm : live) {
+    if (comm->async != ncclSuccess) continue;
+    for (const auto& d : comm->pending) {
+      if (d->stream != nullptr && d->stream == stream) {
+        (void)Misuse(nullptr, call, "on a stream of a NCCL call still ncclInProgress");
+        return true;
+      }
+    }
+  }
+  return false;
 }
 
 }  // namespace fp8rt::hostgpu
@@ -457,7 +479,7 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
   d->land = [all, bytes, ranks, count, type, op, recv] {
     Reduce(all->data(), bytes, ranks, count, type, op, recv);
   };
-  return Submit(comm, std::move(d));
+  return Submit(comm, std::move(d), stream);
 }
 
 ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t type,
@@ -483,7 +505,7 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
     Reduce(all->data() + static_cast<size_t>(rank) * bytes, all_bytes, ranks, recvcount, type, op,
            recv);
   };
-  return Submit(comm, std::move(d));
+  return Submit(comm, std::move(d), stream);
 }
 
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t type,
@@ -501,7 +523,7 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
   d->collective = true;
   const Bytes* all = GatherAll(*d, comm, send, bytes);
   d->land = [all, recv] { std::memcpy(recv, all->data(), all->size()); };
-  return Submit(comm, std::move(d));
+  return Submit(comm, std::move(d), stream);
 }
 
 ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t type,
@@ -525,7 +547,7 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
     MPI_Ibcast(buf->data(), Int(bytes), MPI_BYTE, root, comm->mpi, &d->requests.back());
   }
   d->land = [buf, recv] { std::memcpy(recv, buf->data(), buf->size()); };
-  return Submit(comm, std::move(d));
+  return Submit(comm, std::move(d), stream);
 }
 
 ncclResult_t ncclGroupStart() {
@@ -550,6 +572,7 @@ ncclResult_t PointToPoint(P2p p, ncclDataType_t type, cudaStream_t stream, const
                  std::string(call) + " outside a group (the emulation needs one)");
   }
   p.bytes *= TypeSize(type);
+  p.stream = stream;
   const void* buf = p.send ? p.sendbuf : p.recvbuf;
   if (ncclResult_t rc = CheckBuffer(p.comm, buf, p.bytes, call); rc != ncclSuccess) return rc;
   group.push_back(p);
@@ -579,12 +602,14 @@ ncclResult_t ncclGroupEnd() {
   calls.swap(group);
   std::lock_guard<std::mutex> lock(mu);
   std::map<ncclComm_t, std::unique_ptr<Deferred>> ops;
+  std::map<ncclComm_t, cudaStream_t> streams;
   for (const P2p& p : calls) {
     if (Busy(p.comm)) return Misuse(p.comm, "ncclGroupEnd");
     std::unique_ptr<Deferred>& d = ops[p.comm];
     if (d == nullptr) {
       d = std::make_unique<Deferred>();
       d->collective = true;
+      streams[p.comm] = p.stream;
     }
     Bytes* buf = Buf(*d, p.bytes);
     if (p.send) std::memcpy(buf->data(), p.sendbuf, p.bytes);
@@ -607,7 +632,7 @@ ncclResult_t ncclGroupEnd() {
   }
   ncclResult_t rc = ncclSuccess;
   for (auto& [comm, d] : ops) {
-    if (Submit(comm, std::move(d)) == ncclInProgress) rc = ncclInProgress;
+    if (Submit(comm, std::move(d), streams[comm]) == ncclInProgress) rc = ncclInProgress;
   }
   return rc;
 }
