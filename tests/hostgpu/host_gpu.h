@@ -1,79 +1,107 @@
 // CUDA's runtime and NCCL emulated on CPU ranks, for the tests of parallel/nccl/ (issue 23).
 //
 // NcclCommunicator's protocol with NCCL (non-blocking communicators, ncclInProgress, polling
-// ncclCommGetAsyncError, deadlines, aborts, splits, staging host buffers) decides whether its
-// results are right with two or more ranks, and one GPU cannot show it: with one rank NCCL
-// launches at once. A test executable built with cuda_runtime_host.cc and nccl_host.cc instead
-// of libcudart and libnccl (tests/hostgpu/CMakeLists.txt) runs the same NcclCommunicator source
-// under mpirun, each rank a CPU process, the ranks' data moving over MPI.
+// ncclCommGetAsyncError, streams and events, deadlines, the watchdog, aborts, splits, staging host
+// buffers) decides whether its results are right with two or more ranks, and one GPU cannot show
+// it: with one rank NCCL launches at once. A test executable built with cuda_runtime_host.cc and
+// nccl_host.cc instead of libcudart and libnccl (tests/hostgpu/CMakeLists.txt) runs the same
+// NcclCommunicator source under mpirun, each rank a CPU process, the ranks' data moving over MPI.
 //
-// The model, and what it leaves out:
-//   - Device memory is host memory that the runtime has registered (cudaMalloc, the device pool,
-//     cudaMallocHost for pinned memory); cudaPointerGetAttributes tells them from plain host
-//     memory as CUDA does. A copy whose kind disagrees with where its pointers live fails.
-//   - Streams execute their work when it is enqueued: a copy, a memset or an event record has
-//     happened when its call returns, so every stream and event is always complete. Kernels
-//     running on after their launch, and the ordering between streams, are not modelled (a GPU
-//     shows those: tests/gpu/).
+// The model:
+//   - Device memory is host memory that the runtime has registered (cudaMalloc and the staging
+//     pool: device memory; cudaMallocHost: pinned). cudaPointerGetAttributes tells them from plain
+//     host memory as CUDA does. A copy fails when its device side is not registered memory, when
+//     its host side is device memory, or when it runs past its allocation.
+//   - Streams are queues. Their work (copies, memsets, event records, waits on events, host
+//     functions, frees, NCCL's kernels) runs in stream order, after the events it waits for, and
+//     with the legacy default stream's implicit ordering against blocking streams. With
+//     Settings::lazy_streams the device runs only when the host waits: a synchronisation (a
+//     stream, an event, the device, a synchronous copy or memset, cudaFree), a copy to or from
+//     pageable memory, or every `stream_polls`-th query of a stream or event (until then a query
+//     answers cudaErrorNotReady). Without it (the default) work runs as soon as it can, as it is
+//     enqueued. Host code that reads device memory directly is not ordered: the tests read it
+//     with cudaMemcpy.
 //   - NCCL on a non-blocking communicator works as its documentation says, and as it does with
 //     several ranks: a collective (or a ncclGroupStart..ncclGroupEnd of sends and receives)
-//     returns ncclInProgress and reaches its stream later. Here its data leave at the call (an
-//     MPI non-blocking operation) and its results are written to the receive buffers only at the
-//     poll of ncclCommGetAsyncError that first answers ncclSuccess: at least `polls` polls and
-//     `delay` after the call, and not before every rank has sent its part. So a result read
-//     before NCCL's state left ncclInProgress is the buffer as it was before the collective.
-//   - Another call on a communicator while its state is ncclInProgress fails with
-//     ncclInvalidUsage, and CUDA work enqueued meanwhile on the stream that call will use fails
-//     with cudaErrorInvalidValue; both are counted (Stats::misuse), so that a test can assert
-//     none. NCCL's documentation forbids both: after ncclInProgress, query the state until it is
-//     ncclSuccess before calling NCCL again or issuing CUDA work on NCCL's streams.
-//   - Communicator creation (the unique id must be the same on every rank: it is checked),
-//     ncclCommSplit (the child's handle is written when the parent leaves ncclInProgress) and
-//     ncclCommFinalize are deferred the same way.
-//   - MPI is called only from the thread that created the communicator (the MPI library is
-//     initialised with MPI_THREAD_FUNNELED): other threads' polls (the watchdog's) see the state
-//     as it is.
-// One CUDA device (ordinal 0) exists. Only the entry points fp8rt and its tests call are there.
+//     returns ncclInProgress; it is put on its stream at the poll of ncclCommGetAsyncError that
+//     first answers ncclSuccess, at least `polls` polls and `delay` after the call. There it is a
+//     kernel: when the stream reaches it, and after the communicator's earlier kernels started
+//     (NCCL runs one communicator's work in call order), it reads its send buffer and starts MPI
+//     non-blocking operations; it ends, writing its receive buffer, once every rank has sent its
+//     part. So a result read before the backend waited for the kernel (through the stream or an
+//     event after it) is the buffer as it was.
+//   - NCCL forbids, after a call answered ncclInProgress, another call on that communicator and
+//     CUDA work on the stream the call will use, until the state is ncclSuccess. The first fails
+//     with ncclInvalidUsage, the second with cudaErrorInvalidValue; both are counted
+//     (Stats::misuse), so that a test can assert none.
+//   - Faults (Settings; every rank sets the same, so all ranks see the fault together): a call
+//     that never reaches its stream (`hang`), a kernel that never ends (`hang_on_stream`), an
+//     asynchronous error instead of the kernel (`fail`), or after it was enqueued and hangs
+//     (`fail_on_stream`, reported 20 ms later). ncclCommAbort ends the communicator's kernels, so
+//     that a host waiting behind them returns, as on a GPU.
+//   - Communicator creation (the unique id is compared across ranks), ncclCommSplit (the child's
+//     handle is written when the parent leaves ncclInProgress) and ncclCommFinalize (ends when the
+//     communicator's kernels have) are deferred the same way, but their MPI parts run at the call
+//     and block: a rank missing from them hangs the others instead of failing them at the
+//     deadline (not modelled).
+//   - MPI is called only from the thread that initialised it (MPI_THREAD_FUNNELED): other
+//     threads (the backend's watchdog) see NCCL's state and the streams as they are, and run only
+//     work that needs no MPI.
+// One CUDA device (ordinal 0) exists. Only the entry points fp8rt and its tests call are there;
+// groups may hold only sends and receives, and communicators span MPI_COMM_WORLD's ranks in order.
 #ifndef FP8RT_TESTS_HOSTGPU_HOST_GPU_H_
 #define FP8RT_TESTS_HOSTGPU_HOST_GPU_H_
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace fp8rt::hostgpu {
 
-// How NCCL's deferred work behaves. Change it only while no NCCL work is in flight.
+// How the emulation behaves. Change it only while no NCCL work is in flight: a call takes the
+// fault settings in force when it is made.
 struct Settings {
-  // A deferred call stays ncclInProgress for at least this many polls of ncclCommGetAsyncError
+  // A deferred NCCL call stays ncclInProgress for at least this many polls of
+  // ncclCommGetAsyncError
   int polls = 3;
   // and at least this long after the call.
   std::chrono::microseconds delay{500};
-  // Deferred collectives never complete (and move no data): a peer that hangs.
+  bool lazy_streams = false;
+  int stream_polls = 3;
   bool hang = false;
-  // When not ncclSuccess, deferred collectives end with this asynchronous error (a peer that
-  // failed) instead of their results.
-  int fail = 0;
+  bool hang_on_stream = false;
+  int fail = 0;  // an ncclResult_t; 0 (ncclSuccess): none
+  int fail_on_stream = 0;
 };
 Settings& settings();
 
 struct Stats {
-  int64_t deferred = 0;  // NCCL calls that returned ncclInProgress
-  int64_t misuse = 0;    // calls on a communicator still ncclInProgress, refused
+  int64_t deferred = 0;       // NCCL calls that returned ncclInProgress
+  int64_t kernels = 0;        // NCCL kernels that ended with their results
+  int64_t side_stream = 0;    // of them, on a non-blocking stream (fp8rt: started all-gathers)
+  int64_t caller_memory = 0;  // of them, receiving into memory the caller allocated (not staging)
+  int64_t misuse = 0;         // refused calls (see above)
   std::string first_misuse;
   int64_t aborted = 0;  // ncclCommAbort calls
 };
 Stats stats();
 void ResetStats();
 
-// For nccl_host.cc: whether [p, p + bytes) lies inside one allocation the device can address
-// (cudaMalloc, the device pool or cudaMallocHost), and whether `stream` is a live stream (or the
-// null, legacy or per-thread stream).
-bool DeviceRange(const void* p, size_t bytes);
+// Between the two files.
+// cuda_runtime_host.cc: whether [p, p + bytes) lies inside one registered allocation; `kind`
+// receives 1 for cudaMalloc, 2 for the staging pool, 3 for cudaMallocHost (0 otherwise).
+bool DeviceRange(const void* p, size_t bytes, int* kind = nullptr);
+// cuda_runtime_host.cc: whether `stream` is a live stream (or the null, legacy or per-thread
+// stream), and whether it was created non-blocking.
 bool ValidStream(void* stream);
-// For cuda_runtime_host.cc: whether a NCCL call still ncclInProgress will be put on `stream`, in
-// which case `call`, CUDA work on that stream, is counted as misuse (NCCL's documentation: until
-// the communicator's state is ncclSuccess, issue no CUDA work on the streams NCCL uses).
+bool NonBlockingStream(void* stream);
+// cuda_runtime_host.cc: puts a kernel on `stream`, in stream order; `step` is called when the
+// stream reaches it, and again until it returns true (it may decline on a thread other than
+// MPI's). Called with nccl_host.cc's lock held.
+void EnqueueKernel(void* stream, std::function<bool()> step);
+// nccl_host.cc: whether a NCCL call still ncclInProgress will be put on `stream`, in which case
+// `call`, CUDA work on that stream, is counted as misuse.
 bool NcclHoldsStream(void* stream, const char* call);
 
 }  // namespace fp8rt::hostgpu

@@ -1,11 +1,12 @@
 // NCCL's entry points that fp8rt calls, emulated on CPU ranks over MPI (host_gpu.h says the model).
 //
-// A communicator is a duplicate of an MPI communicator. A collective copies its input at the call
-// and starts an MPI non-blocking operation on the copy; on a non-blocking communicator the call
-// returns ncclInProgress and the results reach the receive buffer only at the poll of
-// ncclCommGetAsyncError that first answers ncclSuccess (see Settings for when). Reductions gather
-// every rank's input and reduce it here in rank order, so sums of integers or of values exact in
-// the type come out the same on every rank whatever the order.
+// A communicator is a duplicate of an MPI communicator. On a non-blocking communicator a
+// collective returns ncclInProgress and is put on its stream, as a kernel, at the poll of
+// ncclCommGetAsyncError that first answers ncclSuccess (see Settings for when); on a blocking one
+// at the call. The kernel (Kernel::Step, run by the emulated device) reads its send buffer when it
+// starts, in the communicator's call order, exchanges it with MPI non-blocking operations and
+// writes its receive buffer when they complete. Reductions gather every rank's input and reduce it
+// in rank order, so sums exact in their type come out the same on every rank whatever the order.
 #include <cuda_runtime.h>
 #include <mpi.h>
 #include <nccl.h>
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -33,37 +35,116 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Bytes = std::vector<uint8_t>;
 
-// A call NCCL completes later: its MPI requests, the copies they read and write, and what it does
-// to the caller's buffers when it completes.
-struct Deferred {
+// What the kernels of one communicator share: its MPI communicator, whether it was aborted, and
+// the call order they start in.
+struct Shared {
+  MPI_Comm mpi = MPI_COMM_NULL;
+  std::atomic<bool> aborted{false};
+  uint64_t calls = 0;    // kernels created (under the NCCL lock)
+  uint64_t started = 0;  // kernels that started (by the device, which runs one piece at a time)
+  std::atomic<uint64_t> ended{0};  // kernels that ended (with their results or by the abort)
+};
+
+// Buffers MPI may still write into after an abort: kept for ever.
+std::mutex leak_mu;
+std::vector<std::shared_ptr<void>>& Leaked() {
+  static auto* leaked = new std::vector<std::shared_ptr<void>>;
+  return *leaked;
+}
+
+std::atomic<int64_t> kernels_landed{0}, kernels_side{0}, kernels_caller{0};
+
+// One collective (or one group's sends and receives) on the device.
+struct Kernel : std::enable_shared_from_this<Kernel> {
+  std::shared_ptr<Shared> shared;
+  uint64_t seq = 0;
+  bool hang = false;    // never ends (Settings::hang_on_stream, fail_on_stream)
+  bool side = false;    // on a non-blocking stream
+  bool caller = false;  // receives into memory the caller allocated (cudaMalloc, cudaMallocHost)
+  // Reads the send buffers and starts the MPI operations (into requests, on bufs).
+  std::function<void(Kernel&)> start;
+  std::function<void()> land;  // writes the receive buffers
   std::vector<MPI_Request> requests;
   std::vector<std::unique_ptr<Bytes>> bufs;
-  std::function<void()> land;
+  bool started = false;
+
+  Bytes* Buf(size_t bytes) {
+    bufs.push_back(std::make_unique<Bytes>(bytes));
+    return bufs.back().get();
+  }
+
+  // The device's step: true once ended.
+  bool Step() {
+    if (shared->aborted.load()) {  // the abort ends the kernel
+      if (started && !requests.empty()) {
+        std::lock_guard<std::mutex> lock(leak_mu);
+        Leaked().push_back(shared_from_this());
+      }
+      ++shared->ended;
+      return true;
+    }
+    if (hang) return false;
+    int is_main = 0;
+    MPI_Is_thread_main(&is_main);
+    if (is_main == 0) return false;  // MPI_THREAD_FUNNELED: MPI's thread runs it
+    if (!started) {
+      if (shared->started != seq) return false;  // an earlier call of the communicator first
+      start(*this);
+      started = true;
+      ++shared->started;
+    }
+    if (!requests.empty()) {
+      int done = 0;
+      if (fp8rt::hostgpu::settings().lazy_streams) {
+        MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
+      } else {  // eager: every rank is putting this kernel on its stream now
+        MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+        done = 1;
+      }
+      if (done == 0) return false;
+    }
+    if (land) land();
+    ++kernels_landed;
+    if (side) ++kernels_side;
+    if (caller) ++kernels_caller;
+    ++shared->ended;
+    return true;
+  }
+};
+
+// A call NCCL completes later: until then the communicator is ncclInProgress.
+struct Deferred {
+  std::shared_ptr<Kernel> kernel;  // put on `stream` when the call completes (none: no data)
+  cudaStream_t stream = nullptr;
+  std::function<bool()> ready;  // besides polls and delay (finalize: the kernels ended)
+  std::function<void()> land;   // at completion (a split: the child's handle)
   int polls_left = 0;
-  Clock::time_point ready;
-  bool collective = false;  // moves data: Settings::hang and Settings::fail apply
-  cudaStream_t stream = nullptr;  // the stream NCCL puts it on (none for init, split, finalize)
+  Clock::time_point due;
+  // The fault settings when the call was made.
+  bool hang = false;
+  int fail = 0;
+  int fail_on_stream = 0;
 };
 
 }  // namespace
 
 struct ncclComm {
-  MPI_Comm mpi = MPI_COMM_NULL;
+  std::shared_ptr<Shared> shared = std::make_shared<Shared>();
   int rank = 0;
   int size = 0;
   bool blocking = true;
-  std::thread::id owner;                          // the thread that may call MPI for it
-  ncclResult_t async = ncclSuccess;               // the asynchronous error, once one happened
+  ncclResult_t async = ncclSuccess;  // the asynchronous error, once one happened
+  Clock::time_point fail_at;         // fail_on_stream: when `fail_code` becomes the error
+  int fail_code = 0;
   std::deque<std::unique_ptr<Deferred>> pending;  // oldest first
   std::string last_error;
 };
 
 namespace {
 
-std::mutex mu;  // guards every communicator, the stats and the graveyard
+std::mutex mu;  // guards every communicator, the stats and the registry below
 fp8rt::hostgpu::Stats stats;
-std::vector<ncclComm*> graveyard;  // aborted with MPI operations started: never freed
-std::set<ncclComm*> live;          // created and not yet destroyed or aborted
+std::set<ncclComm*> live;  // created and not yet destroyed or aborted
 thread_local std::string thread_last_error;
 
 // A send or receive of the current thread's ncclGroupStart..ncclGroupEnd.
@@ -107,14 +188,22 @@ size_t TypeSize(ncclDataType_t t) {
 }
 
 float Bf16ToFloat(uint16_t b) { return std::bit_cast<float>(static_cast<uint32_t>(b) << 16); }
-uint16_t FloatToBf16(float f) {  // round to nearest even (no NaNs in the tests)
+uint16_t FloatToBf16(float f) {  // round to nearest even; NaN stays a quiet NaN of its sign
   const uint32_t u = std::bit_cast<uint32_t>(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// Integers wrap as NCCL's do (added as unsigned: no undefined behaviour on overflow).
 template <typename T>
 T Combine(T a, T b, ncclRedOp_t op) {
-  return op == ncclSum ? static_cast<T>(a + b) : std::max(a, b);
+  if (op == ncclMax) return std::max(a, b);
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+  } else {
+    return a + b;
+  }
 }
 
 template <typename T>
@@ -132,7 +221,8 @@ void ReduceAs(const uint8_t* blocks, size_t stride, int ranks, size_t count, ncc
   }
 }
 
-// out[i] = op over the ranks r (in order) of element i of the block at blocks + r * stride.
+// out[i] = op over the ranks r (in order) of element i of the block at blocks + r * stride. BF16
+// adds in FP32 and rounds once per step, as NCCL does.
 void Reduce(const uint8_t* blocks, size_t stride, int ranks, size_t count, ncclDataType_t t,
             ncclRedOp_t op, void* out) {
   switch (t) {
@@ -180,50 +270,60 @@ ncclResult_t Misuse(ncclComm_t comm, const char* call,
   return Error(comm, ncclInvalidUsage, why);
 }
 
-// With mu held: completes what is due of comm's deferred work, oldest first.
+// With mu held: completes what is due of comm's deferred calls, oldest first, putting their
+// kernels on their streams.
 void Progress(ncclComm_t comm) {
-  const fp8rt::hostgpu::Settings& s = fp8rt::hostgpu::settings();
+  if (comm->async == ncclSuccess && comm->fail_code != 0 && Clock::now() >= comm->fail_at) {
+    comm->async = static_cast<ncclResult_t>(comm->fail_code);
+    comm->last_error = "a peer failed (emulated asynchronous error)";
+  }
   while (comm->async == ncclSuccess && !comm->pending.empty()) {
     Deferred& d = *comm->pending.front();
     if (d.polls_left > 0) {
       --d.polls_left;
       return;
     }
-    if (Clock::now() < d.ready) return;
-    if (d.collective && s.hang) return;
-    if (d.collective && s.fail != ncclSuccess) {
-      comm->async = static_cast<ncclResult_t>(s.fail);
+    if (Clock::now() < d.due || d.hang || (d.ready && !d.ready())) return;
+    if (d.fail != ncclSuccess) {
+      comm->async = static_cast<ncclResult_t>(d.fail);
       comm->last_error = "a peer failed (emulated asynchronous error)";
       return;
     }
-    if (!d.requests.empty()) {
-      if (std::this_thread::get_id() != comm->owner) return;  // MPI is the owner's
-      int done = 0;
-      MPI_Testall(static_cast<int>(d.requests.size()), d.requests.data(), &done,
-                  MPI_STATUSES_IGNORE);
-      if (done == 0) return;
+    if (d.fail_on_stream != ncclSuccess) {
+      comm->fail_code = d.fail_on_stream;
+      comm->fail_at = Clock::now() + std::chrono::milliseconds(20);
     }
-    if (d.land) d.land();
+    std::unique_ptr<Deferred> done = std::move(comm->pending.front());
     comm->pending.pop_front();
+    if (done->land) done->land();
+    if (done->kernel) {
+      std::shared_ptr<Kernel> k = done->kernel;
+      fp8rt::hostgpu::EnqueueKernel(done->stream, [k] { return k->Step(); });
+    }
   }
 }
 
-// With mu held: comm takes `d` (nothing deferred on a blocking communicator: done at once).
-ncclResult_t Submit(ncclComm_t comm, std::unique_ptr<Deferred> d, cudaStream_t stream = nullptr) {
+// With mu held: comm takes `d`, a call made now (a blocking communicator completes it at once).
+ncclResult_t Submit(ncclComm_t comm, std::unique_ptr<Deferred> d) {
   const fp8rt::hostgpu::Settings& s = fp8rt::hostgpu::settings();
   d->polls_left = s.polls;
-  d->ready = Clock::now() + s.delay;
-  d->stream = stream;
-  if (comm->blocking) {
-    if (!d->requests.empty()) {
-      MPI_Waitall(static_cast<int>(d->requests.size()), d->requests.data(), MPI_STATUSES_IGNORE);
-    }
-    if (d->land) d->land();
-    return ncclSuccess;
+  d->due = Clock::now() + s.delay;
+  if (d->kernel) {
+    d->hang = s.hang;
+    d->fail = s.fail;
+    d->fail_on_stream = s.fail_on_stream;
+    d->kernel->hang = s.hang_on_stream || s.fail_on_stream != ncclSuccess;
+    d->kernel->side = fp8rt::hostgpu::NonBlockingStream(d->stream);
   }
   comm->pending.push_back(std::move(d));
-  ++stats.deferred;
-  return ncclInProgress;
+  if (!comm->blocking) {
+    ++stats.deferred;
+    return ncclInProgress;
+  }
+  comm->pending.back()->polls_left = 0;
+  comm->pending.back()->due = Clock::now();
+  while (Busy(comm)) Progress(comm);  // a blocking call: waits, as NCCL's does
+  return comm->async;
 }
 
 // With mu held: the checks every collective call makes.
@@ -238,60 +338,69 @@ ncclResult_t Check(ncclComm_t comm, cudaStream_t stream, const char* call) {
   return ncclSuccess;
 }
 
-ncclResult_t CheckBuffer(ncclComm_t comm, const void* p, size_t bytes, const char* what) {
-  if (bytes == 0 || fp8rt::hostgpu::DeviceRange(p, bytes)) return ncclSuccess;
-  return Error(comm, ncclInvalidArgument,
-               std::string(what) + " is not device memory, or runs past its allocation");
-}
-
-int Int(size_t bytes) { return static_cast<int>(bytes); }  // the tests' sizes fit
-
-Bytes* Buf(Deferred& d, size_t bytes) {
-  d.bufs.push_back(std::make_unique<Bytes>(bytes));
-  return d.bufs.back().get();
-}
-
-// With mu held: starts d's data movement unless deferred collectives hang or fail.
-bool Moves() {
-  const fp8rt::hostgpu::Settings& s = fp8rt::hostgpu::settings();
-  return !s.hang && s.fail == ncclSuccess;
-}
-
-// With mu held: every rank's `bytes` bytes at `send` gathered into one buffer of d.
-Bytes* GatherAll(Deferred& d, ncclComm_t comm, const void* send, size_t bytes) {
-  Bytes* mine = Buf(d, bytes);
-  std::memcpy(mine->data(), send, bytes);
-  Bytes* all = Buf(d, bytes * static_cast<size_t>(comm->size));
-  if (Moves()) {
-    d.requests.emplace_back();
-    MPI_Iallgather(mine->data(), Int(bytes), MPI_BYTE, all->data(), Int(bytes), MPI_BYTE, comm->mpi,
-                   &d.requests.back());
+// A buffer NCCL may use: device-addressable and within its allocation, and at most INT_MAX bytes
+// (the MPI counts). `caller`: whether it is memory the caller allocated rather than staging.
+ncclResult_t CheckBuffer(ncclComm_t comm, const void* p, size_t bytes, const char* what,
+                         bool* caller = nullptr) {
+  if (bytes > static_cast<size_t>(INT_MAX)) {
+    return Error(comm, ncclInvalidArgument, std::string(what) + ": over 2 GiB (not emulated)");
   }
-  return all;
+  int kind = 0;
+  if (bytes != 0 && !fp8rt::hostgpu::DeviceRange(p, bytes, &kind)) {
+    return Error(comm, ncclInvalidArgument,
+                 std::string(what) + " is not device memory, or runs past its allocation");
+  }
+  if (caller != nullptr) *caller = kind == 1 || kind == 3;
+  return ncclSuccess;
+}
+
+int Int(size_t bytes) { return static_cast<int>(bytes); }  // CheckBuffer bounded it
+
+std::shared_ptr<Kernel> NewKernel(ncclComm_t comm) {
+  auto k = std::make_shared<Kernel>();
+  k->shared = comm->shared;
+  k->seq = comm->shared->calls++;
+  return k;
+}
+
+// A kernel's start: every rank's `bytes` bytes at `send`, read now, gathered into `*all`.
+void GatherAll(Kernel& k, const void* send, size_t bytes, int ranks, Bytes** all) {
+  Bytes* mine = k.Buf(bytes);
+  std::memcpy(mine->data(), send, bytes);
+  *all = k.Buf(bytes * static_cast<size_t>(ranks));
+  k.requests.emplace_back();
+  MPI_Iallgather(mine->data(), Int(bytes), MPI_BYTE, (*all)->data(), Int(bytes), MPI_BYTE,
+                 k.shared->mpi, &k.requests.back());
+}
+
+std::unique_ptr<Deferred> Call(std::shared_ptr<Kernel> k, cudaStream_t stream) {
+  auto d = std::make_unique<Deferred>();
+  d->kernel = std::move(k);
+  d->stream = stream;
+  return d;
 }
 
 ncclComm_t NewComm(MPI_Comm mpi, const ncclConfig_t* config) {
   auto* comm = new ncclComm;
-  comm->mpi = mpi;
+  comm->shared->mpi = mpi;
   MPI_Comm_rank(mpi, &comm->rank);
   MPI_Comm_size(mpi, &comm->size);
   comm->blocking =
       config == nullptr || config->blocking == NCCL_CONFIG_UNDEF_INT || config->blocking != 0;
-  comm->owner = std::this_thread::get_id();
   live.insert(comm);
   return comm;
 }
 
-// With mu held: frees comm, or keeps it for ever when MPI may still write into its buffers.
+// With mu held: frees comm; its MPI communicator only once its kernels have ended, from MPI's
+// thread (else it is left to the process's end).
 void Bury(ncclComm_t comm) {
   live.erase(comm);
-  bool started = false;
-  for (const auto& d : comm->pending) started |= !d->requests.empty();
-  if (started || std::this_thread::get_id() != comm->owner) {
-    graveyard.push_back(comm);
-    return;
+  int is_main = 0;
+  MPI_Is_thread_main(&is_main);
+  const Shared& sh = *comm->shared;
+  if (is_main != 0 && sh.ended.load() == sh.calls && sh.mpi != MPI_COMM_NULL) {
+    MPI_Comm_free(&comm->shared->mpi);
   }
-  MPI_Comm_free(&comm->mpi);
   delete comm;
 }
 
@@ -305,11 +414,18 @@ Settings& settings() {
 }
 Stats stats() {
   std::lock_guard<std::mutex> lock(mu);
-  return ::stats;
+  Stats s = ::stats;
+  s.kernels = kernels_landed.load();
+  s.side_stream = kernels_side.load();
+  s.caller_memory = kernels_caller.load();
+  return s;
 }
 void ResetStats() {
   std::lock_guard<std::mutex> lock(mu);
   ::stats = Stats{};
+  kernels_landed = 0;
+  kernels_side = 0;
+  kernels_caller = 0;
 }
 
 bool NcclHoldsStream(void* stream, const char* call) {
@@ -317,7 +433,7 @@ bool NcclHoldsStream(void* stream, const char* call) {
   for (const ncclComm* comm : live) {
     if (comm->async != ncclSuccess) continue;
     for (const auto& d : comm->pending) {
-      if (d->stream != nullptr && d->stream == stream) {
+      if (d->kernel && d->stream == stream) {
         (void)Misuse(nullptr, call, "on a stream of a NCCL call still ncclInProgress");
         return true;
       }
@@ -383,12 +499,12 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* out, int nranks, ncclUniqueId id
   MPI_Bcast(root.internal, NCCL_UNIQUE_ID_BYTES, MPI_BYTE, 0, dup);
   std::lock_guard<std::mutex> lock(mu);
   ncclComm_t comm = NewComm(dup, config);
+  *out = comm;
   if (std::memcmp(root.internal, id.internal, NCCL_UNIQUE_ID_BYTES) != 0) {
     comm->async = ncclInvalidUsage;
     comm->last_error = "ncclCommInitRank: the unique id differs from rank 0's";
+    return comm->blocking ? comm->async : ncclInProgress;
   }
-  *out = comm;
-  if (comm->async != ncclSuccess) return comm->blocking ? comm->async : ncclInProgress;
   return Submit(comm, std::make_unique<Deferred>());
 }
 
@@ -405,7 +521,8 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   if (comm->async != ncclSuccess) return comm->async;
   if (Busy(comm)) return Misuse(comm, "ncclCommSplit");
   MPI_Comm child_mpi = MPI_COMM_NULL;
-  MPI_Comm_split(comm->mpi, color == NCCL_SPLIT_NOCOLOR ? MPI_UNDEFINED : color, key, &child_mpi);
+  MPI_Comm_split(comm->shared->mpi, color == NCCL_SPLIT_NOCOLOR ? MPI_UNDEFINED : color, key,
+                 &child_mpi);
   ncclComm_t child = child_mpi == MPI_COMM_NULL ? nullptr : NewComm(child_mpi, config);
   if (child != nullptr) (void)Submit(child, std::make_unique<Deferred>());
   auto d = std::make_unique<Deferred>();
@@ -438,12 +555,16 @@ ncclResult_t ncclCommCount(const ncclComm_t comm, int* count) {
   return ncclSuccess;
 }
 
+// Ends once the communicator's kernels have.
 ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   std::lock_guard<std::mutex> lock(mu);
   if (comm == nullptr) return ncclInvalidArgument;
   if (comm->async != ncclSuccess) return comm->async;
   if (Busy(comm)) return Misuse(comm, "ncclCommFinalize");
-  return Submit(comm, std::make_unique<Deferred>());
+  auto d = std::make_unique<Deferred>();
+  std::shared_ptr<Shared> shared = comm->shared;
+  d->ready = [shared] { return shared->ended.load() == shared->calls; };
+  return Submit(comm, std::move(d));
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
@@ -454,10 +575,12 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
   return ncclSuccess;
 }
 
+// Ends the communicator's kernels (they end when the device next reaches them).
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
   std::lock_guard<std::mutex> lock(mu);
   if (comm == nullptr) return ncclSuccess;
   ++stats.aborted;
+  comm->shared->aborted = true;
   Bury(comm);
   return ncclSuccess;
 }
@@ -470,16 +593,22 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
   if (TypeSize(type) == 0 || (op != ncclSum && op != ncclMax)) {
     return Error(comm, ncclInvalidArgument, "ncclAllReduce: type or op not emulated");
   }
+  bool caller = false;
   if (ncclResult_t rc = CheckBuffer(comm, send, bytes, "ncclAllReduce sendbuff"); rc) return rc;
-  if (ncclResult_t rc = CheckBuffer(comm, recv, bytes, "ncclAllReduce recvbuff"); rc) return rc;
-  auto d = std::make_unique<Deferred>();
-  d->collective = true;
-  const Bytes* all = GatherAll(*d, comm, send, bytes);
+  if (ncclResult_t rc = CheckBuffer(comm, recv, bytes, "ncclAllReduce recvbuff", &caller); rc) {
+    return rc;
+  }
+  auto k = NewKernel(comm);
+  k->caller = caller;
   const int ranks = comm->size;
-  d->land = [all, bytes, ranks, count, type, op, recv] {
-    Reduce(all->data(), bytes, ranks, count, type, op, recv);
+  auto slot = std::make_shared<Bytes*>(nullptr);  // the gathered inputs: set by start, read by land
+  k->start = [send, bytes, ranks, slot](Kernel& self) {
+    GatherAll(self, send, bytes, ranks, slot.get());
   };
-  return Submit(comm, std::move(d), stream);
+  k->land = [slot, bytes, ranks, count, type, op, recv] {
+    Reduce((*slot)->data(), bytes, ranks, count, type, op, recv);
+  };
+  return Submit(comm, Call(std::move(k), stream));
 }
 
 ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t type,
@@ -491,21 +620,25 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
     return Error(comm, ncclInvalidArgument, "ncclReduceScatter: type or op not emulated");
   }
   const size_t all_bytes = bytes * static_cast<size_t>(comm->size);
+  bool caller = false;
   if (ncclResult_t rc = CheckBuffer(comm, send, all_bytes, "ncclReduceScatter sendbuff"); rc) {
     return rc;
   }
-  if (ncclResult_t rc = CheckBuffer(comm, recv, bytes, "ncclReduceScatter recvbuff"); rc) {
+  if (ncclResult_t rc = CheckBuffer(comm, recv, bytes, "ncclReduceScatter recvbuff", &caller); rc) {
     return rc;
   }
-  auto d = std::make_unique<Deferred>();
-  d->collective = true;
-  const Bytes* all = GatherAll(*d, comm, send, all_bytes);
+  auto k = NewKernel(comm);
+  k->caller = caller;
   const int ranks = comm->size, rank = comm->rank;
-  d->land = [all, bytes, all_bytes, ranks, rank, recvcount, type, op, recv] {
-    Reduce(all->data() + static_cast<size_t>(rank) * bytes, all_bytes, ranks, recvcount, type, op,
-           recv);
+  auto slot = std::make_shared<Bytes*>(nullptr);
+  k->start = [send, all_bytes, ranks, slot](Kernel& self) {
+    GatherAll(self, send, all_bytes, ranks, slot.get());
   };
-  return Submit(comm, std::move(d), stream);
+  k->land = [slot, bytes, all_bytes, ranks, rank, recvcount, type, op, recv] {
+    Reduce((*slot)->data() + static_cast<size_t>(rank) * bytes, all_bytes, ranks, recvcount, type,
+           op, recv);
+  };
+  return Submit(comm, Call(std::move(k), stream));
 }
 
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t type,
@@ -515,15 +648,20 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
   if (TypeSize(type) == 0) return Error(comm, ncclInvalidArgument, "ncclAllGather: type");
   const size_t bytes = sendcount * TypeSize(type);
   const size_t all_bytes = bytes * static_cast<size_t>(comm->size);
+  bool caller = false;
   if (ncclResult_t rc = CheckBuffer(comm, send, bytes, "ncclAllGather sendbuff"); rc) return rc;
-  if (ncclResult_t rc = CheckBuffer(comm, recv, all_bytes, "ncclAllGather recvbuff"); rc) {
+  if (ncclResult_t rc = CheckBuffer(comm, recv, all_bytes, "ncclAllGather recvbuff", &caller); rc) {
     return rc;
   }
-  auto d = std::make_unique<Deferred>();
-  d->collective = true;
-  const Bytes* all = GatherAll(*d, comm, send, bytes);
-  d->land = [all, recv] { std::memcpy(recv, all->data(), all->size()); };
-  return Submit(comm, std::move(d), stream);
+  auto k = NewKernel(comm);
+  k->caller = caller;
+  const int ranks = comm->size;
+  auto slot = std::make_shared<Bytes*>(nullptr);
+  k->start = [send, bytes, ranks, slot](Kernel& self) {
+    GatherAll(self, send, bytes, ranks, slot.get());
+  };
+  k->land = [slot, recv] { std::memcpy(recv, (*slot)->data(), (*slot)->size()); };
+  return Submit(comm, Call(std::move(k), stream));
 }
 
 ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t type,
@@ -534,20 +672,26 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
     return Error(comm, ncclInvalidArgument, "ncclBroadcast: type or root");
   }
   const size_t bytes = count * TypeSize(type);
-  if (comm->rank == root) {
+  const bool is_root = comm->rank == root;
+  if (is_root) {
     if (ncclResult_t rc = CheckBuffer(comm, send, bytes, "ncclBroadcast sendbuff"); rc) return rc;
   }
-  if (ncclResult_t rc = CheckBuffer(comm, recv, bytes, "ncclBroadcast recvbuff"); rc) return rc;
-  auto d = std::make_unique<Deferred>();
-  d->collective = true;
-  Bytes* buf = Buf(*d, bytes);
-  if (comm->rank == root) std::memcpy(buf->data(), send, bytes);
-  if (Moves()) {
-    d->requests.emplace_back();
-    MPI_Ibcast(buf->data(), Int(bytes), MPI_BYTE, root, comm->mpi, &d->requests.back());
+  bool caller = false;
+  if (ncclResult_t rc = CheckBuffer(comm, recv, bytes, "ncclBroadcast recvbuff", &caller); rc) {
+    return rc;
   }
-  d->land = [buf, recv] { std::memcpy(recv, buf->data(), buf->size()); };
-  return Submit(comm, std::move(d), stream);
+  auto k = NewKernel(comm);
+  k->caller = caller;
+  auto slot = std::make_shared<Bytes*>(nullptr);
+  k->start = [send, bytes, root, is_root, slot](Kernel& self) {
+    Bytes* buf = self.Buf(bytes);
+    if (is_root) std::memcpy(buf->data(), send, bytes);
+    *slot = buf;
+    self.requests.emplace_back();
+    MPI_Ibcast(buf->data(), Int(bytes), MPI_BYTE, root, self.shared->mpi, &self.requests.back());
+  };
+  k->land = [slot, recv] { std::memcpy(recv, (*slot)->data(), (*slot)->size()); };
+  return Submit(comm, Call(std::move(k), stream));
 }
 
 ncclResult_t ncclGroupStart() {
@@ -594,45 +738,49 @@ ncclResult_t ncclRecv(void* recv, size_t count, ncclDataType_t type, int peer, n
                       stream, "ncclRecv");
 }
 
-// The group's sends and receives, one deferred operation per communicator.
+// The group's sends and receives, one kernel per communicator (on the stream of its first call).
 ncclResult_t ncclGroupEnd() {
   if (group_depth == 0) return Error(nullptr, ncclInvalidUsage, "ncclGroupEnd without a start");
   if (--group_depth > 0) return ncclSuccess;
   std::vector<P2p> calls;
   calls.swap(group);
   std::lock_guard<std::mutex> lock(mu);
-  std::map<ncclComm_t, std::unique_ptr<Deferred>> ops;
-  std::map<ncclComm_t, cudaStream_t> streams;
-  for (const P2p& p : calls) {
+  for (const P2p& p : calls) {  // refused before anything is created
     if (Busy(p.comm)) return Misuse(p.comm, "ncclGroupEnd");
-    std::unique_ptr<Deferred>& d = ops[p.comm];
-    if (d == nullptr) {
-      d = std::make_unique<Deferred>();
-      d->collective = true;
-      streams[p.comm] = p.stream;
-    }
-    Bytes* buf = Buf(*d, p.bytes);
-    if (p.send) std::memcpy(buf->data(), p.sendbuf, p.bytes);
-    if (Moves()) {
-      d->requests.emplace_back();
-      if (p.send) {
-        MPI_Isend(buf->data(), Int(p.bytes), MPI_BYTE, p.peer, 0, p.comm->mpi, &d->requests.back());
-      } else {
-        MPI_Irecv(buf->data(), Int(p.bytes), MPI_BYTE, p.peer, 0, p.comm->mpi, &d->requests.back());
+  }
+  std::map<ncclComm_t, std::vector<P2p>> by_comm;
+  for (const P2p& p : calls) by_comm[p.comm].push_back(p);
+  ncclResult_t rc = ncclSuccess;
+  for (auto& [comm, ops] : by_comm) {
+    auto k = NewKernel(comm);
+    for (const P2p& p : ops) {
+      bool caller = false;
+      if (!p.send && CheckBuffer(comm, p.recvbuf, p.bytes, "ncclRecv", &caller) == ncclSuccess) {
+        k->caller |= caller;
       }
     }
-    if (!p.send) {
-      auto previous = std::move(d->land);
-      void* recv = p.recvbuf;
-      d->land = [previous = std::move(previous), buf, recv] {
-        if (previous) previous();
-        std::memcpy(recv, buf->data(), buf->size());
-      };
+    auto recvs = std::make_shared<std::vector<std::pair<void*, Bytes*>>>();
+    k->start = [ops, recvs](Kernel& self) {
+      for (const P2p& p : ops) {
+        Bytes* buf = self.Buf(p.bytes);
+        self.requests.emplace_back();
+        if (p.send) {
+          std::memcpy(buf->data(), p.sendbuf, p.bytes);
+          MPI_Isend(buf->data(), Int(p.bytes), MPI_BYTE, p.peer, 0, self.shared->mpi,
+                    &self.requests.back());
+        } else {
+          MPI_Irecv(buf->data(), Int(p.bytes), MPI_BYTE, p.peer, 0, self.shared->mpi,
+                    &self.requests.back());
+          recvs->emplace_back(p.recvbuf, buf);
+        }
+      }
+    };
+    k->land = [recvs] {
+      for (const auto& [dst, buf] : *recvs) std::memcpy(dst, buf->data(), buf->size());
+    };
+    if (Submit(comm, Call(std::move(k), ops.front().stream)) == ncclInProgress) {
+      rc = ncclInProgress;
     }
-  }
-  ncclResult_t rc = ncclSuccess;
-  for (auto& [comm, d] : ops) {
-    if (Submit(comm, std::move(d), streams[comm]) == ncclInProgress) rc = ncclInProgress;
   }
   return rc;
 }

@@ -6,9 +6,12 @@
 // the paths it takes on GPUs: stream-ordered collectives (Completion::kStream), FSDP's started
 // all-gathers on the side stream, and staging only for the step loop's host values (the loss,
 // the gradient norm, MoE's counts). Every step's loss and gradient norm must be the same bits:
-// every group has two ranks, where a sum's order cannot matter. A result read before its
-// collective ran (the amax sync, the global norm, the MoE counts or tokens, a gathered weight)
-// would change them. No NCCL call may be made while a communicator is still in progress.
+// every group has two ranks, where a sum's order cannot matter. A result read before NCCL's state
+// left ncclInProgress (the amax sync, the global norm, the MoE counts or tokens, a gathered
+// weight) would change them. No NCCL call, and no CUDA work on NCCL's stream, may be made while a
+// communicator is still in progress. The emulated device runs work as it is enqueued here (the
+// CPU op table's kernels run on the host, outside the streams); nccl_host_test checks the stream
+// ordering with a device that runs only what the host waits for.
 //
 // Built only without FP8RT_CUDA (the sanitizer build in scripts/test): in a CUDA build the op
 // tables' CUDA code would link against the emulation's entry points.
@@ -17,6 +20,7 @@
 #include <unistd.h>
 
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -159,7 +163,10 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
     parallel::CommunicatorFactory* comms = &Factory();
     const kernels::OpTable* ops = &kernels::CpuOps();
     if (nccl) {
-      auto created = parallel::NcclCommunicatorFactory::Create(Factory().World(), /*device=*/0);
+      parallel::NcclOptions nccl_options;
+      nccl_options.timeout = std::chrono::seconds(60);  // inside ctest's 600 s, with diagnostics
+      auto created =
+          parallel::NcclCommunicatorFactory::Create(Factory().World(), /*device=*/0, nccl_options);
       EXPECT_TRUE(created.ok()) << created.status();
       if (!created.ok()) return {};
       nccl_factory = *std::move(created);
@@ -206,13 +213,18 @@ TEST_P(TrainHostNcclTest, SameBitsAsMpi) {
   }
   EXPECT_LT(nccl.back().loss, nccl.front().loss) << "the loss must fall";
   const hostgpu::Stats stats = hostgpu::stats();
-  // Every NCCL call was deferred: the whole run waited for results that came late.
+  // NCCL's calls were deferred, and the backend took its device paths: collectives on the
+  // model's own (emulated device) memory, and FSDP's started gathers on the side stream.
   EXPECT_GT(stats.deferred, 10 * kSteps);
+  EXPECT_GT(stats.caller_memory, 5 * kSteps);
+  EXPECT_GT(stats.side_stream, kSteps);
   if (Factory().World().rank() == 0 && !::testing::Test::HasFailure()) {
     std::printf(
-        "[train_host_nccl] %s on %d ranks: %lld NCCL calls completed late; loss %.4f -> "
-        "%.4f, the same bits as over MPI\n",
+        "[train_host_nccl] %s on %d ranks: %lld NCCL calls completed late (%lld kernels "
+        "on the model's memory, %lld on the side stream); loss %.4f -> %.4f, the same bits "
+        "as over MPI\n",
         GetParam().name.c_str(), Factory().World().size(), static_cast<long long>(stats.deferred),
+        static_cast<long long>(stats.caller_memory), static_cast<long long>(stats.side_stream),
         nccl.front().loss, nccl.back().loss);
   }
   EXPECT_TRUE(AllRanksOk(!::testing::Test::HasFailure()));
