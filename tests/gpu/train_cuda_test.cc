@@ -55,6 +55,7 @@
 #include "runtime/worker/trainer.h"
 #include "tests/gpu/gpu_test_support.h"
 #include "tests/gpu/nccl_shim.h"
+#include "tests/support/learnable_text.h"
 
 namespace fp8rt {
 namespace {
@@ -101,24 +102,6 @@ class LateNccl {
   int* const deferred_;
 };
 
-// Learnable text: sentences built from a small vocabulary by a fixed recurrence (no data files
-// on the GPU machines).
-std::string MakeText() {
-  static const char* kWords[] = {"the",    "model",  "learns", "to",  "predict", "next",
-                                 "byte",   "of",     "text",   "in",  "fp8",     "while",
-                                 "scales", "follow", "each",   "amax"};
-  std::string text;
-  uint32_t x = 12345;
-  while (text.size() < (1u << 20)) {
-    for (int w = 0; w < 9; ++w) {
-      x = x * 1664525u + 1013904223u;
-      text += kWords[(x >> 20) % 16];
-      text += w == 8 ? ".\n" : " ";
-    }
-  }
-  return text;
-}
-
 // The device check (skip with the reason, or fail under FP8RT_REQUIRE_GPU=1) is the shared
 // fixture's; the run itself uses the CUDA op table's default stream, not the fixture's.
 class TrainCudaTest : public kernels::gpu_test::CudaStreamTest,
@@ -131,7 +114,7 @@ class TrainCudaTest : public kernels::gpu_test::CudaStreamTest,
     std::string tmpl = (fs::temp_directory_path() / "fp8rt_train_cuda_XXXXXX").string();
     ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
     dir_ = tmpl;
-    std::ofstream(dir_ / "text.txt", std::ios::binary) << MakeText();
+    std::ofstream(dir_ / "text.txt", std::ios::binary) << test::LearnableText(1u << 20);
   }
   void TearDown() override {
     CudaStreamTest::TearDown();

@@ -265,6 +265,12 @@ bool Query(CUstream_st* s, uint64_t n) {
   return s->done >= n;
 }
 
+// The stream and piece of `event`'s last record ({null, 0}: never recorded).
+std::pair<CUstream_st*, uint64_t> LastRecord(cudaEvent_t event) {
+  std::lock_guard<std::recursive_mutex> lock(dev_mu);
+  return {event->stream, event->index};
+}
+
 // Whether CUDA work may be enqueued on `s` now: a live stream that no NCCL call still
 // ncclInProgress is about to use (`call` is counted as misuse otherwise).
 cudaError_t CheckEnqueue(cudaStream_t s, const char* call, CUstream_st** stream) {
@@ -529,12 +535,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   if (const cudaError_t e = CheckEnqueue(stream, "cudaStreamWaitEvent", &s); e != cudaSuccess) {
     return e;
   }
-  std::pair<CUstream_st*, uint64_t> after;
-  {
-    std::lock_guard<std::recursive_mutex> lock(dev_mu);
-    after = {event->stream, event->index};  // the event's last record; none: no wait
-  }
-  Enqueue(s, nullptr, after);
+  Enqueue(s, nullptr, LastRecord(event));  // never recorded: no wait
   return cudaSuccess;
 }
 cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* data) {
@@ -587,24 +588,12 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
 // An event never recorded is complete, as in CUDA.
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   if (!ValidEvent(event)) return Fail(cudaErrorInvalidResourceHandle);
-  CUstream_st* s = nullptr;
-  uint64_t n = 0;
-  {
-    std::lock_guard<std::recursive_mutex> lock(dev_mu);
-    s = event->stream;
-    n = event->index;
-  }
+  const auto [s, n] = LastRecord(event);
   return s == nullptr || Query(s, n) ? cudaSuccess : cudaErrorNotReady;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (!ValidEvent(event)) return Fail(cudaErrorInvalidResourceHandle);
-  CUstream_st* s = nullptr;
-  uint64_t n = 0;
-  {
-    std::lock_guard<std::recursive_mutex> lock(dev_mu);
-    s = event->stream;
-    n = event->index;
-  }
+  const auto [s, n] = LastRecord(event);
   if (s != nullptr) WaitFor([s, n] { return RunUntil(s, n); }, "cudaEventSynchronize");
   return cudaSuccess;
 }

@@ -38,6 +38,7 @@
 #include "runtime/worker/trainer.h"
 #include "tests/hostgpu/host_gpu.h"
 #include "tests/mpi/mpi_test_env.h"
+#include "tests/support/learnable_text.h"
 
 namespace fp8rt {
 namespace {
@@ -94,21 +95,6 @@ struct Mode {
 };
 void PrintTo(const Mode& mode, std::ostream* os) { *os << mode.name; }
 
-// Learnable text from a small vocabulary (no data files needed).
-std::string MakeText() {
-  static const char* kWords[] = {"the",    "model",  "learns", "to",  "predict", "next",
-                                 "byte",   "of",     "text",   "in",  "fp8",     "while",
-                                 "scales", "follow", "each",   "amax"};
-  std::string text;
-  uint32_t x = 12345;
-  while (text.size() < (1u << 17)) {
-    x = x * 1664525u + 1013904223u;
-    text += kWords[(x >> 20) % 16];
-    text += (x >> 8) % 9 == 0 ? ".\n" : " ";
-  }
-  return text;
-}
-
 struct Record {
   double loss = 0.0;
   double grad_norm = 0.0;
@@ -122,7 +108,7 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
     std::string tmpl = (fs::temp_directory_path() / "fp8rt_train_host_nccl_XXXXXX").string();
     ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
     dir_ = tmpl;
-    std::ofstream(dir_ / "text.txt", std::ios::binary) << MakeText();
+    std::ofstream(dir_ / "text.txt", std::ios::binary) << test::LearnableText(1u << 17);
   }
   void TearDown() override {
     const hostgpu::Stats s = hostgpu::stats();
