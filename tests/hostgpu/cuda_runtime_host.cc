@@ -142,11 +142,12 @@ Kind KindOf(const void* p, size_t bytes, bool* inside) {
 
 // The stream object of a handle: the null, legacy and per-thread handles are the legacy stream.
 // Null for a handle that is no live stream.
-CUstream_st* StreamOf(cudaStream_t s) {
+// `dead`: also a destroyed stream (which still runs the work enqueued before).
+CUstream_st* StreamOf(cudaStream_t s, bool dead = false) {
   if (s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread) return &LegacyStream();
   std::lock_guard<std::recursive_mutex> lock(dev_mu);
   for (CUstream_st* x : Streams()) {
-    if (x == s) return x->live ? x : nullptr;
+    if (x == s) return x->live || dead ? x : nullptr;
   }
   return nullptr;
 }
@@ -236,9 +237,12 @@ void WaitFor(Run run, const char* what) {
 }
 
 void WaitStream(CUstream_st* s, const char* what) {
-  std::lock_guard<std::recursive_mutex> lock(dev_mu);
-  const uint64_t n = s->enqueued;
-  WaitFor([s, n] { return RunUntil(s, n); }, what);
+  uint64_t n = 0;
+  {
+    std::lock_guard<std::recursive_mutex> lock(dev_mu);
+    n = s->enqueued;
+  }
+  WaitFor([s, n] { return RunUntil(s, n); }, what);  // lets other threads in between tries
 }
 
 void WaitDevice() {
@@ -325,9 +329,16 @@ bool NonBlockingStream(void* stream) {
   const CUstream_st* s = StreamOf(static_cast<cudaStream_t>(stream));
   return s != nullptr && s->flags == cudaStreamNonBlocking;
 }
+// A stream destroyed after the NCCL call still gets its kernel (cudaStreamDestroy while NCCL
+// holds the stream is refused as misuse, so this is a stream destroyed with work queued).
 void EnqueueKernel(void* stream, std::function<bool()> step) {
-  CUstream_st* s = StreamOf(static_cast<cudaStream_t>(stream));
+  CUstream_st* s = StreamOf(static_cast<cudaStream_t>(stream), /*dead=*/true);
   if (s != nullptr) Enqueue(s, std::move(step));
+}
+void* StreamId(void* stream) { return StreamOf(static_cast<cudaStream_t>(stream), /*dead=*/true); }
+void RunAll() {
+  std::lock_guard<std::recursive_mutex> lock(dev_mu);
+  RunDevice();
 }
 
 }  // namespace fp8rt::hostgpu
@@ -374,11 +385,16 @@ cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
 // A synchronous copy runs on the legacy stream and waits for it.
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
   if (count == 0) return cudaSuccess;
+  CUstream_st* legacy = nullptr;
+  if (const cudaError_t e = CheckEnqueue(cudaStreamLegacy, "cudaMemcpy", &legacy);
+      e != cudaSuccess) {
+    return e;
+  }
   bool pageable = false;
   if (const cudaError_t e = CheckCopy(dst, src, count, kind, &pageable); e != cudaSuccess) {
     return e;
   }
-  const uint64_t n = Enqueue(&LegacyStream(), [dst, src, count] {
+  const uint64_t n = Enqueue(legacy, [dst, src, count] {
     std::memmove(dst, src, count);
     return true;
   });
@@ -406,8 +422,13 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
 }
 cudaError_t cudaMemset(void* p, int value, size_t count) {
   if (count == 0) return cudaSuccess;
+  CUstream_st* legacy = nullptr;
+  if (const cudaError_t e = CheckEnqueue(cudaStreamLegacy, "cudaMemset", &legacy);
+      e != cudaSuccess) {
+    return e;
+  }
   if (const cudaError_t e = CheckSet(p, count); e != cudaSuccess) return e;
-  const uint64_t n = Enqueue(&LegacyStream(), [p, value, count] {
+  const uint64_t n = Enqueue(legacy, [p, value, count] {
     std::memset(p, value, count);
     return true;
   });
@@ -508,6 +529,9 @@ cudaError_t cudaStreamCreate(cudaStream_t* stream) {
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   CUstream_st* s = StreamOf(stream);
   if (s == nullptr || s->legacy) return Fail(cudaErrorInvalidResourceHandle);
+  if (fp8rt::hostgpu::NcclHoldsStream(stream, "cudaStreamDestroy")) {
+    return Fail(cudaErrorInvalidValue);
+  }
   std::lock_guard<std::recursive_mutex> lock(dev_mu);
   s->live = false;  // its queued work still runs
   return cudaSuccess;

@@ -18,9 +18,11 @@
 //     Settings::lazy_streams the device runs only when the host waits: a synchronisation (a
 //     stream, an event, the device, a synchronous copy or memset, cudaFree), a copy to or from
 //     pageable memory, or every `stream_polls`-th query of a stream or event (until then a query
-//     answers cudaErrorNotReady). Without it (the default) work runs as soon as it can, as it is
-//     enqueued. Host code that reads device memory directly is not ordered: the tests read it
-//     with cudaMemcpy.
+//     answers cudaErrorNotReady; one count for all streams, events and threads). Without it (the
+//     default) work runs as soon as it can, as it is enqueued. cudaStreamPerThread is taken as
+//     the legacy stream. Host code that reads device memory directly is not ordered: the tests
+//     read device memory with cudaMemcpy, and pinned memory directly, as a caller may after a call
+//     that waited.
 //   - NCCL on a non-blocking communicator works as its documentation says, and as it does with
 //     several ranks: a collective (or a ncclGroupStart..ncclGroupEnd of sends and receives)
 //     returns ncclInProgress; it is put on its stream at the poll of ncclCommGetAsyncError that
@@ -47,8 +49,13 @@
 //   - MPI is called only from the thread that initialised it (MPI_THREAD_FUNNELED): other
 //     threads (the backend's watchdog) see NCCL's state and the streams as they are, and run only
 //     work that needs no MPI.
+//   - With eager streams a kernel is waited for where it is enqueued (the host goes on as if it
+//     ran); ranks whose NCCL calls diverge would wait for ever, so after two minutes the process
+//     says so and aborts.
 // One CUDA device (ordinal 0) exists. Only the entry points fp8rt and its tests call are there;
 // groups may hold only sends and receives, and communicators span MPI_COMM_WORLD's ranks in order.
+// Blocking communicators (fp8rt creates none) complete a call before it returns, and a fault that
+// never ends makes that call wait for ever.
 #ifndef FP8RT_TESTS_HOSTGPU_HOST_GPU_H_
 #define FP8RT_TESTS_HOSTGPU_HOST_GPU_H_
 
@@ -100,6 +107,10 @@ bool NonBlockingStream(void* stream);
 // stream reaches it, and again until it returns true (it may decline on a thread other than
 // MPI's). Called with nccl_host.cc's lock held.
 void EnqueueKernel(void* stream, std::function<bool()> step);
+// cuda_runtime_host.cc: one identity per stream (the null, legacy and per-thread handles share
+// the legacy stream's), and running every piece of work the device can run now.
+void* StreamId(void* stream);
+void RunAll();
 // nccl_host.cc: whether a NCCL call still ncclInProgress will be put on `stream`, in which case
 // `call`, CUDA work on that stream, is counted as misuse.
 bool NcclHoldsStream(void* stream, const char* call);

@@ -16,6 +16,8 @@
 #include <bit>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -32,13 +34,15 @@
 
 namespace {
 
+using fp8rt::hostgpu::StreamId;
 using Clock = std::chrono::steady_clock;
 using Bytes = std::vector<uint8_t>;
 
 // What the kernels of one communicator share: its MPI communicator, whether it was aborted, and
 // the call order they start in.
 struct Shared {
-  MPI_Comm mpi = MPI_COMM_NULL;
+  MPI_Comm mpi = MPI_COMM_NULL;      // the kernels' operations
+  MPI_Comm control = MPI_COMM_NULL;  // splits: never in the middle of the kernels' collectives
   std::atomic<bool> aborted{false};
   uint64_t calls = 0;    // kernels created (under the NCCL lock)
   uint64_t started = 0;  // kernels that started (by the device, which runs one piece at a time)
@@ -95,11 +99,20 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
     }
     if (!requests.empty()) {
       int done = 0;
-      if (fp8rt::hostgpu::settings().lazy_streams) {
+      MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
+      // Eager streams: every rank is putting this kernel on its stream now, and the host goes on
+      // as if it ran, so it is waited for here (with the locks held: nothing can abort it). Ranks
+      // that diverged would hang: after two minutes the process says so and aborts.
+      const auto start = std::chrono::steady_clock::now();
+      while (done == 0 && !fp8rt::hostgpu::settings().lazy_streams) {
+        if (std::chrono::steady_clock::now() - start > std::chrono::minutes(2)) {
+          std::fprintf(stderr,
+                       "hostgpu: an NCCL kernel has waited two minutes for its peers (eager "
+                       "streams): the ranks made different NCCL calls\n");
+          std::abort();
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
         MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
-      } else {  // eager: every rank is putting this kernel on its stream now
-        MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
-        done = 1;
       }
       if (done == 0) return false;
     }
@@ -159,6 +172,7 @@ struct P2p {
 };
 thread_local int group_depth = 0;
 thread_local std::vector<P2p> group;
+thread_local ncclResult_t group_error = ncclSuccess;  // the group's first refused call
 
 ncclResult_t Error(ncclComm_t comm, ncclResult_t rc, const std::string& why) {
   thread_last_error = why;
@@ -383,6 +397,7 @@ std::unique_ptr<Deferred> Call(std::shared_ptr<Kernel> k, cudaStream_t stream) {
 ncclComm_t NewComm(MPI_Comm mpi, const ncclConfig_t* config) {
   auto* comm = new ncclComm;
   comm->shared->mpi = mpi;
+  MPI_Comm_dup(mpi, &comm->shared->control);
   MPI_Comm_rank(mpi, &comm->rank);
   MPI_Comm_size(mpi, &comm->size);
   comm->blocking =
@@ -400,6 +415,7 @@ void Bury(ncclComm_t comm) {
   const Shared& sh = *comm->shared;
   if (is_main != 0 && sh.ended.load() == sh.calls && sh.mpi != MPI_COMM_NULL) {
     MPI_Comm_free(&comm->shared->mpi);
+    MPI_Comm_free(&comm->shared->control);
   }
   delete comm;
 }
@@ -430,10 +446,11 @@ void ResetStats() {
 
 bool NcclHoldsStream(void* stream, const char* call) {
   std::lock_guard<std::mutex> lock(mu);
+  void* const id = StreamId(stream);
   for (const ncclComm* comm : live) {
     if (comm->async != ncclSuccess) continue;
     for (const auto& d : comm->pending) {
-      if (d->kernel && d->stream == stream) {
+      if (d->kernel && StreamId(d->stream) == id) {
         (void)Misuse(nullptr, call, "on a stream of a NCCL call still ncclInProgress");
         return true;
       }
@@ -521,7 +538,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   if (comm->async != ncclSuccess) return comm->async;
   if (Busy(comm)) return Misuse(comm, "ncclCommSplit");
   MPI_Comm child_mpi = MPI_COMM_NULL;
-  MPI_Comm_split(comm->shared->mpi, color == NCCL_SPLIT_NOCOLOR ? MPI_UNDEFINED : color, key,
+  MPI_Comm_split(comm->shared->control, color == NCCL_SPLIT_NOCOLOR ? MPI_UNDEFINED : color, key,
                  &child_mpi);
   ncclComm_t child = child_mpi == MPI_COMM_NULL ? nullptr : NewComm(child_mpi, config);
   if (child != nullptr) (void)Submit(child, std::make_unique<Deferred>());
@@ -563,7 +580,10 @@ ncclResult_t ncclCommFinalize(ncclComm_t comm) {
   if (Busy(comm)) return Misuse(comm, "ncclCommFinalize");
   auto d = std::make_unique<Deferred>();
   std::shared_ptr<Shared> shared = comm->shared;
-  d->ready = [shared] { return shared->ended.load() == shared->calls; };
+  d->ready = [shared] {
+    fp8rt::hostgpu::RunAll();  // the kernels it waits for (a lazy device runs only on demand)
+    return shared->ended.load() == shared->calls;
+  };
   return Submit(comm, std::move(d));
 }
 
@@ -701,26 +721,34 @@ ncclResult_t ncclGroupStart() {
 
 namespace {
 
+ncclResult_t Refuse(ncclResult_t rc) {
+  if (group_depth > 0 && group_error == ncclSuccess) group_error = rc;
+  return rc;
+}
+
 ncclResult_t PointToPoint(P2p p, ncclDataType_t type, cudaStream_t stream, const char* call) {
   std::lock_guard<std::mutex> lock(mu);
-  if (p.comm == nullptr) return Error(nullptr, ncclInvalidArgument, std::string(call) + ": comm");
-  if (p.comm->async != ncclSuccess) return p.comm->async;
-  if (TypeSize(type) == 0 || p.peer < 0 || p.peer >= p.comm->size) {
-    return Error(p.comm, ncclInvalidArgument, std::string(call) + ": type or peer");
-  }
-  if (!fp8rt::hostgpu::ValidStream(stream)) {
-    return Error(p.comm, ncclInvalidArgument, std::string(call) + ": invalid stream");
-  }
-  if (group_depth == 0) {
-    return Error(p.comm, ncclInvalidUsage,
-                 std::string(call) + " outside a group (the emulation needs one)");
-  }
-  p.bytes *= TypeSize(type);
-  p.stream = stream;
-  const void* buf = p.send ? p.sendbuf : p.recvbuf;
-  if (ncclResult_t rc = CheckBuffer(p.comm, buf, p.bytes, call); rc != ncclSuccess) return rc;
-  group.push_back(p);
-  return ncclSuccess;
+  const ncclResult_t rc = [&] {
+    if (p.comm == nullptr) return Error(nullptr, ncclInvalidArgument, std::string(call) + ": comm");
+    if (p.comm->async != ncclSuccess) return p.comm->async;
+    if (TypeSize(type) == 0 || p.peer < 0 || p.peer >= p.comm->size) {
+      return Error(p.comm, ncclInvalidArgument, std::string(call) + ": type or peer");
+    }
+    if (!fp8rt::hostgpu::ValidStream(stream)) {
+      return Error(p.comm, ncclInvalidArgument, std::string(call) + ": invalid stream");
+    }
+    if (group_depth == 0) {
+      return Error(p.comm, ncclInvalidUsage,
+                   std::string(call) + " outside a group (the emulation needs one)");
+    }
+    p.bytes *= TypeSize(type);
+    p.stream = stream;
+    const void* buf = p.send ? p.sendbuf : p.recvbuf;
+    if (ncclResult_t rc = CheckBuffer(p.comm, buf, p.bytes, call); rc != ncclSuccess) return rc;
+    group.push_back(p);
+    return ncclSuccess;
+  }();
+  return rc == ncclSuccess ? rc : Refuse(rc);
 }
 
 }  // namespace
@@ -744,8 +772,12 @@ ncclResult_t ncclGroupEnd() {
   if (--group_depth > 0) return ncclSuccess;
   std::vector<P2p> calls;
   calls.swap(group);
+  const ncclResult_t refused = group_error;
+  group_error = ncclSuccess;
+  if (refused != ncclSuccess) return refused;  // a call of the group was refused: none is made
   std::lock_guard<std::mutex> lock(mu);
   for (const P2p& p : calls) {  // refused before anything is created
+    if (p.comm->async != ncclSuccess) return p.comm->async;
     if (Busy(p.comm)) return Misuse(p.comm, "ncclGroupEnd");
   }
   std::map<ncclComm_t, std::vector<P2p>> by_comm;

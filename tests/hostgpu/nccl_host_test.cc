@@ -68,9 +68,15 @@ class Buffer {
   Buffer& operator=(const Buffer&) = delete;
 
   void* get() { return memory_ == Memory::kHost ? host_.data() : p_; }
+  // Device memory through a copy on the default stream; host and pinned memory directly, as a
+  // caller may read them once a call that waited has returned.
   Bytes Read() const {
     if (memory_ == Memory::kHost) return host_;
     Bytes out(bytes_);
+    if (memory_ == Memory::kPinned) {
+      std::memcpy(out.data(), p_, bytes_);
+      return out;
+    }
     EXPECT_EQ(cudaMemcpy(out.data(), p_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
     return out;
   }
@@ -186,8 +192,14 @@ class NcclHostTest : public ::testing::Test {
   void TearDown() override {
     const hostgpu::Stats s = hostgpu::stats();
     EXPECT_EQ(s.misuse, 0) << "first: " << s.first_misuse;
+    // A communicator that could not finalize in time is aborted by its destructor.
+    if (!expect_aborts_) {
+      EXPECT_EQ(s.aborted, 0);
+    }
     hostgpu::settings() = hostgpu::Settings{};
   }
+
+  bool expect_aborts_ = false;  // the test aborts communicators on purpose
 
   // A factory over the MPI world (the bootstrap), on the emulated device 0.
   static std::unique_ptr<NcclCommunicatorFactory> Make(
@@ -213,6 +225,16 @@ const Case kCases[] = {
     {Memory::kPinned, Completion::kHost},   {Memory::kHost, Completion::kStream},
     {Memory::kDevice, Completion::kStream}, {Memory::kPinned, Completion::kStream},
 };
+
+// What a caller does before the host reads a result: after a stream-ordered call, synchronise the
+// default stream (which the call made wait for the collective), then ask the group whether its
+// stream-ordered collectives failed.
+void Settle(Communicator& comm, Completion completion) {
+  if (completion == Completion::kStream) {
+    EXPECT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
+  }
+  EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+}
 
 // Every rank's `count` inputs of `dtype`, in rank order (what an all-gather of them gives).
 Bytes Concatenated(DType dtype, int size, int64_t count, int offset = 0) {
@@ -246,7 +268,7 @@ TEST_F(NcclHostTest, EveryCollectiveGivesEveryRanksResult) {
       SCOPED_TRACE(DTypeName(dtype));
       Buffer buf(c.memory, Inputs(dtype, rank, kCount));
       EXPECT_TRUE(comm.AllReduce(buf.get(), kCount, dtype, op, c.completion).ok());
-      EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+      Settle(comm, c.completion);
       EXPECT_EQ(buf.Read(), Reduced(dtype, op, size, 0, kCount));
       ++calls;
     }
@@ -255,7 +277,7 @@ TEST_F(NcclHostTest, EveryCollectiveGivesEveryRanksResult) {
       Buffer send(c.memory, Inputs(DType::kU8, rank, kCount));
       Buffer recv(c.memory, Bytes(kCount * size, 0xEE));
       EXPECT_TRUE(comm.AllGather(send.get(), kCount, recv.get(), DType::kU8, c.completion).ok());
-      EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+      Settle(comm, c.completion);
       EXPECT_EQ(recv.Read(), Concatenated(DType::kU8, size, kCount));
       ++calls;
     }
@@ -267,7 +289,7 @@ TEST_F(NcclHostTest, EveryCollectiveGivesEveryRanksResult) {
       EXPECT_TRUE(comm.ReduceScatter(send.get(), recv.get(), kCount, DType::kF32, ReduceOp::kSum,
                                      c.completion)
                       .ok());
-      EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+      Settle(comm, c.completion);
       EXPECT_EQ(recv.Read(), Reduced(DType::kF32, ReduceOp::kSum, size, rank * kCount, kCount));
       ++calls;
     }
@@ -311,7 +333,7 @@ TEST_F(NcclHostTest, EveryCollectiveGivesEveryRanksResult) {
       EXPECT_TRUE(comm.AllToAllV(send.get(), send_counts, send_displs, recv.get(), recv_counts,
                                  recv_displs, DType::kI32, c.completion)
                       .ok());
-      EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+      Settle(comm, c.completion);
       EXPECT_EQ(FromBytes<int32_t>(recv.Read()), expected);
       ++calls;  // every rank moves something with 2 or more ranks ((s + 2d) % 4 > 0 for some d)
     }
@@ -321,12 +343,13 @@ TEST_F(NcclHostTest, EveryCollectiveGivesEveryRanksResult) {
   EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
 }
 
-// FSDP's prefetch on device memory: gathers started on the side stream after a stream-ordered
-// all-reduce that writes their input, then waited for by the host (Wait) or by the default stream
+// FSDP's prefetch on device memory: gathers started on the side stream right after a
+// stream-ordered all-reduce that writes their input (nothing synchronises in between: the
+// buffers exist before), then waited for by the host (Wait) or by the default stream
 // (WaitStreamOrdered) and read there with nothing else in between; a collective on the main
-// stream afterwards. The device runs only what a wait needs, so a gather that does not wait for
-// the all-reduce, or a wait that leaves the default stream unordered after the gather, reads or
-// leaves stale data.
+// stream afterwards. The device runs only what a wait needs, so a wait that leaves the default
+// stream unordered after the gather leaves stale data, and a gather started before the
+// all-reduce cannot start (NCCL runs a communicator's work in call order) and times out.
 TEST_F(NcclHostTest, StartedAllGathersAreOrderedOnTheDevice) {
   auto factory = Make(std::chrono::seconds(5));
   ASSERT_NE(factory, nullptr);
@@ -334,6 +357,7 @@ TEST_F(NcclHostTest, StartedAllGathersAreOrderedOnTheDevice) {
   const int rank = comm.rank(), size = comm.size();
   constexpr int64_t kCount = 19;
   Buffer x(Memory::kDevice, Inputs(DType::kF32, rank, kCount));
+  Buffer recv_wait(Memory::kDevice, Bytes(4 * kCount * size, 0));
   EXPECT_TRUE(
       comm.AllReduce(x.get(), kCount, DType::kF32, ReduceOp::kSum, Completion::kStream).ok());
   const Bytes reduced = Reduced(DType::kF32, ReduceOp::kSum, size, 0, kCount);
@@ -341,7 +365,7 @@ TEST_F(NcclHostTest, StartedAllGathersAreOrderedOnTheDevice) {
   for (int r = 0; r < size; ++r) expected.insert(expected.end(), reduced.begin(), reduced.end());
   {
     SCOPED_TRACE("Wait");
-    Buffer recv(Memory::kDevice, Bytes(4 * kCount * size, 0));
+    Buffer& recv = recv_wait;
     auto pending = comm.StartAllGather(x.get(), kCount, recv.get(), DType::kF32);
     ASSERT_TRUE(pending.ok()) << pending.status();
     EXPECT_TRUE((*pending)->Wait().ok());
@@ -415,7 +439,7 @@ TEST_F(NcclHostTest, SplitGroupsReduceOverTheirOwnRanks) {
     for (Memory memory : {Memory::kHost, Memory::kDevice}) {
       SCOPED_TRACE(Name(memory));
       Buffer who(memory, AsBytes(std::vector<int32_t>{rank}));
-      Buffer all(memory, Bytes(4 * members.size(), 0));
+      Buffer all(memory, AsBytes(std::vector<int32_t>(members.size(), -1)));
       EXPECT_TRUE(g.AllGather(who.get(), 1, all.get(), DType::kI32).ok());
       EXPECT_EQ(FromBytes<int32_t>(all.Read()), members);
       Buffer sum(memory, AsBytes(std::vector<int64_t>{int64_t{1} << (2 * rank)}));
@@ -462,6 +486,7 @@ TEST_F(NcclHostTest, ResultsThatArriveLateAreWaitedFor) {
 
 // A collective NCCL never puts on its stream: the call's own wait ends at the deadline.
 TEST_F(NcclHostTest, ACollectiveThatNeverReachesItsStreamEndsAtTheDeadline) {
+  expect_aborts_ = true;
   for (Memory memory : {Memory::kHost, Memory::kDevice}) {
     for (Completion completion : {Completion::kHost, Completion::kStream}) {
       SCOPED_TRACE(CaseName(Case{memory, completion}));
@@ -497,6 +522,7 @@ TEST_F(NcclHostTest, ACollectiveThatNeverReachesItsStreamEndsAtTheDeadline) {
 // call returns, and the watchdog aborts the communicator at the deadline, which ends the kernel,
 // so that a host waiting behind it returns; CheckStreamOrdered and the next call report it.
 TEST_F(NcclHostTest, AQueuedCollectiveThatNeverEndsIsAbortedByTheWatchdog) {
+  expect_aborts_ = true;
   auto factory = Make(300ms);
   ASSERT_NE(factory, nullptr);
   Communicator& comm = factory->World();
@@ -523,6 +549,7 @@ TEST_F(NcclHostTest, AQueuedCollectiveThatNeverEndsIsAbortedByTheWatchdog) {
 // The same when NCCL reports an asynchronous error after queueing the kernel: the watchdog sees
 // it (well before the deadline) and aborts.
 TEST_F(NcclHostTest, AnErrorAfterQueueingIsCaughtByTheWatchdog) {
+  expect_aborts_ = true;
   auto factory = Make(5s);
   ASSERT_NE(factory, nullptr);
   Communicator& comm = factory->World();
@@ -540,6 +567,7 @@ TEST_F(NcclHostTest, AnErrorAfterQueueingIsCaughtByTheWatchdog) {
 }
 
 TEST_F(NcclHostTest, AStartedAllGatherThatNeverReachesItsStreamFails) {
+  expect_aborts_ = true;
   auto factory = Make(300ms);
   ASSERT_NE(factory, nullptr);
   Communicator& comm = factory->World();
@@ -557,6 +585,7 @@ TEST_F(NcclHostTest, AStartedAllGatherThatNeverReachesItsStreamFails) {
 }
 
 TEST_F(NcclHostTest, AStartedAllGatherThatNeverEndsFailsInWait) {
+  expect_aborts_ = true;
   auto factory = Make(300ms);
   ASSERT_NE(factory, nullptr);
   Communicator& comm = factory->World();
@@ -574,6 +603,7 @@ TEST_F(NcclHostTest, AStartedAllGatherThatNeverEndsFailsInWait) {
 }
 
 TEST_F(NcclHostTest, APeerThatFailsGivesUnavailable) {
+  expect_aborts_ = true;
   auto factory = Make(5s);
   ASSERT_NE(factory, nullptr);
   Communicator& comm = factory->World();

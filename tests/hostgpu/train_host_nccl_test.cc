@@ -150,7 +150,7 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
     const kernels::OpTable* ops = &kernels::CpuOps();
     if (nccl) {
       parallel::NcclOptions nccl_options;
-      nccl_options.timeout = std::chrono::seconds(60);  // inside ctest's 600 s, with diagnostics
+      nccl_options.timeout = std::chrono::seconds(60);  // well inside ctest's 600 s
       auto created =
           parallel::NcclCommunicatorFactory::Create(Factory().World(), /*device=*/0, nccl_options);
       EXPECT_TRUE(created.ok()) << created.status();
