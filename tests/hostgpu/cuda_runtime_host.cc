@@ -314,6 +314,43 @@ cudaError_t CheckSet(void* p, size_t count) {
   return cudaSuccess;
 }
 
+// A copy on `stream` (cudaStreamLegacy for the synchronous form). The host waits for it when
+// `sync`, or when either side is pageable memory, as CUDA's does.
+cudaError_t Copy(void* dst, const void* src, size_t count, cudaMemcpyKind kind, cudaStream_t stream,
+                 bool sync, const char* call) {
+  CUstream_st* s = nullptr;
+  if (const cudaError_t e = CheckEnqueue(stream, call, &s); e != cudaSuccess) return e;
+  if (count == 0) return cudaSuccess;
+  bool pageable = false;
+  if (const cudaError_t e = CheckCopy(dst, src, count, kind, &pageable); e != cudaSuccess) {
+    return e;
+  }
+  const uint64_t n = Enqueue(s, [dst, src, count] {
+    std::memmove(dst, src, count);
+    return true;
+  });
+  if (sync || pageable) {
+    WaitFor([s, n] { return RunUntil(s, n); },
+            sync ? "a synchronous cudaMemcpy" : "a cudaMemcpyAsync of pageable memory");
+  }
+  return cudaSuccess;
+}
+
+// A memset on `stream` (cudaStreamLegacy for the synchronous form, which the host waits for).
+cudaError_t Set(void* p, int value, size_t count, cudaStream_t stream, bool sync,
+                const char* call) {
+  CUstream_st* s = nullptr;
+  if (const cudaError_t e = CheckEnqueue(stream, call, &s); e != cudaSuccess) return e;
+  if (count == 0) return cudaSuccess;
+  if (const cudaError_t e = CheckSet(p, count); e != cudaSuccess) return e;
+  const uint64_t n = Enqueue(s, [p, value, count] {
+    std::memset(p, value, count);
+    return true;
+  });
+  if (sync) WaitFor([s, n] { return RunUntil(s, n); }, "a synchronous cudaMemset");
+  return cudaSuccess;
+}
+
 }  // namespace
 
 namespace fp8rt::hostgpu {
@@ -382,71 +419,18 @@ cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
   return cudaSuccess;
 }
 
-// A synchronous copy runs on the legacy stream and waits for it.
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, cudaMemcpyKind kind) {
-  if (count == 0) return cudaSuccess;
-  CUstream_st* legacy = nullptr;
-  if (const cudaError_t e = CheckEnqueue(cudaStreamLegacy, "cudaMemcpy", &legacy);
-      e != cudaSuccess) {
-    return e;
-  }
-  bool pageable = false;
-  if (const cudaError_t e = CheckCopy(dst, src, count, kind, &pageable); e != cudaSuccess) {
-    return e;
-  }
-  const uint64_t n = Enqueue(legacy, [dst, src, count] {
-    std::memmove(dst, src, count);
-    return true;
-  });
-  WaitFor([n] { return RunUntil(&LegacyStream(), n); }, "a synchronous cudaMemcpy");
-  return cudaSuccess;
+  return Copy(dst, src, count, kind, cudaStreamLegacy, /*sync=*/true, "cudaMemcpy");
 }
-// A copy to or from pageable memory is synchronous, as CUDA's is: the host waits for the stream.
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
                             cudaStream_t stream) {
-  CUstream_st* s = nullptr;
-  if (const cudaError_t e = CheckEnqueue(stream, "cudaMemcpyAsync", &s); e != cudaSuccess) {
-    return e;
-  }
-  if (count == 0) return cudaSuccess;
-  bool pageable = false;
-  if (const cudaError_t e = CheckCopy(dst, src, count, kind, &pageable); e != cudaSuccess) {
-    return e;
-  }
-  const uint64_t n = Enqueue(s, [dst, src, count] {
-    std::memmove(dst, src, count);
-    return true;
-  });
-  if (pageable) WaitFor([s, n] { return RunUntil(s, n); }, "a cudaMemcpyAsync of pageable memory");
-  return cudaSuccess;
+  return Copy(dst, src, count, kind, stream, /*sync=*/false, "cudaMemcpyAsync");
 }
 cudaError_t cudaMemset(void* p, int value, size_t count) {
-  if (count == 0) return cudaSuccess;
-  CUstream_st* legacy = nullptr;
-  if (const cudaError_t e = CheckEnqueue(cudaStreamLegacy, "cudaMemset", &legacy);
-      e != cudaSuccess) {
-    return e;
-  }
-  if (const cudaError_t e = CheckSet(p, count); e != cudaSuccess) return e;
-  const uint64_t n = Enqueue(legacy, [p, value, count] {
-    std::memset(p, value, count);
-    return true;
-  });
-  WaitFor([n] { return RunUntil(&LegacyStream(), n); }, "a synchronous cudaMemset");
-  return cudaSuccess;
+  return Set(p, value, count, cudaStreamLegacy, /*sync=*/true, "cudaMemset");
 }
 cudaError_t cudaMemsetAsync(void* p, int value, size_t count, cudaStream_t stream) {
-  CUstream_st* s = nullptr;
-  if (const cudaError_t e = CheckEnqueue(stream, "cudaMemsetAsync", &s); e != cudaSuccess) {
-    return e;
-  }
-  if (count == 0) return cudaSuccess;
-  if (const cudaError_t e = CheckSet(p, count); e != cudaSuccess) return e;
-  Enqueue(s, [p, value, count] {
-    std::memset(p, value, count);
-    return true;
-  });
-  return cudaSuccess;
+  return Set(p, value, count, stream, /*sync=*/false, "cudaMemsetAsync");
 }
 
 cudaError_t cudaPointerGetAttributes(cudaPointerAttributes* attributes, const void* p) {

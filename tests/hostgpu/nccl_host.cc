@@ -420,6 +420,32 @@ void Bury(ncclComm_t comm) {
   delete comm;
 }
 
+// A collective that reads every rank's `send_bytes` at `send` when it starts (GatherAll) and,
+// once all of them arrived, writes `recv_bytes` at `recv` with `land` (given the gathered bytes,
+// in rank order): all-reduce, reduce-scatter and all-gather. The caller holds mu and has checked
+// the communicator, stream, type and op.
+ncclResult_t SubmitGathering(ncclComm_t comm, cudaStream_t stream, const std::string& what,
+                             const void* send, size_t send_bytes, void* recv, size_t recv_bytes,
+                             std::function<void(const uint8_t*)> land) {
+  bool caller = false;
+  if (ncclResult_t rc = CheckBuffer(comm, send, send_bytes, (what + " sendbuff").c_str()); rc) {
+    return rc;
+  }
+  if (ncclResult_t rc = CheckBuffer(comm, recv, recv_bytes, (what + " recvbuff").c_str(), &caller);
+      rc) {
+    return rc;
+  }
+  auto k = NewKernel(comm);
+  k->caller = caller;
+  const int ranks = comm->size;
+  auto slot = std::make_shared<Bytes*>(nullptr);  // the gathered inputs: set by start, read by land
+  k->start = [send, send_bytes, ranks, slot](Kernel& self) {
+    GatherAll(self, send, send_bytes, ranks, slot.get());
+  };
+  k->land = [slot, land = std::move(land)] { land((*slot)->data()); };
+  return Submit(comm, Call(std::move(k), stream));
+}
+
 }  // namespace
 
 namespace fp8rt::hostgpu {
@@ -609,56 +635,33 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(mu);
   if (ncclResult_t rc = Check(comm, stream, "ncclAllReduce"); rc != ncclSuccess) return rc;
-  const size_t bytes = count * TypeSize(type);
   if (TypeSize(type) == 0 || (op != ncclSum && op != ncclMax)) {
     return Error(comm, ncclInvalidArgument, "ncclAllReduce: type or op not emulated");
   }
-  bool caller = false;
-  if (ncclResult_t rc = CheckBuffer(comm, send, bytes, "ncclAllReduce sendbuff"); rc) return rc;
-  if (ncclResult_t rc = CheckBuffer(comm, recv, bytes, "ncclAllReduce recvbuff", &caller); rc) {
-    return rc;
-  }
-  auto k = NewKernel(comm);
-  k->caller = caller;
+  const size_t bytes = count * TypeSize(type);
   const int ranks = comm->size;
-  auto slot = std::make_shared<Bytes*>(nullptr);  // the gathered inputs: set by start, read by land
-  k->start = [send, bytes, ranks, slot](Kernel& self) {
-    GatherAll(self, send, bytes, ranks, slot.get());
-  };
-  k->land = [slot, bytes, ranks, count, type, op, recv] {
-    Reduce((*slot)->data(), bytes, ranks, count, type, op, recv);
-  };
-  return Submit(comm, Call(std::move(k), stream));
+  return SubmitGathering(comm, stream, "ncclAllReduce", send, bytes, recv, bytes,
+                         [bytes, ranks, count, type, op, recv](const uint8_t* all) {
+                           Reduce(all, bytes, ranks, count, type, op, recv);
+                         });
 }
 
 ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, ncclDataType_t type,
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(mu);
   if (ncclResult_t rc = Check(comm, stream, "ncclReduceScatter"); rc != ncclSuccess) return rc;
-  const size_t bytes = recvcount * TypeSize(type);
   if (TypeSize(type) == 0 || (op != ncclSum && op != ncclMax)) {
     return Error(comm, ncclInvalidArgument, "ncclReduceScatter: type or op not emulated");
   }
+  const size_t bytes = recvcount * TypeSize(type);
   const size_t all_bytes = bytes * static_cast<size_t>(comm->size);
-  bool caller = false;
-  if (ncclResult_t rc = CheckBuffer(comm, send, all_bytes, "ncclReduceScatter sendbuff"); rc) {
-    return rc;
-  }
-  if (ncclResult_t rc = CheckBuffer(comm, recv, bytes, "ncclReduceScatter recvbuff", &caller); rc) {
-    return rc;
-  }
-  auto k = NewKernel(comm);
-  k->caller = caller;
   const int ranks = comm->size, rank = comm->rank;
-  auto slot = std::make_shared<Bytes*>(nullptr);
-  k->start = [send, all_bytes, ranks, slot](Kernel& self) {
-    GatherAll(self, send, all_bytes, ranks, slot.get());
-  };
-  k->land = [slot, bytes, all_bytes, ranks, rank, recvcount, type, op, recv] {
-    Reduce((*slot)->data() + static_cast<size_t>(rank) * bytes, all_bytes, ranks, recvcount, type,
-           op, recv);
-  };
-  return Submit(comm, Call(std::move(k), stream));
+  return SubmitGathering(
+      comm, stream, "ncclReduceScatter", send, all_bytes, recv, bytes,
+      [bytes, all_bytes, ranks, rank, recvcount, type, op, recv](const uint8_t* all) {
+        Reduce(all + static_cast<size_t>(rank) * bytes, all_bytes, ranks, recvcount, type, op,
+               recv);
+      });
 }
 
 ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclDataType_t type,
@@ -668,20 +671,9 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
   if (TypeSize(type) == 0) return Error(comm, ncclInvalidArgument, "ncclAllGather: type");
   const size_t bytes = sendcount * TypeSize(type);
   const size_t all_bytes = bytes * static_cast<size_t>(comm->size);
-  bool caller = false;
-  if (ncclResult_t rc = CheckBuffer(comm, send, bytes, "ncclAllGather sendbuff"); rc) return rc;
-  if (ncclResult_t rc = CheckBuffer(comm, recv, all_bytes, "ncclAllGather recvbuff", &caller); rc) {
-    return rc;
-  }
-  auto k = NewKernel(comm);
-  k->caller = caller;
-  const int ranks = comm->size;
-  auto slot = std::make_shared<Bytes*>(nullptr);
-  k->start = [send, bytes, ranks, slot](Kernel& self) {
-    GatherAll(self, send, bytes, ranks, slot.get());
-  };
-  k->land = [slot, recv] { std::memcpy(recv, (*slot)->data(), (*slot)->size()); };
-  return Submit(comm, Call(std::move(k), stream));
+  return SubmitGathering(
+      comm, stream, "ncclAllGather", send, bytes, recv, all_bytes,
+      [all_bytes, recv](const uint8_t* all) { std::memcpy(recv, all, all_bytes); });
 }
 
 ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataType_t type,
