@@ -175,6 +175,7 @@ class DonePending : public PendingCollective {
  public:
   explicit DonePending(absl::Status status) : status_(std::move(status)) {}
   absl::Status Wait() override { return status_; }
+  bool InFlight() const override { return false; }
 
  private:
   const absl::Status status_;
@@ -187,6 +188,7 @@ class AnnotatedPending : public PendingCollective {
       : inner_(std::move(inner)), prefix_(std::move(prefix)) {}
   absl::Status Wait() override { return Annotate(inner_->Wait()); }
   absl::Status WaitStreamOrdered() override { return Annotate(inner_->WaitStreamOrdered()); }
+  bool InFlight() const override { return inner_->InFlight(); }
 
  private:
   absl::Status Annotate(absl::Status s) const {
@@ -208,11 +210,14 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> Communicator::StartAllGather(
   if (s.ok()) s = CheckCount(count, recv, "recv");
   if (!s.ok()) return Annotate(CollectiveOp::kAllGather, s);
   Count(CollectiveOp::kAllGather, dtype, Bytes(count, dtype));
-  absl::StatusOr<std::unique_ptr<PendingCollective>> started =
-      DoStartAllGather(send, count, recv, dtype);
-  if (!started.ok()) return Annotate(CollectiveOp::kAllGather, started.status());
-  return std::unique_ptr<PendingCollective>(std::make_unique<AnnotatedPending>(
-      *std::move(started), AnnotationPrefix(CollectiveOp::kAllGather)));
+  return Started(CollectiveOp::kAllGather, DoStartAllGather(send, count, recv, dtype));
+}
+
+absl::StatusOr<std::unique_ptr<PendingCollective>> Communicator::Started(
+    CollectiveOp op, absl::StatusOr<std::unique_ptr<PendingCollective>> started) const {
+  if (!started.ok()) return Annotate(op, started.status());
+  return std::unique_ptr<PendingCollective>(
+      std::make_unique<AnnotatedPending>(*std::move(started), AnnotationPrefix(op)));
 }
 
 absl::StatusOr<std::unique_ptr<PendingCollective>> Communicator::DoStartAllGather(
@@ -233,6 +238,23 @@ absl::Status Communicator::ReduceScatter(const void* send, void* recv, int64_t r
                   completion == Completion::kStream
                       ? DoReduceScatterQueued(send, recv, recv_count, dtype, op)
                       : DoReduceScatter(send, recv, recv_count, dtype, op));
+}
+
+absl::StatusOr<std::unique_ptr<PendingCollective>> Communicator::StartReduceScatter(
+    const void* send, void* recv, int64_t recv_count, DType dtype, ReduceOp op) {
+  absl::Status s = CheckReducible(dtype);
+  if (s.ok()) s = CheckCount(recv_count, send, "send");
+  if (s.ok()) s = CheckCount(recv_count, recv, "recv");
+  if (!s.ok()) return Annotate(CollectiveOp::kReduceScatter, s);
+  Count(CollectiveOp::kReduceScatter, dtype, Bytes(recv_count * size_, dtype));
+  return Started(CollectiveOp::kReduceScatter,
+                 DoStartReduceScatter(send, recv, recv_count, dtype, op));
+}
+
+absl::StatusOr<std::unique_ptr<PendingCollective>> Communicator::DoStartReduceScatter(
+    const void* send, void* recv, int64_t recv_count, DType dtype, ReduceOp op) {
+  return std::unique_ptr<PendingCollective>(
+      std::make_unique<DonePending>(DoReduceScatter(send, recv, recv_count, dtype, op)));
 }
 
 absl::Status Communicator::AllToAllV(const void* send, std::span<const int64_t> send_counts,

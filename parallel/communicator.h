@@ -4,12 +4,13 @@
 // call the backend's Do* method (MPI for CPU ranks in parallel/mpi/, NCCL for GPU ranks in
 // parallel/nccl/). Buffers are host memory for MPI and device memory for NCCL; the interface is
 // the same. Collectives are blocking and must be called in the same order on every rank of the
-// group, except StartAllGather, which starts an all-gather and returns a PendingCollective to
-// wait on later (FSDP prefetches the next layer's weight with it while the current layer
-// computes); it counts, in that order, as the call that started it. A backend never hangs forever:
-// a collective that does not complete within the group's timeout returns DeadlineExceeded naming
-// the op and group, after which the communicator is unusable (the job is expected to tear down and
-// restart from a checkpoint).
+// group, except StartAllGather and StartReduceScatter, which start a collective and return a
+// PendingCollective to wait on later (FSDP prefetches the next layer's weight with the first while
+// the current layer computes, and reduces a layer's gradient with the second while the layers
+// below run their backward); each counts, in that order, as the call that started it. A backend
+// never hangs forever: a collective that does not complete within the group's timeout returns
+// DeadlineExceeded naming the op and group, after which the communicator is unusable (the job is
+// expected to tear down and restart from a checkpoint).
 //
 // Stream-ordered completion (Completion::kStream, all-reduce, all-gather, reduce-scatter and
 // all-to-all): for results that only the device's later work reads (a TP activation sum, a
@@ -96,6 +97,11 @@ class PendingCollective {
   // CheckStreamOrdered or the group's next call (see "Stream-ordered completion"). Elsewhere:
   // Wait(). Wait() after it returns its status.
   [[nodiscard]] virtual absl::Status WaitStreamOrdered() { return Wait(); }
+  // Whether the collective may still be running: false when it ran to completion (or failed)
+  // before the handle was returned, as with the backends that have no nonblocking form; Wait()
+  // then returns at once. Callers use it to finish such a handle at once instead of keeping its
+  // buffers alive for nothing.
+  virtual bool InFlight() const { return true; }
 };
 
 class Communicator {
@@ -126,6 +132,17 @@ class Communicator {
   // send holds size() * recv_count elements; rank r receives the reduction of block r.
   absl::Status ReduceScatter(const void* send, void* recv, int64_t recv_count, DType dtype,
                              ReduceOp op, Completion completion = Completion::kHost);
+  // The same reduce-scatter, started (FSDP's gradient reductions, which overlap the backward of
+  // the layers below): returns at once where the backend has a nonblocking form that pays (NCCL
+  // with device buffers: on the side stream, like StartAllGather) and completes in Wait() or
+  // WaitStreamOrdered(). Neither buffer may be touched until then. Elsewhere (MPI: its
+  // nonblocking collectives progress only inside MPI calls, so starting early gains nothing on
+  // CPU ranks and would keep the send buffer alive longer) it runs to completion here and hands
+  // back a completed handle (InFlight() false).
+  absl::StatusOr<std::unique_ptr<PendingCollective>> StartReduceScatter(const void* send,
+                                                                        void* recv,
+                                                                        int64_t recv_count,
+                                                                        DType dtype, ReduceOp op);
   // Counts and displacements in elements, one per rank of the group.
   absl::Status AllToAllV(const void* send, std::span<const int64_t> send_counts,
                          std::span<const int64_t> send_displs, void* recv,
@@ -176,12 +193,18 @@ class Communicator {
                                                                               int64_t count,
                                                                               void* recv,
                                                                               DType dtype);
+  // Default: DoReduceScatter now, and a completed handle.
+  virtual absl::StatusOr<std::unique_ptr<PendingCollective>> DoStartReduceScatter(
+      const void* send, void* recv, int64_t recv_count, DType dtype, ReduceOp op);
 
  private:
   void Count(CollectiveOp op, DType dtype, int64_t bytes);
   // Prefixes a backend error with the op and group so that every failure names both.
   absl::Status Annotate(CollectiveOp op, absl::Status status) const;
   std::string AnnotationPrefix(CollectiveOp op) const;  // "all_gather on group 'dp' (rank 0 of 2): "
+  // A started collective's handle, its errors (at the start and at Wait) annotated like Annotate.
+  absl::StatusOr<std::unique_ptr<PendingCollective>> Started(
+      CollectiveOp op, absl::StatusOr<std::unique_ptr<PendingCollective>> started) const;
 
   const std::string name_;  // fixed after construction
   const int rank_;

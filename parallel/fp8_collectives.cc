@@ -556,9 +556,9 @@ void Grow(const kernels::OpTable& ops, size_t count, kernels::DeviceArray<T>* a)
 
 }  // namespace
 
-absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
-                               const float* full_grad, int64_t shard_count, GradReduceDType dtype,
-                               bool accumulate, float* shard_grad, GradReduceBuffers* buffers) {
+absl::StatusOr<PendingGradReduce> StartReduceScatterGrad(
+    Communicator& group, const kernels::OpTable& ops, const float* full_grad, int64_t shard_count,
+    GradReduceDType dtype, bool accumulate, float* shard_grad, GradReduceBuffers* buffers) {
   constexpr const char* kFn = "ReduceScatterGrad";
   if (shard_count < 0) {
     return absl::InvalidArgumentError(
@@ -570,40 +570,68 @@ absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
   if (shard_count > 0 && shard_grad == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(kFn, ": shard_grad is null"));
   }
-  const int64_t full_count = shard_count * group.size();
-  GradReduceBuffers local;  // without the caller's buffers: this call's, freed at return
-  GradReduceBuffers& b = buffers != nullptr ? *buffers : local;
-  switch (dtype) {
-    case GradReduceDType::kFP32: {
-      if (!accumulate) {
-        return group.ReduceScatter(full_grad, shard_grad, shard_count, DType::kF32, ReduceOp::kSum,
-                                   Completion::kStream);
-      }
-      Grow(ops, static_cast<size_t>(shard_count), &b.reduced_f32);
-      FP8RT_RETURN_IF_ERROR(group.ReduceScatter(full_grad, b.reduced_f32.data(), shard_count,
-                                                DType::kF32, ReduceOp::kSum, Completion::kStream));
-      return Accumulate(ops, shard_grad, b.reduced_f32.data(), shard_count);
-    }
-    case GradReduceDType::kBF16: {
-      Grow(ops, static_cast<size_t>(full_count), &b.send_bf16);
-      FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kF32, full_grad,
-                                    kernels::InputType::kBF16, b.send_bf16.data(), full_count));
-      Grow(ops, static_cast<size_t>(shard_count), &b.reduced_bf16);
-      FP8RT_RETURN_IF_ERROR(group.ReduceScatter(b.send_bf16.data(), b.reduced_bf16.data(),
-                                                shard_count, DType::kBF16, ReduceOp::kSum,
-                                                Completion::kStream));
-      if (!accumulate) {
-        return Convert(ops, kernels::InputType::kBF16, b.reduced_bf16.data(),
-                       kernels::InputType::kF32, shard_grad, shard_count);
-      }
-      Grow(ops, static_cast<size_t>(shard_count), &b.reduced_f32);
-      FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kBF16, b.reduced_bf16.data(),
-                                    kernels::InputType::kF32, b.reduced_f32.data(), shard_count));
-      return Accumulate(ops, shard_grad, b.reduced_f32.data(), shard_count);
-    }
+  if (dtype != GradReduceDType::kFP32 && dtype != GradReduceDType::kBF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kFn, ": dtype must be bf16 or fp32, got ", static_cast<int>(dtype)));
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat(kFn, ": dtype must be bf16 or fp32, got ", static_cast<int>(dtype)));
+  PendingGradReduce r;
+  r.ops_ = &ops;
+  r.shard_count_ = shard_count;
+  r.dtype_ = dtype;
+  r.accumulate_ = accumulate;
+  r.shard_grad_ = shard_grad;
+  if (buffers == nullptr) r.own_ = std::make_unique<GradReduceBuffers>();
+  r.buffers_ = buffers != nullptr ? buffers : r.own_.get();
+  GradReduceBuffers& b = *r.buffers_;
+  const int64_t full_count = shard_count * group.size();
+  absl::StatusOr<std::unique_ptr<PendingCollective>> started;
+  if (dtype == GradReduceDType::kFP32) {
+    // The first reduction writes the shard directly; an accumulating one reduces beside it.
+    float* out = shard_grad;
+    if (accumulate) {
+      Grow(ops, static_cast<size_t>(shard_count), &b.reduced_f32);
+      out = b.reduced_f32.data();
+    }
+    started = group.StartReduceScatter(full_grad, out, shard_count, DType::kF32, ReduceOp::kSum);
+  } else {
+    Grow(ops, static_cast<size_t>(full_count), &b.send_bf16);
+    FP8RT_RETURN_IF_ERROR(Convert(ops, kernels::InputType::kF32, full_grad,
+                                  kernels::InputType::kBF16, b.send_bf16.data(), full_count));
+    Grow(ops, static_cast<size_t>(shard_count), &b.reduced_bf16);
+    if (accumulate) Grow(ops, static_cast<size_t>(shard_count), &b.reduced_f32);
+    started = group.StartReduceScatter(b.send_bf16.data(), b.reduced_bf16.data(), shard_count,
+                                       DType::kBF16, ReduceOp::kSum);
+  }
+  if (!started.ok()) return started.status();
+  r.pending_ = *std::move(started);
+  return r;
+}
+
+absl::Status PendingGradReduce::Finish() {
+  if (finished_) return status_;
+  finished_ = true;
+  status_ = pending_->WaitStreamOrdered();
+  if (!status_.ok()) return status_;
+  const kernels::OpTable& ops = *ops_;
+  GradReduceBuffers& b = *buffers_;
+  if (dtype_ == GradReduceDType::kBF16) {
+    float* out = accumulate_ ? b.reduced_f32.data() : shard_grad_;
+    status_ = Convert(ops, kernels::InputType::kBF16, b.reduced_bf16.data(),
+                      kernels::InputType::kF32, out, shard_count_);
+  }
+  if (status_.ok() && accumulate_) {
+    status_ = Accumulate(ops, shard_grad_, b.reduced_f32.data(), shard_count_);
+  }
+  return status_;
+}
+
+absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
+                               const float* full_grad, int64_t shard_count, GradReduceDType dtype,
+                               bool accumulate, float* shard_grad, GradReduceBuffers* buffers) {
+  absl::StatusOr<PendingGradReduce> started = StartReduceScatterGrad(
+      group, ops, full_grad, shard_count, dtype, accumulate, shard_grad, buffers);
+  if (!started.ok()) return started.status();
+  return started->Finish();
 }
 
 absl::StatusOr<std::vector<int64_t>> ExchangeTokenCounts(Communicator& group,

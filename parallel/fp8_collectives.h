@@ -10,6 +10,8 @@
 //                         per step, and every gather of the step moves those bytes only
 //   GatherBf16            FSDP all-gather of a non-FP8 parameter in BF16
 //   ReduceScatterGrad     gradient reduce-scatter in BF16 or FP32 into FP32 shards
+//   StartReduceScatterGrad, PendingGradReduce
+//                         the same, started: it overlaps the backward of the layers below
 //   ExchangeTokenCounts, AllToAllFp8Tokens, AllToAllBf16Tokens
 //                         MoE dispatch (FP8 with one scale per 1x128 tile of each token) and
 //                         combine (BF16); the backward pass uses the same calls reversed
@@ -223,6 +225,56 @@ absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
                                const float* full_grad, int64_t shard_count, GradReduceDType dtype,
                                bool accumulate, float* shard_grad,
                                GradReduceBuffers* buffers = nullptr);
+
+// A gradient reduction started by StartReduceScatterGrad. Until Finish() returns, neither the
+// full gradient, nor the shard gradient, nor the buffers may be touched or freed by the host
+// or by work on the default stream. Movable; destroying one that was not finished waits for its
+// reduce-scatter (Wait) and skips what follows it, which leaves the shard gradient unspecified.
+class PendingGradReduce {
+ public:
+  PendingGradReduce(PendingGradReduce&&) = default;
+  PendingGradReduce& operator=(PendingGradReduce&&) = default;
+  ~PendingGradReduce() = default;
+
+  // Whether the reduce-scatter may still be running (PendingCollective::InFlight): false where
+  // the backend ran it to completion at the start.
+  bool InFlight() const { return !finished_ && pending_->InFlight(); }
+  // Completes it, stream-ordered (PendingCollective::WaitStreamOrdered: with NCCL the default
+  // stream waits for the reduce-scatter, the host does not), then queues what follows it (the
+  // BF16 -> FP32 conversion, the accumulation into the shard). Returns the first error; later
+  // calls return the same.
+  absl::Status Finish();
+
+ private:
+  friend absl::StatusOr<PendingGradReduce> StartReduceScatterGrad(Communicator&,
+                                                                  const kernels::OpTable&,
+                                                                  const float*, int64_t,
+                                                                  GradReduceDType, bool, float*,
+                                                                  GradReduceBuffers*);
+  PendingGradReduce() = default;
+
+  const kernels::OpTable* ops_ = nullptr;
+  int64_t shard_count_ = 0;
+  GradReduceDType dtype_ = GradReduceDType::kFP32;
+  bool accumulate_ = false;
+  float* shard_grad_ = nullptr;
+  std::unique_ptr<GradReduceBuffers> own_;  // without the caller's buffers (before pending_:
+  GradReduceBuffers* buffers_ = nullptr;    // destroyed after it, once it has waited)
+  std::unique_ptr<PendingCollective> pending_;
+  bool finished_ = false;
+  absl::Status status_;
+};
+
+// ReduceScatterGrad, started with Communicator::StartReduceScatter (same arguments, same
+// results once finished): the gradient is converted to BF16 first (kBF16), the reduce-scatter
+// started, and the rest happens in PendingGradReduce::Finish. `buffers` (optional) must outlive
+// the handle and may not serve another reduction until it is finished.
+absl::StatusOr<PendingGradReduce> StartReduceScatterGrad(Communicator& group,
+                                                         const kernels::OpTable& ops,
+                                                         const float* full_grad,
+                                                         int64_t shard_count, GradReduceDType dtype,
+                                                         bool accumulate, float* shard_grad,
+                                                         GradReduceBuffers* buffers = nullptr);
 
 // MoE: every rank tells every other how many tokens it sends it. Returns recv_counts
 // (tokens this rank receives from each rank). Both are host memory, and so are the buffers that

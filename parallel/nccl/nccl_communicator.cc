@@ -7,7 +7,8 @@
 //   NcclCommunicator        Do* collectives, Finish and Poll (the deadline), Break (abort),
 //                           teardown; Do*Queued (Completion::kStream), Queue, CheckQueued and
 //                           the watchdog (Watch)
-//   NcclPendingAllGather    StartAllGather's handle: the side stream's all-gather
+//   NcclPendingSide         StartAllGather's and StartReduceScatter's handle: the side
+//                           stream's collective (StartOnSide)
 //   NcclCommunicatorFactory Create (unique id over the bootstrap), Split (ncclCommSplit)
 //   CreateNcclCommunicatorFactory  Create as the interface (a stub without CUDA)
 #include "parallel/nccl/nccl_communicator.h"
@@ -20,6 +21,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <span>
 #include <thread>
 #include <utility>
@@ -284,7 +286,7 @@ absl::Status NcclCommunicator::Begin() {
   if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
     return Break(internal::CudaErrorStatus(e, "cudaSetDevice", __FILE__, __LINE__));
   }
-  // After the side stream's last all-gather: one collective at a time, in call order.
+  // After the side stream's last collective: one collective at a time, in call order.
   if (side_done_ != nullptr) {
     if (const cudaError_t e = cudaStreamWaitEvent(stream_, side_done_, 0); e != cudaSuccess) {
       return Break(internal::CudaErrorStatus(e, "cudaStreamWaitEvent(stream_, side_done_)",
@@ -348,33 +350,35 @@ absl::Status NcclCommunicator::PollLocked(CUevent_st* done, Clock::time_point de
   return Poll(done, deadline, what);
 }
 
-// StartAllGather's handle: owns the event recorded after the side stream's all-gather.
-class NcclPendingAllGather final : public PendingCollective {
+// The handle of a collective started on the side stream (StartAllGather, StartReduceScatter):
+// owns the event recorded after it.
+class NcclPendingSide final : public PendingCollective {
  public:
-  NcclPendingAllGather(NcclCommunicator* comm, cudaEvent_t done, Clock::time_point deadline)
-      : comm_(comm), done_(done), deadline_(deadline) {}
-  NcclPendingAllGather(const NcclPendingAllGather&) = delete;
-  NcclPendingAllGather& operator=(const NcclPendingAllGather&) = delete;
-  ~NcclPendingAllGather() override {
+  NcclPendingSide(NcclCommunicator* comm, cudaEvent_t done, Clock::time_point deadline,
+                  const char* what)
+      : comm_(comm), done_(done), deadline_(deadline), what_(what) {}
+  NcclPendingSide(const NcclPendingSide&) = delete;
+  NcclPendingSide& operator=(const NcclPendingSide&) = delete;
+  ~NcclPendingSide() override {
     if (!waited_) (void)Wait();
     (void)cudaEventDestroy(done_);
   }
-  // The default stream waits for the gather; the host only takes in what the watchdog found so
-  // far (it watches the gather: DoStartAllGather tracked it).
+  // The default stream waits for the collective; the host only takes in what the watchdog found
+  // so far (it watches the collective: StartOnSide tracked it).
   absl::Status WaitStreamOrdered() override {
     if (!waited_) Settle(comm_->CheckStreamOrdered());
     return status_;
   }
   absl::Status Wait() override {
-    if (!waited_) Settle(comm_->PollLocked(done_, deadline_, "ncclAllGather (started)"));
+    if (!waited_) Settle(comm_->PollLocked(done_, deadline_, what_));
     return status_;
   }
 
  private:
   // Records `status` and, whatever it is, makes the default stream's later work (the model's
-  // frees of the gathered buffer among it: stream-ordered) come after the gather, which the side
-  // stream does not otherwise order. After an abort the gather's kernels end, so the wait ends.
-  // If the default stream cannot be made to wait, the host waits for the gather instead (the
+  // frees of the buffers among it: stream-ordered) come after the collective, which the side
+  // stream does not otherwise order. After an abort its kernels end, so the wait ends. If the
+  // default stream cannot be made to wait, the host waits for the collective instead (the
   // buffers may be freed as soon as this returns, whatever its status, and kernels may already
   // read them), and the communicator is broken, so that every later check reports it.
   void Settle(absl::Status status) {
@@ -382,7 +386,7 @@ class NcclPendingAllGather final : public PendingCollective {
     status_ = std::move(status);
     if (const cudaError_t e = cudaStreamWaitEvent(cudaStreamLegacy, done_, 0); e != cudaSuccess) {
       (void)cudaGetLastError();
-      absl::Status why = internal::CudaErrorStatus(e, "cudaStreamWaitEvent(started all-gather)",
+      absl::Status why = internal::CudaErrorStatus(e, "cudaStreamWaitEvent(started collective)",
                                                    __FILE__, __LINE__);
       why = comm_->BreakLocked(std::move(why));
       (void)cudaEventSynchronize(done_);
@@ -393,6 +397,7 @@ class NcclPendingAllGather final : public PendingCollective {
   NcclCommunicator* const comm_;
   const cudaEvent_t done_;
   const Clock::time_point deadline_;
+  const char* const what_;  // the NCCL call, for errors
   bool waited_ = false;
   absl::Status status_;
 };
@@ -402,6 +407,24 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllG
   if (count == 0 || !DeviceAddressable(send) || !DeviceAddressable(recv)) {
     return Communicator::DoStartAllGather(send, count, recv, dtype);  // blocking, staged
   }
+  return StartOnSide("ncclAllGather (started)", [&](cudaStream_t side) {
+    return ncclAllGather(send, recv, static_cast<size_t>(count), ToNccl(dtype), comm_, side);
+  });
+}
+
+absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartReduceScatter(
+    const void* send, void* recv, int64_t recv_count, DType dtype, ReduceOp op) {
+  if (recv_count == 0 || !DeviceAddressable(send) || !DeviceAddressable(recv)) {
+    return Communicator::DoStartReduceScatter(send, recv, recv_count, dtype, op);  // blocking
+  }
+  return StartOnSide("ncclReduceScatter (started)", [&](cudaStream_t side) {
+    return ncclReduceScatter(send, recv, static_cast<size_t>(recv_count), ToNccl(dtype), ToNccl(op),
+                             comm_, side);
+  });
+}
+
+absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::StartOnSide(
+    const char* what, const std::function<int(CUstream_st*)>& enqueue) {
   std::lock_guard<std::mutex> lock(mu_);
   FP8RT_RETURN_IF_ERROR(Begin());
   const auto deadline = Clock::now() + options_.timeout;
@@ -420,15 +443,14 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllG
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, done, 0));
     return absl::OkStatus();
   }();
-  bool accepted = false;  // NCCL took the gather: it may be on the side stream, or go there
+  bool accepted = false;  // NCCL took the collective: it may be on the side stream, or go there
   if (status.ok()) {
-    status = FP8RT_NCCL_ENQUEUE(
-        ncclAllGather(send, recv, static_cast<size_t>(count), ToNccl(dtype), comm_, side_));
+    status = Enqueued(static_cast<ncclResult_t>(enqueue(side_)), what, __FILE__, __LINE__);
     accepted = status.ok();
   }
-  // The events must follow the gather on the side stream: a non-blocking communicator may put it
-  // there only after the call returned ncclInProgress.
-  if (status.ok()) status = WaitEnqueued(deadline, "ncclAllGather (started)");
+  // The events must follow the collective on the side stream: a non-blocking communicator may
+  // put it there only after the call returned ncclInProgress.
+  if (status.ok()) status = WaitEnqueued(deadline, what);
   if (status.ok()) {
     status = [&]() -> absl::Status {
       CUDA_RETURN_IF_ERROR(cudaEventRecord(done, side_));
@@ -436,20 +458,20 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartAllG
       return absl::OkStatus();
     }();
     // The watchdog watches it too: a host blocked in a device-wide wait (a free of pinned or
-    // managed memory) before Wait() would otherwise hang behind a gather whose peer died.
-    if (status.ok()) status = Track(side_, deadline, "ncclAllGather (started)").status();
+    // managed memory) before Wait() would otherwise hang behind a collective whose peer died.
+    if (status.ok()) status = Track(side_, deadline, what).status();
   }
   if (!status.ok()) {
     if (done != nullptr) (void)cudaEventDestroy(done);
     status = Break(status);  // aborts the communicator (once: a second Break keeps the first)
-    // No handle is returned, so the default stream will never wait for this gather: the caller
-    // may free and reuse `recv` at once. The aborted gather ends at once; it must have ended
-    // before this returns.
+    // No handle is returned, so the default stream will never wait for this collective: the
+    // caller may free and reuse its buffers at once. The aborted collective ends at once; it
+    // must have ended before this returns.
     if (accepted) (void)cudaStreamSynchronize(side_);
     return status;
   }
   return std::unique_ptr<PendingCollective>(
-      std::make_unique<NcclPendingAllGather>(this, done, deadline));
+      std::make_unique<NcclPendingSide>(this, done, deadline, what));
 }
 
 absl::Status NcclCommunicator::DoAllReduce(void* buf, int64_t count, DType dtype, ReduceOp op) {
@@ -650,7 +672,7 @@ absl::Status NcclCommunicator::Queue(absl::Status enqueued, Clock::time_point de
 
 std::string NcclCommunicator::AsyncErrorSource(const char* what) const {
   // NCCL's asynchronous error is the communicator's: with collectives of it still queued (or a
-  // gather started), any of them may have failed, not necessarily this call.
+  // collective started), any of them may have failed, not necessarily this call.
   return queued_.empty() ? std::string(what)
                          : absl::StrCat(what, " or a queued or started collective");
 }

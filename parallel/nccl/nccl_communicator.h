@@ -24,12 +24,12 @@
 // the legacy default stream wait for that event, then returns: the model's later kernels, copies
 // and synchronisations on the default stream come after the collective, and the host never waits
 // for the device at the call. A watchdog thread, started by the first such call (or the first
-// StartAllGather on device buffers, which it watches too), checks the queued collectives every
-// timeout/20 (at most 100 ms): one that fails, or has not completed
-// within the timeout of its call, aborts the NCCL communicator (which ends its kernels, so a host
-// blocked in a synchronisation behind it returns), and the next call fails with that error.
-// While a blocking call is polling, the watchdog leaves the communicator to it: that call's own
-// deadline covers everything queued before it. Host buffers take the blocking path.
+// StartAllGather or StartReduceScatter on device buffers, which it watches too), checks the queued
+// collectives every timeout/20 (at most 100 ms): one that fails, or has not completed within the
+// timeout of its call, aborts the NCCL communicator (which ends its kernels, so a host blocked in a
+// synchronisation behind it returns), and the next call fails with that error. While a blocking
+// call is polling, the watchdog leaves the communicator to it: that call's own deadline covers
+// everything queued before it. Host buffers take the blocking path.
 //
 // The ncclUniqueId of the world is created by rank 0 and broadcast over a bootstrap communicator
 // (the MPI world, host memory); subgroups come from ncclCommSplit and need no bootstrap.
@@ -50,6 +50,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
@@ -121,10 +122,16 @@ class NcclCommunicator : public Communicator {
   absl::StatusOr<std::unique_ptr<PendingCollective>> DoStartAllGather(const void* send,
                                                                       int64_t count, void* recv,
                                                                       DType dtype) override;
+  // FSDP's gradient reduction, on the side stream like the gathers: it starts after the compute
+  // that wrote the gradient and runs while the backward of the layers below computes; the
+  // handle's WaitStreamOrdered makes the default stream's later work (the shard's conversion or
+  // accumulation, the free of the full gradient) wait for it. Host buffers: the blocking path.
+  absl::StatusOr<std::unique_ptr<PendingCollective>> DoStartReduceScatter(
+      const void* send, void* recv, int64_t recv_count, DType dtype, ReduceOp op) override;
 
  private:
   friend class NcclCommunicatorFactory;
-  friend class NcclPendingAllGather;
+  friend class NcclPendingSide;
 
   // Takes ownership of `comm`, an initialised NCCL communicator on `device`; on error aborts it.
   static absl::StatusOr<std::unique_ptr<NcclCommunicator>> Wrap(std::string name, int device,
@@ -146,7 +153,7 @@ class NcclCommunicator : public Communicator {
   // With mu_ held: polls until NCCL has put the work just enqueued on its stream (the state
   // leaves ncclInProgress), NCCL reports an error or the deadline passes; aborts on failure.
   absl::Status WaitEnqueued(std::chrono::steady_clock::time_point deadline, const char* what);
-  // A collective queued with Completion::kStream or started (StartAllGather), until it is seen
+  // A collective queued with Completion::kStream or started on the side stream, until it is seen
   // complete.
   struct Queued {
     CUevent_st* done = nullptr;  // recorded on stream_ after the collective
@@ -154,6 +161,12 @@ class NcclCommunicator : public Communicator {
     const char* what = nullptr;  // the NCCL call, for errors
   };
 
+  // Takes mu_: enqueues a collective on the side stream (`enqueue`, given the side stream: the
+  // NCCL call) after the compute queued so far and this communicator's earlier collectives, waits
+  // until NCCL has put it there, records its event and hands it to the watchdog; returns its
+  // handle. Aborts the communicator on any failure. `what` names the call in errors.
+  absl::StatusOr<std::unique_ptr<PendingCollective>> StartOnSide(
+      const char* what, const std::function<int(CUstream_st*)>& enqueue);
   // With mu_ held: makes the device current, takes in what the watchdog found (CheckQueued) and
   // fails if the communicator was aborted.
   absl::Status Begin();
@@ -184,7 +197,7 @@ class NcclCommunicator : public Communicator {
   bool BreakOnAsyncError();
   // The watchdog thread: CheckQueued every period, when no call holds mu_, until stop_.
   void Watch();
-  // Poll with mu_ taken (for NcclPendingAllGather, outside any call).
+  // Poll with mu_ taken (for NcclPendingSide, outside any call).
   absl::Status PollLocked(CUevent_st* done, std::chrono::steady_clock::time_point deadline,
                           const char* what);
   // Waits until the work just enqueued (`enqueued`: the status of the enqueue calls) completes,
@@ -201,7 +214,7 @@ class NcclCommunicator : public Communicator {
                     const char* what);
   // With mu_ held: aborts the NCCL communicator and remembers why.
   absl::Status Break(absl::Status why);
-  // Break with mu_ taken (for NcclPendingAllGather, outside any call).
+  // Break with mu_ taken (for NcclPendingSide, outside any call).
   absl::Status BreakLocked(absl::Status why);
   // The NCCL communicator, for ncclCommSplit; null once aborted.
   ncclComm* comm() const { return comm_; }
@@ -213,7 +226,7 @@ class NcclCommunicator : public Communicator {
   mutable std::mutex mu_;
   ncclComm* comm_;                   // owned; null once aborted
   CUstream_st* stream_ = nullptr;    // owned
-  CUstream_st* side_ = nullptr;      // owned, non-blocking; created by the first StartAllGather
+  CUstream_st* side_ = nullptr;      // owned, non-blocking; created by the first StartOnSide
   CUevent_st* side_done_ = nullptr;  // owned: recorded after the side stream's last collective
   void* barrier_buf_ = nullptr;      // owned device memory, one int32 for Barrier()
   PinnedSlot pinned_[2];             // owned: a collective's staged send and receive buffers

@@ -178,15 +178,7 @@ Transformer::Transformer(const ModelShape& shape, const ModelRecipe& recipe, par
       dp_rank_(mesh.layout().dp_rank),
       row_unit_(RowUnitOf(recipe)),
       acts_(std::make_unique<Acts>(ops)),
-      scratch_(ops) {
-  // Wire buffers: only the backend's entries and the collectives touch them.
-  for (auto* b : {&reduce_buffers_.send_bf16, &reduce_buffers_.reduced_bf16}) {
-    *b = kernels::DeviceArray<uint16_t>(ops, kernels::MemCategory::kCommBuffers,
-                                        kernels::Placement::kDeviceOnly);
-  }
-  reduce_buffers_.reduced_f32 = kernels::DeviceArray<float>(ops, kernels::MemCategory::kCommBuffers,
-                                                            kernels::Placement::kDeviceOnly);
-}
+      scratch_(ops) {}
 
 Transformer::~Transformer() = default;
 
@@ -814,6 +806,15 @@ void Transformer::Reshard(size_t unit) {
 }
 
 absl::Status Transformer::BeginUnitGrads(size_t unit, std::initializer_list<int> overwritten) {
+  // A tied embedding's full gradient, reused by the embedding's unit: its reduction by the head
+  // must have finished reading it.
+  for (const Reducing& r : reducing_) {
+    const std::vector<int>& mine = units_[unit].params;
+    if (std::find(mine.begin(), mine.end(), r.param) != mine.end()) {
+      FP8RT_RETURN_IF_ERROR(FinishReductions());
+      break;
+    }
+  }
   for (const int i : units_[unit].params) {
     Param& p = params_[static_cast<size_t>(i)];
     p.full_grad.Reset(ops_, static_cast<size_t>(p.shard_count * p.group->size()));
@@ -840,6 +841,8 @@ absl::Status Transformer::BeginUnitGrads(size_t unit, std::initializer_list<int>
 }
 
 absl::Status Transformer::ReduceUnitGrads(size_t unit) {
+  // One unit's reductions in flight at most: its full gradients stay alive until then.
+  FP8RT_RETURN_IF_ERROR(FinishReductions());
   // The step's first reduction of a parameter writes its shard gradient, later ones (later
   // micro-batches, the second use of a tied embedding) add to it.
   // Checked for the whole unit before its first reduction, so that a refusal reduces none.
@@ -860,15 +863,46 @@ absl::Status Transformer::ReduceUnitGrads(size_t unit) {
       // must stay host-visible (the host reads it at a skipped step; it is prefetched as managed
       // memory on CUDA).
       FP8RT_RETURN_IF_ERROR(ops_.layer->copy(p.grad.data(), p.full_grad.data(), p.shard_count, {}));
-    } else {
-      FP8RT_RETURN_IF_ERROR(parallel::ReduceScatterGrad(
-          *p.group, ops_, p.full_grad.data(), p.shard_count, recipe_.grad_reduce,
-          /*accumulate=*/!first, p.grad.data(), &reduce_buffers_));
+      p.full_grad.clear();
+      continue;
     }
+    if (reduce_buffers_.size() <= reducing_.size()) {
+      // Wire buffers: only the backend's entries and the collectives touch them.
+      parallel::GradReduceBuffers& b = reduce_buffers_.emplace_back();
+      for (auto* a : {&b.send_bf16, &b.reduced_bf16}) {
+        *a = kernels::DeviceArray<uint16_t>(ops_, kernels::MemCategory::kCommBuffers,
+                                            kernels::Placement::kDeviceOnly);
+      }
+      b.reduced_f32 = kernels::DeviceArray<float>(ops_, kernels::MemCategory::kCommBuffers,
+                                                  kernels::Placement::kDeviceOnly);
+    }
+    FP8RT_ASSIGN_OR_RETURN(
+        parallel::PendingGradReduce reduce,
+        parallel::StartReduceScatterGrad(*p.group, ops_, p.full_grad.data(), p.shard_count,
+                                         recipe_.grad_reduce, /*accumulate=*/!first, p.grad.data(),
+                                         &reduce_buffers_[reducing_.size()]));
+    if (reduce.InFlight()) {
+      reducing_.push_back(Reducing{.param = i, .reduce = std::move(reduce)});
+      continue;
+    }
+    FP8RT_RETURN_IF_ERROR(reduce.Finish());
     p.full_grad.clear();
   }
   ++units_[unit].reduced;
   return absl::OkStatus();
+}
+
+absl::Status Transformer::FinishReductions() {
+  absl::Status status;
+  for (Reducing& r : reducing_) {
+    // After a failure too: Finish orders the default stream (the free below) after the
+    // reduce-scatter whatever its status.
+    absl::Status s = r.reduce.Finish();
+    if (status.ok()) status = std::move(s);
+    params_[static_cast<size_t>(r.param)].full_grad.clear();
+  }
+  reducing_.clear();
+  return status;
 }
 
 void Transformer::AttachFp8Shards(std::span<train::ParamShard> shards) {
@@ -1050,7 +1084,12 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
                                                    int64_t micro_batch, float dloss) {
   FP8RT_RETURN_IF_ERROR(LoadTokens(tokens, micro_batch));
   FP8RT_ASSIGN_OR_RETURN(const float loss, Forward(/*train=*/true));
-  FP8RT_RETURN_IF_ERROR(Backward(dloss));
+  if (absl::Status s = Backward(dloss); !s.ok()) {
+    // A failed pass leaves no reduction in flight: each is waited for, its gradient dropped (the
+    // pass does not count, so the step fails in ReduceGrads).
+    reducing_.clear();
+    return s;
+  }
   ++passes_;
   return loss;
 }
@@ -1330,6 +1369,7 @@ absl::Status Transformer::Backward(float dloss) {
                                                shape_.max_positions, C, st));
   }
   FP8RT_RETURN_IF_ERROR(ReduceUnitGrads(0));
+  FP8RT_RETURN_IF_ERROR(FinishReductions());
   // The statistics of the pass's FP8 quantizations recorded into their sites, once the backend
   // has finished and the pass's stream-ordered collectives (TP sums, gradient reduce-scatters)
   // all completed.

@@ -65,6 +65,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <initializer_list>
 #include <map>
@@ -410,7 +411,14 @@ class Transformer {
   // Full gradients for the unit's backward, zeroed except those in `overwritten` (their layers
   // write them over; only their padding past local_count() is zeroed).
   absl::Status BeginUnitGrads(size_t unit, std::initializer_list<int> overwritten = {});
-  absl::Status ReduceUnitGrads(size_t unit);  // reduce-scatter into the shards, then free
+  // Starts the reduce-scatters of the unit's gradients into the shards, after finishing those
+  // of the unit before (FinishReductions): a unit's reductions run while the backward of the
+  // next unit down computes, where the group's backend has a nonblocking form (NCCL on device
+  // memory); elsewhere each completes, and its full gradient is freed, at once.
+  absl::Status ReduceUnitGrads(size_t unit);
+  // Finishes the reductions in flight (their shard conversions and accumulations queued, the
+  // default stream ordered after them) and frees their full gradients. The first error.
+  absl::Status FinishReductions();
   // Queues the quantization of p's shard (no wait: BeginStep reads the statistics of all of them
   // after one synchronize); mx32's transposes go through `scratch`.
   absl::Status QuantizeWeightShard(Param& p, float weight_scale,
@@ -456,9 +464,17 @@ class Transformer {
   int64_t passes_ = 0;  // ForwardBackward calls that completed this step
   std::unique_ptr<Acts> acts_;
   Scratch scratch_;
-  // The temporaries of the gradient reduce-scatters: one set for all parameters (they reduce
-  // one after another), sized by the largest.
-  parallel::GradReduceBuffers reduce_buffers_;
+  // The temporaries of the gradient reduce-scatters: [k] serves the k-th reduction in flight,
+  // so one set serves every parameter where reductions complete when started (sized by the
+  // largest), one per parameter of a unit where they overlap. A deque: handles point into it.
+  std::deque<parallel::GradReduceBuffers> reduce_buffers_;
+  // The gradient reductions in flight (ReduceUnitGrads of one unit, until FinishReductions):
+  // the parameter, whose full gradient they read, and the handle.
+  struct Reducing {
+    int param = -1;
+    parallel::PendingGradReduce reduce;
+  };
+  std::vector<Reducing> reducing_;
   // The transposes of QuantizeMx32Both: mx32 weight shards in BeginStep and mx32 weights
   // quantized after a BF16 gather. Kept across steps, so it grows (and waits for the backend to do
   // so) in the first step only.

@@ -86,7 +86,8 @@ Settings& settings();
 struct Stats {
   int64_t deferred = 0;       // NCCL calls that returned ncclInProgress
   int64_t kernels = 0;        // NCCL kernels that ended with their results
-  int64_t side_stream = 0;    // of them, on a non-blocking stream (fp8rt: started all-gathers)
+  int64_t side_stream = 0;    // of them, on a non-blocking stream (fp8rt: started collectives)
+  int64_t side_reduce_scatter = 0;  // of those, reduce-scatters (fp8rt: gradient reductions)
   int64_t caller_memory = 0;  // of them, receiving into memory the caller allocated (not staging)
   int64_t misuse = 0;         // refused calls (see above)
   std::string first_misuse;

@@ -56,7 +56,8 @@ std::vector<std::shared_ptr<void>>& Leaked() {
   return *leaked;
 }
 
-std::atomic<int64_t> kernels_landed{0}, kernels_side{0}, kernels_caller{0};
+std::atomic<int64_t> kernels_landed{0}, kernels_side{0}, kernels_caller{0},
+    kernels_side_reduce_scatter{0};
 
 // One collective (or one group's sends and receives) on the device.
 struct Kernel : std::enable_shared_from_this<Kernel> {
@@ -65,6 +66,7 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
   bool hang = false;    // never ends (Settings::hang_on_stream, fail_on_stream)
   bool side = false;    // on a non-blocking stream
   bool caller = false;  // receives into memory the caller allocated (cudaMalloc, cudaMallocHost)
+  bool reduce_scatter = false;
   // Reads the send buffers and starts the MPI operations (into requests, on bufs).
   std::function<void(Kernel&)> start;
   std::function<void()> land;  // writes the receive buffers
@@ -119,6 +121,7 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
     if (land) land();
     ++kernels_landed;
     if (side) ++kernels_side;
+    if (side && reduce_scatter) ++kernels_side_reduce_scatter;
     if (caller) ++kernels_caller;
     ++shared->ended;
     return true;
@@ -437,6 +440,7 @@ ncclResult_t SubmitGathering(ncclComm_t comm, cudaStream_t stream, const std::st
   }
   auto k = NewKernel(comm);
   k->caller = caller;
+  k->reduce_scatter = what == "ncclReduceScatter";
   const int ranks = comm->size;
   auto slot = std::make_shared<Bytes*>(nullptr);  // the gathered inputs: set by start, read by land
   k->start = [send, send_bytes, ranks, slot](Kernel& self) {
@@ -459,6 +463,7 @@ Stats stats() {
   Stats s = ::stats;
   s.kernels = kernels_landed.load();
   s.side_stream = kernels_side.load();
+  s.side_reduce_scatter = kernels_side_reduce_scatter.load();
   s.caller_memory = kernels_caller.load();
   return s;
 }
@@ -467,6 +472,7 @@ void ResetStats() {
   ::stats = Stats{};
   kernels_landed = 0;
   kernels_side = 0;
+  kernels_side_reduce_scatter = 0;
   kernels_caller = 0;
 }
 

@@ -7,8 +7,9 @@
 // the tests compute from every rank's input by the collective's definition. Each collective runs
 // on plain host memory (staged through device memory), on device memory and on pinned memory,
 // with the call waiting (Completion::kHost) and stream-ordered (Completion::kStream); then
-// started all-gathers, splits, late completion, a peer that hangs and a peer that fails. Every
-// test also asserts that no NCCL call was made while a communicator was still ncclInProgress.
+// started all-gathers and reduce-scatters, splits, late completion, a peer that hangs and a peer
+// that fails. Every test also asserts that no NCCL call was made while a communicator was still
+// ncclInProgress.
 #include <cuda_runtime.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -403,6 +404,100 @@ TEST_F(NcclHostTest, StartedAllGathersAreOrderedOnTheDevice) {
   EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
 }
 
+// FSDP's gradient reduction on device memory: the gradient written by work on the default stream
+// (a copy the device has not run yet), the reduce-scatter started on the side stream right after
+// it, then finished by the host (Wait) or by the default stream (WaitStreamOrdered) and read there
+// with nothing else in between. The device runs only what a wait needs: a start that does not
+// wait for the default stream reduces stale gradients, and a finish that leaves the default stream
+// unordered after the reduce-scatter reads the shard as it was.
+TEST_F(NcclHostTest, StartedReduceScattersAreOrderedOnTheDevice) {
+  auto factory = Make(std::chrono::seconds(5));
+  ASSERT_NE(factory, nullptr);
+  Communicator& comm = factory->World();
+  const int rank = comm.rank(), size = comm.size();
+  constexpr int64_t kCount = 17;
+  const Bytes inputs = Inputs(DType::kF32, rank, kCount * size);
+  auto expected = [&](int block) {
+    return Reduced(DType::kF32, ReduceOp::kSum, size, block * kCount, kCount);
+  };
+  // The gradient as the backward leaves it: written on the default stream, not yet run.
+  Buffer pinned(Memory::kPinned, inputs);
+  auto written = [&](Buffer& grad) {
+    EXPECT_EQ(cudaMemcpyAsync(grad.get(), pinned.get(), inputs.size(), cudaMemcpyHostToDevice,
+                              cudaStreamLegacy),
+              cudaSuccess);
+  };
+  const Bytes stale(inputs.size(), 0);
+  const Bytes unset = AsBytes(std::vector<float>(kCount, -1.0f));
+  for (const bool stream_ordered : {false, true}) {
+    SCOPED_TRACE(stream_ordered ? "WaitStreamOrdered" : "Wait");
+    Buffer grad(Memory::kDevice, stale);
+    Buffer shard(Memory::kDevice, unset);
+    written(grad);
+    auto pending =
+        comm.StartReduceScatter(grad.get(), shard.get(), kCount, DType::kF32, ReduceOp::kSum);
+    ASSERT_TRUE(pending.ok()) << pending.status();
+    EXPECT_TRUE((*pending)->InFlight());
+    EXPECT_TRUE((stream_ordered ? (*pending)->WaitStreamOrdered() : (*pending)->Wait()).ok());
+    EXPECT_EQ(shard.Read(), expected(rank));
+    EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+  }
+  {
+    // A unit's reductions: several in flight, a gather started between them, a collective on
+    // the main stream, then finished in call order as the model does.
+    SCOPED_TRACE("several in flight");
+    Buffer grad_a(Memory::kDevice, stale), grad_b(Memory::kDevice, stale);
+    Buffer shard_a(Memory::kDevice, unset), shard_b(Memory::kDevice, unset);
+    Buffer gathered(Memory::kDevice, Bytes(4 * kCount * size, 0));
+    written(grad_a);
+    auto a =
+        comm.StartReduceScatter(grad_a.get(), shard_a.get(), kCount, DType::kF32, ReduceOp::kSum);
+    auto g = comm.StartAllGather(grad_a.get(), kCount, gathered.get(), DType::kF32);
+    written(grad_b);
+    auto b =
+        comm.StartReduceScatter(grad_b.get(), shard_b.get(), kCount, DType::kF32, ReduceOp::kSum);
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(g.ok()) << g.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    Buffer sum(Memory::kDevice, Inputs(DType::kI32, rank, kCount));
+    EXPECT_TRUE(comm.AllReduce(sum.get(), kCount, DType::kI32, ReduceOp::kSum).ok());
+    EXPECT_TRUE((*a)->WaitStreamOrdered().ok());
+    EXPECT_TRUE((*g)->WaitStreamOrdered().ok());
+    EXPECT_TRUE((*b)->WaitStreamOrdered().ok());
+    EXPECT_TRUE(comm.CheckStreamOrdered().ok());
+    EXPECT_EQ(shard_a.Read(), expected(rank));
+    EXPECT_EQ(shard_b.Read(), expected(rank));
+    Bytes firsts;  // every rank's first block of its gradient
+    for (int r = 0; r < size; ++r) {
+      const Bytes in = Inputs(DType::kF32, r, kCount);
+      firsts.insert(firsts.end(), in.begin(), in.end());
+    }
+    EXPECT_EQ(gathered.Read(), firsts);
+    EXPECT_EQ(sum.Read(), Reduced(DType::kI32, ReduceOp::kSum, size, 0, kCount));
+  }
+  EXPECT_GE(hostgpu::stats().side_stream, 5);
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
+// On plain host memory (staged), a started reduce-scatter runs to completion at the start.
+TEST_F(NcclHostTest, StartedReduceScattersOfHostMemoryCompleteAtOnce) {
+  auto factory = Make();
+  ASSERT_NE(factory, nullptr);
+  Communicator& comm = factory->World();
+  const int rank = comm.rank(), size = comm.size();
+  constexpr int64_t kCount = 9;
+  Buffer send(Memory::kHost, Inputs(DType::kBF16, rank, kCount * size));
+  Buffer recv(Memory::kHost, Bytes(2 * kCount, 0));
+  auto pending =
+      comm.StartReduceScatter(send.get(), recv.get(), kCount, DType::kBF16, ReduceOp::kSum);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_FALSE((*pending)->InFlight());
+  EXPECT_EQ(recv.Read(), Reduced(DType::kBF16, ReduceOp::kSum, size, rank * kCount, kCount));
+  EXPECT_TRUE((*pending)->Wait().ok());
+  EXPECT_EQ(hostgpu::stats().side_stream, 0);
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
 TEST_F(NcclHostTest, StartedAllGathersOfHostMemoryCompleteAtOnce) {
   auto factory = Make();
   ASSERT_NE(factory, nullptr);
@@ -599,6 +694,32 @@ TEST_F(NcclHostTest, AStartedAllGatherThatNeverEndsFailsInWait) {
   EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
   EXPECT_THAT(s.message(), HasSubstr("ncclAllGather (started)"));
   EXPECT_EQ(recv.Read(), Bytes(8 * static_cast<size_t>(comm.size()), 0));  // ended by the abort
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
+// A started reduce-scatter whose kernel never ends, finished as the model finishes it
+// (WaitStreamOrdered: the host does not wait): the default stream's next read waits behind it
+// until the watchdog aborts the communicator at the deadline, and the group then reports the
+// timeout, naming the call.
+TEST_F(NcclHostTest, AStartedReduceScatterThatNeverEndsIsAbortedByTheWatchdog) {
+  expect_aborts_ = true;
+  auto factory = Make(300ms);
+  ASSERT_NE(factory, nullptr);
+  Communicator& comm = factory->World();
+  const size_t size = static_cast<size_t>(comm.size());
+  hostgpu::settings().hang_on_stream = true;
+  Buffer send(Memory::kDevice, Bytes(4 * 8 * size, 1));
+  Buffer recv(Memory::kDevice, Bytes(4 * 8, 0));
+  auto pending = comm.StartReduceScatter(send.get(), recv.get(), 8, DType::kF32, ReduceOp::kSum);
+  hostgpu::settings().hang_on_stream = false;
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  (void)(*pending)->WaitStreamOrdered();  // OK or the timeout, as the watchdog has seen so far
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(recv.Read(), Bytes(4 * 8, 0));  // after the abort ended the kernel: nothing landed
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+  const absl::Status s = comm.CheckStreamOrdered();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_THAT(s.message(), HasSubstr("ncclReduceScatter (started)"));
   EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
 }
 

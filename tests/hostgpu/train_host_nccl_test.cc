@@ -4,14 +4,14 @@
 // across GPUs. The model runs the CPU op table, with its memory allocated through the emulated
 // runtime (device memory, and pinned memory for what the host reads), so the NCCL backend takes
 // the paths it takes on GPUs: stream-ordered collectives (Completion::kStream), FSDP's started
-// all-gathers on the side stream, and staging only for the step loop's host values (the loss,
-// the gradient norm, MoE's counts). Every step's loss and gradient norm must be the same bits:
-// every group has two ranks, where a sum's order cannot matter. A result read before NCCL's state
-// left ncclInProgress (the amax sync, the global norm, the MoE counts or tokens, a gathered
-// weight) would change them. No NCCL call, and no CUDA work on NCCL's stream, may be made while a
-// communicator is still in progress. The emulated device runs work as it is enqueued here (the
-// CPU op table's kernels run on the host, outside the streams); nccl_host_test checks the stream
-// ordering with a device that runs only what the host waits for.
+// all-gathers and gradient reduce-scatters on the side stream, and staging only for the step loop's
+// host values (the loss, the gradient norm, MoE's counts). Every step's loss and gradient norm must
+// be the same bits: every group has two ranks, where a sum's order cannot matter. A result read
+// before NCCL's state left ncclInProgress (the amax sync, the global norm, the MoE counts or
+// tokens, a gathered weight) would change them. No NCCL call, and no CUDA work on NCCL's stream,
+// may be made while a communicator is still in progress. The emulated device runs work as it is
+// enqueued here (the CPU op table's kernels run on the host, outside the streams); nccl_host_test
+// checks the stream ordering with a device that runs only what the host waits for.
 //
 // Built only without FP8RT_CUDA (the sanitizer build in scripts/test): in a CUDA build the op
 // tables' CUDA code would link against the emulation's entry points.
@@ -200,18 +200,22 @@ TEST_P(TrainHostNcclTest, SameBitsAsMpi) {
   EXPECT_LT(nccl.back().loss, nccl.front().loss) << "the loss must fall";
   const hostgpu::Stats stats = hostgpu::stats();
   // NCCL's calls were deferred, and the backend took its device paths: collectives on the
-  // model's own (emulated device) memory, and FSDP's started gathers on the side stream.
+  // model's own (emulated device) memory, FSDP's started gathers on the side stream, and every
+  // gradient reduce-scatter there too (started, finished by the next unit's reductions): each
+  // step reduces every parameter of the model's 4 units (embedding, 2 blocks, head), at least 9
+  // of them, per micro-batch.
   EXPECT_GT(stats.deferred, 10 * kSteps);
   EXPECT_GT(stats.caller_memory, 5 * kSteps);
-  EXPECT_GT(stats.side_stream, kSteps);
+  EXPECT_GT(stats.side_stream - stats.side_reduce_scatter, kSteps);
+  EXPECT_GE(stats.side_reduce_scatter, 9 * kSteps);
   if (Factory().World().rank() == 0 && !::testing::Test::HasFailure()) {
     std::printf(
         "[train_host_nccl] %s on %d ranks: %lld NCCL calls completed late (%lld kernels "
-        "on the model's memory, %lld on the side stream); loss %.4f -> %.4f, the same bits "
-        "as over MPI\n",
+        "on the model's memory, %lld on the side stream, %lld of them gradient "
+        "reduce-scatters); loss %.4f -> %.4f, the same bits as over MPI\n",
         GetParam().name.c_str(), Factory().World().size(), static_cast<long long>(stats.deferred),
         static_cast<long long>(stats.caller_memory), static_cast<long long>(stats.side_stream),
-        nccl.front().loss, nccl.back().loss);
+        static_cast<long long>(stats.side_reduce_scatter), nccl.front().loss, nccl.back().loss);
   }
   EXPECT_TRUE(AllRanksOk(!::testing::Test::HasFailure()));
 }
@@ -226,6 +230,11 @@ INSTANTIATE_TEST_SUITE_P(
         // Two micro-batches per step before one gradient reduce-scatter.
         Mode{"fp8_grad_accum",
              {"precision.mode=fp8", "precision.scaling=current", "train.grad_accum=2"}},
+        // Gradients reduced in BF16 (converted before the started reduce-scatter, back to FP32
+        // and accumulated after it), two micro-batches.
+        Mode{"fp8_bf16_reduce",
+             {"precision.mode=fp8", "precision.scaling=delayed", "precision.grad_reduce=bf16",
+              "train.grad_accum=2"}},
         // BF16 FSDP gathers (the baseline), quantized after the gather.
         Mode{"fp8_bf16_gather",
              {"precision.mode=fp8", "precision.scaling=delayed", "precision.fsdp_gather=bf16"}},

@@ -197,6 +197,42 @@ TEST(CommunicatorTest, StartedAllGathersCompleteAroundOtherCollectives) {
   EXPECT_THAT(std::string(bad.status().message()), HasSubstr("all_gather on group 'world'"));
 }
 
+// StartReduceScatter on MPI: run to completion at the start (MPI's nonblocking collectives
+// progress only inside MPI calls, so starting early gains nothing on CPU ranks), so the handle is
+// not in flight and the shard is there before Wait; the same sums, byte count and argument checks
+// as ReduceScatter, errors naming the op and group.
+TEST(CommunicatorTest, StartedReduceScattersCompleteAtTheStartOnMpi) {
+  Communicator& w = World();
+  const int p = w.size(), me = w.rank(), n = 23;
+  std::vector<float> blocks(static_cast<size_t>(n) * p);
+  for (int r = 0; r < p; ++r) {
+    const auto v = RankValues(me, n, 60 + static_cast<uint32_t>(r));
+    std::copy(v.begin(), v.end(), blocks.begin() + static_cast<int64_t>(r) * n);
+  }
+  std::vector<float> shard(static_cast<size_t>(n), -1.0f), want(static_cast<size_t>(n), 0.0f);
+  for (int r = 0; r < p; ++r) {
+    const auto b = RankValues(r, n, 60 + static_cast<uint32_t>(me));
+    for (int i = 0; i < n; ++i) want[static_cast<size_t>(i)] += b[static_cast<size_t>(i)];
+  }
+  const int64_t before = w.stats().Bytes(CollectiveOp::kReduceScatter, DType::kF32);
+  auto started = w.StartReduceScatter(blocks.data(), shard.data(), n, DType::kF32, ReduceOp::kSum);
+  ASSERT_TRUE(started.ok()) << started.status();
+  EXPECT_FALSE((*started)->InFlight());
+  EXPECT_EQ(shard, want);  // before any wait
+  EXPECT_TRUE((*started)->WaitStreamOrdered().ok());
+  EXPECT_TRUE((*started)->Wait().ok());
+  EXPECT_EQ(w.stats().Bytes(CollectiveOp::kReduceScatter, DType::kF32) - before, 4 * n * p);
+  std::vector<uint8_t> codes(8 * static_cast<size_t>(p)), out(8);
+  auto bad = w.StartReduceScatter(codes.data(), out.data(), 8, DType::kU8, ReduceOp::kSum);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("FP8"));
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("reduce_scatter on group 'world'"));
+  bad = w.StartReduceScatter(nullptr, out.data(), 2, DType::kF32, ReduceOp::kSum);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // Completion::kStream on host buffers (MPI): each call has completed when it returns, with the
 // same results, counts and argument checks as the blocking form.
 TEST(CommunicatorTest, StreamOrderedCompletionOnHostBuffersCompletesAtTheCall) {
