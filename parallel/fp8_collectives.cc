@@ -610,6 +610,10 @@ absl::StatusOr<PendingGradReduce> StartReduceScatterGrad(
 absl::Status PendingGradReduce::Finish() {
   if (finished_) return status_;
   finished_ = true;
+  if (pending_ == nullptr) {
+    status_ = absl::FailedPreconditionError("PendingGradReduce::Finish on a moved-from handle");
+    return status_;
+  }
   status_ = pending_->WaitStreamOrdered();
   if (!status_.ok()) return status_;
   const kernels::OpTable& ops = *ops_;

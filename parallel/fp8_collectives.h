@@ -228,17 +228,20 @@ absl::Status ReduceScatterGrad(Communicator& group, const kernels::OpTable& ops,
 
 // A gradient reduction started by StartReduceScatterGrad. Until Finish() returns, neither the
 // full gradient, nor the shard gradient, nor the buffers may be touched or freed by the host
-// or by work on the default stream. Movable; destroying one that was not finished waits for its
-// reduce-scatter (Wait) and skips what follows it, which leaves the shard gradient unspecified.
+// or by work on the default stream; after it, work on the default stream may, and the host once
+// it has synchronised the default stream (with NCCL, Finish only orders the stream). Movable,
+// not assignable (an assignment could free the buffers of a reduction still running);
+// destroying one that was not finished waits for its reduce-scatter (Wait) and skips what
+// follows it, which leaves the shard gradient unspecified.
 class PendingGradReduce {
  public:
   PendingGradReduce(PendingGradReduce&&) = default;
-  PendingGradReduce& operator=(PendingGradReduce&&) = default;
+  PendingGradReduce& operator=(PendingGradReduce&&) = delete;
   ~PendingGradReduce() = default;
 
   // Whether the reduce-scatter may still be running (PendingCollective::InFlight): false where
   // the backend ran it to completion at the start.
-  bool InFlight() const { return !finished_ && pending_->InFlight(); }
+  bool InFlight() const { return !finished_ && pending_ != nullptr && pending_->InFlight(); }
   // Completes it, stream-ordered (PendingCollective::WaitStreamOrdered: with NCCL the default
   // stream waits for the reduce-scatter, the host does not), then queues what follows it (the
   // BF16 -> FP32 conversion, the accumulation into the shard). Returns the first error; later

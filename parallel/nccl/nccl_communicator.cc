@@ -213,7 +213,9 @@ absl::StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Wrap(
       new NcclCommunicator(std::move(name), rank, size, device, comm, options));
   status = [&]() -> absl::Status {
     CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
-    // A blocking stream (the default flags): ordered after the legacy default stream.
+    // A blocking stream (the default flags): ordered after the legacy default stream, which in
+    // turn waits for whatever is queued on it, its waits for the side stream included (so
+    // StartOnSide queues none there).
     CUDA_RETURN_IF_ERROR(cudaStreamCreate(&self->stream_));
     CUDA_RETURN_IF_ERROR(cudaMalloc(&self->barrier_buf_, sizeof(int32_t)));
     CUDA_RETURN_IF_ERROR(cudaMemset(self->barrier_buf_, 0, sizeof(int32_t)));
@@ -275,7 +277,7 @@ absl::Status NcclCommunicator::health() const {
   return broken_;
 }
 
-absl::Status NcclCommunicator::Begin() {
+absl::Status NcclCommunicator::Begin(bool on_side) {
   CheckQueued();
   if (!broken_.ok()) {
     return absl::FailedPreconditionError(
@@ -286,8 +288,11 @@ absl::Status NcclCommunicator::Begin() {
   if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
     return Break(internal::CudaErrorStatus(e, "cudaSetDevice", __FILE__, __LINE__));
   }
-  // After the side stream's last collective: one collective at a time, in call order.
-  if (side_done_ != nullptr) {
+  // After the side stream's last collective: one collective at a time, in call order. Not for
+  // a collective started on the side stream, which follows it there anyway: the default stream
+  // waits for everything queued on the (blocking) main stream, so a wait for the side stream
+  // queued there would hold up the model's compute behind the started collectives.
+  if (side_done_ != nullptr && !on_side) {
     if (const cudaError_t e = cudaStreamWaitEvent(stream_, side_done_, 0); e != cudaSuccess) {
       return Break(internal::CudaErrorStatus(e, "cudaStreamWaitEvent(stream_, side_done_)",
                                              __FILE__, __LINE__));
@@ -426,7 +431,7 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartRedu
 absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::StartOnSide(
     const char* what, const std::function<int(CUstream_st*)>& enqueue) {
   std::lock_guard<std::mutex> lock(mu_);
-  FP8RT_RETURN_IF_ERROR(Begin());
+  FP8RT_RETURN_IF_ERROR(Begin(/*on_side=*/true));
   const auto deadline = Clock::now() + options_.timeout;
   cudaEvent_t done = nullptr;
   absl::Status status = [&]() -> absl::Status {
@@ -436,7 +441,9 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::StartOnSide
     }
     CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     // After the compute enqueued so far (legacy default stream) and this communicator's
-    // earlier collectives (main stream; the main stream already waits for the side stream's).
+    // earlier collectives (main stream, which waits for the side stream's before its own; the
+    // side stream is in call order already). The default stream waits for the collective only
+    // at WaitStreamOrdered.
     CUDA_RETURN_IF_ERROR(cudaEventRecord(done, cudaStreamLegacy));
     CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side_, done, 0));
     CUDA_RETURN_IF_ERROR(cudaEventRecord(done, stream_));

@@ -17,6 +17,9 @@
 // runs after work already queued on stream() and on the legacy default stream. Work queued on
 // other streams must be complete before the call (synchronize it, or make stream() wait on an
 // event recorded after it). When a call returns OK its results are visible to every stream.
+// Started collectives (StartAllGather, StartReduceScatter) run on a second, non-blocking side
+// stream, which the default stream waits for only at WaitStreamOrdered, so that the model's
+// compute runs meanwhile; stream() waits for the side stream's last collective before its own.
 //
 // Completion::kStream (all-reduce, all-gather, reduce-scatter, all-to-all on device-addressable
 // buffers): the call waits only until NCCL has put the collective on stream() (immediate unless
@@ -168,8 +171,9 @@ class NcclCommunicator : public Communicator {
   absl::StatusOr<std::unique_ptr<PendingCollective>> StartOnSide(
       const char* what, const std::function<int(CUstream_st*)>& enqueue);
   // With mu_ held: makes the device current, takes in what the watchdog found (CheckQueued) and
-  // fails if the communicator was aborted.
-  absl::Status Begin();
+  // fails if the communicator was aborted. Unless `on_side` (StartOnSide: the side stream is in
+  // call order by itself), makes stream_ wait for the side stream's last collective.
+  absl::Status Begin(bool on_side = false);
   // With mu_ held, after a Completion::kStream collective was enqueued (`enqueued`: the status of
   // the enqueue calls): waits until NCCL has put it on stream_ (its state leaves ncclInProgress)
   // within `deadline`, then records an event after it, makes the legacy default stream wait for

@@ -1085,8 +1085,9 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
   FP8RT_RETURN_IF_ERROR(LoadTokens(tokens, micro_batch));
   FP8RT_ASSIGN_OR_RETURN(const float loss, Forward(/*train=*/true));
   if (absl::Status s = Backward(dloss); !s.ok()) {
-    // A failed pass leaves no reduction in flight: each is waited for, its gradient dropped (the
-    // pass does not count, so the step fails in ReduceGrads).
+    // A failed pass leaves no reduction in flight: each is waited for and dropped, its full
+    // gradient kept until the next BeginUnitGrads (the pass does not count, so the step fails in
+    // ReduceGrads).
     reducing_.clear();
     return s;
   }

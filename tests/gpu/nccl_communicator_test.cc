@@ -335,6 +335,36 @@ TEST_P(NcclMoveTest, StartedAllGatherIsOrderedAfterEarlierDeviceWork) {
             2 * bytes + Communicator::Bytes(300, dtype));
 }
 
+// StartReduceScatter (FSDP's gradient reduction) on device buffers runs on the side stream too:
+// it must see the gradient the default stream wrote before it started (a memset queued behind a
+// 300 ms host function), and after WaitStreamOrdered the default stream's next copy must see its
+// result (the copy is queued at once, while the reduce-scatter is still waiting for the memset,
+// so an unordered copy would read the sentinel). One rank: the block is the input.
+TEST_F(NcclTest, StartedReduceScatterIsOrderedBetweenTheDefaultStreamsWork) {
+  const int64_t count = 1 << 22;
+  const size_t bytes = static_cast<size_t>(Communicator::Bytes(count, DType::kF32));
+  DevicePtr grad = ToDevice(Values(DType::kF32, count, 11));
+  DevicePtr shard = ToDevice(Sentinel(count, DType::kF32));
+  DevicePtr copy = ToDevice(Sentinel(count, DType::kF32));
+  ASSERT_NE(grad, nullptr);
+  ASSERT_NE(shard, nullptr);
+  ASSERT_NE(copy, nullptr);
+  ASSERT_EQ(cudaLaunchHostFunc(cudaStreamLegacy, Sleep300Ms, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(grad.get(), 0x3C, bytes, cudaStreamLegacy), cudaSuccess);
+  auto pending =
+      world().StartReduceScatter(grad.get(), shard.get(), count, DType::kF32, ReduceOp::kSum);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  EXPECT_TRUE((*pending)->InFlight());
+  ASSERT_TRUE((*pending)->WaitStreamOrdered().ok());
+  ASSERT_EQ(
+      cudaMemcpyAsync(copy.get(), shard.get(), bytes, cudaMemcpyDeviceToDevice, cudaStreamLegacy),
+      cudaSuccess);
+  EXPECT_EQ(ToHost(copy, bytes), std::vector<uint8_t>(bytes, 0x3C));
+  EXPECT_TRUE(world().CheckStreamOrdered().ok());
+  EXPECT_EQ(world().stats().Bytes(CollectiveOp::kReduceScatter, DType::kF32),
+            static_cast<int64_t>(bytes));
+}
+
 TEST_P(NcclMoveTest, AllToAllVHonoursDisplacements) {
   const DType dtype = GetParam();
   const int64_t send_total = 40, recv_total = 50, n = 25, send_displ = 9, recv_displ = 17;

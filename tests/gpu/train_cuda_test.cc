@@ -270,6 +270,15 @@ INSTANTIATE_TEST_SUITE_P(
               "precision.fp8_fast_accum_forward=false", "train.grad_accum=2"},
              5e-3,
              /*late_nccl=*/true},
+        // Gradients reduced in BF16 with two micro-batches: on one GPU a one-rank NCCL
+        // reduce-scatter on the side stream (StartReduceScatterGrad), then the conversion back to
+        // FP32 and the accumulation on the default stream after it.
+        Mode{"fp8_bf16_reduce",
+             {"precision.mode=fp8", "precision.scaling=current",
+              "precision.fp8_fast_accum_forward=false", "precision.grad_reduce=bf16",
+              "train.grad_accum=2"},
+             5e-3,
+             /*late_nccl=*/true},
         Mode{"fp8_block", {"precision.mode=fp8", "precision.scaling=block"}, 5e-3},
         Mode{"fp8_mx32", {"precision.mode=fp8", "precision.scaling=mx32"}, 5e-3},
         // The default recipe: the forward GEMMs accumulate without promotion on the GPU (the CPU

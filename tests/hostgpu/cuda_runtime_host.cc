@@ -362,10 +362,6 @@ bool DeviceRange(const void* p, size_t bytes, int* kind) {
   return k != kNone && inside;
 }
 bool ValidStream(void* stream) { return StreamOf(static_cast<cudaStream_t>(stream)) != nullptr; }
-bool NonBlockingStream(void* stream) {
-  const CUstream_st* s = StreamOf(static_cast<cudaStream_t>(stream));
-  return s != nullptr && s->flags == cudaStreamNonBlocking;
-}
 // A stream destroyed after the NCCL call still gets its kernel (cudaStreamDestroy while NCCL
 // holds the stream is refused as misuse, so this is a stream destroyed with work queued).
 void EnqueueKernel(void* stream, std::function<bool()> step) {
@@ -502,9 +498,12 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int flags) 
   if (stream == nullptr) return Fail(cudaErrorInvalidValue);
   auto* s = new CUstream_st;
   s->flags = flags;
-  std::lock_guard<std::recursive_mutex> lock(dev_mu);
-  Streams().push_back(s);
-  *stream = s;
+  {
+    std::lock_guard<std::recursive_mutex> lock(dev_mu);
+    Streams().push_back(s);
+    *stream = s;
+  }
+  fp8rt::hostgpu::StreamCreated(s);  // outside dev_mu: nccl_host.cc's lock comes first
   return cudaSuccess;
 }
 cudaError_t cudaStreamCreate(cudaStream_t* stream) {

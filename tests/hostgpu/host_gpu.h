@@ -86,7 +86,9 @@ Settings& settings();
 struct Stats {
   int64_t deferred = 0;       // NCCL calls that returned ncclInProgress
   int64_t kernels = 0;        // NCCL kernels that ended with their results
-  int64_t side_stream = 0;    // of them, on a non-blocking stream (fp8rt: started collectives)
+  // Of them, on a stream other than their communicator's own (the first stream created after
+  // the communicator: NcclCommunicator's stream_), so fp8rt's started collectives.
+  int64_t side_stream = 0;
   int64_t side_reduce_scatter = 0;  // of those, reduce-scatters (fp8rt: gradient reductions)
   int64_t caller_memory = 0;  // of them, receiving into memory the caller allocated (not staging)
   int64_t misuse = 0;         // refused calls (see above)
@@ -101,9 +103,8 @@ void ResetStats();
 // receives 1 for cudaMalloc, 2 for the staging pool, 3 for cudaMallocHost (0 otherwise).
 bool DeviceRange(const void* p, size_t bytes, int* kind = nullptr);
 // cuda_runtime_host.cc: whether `stream` is a live stream (or the null, legacy or per-thread
-// stream), and whether it was created non-blocking.
+// stream).
 bool ValidStream(void* stream);
-bool NonBlockingStream(void* stream);
 // cuda_runtime_host.cc: puts a kernel on `stream`, in stream order; `step` is called when the
 // stream reaches it, and again until it returns true (it may decline on a thread other than
 // MPI's). Called with nccl_host.cc's lock held.
@@ -112,6 +113,8 @@ void EnqueueKernel(void* stream, std::function<bool()> step);
 // the legacy stream's), and running every piece of work the device can run now.
 void* StreamId(void* stream);
 void RunAll();
+// nccl_host.cc: a stream was created; the newest communicator without its own stream takes it.
+void StreamCreated(void* stream);
 // nccl_host.cc: whether a NCCL call still ncclInProgress will be put on `stream`, in which case
 // `call`, CUDA work on that stream, is counted as misuse.
 bool NcclHoldsStream(void* stream, const char* call);

@@ -154,6 +154,9 @@ struct ncclComm {
   int fail_code = 0;
   std::deque<std::unique_ptr<Deferred>> pending;  // oldest first
   std::string last_error;
+  // The first stream created after the communicator: NcclCommunicator's own stream (Wrap makes
+  // it right after the communicator exists). Kernels on any other stream count as side_stream.
+  void* main_stream = nullptr;
 };
 
 namespace {
@@ -330,7 +333,7 @@ ncclResult_t Submit(ncclComm_t comm, std::unique_ptr<Deferred> d) {
     d->fail = s.fail;
     d->fail_on_stream = s.fail_on_stream;
     d->kernel->hang = s.hang_on_stream || s.fail_on_stream != ncclSuccess;
-    d->kernel->side = fp8rt::hostgpu::NonBlockingStream(d->stream);
+    d->kernel->side = fp8rt::hostgpu::StreamId(d->stream) != comm->main_stream;
   }
   comm->pending.push_back(std::move(d));
   if (!comm->blocking) {
@@ -397,8 +400,11 @@ std::unique_ptr<Deferred> Call(std::shared_ptr<Kernel> k, cudaStream_t stream) {
   return d;
 }
 
+ncclComm_t awaiting_main = nullptr;  // the newest communicator, until a stream is created
+
 ncclComm_t NewComm(MPI_Comm mpi, const ncclConfig_t* config) {
   auto* comm = new ncclComm;
+  awaiting_main = comm;
   comm->shared->mpi = mpi;
   MPI_Comm_dup(mpi, &comm->shared->control);
   MPI_Comm_rank(mpi, &comm->rank);
@@ -474,6 +480,14 @@ void ResetStats() {
   kernels_side = 0;
   kernels_side_reduce_scatter = 0;
   kernels_caller = 0;
+}
+
+void StreamCreated(void* stream) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (awaiting_main != nullptr && live.contains(awaiting_main)) {
+    awaiting_main->main_stream = StreamId(stream);
+  }
+  awaiting_main = nullptr;
 }
 
 bool NcclHoldsStream(void* stream, const char* call) {

@@ -344,6 +344,31 @@ TEST_F(NcclHostTest, EveryCollectiveGivesEveryRanksResult) {
   EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
 }
 
+// The communicator's own stream is non-blocking (so that the default stream never waits for it
+// implicitly): each call must order it after the work already queued on the default stream. The
+// input is written there by a copy the device has not run yet; a collective that does not wait
+// for it reduces the old values.
+TEST_F(NcclHostTest, CollectivesFollowTheDefaultStreamsWork) {
+  auto factory = Make(std::chrono::seconds(5));
+  ASSERT_NE(factory, nullptr);
+  Communicator& comm = factory->World();
+  const int rank = comm.rank(), size = comm.size();
+  constexpr int64_t kCount = 13;
+  const Bytes inputs = Inputs(DType::kI32, rank, kCount);
+  Buffer pinned(Memory::kPinned, inputs);
+  for (const Completion completion : {Completion::kHost, Completion::kStream}) {
+    SCOPED_TRACE(completion == Completion::kStream ? "stream" : "host");
+    Buffer buf(Memory::kDevice, Bytes(inputs.size(), 0));
+    EXPECT_EQ(cudaMemcpyAsync(buf.get(), pinned.get(), inputs.size(), cudaMemcpyHostToDevice,
+                              cudaStreamLegacy),
+              cudaSuccess);
+    EXPECT_TRUE(comm.AllReduce(buf.get(), kCount, DType::kI32, ReduceOp::kSum, completion).ok());
+    Settle(comm, completion);
+    EXPECT_EQ(buf.Read(), Reduced(DType::kI32, ReduceOp::kSum, size, 0, kCount));
+  }
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
 // FSDP's prefetch on device memory: gathers started on the side stream right after a
 // stream-ordered all-reduce that writes their input (nothing synchronises in between: the
 // buffers exist before), then waited for by the host (Wait) or by the default stream
@@ -476,6 +501,42 @@ TEST_F(NcclHostTest, StartedReduceScattersAreOrderedOnTheDevice) {
     EXPECT_EQ(sum.Read(), Reduced(DType::kI32, ReduceOp::kSum, size, 0, kCount));
   }
   EXPECT_GE(hostgpu::stats().side_stream, 5);
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
+// What the side stream is for: the default stream's work is not held up by the started
+// collectives, even with a second one started behind the first (the communicator orders its own
+// streams, not the model's). The first reduce-scatter never ends; a copy on the default stream
+// after both starts must still run at once, not when the watchdog aborts the communicator.
+TEST_F(NcclHostTest, StartedCollectivesDoNotHoldUpTheDefaultStream) {
+  expect_aborts_ = true;  // the hung reduce-scatter, by the watchdog
+  auto factory = Make(std::chrono::seconds(4));
+  ASSERT_NE(factory, nullptr);
+  Communicator& comm = factory->World();
+  const size_t size = static_cast<size_t>(comm.size());
+  Buffer grad_a(Memory::kDevice, Bytes(4 * 8 * size, 1)), shard_a(Memory::kDevice, Bytes(32, 0));
+  Buffer grad_b(Memory::kDevice, Bytes(4 * 8 * size, 2)), shard_b(Memory::kDevice, Bytes(32, 0));
+  Buffer x(Memory::kDevice, Bytes(64, 0));  // the model's next work writes it
+  Buffer pinned(Memory::kPinned, Bytes(64, 7));
+  hostgpu::settings().hang_on_stream = true;
+  auto a = comm.StartReduceScatter(grad_a.get(), shard_a.get(), 8, DType::kF32, ReduceOp::kSum);
+  hostgpu::settings().hang_on_stream = false;
+  auto b = comm.StartReduceScatter(grad_b.get(), shard_b.get(), 8, DType::kF32, ReduceOp::kSum);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  // The model's next work, on the default stream, with its result read by the host.
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(cudaMemcpyAsync(x.get(), pinned.get(), 64, cudaMemcpyHostToDevice, cudaStreamLegacy),
+            cudaSuccess);
+  EXPECT_EQ(x.Read(), Bytes(64, 7));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 1s)
+      << "the default stream waited for the started collectives";
+  // Finished as the model finishes them: the default stream waits, and the hang ends at the
+  // watchdog's abort, which the group then reports.
+  (void)(*a)->WaitStreamOrdered();
+  (void)(*b)->WaitStreamOrdered();
+  (void)x.Read();
+  EXPECT_EQ(comm.CheckStreamOrdered().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
 }
 

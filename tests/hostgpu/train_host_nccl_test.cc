@@ -235,6 +235,12 @@ INSTANTIATE_TEST_SUITE_P(
         Mode{"fp8_bf16_reduce",
              {"precision.mode=fp8", "precision.scaling=delayed", "precision.grad_reduce=bf16",
               "train.grad_accum=2"}},
+        // GPT-2: learned positions, LayerNorm, GELU and a tied embedding, whose gradient the
+        // head and the embedding both reduce into one shard (the head's reduce-scatter writes
+        // it on the side stream, the embedding's adds to it).
+        Mode{"fp8_gpt2_tied",
+             {"model.family=gpt2", "model.kv_heads=4", "model.max_positions=32",
+              "precision.mode=fp8", "precision.scaling=delayed"}},
         // BF16 FSDP gathers (the baseline), quantized after the gather.
         Mode{"fp8_bf16_gather",
              {"precision.mode=fp8", "precision.scaling=delayed", "precision.fsdp_gather=bf16"}},
