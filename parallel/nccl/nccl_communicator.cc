@@ -277,7 +277,7 @@ absl::Status NcclCommunicator::health() const {
   return broken_;
 }
 
-absl::Status NcclCommunicator::Begin(bool on_side) {
+absl::Status NcclCommunicator::Begin(bool main_stream_work) {
   CheckQueued();
   if (!broken_.ok()) {
     return absl::FailedPreconditionError(
@@ -288,11 +288,12 @@ absl::Status NcclCommunicator::Begin(bool on_side) {
   if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
     return Break(internal::CudaErrorStatus(e, "cudaSetDevice", __FILE__, __LINE__));
   }
-  // After the side stream's last collective: one collective at a time, in call order. Not for
-  // a collective started on the side stream, which follows it there anyway: the default stream
-  // waits for everything queued on the (blocking) main stream, so a wait for the side stream
-  // queued there would hold up the model's compute behind the started collectives.
-  if (side_done_ != nullptr && !on_side) {
+  // After the side stream's last collective: one collective at a time, in call order. Only for
+  // work on the main stream: a collective started on the side stream follows it there anyway,
+  // and the default stream waits for everything queued on the (blocking) main stream, so a wait
+  // for the side stream queued there with nothing behind it would hold up the model's compute
+  // behind the started collectives.
+  if (side_done_ != nullptr && main_stream_work) {
     if (const cudaError_t e = cudaStreamWaitEvent(stream_, side_done_, 0); e != cudaSuccess) {
       return Break(internal::CudaErrorStatus(e, "cudaStreamWaitEvent(stream_, side_done_)",
                                              __FILE__, __LINE__));
@@ -431,7 +432,7 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::DoStartRedu
 absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::StartOnSide(
     const char* what, const std::function<int(CUstream_st*)>& enqueue) {
   std::lock_guard<std::mutex> lock(mu_);
-  FP8RT_RETURN_IF_ERROR(Begin(/*on_side=*/true));
+  FP8RT_RETURN_IF_ERROR(Begin(/*main_stream_work=*/false));
   const auto deadline = Clock::now() + options_.timeout;
   cudaEvent_t done = nullptr;
   absl::Status status = [&]() -> absl::Status {
@@ -483,7 +484,7 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> NcclCommunicator::StartOnSide
 
 absl::Status NcclCommunicator::DoAllReduce(void* buf, int64_t count, DType dtype, ReduceOp op) {
   std::lock_guard<std::mutex> lock(mu_);
-  FP8RT_RETURN_IF_ERROR(Begin());
+  FP8RT_RETURN_IF_ERROR(Begin(/*main_stream_work=*/count != 0));
   if (count == 0) return absl::OkStatus();  // same count on every rank: all skip together
   const auto deadline = Clock::now() + options_.timeout;
   Staged b;
@@ -499,7 +500,7 @@ absl::Status NcclCommunicator::DoAllReduce(void* buf, int64_t count, DType dtype
 absl::Status NcclCommunicator::DoAllGather(const void* send, int64_t count, void* recv,
                                            DType dtype) {
   std::lock_guard<std::mutex> lock(mu_);
-  FP8RT_RETURN_IF_ERROR(Begin());
+  FP8RT_RETURN_IF_ERROR(Begin(/*main_stream_work=*/count != 0));
   if (count == 0) return absl::OkStatus();
   const auto deadline = Clock::now() + options_.timeout;
   const size_t bytes = static_cast<size_t>(Bytes(count, dtype));
@@ -517,7 +518,7 @@ absl::Status NcclCommunicator::DoAllGather(const void* send, int64_t count, void
 absl::Status NcclCommunicator::DoReduceScatter(const void* send, void* recv, int64_t recv_count,
                                                DType dtype, ReduceOp op) {
   std::lock_guard<std::mutex> lock(mu_);
-  FP8RT_RETURN_IF_ERROR(Begin());
+  FP8RT_RETURN_IF_ERROR(Begin(/*main_stream_work=*/recv_count != 0));
   if (recv_count == 0) return absl::OkStatus();
   const auto deadline = Clock::now() + options_.timeout;
   const size_t bytes = static_cast<size_t>(Bytes(recv_count, dtype));
@@ -587,7 +588,7 @@ absl::Status NcclCommunicator::EnqueueAllToAllV(const void* send,
 
 absl::Status NcclCommunicator::DoBroadcast(void* buf, int64_t count, DType dtype, int root) {
   std::lock_guard<std::mutex> lock(mu_);
-  FP8RT_RETURN_IF_ERROR(Begin());
+  FP8RT_RETURN_IF_ERROR(Begin(/*main_stream_work=*/count != 0));
   if (count == 0) return absl::OkStatus();
   const auto deadline = Clock::now() + options_.timeout;
   Staged b;

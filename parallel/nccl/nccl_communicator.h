@@ -171,9 +171,10 @@ class NcclCommunicator : public Communicator {
   absl::StatusOr<std::unique_ptr<PendingCollective>> StartOnSide(
       const char* what, const std::function<int(CUstream_st*)>& enqueue);
   // With mu_ held: makes the device current, takes in what the watchdog found (CheckQueued) and
-  // fails if the communicator was aborted. Unless `on_side` (StartOnSide: the side stream is in
-  // call order by itself), makes stream_ wait for the side stream's last collective.
-  absl::Status Begin(bool on_side = false);
+  // fails if the communicator was aborted. With `main_stream_work` (the call enqueues work on
+  // stream_; not StartOnSide, whose side stream is in call order by itself, nor an empty call),
+  // makes stream_ wait for the side stream's last collective.
+  absl::Status Begin(bool main_stream_work = true);
   // With mu_ held, after a Completion::kStream collective was enqueued (`enqueued`: the status of
   // the enqueue calls): waits until NCCL has put it on stream_ (its state leaves ncclInProgress)
   // within `deadline`, then records an event after it, makes the legacy default stream wait for

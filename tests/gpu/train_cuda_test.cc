@@ -4,7 +4,8 @@
 // CPU run uses a SoloCommunicatorFactory and the CUDA run NCCL bootstrapped over a solo world).
 //
 // For each precision mode (fp32; bf16; fp8 with delayed, current, block and mx32 scaling; fp8 with
-// two micro-batches per step; fp8 with MoE blocks):
+// two micro-batches per step, with FP32 and with BF16 gradient reduction; fp8 with fast
+// accumulation in the forward; fp8 with MoE blocks):
 //   MatchesTheCpuRun      kSteps steps from the same weights on the same text: every loss finite,
 //                         no step skipped, each step's loss within the mode's tolerance of the
 //                         CPU's, the loss falls, and the GEMMs ran on the GPU (cuBLASLt or the

@@ -64,7 +64,7 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
   std::shared_ptr<Shared> shared;
   uint64_t seq = 0;
   bool hang = false;    // never ends (Settings::hang_on_stream, fail_on_stream)
-  bool side = false;    // on a non-blocking stream
+  bool side = false;    // on a stream other than its communicator's own (ncclComm::main_stream)
   bool caller = false;  // receives into memory the caller allocated (cudaMalloc, cudaMallocHost)
   bool reduce_scatter = false;
   // Reads the send buffers and starts the MPI operations (into requests, on bufs).
