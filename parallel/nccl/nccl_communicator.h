@@ -159,7 +159,7 @@ class NcclCommunicator : public Communicator {
   // A collective queued with Completion::kStream or started on the side stream, until it is seen
   // complete.
   struct Queued {
-    CUevent_st* done = nullptr;  // recorded on stream_ after the collective
+    CUevent_st* done = nullptr;  // recorded after the collective on its stream (main or side)
     std::chrono::steady_clock::time_point deadline;
     const char* what = nullptr;  // the NCCL call, for errors
   };
