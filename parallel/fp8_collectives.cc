@@ -6,7 +6,7 @@
 //   Synchronize, Accumulate   host reads of op results; `+=` through an op
 //   SyncAmaxes, ResizeFp8Weight
 //   GatherFp8Weight           validation, then tensor (given / current) or 128x128 block scaling
-//   GatherBf16, ReduceScatterGrad
+//   StartGatherBf16, GatherBf16, ReduceScatterGrad
 //   ExchangeTokenCounts, AllToAllFp8Tokens, AllToAllBf16Tokens
 //
 // Argument checks are local and happen before the first collective. They must fail on every rank
@@ -524,8 +524,13 @@ absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& op
   return absl::OkStatus();
 }
 
-absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const float* shard,
-                        int64_t shard_count, uint16_t* full_bf16) {
+namespace {
+
+// GatherBf16's first half: the arguments checked, then this rank's shard converted straight into
+// its block of the output, which the all-gather then fills in place. Returns that block.
+absl::StatusOr<uint16_t*> ConvertIntoOwnBlock(const Communicator& group,
+                                              const kernels::OpTable& ops, const float* shard,
+                                              int64_t shard_count, uint16_t* full_bf16) {
   if (shard_count < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("GatherBf16: shard_count must be >= 0, got ", shard_count));
@@ -534,14 +539,31 @@ absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const 
     return absl::InvalidArgumentError(shard == nullptr ? "GatherBf16: shard is null"
                                                        : "GatherBf16: full_bf16 is null");
   }
-  // Converted straight into this rank's block of the output, then gathered in place.
   uint16_t* mine = full_bf16 + group.rank() * shard_count;
-  if (absl::Status s = Convert(ops, kernels::InputType::kF32, shard, kernels::InputType::kBF16,
-                               mine, shard_count);
-      !s.ok()) {
-    return s;
-  }
+  FP8RT_RETURN_IF_ERROR(
+      Convert(ops, kernels::InputType::kF32, shard, kernels::InputType::kBF16, mine, shard_count));
+  return mine;
+}
+
+}  // namespace
+
+absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const float* shard,
+                        int64_t shard_count, uint16_t* full_bf16) {
+  FP8RT_ASSIGN_OR_RETURN(uint16_t * mine,
+                         ConvertIntoOwnBlock(group, ops, shard, shard_count, full_bf16));
   return group.AllGather(mine, shard_count, full_bf16, DType::kBF16);
+}
+
+absl::StatusOr<std::unique_ptr<PendingCollective>> StartGatherBf16(Communicator& group,
+                                                                   const kernels::OpTable& ops,
+                                                                   const float* shard,
+                                                                   int64_t shard_count,
+                                                                   uint16_t* full_bf16) {
+  // No wait for the backend: the CPU ops have run by now, and NCCL's gather starts after the work
+  // queued on the default stream.
+  FP8RT_ASSIGN_OR_RETURN(uint16_t * mine,
+                         ConvertIntoOwnBlock(group, ops, shard, shard_count, full_bf16));
+  return group.StartAllGather(mine, shard_count, full_bf16, DType::kBF16);
 }
 
 namespace {

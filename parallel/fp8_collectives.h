@@ -8,7 +8,9 @@
 //   Fp8Shard, QuantizeFp8Shard, StartGatherFp8Shard
 //                         FSDP with persistent FP8 shards: each rank quantizes its rows once
 //                         per step, and every gather of the step moves those bytes only
-//   GatherBf16            FSDP all-gather of a non-FP8 parameter in BF16
+//   GatherBf16, StartGatherBf16
+//                         FSDP all-gather in BF16 (the baseline FP8 weight gathers are
+//                         measured against), blocking or started
 //   ReduceScatterGrad     gradient reduce-scatter in BF16 or FP32 into FP32 shards
 //   StartReduceScatterGrad, PendingGradReduce
 //                         the same, started: it overlaps the backward of the layers below
@@ -201,6 +203,15 @@ absl::Status StartGatherFp8Shard(Communicator& group, const kernels::OpTable& op
 // `full_bf16` (size * shard_count BF16 bits).
 absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const float* shard,
                         int64_t shard_count, uint16_t* full_bf16);
+// The same gather, started (FSDP's BF16 gathers, which overlap the compute before them): this
+// rank's shard is converted into its block of `full_bf16` on the op table's default stream, then
+// the gather starts in place (Communicator::StartAllGather). `full_bf16` may be read once the
+// returned collective has been waited for; `shard` may change as soon as this returns.
+absl::StatusOr<std::unique_ptr<PendingCollective>> StartGatherBf16(Communicator& group,
+                                                                   const kernels::OpTable& ops,
+                                                                   const float* shard,
+                                                                   int64_t shard_count,
+                                                                   uint16_t* full_bf16);
 
 enum class GradReduceDType : uint8_t { kBF16, kFP32 };
 

@@ -696,48 +696,55 @@ absl::Status Transformer::StartUnshard(size_t unit) {
           parallel::StartGatherFp8Shard(*p.group, ops_, p.fp8_shard, &p.fp8, &u.pending));
       continue;
     }
-    p.full.Reset(ops_, static_cast<size_t>(p.shard_count * p.group->size()));
     if (!fp8) {
+      p.full.Reset(ops_, static_cast<size_t>(p.shard_count * p.group->size()));
       FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<parallel::PendingCollective> g,
                              p.group->StartAllGather(p.master.data(), p.shard_count,
                                                      p.full.data(), parallel::DType::kF32));
       u.pending.push_back(std::move(g));
       continue;
     }
-    // fsdp_gather bf16 (the baseline FP8 gathers are measured against): BF16 on the wire, then
-    // every rank quantizes the whole piece with the same scale(s). Blocking: the quantization
-    // needs the gathered values.
-    const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
-    const bool block = cfg.strategy == train::ScalingStrategy::kBlock;
-    p.gather_bf16.Reset(ops_, p.full.size());
-    FP8RT_RETURN_IF_ERROR(parallel::GatherBf16(*p.group, ops_, p.master.data(), p.shard_count,
-                                               p.gather_bf16.data()));
-    kernels::ConvertArgs conv{.from = kernels::InputType::kBF16,
-                              .to = kernels::InputType::kF32,
-                              .input = p.gather_bf16.data(),
-                              .output = p.full.data(),
-                              .count = static_cast<int64_t>(p.gather_bf16.size())};
-    FP8RT_RETURN_IF_ERROR(ops_.convert(conv, {}));
-    p.fp8.rows = p.local_rows;
-    p.fp8.cols = p.local_cols;
-    if (cfg.strategy == train::ScalingStrategy::kMx32) {
-      const size_t grid = static_cast<size_t>(
-          kernels::GetScaleGrid(kernels::Granularity::kMx32, p.local_rows, p.local_cols).size());
-      const size_t col_grid = static_cast<size_t>(
-          kernels::GetScaleGrid(kernels::Granularity::kMx32, p.local_cols, p.local_rows).size());
-      parallel::ResizeFp8Weight(ops_, static_cast<size_t>(p.local_count()), 0, &p.fp8);
-      p.fp8.e8m0.Reset(ops_, grid);
-      p.fp8.col_codes.Reset(ops_, static_cast<size_t>(p.local_count()));
-      p.fp8.col_e8m0.Reset(ops_, col_grid);
-      FP8RT_RETURN_IF_ERROR(parallel::QuantizeMx32Both(
-          ops_, p.full.data(), p.local_rows, p.local_cols, cfg.format, p.fp8.codes.data(),
-          p.fp8.e8m0.data(), p.fp8.col_codes.data(), p.fp8.col_e8m0.data(), nullptr,
-          &mx32_scratch_));
-      FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
-      p.full.clear();
-      p.gather_bf16.clear();
-      continue;
-    }
+    // fsdp_gather bf16 (the baseline FP8 gathers are measured against): BF16 on the wire,
+    // started like the FP8 gathers; FinishUnshard quantizes the gathered piece
+    // (QuantizeGatheredBf16).
+    p.gather_bf16.Reset(ops_, static_cast<size_t>(p.shard_count * p.group->size()));
+    FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<parallel::PendingCollective> g,
+                           parallel::StartGatherBf16(*p.group, ops_, p.master.data(), p.shard_count,
+                                                     p.gather_bf16.data()));
+    u.pending.push_back(std::move(g));
+  }
+  return absl::OkStatus();
+}
+
+// fsdp_gather bf16, once the gather has landed: every rank converts the whole piece to FP32 and
+// quantizes it with the same scale(s) (the shard's tensor scale, or the scales of the piece's
+// own blocks), so that all ranks hold the same FP8 weight. No host wait: the FP32 and BF16
+// temporaries are device-only memory, freed in stream order after the quantization.
+absl::Status Transformer::QuantizeGatheredBf16(Param& p) {
+  p.full.Reset(ops_, p.gather_bf16.size());
+  const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
+  const bool block = cfg.strategy == train::ScalingStrategy::kBlock;
+  kernels::ConvertArgs conv{.from = kernels::InputType::kBF16,
+                            .to = kernels::InputType::kF32,
+                            .input = p.gather_bf16.data(),
+                            .output = p.full.data(),
+                            .count = static_cast<int64_t>(p.gather_bf16.size())};
+  FP8RT_RETURN_IF_ERROR(ops_.convert(conv, {}));
+  p.fp8.rows = p.local_rows;
+  p.fp8.cols = p.local_cols;
+  if (cfg.strategy == train::ScalingStrategy::kMx32) {
+    const size_t grid = static_cast<size_t>(
+        kernels::GetScaleGrid(kernels::Granularity::kMx32, p.local_rows, p.local_cols).size());
+    const size_t col_grid = static_cast<size_t>(
+        kernels::GetScaleGrid(kernels::Granularity::kMx32, p.local_cols, p.local_rows).size());
+    parallel::ResizeFp8Weight(ops_, static_cast<size_t>(p.local_count()), 0, &p.fp8);
+    p.fp8.e8m0.Reset(ops_, grid);
+    p.fp8.col_codes.Reset(ops_, static_cast<size_t>(p.local_count()));
+    p.fp8.col_e8m0.Reset(ops_, col_grid);
+    FP8RT_RETURN_IF_ERROR(parallel::QuantizeMx32Both(
+        ops_, p.full.data(), p.local_rows, p.local_cols, cfg.format, p.fp8.codes.data(),
+        p.fp8.e8m0.data(), p.fp8.col_codes.data(), p.fp8.col_e8m0.data(), nullptr, &mx32_scratch_));
+  } else {
     kernels::QuantizeArgs q;
     q.format = cfg.format;
     q.granularity = block ? kernels::Granularity::kBlock128x128 : kernels::Granularity::kTensor;
@@ -755,10 +762,9 @@ absl::Status Transformer::StartUnshard(size_t unit) {
     p.fp8.stats_out.Reset(ops_, 1);
     q.stats = p.fp8.stats_out.device();
     FP8RT_RETURN_IF_ERROR(ops_.quantize(q, {}));
-    FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
-    p.full.clear();  // only the FP8 weight is used
-    p.gather_bf16.clear();
   }
+  p.full.clear();  // only the FP8 weight is used from here
+  p.gather_bf16.clear();
   return absl::OkStatus();
 }
 
@@ -779,6 +785,9 @@ absl::Status Transformer::FinishUnshard(size_t unit) {
     Param& p = params_[static_cast<size_t>(i)];
     if (p.linear == nullptr) continue;
     if (p.linear->precision() == GemmPrecision::kFp8) {
+      if (recipe_.fsdp_gather == FsdpGatherDType::kBf16) {
+        FP8RT_RETURN_IF_ERROR(QuantizeGatheredBf16(p));
+      }
       p.linear->SetWeight(&p.fp8);
     } else {
       p.linear->SetWeight(p.full.data());
@@ -802,6 +811,7 @@ void Transformer::Reshard(size_t unit) {
     p.fp8.e8m0.clear();
     p.fp8.col_codes.clear();
     p.fp8.col_e8m0.clear();
+    p.gather_bf16.clear();
   }
 }
 

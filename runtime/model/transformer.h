@@ -407,6 +407,8 @@ class Transformer {
   };
   absl::Status StartUnshard(size_t unit);   // starts the unit's gathers (nonblocking where it can)
   absl::Status FinishUnshard(size_t unit);  // waits for them, hands the weights to the layers
+  // fsdp_gather bf16: the FP8 weight of a BF16-gathered piece (FinishUnshard, after the gather).
+  absl::Status QuantizeGatheredBf16(Param& p);
   void Reshard(size_t unit);                // frees the gathered weights
   // Full gradients for the unit's backward, zeroed except those in `overwritten` (their layers
   // write them over; only their padding past local_count() is zeroed).

@@ -90,6 +90,7 @@ struct Stats {
   // the communicator: NcclCommunicator's stream_), so fp8rt's started collectives.
   int64_t side_stream = 0;
   int64_t side_reduce_scatter = 0;  // of those, reduce-scatters (fp8rt: gradient reductions)
+  int64_t side_bf16_all_gather = 0;  // and BF16 all-gathers (fp8rt: fsdp_gather bf16)
   int64_t caller_memory = 0;  // of them, receiving into memory the caller allocated (not staging)
   int64_t misuse = 0;         // refused calls (see above)
   std::string first_misuse;

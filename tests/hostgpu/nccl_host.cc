@@ -57,7 +57,7 @@ std::vector<std::shared_ptr<void>>& Leaked() {
 }
 
 std::atomic<int64_t> kernels_landed{0}, kernels_side{0}, kernels_caller{0},
-    kernels_side_reduce_scatter{0};
+    kernels_side_reduce_scatter{0}, kernels_side_bf16_all_gather{0};
 
 // One collective (or one group's sends and receives) on the device.
 struct Kernel : std::enable_shared_from_this<Kernel> {
@@ -67,6 +67,7 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
   bool side = false;    // on a stream other than its communicator's own (ncclComm::main_stream)
   bool caller = false;  // receives into memory the caller allocated (cudaMalloc, cudaMallocHost)
   bool reduce_scatter = false;
+  bool bf16_all_gather = false;
   // Reads the send buffers and starts the MPI operations (into requests, on bufs).
   std::function<void(Kernel&)> start;
   std::function<void()> land;  // writes the receive buffers
@@ -122,6 +123,7 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
     ++kernels_landed;
     if (side) ++kernels_side;
     if (side && reduce_scatter) ++kernels_side_reduce_scatter;
+    if (side && bf16_all_gather) ++kernels_side_bf16_all_gather;
     if (caller) ++kernels_caller;
     ++shared->ended;
     return true;
@@ -434,8 +436,8 @@ void Bury(ncclComm_t comm) {
 // in rank order): all-reduce, reduce-scatter and all-gather. The caller holds mu and has checked
 // the communicator, stream, type and op.
 ncclResult_t SubmitGathering(ncclComm_t comm, cudaStream_t stream, const std::string& what,
-                             const void* send, size_t send_bytes, void* recv, size_t recv_bytes,
-                             std::function<void(const uint8_t*)> land) {
+                             ncclDataType_t type, const void* send, size_t send_bytes, void* recv,
+                             size_t recv_bytes, std::function<void(const uint8_t*)> land) {
   bool caller = false;
   if (ncclResult_t rc = CheckBuffer(comm, send, send_bytes, (what + " sendbuff").c_str()); rc) {
     return rc;
@@ -447,6 +449,7 @@ ncclResult_t SubmitGathering(ncclComm_t comm, cudaStream_t stream, const std::st
   auto k = NewKernel(comm);
   k->caller = caller;
   k->reduce_scatter = what == "ncclReduceScatter";
+  k->bf16_all_gather = what == "ncclAllGather" && type == ncclBfloat16;
   const int ranks = comm->size;
   auto slot = std::make_shared<Bytes*>(nullptr);  // the gathered inputs: set by start, read by land
   k->start = [send, send_bytes, ranks, slot](Kernel& self) {
@@ -470,6 +473,7 @@ Stats stats() {
   s.kernels = kernels_landed.load();
   s.side_stream = kernels_side.load();
   s.side_reduce_scatter = kernels_side_reduce_scatter.load();
+  s.side_bf16_all_gather = kernels_side_bf16_all_gather.load();
   s.caller_memory = kernels_caller.load();
   return s;
 }
@@ -479,6 +483,7 @@ void ResetStats() {
   kernels_landed = 0;
   kernels_side = 0;
   kernels_side_reduce_scatter = 0;
+  kernels_side_bf16_all_gather = 0;
   kernels_caller = 0;
 }
 
@@ -660,7 +665,7 @@ ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataT
   }
   const size_t bytes = count * TypeSize(type);
   const int ranks = comm->size;
-  return SubmitGathering(comm, stream, "ncclAllReduce", send, bytes, recv, bytes,
+  return SubmitGathering(comm, stream, "ncclAllReduce", type, send, bytes, recv, bytes,
                          [bytes, ranks, count, type, op, recv](const uint8_t* all) {
                            Reduce(all, bytes, ranks, count, type, op, recv);
                          });
@@ -677,7 +682,7 @@ ncclResult_t ncclReduceScatter(const void* send, void* recv, size_t recvcount, n
   const size_t all_bytes = bytes * static_cast<size_t>(comm->size);
   const int ranks = comm->size, rank = comm->rank;
   return SubmitGathering(
-      comm, stream, "ncclReduceScatter", send, all_bytes, recv, bytes,
+      comm, stream, "ncclReduceScatter", type, send, all_bytes, recv, bytes,
       [bytes, all_bytes, ranks, rank, recvcount, type, op, recv](const uint8_t* all) {
         Reduce(all + static_cast<size_t>(rank) * bytes, all_bytes, ranks, recvcount, type, op,
                recv);
@@ -692,7 +697,7 @@ ncclResult_t ncclAllGather(const void* send, void* recv, size_t sendcount, ncclD
   const size_t bytes = sendcount * TypeSize(type);
   const size_t all_bytes = bytes * static_cast<size_t>(comm->size);
   return SubmitGathering(
-      comm, stream, "ncclAllGather", send, bytes, recv, all_bytes,
+      comm, stream, "ncclAllGather", type, send, bytes, recv, all_bytes,
       [all_bytes, recv](const uint8_t* all) { std::memcpy(recv, all, all_bytes); });
 }
 

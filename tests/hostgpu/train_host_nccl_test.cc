@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -208,14 +209,24 @@ TEST_P(TrainHostNcclTest, SameBitsAsMpi) {
   EXPECT_GT(stats.caller_memory, 5 * kSteps);
   EXPECT_GT(stats.side_stream - stats.side_reduce_scatter, kSteps);
   EXPECT_GE(stats.side_reduce_scatter, 9 * kSteps);
+  // fsdp_gather bf16: the FP8 weights' BF16 gathers are started on the side stream too: each
+  // block's 5 FP8 weights for the forward, and the first block's again for the backward (the
+  // last block stays gathered), 15 per step. Other modes gather FP8 bytes or FP32 values.
+  const std::vector<std::string>& sets = GetParam().sets;
+  if (std::find(sets.begin(), sets.end(), "precision.fsdp_gather=bf16") != sets.end()) {
+    EXPECT_GE(stats.side_bf16_all_gather, 15 * kSteps);
+  } else {
+    EXPECT_EQ(stats.side_bf16_all_gather, 0);
+  }
   if (Factory().World().rank() == 0 && !::testing::Test::HasFailure()) {
     std::printf(
         "[train_host_nccl] %s on %d ranks: %lld NCCL calls completed late (%lld kernels "
         "on the model's memory, %lld on the side stream, %lld of them gradient "
-        "reduce-scatters); loss %.4f -> %.4f, the same bits as over MPI\n",
+        "reduce-scatters, %lld BF16 gathers); loss %.4f -> %.4f, the same bits as over MPI\n",
         GetParam().name.c_str(), Factory().World().size(), static_cast<long long>(stats.deferred),
         static_cast<long long>(stats.caller_memory), static_cast<long long>(stats.side_stream),
-        static_cast<long long>(stats.side_reduce_scatter), nccl.front().loss, nccl.back().loss);
+        static_cast<long long>(stats.side_reduce_scatter),
+        static_cast<long long>(stats.side_bf16_all_gather), nccl.front().loss, nccl.back().loss);
   }
   EXPECT_TRUE(AllRanksOk(!::testing::Test::HasFailure()));
 }
@@ -241,7 +252,8 @@ INSTANTIATE_TEST_SUITE_P(
         Mode{"fp8_gpt2_tied",
              {"model.family=gpt2", "model.kv_heads=4", "model.max_positions=32",
               "precision.mode=fp8", "precision.scaling=delayed"}},
-        // BF16 FSDP gathers (the baseline), quantized after the gather.
+        // BF16 FSDP gathers (the baseline): started on the side stream, each piece quantized
+        // once its gather has landed.
         Mode{"fp8_bf16_gather",
              {"precision.mode=fp8", "precision.scaling=delayed", "precision.fsdp_gather=bf16"}},
         // MoE in every second block, experts over 2 ranks: counts and tokens all-to-all.

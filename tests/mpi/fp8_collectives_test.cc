@@ -20,7 +20,7 @@
 //                           a reference quantization of the unsharded weight written here from
 //                           OCP MX v1.0 (no library helper), partial 1x32 blocks, both formats;
 //                           bytes sent; rows not a multiple of 32 refused
-//   GatherBf16Test          exact round to nearest even, specials
+//   GatherBf16Test          exact round to nearest even, specials (blocking and started)
 //   ReduceScatterGradTest   FP32 and BF16 sums within the bounds below, exact for integer
 //                           data; accumulate adds, no-accumulate overwrites
 //   TokenAllToAllTest       (TEST_P) format x hidden x count pattern (uneven, zero, all to one
@@ -716,7 +716,11 @@ uint16_t RefBf16(float x) {
   return static_cast<uint16_t>((b + 0x7FFFu + lsb) >> 16);
 }
 
-TEST(GatherBf16Test, EveryRankHoldsEveryShardRoundedToNearestEven) {
+// Blocking (GatherBf16) and started (StartGatherBf16, whose shard may change once it returns).
+class GatherBf16Test : public ::testing::TestWithParam<bool> {};
+
+TEST_P(GatherBf16Test, EveryRankHoldsEveryShardRoundedToNearestEven) {
+  const bool started = GetParam();
   const int n = World().size(), rank = World().rank();
   constexpr int64_t kShard = 1001;
   std::vector<float> full(static_cast<size_t>(kShard * n));
@@ -735,15 +739,24 @@ TEST(GatherBf16Test, EveryRankHoldsEveryShardRoundedToNearestEven) {
   std::copy(std::begin(specials), std::end(specials), last);
   last[10] = std::numeric_limits<float>::quiet_NaN();
 
+  std::vector<uint16_t> want(full.size());
+  for (size_t i = 0; i < full.size(); ++i) want[i] = RefBf16(full[i]);
+
   std::vector<uint16_t> got(full.size(), 0xDEAD);
   const CommStats before = World().stats();
-  ASSERT_TRUE(AllOk(GatherBf16(World(), Ops(), full.data() + rank * kShard, kShard, got.data())));
+  float* const shard = full.data() + rank * kShard;
+  if (started) {
+    absl::StatusOr<std::unique_ptr<PendingCollective>> gather =
+        StartGatherBf16(World(), Ops(), shard, kShard, got.data());
+    ASSERT_TRUE(AllOk(gather.status()));
+    std::fill(shard, shard + kShard, 7.0f);  // the shard is free once the start returned
+    ASSERT_TRUE(AllOk((*gather)->Wait()));
+  } else {
+    ASSERT_TRUE(AllOk(GatherBf16(World(), Ops(), shard, kShard, got.data())));
+  }
   EXPECT_EQ(World().stats().Bytes(CollectiveOp::kAllGather, DType::kBF16) -
                 before.Bytes(CollectiveOp::kAllGather, DType::kBF16),
             2 * kShard);
-
-  std::vector<uint16_t> want(full.size());
-  for (size_t i = 0; i < full.size(); ++i) want[i] = RefBf16(full[i]);
   const size_t nan_at = static_cast<size_t>((n - 1) * kShard + 10);
   EXPECT_EQ(got[nan_at] & 0x7F80, 0x7F80);
   EXPECT_NE(got[nan_at] & 0x007F, 0) << "NaN must stay NaN";
@@ -756,6 +769,11 @@ TEST(GatherBf16Test, EveryRankHoldsEveryShardRoundedToNearestEven) {
   EXPECT_EQ(got[s + 3], 0x7F80);
   EXPECT_EQ(got[s + 4], 0x7F80);
 }
+
+INSTANTIATE_TEST_SUITE_P(BlockingAndStarted, GatherBf16Test, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Started" : "Blocking";
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // ReduceScatterGrad.

@@ -630,6 +630,93 @@ INSTANTIATE_TEST_SUITE_P(Strategies, OptimizerWrittenShardTest,
                                            train::ScalingStrategy::kCurrent,
                                            train::ScalingStrategy::kBlock));
 
+// fsdp_gather bf16, the baseline the FP8 gathers are measured against: each rank's shard goes on
+// the wire rounded to BF16 (to nearest even), and every rank quantizes the gathered piece. So each
+// layer's FP8 weight is the quantization of the whole weight rounded to BF16, and a model that
+// gathers in BF16 runs, bit for bit, as a model that gathers in FP8 whose FP8 weights' masters
+// were rounded to BF16 beforehand: the same loss and the same reduced gradients. FSDP over every
+// rank, so the BF16 gathers are started (the next unit's while the current one runs, the block
+// below's in the backward) and quantized once they have landed. 128x128 blocks and mx32 derive
+// their scales from the gathered values. A tensor scale without a history comes from the
+// master shards' amax: there, in both models, each shard's largest |value| is rounded to BF16
+// first, which no other value's rounding can pass, so the two models' amaxes are the same.
+float RoundToBf16(float x) {
+  uint32_t bits = std::bit_cast<uint32_t>(x);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round half to even on the 16 dropped bits
+  return std::bit_cast<float>(bits & 0xFFFF0000u);
+}
+
+class Bf16GatherTest : public ::testing::TestWithParam<train::ScalingStrategy> {};
+
+TEST_P(Bf16GatherTest, RunsAsFp8GathersOfBf16RoundedMasters) {
+  // d_model 256, d_ff 512: every FP8 weight's shard is whole 128-row blocks at dp 1 and 2.
+  const ModelShape shape = Shape(/*layers=*/2, /*d_model=*/256, /*d_ff=*/512, /*seq_len=*/16);
+  ModelRecipe recipe;
+  for (train::ScalingConfig* c :
+       {&recipe.sites.input, &recipe.sites.weight, &recipe.sites.grad_output}) {
+    c->strategy = GetParam();
+  }
+  recipe.fsdp_gather = FsdpGatherDType::kBf16;
+  const int world = Factory().World().size();
+  const parallel::MeshConfig fsdp{.dp = world, .tp = 1, .ep = 1};
+  ModelUnderTest bf16 = Build(fsdp, shape, recipe, /*seed=*/7, /*token_seed=*/3);
+  recipe.fsdp_gather = FsdpGatherDType::kFp8;
+  ModelUnderTest fp8 = Build(fsdp, shape, recipe, /*seed=*/7, /*token_seed=*/3);
+  const auto fp8_weight = [](const Param& p) {
+    return p.linear != nullptr && p.linear->precision() == GemmPrecision::kFp8;
+  };
+  for (ModelUnderTest* m : {&bf16, &fp8}) {
+    for (Param& p : m->model->params()) {
+      if (!fp8_weight(p)) continue;
+      float* top = std::max_element(p.master.begin(), p.master.end(),
+                                    [](float a, float b) { return std::fabs(a) < std::fabs(b); });
+      *top = RoundToBf16(*top);
+    }
+  }
+  int64_t rounded = 0;
+  for (Param& p : fp8.model->params()) {
+    if (!fp8_weight(p)) continue;
+    for (float& w : p.master) {
+      const float r = RoundToBf16(w);
+      rounded += r != w;
+      w = r;
+    }
+  }
+  EXPECT_GT(rounded, 1000) << "the masters must change when rounded, or the test shows nothing";
+  ASSERT_TRUE(bf16.model->BeginStep().ok());
+  ASSERT_TRUE(fp8.model->BeginStep().ok());
+  const double bf16_loss = Loss(bf16), fp8_loss = Loss(fp8);
+  ASSERT_TRUE(std::isfinite(bf16_loss));
+  EXPECT_EQ(std::bit_cast<uint64_t>(bf16_loss), std::bit_cast<uint64_t>(fp8_loss))
+      << "loss " << bf16_loss << " with BF16 gathers, " << fp8_loss
+      << " with FP8 gathers of the rounded masters";
+  ASSERT_TRUE(bf16.model->ReduceGrads().ok());
+  ASSERT_TRUE(fp8.model->ReduceGrads().ok());
+  const std::vector<std::vector<float>> bf16_grads = Grads(*bf16.model);
+  const std::vector<std::vector<float>> fp8_grads = Grads(*fp8.model);
+  ASSERT_EQ(bf16_grads.size(), fp8_grads.size());
+  bool ok = true;
+  for (size_t i = 0; i < bf16_grads.size(); ++i) {
+    const std::vector<float>& a = bf16_grads[i];
+    const std::vector<float>& b = fp8_grads[i];
+    const auto bits = [](float x) { return std::bit_cast<uint32_t>(x); };
+    for (size_t j = 0; j < a.size() && ok; ++j) {
+      if (bits(a[j]) != bits(b[j])) {
+        ADD_FAILURE() << bf16.model->params()[i].name << "[" << j << "]: gradient " << a[j]
+                      << " with BF16 gathers, " << b[j]
+                      << " with FP8 gathers of the rounded masters";
+        ok = false;
+      }
+    }
+  }
+  EXPECT_TRUE(AllRanksOk(ok && !::testing::Test::HasFailure()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, Bf16GatherTest,
+                         ::testing::Values(train::ScalingStrategy::kDelayed,
+                                           train::ScalingStrategy::kBlock,
+                                           train::ScalingStrategy::kMx32));
+
 // precision.fp8_fast_accum_forward reaches the GEMMs as Fp8GemmArgs::fast_accum on the forward
 // GEMM of every FP8 layer and never on dgrad or wgrad (the CPU ignores it; on a GPU it turns on
 // cuBLASLt's FAST_ACCUM). The op table records the flag of each FP8 GEMM in call order.
