@@ -528,16 +528,16 @@ namespace {
 
 // GatherBf16's first half: the arguments checked, then this rank's shard converted straight into
 // its block of the output, which the all-gather then fills in place. Returns that block.
-absl::StatusOr<uint16_t*> ConvertIntoOwnBlock(const Communicator& group,
+absl::StatusOr<uint16_t*> ConvertIntoOwnBlock(const char* fn, const Communicator& group,
                                               const kernels::OpTable& ops, const float* shard,
                                               int64_t shard_count, uint16_t* full_bf16) {
   if (shard_count < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("GatherBf16: shard_count must be >= 0, got ", shard_count));
+        absl::StrCat(fn, ": shard_count must be >= 0, got ", shard_count));
   }
   if (shard_count > 0 && (shard == nullptr || full_bf16 == nullptr)) {
-    return absl::InvalidArgumentError(shard == nullptr ? "GatherBf16: shard is null"
-                                                       : "GatherBf16: full_bf16 is null");
+    return absl::InvalidArgumentError(
+        absl::StrCat(fn, shard == nullptr ? ": shard is null" : ": full_bf16 is null"));
   }
   uint16_t* mine = full_bf16 + group.rank() * shard_count;
   FP8RT_RETURN_IF_ERROR(
@@ -549,8 +549,8 @@ absl::StatusOr<uint16_t*> ConvertIntoOwnBlock(const Communicator& group,
 
 absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const float* shard,
                         int64_t shard_count, uint16_t* full_bf16) {
-  FP8RT_ASSIGN_OR_RETURN(uint16_t * mine,
-                         ConvertIntoOwnBlock(group, ops, shard, shard_count, full_bf16));
+  FP8RT_ASSIGN_OR_RETURN(uint16_t * mine, ConvertIntoOwnBlock("GatherBf16", group, ops, shard,
+                                                              shard_count, full_bf16));
   return group.AllGather(mine, shard_count, full_bf16, DType::kBF16);
 }
 
@@ -561,8 +561,8 @@ absl::StatusOr<std::unique_ptr<PendingCollective>> StartGatherBf16(Communicator&
                                                                    uint16_t* full_bf16) {
   // No wait for the backend: the CPU ops have run by now, and NCCL's gather starts after the work
   // queued on the default stream.
-  FP8RT_ASSIGN_OR_RETURN(uint16_t * mine,
-                         ConvertIntoOwnBlock(group, ops, shard, shard_count, full_bf16));
+  FP8RT_ASSIGN_OR_RETURN(uint16_t * mine, ConvertIntoOwnBlock("StartGatherBf16", group, ops, shard,
+                                                              shard_count, full_bf16));
   return group.StartAllGather(mine, shard_count, full_bf16, DType::kBF16);
 }
 

@@ -206,7 +206,8 @@ absl::Status GatherBf16(Communicator& group, const kernels::OpTable& ops, const 
 // The same gather, started (FSDP's BF16 gathers, which overlap the compute before them): this
 // rank's shard is converted into its block of `full_bf16` on the op table's default stream, then
 // the gather starts in place (Communicator::StartAllGather). `full_bf16` may be read once the
-// returned collective has been waited for; `shard` may change as soon as this returns.
+// returned collective has been waited for. `shard` may be changed by work queued after this on
+// the default stream (on the CPU, by anything, at once: the conversion has run).
 absl::StatusOr<std::unique_ptr<PendingCollective>> StartGatherBf16(Communicator& group,
                                                                    const kernels::OpTable& ops,
                                                                    const float* shard,

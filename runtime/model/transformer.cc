@@ -721,7 +721,13 @@ absl::Status Transformer::StartUnshard(size_t unit) {
 // own blocks), so that all ranks hold the same FP8 weight. No host wait: the FP32 and BF16
 // temporaries are device-only memory, freed in stream order after the quantization.
 absl::Status Transformer::QuantizeGatheredBf16(Param& p) {
-  p.full.Reset(ops_, p.gather_bf16.size());
+  const size_t piece = static_cast<size_t>(p.shard_count * p.group->size());
+  if (p.gather_bf16.size() != piece) {  // its StartUnshard failed before starting its gather
+    return absl::FailedPreconditionError(absl::StrCat(p.name, ": no BF16 gather of ", piece,
+                                                      " values to quantize (", p.gather_bf16.size(),
+                                                      " there)"));
+  }
+  p.full.Reset(ops_, piece);
   const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
   const bool block = cfg.strategy == train::ScalingStrategy::kBlock;
   kernels::ConvertArgs conv{.from = kernels::InputType::kBF16,

@@ -4,7 +4,8 @@
 // CPU run uses a SoloCommunicatorFactory and the CUDA run NCCL bootstrapped over a solo world).
 //
 // For each precision mode (fp32; bf16; fp8 with delayed, current, block and mx32 scaling; fp8 with
-// two micro-batches per step, with FP32 and with BF16 gradient reduction; fp8 with fast
+// two micro-batches per step, with FP32 and with BF16 gradient reduction; fp8 with BF16 FSDP
+// gathers; fp8 with fast
 // accumulation in the forward; fp8 with MoE blocks):
 //   MatchesTheCpuRun      kSteps steps from the same weights on the same text: every loss finite,
 //                         no step skipped, each step's loss within the mode's tolerance of the
@@ -278,6 +279,14 @@ INSTANTIATE_TEST_SUITE_P(
              {"precision.mode=fp8", "precision.scaling=current",
               "precision.fp8_fast_accum_forward=false", "precision.grad_reduce=bf16",
               "train.grad_accum=2"},
+             5e-3,
+             /*late_nccl=*/true},
+        // BF16 FSDP gathers (the baseline): on one GPU the one-rank gathers complete at their
+        // start; each piece is then converted and quantized on the default stream with no host
+        // wait, its temporaries freed in stream order.
+        Mode{"fp8_bf16_gather",
+             {"precision.mode=fp8", "precision.scaling=current",
+              "precision.fp8_fast_accum_forward=false", "precision.fsdp_gather=bf16"},
              5e-3,
              /*late_nccl=*/true},
         Mode{"fp8_block", {"precision.mode=fp8", "precision.scaling=block"}, 5e-3},

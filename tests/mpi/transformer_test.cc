@@ -638,8 +638,10 @@ INSTANTIATE_TEST_SUITE_P(Strategies, OptimizerWrittenShardTest,
 // rank, so the BF16 gathers are started (the next unit's while the current one runs, the block
 // below's in the backward) and quantized once they have landed. 128x128 blocks and mx32 derive
 // their scales from the gathered values. A tensor scale without a history comes from the
-// master shards' amax: there, in both models, each shard's largest |value| is rounded to BF16
-// first, which no other value's rounding can pass, so the two models' amaxes are the same.
+// master shards' amax: there, in both models, every value of a shard that rounds to the same
+// BF16 magnitude R as the shard's largest |value| is rounded first. Each other value rounds to a
+// smaller BF16 magnitude, so it lies below the midpoint under R, hence below R: both models'
+// amax is R.
 float RoundToBf16(float x) {
   uint32_t bits = std::bit_cast<uint32_t>(x);
   bits += 0x7FFFu + ((bits >> 16) & 1u);  // round half to even on the 16 dropped bits
@@ -668,9 +670,12 @@ TEST_P(Bf16GatherTest, RunsAsFp8GathersOfBf16RoundedMasters) {
   for (ModelUnderTest* m : {&bf16, &fp8}) {
     for (Param& p : m->model->params()) {
       if (!fp8_weight(p)) continue;
-      float* top = std::max_element(p.master.begin(), p.master.end(),
-                                    [](float a, float b) { return std::fabs(a) < std::fabs(b); });
-      *top = RoundToBf16(*top);
+      float top = 0.0f;
+      for (const float w : p.master) top = std::max(top, std::fabs(w));
+      const float r = RoundToBf16(top);
+      for (float& w : p.master) {
+        if (RoundToBf16(std::fabs(w)) == r) w = RoundToBf16(w);
+      }
     }
   }
   int64_t rounded = 0;
