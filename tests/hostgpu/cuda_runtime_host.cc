@@ -8,6 +8,7 @@
 // held here.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -84,6 +85,8 @@ std::vector<CUstream_st*>& Streams() {  // every stream but the legacy one, ever
   return *streams;
 }
 int query_ticks = 0;  // queries since the device last ran (lazy streams)
+std::atomic<int64_t> lazy_progress_runs{
+    0};  // host waits that ran every stream (lazy_progress_after)
 
 thread_local cudaError_t last_error = cudaSuccess;
 thread_local int current_device = 0;
@@ -222,11 +225,18 @@ bool RunUntil(CUstream_st* s, uint64_t n) {
 template <typename Run>
 void WaitFor(Run run, const char* what) {
   const auto start = std::chrono::steady_clock::now();
-  bool told = false;
+  const fp8rt::hostgpu::Settings& settings = fp8rt::hostgpu::settings();
+  const bool progress = settings.lazy_streams && settings.lazy_progress_after.count() > 0;
+  bool told = false, ran_all = false;
   for (;;) {
     {
       std::lock_guard<std::recursive_mutex> lock(dev_mu);
       if (run()) return;
+      if (progress && std::chrono::steady_clock::now() - start > settings.lazy_progress_after) {
+        RunDevice();  // Settings::lazy_progress_after
+        if (!ran_all) ++lazy_progress_runs;
+        ran_all = true;
+      }
     }
     if (!told && std::chrono::steady_clock::now() - start > std::chrono::minutes(1)) {
       std::fprintf(stderr, "hostgpu: the host has waited a minute for %s\n", what);
@@ -369,6 +379,19 @@ void EnqueueKernel(void* stream, std::function<bool()> step) {
   if (s != nullptr) Enqueue(s, std::move(step));
 }
 void* StreamId(void* stream) { return StreamOf(static_cast<cudaStream_t>(stream), /*dead=*/true); }
+int Launch(void* stream, std::function<void()> work, const char* call) {
+  CUstream_st* s = nullptr;
+  if (const cudaError_t e = CheckEnqueue(static_cast<cudaStream_t>(stream), call, &s);
+      e != cudaSuccess) {
+    return e;
+  }
+  Enqueue(s, [work = std::move(work)] {
+    work();
+    return true;
+  });
+  return cudaSuccess;
+}
+int64_t LazyProgressRuns() { return lazy_progress_runs.load(); }
 void RunAll() {
   std::lock_guard<std::recursive_mutex> lock(dev_mu);
   RunDevice();

@@ -46,6 +46,10 @@
 //     communicator's kernels have) are deferred the same way, but their MPI parts run at the call
 //     and block: a rank missing from them hangs the others instead of failing them at the
 //     deadline (not modelled).
+//   - With lazy streams and Settings::lazy_progress_after, a host wait that has not finished in
+//     that time runs every stream, as a GPU eventually runs all queued work.
+//   - Tests may put work of their own on the device (Launch: stream_ops.h runs the CPU op table
+//     there).
 //   - MPI is called only from the thread that initialised it (MPI_THREAD_FUNNELED): other
 //     threads (the backend's watchdog) see NCCL's state and the streams as they are, and run only
 //     work that needs no MPI.
@@ -76,6 +80,11 @@ struct Settings {
   std::chrono::microseconds delay{500};
   bool lazy_streams = false;
   int stream_polls = 3;
+  // With lazy streams: a host wait still unfinished after this long runs every stream, as a GPU
+  // runs all queued work eventually (zero: never). Without it a rank whose host waits for one
+  // stream never runs another stream's collective that a peer waits for (a deadlock no GPU has:
+  // the MoE training run's dp gathers and ep all-to-alls).
+  std::chrono::milliseconds lazy_progress_after{0};
   bool hang = false;
   bool hang_on_stream = false;
   int fail = 0;  // an ncclResult_t; 0 (ncclSuccess): none
@@ -114,6 +123,12 @@ void EnqueueKernel(void* stream, std::function<bool()> step);
 // the legacy stream's), and running every piece of work the device can run now.
 void* StreamId(void* stream);
 void RunAll();
+// cuda_runtime_host.cc: how many host waits ran every stream (Settings::lazy_progress_after).
+int64_t LazyProgressRuns();
+// cuda_runtime_host.cc: a kernel launch, for work the tests put on the device (stream_ops.h):
+// `work` runs when `stream` reaches it, in stream order. Returns a cudaError_t: `call` is misuse
+// while a NCCL call still ncclInProgress holds the stream, as any CUDA work there.
+int Launch(void* stream, std::function<void()> work, const char* call);
 // nccl_host.cc: a stream was created; the newest communicator without its own stream takes it.
 void StreamCreated(void* stream);
 // nccl_host.cc: whether a NCCL call still ncclInProgress will be put on `stream`, in which case

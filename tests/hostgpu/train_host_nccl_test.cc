@@ -1,17 +1,19 @@
 // Whole training runs over the NCCL backend with several ranks, on CPU ranks (issue 23, point 1):
 // the same run once with MPI communicators and once with NcclCommunicators over the host
 // emulation of CUDA's runtime and NCCL (host_gpu.h), in which every NCCL call completes late, as
-// across GPUs. The model runs the CPU op table, with its memory allocated through the emulated
-// runtime (device memory, and pinned memory for what the host reads), so the NCCL backend takes
-// the paths it takes on GPUs: stream-ordered collectives (Completion::kStream), FSDP's started
-// all-gathers and gradient reduce-scatters on the side stream, and staging only for the step loop's
-// host values (the loss, the gradient norm, MoE's counts). Every step's loss and gradient norm must
-// be the same bits: every group has two ranks, where a sum's order cannot matter. A result read
-// before NCCL's state left ncclInProgress (the amax sync, the global norm, the MoE counts or
-// tokens, a gathered weight) would change them. No NCCL call, and no CUDA work on NCCL's stream,
-// may be made while a communicator is still in progress. The emulated device runs work as it is
-// enqueued here (the CPU op table's kernels run on the host, outside the streams); nccl_host_test
-// checks the stream ordering with a device that runs only what the host waits for.
+// across GPUs. The model runs the CPU op table as work on the emulated device (stream_ops.h):
+// each op is launched on its stream and runs when the device reaches it, which it does only when
+// the host waits (Settings::lazy_streams); its memory comes from the emulated runtime (device
+// memory, and pinned memory for what the host reads). So the NCCL backend takes the paths it
+// takes on GPUs: stream-ordered collectives (Completion::kStream), FSDP's started all-gathers and
+// gradient reduce-scatters on the side stream, and staging only for the step loop's host values
+// (the loss, the gradient norm, MoE's counts). Every step's loss and gradient norm must be the
+// same bits: every group has two ranks, where a sum's order cannot matter. A result read before
+// NCCL's state left ncclInProgress (the amax sync, the global norm, the MoE counts or tokens, a
+// gathered weight), an op not ordered after the collective that writes its input (or a
+// collective not ordered after the op that writes its send buffer), and a host read of an op's
+// output without a synchronisation would change them. No NCCL call, and no CUDA work on NCCL's
+// stream, may be made while a communicator is still in progress.
 //
 // Built only without FP8RT_CUDA (the sanitizer build in scripts/test): in a CUDA build the op
 // tables' CUDA code would link against the emulation's entry points.
@@ -38,6 +40,7 @@
 #include "runtime/spec/run_spec.h"
 #include "runtime/worker/trainer.h"
 #include "tests/hostgpu/host_gpu.h"
+#include "tests/hostgpu/stream_ops.h"
 #include "tests/mpi/mpi_test_env.h"
 #include "tests/support/learnable_text.h"
 
@@ -49,45 +52,6 @@ using parallel::testing::AllRanksOk;
 using parallel::testing::Factory;
 
 constexpr int kSteps = 4;
-
-absl::StatusOr<void*> DeviceAllocate(size_t bytes) {
-  void* p = nullptr;
-  if (cudaMalloc(&p, bytes) != cudaSuccess) {
-    return absl::ResourceExhaustedError("cudaMalloc (emulated) failed");
-  }
-  return p;
-}
-absl::StatusOr<void*> PinnedAllocate(size_t bytes) {
-  void* p = nullptr;
-  if (cudaMallocHost(&p, bytes) != cudaSuccess) {
-    return absl::ResourceExhaustedError("cudaMallocHost (emulated) failed");
-  }
-  return p;
-}
-void Deallocate(void* p) {
-  if (p == nullptr) return;
-  cudaPointerAttributes a{};
-  (void)cudaPointerGetAttributes(&a, p);
-  (void)(a.type == cudaMemoryTypeHost ? cudaFreeHost(p) : cudaFree(p));
-}
-
-// The CPU op table with its memory from the emulated CUDA runtime.
-const kernels::OpTable& CpuOpsOnEmulatedDevice() {
-  static const kernels::LayerOps layer = [] {
-    kernels::LayerOps l = *kernels::CpuOps().layer;
-    l.allocate = &DeviceAllocate;
-    l.allocate_device = &DeviceAllocate;
-    l.allocate_host = &PinnedAllocate;
-    l.deallocate = &Deallocate;
-    return l;
-  }();
-  static const kernels::OpTable table = [] {
-    kernels::OpTable t = kernels::CpuOps();
-    t.layer = &layer;
-    return t;
-  }();
-  return table;
-}
 
 struct Mode {
   std::string name;
@@ -106,6 +70,8 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
   void SetUp() override {
     hostgpu::settings() = hostgpu::Settings{};
     hostgpu::ResetStats();
+    ops_at_start_ = hostgpu::DeviceOpsRun();
+    progress_runs_at_start_ = hostgpu::LazyProgressRuns();
     std::string tmpl = (fs::temp_directory_path() / "fp8rt_train_host_nccl_XXXXXX").string();
     ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
     dir_ = tmpl;
@@ -150,6 +116,10 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
     parallel::CommunicatorFactory* comms = &Factory();
     const kernels::OpTable* ops = &kernels::CpuOps();
     if (nccl) {
+      // The device runs only when the host waits (stream_ops.h), from the communicators' creation
+      // on, and every stream when a wait has not finished within 20 ms.
+      hostgpu::settings().lazy_streams = true;
+      hostgpu::settings().lazy_progress_after = std::chrono::milliseconds(20);
       parallel::NcclOptions nccl_options;
       nccl_options.timeout = std::chrono::seconds(60);  // well inside ctest's 600 s
       auto created =
@@ -158,7 +128,7 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
       if (!created.ok()) return {};
       nccl_factory = *std::move(created);
       comms = nccl_factory.get();
-      ops = &CpuOpsOnEmulatedDevice();
+      ops = &hostgpu::CpuOpsOnDevice();
     }
     const worker::TrainerOptions options{.run_dir = (dir_ / (nccl ? "nccl" : "mpi")).string(),
                                          .resume = false,
@@ -180,6 +150,7 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
   }
 
   fs::path dir_;
+  int64_t ops_at_start_ = 0, progress_runs_at_start_ = 0;  // the process's counts before the test
 };
 
 TEST_P(TrainHostNcclTest, SameBitsAsMpi) {
@@ -199,6 +170,9 @@ TEST_P(TrainHostNcclTest, SameBitsAsMpi) {
         << nccl[s].grad_norm << " over NCCL";
   }
   EXPECT_LT(nccl.back().loss, nccl.front().loss) << "the loss must fall";
+  // The model's ops ran on the emulated device, none failing there.
+  EXPECT_TRUE(hostgpu::DeviceOpError().ok()) << hostgpu::DeviceOpError();
+  EXPECT_GT(hostgpu::DeviceOpsRun() - ops_at_start_, 100 * kSteps);
   const hostgpu::Stats stats = hostgpu::stats();
   // NCCL's calls were deferred, and the backend took its device paths: collectives on the
   // model's own (emulated device) memory, FSDP's started gathers on the side stream, and every
@@ -214,7 +188,7 @@ TEST_P(TrainHostNcclTest, SameBitsAsMpi) {
   // last block stays gathered), 15 per step. Other modes gather FP8 bytes or FP32 values.
   const std::vector<std::string>& sets = GetParam().sets;
   if (std::find(sets.begin(), sets.end(), "precision.fsdp_gather=bf16") != sets.end()) {
-    EXPECT_GE(stats.side_bf16_all_gather, 15 * kSteps);
+    EXPECT_EQ(stats.side_bf16_all_gather, 15 * kSteps);
   } else {
     EXPECT_EQ(stats.side_bf16_all_gather, 0);
   }
@@ -222,11 +196,15 @@ TEST_P(TrainHostNcclTest, SameBitsAsMpi) {
     std::printf(
         "[train_host_nccl] %s on %d ranks: %lld NCCL calls completed late (%lld kernels "
         "on the model's memory, %lld on the side stream, %lld of them gradient "
-        "reduce-scatters, %lld BF16 gathers); loss %.4f -> %.4f, the same bits as over MPI\n",
+        "reduce-scatters, %lld BF16 gathers; %lld ops on the device, %lld host waits that ran "
+        "every stream); loss %.4f -> %.4f, the same bits as over MPI\n",
         GetParam().name.c_str(), Factory().World().size(), static_cast<long long>(stats.deferred),
         static_cast<long long>(stats.caller_memory), static_cast<long long>(stats.side_stream),
         static_cast<long long>(stats.side_reduce_scatter),
-        static_cast<long long>(stats.side_bf16_all_gather), nccl.front().loss, nccl.back().loss);
+        static_cast<long long>(stats.side_bf16_all_gather),
+        static_cast<long long>(hostgpu::DeviceOpsRun() - ops_at_start_),
+        static_cast<long long>(hostgpu::LazyProgressRuns() - progress_runs_at_start_),
+        nccl.front().loss, nccl.back().loss);
   }
   EXPECT_TRUE(AllRanksOk(!::testing::Test::HasFailure()));
 }

@@ -1,0 +1,211 @@
+// The CPU op table as work on the emulated device (stream_ops.h).
+#include "tests/hostgpu/stream_ops.h"
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstddef>
+#include <mutex>
+#include <set>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/layer_ops.h"
+#include "tests/hostgpu/host_gpu.h"
+
+namespace fp8rt::hostgpu {
+namespace {
+
+std::mutex error_mu;
+absl::Status first_error;  // guarded by error_mu
+std::atomic<int64_t> ops_run{0};
+
+void Record(const absl::Status& s) {
+  ++ops_run;
+  if (s.ok()) return;
+  std::lock_guard<std::mutex> lock(error_mu);
+  if (first_error.ok()) first_error = s;
+}
+
+// The CPU entry an op table member points to.
+template <typename Table>
+const Table& CpuTable() {
+  if constexpr (std::is_same_v<Table, kernels::OpTable>) {
+    return kernels::CpuOps();
+  } else {
+    return *kernels::CpuOps().layer;
+  }
+}
+
+// InvalidArgument naming the entry and the argument when a non-null pointer argument is not
+// device memory (the CUDA entries refuse such a pointer before launching anything). The end of an
+// allocation passes too: the CUDA entries check no pointer of a call without work, and a call
+// for the empty tail of a buffer (BeginUnitGrads' fill of a gradient without padding) points
+// there.
+template <typename T>
+absl::Status CheckPointer(const char* entry, int index, const T& arg) {
+  if constexpr (std::is_pointer_v<T>) {
+    const auto* byte = reinterpret_cast<const std::byte*>(arg);
+    if (arg != nullptr && !DeviceRange(byte, 1) && !DeviceRange(byte - 1, 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(entry, ": argument ", index, " is not device memory"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+template <auto Member, typename Name, typename Signature = decltype(Member)>
+struct OnDevice;
+
+// An entry `absl::Status (*)(A..., kernels::Stream)` of Table: checked now, run on the device.
+template <auto Member, typename Name, typename Table, typename... A>
+struct OnDevice<Member, Name, absl::Status (*Table::*)(A...)> {
+  static absl::Status Call(A... a) {
+    absl::Status checked;
+    int index = 0;
+    ((checked.ok() ? (checked = CheckPointer(Name::Value(), index++, a), 0) : 0), ...);
+    if (!checked.ok()) return checked;
+    const kernels::Stream stream = std::get<sizeof...(A) - 1>(std::tie(a...));
+    absl::Status (*const entry)(A...) = CpuTable<Table>().*Member;
+    std::tuple<std::decay_t<A>...> args(a...);  // the arguments as launched (pointers and values)
+    const int rc = Launch(
+        stream.handle, [entry, args] { Record(std::apply(entry, args)); }, Name::Value());
+    if (rc != cudaSuccess) {
+      return absl::InternalError(
+          absl::StrCat(Name::Value(), ": launch failed (cuda error ", rc, ")"));
+    }
+    return absl::OkStatus();
+  }
+};
+
+#define FP8RT_ON_DEVICE(table, Table, member)               \
+  do {                                                      \
+    struct Name {                                           \
+      static const char* Value() { return #member; }        \
+    };                                                      \
+    (table).member = &OnDevice<&Table::member, Name>::Call; \
+  } while (0)
+
+std::mutex alloc_mu;
+std::set<void*> stream_ordered;  // allocate_device's arrays, guarded by alloc_mu
+
+absl::StatusOr<void*> Malloc(size_t bytes, bool pinned) {
+  void* p = nullptr;
+  const cudaError_t e = pinned ? cudaMallocHost(&p, bytes) : cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    return absl::ResourceExhaustedError(absl::StrCat("emulated allocation of ", bytes, " bytes"));
+  }
+  return p;
+}
+
+absl::StatusOr<void*> AllocateDevice(size_t bytes) {
+  absl::StatusOr<void*> p = Malloc(bytes, /*pinned=*/false);
+  if (p.ok()) {
+    std::lock_guard<std::mutex> lock(alloc_mu);
+    stream_ordered.insert(*p);
+  }
+  return p;
+}
+
+void Deallocate(void* p) {
+  if (p == nullptr) return;
+  bool ordered = false;
+  {
+    std::lock_guard<std::mutex> lock(alloc_mu);
+    ordered = stream_ordered.erase(p) != 0;
+  }
+  if (ordered) {
+    (void)cudaFreeAsync(p, cudaStreamLegacy);
+    return;
+  }
+  int kind = 0;
+  (void)DeviceRange(p, 1, &kind);
+  (void)(kind == 3 ? cudaFreeHost(p) : cudaFree(p));
+}
+
+absl::Status Synchronize(kernels::Stream stream) {
+  const cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(stream.handle));
+  if (e != cudaSuccess) return absl::InternalError("emulated cudaStreamSynchronize failed");
+  return DeviceOpError();
+}
+
+}  // namespace
+
+const kernels::OpTable& CpuOpsOnDevice() {
+  static const kernels::LayerOps layer = [] {
+    using kernels::LayerOps;
+    LayerOps l = *kernels::CpuOps().layer;
+    FP8RT_ON_DEVICE(l, LayerOps, embedding_forward);
+    FP8RT_ON_DEVICE(l, LayerOps, embedding_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, rmsnorm_forward);
+    FP8RT_ON_DEVICE(l, LayerOps, rmsnorm_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, attention_forward);
+    FP8RT_ON_DEVICE(l, LayerOps, attention_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, attention_forward_bf16);
+    FP8RT_ON_DEVICE(l, LayerOps, attention_backward_bf16);
+    FP8RT_ON_DEVICE(l, LayerOps, gelu_forward);
+    FP8RT_ON_DEVICE(l, LayerOps, gelu_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, layernorm_forward);
+    FP8RT_ON_DEVICE(l, LayerOps, layernorm_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, bias_forward);
+    FP8RT_ON_DEVICE(l, LayerOps, bias_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, rope_forward);
+    FP8RT_ON_DEVICE(l, LayerOps, rope_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, swiglu_forward);
+    FP8RT_ON_DEVICE(l, LayerOps, swiglu_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, residual_forward);
+    FP8RT_ON_DEVICE(l, LayerOps, residual_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, cross_entropy_forward);
+    FP8RT_ON_DEVICE(l, LayerOps, cross_entropy_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, moe_route);
+    FP8RT_ON_DEVICE(l, LayerOps, gather_rows);
+    FP8RT_ON_DEVICE(l, LayerOps, scatter_rows);
+    FP8RT_ON_DEVICE(l, LayerOps, moe_combine);
+    FP8RT_ON_DEVICE(l, LayerOps, moe_combine_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, moe_router_backward);
+    FP8RT_ON_DEVICE(l, LayerOps, fill);
+    FP8RT_ON_DEVICE(l, LayerOps, copy);
+    FP8RT_ON_DEVICE(l, LayerOps, transpose);
+    FP8RT_ON_DEVICE(l, LayerOps, transpose_bytes);
+    FP8RT_ON_DEVICE(l, LayerOps, split_heads);
+    FP8RT_ON_DEVICE(l, LayerOps, join_heads);
+    FP8RT_ON_DEVICE(l, LayerOps, sum_squares);
+    FP8RT_ON_DEVICE(l, LayerOps, adamw);
+    FP8RT_ON_DEVICE(l, LayerOps, zero_bytes);
+    FP8RT_ON_DEVICE(l, LayerOps, prefetch);
+    FP8RT_ON_DEVICE(l, LayerOps, copy_bytes);
+    l.synchronize = &Synchronize;
+    l.allocate = [](size_t bytes) { return Malloc(bytes, /*pinned=*/false); };
+    l.allocate_device = &AllocateDevice;
+    l.allocate_host = [](size_t bytes) { return Malloc(bytes, /*pinned=*/true); };
+    l.deallocate = &Deallocate;
+    return l;
+  }();
+  static const kernels::OpTable table = [] {
+    using kernels::OpTable;
+    OpTable t = kernels::CpuOps();
+    FP8RT_ON_DEVICE(t, OpTable, quantize);
+    FP8RT_ON_DEVICE(t, OpTable, dequantize);
+    FP8RT_ON_DEVICE(t, OpTable, amax);
+    FP8RT_ON_DEVICE(t, OpTable, convert);
+    FP8RT_ON_DEVICE(t, OpTable, gemm_fp8);
+    FP8RT_ON_DEVICE(t, OpTable, gemm_bf16);
+    FP8RT_ON_DEVICE(t, OpTable, gemm_f32);
+    FP8RT_ON_DEVICE(t, OpTable, cast_transpose);
+    t.layer = &layer;
+    return t;
+  }();
+  return table;
+}
+
+absl::Status DeviceOpError() {
+  std::lock_guard<std::mutex> lock(error_mu);
+  return first_error;
+}
+
+int64_t DeviceOpsRun() { return ops_run.load(); }
+
+}  // namespace fp8rt::hostgpu
