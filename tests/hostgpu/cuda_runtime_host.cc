@@ -569,16 +569,9 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   return cudaSuccess;
 }
 cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* data) {
-  CUstream_st* s = nullptr;
-  if (const cudaError_t e = CheckEnqueue(stream, "cudaLaunchHostFunc", &s); e != cudaSuccess) {
-    return e;
-  }
   if (fn == nullptr) return Fail(cudaErrorInvalidValue);
-  Enqueue(s, [fn, data] {
-    fn(data);
-    return true;
-  });
-  return cudaSuccess;
+  return static_cast<cudaError_t>(fp8rt::hostgpu::Launch(
+      stream, [fn, data] { fn(data); }, "cudaLaunchHostFunc"));
 }
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {

@@ -82,8 +82,11 @@ struct Settings {
   int stream_polls = 3;
   // With lazy streams: a host wait still unfinished after this long runs every stream, as a GPU
   // runs all queued work eventually (zero: never). Without it a rank whose host waits for one
-  // stream never runs another stream's collective that a peer waits for (a deadlock no GPU has:
-  // the MoE training run's dp gathers and ep all-to-alls).
+  // stream never runs another stream's collective that a peer waits for (the MoE training run's
+  // dp gathers and ep all-to-alls), which a GPU running both kernels concurrently does not do
+  // when every rank issues them in the same order. The price: such a wait runs the other
+  // streams' work first, which hides a dependency missing there (a timed fallback, so which
+  // waits take it varies from run to run; train_host_nccl_test counts them).
   std::chrono::milliseconds lazy_progress_after{0};
   bool hang = false;
   bool hang_on_stream = false;

@@ -10,10 +10,13 @@
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/gemm.h"
 #include "kernels/layer_ops.h"
+#include "kernels/quantize.h"
 #include "tests/hostgpu/host_gpu.h"
 
 namespace fp8rt::hostgpu {
@@ -40,18 +43,60 @@ const Table& CpuTable() {
   }
 }
 
-// InvalidArgument naming the entry and the argument when a non-null pointer argument is not
-// device memory (the CUDA entries refuse such a pointer before launching anything). The end of an
-// allocation passes too: the CUDA entries check no pointer of a call without work, and a call
+// The pointer fields of the argument structs, which the CUDA entries check as they check pointer
+// arguments (null pointers are not refused here: whether the call has work that needs one is
+// the entry's to know).
+std::vector<const void*> PointersOf(const kernels::QuantizeArgs& a) {
+  return {a.input, a.scale_amax, a.codes, a.scale_inv, a.e8m0_scales, a.stats};
+}
+std::vector<const void*> PointersOf(const kernels::DequantizeArgs& a) {
+  return {a.codes, a.scale_inv, a.e8m0_scales, a.output};
+}
+std::vector<const void*> PointersOf(const kernels::AmaxArgs& a) {
+  return {a.input, a.amax, a.finite_amax};
+}
+std::vector<const void*> PointersOf(const kernels::ConvertArgs& a) { return {a.input, a.output}; }
+std::vector<const void*> PointersOf(const kernels::Fp8GemmArgs& a) {
+  return {a.a, a.b, a.a_scale_inv, a.b_scale_inv, a.a_e8m0, a.b_e8m0, a.d, a.workspace};
+}
+std::vector<const void*> PointersOf(const kernels::Bf16GemmArgs& a) {
+  return {a.a, a.b, a.d, a.workspace};
+}
+std::vector<const void*> PointersOf(const kernels::F32GemmArgs& a) { return {a.a, a.b, a.d}; }
+std::vector<const void*> PointersOf(const kernels::CastTransposeArgs& a) {
+  return {a.input, a.codes, a.codes_t, a.scale_inv, a.stats};
+}
+std::vector<const void*> PointersOf(const kernels::AdamWArgs& a) {
+  return {a.master, a.grad, a.m, a.v, a.fp8.codes, a.fp8.scale_inv, a.fp8.stats};
+}
+
+// Whether a non-null pointer is device memory (registered by the emulated runtime). The end of an
+// allocation passes too: most CUDA entries check no pointer of a call without work, and a call
 // for the empty tail of a buffer (BeginUnitGrads' fill of a gradient without padding) points
-// there.
+// there. So a pointer exactly one past an allocation is not caught here even when its call has
+// work.
+bool Addressable(const void* p) {
+  const auto* byte = static_cast<const std::byte*>(p);
+  return p == nullptr || DeviceRange(byte, 1) || DeviceRange(byte - 1, 1);
+}
+
+// InvalidArgument naming the entry and the argument when a pointer argument, or a pointer field of
+// an argument struct, is not device memory (the CUDA entries refuse such a pointer before
+// launching anything).
 template <typename T>
-absl::Status CheckPointer(const char* entry, int index, const T& arg) {
+absl::Status CheckPointers(const char* entry, int index, const T& arg) {
+  std::vector<const void*> pointers;
   if constexpr (std::is_pointer_v<T>) {
-    const auto* byte = reinterpret_cast<const std::byte*>(arg);
-    if (arg != nullptr && !DeviceRange(byte, 1) && !DeviceRange(byte - 1, 1)) {
+    pointers.push_back(arg);
+  } else if constexpr (std::is_class_v<T> && !std::is_same_v<T, kernels::Stream>) {
+    pointers = PointersOf(arg);
+  }
+  for (size_t i = 0; i < pointers.size(); ++i) {
+    if (!Addressable(pointers[i])) {
       return absl::InvalidArgumentError(
-          absl::StrCat(entry, ": argument ", index, " is not device memory"));
+          absl::StrCat(entry, ": argument ", index,
+                       std::is_pointer_v<T> ? "" : absl::StrCat(" (pointer field ", i, ")"),
+                       " is not device memory"));
     }
   }
   return absl::OkStatus();
@@ -63,10 +108,13 @@ struct OnDevice;
 // An entry `absl::Status (*)(A..., kernels::Stream)` of Table: checked now, run on the device.
 template <auto Member, typename Name, typename Table, typename... A>
 struct OnDevice<Member, Name, absl::Status (*Table::*)(A...)> {
+  static_assert(
+      std::is_same_v<std::tuple_element_t<sizeof...(A) - 1, std::tuple<A...>>, kernels::Stream>,
+      "an op entry's last parameter is its stream");
   static absl::Status Call(A... a) {
     absl::Status checked;
     int index = 0;
-    ((checked.ok() ? (checked = CheckPointer(Name::Value(), index++, a), 0) : 0), ...);
+    ((checked.ok() ? (checked = CheckPointers(Name::Value(), index++, a), 0) : 0), ...);
     if (!checked.ok()) return checked;
     const kernels::Stream stream = std::get<sizeof...(A) - 1>(std::tie(a...));
     absl::Status (*const entry)(A...) = CpuTable<Table>().*Member;
@@ -134,6 +182,11 @@ absl::Status Synchronize(kernels::Stream stream) {
 
 }  // namespace
 
+// Every LayerOps member is a function pointer, and each is wrapped or replaced below: a member
+// added to LayerOps must be added there too (this fails until it is).
+static_assert(sizeof(kernels::LayerOps) == 44 * sizeof(void (*)()),
+              "LayerOps changed: wrap its new entries in CpuOpsOnDevice");
+
 const kernels::OpTable& CpuOpsOnDevice() {
   static const kernels::LayerOps layer = [] {
     using kernels::LayerOps;
@@ -199,6 +252,11 @@ const kernels::OpTable& CpuOpsOnDevice() {
     return t;
   }();
   return table;
+}
+
+void ResetDeviceOpError() {
+  std::lock_guard<std::mutex> lock(error_mu);
+  first_error = absl::OkStatus();
 }
 
 absl::Status DeviceOpError() {

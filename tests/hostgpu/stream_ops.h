@@ -2,15 +2,24 @@
 // NCCL backend on CPU ranks (train_host_nccl_test).
 //
 // The model's ops then behave towards the host and the NCCL backend as the CUDA table's kernels
-// do: each entry checks at the call that its pointer arguments are device memory (registered by
-// the emulated runtime: cudaMalloc or cudaMallocHost), as the CUDA entries do, and is then
-// launched on its stream (kernels::Stream::handle; null is the legacy default stream) with its
-// arguments copied; it runs when the device reaches it, in stream order, after the events that
-// stream waits for (FSDP's started gathers and reductions, the stream-ordered collectives). With
+// do: each entry checks at the call that its pointers (arguments, and the pointer fields of its
+// argument struct) are device memory (registered by the emulated runtime: cudaMalloc or
+// cudaMallocHost; null pointers and a pointer one past an allocation are let through, which the
+// CUDA entries refuse when the call has work), and is then launched on its stream
+// (kernels::Stream::handle; null is the legacy default stream) with its arguments copied; it
+// runs when the device reaches it, in stream order, after the events that stream waits for
+// (FSDP's started gathers and reductions, the stream-ordered collectives). With
 // Settings::lazy_streams the device runs only when the host waits, so an op queued without a
 // wait for the collective that writes its input reads the input as it was, and a host read of
 // an op's output without a synchronisation reads it before the op ran: the run's results change.
 // `synchronize` waits for its stream and returns the first error an op returned when it ran.
+//
+// Not modelled: the table still says Backend::kCpu, so the model keeps its CPU choices (MoE expert
+// rows are not padded to the CUDA GEMMs' multiple); allocation is immediate and never reuses
+// memory (the CUDA pool allocates in stream order and may hand a freed array out again while a
+// side-stream collective still reads it: here that read is a use-after-free that ASan reports
+// only if the free ran first); the arrays are cudaMalloc memory, which the NCCL emulation counts
+// as the caller's (Stats::caller_memory).
 //
 // Memory, as the CUDA table's: allocate and allocate_device come from cudaMalloc, allocate_host
 // from cudaMallocHost. deallocate frees allocate_device's arrays in stream order on the legacy
@@ -28,9 +37,10 @@ namespace fp8rt::hostgpu {
 
 const kernels::OpTable& CpuOpsOnDevice();
 
-// The first error an op returned when it ran on the device (OK: none), and how many ops ran
-// there.
+// The first error an op returned when it ran on the device (OK: none; ResetDeviceOpError clears
+// it), and how many ops ran there.
 absl::Status DeviceOpError();
+void ResetDeviceOpError();
 int64_t DeviceOpsRun();
 
 }  // namespace fp8rt::hostgpu

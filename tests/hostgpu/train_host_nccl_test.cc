@@ -70,6 +70,7 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
   void SetUp() override {
     hostgpu::settings() = hostgpu::Settings{};
     hostgpu::ResetStats();
+    hostgpu::ResetDeviceOpError();
     ops_at_start_ = hostgpu::DeviceOpsRun();
     progress_runs_at_start_ = hostgpu::LazyProgressRuns();
     std::string tmpl = (fs::temp_directory_path() / "fp8rt_train_host_nccl_XXXXXX").string();
@@ -117,9 +118,10 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
     const kernels::OpTable* ops = &kernels::CpuOps();
     if (nccl) {
       // The device runs only when the host waits (stream_ops.h), from the communicators' creation
-      // on, and every stream when a wait has not finished within 20 ms.
+      // on, and every stream when a wait has not finished within 100 ms (the summary line counts
+      // those waits: not asserted, since how many there are depends on the machine's load).
       hostgpu::settings().lazy_streams = true;
-      hostgpu::settings().lazy_progress_after = std::chrono::milliseconds(20);
+      hostgpu::settings().lazy_progress_after = std::chrono::milliseconds(100);
       parallel::NcclOptions nccl_options;
       nccl_options.timeout = std::chrono::seconds(60);  // well inside ctest's 600 s
       auto created =
