@@ -716,10 +716,11 @@ absl::Status Transformer::StartUnshard(size_t unit) {
   return absl::OkStatus();
 }
 
-// fsdp_gather bf16, once the gather has landed: every rank converts the whole piece to FP32 and
-// quantizes it with the same scale(s) (the shard's tensor scale, or the scales of the piece's
-// own blocks), so that all ranks hold the same FP8 weight. No host wait: the FP32 and BF16
-// temporaries are device-only memory, freed in stream order after the quantization.
+// fsdp_gather bf16, once the gather has landed: every rank quantizes the whole piece with the same
+// scale(s) (the shard's tensor scale, or the scales of the piece's own blocks), so that all ranks
+// hold the same FP8 weight. Tensor and block scaling quantize the BF16 values as they are; mx32
+// (whose op takes FP32) converts them first. No host wait: the temporaries are device-only
+// memory, freed in stream order after the quantization.
 absl::Status Transformer::QuantizeGatheredBf16(Param& p) {
   const size_t piece = static_cast<size_t>(p.shard_count * p.group->size());
   if (p.gather_bf16.size() != piece) {  // its StartUnshard failed before starting its gather
@@ -727,18 +728,18 @@ absl::Status Transformer::QuantizeGatheredBf16(Param& p) {
                                                       " values to quantize (", p.gather_bf16.size(),
                                                       " there)"));
   }
-  p.full.Reset(ops_, piece);
   const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
   const bool block = cfg.strategy == train::ScalingStrategy::kBlock;
-  kernels::ConvertArgs conv{.from = kernels::InputType::kBF16,
-                            .to = kernels::InputType::kF32,
-                            .input = p.gather_bf16.data(),
-                            .output = p.full.data(),
-                            .count = static_cast<int64_t>(p.gather_bf16.size())};
-  FP8RT_RETURN_IF_ERROR(ops_.convert(conv, {}));
   p.fp8.rows = p.local_rows;
   p.fp8.cols = p.local_cols;
   if (cfg.strategy == train::ScalingStrategy::kMx32) {
+    p.full.Reset(ops_, piece);
+    kernels::ConvertArgs conv{.from = kernels::InputType::kBF16,
+                              .to = kernels::InputType::kF32,
+                              .input = p.gather_bf16.data(),
+                              .output = p.full.data(),
+                              .count = static_cast<int64_t>(piece)};
+    FP8RT_RETURN_IF_ERROR(ops_.convert(conv, {}));
     const size_t grid = static_cast<size_t>(
         kernels::GetScaleGrid(kernels::Granularity::kMx32, p.local_rows, p.local_cols).size());
     const size_t col_grid = static_cast<size_t>(
@@ -750,11 +751,13 @@ absl::Status Transformer::QuantizeGatheredBf16(Param& p) {
     FP8RT_RETURN_IF_ERROR(parallel::QuantizeMx32Both(
         ops_, p.full.data(), p.local_rows, p.local_cols, cfg.format, p.fp8.codes.data(),
         p.fp8.e8m0.data(), p.fp8.col_codes.data(), p.fp8.col_e8m0.data(), nullptr, &mx32_scratch_));
+    p.full.clear();  // only the FP8 weight is used from here
   } else {
     kernels::QuantizeArgs q;
     q.format = cfg.format;
     q.granularity = block ? kernels::Granularity::kBlock128x128 : kernels::Granularity::kTensor;
-    q.input = p.full.data();
+    q.input_type = kernels::InputType::kBF16;
+    q.input = p.gather_bf16.data();
     q.rows = p.local_rows;
     q.cols = p.local_cols;
     q.has_scale = !block;
@@ -769,7 +772,6 @@ absl::Status Transformer::QuantizeGatheredBf16(Param& p) {
     q.stats = p.fp8.stats_out.device();
     FP8RT_RETURN_IF_ERROR(ops_.quantize(q, {}));
   }
-  p.full.clear();  // only the FP8 weight is used from here
   p.gather_bf16.clear();
   return absl::OkStatus();
 }
