@@ -48,11 +48,6 @@ absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& run_d
   }
   w.spec = manifest.spec();
   w.step = manifest.step();
-  if (w.spec.moe().experts() > 0) {
-    return absl::UnimplementedError(
-        "reading the weights of an MoE checkpoint (experts sharded over parallel.ep) is not "
-        "built yet");
-  }
   const int64_t tp = manifest.tp(), dp = manifest.dp();
   if (tp < 1 || dp < 1 || manifest.world_size() != tp * dp ||
       manifest.shards_size() != manifest.world_size()) {

@@ -46,10 +46,10 @@ struct CheckpointWeights {
   std::map<std::string, model::LogicalShape> shapes;  // of params, by name
 };
 
-// The checkpoint of `step` (default: the newest that verifies) in RUN_DIR/checkpoints. Dense
-// models only (MoE experts are sharded over another group: Unimplemented). NotFound naming the
-// folder when there is none; DataLoss naming the shard file and the section for a section of
-// the wrong size.
+// The checkpoint of `step` (default: the newest that verifies) in RUN_DIR/checkpoints, written at
+// any layout, as the logical tensors of one process (MoE: every expert, each from the shards of
+// its ep rank, ShardTensorRanges). NotFound naming the folder when there is none; DataLoss naming
+// the shard file and the section for a section of the wrong size.
 absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& run_dir,
                                                         std::optional<int64_t> step);
 
