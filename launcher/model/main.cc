@@ -3,12 +3,15 @@
 //   export RUN_DIR [--step N] --out DIR [--dtype f32|bf16]
 //       DIR/model.safetensors and DIR/config.json in Hugging Face's GPT-2 / Llama layout, from a
 //       checkpoint written at any layout (runtime/worker/weights.h)
-//   eval (--run-dir DIR [--step N] | --weights F.safetensors --spec S) [--spec S]
+//   eval (--run-dir DIR [--step N] | --weights W --spec S) [--spec S]
 //        [--data F --format text|u16|u32|llmc] [--batches N] [--json]
 //       the mean loss over non-overlapping windows of seq_len + 1 tokens, in file order
 //   generate (--run-dir DIR [--step N] | --weights F --spec S) --prompt TEXT --tokens N
 //            [--temperature T] [--top-k K] [--seed S]
 //       samples a byte-level model (data.format text); the same seed gives the same text
+// W: Hugging Face weights: a safetensors file, an index of shards (model.safetensors.index.json)
+// or a folder holding either (SafetensorsSet::Open). A checkpoint is read at any layout, MoE
+// included (every expert on this process); export refuses MoE, which has no Hugging Face class.
 // Exit codes: 0 done, 2 bad input or options (the message names the file, option or field).
 #include <unistd.h>
 
@@ -78,7 +81,9 @@ absl::StatusOr<Loaded> Load(const Source& src) {
 void AddSource(CLI::App* app, Source* src) {
   app->add_option("--run-dir", src->run_dir, "a run folder: the weights of its checkpoint");
   app->add_option("--step", src->step, "the checkpoint's step (default: the newest valid one)");
-  app->add_option("--weights", src->weights, "a safetensors file (Hugging Face names)");
+  app->add_option(
+      "--weights", src->weights,
+      "Hugging Face weights: a safetensors file, an index of shards, or a folder of either");
   app->add_option("--spec", src->spec, "the run spec (required with --weights)");
 }
 

@@ -15,6 +15,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <set>
 #include <utility>
@@ -174,15 +175,15 @@ absl::StatusOr<Entry> ParseEntry(const std::string& name, const nlohmann::json& 
   return e;
 }
 
-// The header's entries (tensors in file order of the JSON) and its metadata.
-absl::Status ParseHeader(std::string_view text, uint64_t buffer_bytes, const std::string& file,
-                         std::vector<Entry>* entries, std::map<std::string, std::string>* meta) {
+// `text` as a JSON object (`what` names it in errors: "the header", "the index"). It must start
+// with '{'. Duplicate keys: JSON parsers differ on them (nlohmann keeps the last), so a file that
+// has them means different weights to different readers. Refused, at any depth.
+absl::StatusOr<nlohmann::json> ParseObject(std::string_view text, const std::string& file,
+                                           const char* what) {
   if (text.empty() || text.front() != '{') {
-    return Invalid(file, absl::StrCat("the header does not start with '{': ",
-                                      Quote(text.substr(0, kQuoteBytes))));
+    return Invalid(
+        file, absl::StrCat(what, " does not start with '{': ", Quote(text.substr(0, kQuoteBytes))));
   }
-  // Duplicate keys: JSON parsers differ on them (nlohmann keeps the last), so a file that has
-  // them means different weights to different readers. Refused, at any depth.
   std::vector<std::set<std::string>> open_objects;  // the keys of each object being parsed
   std::string duplicate;
   const nlohmann::json::parser_callback_t cb = [&](int /*depth*/,
@@ -200,19 +201,26 @@ absl::Status ParseHeader(std::string_view text, uint64_t buffer_bytes, const std
     }
     return true;
   };
-  nlohmann::json header;
+  nlohmann::json j;
   try {
-    header = nlohmann::json::parse(text, cb);
+    j = nlohmann::json::parse(text, cb);
   } catch (const nlohmann::json::parse_error& e) {
-    return Invalid(file, absl::StrCat("the header is not valid JSON (at byte ", e.byte, ")"));
+    return Invalid(file, absl::StrCat(what, " is not valid JSON (at byte ", e.byte, ")"));
   } catch (const nlohmann::json::exception& e) {
     // out_of_range: a number that overflows (found by safetensors_fuzzer).
-    return Invalid(file, absl::StrCat("the header is not valid JSON (error ", e.id, ")"));
+    return Invalid(file, absl::StrCat(what, " is not valid JSON (error ", e.id, ")"));
   }
   if (!duplicate.empty()) {
-    return Invalid(file, absl::StrCat("the header has the key ", Quote(duplicate), " twice"));
+    return Invalid(file, absl::StrCat(what, " has the key ", Quote(duplicate), " twice"));
   }
-  if (!header.is_object()) return Invalid(file, "the header is not a JSON object");
+  if (!j.is_object()) return Invalid(file, absl::StrCat(what, " is not a JSON object"));
+  return j;
+}
+
+// The header's entries (tensors in file order of the JSON) and its metadata.
+absl::Status ParseHeader(std::string_view text, uint64_t buffer_bytes, const std::string& file,
+                         std::vector<Entry>* entries, std::map<std::string, std::string>* meta) {
+  FP8RT_ASSIGN_OR_RETURN(const nlohmann::json header, ParseObject(text, file, "the header"));
   for (const auto& [key, value] : header.items()) {
     if (key == "__metadata__") {
       if (!value.is_object()) {
@@ -387,6 +395,156 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat32(
                                          std::string(SafetensorsDtypeName(t->dtype)),
                                          "; weights must be F32, BF16 or F16"));
   }
+}
+
+namespace {
+
+constexpr const char* kSingleFile = "model.safetensors";
+constexpr const char* kIndexFile = "model.safetensors.index.json";
+
+bool EndsWith(const std::string& s, std::string_view suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix.data(), suffix.size()) == 0;
+}
+
+// A whole regular file of at most kMaxHeaderBytes, as text.
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
+    return Invalid(path, absl::StrCat("cannot open: ", std::strerror(err)));
+  }
+  FdCloser closer(fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    return Invalid(path, absl::StrCat("cannot stat: ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) return Invalid(path, "not a regular file");
+  if (static_cast<uint64_t>(st.st_size) > kMaxHeaderBytes) {
+    return Invalid(path, absl::StrCat("the index is ", st.st_size, " bytes, over the ",
+                                      kMaxHeaderBytes, "-byte limit"));
+  }
+  std::string text(static_cast<size_t>(st.st_size), '\0');
+  if (!PreadFully(fd, 0, text.data(), text.size())) {
+    return Invalid(path, errno == 0 ? std::string("the file shrank while being read")
+                                    : absl::StrCat("read failed: ", std::strerror(errno)));
+  }
+  return text;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseSafetensorsIndex(
+    std::string_view text, const std::string& name) {
+  // Trailing whitespace (a final newline) is allowed, as in a header.
+  FP8RT_ASSIGN_OR_RETURN(const nlohmann::json index, ParseObject(text, name, "the index"));
+  if (index.contains("metadata") && !index["metadata"].is_object()) {
+    return Invalid(
+        name, absl::StrCat("metadata must be an object, got ", Quote(index["metadata"].dump())));
+  }
+  if (!index.contains("weight_map")) return Invalid(name, "the index has no weight_map");
+  const nlohmann::json& map = index["weight_map"];
+  if (!map.is_object() || map.empty()) {
+    return Invalid(name, absl::StrCat("weight_map must be a non-empty object of tensor name -> "
+                                      "file name, got ",
+                                      Quote(map.dump())));
+  }
+  std::vector<std::pair<std::string, std::string>> out;
+  out.reserve(map.size());
+  // nlohmann's object iterates in key order.
+  for (const auto& [tensor, file] : map.items()) {
+    const std::string at = absl::StrCat("weight_map ", Quote(tensor));
+    if (!file.is_string()) {
+      return Invalid(
+          name, absl::StrCat(at, ": the file name must be a string, got ", Quote(file.dump())));
+    }
+    const std::string f = file.get<std::string>();
+    if (f.empty() || f == "." || f == ".." || f.find('/') != std::string::npos ||
+        f.find('\\') != std::string::npos || f.find('\0') != std::string::npos) {
+      return Invalid(
+          name, absl::StrCat(at, ": ", Quote(f), " is not the name of a file beside the index"));
+    }
+    out.emplace_back(tensor, f);
+  }
+  return out;
+}
+
+absl::StatusOr<std::string> ResolveSafetensorsPath(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(path, ec)) return path;
+  for (const char* candidate : {kSingleFile, kIndexFile}) {
+    const std::string p = (std::filesystem::path(path) / candidate).string();
+    if (std::filesystem::exists(p, ec)) return p;
+  }
+  return absl::NotFoundError(
+      absl::StrCat(path, ": a folder with neither ", kSingleFile, " nor ", kIndexFile));
+}
+
+SafetensorsSet SafetensorsSet::Of(SafetensorsFile file) {
+  SafetensorsSet set;
+  set.name_ = file.name();
+  for (const SafetensorsTensor& t : file.tensors()) set.file_of_.emplace(t.name, 0);
+  set.files_.push_back(std::move(file));
+  return set;
+}
+
+absl::StatusOr<SafetensorsSet> SafetensorsSet::Open(const std::string& path) {
+  FP8RT_ASSIGN_OR_RETURN(const std::string first, ResolveSafetensorsPath(path));
+  if (!EndsWith(first, ".json")) {
+    FP8RT_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(first));
+    return Of(std::move(file));
+  }
+  FP8RT_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(first));
+  FP8RT_ASSIGN_OR_RETURN(const auto map, ParseSafetensorsIndex(text, first));
+  const std::filesystem::path folder = std::filesystem::path(first).parent_path();
+  SafetensorsSet set;
+  set.name_ = first;
+  std::map<std::string, size_t> file_index;  // file name -> index into files_
+  for (const auto& [tensor, file] : map) {
+    auto [it, added] = file_index.emplace(file, set.files_.size());
+    if (added) {
+      FP8RT_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::Read((folder / file).string()));
+      set.files_.push_back(std::move(f));
+    }
+    const SafetensorsFile& holder = set.files_[it->second];
+    if (holder.Find(tensor) == nullptr) {
+      return Invalid(first, absl::StrCat("weight_map puts tensor ", Quote(tensor), " in ",
+                                         Quote(file), ", which has no tensor of that name"));
+    }
+    set.file_of_.emplace(tensor, it->second);
+  }
+  // Every tensor of every file is listed, with that file: nothing in the files goes unread, and
+  // no name is in two files.
+  for (size_t i = 0; i < set.files_.size(); ++i) {
+    for (const SafetensorsTensor& t : set.files_[i].tensors()) {
+      const auto it = set.file_of_.find(t.name);
+      if (it == set.file_of_.end()) {
+        return Invalid(set.files_[i].name(), absl::StrCat("tensor ", Quote(t.name),
+                                                          " is not in the weight_map of ", first));
+      }
+      if (it->second != i) {
+        return Invalid(set.files_[i].name(),
+                       absl::StrCat("tensor ", Quote(t.name),
+                                    " is also here, but the "
+                                    "weight_map of ",
+                                    first, " puts it in ", set.files_[it->second].name()));
+      }
+    }
+  }
+  return set;
+}
+
+const SafetensorsTensor* SafetensorsSet::Find(std::string_view name) const {
+  const auto it = file_of_.find(name);
+  return it == file_of_.end() ? nullptr : files_[it->second].Find(name);
+}
+
+absl::StatusOr<std::vector<float>> SafetensorsSet::ReadFloat32(
+    std::string_view name, std::span<const int64_t> shape) const {
+  const auto it = file_of_.find(name);
+  if (it == file_of_.end()) return Invalid(name_, absl::StrCat("no tensor ", Quote(name)));
+  return files_[it->second].ReadFloat32(name, shape);
 }
 
 absl::Status WriteSafetensors(const std::string& path,

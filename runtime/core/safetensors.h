@@ -24,10 +24,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -83,6 +85,59 @@ class SafetensorsFile {
   std::vector<SafetensorsTensor> tensors_;
   std::map<std::string, std::string> metadata_;
 };
+
+// A model's weights as Hugging Face stores them: one safetensors file, or several listed by an
+// index (what transformers' save_pretrained writes for a large model:
+// model.safetensors.index.json, {"metadata": {...}, "weight_map": {tensor name: file name}}, the
+// files beside it).
+//
+// Open(path) takes a .safetensors file, an index (a name ending in .json), or a folder holding
+// model.safetensors or model.safetensors.index.json (the single file first, as transformers
+// looks). The index is checked before any tensor is used, and every error is InvalidArgument
+// (NotFound for a missing file or folder entry) whose message starts with the index's or the
+// shard's path and quotes at most 64 bytes of what it was given:
+//   - at most 100 MB; a JSON object with no duplicate key; "weight_map" a non-empty object of
+//     strings; "metadata", when there, an object (its contents are not used);
+//   - each file name a plain name in the index's folder (no '/', '\\', "." or ".."), each file
+//     a valid safetensors file (SafetensorsFile::Read);
+//   - every tensor the index lists is in the file it names, and every tensor of every file is
+//     listed, with that file.
+class SafetensorsSet {
+ public:
+  static absl::StatusOr<SafetensorsSet> Open(const std::string& path);
+  // One file already read.
+  static SafetensorsSet Of(SafetensorsFile file);
+
+  SafetensorsSet(SafetensorsSet&&) = default;
+  SafetensorsSet& operator=(SafetensorsSet&&) = default;
+
+  // The path opened (the index's, or the single file's).
+  const std::string& name() const { return name_; }
+  // The files, in the order of their first tensor in the weight_map's sorted names.
+  const std::vector<SafetensorsFile>& files() const { return files_; }
+  // Null when no file has a tensor of that name.
+  const SafetensorsTensor* Find(std::string_view name) const;
+  // SafetensorsFile::ReadFloat32 of the file that holds `name` (its errors name that file);
+  // InvalidArgument naming the set when no file does.
+  absl::StatusOr<std::vector<float>> ReadFloat32(std::string_view name,
+                                                 std::span<const int64_t> shape) const;
+
+ private:
+  SafetensorsSet() = default;
+
+  std::string name_;
+  std::vector<SafetensorsFile> files_;
+  std::map<std::string, size_t, std::less<>> file_of_;  // tensor name -> index into files_
+};
+
+// The file Open(path) reads first: `path` itself, or for a folder its model.safetensors or
+// model.safetensors.index.json. NotFound naming the folder when it holds neither.
+absl::StatusOr<std::string> ResolveSafetensorsPath(const std::string& path);
+
+// The weight_map of an index's text (`name` stands for its path in error messages): (tensor
+// name, file name) pairs sorted by tensor name, checked as Open checks them.
+absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseSafetensorsIndex(
+    std::string_view text, const std::string& name);
 
 // A tensor to write: `data` holds NumElements(shape) elements of `dtype`, little-endian.
 struct SafetensorsWriteTensor {

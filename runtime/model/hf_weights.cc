@@ -4,6 +4,7 @@
 #include "runtime/model/hf_weights.h"
 
 #include <charconv>
+#include <cmath>
 #include <cstdlib>
 #include <functional>
 #include <set>
@@ -136,6 +137,29 @@ void Visit(const ModelShape& s, const Entry& e, const LogicalShape& ours,
   }
 }
 
+// Llama's rotary_emb.inv_freq buffer (transformers before 4.31 saved one per layer): torch's
+// 1 / theta^(2i / head_dim) in FP32, i < head_dim / 2. It must be the frequencies of the spec's
+// model.rope_theta, or the file's attention would differ from the model's: within 1e-5 relative
+// (pow may differ in its last bits between libraries).
+absl::Status CheckInvFreq(const ModelShape& s, const SafetensorsFile& file,
+                          const SafetensorsTensor& t) {
+  const int64_t half = s.head_dim() / 2;
+  const std::vector<int64_t> want_shape = {half};
+  FP8RT_ASSIGN_OR_RETURN(const std::vector<float> got, file.ReadFloat32(t.name, want_shape));
+  for (int64_t i = 0; i < half; ++i) {
+    const float e = static_cast<float>(2 * i) / static_cast<float>(s.head_dim());
+    const float want = 1.0f / std::pow(s.rope_theta, e);
+    const float g = got[static_cast<size_t>(i)];
+    if (!(std::fabs(g - want) <= 1e-5f * want)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(file.name(), ": tensor '", t.name.substr(0, 64), "' holds ", g, " at ", i,
+                       ", but model.rope_theta ", s.rope_theta, " (head_dim ", s.head_dim(),
+                       ") gives ", want, ": the file was trained with another rope_theta"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status CheckHfArchitecture(const ModelShape& s) {
@@ -229,19 +253,27 @@ absl::StatusOr<std::vector<HfTensor>> ToHuggingFace(
 
 absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
                                               const std::map<std::string, LogicalShape>& shapes,
-                                              const SafetensorsFile& file) {
+                                              const SafetensorsSet& file) {
   FP8RT_RETURN_IF_ERROR(CheckHfArchitecture(shape));
   const std::vector<Entry> entries = Entries(shape);
   std::set<std::string> known;
   for (const Entry& e : entries) known.insert(e.hf);
-  for (const SafetensorsTensor& t : file.tensors()) {
-    if (known.contains(t.name)) continue;
-    if (IsGpt2(shape) && (t.name.ends_with(".attn.bias") || t.name.ends_with(".attn.masked_bias")))
-      continue;  // GPT-2's causal-mask buffers, not parameters
-    return absl::InvalidArgumentError(absl::StrCat(
-        file.name(), ": tensor '", t.name.substr(0, 64),
-        "' is not a parameter of this model (", shape.layers, " layers, ",
-        IsGpt2(shape) ? "gpt2" : "llama", shape.tie_embeddings ? ", tied embeddings" : "", ")"));
+  for (const SafetensorsFile& part : file.files()) {
+    for (const SafetensorsTensor& t : part.tensors()) {
+      if (known.contains(t.name)) continue;
+      if (IsGpt2(shape) &&
+          (t.name.ends_with(".attn.bias") || t.name.ends_with(".attn.masked_bias"))) {
+        continue;  // GPT-2's causal-mask buffers, not parameters
+      }
+      if (!IsGpt2(shape) && t.name.ends_with(".self_attn.rotary_emb.inv_freq")) {
+        FP8RT_RETURN_IF_ERROR(CheckInvFreq(shape, part, t));
+        continue;  // Llama's RoPE frequencies (older transformers saved them): no parameter
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          part.name(), ": tensor '", t.name.substr(0, 64), "' is not a parameter of this model (",
+          shape.layers, " layers, ", IsGpt2(shape) ? "gpt2" : "llama",
+          shape.tie_embeddings ? ", tied embeddings" : "", ")"));
+    }
   }
   LogicalParams params;
   for (const auto& [name, s] : shapes) {

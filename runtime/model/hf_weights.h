@@ -7,7 +7,7 @@
 //   CheckHfArchitecture  whether a shape is exactly one of the two Hugging Face architectures
 //   HfConfigJson         config.json for a shape
 //   ToHuggingFace        logical parameters -> Hugging Face tensors (export)
-//   FromHuggingFace      a safetensors file -> logical parameters (init.from, --weights)
+//   FromHuggingFace      safetensors files -> logical parameters (init.from, --weights)
 //
 // Layouts (H heads, KV key/value heads, Dh head size, Q = H / KV):
 //   - GPT-2's linears are Conv1D, [in, out]: the transpose of fp8rt's [out, in]. c_attn
@@ -60,13 +60,15 @@ absl::StatusOr<std::vector<HfTensor>> ToHuggingFace(
     const ModelShape& shape, const std::map<std::string, LogicalShape>& shapes,
     const LogicalParams& params);
 
-// The logical parameters (every one of `shapes`) from a Hugging Face file. InvalidArgument naming
-// the file and the tensor for a missing tensor, a tensor of another shape or dtype (F32, BF16 and
-// F16 are read), and a tensor the model has no place for (GPT-2's non-parameter buffers
-// `*.attn.bias` / `*.attn.masked_bias` excepted).
+// The logical parameters (every one of `shapes`) from Hugging Face weights: one file, or the
+// files of an index (SafetensorsSet). InvalidArgument naming the file and the tensor for a
+// missing tensor, a tensor of another shape or dtype (F32, BF16 and F16 are read), and a tensor
+// the model has no place for. Non-parameter buffers are let through: GPT-2's `*.attn.bias` /
+// `*.attn.masked_bias`, and Llama's `*.self_attn.rotary_emb.inv_freq` when its values are the
+// frequencies of model.rope_theta (else InvalidArgument naming rope_theta).
 absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
                                               const std::map<std::string, LogicalShape>& shapes,
-                                              const SafetensorsFile& file);
+                                              const SafetensorsSet& file);
 
 }  // namespace fp8rt::model
 

@@ -31,6 +31,7 @@
 #include "google/protobuf/message.h"
 #include "runtime/core/glob.h"
 #include "runtime/core/quote.h"
+#include "runtime/core/safetensors.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt {
@@ -1123,7 +1124,10 @@ absl::Status ValidateRunSpec(const v1::RunSpec& spec, int world_size, DataFileCh
   FP8RT_RETURN_IF_ERROR(CheckPositive("metrics.every", spec.metrics().every()));
   FP8RT_RETURN_IF_ERROR(ValidateEval(spec, data_file));
   if (!spec.init().from().empty() && data_file == DataFileCheck::kCheck) {
-    FP8RT_RETURN_IF_ERROR(CheckReadableFile("init.from", spec.init().from()));
+    // A folder names the file in it that is read first (model.safetensors or its index).
+    absl::StatusOr<std::string> first = ResolveSafetensorsPath(spec.init().from());
+    if (!first.ok()) return FieldError("init.from", std::string(first.status().message()));
+    FP8RT_RETURN_IF_ERROR(CheckReadableFile("init.from", *first));
   }
 
   if (data_file == DataFileCheck::kSkip) {

@@ -277,7 +277,7 @@ absl::Status ExportHuggingFace(const model::ModelShape& shape,
 
 absl::Status LoadHuggingFace(const std::string& path, const model::ModelShape& shape,
                              model::Transformer& model) {
-  FP8RT_ASSIGN_OR_RETURN(const SafetensorsFile file, SafetensorsFile::Read(path));
+  FP8RT_ASSIGN_OR_RETURN(const SafetensorsSet file, SafetensorsSet::Open(path));
   FP8RT_ASSIGN_OR_RETURN(const model::LogicalParams params,
                          model::FromHuggingFace(shape, model.ParamShapes(), file));
   return model.SetLogicalParams(params);

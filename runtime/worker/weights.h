@@ -95,7 +95,8 @@ absl::Status ExportHuggingFace(const model::ModelShape& shape,
                                const model::LogicalParams& params, const std::string& out_dir,
                                bool bf16);
 
-// Reads `path` (Hugging Face names) and sets the model's shards from it.
+// Reads `path` (Hugging Face names: a safetensors file, an index of several, or a folder holding
+// either; SafetensorsSet::Open) and sets the model's shards from it.
 absl::Status LoadHuggingFace(const std::string& path, const model::ModelShape& shape,
                              model::Transformer& model);
 

@@ -14,8 +14,10 @@ the family's tensor-parallel or FSDP split), `fp8rt export` of its checkpoint, a
   2. init.from: a second run starts from that file at the other layout, with a learning rate too
      small to move any FP32 weight (1e-30, no weight decay), and its export must be byte for byte
      the first one (export -> init.from -> export is the identity across layouts).
-  3. `fp8rt eval --weights` equals `fp8rt eval --run-dir`, and `fp8rt generate` with one seed gives
-     one text.
+  3. `fp8rt eval --weights` equals `fp8rt eval --run-dir`, also from the same weights split in
+     two shards with transformers' index (written here; Llama's with the rotary_emb.inv_freq
+     buffers older transformers saved), which step 2 starts Llama's second run from; and
+     `fp8rt generate` with one seed gives one text.
 Usage: hf_torch_test.py BIN_DIR. Exits 77 (ctest: skipped) naming the reason when PyTorch is not
 importable (scripts/bootstrap installs Debian's python3-torch).
 """
@@ -79,6 +81,42 @@ def read_safetensors(path):
         v = torch.frombuffer(bytearray(body[a:b]), dtype=torch.float32).to(torch.float64)
         out[name] = v.reshape(t["shape"])
     return out
+
+
+def shard_safetensors(src, out_dir, extra=None):
+    """src split in two files with transformers' index (save_pretrained's sharded layout:
+    model-0000K-of-00002.safetensors and model.safetensors.index.json in out_dir), written here
+    from the format's definition; `extra` maps more F32 tensors (name -> torch tensor) into the
+    second file."""
+    with open(src, "rb") as f:
+        data = f.read()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    body = data[8 + n:]
+    names = [k for k in header if k != "__metadata__"]
+    parts = [names[:len(names) // 2], names[len(names) // 2:]]
+    os.makedirs(out_dir, exist_ok=True)
+    weight_map, total = {}, 0
+    for i, part in enumerate(parts):
+        fname = "model-%05d-of-%05d.safetensors" % (i + 1, len(parts))
+        head, chunks, at = {"__metadata__": {"format": "pt"}}, [], 0
+        tensors = [(k, header[k]["dtype"], header[k]["shape"],
+                    body[header[k]["data_offsets"][0]:header[k]["data_offsets"][1]]) for k in part]
+        if i == 1 and extra:
+            tensors += [(k, "F32", list(v.shape), v.to(torch.float32).contiguous().numpy().tobytes())
+                        for k, v in extra.items()]
+        for k, dtype, shape, raw in tensors:
+            head[k] = {"dtype": dtype, "shape": shape, "data_offsets": [at, at + len(raw)]}
+            chunks.append(raw)
+            at += len(raw)
+            weight_map[k] = fname
+        total += at
+        text = json.dumps(head).encode()
+        text += b" " * ((8 - len(text) % 8) % 8)
+        with open(os.path.join(out_dir, fname), "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text + b"".join(chunks))
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
 def attention(q, k, v):  # [H, T, Dh]
@@ -226,10 +264,25 @@ def main():
                                    "--spec", spec, "--batches", "2", "--json"]))
             check(ev_w["loss"] == ev["loss"], "%s: eval --weights %.9f == eval --run-dir %.9f" %
                   (family, ev_w["loss"], ev["loss"]))
-            # export -> init.from (at the other layout) -> export.
+            # The same weights in two shards with transformers' index, as save_pretrained writes
+            # a large model; for Llama with the rotary_emb.inv_freq buffers older transformers
+            # saved (torch's FP32 1 / theta^(2i / head_dim), theta 10000 here).
+            sharded = os.path.join(tmp, family + "-a-sharded")
+            extra = None
+            if family == "llama":
+                dh = 64 // 4  # d_model / heads of SPEC
+                inv = 1.0 / (10000.0 ** (torch.arange(0, dh, 2).float() / dh))
+                extra = {"model.layers.%d.self_attn.rotary_emb.inv_freq" % l: inv for l in range(2)}
+            shard_safetensors(os.path.join(out_a, "model.safetensors"), sharded, extra)
+            ev_s = json.loads(run([fp8rt, "eval", "--weights", sharded, "--spec", spec,
+                                   "--batches", "2", "--json"]))
+            check(ev_s["loss"] == ev["loss"], "%s: eval --weights of the sharded folder %.9f == "
+                  "eval --run-dir %.9f" % (family, ev_s["loss"], ev["loss"]))
+            # export -> init.from (at the other layout; Llama from the shards) -> export.
             run_b, out_b = os.path.join(tmp, family + "-b"), os.path.join(tmp, family + "-b-hf")
+            start = sharded if family == "llama" else os.path.join(out_a, "model.safetensors")
             run([fp8rt, "launch", spec, "--np", "2", "--run-dir", run_b, "--quiet", "--set", other,
-                 "--set", "init.from=" + os.path.join(out_a, "model.safetensors"),
+                 "--set", "init.from=" + start,
                  "--set", "train.lr=1e-30", "--set", "train.steps=1", "--set", "checkpoint.every=1"])
             run([fp8rt, "export", run_b, "--out", out_b])
             same = open(os.path.join(out_a, "model.safetensors"), "rb").read() == \

@@ -11,10 +11,15 @@
 //   - a missing, unexpected or wrongly shaped tensor is refused naming the tensor; GPT-2's
 //     attn.bias buffers are ignored; an architecture Hugging Face has no class for is refused
 //     naming the field;
+//   - weights in two shards with transformers' index load as the single file does; Llama's
+//     rotary_emb.inv_freq buffers pass when they are rope_theta's and are refused naming it
+//     otherwise;
 //   - config.json carries the fields the classes read.
 #include "runtime/model/hf_weights.h"
 
+#include <cmath>
 #include <cstdint>
+#include <fstream>
 #include <map>
 #include <random>
 #include <string>
@@ -29,8 +34,9 @@
 namespace fp8rt::model {
 namespace {
 
-using ::testing::HasSubstr;
 using test::TempDir;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
 
 ModelShape Base() {
   ModelShape s;
@@ -203,7 +209,8 @@ TEST(HfWeightsTest, FileRoundTripIsBitForBit) {
     ASSERT_TRUE(ts.ok()) << ts.status();
     absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(WriteFile(dir, *ts));
     ASSERT_TRUE(file.ok()) << file.status();
-    const absl::StatusOr<LogicalParams> back = FromHuggingFace(s, shapes, *file);
+    const absl::StatusOr<LogicalParams> back =
+        FromHuggingFace(s, shapes, SafetensorsSet::Of(*std::move(file)));
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_EQ(*back, p);
   }
@@ -218,7 +225,7 @@ TEST(HfWeightsTest, MissingUnexpectedAndMisshapenTensorsAreNamed) {
   auto load = [&](const std::vector<HfTensor>& ts) {
     absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(WriteFile(dir, ts));
     EXPECT_TRUE(file.ok()) << file.status();
-    return FromHuggingFace(s, shapes, *file).status();
+    return FromHuggingFace(s, shapes, SafetensorsSet::Of(*std::move(file))).status();
   };
   std::vector<HfTensor> missing = *good;
   missing.erase(missing.begin() + 3);
@@ -247,6 +254,70 @@ TEST(HfWeightsTest, MissingUnexpectedAndMisshapenTensorsAreNamed) {
   const absl::Status w = load(shape);
   EXPECT_EQ(w.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(w.message(), HasSubstr("transformer.wte.weight"));
+}
+
+// A model saved in shards (two files and transformers' index) loads the same parameters, bit for
+// bit, as the single file.
+TEST(HfWeightsTest, ShardedFilesLoadLikeOneFile) {
+  TempDir dir;
+  const ModelShape s = Llama(false);
+  const auto shapes = Shapes(s);
+  const LogicalParams p = Random(shapes);
+  const absl::StatusOr<std::vector<HfTensor>> ts = ToHuggingFace(s, shapes, p);
+  ASSERT_TRUE(ts.ok()) << ts.status();
+  const size_t half = ts->size() / 2;
+  const std::vector<HfTensor> first(ts->begin(), ts->begin() + static_cast<long>(half));
+  const std::vector<HfTensor> second(ts->begin() + static_cast<long>(half), ts->end());
+  WriteFile(dir, first, "model-00001-of-00002.safetensors");
+  WriteFile(dir, second, "model-00002-of-00002.safetensors");
+  nlohmann::json index;
+  index["metadata"] = {{"total_size", 0}};
+  for (const HfTensor& t : first) index["weight_map"][t.name] = "model-00001-of-00002.safetensors";
+  for (const HfTensor& t : second) index["weight_map"][t.name] = "model-00002-of-00002.safetensors";
+  {
+    std::ofstream out(dir / "model.safetensors.index.json");
+    out << index.dump(2);
+  }
+  absl::StatusOr<SafetensorsSet> set = SafetensorsSet::Open(dir.path().string());
+  ASSERT_TRUE(set.ok()) << set.status();
+  ASSERT_EQ(set->files().size(), 2u);
+  const absl::StatusOr<LogicalParams> back = FromHuggingFace(s, shapes, *set);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, p);
+}
+
+// Older transformers saved Llama's RoPE frequencies, model.layers.N.self_attn.rotary_emb.inv_freq
+// = 1 / theta^(2i / head_dim) (torch, FP32). They are no parameter: let through when they are the
+// spec's rope_theta's, refused naming model.rope_theta when they are another's (Llama 3 uses
+// 500000).
+TEST(HfWeightsTest, LlamaRopeFrequencyBuffersMustMatchRopeTheta) {
+  TempDir dir;
+  const ModelShape s = Llama(true);
+  const auto shapes = Shapes(s);
+  const absl::StatusOr<std::vector<HfTensor>> good = ToHuggingFace(s, shapes, Random(shapes));
+  ASSERT_TRUE(good.ok());
+  auto with_inv_freq = [&](double theta) {
+    std::vector<HfTensor> ts = *good;
+    const int64_t dh = s.head_dim();
+    for (int64_t l = 0; l < s.layers; ++l) {
+      HfTensor t{
+          "model.layers." + std::to_string(l) + ".self_attn.rotary_emb.inv_freq", {dh / 2}, {}};
+      for (int64_t i = 0; i < dh / 2; ++i) {
+        t.values.push_back(static_cast<float>(1.0 / std::pow(theta, 2.0 * i / dh)));
+      }
+      ts.push_back(std::move(t));
+    }
+    absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(WriteFile(dir, ts));
+    EXPECT_TRUE(file.ok()) << file.status();
+    return FromHuggingFace(s, shapes, SafetensorsSet::Of(*std::move(file))).status();
+  };
+  ASSERT_EQ(s.rope_theta, 10000.0f);
+  EXPECT_TRUE(with_inv_freq(10000.0).ok()) << with_inv_freq(10000.0);
+  const absl::Status other = with_inv_freq(500000.0);
+  EXPECT_EQ(other.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(other.message()),
+              AllOf(HasSubstr("model.layers.0.self_attn.rotary_emb.inv_freq"),
+                    HasSubstr("model.rope_theta 10000"), HasSubstr("another rope_theta")));
 }
 
 TEST(HfWeightsTest, ArchitecturesWithoutAHuggingFaceClassAreRefusedNamingTheField) {

@@ -703,6 +703,26 @@ TEST(RunSpecTest, ValidationDataAndEvalErrorsNameTheField) {
   EXPECT_TRUE(ValidateRunSpec(*spec, 1, DataFileCheck::kSkip).ok());
 }
 
+// init.from names Hugging Face weights: a file (a safetensors file or an index), or a folder
+// holding model.safetensors or model.safetensors.index.json. What is not there is refused before
+// training, naming the field and the path.
+TEST(RunSpecTest, InitFromTakesAFileOrAFolderOfWeights) {
+  TempDir dir;
+  const std::string data = "data.path=" + dir.DataFile();
+  const std::string empty = dir.Path("empty"), index = dir.Path("sharded");
+  std::filesystem::create_directories(empty);
+  std::filesystem::create_directories(index);
+  std::ofstream(index + "/model.safetensors.index.json") << "{}";
+  std::ofstream(dir.Path("m.safetensors")) << "x";
+  // Only existence is checked here; the contents when the weights are read (SafetensorsSet).
+  EXPECT_TRUE(ValidateWith(dir, {data, "init.from=" + dir.Path("m.safetensors")}, 1).ok());
+  EXPECT_TRUE(ValidateWith(dir, {data, "init.from=" + index}, 1).ok());
+  ExpectInvalid(ValidateWith(dir, {data, "init.from=" + empty}, 1),
+                {"init.from", empty, "neither model.safetensors nor model.safetensors.index.json"});
+  ExpectInvalid(ValidateWith(dir, {data, "init.from=" + dir.Path("none.safetensors")}, 1),
+                {"init.from", dir.Path("none.safetensors"), "does not exist"});
+}
+
 TEST(RunSpecTest, UnspecifiedEnumFromAnotherSourceIsRefused) {
   TempDir dir;
   absl::StatusOr<v1::RunSpec> spec = Parse(MinimalSpec(dir.DataFile()));

@@ -10,7 +10,10 @@
 //     quote: short file, huge header size, header past the end, not JSON, not '{', duplicate
 //     keys, unknown dtype, missing field, unknown field, negative dimension, offsets outside the
 //     buffer, a size that does not match the shape, overlap, gap, trailing bytes;
-//   - a failed write leaves no file.
+//   - a failed write leaves no file;
+//   - SafetensorsSet: shards listed by a hand-written index read as one set (by the index or its
+//     folder; model.safetensors first where both are); every malformed index or inconsistent set
+//     of shards is refused naming the index or the shard, the tensor or field, bounded.
 #include "runtime/core/safetensors.h"
 
 #include <stdlib.h>
@@ -78,6 +81,11 @@ class SafetensorsTest : public ::testing::Test {
  protected:
   std::string Path(const std::string& name) const { return (dir_ / name).string(); }
   static std::string Slurp(const std::string& path) { return test::ReadFile(path); }
+  static void WriteBytes(const fs::path& path, const std::string& bytes) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out << bytes;
+    ASSERT_TRUE(out.good()) << path;
+  }
   test::TempDir dir_{"safetensors_test"};
 };
 
@@ -231,6 +239,142 @@ TEST_F(SafetensorsTest, MalformedFilesAreRefusedNamingTheProblem) {
   absl::StatusOr<SafetensorsFile> missing = SafetensorsFile::Read(Path("none.safetensors"));
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(missing.status().message()), HasSubstr("none.safetensors"));
+}
+
+// Hugging Face's sharded layout (transformers' save_pretrained: model.safetensors.index.json,
+// {"metadata": {"total_size": ...}, "weight_map": {tensor: file}}, the shards beside it), written
+// by hand here: a set of two shards reads as one, by the index, by its folder, and a folder with
+// model.safetensors reads that file first (as transformers looks).
+TEST_F(SafetensorsTest, IndexedShardsReadAsOneSet) {
+  const fs::path sharded = dir_ / "sharded";
+  fs::create_directories(sharded);
+  WriteBytes(
+      sharded / "model-00001-of-00002.safetensors",
+      File(R"({"w":{"dtype":"F32","shape":[2,1],"data_offsets":[0,8]}})", F32Bytes({1.5f, -2.0f})));
+  WriteBytes(sharded / "model-00002-of-00002.safetensors",
+             File(R"({"b":{"dtype":"BF16","shape":[3],"data_offsets":[0,6]}})",
+                  U16Bytes({0x3f80, 0xc000, 0x0001})));
+  const std::string index = (sharded / "model.safetensors.index.json").string();
+  WriteBytes(index, R"({"metadata": {"total_size": 14}, "weight_map": {)"
+                    R"("w": "model-00001-of-00002.safetensors", )"
+                    R"("b": "model-00002-of-00002.safetensors"}})"
+                    "\n");
+  const int64_t w_shape[] = {2, 1}, b_shape[] = {3};
+  for (const std::string& path : {index, sharded.string()}) {
+    SCOPED_TRACE(path);
+    absl::StatusOr<SafetensorsSet> set = SafetensorsSet::Open(path);
+    ASSERT_TRUE(set.ok()) << set.status();
+    EXPECT_EQ(set->name(), index);
+    ASSERT_EQ(set->files().size(), 2u);
+    // Sorted names: "b" first, so its shard is the first file.
+    EXPECT_THAT(set->files()[0].name(), HasSubstr("model-00002-of-00002.safetensors"));
+    EXPECT_EQ(*set->ReadFloat32("w", w_shape), (std::vector<float>{1.5f, -2.0f}));
+    EXPECT_EQ(*set->ReadFloat32("b", b_shape),
+              (std::vector<float>{1.0f, -2.0f, std::ldexp(1.0f, -133)}));
+    ASSERT_NE(set->Find("b"), nullptr);
+    EXPECT_EQ(set->Find("b")->dtype, SafetensorsDtype::kBF16);
+    EXPECT_EQ(set->Find("missing"), nullptr);
+    const absl::Status none = set->ReadFloat32("missing", b_shape).status();
+    EXPECT_EQ(none.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(none.message()), HasSubstr(index + ": no tensor 'missing'"));
+    // A shape error names the shard that holds the tensor.
+    EXPECT_THAT(std::string(set->ReadFloat32("w", b_shape).status().message()),
+                HasSubstr("model-00001-of-00002.safetensors: tensor 'w' has shape [2, 1]"));
+  }
+  // Beside an index, model.safetensors is read first; a single file opens as a set of one.
+  WriteBytes(sharded / "model.safetensors",
+             File(kTwoTensors, F32Bytes({1.5f, -2.0f}) + U16Bytes({0x3f80, 0xc000, 1})));
+  absl::StatusOr<SafetensorsSet> single = SafetensorsSet::Open(sharded.string());
+  ASSERT_TRUE(single.ok()) << single.status();
+  EXPECT_EQ(single->files().size(), 1u);
+  EXPECT_EQ(single->name(), (sharded / "model.safetensors").string());
+  EXPECT_EQ(*single->ReadFloat32("w", w_shape), (std::vector<float>{1.5f, -2.0f}));
+  // A folder with neither is NotFound naming it and both names.
+  const fs::path empty = dir_ / "empty";
+  fs::create_directories(empty);
+  const absl::Status e = SafetensorsSet::Open(empty.string()).status();
+  EXPECT_EQ(e.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(e.message()),
+              AllOf(HasSubstr(empty.string()), HasSubstr("model.safetensors.index.json")));
+}
+
+// Every malformed index or set of shards is refused before any tensor is used, naming the index
+// (or the shard at fault) and the tensor or field, with a bounded quote.
+TEST_F(SafetensorsTest, BadIndexesAreRefusedNamingTheIndexOrShard) {
+  const std::string w_file =
+      File(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", F32Bytes({1.0f}));
+  const std::string wb_file = File(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                                   R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                                   F32Bytes({1.0f, 2.0f}));
+  WriteBytes(dir_ / "w.safetensors", w_file);
+  WriteBytes(dir_ / "wb.safetensors", wb_file);
+  WriteBytes(dir_ / "broken.safetensors", "abc");
+  const std::string long_name(1000, 'n');
+  struct Case {
+    std::string name, index;
+    std::vector<std::string> want;
+    std::string at = "";  // the path the message starts with (empty: the index's)
+    absl::StatusCode code = absl::StatusCode::kInvalidArgument;
+  };
+  const std::vector<Case> cases = {
+      {"not an object", "[1]", {"the index does not start with '{'"}},
+      {"not json", R"({"weight_map":)", {"the index is not valid JSON"}},
+      {"duplicate key",
+       R"({"weight_map":{"w":"w.safetensors","w":"wb.safetensors"}})",
+       {"the index has the key 'w' twice"}},
+      {"metadata not an object",
+       R"({"metadata":[],"weight_map":{"w":"w.safetensors"}})",
+       {"metadata must be an object, got '[]'"}},
+      {"no weight_map", R"({"metadata":{}})", {"the index has no weight_map"}},
+      {"empty weight_map", R"({"weight_map":{}})", {"weight_map must be a non-empty object"}},
+      {"file name not a string",
+       R"({"weight_map":{"w":3}})",
+       {"weight_map 'w': the file name must be a string, got '3'"}},
+      {"file name with ..",
+       R"({"weight_map":{"w":"../w.safetensors"}})",
+       {"weight_map 'w': '../w.safetensors' is not the name of a file beside the index"}},
+      {"file name in a folder",
+       R"({"weight_map":{"w":"sub/w.safetensors"}})",
+       {"'sub/w.safetensors' is not the name of a file beside the index"}},
+      {"file name ..", R"({"weight_map":{"w":".."}})", {"'..' is not the name of a file"}},
+      {"missing shard",
+       R"({"weight_map":{"w":"absent.safetensors"}})",
+       {"absent.safetensors: no such file"},
+       (dir_ / "absent.safetensors").string(),
+       absl::StatusCode::kNotFound},
+      {"broken shard",
+       R"({"weight_map":{"w":"broken.safetensors"}})",
+       {"shorter than the 8-byte header size"},
+       (dir_ / "broken.safetensors").string()},
+      {"tensor not in its shard",
+       R"({"weight_map":{"w":"w.safetensors","x":"w.safetensors"}})",
+       {"weight_map puts tensor 'x' in 'w.safetensors', which has no tensor of that name"}},
+      {"tensor not listed",
+       R"({"weight_map":{"w":"wb.safetensors"}})",
+       {"tensor 'b' is not in the weight_map of", "bad.index.json"},
+       (dir_ / "wb.safetensors").string()},
+      {"tensor in two shards",
+       R"({"weight_map":{"w":"w.safetensors","b":"wb.safetensors"}})",
+       {"tensor 'w' is also here, but the weight_map of", "puts it in",
+        (dir_ / "w.safetensors").string()},
+       (dir_ / "wb.safetensors").string()},
+      {"long name bounded",
+       "{\"weight_map\":{\"" + long_name + "\":\"/\"}}",
+       {"'" + std::string(64, 'n') + "...' (1000 bytes)"}},
+  };
+  const std::string path = Path("bad.index.json");
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    WriteBytes(path, c.index);
+    absl::StatusOr<SafetensorsSet> set = SafetensorsSet::Open(path);
+    ASSERT_FALSE(set.ok());
+    EXPECT_EQ(set.status().code(), c.code) << set.status();
+    const std::string msg(set.status().message());
+    EXPECT_EQ(msg.rfind((c.at.empty() ? path : c.at) + ": ", 0), 0u)
+        << "the message starts with the path at fault";
+    for (const std::string& w : c.want) EXPECT_THAT(msg, HasSubstr(w));
+    EXPECT_LT(msg.size(), 600u) << "an error quotes a bounded prefix";
+  }
 }
 
 TEST_F(SafetensorsTest, EmptyAndScalarTensorsAreValid) {
