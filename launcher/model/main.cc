@@ -42,7 +42,7 @@ int Fail(const std::string& command, const absl::Status& status) {
   return 2;
 }
 
-// Where the weights come from: a run's checkpoint, or a safetensors file with a spec.
+// Where the weights come from: a run's checkpoint, or Hugging Face weights with a spec.
 struct Source {
   std::string run_dir, weights, spec;
   std::optional<int64_t> step;

@@ -271,6 +271,34 @@ absl::Status CheckCoverage(std::vector<Entry>& entries, uint64_t buffer_bytes,
   return absl::OkStatus();
 }
 
+// The whole regular file `path` (a std::string or a vector of bytes), refused past `max_bytes`.
+template <typename Buffer>
+absl::StatusOr<Buffer> ReadRegularFile(const std::string& path,
+                                       uint64_t max_bytes = std::numeric_limits<uint64_t>::max()) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
+    return Invalid(path, absl::StrCat("cannot open: ", std::strerror(err)));
+  }
+  FdCloser closer(fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    return Invalid(path, absl::StrCat("cannot stat: ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) return Invalid(path, "not a regular file");
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    return Invalid(path, absl::StrCat("the file is ", st.st_size, " bytes, over the ", max_bytes,
+                                      "-byte limit"));
+  }
+  Buffer bytes(static_cast<size_t>(st.st_size), typename Buffer::value_type{});
+  if (!PreadFully(fd, 0, bytes.data(), bytes.size())) {
+    return Invalid(path, errno == 0 ? std::string("the file shrank while being read")
+                                    : absl::StrCat("read failed: ", std::strerror(errno)));
+  }
+  return bytes;
+}
+
 float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const int exp = (h >> 10) & 0x1f;
@@ -296,22 +324,8 @@ int64_t SafetensorsTensor::NumElements() const {
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Read(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
-    return Invalid(path, absl::StrCat("cannot open: ", std::strerror(err)));
-  }
-  FdCloser closer(fd);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return Invalid(path, absl::StrCat("cannot stat: ",
-                                                               std::strerror(errno)));
-  if (!S_ISREG(st.st_mode)) return Invalid(path, "not a regular file");
-  std::vector<std::byte> bytes(static_cast<size_t>(st.st_size));
-  if (!PreadFully(fd, 0, bytes.data(), bytes.size())) {
-    return Invalid(path, errno == 0 ? std::string("the file shrank while being read")
-                                    : absl::StrCat("read failed: ", std::strerror(errno)));
-  }
+  FP8RT_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
+                         ReadRegularFile<std::vector<std::byte>>(path));
   return Parse(std::move(bytes), path);
 }
 
@@ -346,15 +360,14 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::vector<std::byte> by
         .dtype = e.dtype,
         .shape = std::move(e.shape),
         .data = std::span(buffer + e.begin, static_cast<size_t>(e.end - e.begin))});
+    file.index_.emplace(file.tensors_.back().name, file.tensors_.size() - 1);
   }
   return file;
 }
 
 const SafetensorsTensor* SafetensorsFile::Find(std::string_view name) const {
-  for (const SafetensorsTensor& t : tensors_) {
-    if (t.name == name) return &t;
-  }
-  return nullptr;
+  const auto it = index_.find(name);
+  return it == index_.end() ? nullptr : &tensors_[it->second];
 }
 
 absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat32(
@@ -407,32 +420,6 @@ bool EndsWith(const std::string& s, std::string_view suffix) {
          s.compare(s.size() - suffix.size(), suffix.size(), suffix.data(), suffix.size()) == 0;
 }
 
-// A whole regular file of at most kMaxHeaderBytes, as text.
-absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
-    return Invalid(path, absl::StrCat("cannot open: ", std::strerror(err)));
-  }
-  FdCloser closer(fd);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    return Invalid(path, absl::StrCat("cannot stat: ", std::strerror(errno)));
-  }
-  if (!S_ISREG(st.st_mode)) return Invalid(path, "not a regular file");
-  if (static_cast<uint64_t>(st.st_size) > kMaxHeaderBytes) {
-    return Invalid(path, absl::StrCat("the index is ", st.st_size, " bytes, over the ",
-                                      kMaxHeaderBytes, "-byte limit"));
-  }
-  std::string text(static_cast<size_t>(st.st_size), '\0');
-  if (!PreadFully(fd, 0, text.data(), text.size())) {
-    return Invalid(path, errno == 0 ? std::string("the file shrank while being read")
-                                    : absl::StrCat("read failed: ", std::strerror(errno)));
-  }
-  return text;
-}
-
 }  // namespace
 
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseSafetensorsIndex(
@@ -460,7 +447,7 @@ absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseSafetensor
           name, absl::StrCat(at, ": the file name must be a string, got ", Quote(file.dump())));
     }
     const std::string f = file.get<std::string>();
-    if (f.empty() || f == "." || f == ".." || f.find('/') != std::string::npos ||
+    if (f.empty() || f.size() > 255 || f == "." || f == ".." || f.find('/') != std::string::npos ||
         f.find('\\') != std::string::npos || f.find('\0') != std::string::npos) {
       return Invalid(
           name, absl::StrCat(at, ": ", Quote(f), " is not the name of a file beside the index"));
@@ -495,7 +482,8 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::Open(const std::string& path) {
     FP8RT_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(first));
     return Of(std::move(file));
   }
-  FP8RT_ASSIGN_OR_RETURN(const std::string text, ReadSmallFile(first));
+  FP8RT_ASSIGN_OR_RETURN(const std::string text,
+                         ReadRegularFile<std::string>(first, kMaxHeaderBytes));
   FP8RT_ASSIGN_OR_RETURN(const auto map, ParseSafetensorsIndex(text, first));
   const std::filesystem::path folder = std::filesystem::path(first).parent_path();
   SafetensorsSet set;
@@ -504,8 +492,12 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::Open(const std::string& path) {
   for (const auto& [tensor, file] : map) {
     auto [it, added] = file_index.emplace(file, set.files_.size());
     if (added) {
-      FP8RT_ASSIGN_OR_RETURN(SafetensorsFile f, SafetensorsFile::Read((folder / file).string()));
-      set.files_.push_back(std::move(f));
+      absl::StatusOr<SafetensorsFile> f = SafetensorsFile::Read((folder / file).string());
+      if (!f.ok()) {
+        return absl::Status(f.status().code(),
+                            absl::StrCat(f.status().message(), " (listed in ", first, ")"));
+      }
+      set.files_.push_back(*std::move(f));
     }
     const SafetensorsFile& holder = set.files_[it->second];
     if (holder.Find(tensor) == nullptr) {

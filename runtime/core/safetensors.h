@@ -83,6 +83,7 @@ class SafetensorsFile {
   std::string name_;
   std::vector<std::byte> bytes_;  // the whole file; tensors_[i].data points into it
   std::vector<SafetensorsTensor> tensors_;
+  std::map<std::string, size_t, std::less<>> index_;  // name -> index into tensors_
   std::map<std::string, std::string> metadata_;
 };
 
@@ -98,8 +99,9 @@ class SafetensorsFile {
 // shard's path and quotes at most 64 bytes of what it was given:
 //   - at most 100 MB; a JSON object with no duplicate key; "weight_map" a non-empty object of
 //     strings; "metadata", when there, an object (its contents are not used);
-//   - each file name a plain name in the index's folder (no '/', '\\', "." or ".."), each file
-//     a valid safetensors file (SafetensorsFile::Read);
+//   - each file name a plain name in the index's folder (no '/', '\\', "." or "..", at most 255
+//     bytes), each file a valid safetensors file (SafetensorsFile::Read; its error also names
+//     the index);
 //   - every tensor the index lists is in the file it names, and every tensor of every file is
 //     listed, with that file.
 class SafetensorsSet {

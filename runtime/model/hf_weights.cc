@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <functional>
 #include <set>
+#include <string_view>
+#include <system_error>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -137,20 +139,41 @@ void Visit(const ModelShape& s, const Entry& e, const LogicalShape& ours,
   }
 }
 
+// Whether `name` is Llama's model.layers.N.self_attn.rotary_emb.inv_freq for a layer N of `s`.
+bool IsInvFreq(const ModelShape& s, const std::string& name) {
+  constexpr std::string_view kPrefix = "model.layers.", kSuffix = ".self_attn.rotary_emb.inv_freq";
+  if (!name.starts_with(kPrefix) || !name.ends_with(kSuffix) ||
+      name.size() <= kPrefix.size() + kSuffix.size()) {
+    return false;
+  }
+  const std::string_view digits =
+      std::string_view(name).substr(kPrefix.size(), name.size() - kPrefix.size() - kSuffix.size());
+  int64_t layer = -1;
+  const auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), layer);
+  return ec == std::errc() && end == digits.data() + digits.size() && layer >= 0 &&
+         layer < s.layers && (digits.size() == 1 || digits[0] != '0');
+}
+
 // Llama's rotary_emb.inv_freq buffer (transformers before 4.31 saved one per layer): torch's
-// 1 / theta^(2i / head_dim) in FP32, i < head_dim / 2. It must be the frequencies of the spec's
+// 1 / theta^(2i / head_dim) in FP32, i < head_dim / 2, rounded to the tensor's dtype when the
+// model was cast (model.half(), torch_dtype). It must be the frequencies of the spec's
 // model.rope_theta, or the file's attention would differ from the model's: within 1e-5 relative
-// (pow may differ in its last bits between libraries).
+// in F32 (pow may differ in its last bits between libraries), one unit in the last place of F16
+// (2^-10 relative, 2^-24 absolute below its normal range) or BF16 (2^-7 relative).
 absl::Status CheckInvFreq(const ModelShape& s, const SafetensorsFile& file,
                           const SafetensorsTensor& t) {
   const int64_t half = s.head_dim() / 2;
   const std::vector<int64_t> want_shape = {half};
   FP8RT_ASSIGN_OR_RETURN(const std::vector<float> got, file.ReadFloat32(t.name, want_shape));
+  const float rel = t.dtype == SafetensorsDtype::kBF16  ? 0x1p-7f
+                    : t.dtype == SafetensorsDtype::kF16 ? 0x1p-10f
+                                                        : 1e-5f;
+  const float abs = t.dtype == SafetensorsDtype::kF16 ? 0x1p-24f : 0.0f;
   for (int64_t i = 0; i < half; ++i) {
     const float e = static_cast<float>(2 * i) / static_cast<float>(s.head_dim());
     const float want = 1.0f / std::pow(s.rope_theta, e);
     const float g = got[static_cast<size_t>(i)];
-    if (!(std::fabs(g - want) <= 1e-5f * want)) {
+    if (!(std::fabs(g - want) <= rel * want + abs)) {
       return absl::InvalidArgumentError(
           absl::StrCat(file.name(), ": tensor '", t.name.substr(0, 64), "' holds ", g, " at ", i,
                        ", but model.rope_theta ", s.rope_theta, " (head_dim ", s.head_dim(),
@@ -265,7 +288,7 @@ absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
           (t.name.ends_with(".attn.bias") || t.name.ends_with(".attn.masked_bias"))) {
         continue;  // GPT-2's causal-mask buffers, not parameters
       }
-      if (!IsGpt2(shape) && t.name.ends_with(".self_attn.rotary_emb.inv_freq")) {
+      if (!IsGpt2(shape) && IsInvFreq(shape, t.name)) {
         FP8RT_RETURN_IF_ERROR(CheckInvFreq(shape, part, t));
         continue;  // Llama's RoPE frequencies (older transformers saved them): no parameter
       }

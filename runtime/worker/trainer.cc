@@ -49,8 +49,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
       model::Transformer::Create(shape, RecipeFromSpec(spec), spec.train().seed(), *t->mesh_, ops));
   FP8RT_RETURN_IF_ERROR(t->faults_.CheckModel(shape.layers, ModelLayerNames(spec)));
   if (!spec.init().from().empty() && !options.resume) {
-    // init.from: the weights of a safetensors file instead of the seeded ones (a resume takes
-    // the checkpoint's).
+    // init.from: Hugging Face weights (a file, or shards with their index) instead of the seeded
+    // ones (a resume takes the checkpoint's).
     FP8RT_RETURN_IF_ERROR(LoadHuggingFace(spec.init().from(), shape, *t->model_));
   }
   FP8RT_RETURN_IF_ERROR(t->OpenData());

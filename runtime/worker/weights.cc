@@ -58,7 +58,7 @@ absl::StatusOr<CheckpointWeights> ReadCheckpointWeights(const std::string& run_d
   FP8RT_ASSIGN_OR_RETURN(std::unique_ptr<SoloModel> solo, MakeSoloModel(w.spec));
   w.shapes = solo->model->ParamShapes();
   FP8RT_ASSIGN_OR_RETURN(const std::vector<std::unique_ptr<ShardReader>> shards,
-                         OpenShards(dir.CommittedDir(w.step), manifest));
+                         OpenShards(dir.CommittedDir(w.step), manifest, /*ranged=*/true));
   FP8RT_ASSIGN_OR_RETURN(std::vector<model::LogicalParams> all,
                          AssembleLogical(shards, manifest, w.shapes, {"master/"}));
   w.params = std::move(all[0]);

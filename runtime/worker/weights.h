@@ -12,12 +12,15 @@
 //   AssembleLogical        the logical tensors of any section family (master, Adam moments),
 //                          all of them or only the elements a rank needs: resharding
 //   ExportHuggingFace      DIR/model.safetensors and DIR/config.json (runtime/model/hf_weights.h)
-//   LoadHuggingFace        a safetensors file into a model's shards (init.from, --weights)
+//   LoadHuggingFace        Hugging Face weights (a file, or shards with their index) into a
+//                          model's shards (init.from, --weights)
 //   SoloModel              the spec's model on one process (CPU ops, FP32 GEMMs), for the
 //                          shapes of its parameters and for eval / generate
 //
 // Errors name the file, the tensor or the parameter. Nothing here is collective except
-// LoadHuggingFace, which only touches this rank's shards (every rank reads the file).
+// LoadHuggingFace, which only touches this rank's shards (every rank reads every file whole and
+// holds it, with an FP32 copy of the model, until the model's shards are set: about file size +
+// 4 bytes per parameter of host memory per rank, at start-up).
 #ifndef FP8RT_RUNTIME_WORKER_WEIGHTS_H_
 #define FP8RT_RUNTIME_WORKER_WEIGHTS_H_
 

@@ -35,7 +35,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } else {
     FUZZ_CHECK(!index->empty(), "an empty weight_map accepted");
     for (const auto& [tensor, file] : *index) {
-      FUZZ_CHECK(!file.empty() && file != "." && file != ".." &&
+      FUZZ_CHECK(!file.empty() && file.size() <= 255 && file != "." && file != ".." &&
                      file.find_first_of(std::string("/\\\0", 3)) == std::string::npos,
                  "file name '%s' of '%s' accepted", file.c_str(), tensor.c_str());
     }

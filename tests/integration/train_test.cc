@@ -32,7 +32,7 @@
 //                                    naming device: cuda and the reason
 //   LaunchTrainsTinyModel            `fp8rt launch` runs the real worker to the end
 //   MoeCheckpointEvaluatesOnOneProcess
-//                                    an ep2 MoE checkpoint read whole: `fp8rt eval` on one
+//                                    a dp4 x ep2 MoE checkpoint read whole: `fp8rt eval` on one
 //                                    process equals the run's val_loss; generate; export refused
 //
 // Every spec is tests/data/tiny-plain.yaml with an absolute data path, changed with --set as a user
@@ -1223,22 +1223,23 @@ TEST_F(TrainTest, TinyMoeTrains) {
   for (const Json& m : metrics) EXPECT_TRUE(m.contains("moe_dropped")) << m.dump();
 }
 
-// A mixture-of-experts checkpoint written at dp2 x ep2 (each rank holds two of the four experts)
-// is read back whole by the one-process commands. `fp8rt eval` of the step-3 checkpoint, on one
-// process with every expert local, equals the run's own val_loss of step 4 (eval.every: the
+// A mixture-of-experts checkpoint written at dp4 x ep2 (each ep rank holds two of the four
+// experts, each expert FSDP-cut over its two expert-data-parallel ranks) is read back whole by the
+// one-process commands. `fp8rt eval` of the step-3 checkpoint, on one process with every expert
+// local, equals the run's own val_loss of step 4 (eval.every: the
 // step's starting weights, the same windows: per rank r batch j is window j * dp + r, so the
 // same groups of 8 sequences reach the same capacity decisions). FP32 GEMMs on both sides, so
 // only the summation order differs: 1e-5 relative (about 1e-7 is seen; experts 0 and 2
-// swapped after reading measured 2.9e-3 off). `fp8rt generate` gives one text per seed, and
+// swapped after reading measured 1.9e-3 off). `fp8rt generate` gives one text per seed, and
 // `fp8rt export` refuses the model naming moe.experts, writing nothing.
 TEST_F(TrainTest, MoeCheckpointEvaluatesOnOneProcess) {
   const std::string data = fs::path(FP8RT_SOURCE_DIR).string() + "/examples/data/kjv.txt";
   const fs::path spec = MoeSpec(dir_, data);
-  const fs::path run = dir_ / "ep2";
-  const Result r = Worker(2,
+  const fs::path run = dir_ / "dp4-ep2";
+  const Result r = Worker(4,
                           {"train.steps=4", "train.warmup=1", "checkpoint.every=3",
                            "precision.mode=fp32", "data.val_path=" + data, "data.shuffle=false",
-                           "eval.every=4", "eval.batches=2", "parallel.dp=2", "parallel.ep=2"},
+                           "eval.every=4", "eval.batches=2", "parallel.dp=4", "parallel.ep=2"},
                           run, Start::kFresh, "", spec);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const std::vector<Json> metrics = ReadJsonl(run / "metrics.jsonl");
@@ -1248,18 +1249,18 @@ TEST_F(TrainTest, MoeCheckpointEvaluatesOnOneProcess) {
   const double val4 = metrics[3].at("val_loss").get<double>();
 
   const std::string fp8rt = std::string(FP8RT_BIN_DIR) + "/fp8rt";
-  // eval.batches 2 per rank x 2 ranks: the first 4 micro-batches of 8 windows.
+  // eval.batches 2 per rank x 4 ranks: the first 8 micro-batches of 8 windows.
   const fs::path eval_log = NextLog("eval");
   const Result ev = RunCommand({fp8rt, "eval", "--run-dir", run.string(), "--step", "3", "--data",
-                                data, "--batches", "4", "--json"},
+                                data, "--batches", "8", "--json"},
                                "", eval_log);
   ASSERT_EQ(ev.exit_code, 0) << ev.err;
   const Json e = Json::parse(ReadFile(eval_log.string() + ".out"));
-  EXPECT_EQ(e.at("windows").get<int64_t>(), 32);
+  EXPECT_EQ(e.at("windows").get<int64_t>(), 64);
   const double one = e.at("loss").get<double>();
-  EXPECT_NEAR(one, val4, 1e-5 * val4) << "one process, every expert local, vs the ep2 run";
-  std::printf("moe eval: one process %.9f, the ep2 run's val_loss %.9f (relative %.1e)\n", one,
-              val4, std::abs(one - val4) / val4);
+  EXPECT_NEAR(one, val4, 1e-5 * val4) << "one process, every expert local, vs the dp4 x ep2 run";
+  std::printf("moe eval: one process %.9f, the dp4 x ep2 run's val_loss %.9f (relative %.1e)\n",
+              one, val4, std::abs(one - val4) / val4);
 
   std::string texts[2];
   for (std::string& text : texts) {

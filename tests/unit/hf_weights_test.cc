@@ -17,6 +17,7 @@
 //   - config.json carries the fields the classes read.
 #include "runtime/model/hf_weights.h"
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -287,37 +288,72 @@ TEST(HfWeightsTest, ShardedFilesLoadLikeOneFile) {
 }
 
 // Older transformers saved Llama's RoPE frequencies, model.layers.N.self_attn.rotary_emb.inv_freq
-// = 1 / theta^(2i / head_dim) (torch, FP32). They are no parameter: let through when they are the
-// spec's rope_theta's, refused naming model.rope_theta when they are another's (Llama 3 uses
-// 500000).
+// = 1 / theta^(2i / head_dim) (torch, FP32; rounded to F16 or BF16 when the model was cast).
+// They are no parameter: let through when they are the spec's rope_theta's to the precision of
+// their dtype, refused naming model.rope_theta when they are another's (Llama 3 uses 500000), and
+// a layer the model does not have is an unexpected tensor.
 TEST(HfWeightsTest, LlamaRopeFrequencyBuffersMustMatchRopeTheta) {
   TempDir dir;
   const ModelShape s = Llama(true);
   const auto shapes = Shapes(s);
   const absl::StatusOr<std::vector<HfTensor>> good = ToHuggingFace(s, shapes, Random(shapes));
   ASSERT_TRUE(good.ok());
-  auto with_inv_freq = [&](double theta) {
-    std::vector<HfTensor> ts = *good;
+  auto with_inv_freq = [&](double theta, SafetensorsDtype dtype, int64_t layers) {
     const int64_t dh = s.head_dim();
-    for (int64_t l = 0; l < s.layers; ++l) {
-      HfTensor t{
-          "model.layers." + std::to_string(l) + ".self_attn.rotary_emb.inv_freq", {dh / 2}, {}};
-      for (int64_t i = 0; i < dh / 2; ++i) {
-        t.values.push_back(static_cast<float>(1.0 / std::pow(theta, 2.0 * i / dh)));
-      }
-      ts.push_back(std::move(t));
+    std::vector<SafetensorsWriteTensor> w;
+    for (const HfTensor& t : *good) {
+      w.push_back({.name = t.name,
+                   .dtype = SafetensorsDtype::kF32,
+                   .shape = t.shape,
+                   .data = t.values.data()});
     }
-    absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(WriteFile(dir, ts));
+    // Each buffer's values from the definition in double, rounded once to the dtype (F32, or F16
+    // through the compiler's _Float16, or BF16 by round-to-nearest-even on the FP32 bits).
+    std::vector<std::vector<float>> f32(static_cast<size_t>(layers));
+    std::vector<std::vector<uint16_t>> h16(static_cast<size_t>(layers));
+    for (int64_t l = 0; l < layers; ++l) {
+      const size_t li = static_cast<size_t>(l);
+      for (int64_t i = 0; i < dh / 2; ++i) {
+        const double v =
+            1.0 / std::pow(theta, 2.0 * static_cast<double>(i) / static_cast<double>(dh));
+        f32[li].push_back(static_cast<float>(v));
+        if (dtype == SafetensorsDtype::kF16) {
+          h16[li].push_back(std::bit_cast<uint16_t>(static_cast<_Float16>(v)));
+        } else {
+          const uint32_t b = std::bit_cast<uint32_t>(static_cast<float>(v));
+          h16[li].push_back(static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16));
+        }
+      }
+      const void* data = dtype == SafetensorsDtype::kF32 ? static_cast<const void*>(f32[li].data())
+                                                         : static_cast<const void*>(h16[li].data());
+      w.push_back({.name = "model.layers." + std::to_string(l) + ".self_attn.rotary_emb.inv_freq",
+                   .dtype = dtype,
+                   .shape = {dh / 2},
+                   .data = data});
+    }
+    const std::string path = (dir / "inv_freq.safetensors").string();
+    EXPECT_TRUE(WriteSafetensors(path, w, {}).ok());
+    absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(path);
     EXPECT_TRUE(file.ok()) << file.status();
     return FromHuggingFace(s, shapes, SafetensorsSet::Of(*std::move(file))).status();
   };
   ASSERT_EQ(s.rope_theta, 10000.0f);
-  EXPECT_TRUE(with_inv_freq(10000.0).ok()) << with_inv_freq(10000.0);
-  const absl::Status other = with_inv_freq(500000.0);
-  EXPECT_EQ(other.code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_THAT(std::string(other.message()),
-              AllOf(HasSubstr("model.layers.0.self_attn.rotary_emb.inv_freq"),
-                    HasSubstr("model.rope_theta 10000"), HasSubstr("another rope_theta")));
+  for (const SafetensorsDtype dtype :
+       {SafetensorsDtype::kF32, SafetensorsDtype::kF16, SafetensorsDtype::kBF16}) {
+    SCOPED_TRACE(std::string(SafetensorsDtypeName(dtype)));
+    const absl::Status same = with_inv_freq(10000.0, dtype, s.layers);
+    EXPECT_TRUE(same.ok()) << same;
+    const absl::Status other = with_inv_freq(500000.0, dtype, s.layers);
+    EXPECT_EQ(other.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(other.message()),
+                AllOf(HasSubstr("model.layers.0.self_attn.rotary_emb.inv_freq"),
+                      HasSubstr("model.rope_theta 10000"), HasSubstr("another rope_theta")));
+  }
+  const absl::Status extra = with_inv_freq(10000.0, SafetensorsDtype::kF32, s.layers + 1);
+  EXPECT_EQ(extra.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(extra.message()),
+              AllOf(HasSubstr("model.layers.2.self_attn.rotary_emb.inv_freq"),
+                    HasSubstr("is not a parameter of this model")));
 }
 
 TEST(HfWeightsTest, ArchitecturesWithoutAHuggingFaceClassAreRefusedNamingTheField) {
