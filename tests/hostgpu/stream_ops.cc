@@ -6,7 +6,6 @@
 #include <atomic>
 #include <cstddef>
 #include <mutex>
-#include <set>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -14,6 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/allocation_registry.h"
 #include "kernels/gemm.h"
 #include "kernels/layer_ops.h"
 #include "kernels/quantize.h"
@@ -137,41 +137,40 @@ struct OnDevice<Member, Name, absl::Status (*Table::*)(A...)> {
     (table).member = &OnDevice<&Table::member, Name>::Call; \
   } while (0)
 
-std::mutex alloc_mu;
-std::set<void*> stream_ordered;  // allocate_device's arrays, guarded by alloc_mu
+// What each allocation is, for its free, kept as the CUDA backend keeps it (its own registry).
+kernels::cuda_internal::AllocationRegistry& Allocations() {
+  static kernels::cuda_internal::AllocationRegistry registry;
+  return registry;
+}
 
-absl::StatusOr<void*> Malloc(size_t bytes, bool pinned) {
+using Kind = kernels::cuda_internal::AllocationRegistry::Kind;
+
+absl::StatusOr<void*> Malloc(size_t bytes, Kind kind) {
   void* p = nullptr;
-  const cudaError_t e = pinned ? cudaMallocHost(&p, bytes) : cudaMalloc(&p, bytes);
+  const cudaError_t e =
+      kind == Kind::kPinnedHost ? cudaMallocHost(&p, bytes) : cudaMalloc(&p, bytes);
   if (e != cudaSuccess) {
     return absl::ResourceExhaustedError(absl::StrCat("emulated allocation of ", bytes, " bytes"));
   }
+  Allocations().Add(p, bytes, kind);
   return p;
 }
 
-absl::StatusOr<void*> AllocateDevice(size_t bytes) {
-  absl::StatusOr<void*> p = Malloc(bytes, /*pinned=*/false);
-  if (p.ok()) {
-    std::lock_guard<std::mutex> lock(alloc_mu);
-    stream_ordered.insert(*p);
-  }
-  return p;
-}
-
+// Freed by its kind: device-only arrays in stream order on the default stream (cudaFreeAsync), as
+// the CUDA pool frees them; pinned memory with cudaFreeHost; the rest with cudaFree.
 void Deallocate(void* p) {
   if (p == nullptr) return;
-  bool ordered = false;
-  {
-    std::lock_guard<std::mutex> lock(alloc_mu);
-    ordered = stream_ordered.erase(p) != 0;
+  switch (Allocations().Remove(p)) {
+    case Kind::kStreamOrdered:
+      (void)cudaFreeAsync(p, cudaStreamLegacy);
+      return;
+    case Kind::kPinnedHost:
+      (void)cudaFreeHost(p);
+      return;
+    default:
+      (void)cudaFree(p);
+      return;
   }
-  if (ordered) {
-    (void)cudaFreeAsync(p, cudaStreamLegacy);
-    return;
-  }
-  int kind = 0;
-  (void)DeviceRange(p, 1, &kind);
-  (void)(kind == 3 ? cudaFreeHost(p) : cudaFree(p));
 }
 
 absl::Status Synchronize(kernels::Stream stream) {
@@ -231,9 +230,9 @@ const kernels::OpTable& CpuOpsOnDevice() {
     FP8RT_ON_DEVICE(l, LayerOps, prefetch);
     FP8RT_ON_DEVICE(l, LayerOps, copy_bytes);
     l.synchronize = &Synchronize;
-    l.allocate = [](size_t bytes) { return Malloc(bytes, /*pinned=*/false); };
-    l.allocate_device = &AllocateDevice;
-    l.allocate_host = [](size_t bytes) { return Malloc(bytes, /*pinned=*/true); };
+    l.allocate = [](size_t bytes) { return Malloc(bytes, Kind::kDevice); };
+    l.allocate_device = [](size_t bytes) { return Malloc(bytes, Kind::kStreamOrdered); };
+    l.allocate_host = [](size_t bytes) { return Malloc(bytes, Kind::kPinnedHost); };
     l.deallocate = &Deallocate;
     return l;
   }();
