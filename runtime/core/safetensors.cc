@@ -7,6 +7,7 @@
 #include "runtime/core/safetensors.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -271,10 +272,9 @@ absl::Status CheckCoverage(std::vector<Entry>& entries, uint64_t buffer_bytes,
   return absl::OkStatus();
 }
 
-// The whole regular file `path` (a std::string or a vector of bytes), refused past `max_bytes`.
-template <typename Buffer>
-absl::StatusOr<Buffer> ReadRegularFile(const std::string& path,
-                                       uint64_t max_bytes = std::numeric_limits<uint64_t>::max()) {
+// Opens `path`, which must be a regular file, and returns fn(fd, size); the file is closed after.
+template <typename Fn>
+auto WithRegularFile(const std::string& path, Fn fn) -> decltype(fn(0, size_t{0})) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
@@ -287,16 +287,23 @@ absl::StatusOr<Buffer> ReadRegularFile(const std::string& path,
     return Invalid(path, absl::StrCat("cannot stat: ", std::strerror(errno)));
   }
   if (!S_ISREG(st.st_mode)) return Invalid(path, "not a regular file");
-  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
-    return Invalid(path, absl::StrCat("the file is ", st.st_size, " bytes, over the ", max_bytes,
-                                      "-byte limit"));
-  }
-  Buffer bytes(static_cast<size_t>(st.st_size), typename Buffer::value_type{});
-  if (!PreadFully(fd, 0, bytes.data(), bytes.size())) {
-    return Invalid(path, errno == 0 ? std::string("the file shrank while being read")
-                                    : absl::StrCat("read failed: ", std::strerror(errno)));
-  }
-  return bytes;
+  return fn(fd, static_cast<size_t>(st.st_size));
+}
+
+// The whole regular file `path` as text, refused past `max_bytes`.
+absl::StatusOr<std::string> ReadTextFile(const std::string& path, uint64_t max_bytes) {
+  return WithRegularFile(path, [&](int fd, size_t size) -> absl::StatusOr<std::string> {
+    if (size > max_bytes) {
+      return Invalid(
+          path, absl::StrCat("the file is ", size, " bytes, over the ", max_bytes, "-byte limit"));
+    }
+    std::string bytes(size, '\0');
+    if (!PreadFully(fd, 0, bytes.data(), bytes.size())) {
+      return Invalid(path, errno == 0 ? std::string("the file shrank while being read")
+                                      : absl::StrCat("read failed: ", std::strerror(errno)));
+    }
+    return bytes;
+  });
 }
 
 float HalfToFloat(uint16_t h) {
@@ -324,13 +331,28 @@ int64_t SafetensorsTensor::NumElements() const {
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Read(const std::string& path) {
-  FP8RT_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
-                         ReadRegularFile<std::vector<std::byte>>(path));
-  return Parse(std::move(bytes), path);
+  return WithRegularFile(path, [&](int fd, size_t size) -> absl::StatusOr<SafetensorsFile> {
+    if (size < 8) return Parse(std::vector<std::byte>(size), path);  // refused, naming the size
+    void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (map == MAP_FAILED) {
+      return Invalid(path, absl::StrCat("cannot map: ", std::strerror(errno)));
+    }
+    std::shared_ptr<const void> storage(
+        map, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
+    return FromBytes(std::move(storage), std::span(static_cast<const std::byte*>(map), size), path);
+  });
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::vector<std::byte> bytes,
                                                        std::string name) {
+  auto owned = std::make_shared<const std::vector<std::byte>>(std::move(bytes));
+  const std::span<const std::byte> view(*owned);
+  return FromBytes(std::move(owned), view, std::move(name));
+}
+
+absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::shared_ptr<const void> storage,
+                                                           std::span<const std::byte> bytes,
+                                                           std::string name) {
   if (bytes.size() < 8) {
     return Invalid(name, absl::StrCat("the file is ", bytes.size(),
                                       " bytes, shorter than the 8-byte header size"));
@@ -352,8 +374,8 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::vector<std::byte> by
   FP8RT_RETURN_IF_ERROR(ParseHeader(text, buffer_bytes, name, &entries, &file.metadata_));
   FP8RT_RETURN_IF_ERROR(CheckCoverage(entries, buffer_bytes, name));
   file.name_ = std::move(name);
-  file.bytes_ = std::move(bytes);
-  const std::byte* buffer = file.bytes_.data() + 8 + n;
+  file.storage_ = std::move(storage);
+  const std::byte* buffer = bytes.data() + 8 + n;
   for (Entry& e : entries) {
     file.tensors_.push_back(SafetensorsTensor{
         .name = std::move(e.name),
@@ -370,8 +392,8 @@ const SafetensorsTensor* SafetensorsFile::Find(std::string_view name) const {
   return it == index_.end() ? nullptr : &tensors_[it->second];
 }
 
-absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat32(
-    std::string_view name, std::span<const int64_t> shape) const {
+absl::Status SafetensorsFile::CheckFloat32(std::string_view name,
+                                           std::span<const int64_t> shape) const {
   const SafetensorsTensor* t = Find(name);
   const auto shape_text = [](std::span<const int64_t> s) {
     std::string out = "[";
@@ -383,6 +405,19 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat32(
     return Invalid(name_, absl::StrCat("tensor ", Quote(name), " has shape ",
                                        shape_text(t->shape), ", expected ", shape_text(shape)));
   }
+  if (t->dtype != SafetensorsDtype::kF32 && t->dtype != SafetensorsDtype::kBF16 &&
+      t->dtype != SafetensorsDtype::kF16) {
+    return Invalid(name_, absl::StrCat("tensor ", Quote(name), " is ",
+                                       std::string(SafetensorsDtypeName(t->dtype)),
+                                       "; weights must be F32, BF16 or F16"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat32(
+    std::string_view name, std::span<const int64_t> shape) const {
+  FP8RT_RETURN_IF_ERROR(CheckFloat32(name, shape));
+  const SafetensorsTensor* t = Find(name);
   const size_t n = static_cast<size_t>(t->NumElements());
   std::vector<float> out(n);
   switch (t->dtype) {
@@ -404,10 +439,9 @@ absl::StatusOr<std::vector<float>> SafetensorsFile::ReadFloat32(
       }
       return out;
     default:
-      return Invalid(name_, absl::StrCat("tensor ", Quote(name), " is ",
-                                         std::string(SafetensorsDtypeName(t->dtype)),
-                                         "; weights must be F32, BF16 or F16"));
+      break;
   }
+  return absl::InternalError("ReadFloat32: a dtype CheckFloat32 admitted has no conversion");
 }
 
 namespace {
@@ -482,8 +516,7 @@ absl::StatusOr<SafetensorsSet> SafetensorsSet::Open(const std::string& path) {
     FP8RT_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Read(first));
     return Of(std::move(file));
   }
-  FP8RT_ASSIGN_OR_RETURN(const std::string text,
-                         ReadRegularFile<std::string>(first, kMaxHeaderBytes));
+  FP8RT_ASSIGN_OR_RETURN(const std::string text, ReadTextFile(first, kMaxHeaderBytes));
   FP8RT_ASSIGN_OR_RETURN(const auto map, ParseSafetensorsIndex(text, first));
   const std::filesystem::path folder = std::filesystem::path(first).parent_path();
   SafetensorsSet set;
@@ -537,6 +570,13 @@ absl::StatusOr<std::vector<float>> SafetensorsSet::ReadFloat32(
   const auto it = file_of_.find(name);
   if (it == file_of_.end()) return Invalid(name_, absl::StrCat("no tensor ", Quote(name)));
   return files_[it->second].ReadFloat32(name, shape);
+}
+
+absl::Status SafetensorsSet::CheckFloat32(std::string_view name,
+                                          std::span<const int64_t> shape) const {
+  const auto it = file_of_.find(name);
+  if (it == file_of_.end()) return Invalid(name_, absl::StrCat("no tensor ", Quote(name)));
+  return files_[it->second].CheckFloat32(name, shape);
 }
 
 absl::Status WriteSafetensors(const std::string& path,

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -56,7 +57,10 @@ struct SafetensorsTensor {
 
 class SafetensorsFile {
  public:
-  // Reads and checks a whole file.
+  // Checks a whole file, mapped read-only (MAP_PRIVATE): its tensor bytes are paged in when read,
+  // and the ranks of a node that read one file share its pages in the page cache. The file must
+  // not be truncated while the SafetensorsFile lives (reading a page past its new end would
+  // raise SIGBUS, as with any mapped file).
   static absl::StatusOr<SafetensorsFile> Read(const std::string& path);
   // Checks bytes already in memory; `name` stands for the path in error messages.
   static absl::StatusOr<SafetensorsFile> Parse(std::vector<std::byte> bytes, std::string name);
@@ -76,12 +80,21 @@ class SafetensorsFile {
   // another shape or another dtype.
   absl::StatusOr<std::vector<float>> ReadFloat32(std::string_view name,
                                                  std::span<const int64_t> shape) const;
+  // ReadFloat32's checks alone (the tensor is there, of that shape and a dtype it reads), without
+  // converting anything.
+  absl::Status CheckFloat32(std::string_view name, std::span<const int64_t> shape) const;
 
  private:
   SafetensorsFile() = default;
+  // Parse's checks over `bytes`, which `storage` keeps alive.
+  static absl::StatusOr<SafetensorsFile> FromBytes(std::shared_ptr<const void> storage,
+                                                   std::span<const std::byte> bytes,
+                                                   std::string name);
 
   std::string name_;
-  std::vector<std::byte> bytes_;  // the whole file; tensors_[i].data points into it
+  // The whole file: the bytes Parse was given, or Read's read-only mapping of the file (unmapped
+  // with the last copy of this pointer); tensors_[i].data points into it.
+  std::shared_ptr<const void> storage_;
   std::vector<SafetensorsTensor> tensors_;
   std::map<std::string, size_t, std::less<>> index_;  // name -> index into tensors_
   std::map<std::string, std::string> metadata_;
@@ -123,6 +136,8 @@ class SafetensorsSet {
   // InvalidArgument naming the set when no file does.
   absl::StatusOr<std::vector<float>> ReadFloat32(std::string_view name,
                                                  std::span<const int64_t> shape) const;
+  // SafetensorsFile::CheckFloat32 of the file that holds `name` (as ReadFloat32).
+  absl::Status CheckFloat32(std::string_view name, std::span<const int64_t> shape) const;
 
  private:
   SafetensorsSet() = default;

@@ -274,9 +274,10 @@ absl::StatusOr<std::vector<HfTensor>> ToHuggingFace(
   return out;
 }
 
-absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
-                                              const std::map<std::string, LogicalShape>& shapes,
-                                              const SafetensorsSet& file) {
+absl::Status ForEachHfParam(
+    const ModelShape& shape, const std::map<std::string, LogicalShape>& shapes,
+    const SafetensorsSet& file,
+    const std::function<absl::Status(const std::string&, std::span<const float>)>& fn) {
   FP8RT_RETURN_IF_ERROR(CheckHfArchitecture(shape));
   const std::vector<Entry> entries = Entries(shape);
   std::set<std::string> known;
@@ -298,31 +299,48 @@ absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
           shape.tie_embeddings ? ", tied embeddings" : "", ")"));
     }
   }
-  LogicalParams params;
-  for (const auto& [name, s] : shapes) {
-    params[name] = std::vector<float>(static_cast<size_t>(s.rows * s.cols), 0.0f);
-  }
-  std::set<std::string> filled;
+  // Every check first, so that nothing is converted (and, through ForEachHfParam, no parameter
+  // set) when anything is wrong.
+  std::map<std::string, std::vector<const Entry*>> sources;  // parameter -> its entries
   for (const Entry& e : entries) {
-    const auto s = shapes.find(e.ours);
-    if (s == shapes.end()) {
+    if (!shapes.contains(e.ours)) {
       return absl::InvalidArgumentError(absl::StrCat("model has no parameter ", e.ours));
     }
     if (file.Find(e.hf) == nullptr) {
       return absl::InvalidArgumentError(
           absl::StrCat(file.name(), ": tensor '", e.hf, "' is missing (the model's ", e.ours, ")"));
     }
-    FP8RT_ASSIGN_OR_RETURN(const std::vector<float> values, file.ReadFloat32(e.hf, e.hf_shape));
-    std::vector<float>& dst = params[e.ours];
-    Visit(shape, e, s->second, [&](size_t i, size_t j) { dst[j] = values[i]; });
-    filled.insert(e.ours);
+    FP8RT_RETURN_IF_ERROR(file.CheckFloat32(e.hf, e.hf_shape));
+    sources[e.ours].push_back(&e);
   }
   for (const auto& [name, s] : shapes) {
-    if (!filled.contains(name)) {
+    if (!sources.contains(name)) {
       return absl::InvalidArgumentError(
           absl::StrCat(file.name(), ": no tensor holds the model's parameter ", name));
     }
   }
+  // One parameter at a time: its logical tensor exists only while fn runs.
+  std::vector<float> dst;
+  for (const auto& [name, s] : shapes) {
+    dst.assign(static_cast<size_t>(s.rows * s.cols), 0.0f);
+    for (const Entry* e : sources[name]) {
+      FP8RT_ASSIGN_OR_RETURN(const std::vector<float> values, file.ReadFloat32(e->hf, e->hf_shape));
+      Visit(shape, *e, s, [&](size_t i, size_t j) { dst[j] = values[i]; });
+    }
+    FP8RT_RETURN_IF_ERROR(fn(name, dst));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
+                                              const std::map<std::string, LogicalShape>& shapes,
+                                              const SafetensorsSet& file) {
+  LogicalParams params;
+  FP8RT_RETURN_IF_ERROR(
+      ForEachHfParam(shape, shapes, file, [&](const std::string& name, std::span<const float> v) {
+        params[name].assign(v.begin(), v.end());
+        return absl::OkStatus();
+      }));
   return params;
 }
 

@@ -7,7 +7,8 @@
 //   CheckHfArchitecture  whether a shape is exactly one of the two Hugging Face architectures
 //   HfConfigJson         config.json for a shape
 //   ToHuggingFace        logical parameters -> Hugging Face tensors (export)
-//   FromHuggingFace      safetensors files -> logical parameters (init.from, --weights)
+//   FromHuggingFace      safetensors files -> logical parameters (all at once)
+//   ForEachHfParam       the same one parameter at a time (init.from, LoadHuggingFace)
 //
 // Layouts (H heads, KV key/value heads, Dh head size, Q = H / KV):
 //   - GPT-2's linears are Conv1D, [in, out]: the transpose of fp8rt's [out, in]. c_attn
@@ -25,7 +26,9 @@
 #define FP8RT_RUNTIME_MODEL_HF_WEIGHTS_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -69,6 +72,15 @@ absl::StatusOr<std::vector<HfTensor>> ToHuggingFace(
 absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
                                               const std::map<std::string, LogicalShape>& shapes,
                                               const SafetensorsSet& file);
+
+// FromHuggingFace one parameter at a time: every check of it first (nothing is converted when
+// one fails), then fn(name, its logical tensor) for each parameter of `shapes` in name order,
+// each tensor freed before the next is made, so that a large model never exists whole in FP32.
+// fn's first error ends the walk and is returned.
+absl::Status ForEachHfParam(
+    const ModelShape& shape, const std::map<std::string, LogicalShape>& shapes,
+    const SafetensorsSet& file,
+    const std::function<absl::Status(const std::string&, std::span<const float>)>& fn);
 
 }  // namespace fp8rt::model
 

@@ -428,21 +428,34 @@ absl::Status Transformer::SetLogicalShards(const LogicalParams& params, ShardArr
       return absl::InvalidArgumentError(absl::StrCat("no values for parameter ", p.name));
     }
     if (static_cast<int64_t>(it->second.size()) != p.rows * p.cols) {
-      return absl::InvalidArgumentError(absl::StrCat("parameter ", p.name, ": ",
-                                                     it->second.size(), " values, expected ",
-                                                     p.rows, " x ", p.cols));
+      return absl::InvalidArgumentError(absl::StrCat("parameter ", p.name, ": ", it->second.size(),
+                                                     " values, expected ", p.rows, " x ", p.cols));
     }
   }
-  for (Param& p : params_) {
-    const std::vector<float>& v = params.at(p.name);
-    kernels::DeviceArray<float>& dst = which == ShardArray::kMaster  ? p.master
-                                       : which == ShardArray::kAdamM ? p.m
-                                                                     : p.v;
-    ForEachShardElement(
-        p, [&](size_t i, int64_t logical) { dst[i] = v[static_cast<size_t>(logical)]; });
-    if (which == ShardArray::kMaster) p.fp8_shard_fresh = false;
-  }
+  for (Param& p : params_) SetShard(p, params.at(p.name), which);
   return absl::OkStatus();
+}
+
+absl::Status Transformer::SetLogicalParam(const std::string& name, std::span<const float> values) {
+  for (Param& p : params_) {
+    if (p.name != name) continue;
+    if (static_cast<int64_t>(values.size()) != p.rows * p.cols) {
+      return absl::InvalidArgumentError(absl::StrCat("parameter ", p.name, ": ", values.size(),
+                                                     " values, expected ", p.rows, " x ", p.cols));
+    }
+    SetShard(p, values, ShardArray::kMaster);
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("the model has no parameter ", name));
+}
+
+void Transformer::SetShard(Param& p, std::span<const float> v, ShardArray which) {
+  kernels::DeviceArray<float>& dst = which == ShardArray::kMaster  ? p.master
+                                     : which == ShardArray::kAdamM ? p.m
+                                                                   : p.v;
+  ForEachShardElement(p,
+                      [&](size_t i, int64_t logical) { dst[i] = v[static_cast<size_t>(logical)]; });
+  if (which == ShardArray::kMaster) p.fp8_shard_fresh = false;
 }
 
 absl::Status Transformer::Build(uint64_t seed) {

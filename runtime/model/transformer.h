@@ -297,6 +297,10 @@ class Transformer {
   // moment (a resume at another layout, resharding a checkpoint).
   enum class ShardArray : uint8_t { kMaster, kAdamM, kAdamV };
   absl::Status SetLogicalShards(const LogicalParams& params, ShardArray which);
+  // One parameter's FP32 master shard from its logical tensor (`values`, rows x cols): weights
+  // loaded one parameter at a time. InvalidArgument naming it for an unknown name or a wrong size,
+  // with nothing changed.
+  absl::Status SetLogicalParam(const std::string& name, std::span<const float> values);
   // Every FP8 site in a stable order (empty unless some GEMM runs in FP8).
   const std::vector<QuantSite*>& sites() const { return sites_; }
   // Names of the GEMM layers, for the error of an unknown exclude entry.
@@ -392,6 +396,8 @@ class Transformer {
   // fn(shard index, logical index row * cols + col) for each element of p's shard on this rank
   // (the FSDP padding left out).
   void ForEachShardElement(const Param& p, const std::function<void(size_t, int64_t)>& fn) const;
+  // `p`'s shard of array `which` from its logical tensor `v` (size checked by the caller).
+  void SetShard(Param& p, std::span<const float> v, ShardArray which);
   absl::Status LoadTokens(std::span<const int32_t> tokens, int64_t micro_batch);
   absl::StatusOr<float> Forward(bool train);
   absl::Status Backward(float dloss);

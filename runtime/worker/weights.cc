@@ -278,9 +278,12 @@ absl::Status ExportHuggingFace(const model::ModelShape& shape,
 absl::Status LoadHuggingFace(const std::string& path, const model::ModelShape& shape,
                              model::Transformer& model) {
   FP8RT_ASSIGN_OR_RETURN(const SafetensorsSet file, SafetensorsSet::Open(path));
-  FP8RT_ASSIGN_OR_RETURN(const model::LogicalParams params,
-                         model::FromHuggingFace(shape, model.ParamShapes(), file));
-  return model.SetLogicalParams(params);
+  // One parameter at a time: the whole model never exists here in FP32, and the mapped files'
+  // pages are shared by the ranks of a node.
+  return model::ForEachHfParam(shape, model.ParamShapes(), file,
+                               [&](const std::string& name, std::span<const float> values) {
+                                 return model.SetLogicalParam(name, values);
+                               });
 }
 
 }  // namespace fp8rt::worker

@@ -18,9 +18,9 @@
 //                          shapes of its parameters and for eval / generate
 //
 // Errors name the file, the tensor or the parameter. Nothing here is collective except
-// LoadHuggingFace, which only touches this rank's shards (every rank reads every file whole and
-// holds it, with an FP32 copy of the model, until the model's shards are set: about file size +
-// 4 bytes per parameter of host memory per rank, at start-up).
+// LoadHuggingFace, which only touches this rank's shards (every rank maps every file read-only,
+// shared in the page cache with the other ranks of its node, and converts one parameter at a
+// time).
 #ifndef FP8RT_RUNTIME_WORKER_WEIGHTS_H_
 #define FP8RT_RUNTIME_WORKER_WEIGHTS_H_
 
