@@ -273,9 +273,10 @@ absl::Status CheckCoverage(std::vector<Entry>& entries, uint64_t buffer_bytes,
 }
 
 // Opens `path`, which must be a regular file, and returns fn(fd, size); the file is closed after.
+// O_NONBLOCK: a FIFO is refused below instead of blocking the open (no effect on regular files).
 template <typename Fn>
 auto WithRegularFile(const std::string& path, Fn fn) -> decltype(fn(0, size_t{0})) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
@@ -290,6 +291,17 @@ auto WithRegularFile(const std::string& path, Fn fn) -> decltype(fn(0, size_t{0}
   return fn(fd, static_cast<size_t>(st.st_size));
 }
 
+// `size` bytes of the open file `fd` (`path`) into a new Buffer (std::string or byte vector).
+template <typename Buffer>
+absl::StatusOr<Buffer> ReadWhole(int fd, size_t size, const std::string& path) {
+  Buffer bytes(size, typename Buffer::value_type{});
+  if (!PreadFully(fd, 0, bytes.data(), bytes.size())) {
+    return Invalid(path, errno == 0 ? std::string("the file shrank while being read")
+                                    : absl::StrCat("read failed: ", std::strerror(errno)));
+  }
+  return bytes;
+}
+
 // The whole regular file `path` as text, refused past `max_bytes`.
 absl::StatusOr<std::string> ReadTextFile(const std::string& path, uint64_t max_bytes) {
   return WithRegularFile(path, [&](int fd, size_t size) -> absl::StatusOr<std::string> {
@@ -297,12 +309,7 @@ absl::StatusOr<std::string> ReadTextFile(const std::string& path, uint64_t max_b
       return Invalid(
           path, absl::StrCat("the file is ", size, " bytes, over the ", max_bytes, "-byte limit"));
     }
-    std::string bytes(size, '\0');
-    if (!PreadFully(fd, 0, bytes.data(), bytes.size())) {
-      return Invalid(path, errno == 0 ? std::string("the file shrank while being read")
-                                      : absl::StrCat("read failed: ", std::strerror(errno)));
-    }
-    return bytes;
+    return ReadWhole<std::string>(fd, size, path);
   });
 }
 
@@ -335,7 +342,10 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Read(const std::string& path) {
     if (size < 8) return Parse(std::vector<std::byte>(size), path);  // refused, naming the size
     void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (map == MAP_FAILED) {
-      return Invalid(path, absl::StrCat("cannot map: ", std::strerror(errno)));
+      // A file system that cannot map files (some FUSE ones): read it instead.
+      FP8RT_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
+                             ReadWhole<std::vector<std::byte>>(fd, size, path));
+      return Parse(std::move(bytes), path);
     }
     std::shared_ptr<const void> storage(
         map, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });

@@ -46,7 +46,8 @@ enum class SafetensorsDtype { kBool, kU8, kI8, kF8E5M2, kF8E4M3, kI16, kF16, kBF
 std::string_view SafetensorsDtypeName(SafetensorsDtype dtype);  // "F32", "BF16", ...
 size_t SafetensorsDtypeSize(SafetensorsDtype dtype);            // bytes per element
 
-// One tensor of a file read into memory; `data` points into the SafetensorsFile that owns it.
+// One tensor of a file; `data` points into the file's bytes (a mapping or a buffer), which every
+// copy of the SafetensorsFile shares and keeps alive.
 struct SafetensorsTensor {
   std::string name;
   SafetensorsDtype dtype = SafetensorsDtype::kF32;
@@ -57,10 +58,11 @@ struct SafetensorsTensor {
 
 class SafetensorsFile {
  public:
-  // Checks a whole file, mapped read-only (MAP_PRIVATE): its tensor bytes are paged in when read,
-  // and the ranks of a node that read one file share its pages in the page cache. The file must
-  // not be truncated while the SafetensorsFile lives (reading a page past its new end would
-  // raise SIGBUS, as with any mapped file).
+  // Checks a whole file, mapped read-only (MAP_PRIVATE; read into memory where the file system
+  // cannot map it): its tensor bytes are paged in when read, and the ranks of a node that read
+  // one file share its pages in the page cache. As with any mapped file, the file must not be
+  // truncated or rewritten in place while the SafetensorsFile lives, and an I/O error while a
+  // page is read in raises SIGBUS instead of returning an error.
   static absl::StatusOr<SafetensorsFile> Read(const std::string& path);
   // Checks bytes already in memory; `name` stands for the path in error messages.
   static absl::StatusOr<SafetensorsFile> Parse(std::vector<std::byte> bytes, std::string name);

@@ -299,8 +299,8 @@ absl::Status ForEachHfParam(
           shape.tie_embeddings ? ", tied embeddings" : "", ")"));
     }
   }
-  // Every check first, so that nothing is converted (and, through ForEachHfParam, no parameter
-  // set) when anything is wrong.
+  // Every check first, so that no parameter is converted (and fn never called) when anything is
+  // wrong.
   std::map<std::string, std::vector<const Entry*>> sources;  // parameter -> its entries
   for (const Entry& e : entries) {
     if (!shapes.contains(e.ours)) {
@@ -319,7 +319,8 @@ absl::Status ForEachHfParam(
           absl::StrCat(file.name(), ": no tensor holds the model's parameter ", name));
     }
   }
-  // One parameter at a time: its logical tensor exists only while fn runs.
+  // One parameter at a time: its logical tensor (in `dst`, reused) and the FP32 values of its
+  // Hugging Face tensors, about twice the largest parameter at once.
   std::vector<float> dst;
   for (const auto& [name, s] : shapes) {
     dst.assign(static_cast<size_t>(s.rows * s.cols), 0.0f);

@@ -73,10 +73,10 @@ absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
                                               const std::map<std::string, LogicalShape>& shapes,
                                               const SafetensorsSet& file);
 
-// FromHuggingFace one parameter at a time: every check of it first (nothing is converted when
-// one fails), then fn(name, its logical tensor) for each parameter of `shapes` in name order,
-// each tensor freed before the next is made, so that a large model never exists whole in FP32.
-// fn's first error ends the walk and is returned.
+// FromHuggingFace one parameter at a time: every check first (fn is never called when one fails),
+// then fn(name, its logical tensor) for each parameter of `shapes` in name order, so that a large
+// model never exists whole in FP32 (about twice its largest parameter at once). fn's first error
+// ends the walk and is returned.
 absl::Status ForEachHfParam(
     const ModelShape& shape, const std::map<std::string, LogicalShape>& shapes,
     const SafetensorsSet& file,

@@ -138,9 +138,10 @@ struct OnDevice<Member, Name, absl::Status (*Table::*)(A...)> {
   } while (0)
 
 // What each allocation is, for its free, kept as the CUDA backend keeps it (its own registry).
+// Never destroyed (as the backend's own), so that a free during static destruction still finds it.
 kernels::cuda_internal::AllocationRegistry& Allocations() {
-  static kernels::cuda_internal::AllocationRegistry registry;
-  return registry;
+  static auto* registry = new kernels::cuda_internal::AllocationRegistry;
+  return *registry;
 }
 
 using Kind = kernels::cuda_internal::AllocationRegistry::Kind;

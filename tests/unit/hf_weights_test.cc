@@ -287,6 +287,51 @@ TEST(HfWeightsTest, ShardedFilesLoadLikeOneFile) {
   EXPECT_EQ(*back, p);
 }
 
+// ForEachHfParam checks everything before it hands out the first parameter: a tensor of the
+// wrong shape that comes late in name order (model.norm.weight sets final_norm/weight, after
+// every blocks.* parameter) fails the walk with fn never called, so nothing of the model is set.
+TEST(HfWeightsTest, AWalkThatWouldFailLateSetsNothing) {
+  TempDir dir;
+  const ModelShape s = Llama(false);
+  const auto shapes = Shapes(s);
+  absl::StatusOr<std::vector<HfTensor>> ts = ToHuggingFace(s, shapes, Random(shapes));
+  ASSERT_TRUE(ts.ok());
+  for (HfTensor& t : *ts) {
+    if (t.name == "model.norm.weight") {
+      t.shape = {2, 8};  // 16 values, the wrong shape
+    }
+  }
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Read(WriteFile(dir, *ts));
+  ASSERT_TRUE(file.ok()) << file.status();
+  int calls = 0;
+  const absl::Status st = ForEachHfParam(s, shapes, SafetensorsSet::Of(*std::move(file)),
+                                         [&](const std::string&, std::span<const float>) {
+                                           ++calls;
+                                           return absl::OkStatus();
+                                         });
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("'model.norm.weight' has shape [2, 8]"));
+  EXPECT_EQ(calls, 0);
+  // The same file with the right shape walks every parameter once, in name order.
+  for (HfTensor& t : *ts) {
+    if (t.name == "model.norm.weight") t.shape = {16};
+  }
+  absl::StatusOr<SafetensorsFile> fixed = SafetensorsFile::Read(WriteFile(dir, *ts));
+  ASSERT_TRUE(fixed.ok()) << fixed.status();
+  std::vector<std::string> seen;
+  ASSERT_TRUE(ForEachHfParam(s, shapes, SafetensorsSet::Of(*std::move(fixed)),
+                             [&](const std::string& name, std::span<const float> v) {
+                               seen.push_back(name);
+                               EXPECT_EQ(static_cast<int64_t>(v.size()),
+                                         shapes.at(name).rows * shapes.at(name).cols);
+                               return absl::OkStatus();
+                             })
+                  .ok());
+  std::vector<std::string> names;
+  for (const auto& [name, shape] : shapes) names.push_back(name);
+  EXPECT_EQ(seen, names);
+}
+
 // Older transformers saved Llama's RoPE frequencies, model.layers.N.self_attn.rotary_emb.inv_freq
 // = 1 / theta^(2i / head_dim) (torch, FP32; rounded to F16 or BF16 when the model was cast).
 // They are no parameter: let through when they are the spec's rope_theta's to the precision of

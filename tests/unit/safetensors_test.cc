@@ -26,6 +26,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -234,6 +235,20 @@ TEST_F(SafetensorsTest, MalformedFilesAreRefusedNamingTheProblem) {
     EXPECT_THAT(msg, HasSubstr("model.safetensors: "));
     for (const std::string& w : c.want) EXPECT_THAT(msg, HasSubstr(w));
     EXPECT_LT(msg.size(), 400u) << "an error quotes a bounded prefix";
+  }
+  // Read (a mapped file) refuses the same way, naming the path: too short to map, and a header
+  // that runs past the end.
+  for (const auto& [name, bytes, want] :
+       {std::tuple<std::string, std::string, std::string>{"empty", "", "the file is 0 bytes"},
+        {"seven", "1234567", "the file is 7 bytes, shorter than the 8-byte header size"},
+        {"past", past, "header size 32 runs past the end of the 10-byte file"}}) {
+    SCOPED_TRACE(name);
+    WriteBytes(Path(name + ".safetensors"), bytes);
+    absl::StatusOr<SafetensorsFile> f = SafetensorsFile::Read(Path(name + ".safetensors"));
+    ASSERT_FALSE(f.ok());
+    EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(f.status().message()),
+                AllOf(HasSubstr(Path(name + ".safetensors") + ": "), HasSubstr(want)));
   }
   // A missing file is NotFound naming it.
   absl::StatusOr<SafetensorsFile> missing = SafetensorsFile::Read(Path("none.safetensors"));
