@@ -421,16 +421,24 @@ absl::Status Transformer::SetLogicalParams(const LogicalParams& params) {
   return SetLogicalShards(params, ShardArray::kMaster);
 }
 
+namespace {
+
+// InvalidArgument naming `p` unless `count` is its logical size.
+absl::Status CheckLogicalSize(const Param& p, size_t count) {
+  if (static_cast<int64_t>(count) == p.rows * p.cols) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("parameter ", p.name, ": ", count, " values, expected ", p.rows, " x ", p.cols));
+}
+
+}  // namespace
+
 absl::Status Transformer::SetLogicalShards(const LogicalParams& params, ShardArray which) {
   for (const Param& p : params_) {
     const auto it = params.find(p.name);
     if (it == params.end()) {
       return absl::InvalidArgumentError(absl::StrCat("no values for parameter ", p.name));
     }
-    if (static_cast<int64_t>(it->second.size()) != p.rows * p.cols) {
-      return absl::InvalidArgumentError(absl::StrCat("parameter ", p.name, ": ", it->second.size(),
-                                                     " values, expected ", p.rows, " x ", p.cols));
-    }
+    FP8RT_RETURN_IF_ERROR(CheckLogicalSize(p, it->second.size()));
   }
   for (Param& p : params_) SetShard(p, params.at(p.name), which);
   return absl::OkStatus();
@@ -439,10 +447,7 @@ absl::Status Transformer::SetLogicalShards(const LogicalParams& params, ShardArr
 absl::Status Transformer::SetLogicalParam(const std::string& name, std::span<const float> values) {
   for (Param& p : params_) {
     if (p.name != name) continue;
-    if (static_cast<int64_t>(values.size()) != p.rows * p.cols) {
-      return absl::InvalidArgumentError(absl::StrCat("parameter ", p.name, ": ", values.size(),
-                                                     " values, expected ", p.rows, " x ", p.cols));
-    }
+    FP8RT_RETURN_IF_ERROR(CheckLogicalSize(p, values.size()));
     SetShard(p, values, ShardArray::kMaster);
     return absl::OkStatus();
   }
