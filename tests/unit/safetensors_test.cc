@@ -11,14 +11,20 @@
 //     keys, unknown dtype, missing field, unknown field, negative dimension, offsets outside the
 //     buffer, a size that does not match the shape, overlap, gap, trailing bytes;
 //   - a failed write leaves no file;
+//   - a file system that cannot map files (mmap refused, as some FUSE ones do; here by an
+//     interposed mmap, below) still reads every file, by reading it;
 //   - SafetensorsSet: shards listed by a hand-written index read as one set (by the index or its
 //     folder; model.safetensors first where both are); every malformed index or inconsistent set
 //     of shards is refused naming the index or the shard, the tensor or field, bounded.
 #include "runtime/core/safetensors.h"
 
+#include <errno.h>
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -32,6 +38,24 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/test_support.h"
+
+// This test executable's mmap, which the library's SafetensorsFile::Read calls (the executable's
+// definition comes before libc's): it answers ENODEV, as a file system without mmap support
+// does, for file mappings while g_refuse_file_maps is set, and is the plain system call otherwise.
+namespace {
+std::atomic<bool> g_refuse_file_maps{false};
+std::atomic<int> g_refused_maps{0};
+}  // namespace
+
+extern "C" void* mmap(void* addr, size_t length, int prot, int flags, int fd,
+                      off_t offset) noexcept {
+  if (fd >= 0 && (flags & MAP_ANONYMOUS) == 0 && g_refuse_file_maps.load()) {
+    g_refused_maps.fetch_add(1);
+    errno = ENODEV;
+    return MAP_FAILED;
+  }
+  return reinterpret_cast<void*>(syscall(SYS_mmap, addr, length, prot, flags, fd, offset));
+}
 
 namespace fp8rt {
 namespace {
@@ -90,10 +114,9 @@ class SafetensorsTest : public ::testing::Test {
   test::TempDir dir_{"safetensors_test"};
 };
 
-const std::string kTwoTensors =
-    R"({"__metadata__":{"format":"pt"},)"
-    R"("w":{"dtype":"F32","shape":[2,1],"data_offsets":[0,8]},)"
-    R"("b":{"dtype":"BF16","shape":[3],"data_offsets":[8,14]}})";
+const std::string kTwoTensors = R"({"__metadata__":{"format":"pt"},)"
+                                R"("w":{"dtype":"F32","shape":[2,1],"data_offsets":[0,8]},)"
+                                R"("b":{"dtype":"BF16","shape":[3],"data_offsets":[8,14]}})";
 
 TEST_F(SafetensorsTest, HandMadeFileReadsBack) {
   const std::string buffer = F32Bytes({1.5f, -2.0f}) + U16Bytes({0x3f80, 0xc000, 0x0001});
@@ -144,8 +167,7 @@ TEST_F(SafetensorsTest, WriterBytesAreTheDefinitionsBytes) {
 
 TEST_F(SafetensorsTest, HalfPrecisionWidensExactly) {
   // F16: 0x3c00 = 1, 0x0001 = 2^-24 (subnormal), 0x7c00 = +Inf, 0x8000 = -0, 0x7bff = 65504.
-  const std::string header =
-      R"({"h":{"dtype":"F16","shape":[5],"data_offsets":[0,10]}})";
+  const std::string header = R"({"h":{"dtype":"F16","shape":[5],"data_offsets":[0,10]}})";
   absl::StatusOr<SafetensorsFile> f =
       ParseText(File(header, U16Bytes({0x3c00, 0x0001, 0x7c00, 0x8000, 0x7bff})));
   ASSERT_TRUE(f.ok()) << f.status();
@@ -162,13 +184,11 @@ TEST_F(SafetensorsTest, HalfPrecisionWidensExactly) {
               AllOf(HasSubstr("model.safetensors"), HasSubstr("'h' has shape [5], expected [4]")));
   EXPECT_THAT(std::string(f->ReadFloat32("x", shape).status().message()),
               HasSubstr("no tensor 'x'"));
-  absl::StatusOr<SafetensorsFile> ints = ParseText(
-      File(R"({"i":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}})",
-           std::string("\1\0\0\0", 4)));
+  absl::StatusOr<SafetensorsFile> ints = ParseText(File(
+      R"({"i":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}})", std::string("\1\0\0\0", 4)));
   ASSERT_TRUE(ints.ok()) << ints.status();
   const int64_t one[] = {1};
-  EXPECT_THAT(std::string(ints->ReadFloat32("i", one).status().message()),
-              HasSubstr("'i' is I32"));
+  EXPECT_THAT(std::string(ints->ReadFloat32("i", one).status().message()), HasSubstr("'i' is I32"));
 }
 
 TEST_F(SafetensorsTest, MalformedFilesAreRefusedNamingTheProblem) {
@@ -189,7 +209,8 @@ TEST_F(SafetensorsTest, MalformedFilesAreRefusedNamingTheProblem) {
       {"past the end", past, {"header size 32 runs past the end of the 10-byte file"}},
       {"not an object", File("[1,2]", ""), {"does not start with '{'"}},
       {"not json", File("{\"w\":", eight), {"not valid JSON"}},
-      {"duplicate tensor", File("{" + ok_entry + "," + ok_entry + "}", eight),
+      {"duplicate tensor",
+       File("{" + ok_entry + "," + ok_entry + "}", eight),
        {"the key 'w' twice"}},
       {"duplicate field",
        File(R"({"w":{"dtype":"F32","dtype":"F32","shape":[2],"data_offsets":[0,8]}})", eight),
@@ -197,7 +218,8 @@ TEST_F(SafetensorsTest, MalformedFilesAreRefusedNamingTheProblem) {
       {"unknown dtype",
        File(R"({"w":{"dtype":"F4","shape":[2],"data_offsets":[0,8]}})", eight),
        {"tensor 'w': dtype 'F4' is not one fp8rt reads"}},
-      {"missing field", File(R"({"w":{"dtype":"F32","shape":[2]}})", eight),
+      {"missing field",
+       File(R"({"w":{"dtype":"F32","shape":[2]}})", eight),
        {"tensor 'w': missing field 'data_offsets'"}},
       {"unknown field",
        File(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8],"x":1}})", eight),
@@ -216,11 +238,14 @@ TEST_F(SafetensorsTest, MalformedFilesAreRefusedNamingTheProblem) {
             R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
             eight),
        {"tensor 'b' data_offsets [4, 8] overlap tensor 'a'"}},
-      {"gap", File(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", eight),
+      {"gap",
+       File(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", eight),
        {"bytes [0, 4) of the buffer belong to no tensor"}},
-      {"trailing", File("{" + ok_entry + "}", eight + "xx"),
+      {"trailing",
+       File("{" + ok_entry + "}", eight + "xx"),
        {"the tensors cover 8 bytes of the 10-byte buffer"}},
-      {"metadata not strings", File(R"({"__metadata__":{"format":1}})", ""),
+      {"metadata not strings",
+       File(R"({"__metadata__":{"format":1}})", ""),
        {"__metadata__ 'format' must be a string"}},
       {"long name bounded",
        File("{\"" + long_name + R"(":{"dtype":"X","shape":[],"data_offsets":[0,0]}})", ""),
@@ -396,14 +421,43 @@ TEST_F(SafetensorsTest, BadIndexesAreRefusedNamingTheIndexOrShard) {
 }
 
 TEST_F(SafetensorsTest, EmptyAndScalarTensorsAreValid) {
-  const std::string header =
-      R"({"e":{"dtype":"F32","shape":[0,4],"data_offsets":[0,0]},)"
-      R"("s":{"dtype":"F32","shape":[],"data_offsets":[0,4]}})";
+  const std::string header = R"({"e":{"dtype":"F32","shape":[0,4],"data_offsets":[0,0]},)"
+                             R"("s":{"dtype":"F32","shape":[],"data_offsets":[0,4]}})";
   absl::StatusOr<SafetensorsFile> f = ParseText(File(header, F32Bytes({7.0f})));
   ASSERT_TRUE(f.ok()) << f.status();
   const int64_t empty_shape[] = {0, 4};
   EXPECT_TRUE(f->ReadFloat32("e", empty_shape)->empty());
   EXPECT_EQ(*f->ReadFloat32("s", {}), std::vector<float>{7.0f});
+}
+
+// Where mmap is refused, Read reads the file instead: the same tensors and values, the same
+// errors for a bad file (naming it), and the interposed mmap was asked (so the path ran).
+TEST_F(SafetensorsTest, FilesThatCannotBeMappedAreRead) {
+  const std::string buffer = F32Bytes({1.5f, -2.0f}) + U16Bytes({0x3f80, 0xc000, 0x0001});
+  WriteBytes(Path("m.safetensors"), File(kTwoTensors, buffer));
+  WriteBytes(Path("bad.safetensors"), File(R"({"w":{"dtype":"F32","shape":[3],)"
+                                           R"("data_offsets":[0,8]}})",
+                                           F32Bytes({1.0f, 2.0f})));
+  absl::StatusOr<SafetensorsFile> mapped = SafetensorsFile::Read(Path("m.safetensors"));
+  ASSERT_TRUE(mapped.ok()) << mapped.status();
+  EXPECT_EQ(g_refused_maps.load(), 0);
+
+  g_refuse_file_maps = true;
+  absl::StatusOr<SafetensorsFile> read = SafetensorsFile::Read(Path("m.safetensors"));
+  absl::StatusOr<SafetensorsFile> bad = SafetensorsFile::Read(Path("bad.safetensors"));
+  g_refuse_file_maps = false;
+  EXPECT_EQ(g_refused_maps.load(), 2);  // both Reads asked to map and were refused
+  ASSERT_TRUE(read.ok()) << read.status();
+  const int64_t w_shape[] = {2, 1}, b_shape[] = {3};
+  EXPECT_EQ(*read->ReadFloat32("w", w_shape), (std::vector<float>{1.5f, -2.0f}));
+  EXPECT_EQ(*read->ReadFloat32("b", b_shape),
+            (std::vector<float>{1.0f, -2.0f, std::ldexp(1.0f, -133)}));
+  EXPECT_EQ(*read->ReadFloat32("w", w_shape), *mapped->ReadFloat32("w", w_shape));
+  EXPECT_EQ(read->metadata(), mapped->metadata());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()),
+              AllOf(HasSubstr(Path("bad.safetensors")), HasSubstr("'w'")));
 }
 
 TEST_F(SafetensorsTest, BadWritesAreRefusedAndLeaveNoFile) {
