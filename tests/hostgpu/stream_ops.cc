@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstddef>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -14,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/allocation_registry.h"
+#include "kernels/cuda/gemm_route.h"
 #include "kernels/gemm.h"
 #include "kernels/layer_ops.h"
 #include "kernels/quantize.h"
@@ -180,6 +182,27 @@ absl::Status Synchronize(kernels::Stream stream) {
   return DeviceOpError();
 }
 
+// The FP8 GEMMs whose shape or formats would take them off cuBLASLt on a Hopper GPU
+// (RouteFp8Gemm at compute capability 9.0), and the first of them.
+std::atomic<int64_t> gemms_off_cublaslt{0};
+std::mutex route_mu;
+std::string first_off_cublaslt;
+
+struct GemmFp8Name {
+  static const char* Value() { return "gemm_fp8"; }
+};
+
+absl::Status GemmFp8OnDevice(const kernels::Fp8GemmArgs& args, kernels::Stream stream) {
+  const kernels::cuda_internal::Fp8GemmRoute route =
+      kernels::cuda_internal::RouteFp8Gemm(args, /*cc=*/90);
+  if (!route.cublaslt && gemms_off_cublaslt.fetch_add(1) == 0) {
+    std::lock_guard<std::mutex> lock(route_mu);
+    first_off_cublaslt =
+        absl::StrCat("M ", args.m, ", N ", args.n, ", K ", args.k, ": ", route.why);
+  }
+  return OnDevice<&kernels::OpTable::gemm_fp8, GemmFp8Name>::Call(args, stream);
+}
+
 }  // namespace
 
 // Every LayerOps member is a function pointer, and each is wrapped or replaced below: a member
@@ -240,11 +263,13 @@ const kernels::OpTable& CpuOpsOnDevice() {
   static const kernels::OpTable table = [] {
     using kernels::OpTable;
     OpTable t = kernels::CpuOps();
+    // The model makes the CUDA backend's choices (MoE expert rows padded for cuBLASLt).
+    t.backend = kernels::Backend::kCuda;
     FP8RT_ON_DEVICE(t, OpTable, quantize);
     FP8RT_ON_DEVICE(t, OpTable, dequantize);
     FP8RT_ON_DEVICE(t, OpTable, amax);
     FP8RT_ON_DEVICE(t, OpTable, convert);
-    FP8RT_ON_DEVICE(t, OpTable, gemm_fp8);
+    t.gemm_fp8 = &GemmFp8OnDevice;
     FP8RT_ON_DEVICE(t, OpTable, gemm_bf16);
     FP8RT_ON_DEVICE(t, OpTable, gemm_f32);
     FP8RT_ON_DEVICE(t, OpTable, cast_transpose);
@@ -265,5 +290,12 @@ absl::Status DeviceOpError() {
 }
 
 int64_t DeviceOpsRun() { return ops_run.load(); }
+
+int64_t Fp8GemmsOffCublasLt() { return gemms_off_cublaslt.load(); }
+
+std::string FirstFp8GemmOffCublasLt() {
+  std::lock_guard<std::mutex> lock(route_mu);
+  return first_off_cublaslt;
+}
 
 }  // namespace fp8rt::hostgpu

@@ -14,8 +14,12 @@
 // an op's output without a synchronisation reads it before the op ran: the run's results change.
 // `synchronize` waits for its stream and returns the first error an op returned when it ran.
 //
-// Not modelled: the table still says Backend::kCpu, so the model keeps its CPU choices (MoE expert
-// rows are not padded to the CUDA GEMMs' multiple); allocation is immediate and never reuses
+// The table says Backend::kCuda, so the model makes the CUDA backend's choices: MoE expert rows
+// are padded to the CUDA GEMMs' multiple. Every FP8 GEMM is checked against the rules of
+// cuBLASLt on Hopper (kernels/cuda/gemm_route.h, compute capability 9.0): those that would fall
+// back to the slow kernel there are counted (Fp8GemmsOffCublasLt).
+//
+// Not modelled: allocation is immediate and never reuses
 // memory (the CUDA pool allocates in stream order and may hand a freed array out again while a
 // side-stream collective still reads it: here that read is a use-after-free that ASan reports
 // only if the free ran first); the arrays are cudaMalloc memory, which the NCCL emulation counts
@@ -29,6 +33,7 @@
 #define FP8RT_TESTS_HOSTGPU_STREAM_OPS_H_
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "kernels/ops.h"
@@ -42,6 +47,12 @@ const kernels::OpTable& CpuOpsOnDevice();
 absl::Status DeviceOpError();
 void ResetDeviceOpError();
 int64_t DeviceOpsRun();
+
+// How many FP8 GEMMs the emulated device was given that cuBLASLt would not take on a Hopper GPU
+// (shape or formats: RouteFp8Gemm at compute capability 9.0), and the first of them (its M, N, K
+// and why; empty when none).
+int64_t Fp8GemmsOffCublasLt();
+std::string FirstFp8GemmOffCublasLt();
 
 }  // namespace fp8rt::hostgpu
 

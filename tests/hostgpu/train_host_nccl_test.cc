@@ -4,16 +4,17 @@
 // across GPUs. The model runs the CPU op table as work on the emulated device (stream_ops.h):
 // each op is launched on its stream and runs when the device reaches it, which it does only when
 // the host waits (Settings::lazy_streams); its memory comes from the emulated runtime (device
-// memory, and pinned memory for what the host reads). So the NCCL backend takes the paths it
-// takes on GPUs: stream-ordered collectives (Completion::kStream), FSDP's started all-gathers and
-// gradient reduce-scatters on the side stream, and staging only for the step loop's host values
-// (the loss, the gradient norm, MoE's counts). Every step's loss and gradient norm must be the
-// same bits: every group has two ranks, where a sum's order cannot matter. A result read before
-// NCCL's state left ncclInProgress (the amax sync, the global norm, the MoE counts or tokens, a
-// gathered weight), an op not ordered after the collective that writes its input (or a
-// collective not ordered after the op that writes its send buffer), and a host read of an op's
-// output without a synchronisation would change them. No NCCL call, and no CUDA work on NCCL's
-// stream, may be made while a communicator is still in progress.
+// memory, and pinned memory for what the host reads); the table says Backend::kCuda, so MoE pads
+// each expert's rows as on GPUs, and every FP8 GEMM must have a shape cuBLASLt takes. So the NCCL
+// backend takes the paths it takes on GPUs: stream-ordered collectives (Completion::kStream),
+// FSDP's started all-gathers and gradient reduce-scatters on the side stream, and staging only for
+// the step loop's host values (the loss, the gradient norm, MoE's counts). Every step's loss and
+// gradient norm must be the same bits: every group has two ranks, where a sum's order cannot
+// matter. A result read before NCCL's state left ncclInProgress (the amax sync, the global norm,
+// the MoE counts or tokens, a gathered weight), an op not ordered after the collective that writes
+// its input (or a collective not ordered after the op that writes its send buffer), and a host read
+// of an op's output without a synchronisation would change them. No NCCL call, and no CUDA work on
+// NCCL's stream, may be made while a communicator is still in progress.
 //
 // Built only without FP8RT_CUDA (the sanitizer build in scripts/test): in a CUDA build the op
 // tables' CUDA code would link against the emulation's entry points.
@@ -72,6 +73,7 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
     hostgpu::ResetStats();
     hostgpu::ResetDeviceOpError();
     ops_at_start_ = hostgpu::DeviceOpsRun();
+    off_cublaslt_at_start_ = hostgpu::Fp8GemmsOffCublasLt();
     progress_runs_at_start_ = hostgpu::LazyProgressRuns();
     std::string tmpl = (fs::temp_directory_path() / "fp8rt_train_host_nccl_XXXXXX").string();
     ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
@@ -152,7 +154,8 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
   }
 
   fs::path dir_;
-  int64_t ops_at_start_ = 0, progress_runs_at_start_ = 0;  // the process's counts before the test
+  // The process's counts before the test.
+  int64_t ops_at_start_ = 0, progress_runs_at_start_ = 0, off_cublaslt_at_start_ = 0;
 };
 
 TEST_P(TrainHostNcclTest, SameBitsAsMpi) {
@@ -175,6 +178,10 @@ TEST_P(TrainHostNcclTest, SameBitsAsMpi) {
   // The model's ops ran on the emulated device, none failing there.
   EXPECT_TRUE(hostgpu::DeviceOpError().ok()) << hostgpu::DeviceOpError();
   EXPECT_GT(hostgpu::DeviceOpsRun() - ops_at_start_, 100 * kSteps);
+  // Every FP8 GEMM had a shape cuBLASLt takes on Hopper (issue 23, point 2): with MoE, each
+  // expert's routed rows padded to a multiple of 16 (the table says Backend::kCuda).
+  EXPECT_EQ(hostgpu::Fp8GemmsOffCublasLt() - off_cublaslt_at_start_, 0)
+      << "first: " << hostgpu::FirstFp8GemmOffCublasLt();
   const hostgpu::Stats stats = hostgpu::stats();
   // NCCL's calls were deferred, and the backend took its device paths: collectives on the
   // model's own (emulated device) memory, FSDP's started gathers on the side stream, and every
