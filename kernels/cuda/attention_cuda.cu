@@ -49,8 +49,10 @@
 // tests/gpu/attention_cuda_test.cc holds both to the first-order error bounds of
 // tests/support/attention_check.h against an FP64 evaluation of the contract.
 //
-// Buffers: every pointer is device memory (checked); nothing is allocated; all work is enqueued
-// on the caller's stream.
+// Buffers: every pointer is device memory (checked); all work is enqueued on the caller's stream.
+// Nothing is allocated but the fused BF16 backward's D_i, B * H * T floats of stream-ordered
+// scratch (AllocateOnStream; ResourceExhausted naming attention_backward_bf16 when the device is
+// full).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -487,8 +489,8 @@ absl::Status AttentionBackwardCuda(float* dq, float* dk, float* dv, const float*
                                    const float* q, const float* k, const float* v, const float* out,
                                    const float* lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                    int64_t dh, Stream stream) {
-  return AttentionBackwardOf("attention_backward", false, dq, dk, dv, dout, q, k, v, out, lse, b,
-                             t, h, hkv, dh, stream);
+  return AttentionBackwardOf("attention_backward", false, dq, dk, dv, dout, q, k, v, out, lse, b, t,
+                             h, hkv, dh, stream);
 }
 
 absl::Status AttentionForwardBf16Cuda(float* out, float* lse, const float* q, const float* k,

@@ -3,6 +3,7 @@
 #ifndef FP8RT_KERNELS_CUDA_CUDA_OPS_INTERNAL_H_
 #define FP8RT_KERNELS_CUDA_CUDA_OPS_INTERNAL_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -31,6 +32,10 @@ absl::Status GemmF32Cuda(const F32GemmArgs& args, Stream stream);
 // (kernels/cuda/attention_cuda.cu; the fused BF16 kernels it launches are in
 // kernels/cuda/flash_attention_cuda.cu).
 extern const LayerOps kLayerOps;
+// Stream-ordered scratch for `op`: `bytes` on `stream` from the device's array pool, given back
+// with cudaFreeAsync on the same stream once the work using it is enqueued (no wait either way).
+// ResourceExhausted naming op and the size when the device is full.
+absl::StatusOr<void*> AllocateOnStream(const char* op, size_t bytes, Stream stream);
 absl::Status AttentionForwardCuda(float* out, float* lse, const float* q, const float* k,
                                   const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                   int64_t dh, Stream stream);
@@ -87,9 +92,11 @@ absl::Status CheckDevicePointers(std::initializer_list<std::pair<const char*, co
 // The allocations of LayerOps::allocate, registered there and removed by deallocate.
 class AllocationRegistry;
 AllocationRegistry& BackendAllocations();
-// Blocks of `kernel` (a __global__ function) at `threads` threads that fit on one multiprocessor
-// of the current device, asked of the runtime once per (kernel, threads, device) and remembered.
-absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads);
+// Blocks of `kernel` (a __global__ function) at `threads` threads and `dynamic_bytes` of dynamic
+// shared memory that fit on one multiprocessor of the current device, asked of the runtime once
+// per (kernel, threads, bytes, device) and remembered. A kernel over 48 KiB of dynamic shared
+// memory must have been allowed it first (AllowDynamicSharedMemory).
+absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads, size_t dynamic_bytes = 0);
 // Lets `kernel` launch with `bytes` of dynamic shared memory (over the default 48 KiB) on the
 // current device: the kernel's limit is only ever raised (cudaFuncSetAttribute when `bytes` is
 // more than any earlier call asked for on that device), so launches of any sizes, in any order

@@ -105,26 +105,28 @@ absl::Status CheckDevicePointers(std::initializer_list<std::pair<const char*, co
 
 namespace {
 
-// compute() for (kernel, param) on the current device, asked once and remembered.
+// compute() for (kernel, param, bytes) on the current device, asked once and remembered.
 template <class Compute>
-absl::StatusOr<int> OncePerKernel(const void* kernel, int param, const Compute& compute) {
+absl::StatusOr<int> OncePerKernel(const void* kernel, int param, size_t bytes,
+                                  const Compute& compute) {
   struct Key {
     const void* kernel;
     int param;
+    size_t bytes;
     int device;
     bool operator==(const Key&) const = default;
   };
   struct KeyHash {
     size_t operator()(const Key& k) const {
       return std::hash<const void*>()(k.kernel) ^ (static_cast<size_t>(k.param) << 20) ^
-             static_cast<size_t>(k.device);
+             (k.bytes << 36) ^ static_cast<size_t>(k.device);
     }
   };
   static std::mutex mu;
   static auto* known = new std::unordered_map<Key, int, KeyHash>();  // Guarded by mu
   int device = 0;
   CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  const Key key{kernel, param, device};
+  const Key key{kernel, param, bytes, device};
   {
     std::lock_guard<std::mutex> lock(mu);
     if (auto it = known->find(key); it != known->end()) return it->second;
@@ -138,11 +140,11 @@ absl::StatusOr<int> OncePerKernel(const void* kernel, int param, const Compute& 
 
 }  // namespace
 
-absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads) {
-  return OncePerKernel(kernel, threads, [&]() -> absl::StatusOr<int> {
+absl::StatusOr<int> KernelBlocksPerSm(const void* kernel, int threads, size_t dynamic_bytes) {
+  return OncePerKernel(kernel, threads, dynamic_bytes, [&]() -> absl::StatusOr<int> {
     int per_sm = 0;
     CUDA_RETURN_IF_ERROR(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, dynamic_bytes));
     return per_sm;
   });
 }

@@ -19,8 +19,15 @@
 //                        dP^T = V dO^T, P^T and dS^T as above, dV += P^T dO, dK += dS^T Q; then
 //                        dk += dK, dv += dV
 // dq and the kv gradients come from two kernels, each owning what it writes, so nothing is added
-// with atomics: reruns give the same bits. D_i = dout_i . out_i is recomputed from the FP32 out
-// and dout by each block that needs it (64 dot products per tile pair of 4 x 64 x 64 x Dh MMAs).
+// with atomics: reruns give the same bits. D_i = dout_i . out_i (FP32, one warp per row) is
+// computed once per row, by FlashDqKernel as it loads its query tile, and kept in stream-ordered
+// scratch ([B, H, T] floats, as lse) for FlashDkDvKernel, which reads it per query tile instead of
+// recomputing it for every key tile.
+//
+// Launches: as many blocks as fit on the device at once (the runtime's occupancy for the kernel's
+// shared memory, asked once per kernel, size and device), each looping over its work items. Tiles
+// load four floats at a time where the rows allow it (Dh and the row stride multiples of 4, the
+// base 16-byte aligned), one at a time otherwise: the same BF16 values either way.
 //
 // Numerics (the bounds of tests/support/attention_check.h, Precision::Bf16TensorCores): the
 // operands of the matrix products (q, k, v, dout, p, ds) are rounded to BF16 (round to nearest
@@ -146,9 +153,25 @@ size_t BackwardSmemBytes(const Strides& st, bool two_accumulators) {
 }
 
 // dst [kTile, ld] (BF16) = rows row0 .. row0 + kTile - 1 of src (row r at src + r * stride),
-// zero for rows >= t and columns >= dh up to dhp. Every thread of the block takes part.
+// zero for rows >= t and columns >= dh up to dhp. Every thread of the block takes part. Four
+// columns at a time (one 16-byte load, two BF16 pairs stored) when every row's start is 16-byte
+// aligned and dh a multiple of 4, so that a group of four is all inside dh or all past it; the
+// same choice for every thread of the block. ld is a multiple of 8, so the pairs are aligned.
 __device__ __forceinline__ void LoadTile(Bf16* dst, int ld, const float* src, int64_t stride,
                                          int64_t row0, int64_t t, int64_t dh, int dhp) {
+  if (dh % 4 == 0 && stride % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    const int groups = dhp / 4;
+    for (int e = threadIdx.x; e < kTile * groups; e += kThreads) {
+      const int r = e / groups, c = (e - r * groups) * 4;
+      const int64_t row = row0 + r;
+      float4 x = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (row < t && c < dh) x = *reinterpret_cast<const float4*>(src + row * stride + c);
+      auto* pair = reinterpret_cast<__nv_bfloat162*>(dst + r * ld + c);
+      pair[0] = __floats2bfloat162_rn(x.x, x.y);  // .x is the lower address, column c
+      pair[1] = __floats2bfloat162_rn(x.z, x.w);
+    }
+    return;
+  }
   for (int e = threadIdx.x; e < kTile * dhp; e += kThreads) {
     const int r = e / dhp, c = e - r * dhp;
     const int64_t row = row0 + r;
@@ -194,10 +217,12 @@ __device__ __forceinline__ void AccumulateRowsTimes(float* c, int ldc, const Bf1
 }
 
 // lse and D_i = dout_i . out_i (FP32, one warp per row) of the query tile starting at row i0 of
-// head view hv, into sm.lse and sm.row_term (0 for rows >= t).
-__device__ __forceinline__ void LoadRowStats(const BackwardSmem& sm, const float* dout,
-                                             const float* out, const float* lse, const HeadView& hv,
-                                             int64_t i0, int64_t t, int64_t dh) {
+// head view hv, into sm.lse and sm.row_term (0 for rows >= t), and D_i into
+// row_terms[bh * t + i] for the rows < t.
+__device__ __forceinline__ void ComputeRowStats(const BackwardSmem& sm, float* row_terms,
+                                                const float* dout, const float* out,
+                                                const float* lse, const HeadView& hv, int64_t i0,
+                                                int64_t t, int64_t dh) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int r = warp; r < kTile; r += kWarps) {
     const int64_t i = i0 + r;
@@ -206,7 +231,20 @@ __device__ __forceinline__ void LoadRowStats(const BackwardSmem& sm, const float
     if (lane == 0) {
       sm.row_term[r] = d;
       sm.lse[r] = i < t ? lse[hv.bh * t + i] : 0.0f;
+      if (i < t) row_terms[hv.bh * t + i] = d;
     }
+  }
+}
+
+// lse and D_i of the query tile starting at row i0 of head view hv, read from lse and
+// row_terms (ComputeRowStats' values), into sm.lse and sm.row_term (0 for rows >= t).
+__device__ __forceinline__ void LoadRowStats(const BackwardSmem& sm, const float* row_terms,
+                                             const float* lse, const HeadView& hv, int64_t i0,
+                                             int64_t t) {
+  for (int r = threadIdx.x; r < kTile; r += kThreads) {
+    const int64_t i = i0 + r;
+    sm.row_term[r] = i < t ? row_terms[hv.bh * t + i] : 0.0f;
+    sm.lse[r] = i < t ? lse[hv.bh * t + i] : 0.0f;
   }
 }
 
@@ -317,11 +355,11 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 __global__ void __launch_bounds__(kThreads)
-    FlashDqKernel(float* __restrict__ dq, const float* __restrict__ dout,
-                  const float* __restrict__ q, const float* __restrict__ k,
-                  const float* __restrict__ v, const float* __restrict__ out,
-                  const float* __restrict__ lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
-                  int64_t dh, float scale) {
+    FlashDqKernel(float* __restrict__ dq, float* __restrict__ row_terms,
+                  const float* __restrict__ dout, const float* __restrict__ q,
+                  const float* __restrict__ k, const float* __restrict__ v,
+                  const float* __restrict__ out, const float* __restrict__ lse, int64_t b,
+                  int64_t t, int64_t h, int64_t hkv, int64_t dh, float scale) {
   extern __shared__ __align__(128) unsigned char smem[];
   const Strides st = StridesOf(dh);
   Carver carver{smem};
@@ -338,7 +376,7 @@ __global__ void __launch_bounds__(kThreads)
     LoadTile(sm.q, st.ldh, q + hv.offset, hv.stride, i0, t, dh, st.dhp);
     LoadTile(sm.dout, st.ldh, dout + hv.offset, hv.stride, i0, t, dh, st.dhp);
     for (int e = threadIdx.x; e < kTile * st.ldo; e += kThreads) sm.acc0[e] = 0.0f;
-    LoadRowStats(sm, dout, out, lse, hv, i0, t, dh);
+    ComputeRowStats(sm, row_terms, dout, out, lse, hv, i0, t, dh);
     const int64_t keys = min(t, i0 + kTile);
     for (int64_t j0 = 0; j0 < keys; j0 += kTile) {
       __syncthreads();
@@ -369,7 +407,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     FlashDkDvKernel(float* __restrict__ dk, float* __restrict__ dv, const float* __restrict__ dout,
                     const float* __restrict__ q, const float* __restrict__ k,
-                    const float* __restrict__ v, const float* __restrict__ out,
+                    const float* __restrict__ v, const float* __restrict__ row_terms,
                     const float* __restrict__ lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
                     int64_t dh, float scale) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -399,7 +437,7 @@ __global__ void __launch_bounds__(kThreads)
         __syncthreads();                            // the previous query tile is no longer read
         LoadTile(sm.q, st.ldh, q + hv.offset, hv.stride, i0, t, dh, st.dhp);
         LoadTile(sm.dout, st.ldh, dout + hv.offset, hv.stride, i0, t, dh, st.dhp);
-        LoadRowStats(sm, dout, out, lse, hv, i0, t, dh);
+        LoadRowStats(sm, row_terms, lse, hv, i0, t);
         __syncthreads();
         // Transposed: the warp's key rows against the tile's queries.
         RowsTimesRowsT(sm.s + r0 * kLdS, sm.k + r0 * st.ldh, st.ldh, sm.q, st.ldh, st.dhp);
@@ -431,14 +469,16 @@ __global__ void __launch_bounds__(kThreads)
 cudaStream_t ToCuda(Stream stream) { return static_cast<cudaStream_t>(stream.handle); }
 
 // Launches `kernel` over `items` work items with `bytes` of dynamic shared memory: as many
-// blocks as fit on the device at once, each looping over its items.
+// blocks as fit on the device at once (its occupancy at that size, at least one per
+// multiprocessor), each looping over its items.
 template <class Kernel, class... Args>
 absl::Status LaunchFused(Kernel kernel, int64_t items, size_t bytes, cudaStream_t stream,
                          Args... args) {
   const void* fn = reinterpret_cast<const void*>(kernel);
   FP8RT_RETURN_IF_ERROR(AllowDynamicSharedMemory(fn, static_cast<int>(bytes)));
   FP8RT_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSmCount());
-  const unsigned grid = static_cast<unsigned>(GridFor(items, 1, sms, 2));
+  FP8RT_ASSIGN_OR_RETURN(const int per_sm, KernelBlocksPerSm(fn, kThreads, bytes));
+  const unsigned grid = static_cast<unsigned>(GridFor(items, 1, sms, std::max(per_sm, 1)));
   kernel<<<dim3(grid), dim3(kThreads), bytes, stream>>>(args...);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
@@ -471,10 +511,24 @@ absl::Status LaunchFlashBackward(float* dq, float* dk, float* dv, const float* d
   const int64_t tiles = (t + kTile - 1) / kTile;
   const Strides st = StridesOf(dh);
   const cudaStream_t s = ToCuda(stream);
-  FP8RT_RETURN_IF_ERROR(LaunchFused(FlashDqKernel, b * h * tiles, BackwardSmemBytes(st, false), s,
-                                    dq, dout, q, k, v, out, lse, b, t, h, hkv, dh, scale));
-  return LaunchFused(FlashDkDvKernel, b * hkv * tiles, BackwardSmemBytes(st, true), s, dk, dv, dout,
-                     q, k, v, out, lse, b, t, h, hkv, dh, scale);
+  // D_i of every row: written by FlashDqKernel, read by FlashDkDvKernel after it on the stream.
+  FP8RT_ASSIGN_OR_RETURN(void* const scratch,
+                         AllocateOnStream("attention_backward_bf16",
+                                          static_cast<size_t>(b * h * t) * sizeof(float), stream));
+  float* const row_terms = static_cast<float*>(scratch);
+  const absl::Status launched = [&]() -> absl::Status {
+    FP8RT_RETURN_IF_ERROR(LaunchFused(FlashDqKernel, b * h * tiles, BackwardSmemBytes(st, false), s,
+                                      dq, row_terms, dout, q, k, v, out, lse, b, t, h, hkv, dh,
+                                      scale));
+    return LaunchFused(FlashDkDvKernel, b * hkv * tiles, BackwardSmemBytes(st, true), s, dk, dv,
+                       dout, q, k, v, static_cast<const float*>(row_terms), lse, b, t, h, hkv, dh,
+                       scale);
+  }();
+  // Freed in stream order after whatever was enqueued, whether or not both launches went through.
+  const cudaError_t freed = cudaFreeAsync(scratch, s);
+  FP8RT_RETURN_IF_ERROR(launched);
+  CUDA_RETURN_IF_ERROR(freed);
+  return absl::OkStatus();
 }
 
 }  // namespace fp8rt::kernels::cuda_internal

@@ -47,15 +47,16 @@
 //
 // Buffers: every pointer is device memory, checked before anything is launched (a null pointer
 // is refused when the op has work). Nothing is allocated but by allocate, except sum_squares'
-// block partials (at most 4 KB) and embedding_backward's sort buffers (24 bytes per token plus
-// CUB's scratch): stream-ordered scratch, cudaMallocFromPoolAsync / cudaFreeAsync on the given
-// stream from the array pool (which gives its unused memory back when the device is full), which
-// neither waits nor races with the same op on other streams. Every launch goes on the given stream,
-// and no entry waits for it but synchronize (and deallocate of managed or pinned memory: cudaFree
-// and cudaFreeHost wait; device-only arrays are stream-ordered and do not). Token ids outside [0,
-// V) are the caller's to prevent: here they never make a kernel touch memory outside the buffers
-// (embedding_forward writes NaN rows for them, embedding_backward skips them), so they cannot
-// poison the context.
+// block partials (at most 4 KB), embedding_backward's sort buffers (24 bytes per token plus
+// CUB's scratch) and the fused attention backward's D_i (4 bytes per query row and head,
+// kernels/cuda/flash_attention_cuda.cu): stream-ordered scratch, cudaMallocFromPoolAsync /
+// cudaFreeAsync on the given stream from the array pool (which gives its unused memory back when
+// the device is full), which neither waits nor races with the same op on other streams. Every
+// launch goes on the given stream, and no entry waits for it but synchronize (and deallocate of
+// managed or pinned memory: cudaFree and cudaFreeHost wait; device-only arrays are stream-ordered
+// and do not). Token ids outside [0, V) are the caller's to prevent: here they never make a kernel
+// touch memory outside the buffers (embedding_forward writes NaN rows for them, embedding_backward
+// skips them), so they cannot poison the context.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -685,11 +686,12 @@ absl::Status AllocationError(const std::string& what, cudaError_t err) {
                                           : absl::InternalError(message);
 }
 
-// Stream-ordered scratch for `op`: `bytes` on `stream` from the device's array pool
+}  // namespace
+
+// Declared in cuda_ops_internal.h: stream-ordered scratch from the device's array pool
 // (MallocFromDevicePool; when the device is full, the pool's unused memory goes back to the
-// driver and the allocation runs once more: a large free block may be what it lacks), to be
-// given back with cudaFreeAsync on the same stream once the work using it
-// is enqueued. On failure, AllocationError's status.
+// driver and the allocation runs once more: a large free block may be what it lacks). On
+// failure, AllocationError's status.
 absl::StatusOr<void*> AllocateOnStream(const char* op, size_t bytes, Stream stream) {
   void* p = nullptr;
   const cudaError_t err =
@@ -697,6 +699,8 @@ absl::StatusOr<void*> AllocateOnStream(const char* op, size_t bytes, Stream stre
   if (err == cudaSuccess) return p;
   return AllocationError(absl::StrCat(op, ": allocating ", bytes, " bytes of scratch"), err);
 }
+
+namespace {
 
 // --- entries -------------------------------------------------------------------------------------
 

@@ -95,6 +95,7 @@ using gpu_test::DeviceBuffer;
 using gpu_test::Download;
 using gpu_test::Poison;
 using gpu_test::Put;
+using gpu_test::Upload;
 
 uint32_t Bits(float x) { return std::bit_cast<uint32_t>(x); }
 
@@ -375,8 +376,9 @@ const AttnShape kBf16Shapes[] = {
     {2, 257, 8, 2, 64},    // grouped-query: four query heads per kv head
     {1, 100, 6, 1, 128},   // multi-query
     {1, 1100, 2, 2, 16},   // 18 tiles
-    {8, 512, 16, 16, 64},  // 1,024 work items over at most 2 blocks per SM (264 on an H100 or
-                           // H200): blocks move on to further items, re-initialising their state
+    {8, 512, 16, 16, 64},  // 1,024 work items over the blocks the occupancy allows per SM
+                           // (far fewer than 1,024 on any GPU): blocks move on to further items,
+                           // re-initialising their state
     {1, 70, 4, 2, 300},    // Dh > 128: the FP32 kernels
 };
 
@@ -432,8 +434,7 @@ TEST_P(AttentionBf16Test, BackwardAccumulatesWithinBf16BoundsAndReruns) {
   const AttnData x(GetParam(), 5000);
   const Saved saved = CpuSaved(cpu_, x);
   ASSERT_FALSE(HasFailure());
-  const BackwardWant want =
-      ExactBackward(x, saved.out, saved.lse, Precision::Bf16TensorCores());
+  const BackwardWant want = ExactBackward(x, saved.out, saved.lse, Precision::Bf16TensorCores());
   const AttnBuffers d(x);
   d.PutSaved(saved.out, saved.lse);
   AttnBuffers::Grads runs[2];
@@ -470,6 +471,45 @@ TEST_F(CudaLayerTest, Bf16HeadSizesInAnyOrderLaunchAndStayWithinBounds) {
                                                          want.out, want.out_bound);
     EXPECT_TRUE(err.empty()) << err;
   }
+}
+
+// The fused kernels load their tiles four floats at a time where every row starts 16-byte
+// aligned, one at a time otherwise (flash_attention_cuda.cu, LoadTile): q, k, v, dout and out
+// starting one float past an aligned address take the scalar loads and must give the aligned
+// buffers' bits, forward and backward.
+TEST_F(CudaLayerTest, Bf16UnalignedOperandsGiveTheAlignedBits) {
+  const AttnData x(AttnShape{2, 130, 4, 2, 64}, 7000);
+  const AttnBuffers d(x);
+  ASSERT_TRUE(d.Forward(*gpu_, stream(), /*bf16=*/true).ok());
+  d.PutGrads(x.dq0, x.dk0, x.dv0);
+  ASSERT_TRUE(d.Backward(*gpu_, stream(), /*bf16=*/true).ok());
+  Sync();
+  const std::vector<float> out = Download<float>(d.out, x.size);
+  const std::vector<float> lse = Download<float>(d.lse, x.lse_size);
+  const AttnBuffers::Grads grads = d.DownloadGrads(x);
+
+  auto shifted = [](const std::vector<float>& v) {  // v from the second float of the buffer
+    std::vector<float> s(v.size() + 1, 0.0f);
+    std::copy(v.begin(), v.end(), s.begin() + 1);
+    return Upload(s);
+  };
+  const DeviceBuffer q = shifted(x.q), k = shifted(x.k), v = shifted(x.v), dout = shifted(x.dout),
+                     saved_out = shifted(out);
+  DeviceBuffer out1(x.size * 4), lse1(x.lse_size * 4);
+  ASSERT_TRUE(gpu_->attention_forward_bf16(out1.f(), lse1.f(), q.f() + 1, k.f() + 1, v.f() + 1,
+                                           x.s.b, x.s.t, x.s.h, x.s.hkv, x.s.dh, stream())
+                  .ok());
+  const DeviceBuffer dq = Upload(x.dq0), dk = Upload(x.dk0), dv = Upload(x.dv0);
+  ASSERT_TRUE(gpu_->attention_backward_bf16(dq.f(), dk.f(), dv.f(), dout.f() + 1, q.f() + 1,
+                                            k.f() + 1, v.f() + 1, saved_out.f() + 1, d.lse.f(),
+                                            x.s.b, x.s.t, x.s.h, x.s.hkv, x.s.dh, stream())
+                  .ok());
+  Sync();
+  EXPECT_TRUE(SameBits(Download<float>(out1, x.size), out)) << "out";
+  EXPECT_TRUE(SameBits(Download<float>(lse1, x.lse_size), lse)) << "lse";
+  EXPECT_TRUE(SameBits(Download<float>(dq, x.size), grads.dq)) << "dq";
+  EXPECT_TRUE(SameBits(Download<float>(dk, x.kv_size), grads.dk)) << "dk";
+  EXPECT_TRUE(SameBits(Download<float>(dv, x.kv_size), grads.dv)) << "dv";
 }
 
 // The BF16 entries check their arguments as the FP32 ones do, naming themselves.
