@@ -45,7 +45,8 @@ constexpr const char* kUsageHead =
 constexpr const char* kUsageModel =
     "  export RUN_DIR [--step N] --out DIR [--dtype f32|bf16]\n"
     "                  Hugging Face model.safetensors + config.json (GPT2LMHeadModel,\n"
-    "                  LlamaForCausalLM) from a checkpoint written at any layout\n"
+    "                  LlamaForCausalLM, MixtralForCausalLM) from a checkpoint written at\n"
+    "                  any layout\n"
     "  eval (--run-dir DIR [--step N] | --weights F.safetensors --spec S) [--data F]\n"
     "       [--format text|u16|u32|llmc] [--batches N] [--json]\n"
     "                  mean loss over non-overlapping windows of seq_len + 1 tokens\n"

@@ -11,7 +11,8 @@
 //       samples a byte-level model (data.format text); the same seed gives the same text
 // W: Hugging Face weights: a safetensors file, an index of shards (model.safetensors.index.json)
 // or a folder holding either (SafetensorsSet::Open). A checkpoint is read at any layout, MoE
-// included (every expert on this process); export refuses MoE, which has no Hugging Face class.
+// included (every expert on this process); export writes MoE models as Mixtral (llama with MoE in
+// every block) and refuses the others, naming the field.
 // Exit codes: 0 done, 2 bad input or options (the message names the file, option or field).
 #include <unistd.h>
 
@@ -28,8 +29,8 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "runtime/core/program.h"
-#include "runtime/spec/run_spec.h"
 #include "runtime/core/status.h"
+#include "runtime/spec/run_spec.h"
 #include "runtime/train/data_loader.h"
 #include "runtime/worker/recipe.h"
 #include "runtime/worker/weights.h"
@@ -92,7 +93,8 @@ int Export(const Source& src, const std::string& out, const std::string& dtype) 
     return Fail("export", absl::InvalidArgumentError("--dtype: f32 or bf16, got '" +
                                                      dtype.substr(0, 16) + "'"));
   }
-  absl::StatusOr<worker::CheckpointWeights> w = worker::ReadCheckpointWeights(src.run_dir, src.step);
+  absl::StatusOr<worker::CheckpointWeights> w =
+      worker::ReadCheckpointWeights(src.run_dir, src.step);
   if (!w.ok()) return Fail("export", w.status());
   // The shapes came with the weights: no second model to build.
   const absl::Status s = worker::ExportHuggingFace(worker::ShapeFromSpec(w->spec), w->shapes,
@@ -112,19 +114,20 @@ int Eval(const Source& src, std::string data, std::string format, int64_t batche
     format = std::string(train::TokenFormatName(worker::FormatFromSpec(l->spec)));
   }
   absl::StatusOr<train::TokenFormat> fmt = train::ParseTokenFormat(format);
-  if (!fmt.ok()) return Fail("eval", absl::InvalidArgumentError("--format: " +
-                                                                std::string(fmt.status().message())));
+  if (!fmt.ok())
+    return Fail("eval",
+                absl::InvalidArgumentError("--format: " + std::string(fmt.status().message())));
   absl::StatusOr<std::unique_ptr<train::TokenDataset>> ds =
       train::TokenDataset::Open(data, *fmt, l->solo->shape.vocab);
   if (!ds.ok()) return Fail("eval", ds.status());
   const int64_t T = l->solo->shape.seq_len, mb = std::max(1, l->spec.train().micro_batch());
   const uint64_t windows = (*ds)->size() / static_cast<uint64_t>(T + 1);
-  const uint64_t rows = batches > 0 ? std::min<uint64_t>(windows, static_cast<uint64_t>(batches * mb))
-                                    : windows;
+  const uint64_t rows =
+      batches > 0 ? std::min<uint64_t>(windows, static_cast<uint64_t>(batches * mb)) : windows;
   if (rows == 0) {
-    return Fail("eval", absl::InvalidArgumentError(absl::StrCat(
-                            data, ": ", (*ds)->size(), " tokens hold no window of seq_len + 1 = ",
-                            T + 1)));
+    return Fail("eval",
+                absl::InvalidArgumentError(absl::StrCat(
+                    data, ": ", (*ds)->size(), " tokens hold no window of seq_len + 1 = ", T + 1)));
   }
   model::Transformer& m = *l->solo->model;
   double sum = 0.0;
@@ -139,15 +142,18 @@ int Eval(const Source& src, std::string data, std::string format, int64_t batche
     if (!loss.ok()) return Fail("eval", loss.status());
     sum += static_cast<double>(*loss) * static_cast<double>(n);
     done += n;
-    if (!json && isatty(2)) std::fprintf(stderr, "\reval: %llu / %llu windows", 
-                                         static_cast<unsigned long long>(done),
-                                         static_cast<unsigned long long>(rows));
+    if (!json && isatty(2))
+      std::fprintf(stderr, "\reval: %llu / %llu windows", static_cast<unsigned long long>(done),
+                   static_cast<unsigned long long>(rows));
   }
   if (!json && isatty(2)) std::fprintf(stderr, "\n");
   const double mean = sum / static_cast<double>(rows);
   if (json) {
-    nlohmann::ordered_json j{{"loss", mean}, {"windows", rows}, {"tokens", rows * T},
-                             {"data", data}, {"format", format}};
+    nlohmann::ordered_json j{{"loss", mean},
+                             {"windows", rows},
+                             {"tokens", rows * T},
+                             {"data", data},
+                             {"format", format}};
     std::cout << j.dump() << "\n";
   } else {
     std::printf("loss %.6f over %llu windows of %lld tokens (%s, %s)\n", mean,
@@ -199,8 +205,8 @@ int Generate(const Source& src, const std::string& prompt, int64_t count, double
     });
     int32_t next = order[0];
     if (temperature > 0.0) {
-      const size_t k = top_k > 0 ? std::min<size_t>(order.size(), static_cast<size_t>(top_k))
-                                 : order.size();
+      const size_t k =
+          top_k > 0 ? std::min<size_t>(order.size(), static_cast<size_t>(top_k)) : order.size();
       std::vector<double> p(k);
       const double top = logits[static_cast<size_t>(order[0])];
       double z = 0.0;
@@ -222,7 +228,9 @@ int Generate(const Source& src, const std::string& prompt, int64_t count, double
     text.push_back(next);
     out.push_back(static_cast<char>(next));
   }
-  std::printf("%s%s\n", prompt.c_str(), out.c_str());
+  // Bytes as they are: a sampled 0 byte must not end the text (printf's %s would stop there).
+  out = prompt + out + "\n";
+  std::fwrite(out.data(), 1, out.size(), stdout);
   return 0;
 }
 

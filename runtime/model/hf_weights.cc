@@ -10,6 +10,7 @@
 #include <set>
 #include <string_view>
 #include <system_error>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -32,7 +33,13 @@ struct Entry {
   std::string ours;
   Kind kind = Kind::kCopy;
   int64_t offset = 0;
+  bool expert = false;  // an MoE expert's weight: a rank holds those of its ep rank only
 };
+
+// Whether block l has an MoE MLP (Transformer::Build's rule).
+bool IsMoeBlock(const ModelShape& s, int64_t l) {
+  return s.moe.experts > 0 && (l + 1) % s.moe_every == 0;
+}
 
 bool IsGpt2(const ModelShape& s) { return s.norm == NormKind::kLayer; }
 
@@ -69,7 +76,8 @@ std::vector<Entry> Entries(const ModelShape& s) {
     add("transformer.wte.weight", {v, c}, "embedding/weight");
     add("transformer.wpe.weight", {s.max_positions, c}, "positions/weight");
     for (int64_t l = 0; l < s.layers; ++l) {
-      const std::string hf = absl::StrCat("transformer.h.", l, "."), o = absl::StrCat("blocks.", l, ".");
+      const std::string hf = absl::StrCat("transformer.h.", l, "."),
+                        o = absl::StrCat("blocks.", l, ".");
       add(hf + "ln_1.weight", {c}, o + "attn_norm/weight");
       add(hf + "ln_1.bias", {c}, o + "attn_norm/bias");
       add(hf + "attn.c_attn.weight", {c, qkv}, o + "attn.qkv/weight", Kind::kQkvConv1D);
@@ -89,7 +97,8 @@ std::vector<Entry> Entries(const ModelShape& s) {
   }
   add("model.embed_tokens.weight", {v, c}, "embedding/weight");
   for (int64_t l = 0; l < s.layers; ++l) {
-    const std::string hf = absl::StrCat("model.layers.", l, "."), o = absl::StrCat("blocks.", l, ".");
+    const std::string hf = absl::StrCat("model.layers.", l, "."),
+                      o = absl::StrCat("blocks.", l, ".");
     add(hf + "input_layernorm.weight", {c}, o + "attn_norm/weight");
     add(hf + "self_attn.q_proj.weight", {h * dh, c}, o + "attn.qkv/weight", Kind::kQkvRows, 0);
     add(hf + "self_attn.k_proj.weight", {kv * dh, c}, o + "attn.qkv/weight", Kind::kQkvRows,
@@ -98,6 +107,25 @@ std::vector<Entry> Entries(const ModelShape& s) {
         (h + kv) * dh);
     add(hf + "self_attn.o_proj.weight", {c, c}, o + "attn.proj/weight");
     add(hf + "post_attention_layernorm.weight", {c}, o + "mlp_norm/weight");
+    if (IsMoeBlock(s, l)) {
+      // Mixtral's MixtralSparseMoeBlock: the router `gate` [E, C] (a Linear without bias), and
+      // per expert w1 (gate_proj), w3 (up_proj) [F, C] and w2 (down_proj) [C, F].
+      add(hf + "block_sparse_moe.gate.weight", {s.moe.experts, c}, o + "mlp.router/weight");
+      for (int64_t x = 0; x < s.moe.experts; ++x) {
+        const std::string he = absl::StrCat(hf, "block_sparse_moe.experts.", x, ".");
+        const std::string oe = absl::StrCat(o, "mlp.experts.", x, ".");
+        for (const auto& [w, ours, shape] :
+             {std::tuple<const char*, const char*, std::vector<int64_t>>{"w1", "gate", {f, c}},
+              {"w3", "up", {f, c}},
+              {"w2", "down", {c, f}}}) {
+          e.push_back({.hf = absl::StrCat(he, w, ".weight"),
+                       .hf_shape = shape,
+                       .ours = absl::StrCat(oe, ours, "/weight"),
+                       .expert = true});
+        }
+      }
+      continue;
+    }
     add(hf + "mlp.gate_proj.weight", {f, c}, o + "mlp.gate/weight");
     add(hf + "mlp.up_proj.weight", {f, c}, o + "mlp.up/weight");
     add(hf + "mlp.down_proj.weight", {c, f}, o + "mlp.down/weight");
@@ -187,11 +215,25 @@ absl::Status CheckInvFreq(const ModelShape& s, const SafetensorsFile& file,
 
 absl::Status CheckHfArchitecture(const ModelShape& s) {
   auto bad = [](const char* field, const std::string& why) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ": ", why, " (Hugging Face's GPT2LMHeadModel and LlamaForCausalLM "
-                                       "are the gpt2 and llama families as they are)"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": ", why,
+        " (Hugging Face's GPT2LMHeadModel and LlamaForCausalLM are the gpt2 and llama families as "
+        "they are; MixtralForCausalLM is llama with an MoE MLP in every block)"));
   };
-  if (s.moe.experts > 0) return bad("moe.experts", "MoE models have no Hugging Face class here");
+  if (s.moe.experts > 0) {
+    const bool llama = s.norm == NormKind::kRms && s.mlp == MlpKind::kSwiglu &&
+                       s.positions == PositionKind::kRope && !s.bias;
+    if (!llama) {
+      return bad("moe.experts",
+                 "an MoE model has a Hugging Face class only as Mixtral (the llama "
+                 "family)");
+    }
+    if (s.moe_every != 1) {
+      return bad("moe.every", absl::StrCat("Mixtral has an MoE MLP in every block; this model "
+                                           "has one in every ",
+                                           s.moe_every, "th"));
+    }
+  }
   if (s.norm == NormKind::kLayer) {
     if (s.mlp != MlpKind::kGelu) return bad("model.mlp", "GPT-2 has a GELU MLP");
     if (s.positions != PositionKind::kLearned)
@@ -229,8 +271,9 @@ absl::StatusOr<std::string> HfConfigJson(const ModelShape& s, const std::string&
     j["attn_pdrop"] = 0.0;
     j["scale_attn_weights"] = true;
   } else {
-    j["architectures"] = {"LlamaForCausalLM"};
-    j["model_type"] = "llama";
+    const bool mixtral = s.moe.experts > 0;
+    j["architectures"] = {mixtral ? "MixtralForCausalLM" : "LlamaForCausalLM"};
+    j["model_type"] = mixtral ? "mixtral" : "llama";
     j["vocab_size"] = s.vocab;
     j["hidden_size"] = s.d_model;
     j["intermediate_size"] = s.d_ff;
@@ -242,8 +285,20 @@ absl::StatusOr<std::string> HfConfigJson(const ModelShape& s, const std::string&
     j["max_position_embeddings"] = s.max_positions;
     j["rms_norm_eps"] = Shortest(s.norm_eps);
     j["rope_theta"] = Shortest(s.rope_theta);
-    j["attention_bias"] = false;
-    j["mlp_bias"] = false;
+    if (mixtral) {
+      // Mixtral routes every token to its top num_experts_per_tok experts of the softmax over
+      // all of them, renormalised, and never drops one (fp8rt drops over capacity unless
+      // moe.drop_tokens is false); it has no sliding window here.
+      j["num_local_experts"] = s.moe.experts;
+      j["num_experts_per_tok"] = s.moe.top_k;
+      j["router_aux_loss_coef"] = s.moe.aux_loss_coef;
+      j["output_router_logits"] = false;
+      j["router_jitter_noise"] = 0.0;
+      j["sliding_window"] = nullptr;
+    } else {
+      j["attention_bias"] = false;
+      j["mlp_bias"] = false;
+    }
   }
   j["tie_word_embeddings"] = s.tie_embeddings;
   j["torch_dtype"] = dtype;
@@ -259,8 +314,8 @@ absl::StatusOr<std::vector<HfTensor>> ToHuggingFace(
     const auto s = shapes.find(e.ours);
     const auto p = params.find(e.ours);
     if (s == shapes.end() || p == params.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("parameter ", e.ours, " (for ", e.hf,
-                                                     ") is missing"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameter ", e.ours, " (for ", e.hf, ") is missing"));
     }
     if (static_cast<int64_t>(p->second.size()) != s->second.rows * s->second.cols) {
       return absl::InvalidArgumentError(absl::StrCat("parameter ", e.ours, " has ",
@@ -293,17 +348,23 @@ absl::Status ForEachHfParam(
         FP8RT_RETURN_IF_ERROR(CheckInvFreq(shape, part, t));
         continue;  // Llama's RoPE frequencies (older transformers saved them): no parameter
       }
-      return absl::InvalidArgumentError(absl::StrCat(
-          part.name(), ": tensor '", t.name.substr(0, 64), "' is not a parameter of this model (",
-          shape.layers, " layers, ", IsGpt2(shape) ? "gpt2" : "llama",
-          shape.tie_embeddings ? ", tied embeddings" : "", ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(part.name(), ": tensor '", t.name.substr(0, 64),
+                       "' is not a parameter of this model (", shape.layers, " layers, ",
+                       IsGpt2(shape)           ? "gpt2"
+                       : shape.moe.experts > 0 ? "mixtral"
+                                               : "llama",
+                       shape.tie_embeddings ? ", tied embeddings" : "", ")"));
     }
   }
   // Every check first, so that no parameter is converted (and fn never called) when anything is
   // wrong.
   std::map<std::string, std::vector<const Entry*>> sources;  // parameter -> its entries
   for (const Entry& e : entries) {
-    if (!shapes.contains(e.ours)) {
+    // An expert of another ep rank is not in this rank's shapes: its tensor is checked as every
+    // other, and not converted.
+    const bool here = shapes.contains(e.ours);
+    if (!here && !e.expert) {
       return absl::InvalidArgumentError(absl::StrCat("model has no parameter ", e.ours));
     }
     if (file.Find(e.hf) == nullptr) {
@@ -311,7 +372,7 @@ absl::Status ForEachHfParam(
           absl::StrCat(file.name(), ": tensor '", e.hf, "' is missing (the model's ", e.ours, ")"));
     }
     FP8RT_RETURN_IF_ERROR(file.CheckFloat32(e.hf, e.hf_shape));
-    sources[e.ours].push_back(&e);
+    if (here) sources[e.ours].push_back(&e);
   }
   for (const auto& [name, s] : shapes) {
     if (!sources.contains(name)) {

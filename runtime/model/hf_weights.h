@@ -1,10 +1,11 @@
 // Hugging Face checkpoints of the gpt2 and llama families: the tensor names, shapes and layouts
-// that transformers' GPT2LMHeadModel and LlamaForCausalLM load, the config.json they read, and the
-// conversion between those tensors and fp8rt's logical parameters (transformer.h's names, each a
-// row-major [rows, cols] tensor of the whole model, before any TP split or FSDP shard).
+// that transformers' GPT2LMHeadModel, LlamaForCausalLM and MixtralForCausalLM (llama with an MoE
+// MLP in every block) load, the config.json they read, and the conversion between those tensors
+// and fp8rt's logical parameters (transformer.h's names, each a row-major [rows, cols] tensor of
+// the whole model, before any TP split or FSDP shard).
 //
 // Index:
-//   CheckHfArchitecture  whether a shape is exactly one of the two Hugging Face architectures
+//   CheckHfArchitecture  whether a shape is exactly one of the three Hugging Face architectures
 //   HfConfigJson         config.json for a shape
 //   ToHuggingFace        logical parameters -> Hugging Face tensors (export)
 //   FromHuggingFace      safetensors files -> logical parameters (all at once)
@@ -18,6 +19,11 @@
 //     and v are fp8rt's attn.qkv rows regrouped (fp8rt: per kv group g, its Q query heads, k_g,
 //     v_g). RoPE is Hugging Face's rotate-half on those rows as they are, so no permutation of
 //     the head dimension is needed.
+//   - Mixtral's block_sparse_moe.gate [E, C] is fp8rt's mlp.router, and expert e's w1, w3 [F, C]
+//     and w2 [C, F] are its mlp.experts.e.gate, up and down, all [out, in] as they are. Mixtral
+//     routes as fp8rt does (the softmax over every expert, the top k, renormalised) but never
+//     drops a token: its forward equals fp8rt's where moe.drop_tokens is false or nothing is
+//     dropped.
 //   - Norm gains and biases are vectors; fp8rt keeps them as [1, n] (or [n, 1] for the biases of
 //     column-parallel layers): the same values.
 // Conversions are exact copies of FP32 values (no arithmetic), so export -> import -> export is
@@ -47,13 +53,16 @@ struct HfTensor {
 };
 
 // OK when `shape` is the gpt2 or llama architecture exactly (gpt2: LayerNorm, GELU, learned
-// positions, biases, tied embeddings; llama: RMSNorm, SwiGLU, RoPE, no biases), dense (no MoE).
-// InvalidArgument naming the model field that differs (the family plain has no Hugging Face
-// class: model.family).
+// positions, biases, tied embeddings, dense; llama: RMSNorm, SwiGLU, RoPE, no biases, dense or,
+// as Mixtral, with an MoE MLP in every block). InvalidArgument naming the field that differs (the
+// family plain has no Hugging Face class: model.family; MoE outside llama: moe.experts; MoE in
+// only some blocks: moe.every).
 absl::Status CheckHfArchitecture(const ModelShape& shape);
 
-// config.json for GPT2LMHeadModel or LlamaForCausalLM (model_type, architectures, the sizes,
-// epsilon, rope_theta, tie_word_embeddings, torch_dtype `dtype`: "float32" or "bfloat16").
+// config.json for GPT2LMHeadModel, LlamaForCausalLM or MixtralForCausalLM (model_type,
+// architectures, the sizes, epsilon, rope_theta, Mixtral's num_local_experts,
+// num_experts_per_tok and router_aux_loss_coef, tie_word_embeddings, torch_dtype `dtype`:
+// "float32" or "bfloat16").
 absl::StatusOr<std::string> HfConfigJson(const ModelShape& shape, const std::string& dtype);
 
 // The Hugging Face tensors of a model whose logical parameters are `params` (every parameter of
@@ -76,7 +85,8 @@ absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
 // FromHuggingFace one parameter at a time: every check first (fn is never called when one fails),
 // then fn(name, its logical tensor) for each parameter of `shapes` in name order, so that a large
 // model never exists whole in FP32 (about twice its largest parameter at once). fn's first error
-// ends the walk and is returned.
+// ends the walk and is returned. An MoE expert's weight missing from `shapes` is another ep
+// rank's (a rank's model holds its own experts only): its tensor is checked, not converted.
 absl::Status ForEachHfParam(
     const ModelShape& shape, const std::map<std::string, LogicalShape>& shapes,
     const SafetensorsSet& file,

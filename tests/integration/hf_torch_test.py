@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
-"""fp8rt's GPT-2 and Llama families against PyTorch, through Hugging Face's checkpoint format.
+"""fp8rt's GPT-2 and Llama families, and Llama with MoE as Mixtral, against PyTorch, through
+Hugging Face's checkpoint format.
 
-For each family: a real training run on 2 MPI ranks (`fp8rt launch`, FP32 GEMMs, a layout with
-the family's tensor-parallel or FSDP split), `fp8rt export` of its checkpoint, and then:
+For each: a real training run on 2 MPI ranks (`fp8rt launch`, FP32 GEMMs, a layout with the
+family's tensor-parallel or FSDP split; Mixtral's experts over ep 2), `fp8rt export` of its
+checkpoint, and then:
   1. PyTorch, in float64, computes the loss of the exported model.safetensors / config.json on
      the first windows of the data, with the models written here from Hugging Face's definitions
      (GPT2LMHeadModel: Conv1D linears, fused c_attn with q|k|v along out, gelu_new, tied wte;
      LlamaForCausalLM: RMSNorm, rotate-half RoPE, repeat_kv for grouped-query attention, SwiGLU,
-     untied lm_head). It must equal `fp8rt eval --run-dir` within FP32 rounding (5e-6 relative;
-     about 1e-7 is seen), and a model with one layout detail wrong (Llama: interleaved RoPE
-     pairs; GPT-2: k and v swapped in c_attn) must miss by more than 2e-5 (1.4e-4 and 1.5e-3 are
-     seen: 12 steps leave attention a small part of the loss), so the check can fail.
+     untied lm_head; MixtralForCausalLM: Llama with MixtralSparseMoeBlock, top-k of the router's
+     softmax renormalised, no token dropped). It must equal `fp8rt eval --run-dir` within FP32
+     rounding (5e-6 relative; about 1e-7 is seen), and a model with one layout detail wrong
+     (Llama: interleaved RoPE pairs; GPT-2: k and v swapped in c_attn; Mixtral: the experts' w1
+     and w3 swapped) must miss by more than 2e-5 (1.4e-4 and 1.5e-3 are seen for the first two:
+     12 steps leave attention a small part of the loss), so the check can fail.
   2. init.from: a second run starts from that file at the other layout, with a learning rate too
      small to move any FP32 weight (1e-30, no weight decay), and its export must be byte for byte
      the first one (export -> init.from -> export is the identity across layouts).
@@ -58,12 +62,14 @@ def check(ok, what):
         FAILURES.append(what)
 
 
-def run(args, **kw):
-    r = subprocess.run(args, capture_output=True, text=True, errors="replace", **kw)
+def run(args, binary=False, **kw):
+    """args' standard output: text (undecodable bytes replaced), or with `binary` the bytes."""
+    r = subprocess.run(args, capture_output=True, **kw)
     if r.returncode != 0:
-        print("command failed:", " ".join(args), "\n", r.stdout[-3000:], r.stderr[-3000:])
+        print("command failed:", " ".join(args), "\n",
+              r.stdout[-3000:].decode(errors="replace"), r.stderr[-3000:].decode(errors="replace"))
         sys.exit(1)
-    return r.stdout
+    return r.stdout if binary else r.stdout.decode(errors="replace")
 
 
 def read_safetensors(path):
@@ -147,7 +153,56 @@ def gpt2_logits(w, cfg, ids, wrong=False):
     return ln(x, "transformer.ln_f") @ w["transformer.wte.weight"].T
 
 
-def llama_logits(w, cfg, ids, wrong=False):
+def e4m3(y):
+    """y (float64, |y| <= 448) rounded to the nearest OCP E4M3 value, ties to even: 3 mantissa
+    bits, exponents from -6 (below 2^-6 the subnormals' step 2^-9)."""
+    e = torch.floor(torch.log2(y.abs().clamp(min=2.0 ** -6))).clamp(min=-6)
+    step = 2.0 ** (e - 3)
+    return (torch.round(y / step) * step).clamp(-448.0, 448.0)  # torch.round: half to even
+
+
+def fp8_tiles(x):
+    """fp8rt's MoE dispatch of token rows x: each 1x128 tile of a row quantized to E4M3 with the
+    scale 448 / amax (FP32; 1 for a zero tile) and dequantized by the FP32 1 / scale
+    (kernels/quantize.h, parallel/fp8_collectives.h AllToAllFp8Tokens)."""
+    out = torch.empty_like(x)
+    for c0 in range(0, x.shape[1], 128):
+        t = x[:, c0:c0 + 128].to(torch.float32)
+        amax = t.abs().amax(-1, keepdim=True)
+        scale = torch.where(amax > 0, torch.tensor(448.0, dtype=torch.float32) / amax,
+                            torch.ones_like(amax))
+        codes = e4m3((t * scale).to(torch.float64)).to(torch.float32)
+        out[:, c0:c0 + 128] = (codes * (1.0 / scale)).to(torch.float64)
+    return out
+
+
+def sparse_moe(w, cfg, p, m, wrong=False, wire=True):
+    """MixtralSparseMoeBlock (modeling_mixtral.py): the softmax of the router's logits over every
+    expert, the top num_experts_per_tok of it renormalised to sum to 1, and the sum of those
+    experts' SwiGLU MLPs (w2(silu(w1 x) * w3 x)) weighted by them; no token is dropped. With
+    `wire`, the experts see their rows as fp8rt's dispatch delivers them (fp8_tiles) and their
+    outputs come back as its combine does (rounded to BF16). `wrong` swaps w1 and w3."""
+    probs = torch.softmax(m @ w[p + "gate.weight"].T, -1)
+    top, which = probs.topk(cfg["num_experts_per_tok"], -1)
+    top = top / top.sum(-1, keepdim=True)
+    xe = fp8_tiles(m) if wire else m
+    out = torch.zeros_like(m)
+    for e in range(cfg["num_local_experts"]):
+        q = p + "experts.%d." % e
+        w1, w3 = w[q + "w1.weight"], w[q + "w3.weight"]
+        if wrong:
+            w1, w3 = w3, w1
+        y = (torch.nn.functional.silu(xe @ w1.T) * (xe @ w3.T)) @ w[q + "w2.weight"].T
+        if wire:
+            y = y.to(torch.float32).to(torch.bfloat16).to(torch.float64)
+        out += (top * (which == e)).sum(-1, keepdim=True) * y
+    return out
+
+
+def llama_logits(w, cfg, ids, wrong=False, wire=True):
+    """LlamaForCausalLM, or MixtralForCausalLM (its MLPs sparse_moe, `wire` as there); `wrong`
+    pairs RoPE's dimensions as GPT-J does (Llama) or swaps the experts' w1 and w3 (Mixtral)."""
+    mixtral = cfg["model_type"] == "mixtral"
     c, h, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     dh, t = c // h, len(ids)
     rms = lambda x, p: w[p] * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg["rms_norm_eps"]))
@@ -157,7 +212,7 @@ def llama_logits(w, cfg, ids, wrong=False):
     cos, sin = emb.cos(), emb.sin()
 
     def rope(y):  # [heads, T, Dh]
-        if wrong:  # the interleaved (GPT-J) pairing instead of rotate-half
+        if wrong and not mixtral:  # the interleaved (GPT-J) pairing instead of rotate-half
             y2 = torch.stack((-y[..., 1::2], y[..., 0::2]), -1).flatten(-2)
             c2 = freqs.cos().repeat_interleave(2, -1)
             s2 = freqs.sin().repeat_interleave(2, -1)
@@ -178,6 +233,9 @@ def llama_logits(w, cfg, ids, wrong=False):
         o = attention(q, k, v).transpose(0, 1).reshape(t, c)
         x = x + o @ w[p + "self_attn.o_proj.weight"].T
         m = rms(x, p + "post_attention_layernorm.weight")
+        if mixtral:
+            x = x + sparse_moe(w, cfg, p + "block_sparse_moe.", m, wrong, wire)
+            continue
         g = m @ w[p + "mlp.gate_proj.weight"].T
         u = m @ w[p + "mlp.up_proj.weight"].T
         x = x + (torch.nn.functional.silu(g) * u) @ w[p + "mlp.down_proj.weight"].T
@@ -185,14 +243,16 @@ def llama_logits(w, cfg, ids, wrong=False):
     return rms(x, "model.norm.weight") @ head.T
 
 
-def torch_loss(out_dir, data, windows, seq_len, wrong=False):
+def torch_loss(out_dir, data, windows, seq_len, wrong=False, wire=True):
     cfg = json.load(open(os.path.join(out_dir, "config.json")))
     w = read_safetensors(os.path.join(out_dir, "model.safetensors"))
-    f = gpt2_logits if cfg["model_type"] == "gpt2" else llama_logits
     total = 0.0
     for i in range(windows):
         seq = list(data[i * (seq_len + 1):(i + 1) * (seq_len + 1)])
-        logits = f(w, cfg, seq[:-1], wrong)
+        if cfg["model_type"] == "gpt2":
+            logits = gpt2_logits(w, cfg, seq[:-1], wrong)
+        else:
+            logits = llama_logits(w, cfg, seq[:-1], wrong, wire)
         total += torch.nn.functional.cross_entropy(logits, torch.tensor(seq[1:])).item()
     return total / windows
 
@@ -206,6 +266,7 @@ SPEC = """model:
   d_ff: 96
   seq_len: 32
   vocab: 256
+{more}
 parallel:
   dp: 1
   tp: 1
@@ -242,14 +303,22 @@ def main():
             f.write(" ".join(text))
         data_bytes = open(data, "rb").read()
         fp8rt = os.path.join(BIN, "fp8rt")
-        cases = [("llama", "kv_heads: 2", "parallel.tp=2", "parallel.dp=2"),
-                 ("gpt2", "max_positions: 40", "parallel.dp=2", "parallel.tp=2")]
-        for family, extra, layout, other in cases:
+        # (name, family, model keys, more sections, the first run's layout, the second's). Mixtral:
+        # llama with 4 experts (top 2) in every block, no token dropped (as Hugging Face's
+        # Mixtral never drops), experts over ep 2 and then ep 1.
+        moe = "moe:\n  experts: 4\n  top_k: 2\n  every: 1\n  drop_tokens: false"
+        cases = [("llama", "llama", "kv_heads: 2", "", ["parallel.tp=2"], ["parallel.dp=2"]),
+                 ("gpt2", "gpt2", "max_positions: 40", "", ["parallel.dp=2"], ["parallel.tp=2"]),
+                 ("mixtral", "llama", "kv_heads: 2", moe, ["parallel.dp=2", "parallel.ep=2"],
+                  ["parallel.dp=2"])]
+        for family, fam, extra, more, layout_sets, other_sets in cases:
+            layout, other = " ".join(layout_sets), " ".join(other_sets)
             spec = os.path.join(tmp, family + ".yaml")
             with open(spec, "w") as f:
-                f.write(SPEC.format(family=family, extra=extra, data=data))
+                f.write(SPEC.format(family=fam, extra=extra, more=more, data=data))
             run_a, out_a = os.path.join(tmp, family + "-a"), os.path.join(tmp, family + "-a-hf")
-            run([fp8rt, "launch", spec, "--np", "2", "--run-dir", run_a, "--quiet", "--set", layout])
+            run([fp8rt, "launch", spec, "--np", "2", "--run-dir", run_a, "--quiet"] +
+                sum([["--set", x] for x in layout_sets], []))
             run([fp8rt, "export", run_a, "--out", out_a])
             ev = json.loads(run([fp8rt, "eval", "--run-dir", run_a, "--batches", "2", "--json"]))
             windows = ev["windows"]
@@ -260,6 +329,14 @@ def main():
             wrong = torch_loss(out_a, data_bytes, windows, 32, wrong=True)
             check(abs(wrong - ref) / ref > 2e-5,
                   "%s: a layout detail changed moves the loss (%.7f -> %.7f)" % (family, ref, wrong))
+            if family == "mixtral":
+                # The reference above sends the experts' rows through fp8rt's FP8 dispatch and
+                # BF16 combine; Hugging Face's Mixtral keeps them in full precision. How far apart
+                # that puts the two: a small, bounded effect of fp8rt's MoE wire formats.
+                plain = torch_loss(out_a, data_bytes, windows, 32, wire=False)
+                rel = abs(ev["loss"] - plain) / plain
+                check(rel < 1e-4, "mixtral: Hugging Face's Mixtral in float64 without fp8rt's "
+                      "wire formats %.7f, fp8rt %.7f (rel %.1e)" % (plain, ev["loss"], rel))
             ev_w = json.loads(run([fp8rt, "eval", "--weights", os.path.join(out_a, "model.safetensors"),
                                    "--spec", spec, "--batches", "2", "--json"]))
             check(ev_w["loss"] == ev["loss"], "%s: eval --weights %.9f == eval --run-dir %.9f" %
@@ -269,7 +346,7 @@ def main():
             # saved (torch's FP32 1 / theta^(2i / head_dim), theta 10000 here).
             sharded = os.path.join(tmp, family + "-a-sharded")
             extra = None
-            if family == "llama":
+            if fam == "llama":
                 dh = 64 // 4  # d_model / heads of SPEC
                 inv = 1.0 / (10000.0 ** (torch.arange(0, dh, 2).float() / dh))
                 extra = {"model.layers.%d.self_attn.rotary_emb.inv_freq" % l: inv for l in range(2)}
@@ -280,21 +357,24 @@ def main():
                   "eval --run-dir %.9f" % (family, ev_s["loss"], ev["loss"]))
             # export -> init.from (at the other layout; Llama from the shards) -> export.
             run_b, out_b = os.path.join(tmp, family + "-b"), os.path.join(tmp, family + "-b-hf")
-            start = sharded if family == "llama" else os.path.join(out_a, "model.safetensors")
-            run([fp8rt, "launch", spec, "--np", "2", "--run-dir", run_b, "--quiet", "--set", other,
-                 "--set", "init.from=" + start,
+            start = sharded if fam == "llama" else os.path.join(out_a, "model.safetensors")
+            run([fp8rt, "launch", spec, "--np", "2", "--run-dir", run_b, "--quiet"] +
+                sum([["--set", x] for x in other_sets], []) +
+                ["--set", "init.from=" + start,
                  "--set", "train.lr=1e-30", "--set", "train.steps=1", "--set", "checkpoint.every=1"])
             run([fp8rt, "export", run_b, "--out", out_b])
             same = open(os.path.join(out_a, "model.safetensors"), "rb").read() == \
                 open(os.path.join(out_b, "model.safetensors"), "rb").read()
             check(same, "%s: export (%s) -> init.from (%s) -> export is byte for byte" %
                   (family, layout, other))
+            # Bytes, not text: the tokens are bytes, and a decoder would fold some into one
+            # replacement character.
             g1 = run([fp8rt, "generate", "--run-dir", run_a, "--prompt", "the lord", "--tokens", "24",
-                      "--seed", "5"])
+                      "--seed", "5"], binary=True)
             g2 = run([fp8rt, "generate", "--run-dir", run_a, "--prompt", "the lord", "--tokens", "24",
-                      "--seed", "5"])
-            check(g1 == g2 and g1.startswith("the lord") and len(g1) >= len("the lord") + 24,
-                  "%s: generate with seed 5 twice: %r" % (family, g1.strip()))
+                      "--seed", "5"], binary=True)
+            check(g1 == g2 and g1.startswith(b"the lord") and len(g1) >= len(b"the lord") + 24,
+                  "%s: generate with seed 5 twice: %r (%d bytes)" % (family, g1, len(g1)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("%d failure(s)" % len(FAILURES))

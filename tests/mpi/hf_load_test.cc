@@ -2,8 +2,10 @@
 // several ranks: each rank's FP32 master shards after loading a Hugging Face file are bit for bit
 // the shards that Transformer::SetLogicalParams gives the same logical tensors, at every dp x tp
 // layout of the world (2 ranks: dp2, tp2; 4 ranks: dp4, dp2 x tp2), for GPT-2 (Conv1D transposes,
-// c_attn's q|k|v split, tied embeddings) and Llama (grouped kv heads regrouped per TP rank, untied
-// head), with the element-wise FSDP cut and with whole-row cuts whose last shards are padding.
+// c_attn's q|k|v split, tied embeddings), Llama (grouped kv heads regrouped per TP rank, untied
+// head) and Mixtral (experts over ep 1, 2 and 4 ranks: each rank loads its own experts, cut over
+// its expert-data-parallel group), with the element-wise FSDP cut and with whole-row cuts whose
+// last shards are padding.
 //
 // The file is written from logical tensors whose every element is a distinct function of its
 // parameter and index (ToHuggingFace, then WriteSafetensors): a value set in the wrong place, a
@@ -69,6 +71,15 @@ ModelShape Llama() {
   return s;
 }
 
+// Llama with 4 experts (top 2) in every block: Mixtral.
+ModelShape Mixtral() {
+  ModelShape s = Llama();
+  s.moe.experts = 4;
+  s.moe.top_k = 2;
+  s.moe_every = 1;
+  return s;
+}
+
 // Element i of parameter number p (in name order): distinct across the whole model, exact in FP32.
 LogicalParams Distinct(const std::map<std::string, model::LogicalShape>& shapes) {
   LogicalParams params;
@@ -124,9 +135,19 @@ TEST_P(HfLoadTest, ShardsEqualSetLogicalParamsAtEveryLayout) {
   const Case& c = GetParam();
   const int world = Factory().World().size();
   const std::string dir = RankDir();
-  for (int tp = 1; tp <= 2 && tp <= world; ++tp) {
-    const parallel::MeshConfig layout{.dp = world / tp, .tp = tp, .ep = 1};
-    SCOPED_TRACE(absl::StrCat(c.name, " dp", layout.dp, " tp", layout.tp));
+  // Dense: tp 1 and 2. MoE (tp 1): experts over ep 1, 2 and every rank, each FSDP-cut over its
+  // expert-data-parallel group; a rank holds its ep rank's experts only.
+  std::vector<parallel::MeshConfig> layouts;
+  if (c.shape.moe.experts == 0) {
+    for (int tp = 1; tp <= 2 && tp <= world; ++tp) layouts.push_back({world / tp, tp, 1});
+  } else {
+    for (int ep : {1, 2, 4}) {
+      if (ep <= world) layouts.push_back({world, 1, ep});
+    }
+  }
+  std::map<std::string, model::LogicalShape> shapes;
+  for (const parallel::MeshConfig& layout : layouts) {
+    SCOPED_TRACE(absl::StrCat(c.name, " dp", layout.dp, " tp", layout.tp, " ep", layout.ep));
     auto mesh = parallel::Mesh::Create(layout, Factory());
     ASSERT_TRUE(AllRanksOk(mesh.ok())) << mesh.status();
     model::ModelRecipe recipe;  // FP8, tensor scaling: the GEMM weights cut in rows
@@ -135,7 +156,8 @@ TEST_P(HfLoadTest, ShardsEqualSetLogicalParamsAtEveryLayout) {
     std::unique_ptr<model::Transformer> set = Build(c.shape, recipe, **mesh);
     ASSERT_TRUE(AllRanksOk(loaded != nullptr && set != nullptr));
 
-    const std::map<std::string, model::LogicalShape> shapes = loaded->ParamShapes();
+    // Every parameter's shape, from the first layout (tp 1, ep 1: every expert on every rank).
+    if (shapes.empty()) shapes = loaded->ParamShapes();
     const LogicalParams logical = Distinct(shapes);
     absl::StatusOr<std::vector<model::HfTensor>> hf =
         model::ToHuggingFace(c.shape, shapes, logical);
@@ -186,13 +208,12 @@ TEST_P(HfLoadTest, ShardsEqualSetLogicalParamsAtEveryLayout) {
   fs::remove_all(dir, ec);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, HfLoadTest,
-                         ::testing::Values(Case{"gpt2", Gpt2(), 0}, Case{"gpt2_rows", Gpt2(), 8},
-                                           Case{"llama", Llama(), 0},
-                                           Case{"llama_rows", Llama(), 8}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return std::string(info.param.name);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Families, HfLoadTest,
+    ::testing::Values(Case{"gpt2", Gpt2(), 0}, Case{"gpt2_rows", Gpt2(), 8},
+                      Case{"llama", Llama(), 0}, Case{"llama_rows", Llama(), 8},
+                      Case{"mixtral", Mixtral(), 0}, Case{"mixtral_rows", Mixtral(), 8}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace fp8rt::worker

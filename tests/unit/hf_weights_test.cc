@@ -14,6 +14,9 @@
 //   - weights in two shards with transformers' index load as the single file does; Llama's
 //     rotary_emb.inv_freq buffers pass when they are rope_theta's and are refused naming it
 //     otherwise;
+//   - Mixtral: block_sparse_moe.gate is the router and experts.e.w1 / w3 / w2 are expert e's
+//     gate / up / down, as they are; a rank's walk skips other ranks' experts but checks their
+//     tensors; MoE outside llama, or not in every block, is refused naming the field;
 //   - config.json carries the fields the classes read.
 #include "runtime/model/hf_weights.h"
 
@@ -23,7 +26,10 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
+#include <span>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -69,6 +75,16 @@ ModelShape Llama(bool tie) {
   return s;
 }
 
+// Llama with an MoE MLP of 3 experts (top 2) in every block: Mixtral.
+ModelShape Mixtral() {
+  ModelShape s = Llama(false);
+  s.moe.experts = 3;
+  s.moe.top_k = 2;
+  s.moe.aux_loss_coef = 0.02;
+  s.moe_every = 1;
+  return s;
+}
+
 // The parameter shapes Transformer::Build gives these shapes (written out, not asked of it).
 std::map<std::string, LogicalShape> Shapes(const ModelShape& s) {
   const int64_t c = s.d_model, f = s.d_ff, dh = s.head_dim(), qkv = (s.heads + 2 * s.kv()) * dh;
@@ -91,6 +107,14 @@ std::map<std::string, LogicalShape> Shapes(const ModelShape& s) {
       m[p + "mlp.fc1/bias"] = {f, 1};
       m[p + "mlp.fc2/weight"] = {c, f};
       m[p + "mlp.fc2/bias"] = {1, c};
+    } else if (s.moe.experts > 0) {
+      m[p + "mlp.router/weight"] = {s.moe.experts, c};
+      for (int64_t e = 0; e < s.moe.experts; ++e) {
+        const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
+        m[x + "gate/weight"] = {f, c};
+        m[x + "up/weight"] = {f, c};
+        m[x + "down/weight"] = {c, f};
+      }
     } else {
       m[p + "mlp.gate/weight"] = {f, c};
       m[p + "mlp.up/weight"] = {f, c};
@@ -127,7 +151,9 @@ std::string WriteFile(const TempDir& dir, const std::vector<HfTensor>& ts,
                       const std::string& name = "m.safetensors") {
   std::vector<SafetensorsWriteTensor> w;
   for (const HfTensor& t : ts) {
-    w.push_back({.name = t.name, .dtype = SafetensorsDtype::kF32, .shape = t.shape,
+    w.push_back({.name = t.name,
+                 .dtype = SafetensorsDtype::kF32,
+                 .shape = t.shape,
                  .data = t.values.data()});
   }
   const std::string path = (dir / name).string();
@@ -401,6 +427,86 @@ TEST(HfWeightsTest, LlamaRopeFrequencyBuffersMustMatchRopeTheta) {
                     HasSubstr("is not a parameter of this model")));
 }
 
+// Mixtral (modeling_mixtral.py): block_sparse_moe.gate is a Linear(C, E) without bias, so its
+// weight [E, C] is the router's as it is; expert e's w1, w3 (Linear(C, F)) and w2 (Linear(F, C))
+// are its gate, up and down projections, [out, in] as fp8rt's. The dense parts are Llama's.
+TEST(HfWeightsTest, MixtralRouterAndExpertsAreCopiedAsTheyAre) {
+  const ModelShape s = Mixtral();
+  const auto shapes = Shapes(s);
+  const LogicalParams p = Random(shapes);
+  const absl::StatusOr<std::vector<HfTensor>> ts = ToHuggingFace(s, shapes, p);
+  ASSERT_TRUE(ts.ok()) << ts.status();
+  // Per layer: 2 norms, q, k, v, o, the router and 3 per expert; then embed, norm, lm_head.
+  EXPECT_EQ(ts->size(), static_cast<size_t>(2 * (7 + 3 * 3) + 3));
+  for (const HfTensor& t : *ts) EXPECT_EQ(t.name.find("mlp."), std::string::npos) << t.name;
+  const HfTensor& gate = Find(*ts, "model.layers.1.block_sparse_moe.gate.weight");
+  EXPECT_EQ(gate.shape, (std::vector<int64_t>{3, 16}));
+  EXPECT_EQ(gate.values, p.at("blocks.1.mlp.router/weight"));
+  using Expert = std::tuple<const char*, const char*, std::vector<int64_t>>;
+  for (const auto& [w, ours, shape] : {Expert{"w1", "gate", {24, 16}}, Expert{"w3", "up", {24, 16}},
+                                       Expert{"w2", "down", {16, 24}}}) {
+    const HfTensor& t =
+        Find(*ts, std::string("model.layers.0.block_sparse_moe.experts.2.") + w + ".weight");
+    EXPECT_EQ(t.shape, shape) << w;
+    EXPECT_EQ(t.values, p.at(std::string("blocks.0.mlp.experts.2.") + ours + "/weight")) << w;
+  }
+  // The file reads back bit for bit.
+  TempDir dir;
+  const std::string path = WriteFile(dir, *ts);
+  absl::StatusOr<SafetensorsSet> set = SafetensorsSet::Open(path);
+  ASSERT_TRUE(set.ok()) << set.status();
+  const absl::StatusOr<LogicalParams> back = FromHuggingFace(s, shapes, *set);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(*back, p);
+}
+
+// A rank of an expert-parallel run holds its own experts only: the walk converts every parameter
+// the rank has, skips the other ranks' experts, and still checks their tensors (a file missing one
+// is refused on every rank alike, naming it).
+TEST(HfWeightsTest, MixtralExpertsOfOtherRanksAreCheckedNotConverted) {
+  const ModelShape s = Mixtral();
+  const auto all = Shapes(s);
+  const LogicalParams p = Random(all);
+  std::map<std::string, LogicalShape> mine = all;
+  for (const auto& [name, shape] : all) {
+    if (name.find(".experts.1.") != std::string::npos) mine.erase(name);
+  }
+  ASSERT_EQ(mine.size() + 2 * 3, all.size());
+  absl::StatusOr<std::vector<HfTensor>> ts = ToHuggingFace(s, all, p);
+  ASSERT_TRUE(ts.ok()) << ts.status();
+  TempDir dir;
+  absl::StatusOr<SafetensorsSet> set = SafetensorsSet::Open(WriteFile(dir, *ts));
+  ASSERT_TRUE(set.ok()) << set.status();
+  std::set<std::string> seen;
+  const absl::Status walked =
+      ForEachHfParam(s, mine, *set, [&](const std::string& name, std::span<const float> v) {
+        seen.insert(name);
+        EXPECT_EQ(std::vector<float>(v.begin(), v.end()), p.at(name)) << name;
+        return absl::OkStatus();
+      });
+  ASSERT_TRUE(walked.ok()) << walked;
+  std::set<std::string> want;
+  for (const auto& [name, shape] : mine) want.insert(name);
+  EXPECT_EQ(seen, want);
+
+  std::vector<HfTensor> without;
+  for (HfTensor& t : *ts) {
+    if (t.name != "model.layers.1.block_sparse_moe.experts.1.w2.weight") without.push_back(t);
+  }
+  absl::StatusOr<SafetensorsSet> short_set =
+      SafetensorsSet::Open(WriteFile(dir, without, "b.safetensors"));
+  ASSERT_TRUE(short_set.ok()) << short_set.status();
+  int calls = 0;
+  const absl::Status refused = ForEachHfParam(s, mine, *short_set, [&](auto&&...) {
+    ++calls;
+    return absl::OkStatus();
+  });
+  EXPECT_THAT(refused.message(),
+              AllOf(HasSubstr("model.layers.1.block_sparse_moe.experts.1.w2.weight"),
+                    HasSubstr("is missing"), HasSubstr("blocks.1.mlp.experts.1.down/weight")));
+  EXPECT_EQ(calls, 0);
+}
+
 TEST(HfWeightsTest, ArchitecturesWithoutAHuggingFaceClassAreRefusedNamingTheField) {
   const ModelShape plain = Base();
   EXPECT_THAT(CheckHfArchitecture(plain).message(), HasSubstr("model.family"));
@@ -412,6 +518,18 @@ TEST(HfWeightsTest, ArchitecturesWithoutAHuggingFaceClassAreRefusedNamingTheFiel
   EXPECT_THAT(CheckHfArchitecture(l).message(), HasSubstr("model.bias"));
   EXPECT_EQ(ToHuggingFace(l, Shapes(Llama(false)), {}).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // MoE: only as Mixtral, llama with MoE in every block.
+  ModelShape gm = Gpt2();
+  gm.moe.experts = 4;
+  EXPECT_THAT(CheckHfArchitecture(gm).message(), HasSubstr("moe.experts"));
+  ModelShape pm = Base();
+  pm.moe.experts = 4;
+  EXPECT_THAT(CheckHfArchitecture(pm).message(), HasSubstr("moe.experts"));
+  ModelShape half = Mixtral();
+  half.moe_every = 2;
+  EXPECT_THAT(CheckHfArchitecture(half).message(),
+              AllOf(HasSubstr("moe.every"), HasSubstr("MixtralForCausalLM")));
+  EXPECT_TRUE(CheckHfArchitecture(Mixtral()).ok());
 }
 
 TEST(HfWeightsTest, ConfigJsonCarriesWhatTheClassesRead) {
@@ -440,6 +558,19 @@ TEST(HfWeightsTest, ConfigJsonCarriesWhatTheClassesRead) {
   EXPECT_EQ(lj["rope_theta"], 10000.0);
   EXPECT_EQ(lj["tie_word_embeddings"], false);
   EXPECT_EQ(lj["torch_dtype"], "bfloat16");
+  EXPECT_FALSE(lj.contains("num_local_experts"));
+  const absl::StatusOr<std::string> m = HfConfigJson(Mixtral(), "float32");
+  ASSERT_TRUE(m.ok()) << m.status();
+  const nlohmann::json mj = nlohmann::json::parse(*m);
+  EXPECT_EQ(mj["architectures"][0], "MixtralForCausalLM");
+  EXPECT_EQ(mj["model_type"], "mixtral");
+  EXPECT_EQ(mj["num_local_experts"], 3);
+  EXPECT_EQ(mj["num_experts_per_tok"], 2);
+  EXPECT_EQ(mj["router_aux_loss_coef"], 0.02);
+  EXPECT_EQ(mj["output_router_logits"], false);
+  EXPECT_TRUE(mj["sliding_window"].is_null());
+  EXPECT_EQ(mj["num_key_value_heads"], 2);
+  EXPECT_EQ(mj["intermediate_size"], 24);
 }
 
 }  // namespace
