@@ -220,19 +220,9 @@ absl::Status CheckHfArchitecture(const ModelShape& s) {
         " (Hugging Face's GPT2LMHeadModel and LlamaForCausalLM are the gpt2 and llama families as "
         "they are; MixtralForCausalLM is llama with an MoE MLP in every block)"));
   };
-  if (s.moe.experts > 0) {
-    const bool llama = s.norm == NormKind::kRms && s.mlp == MlpKind::kSwiglu &&
-                       s.positions == PositionKind::kRope && !s.bias;
-    if (!llama) {
-      return bad("moe.experts",
-                 "an MoE model has a Hugging Face class only as Mixtral (the llama "
-                 "family)");
-    }
-    if (s.moe_every != 1) {
-      return bad("moe.every", absl::StrCat("Mixtral has an MoE MLP in every block; this model "
-                                           "has one in every ",
-                                           s.moe_every, "th"));
-    }
+  if (s.moe.experts > 0 && (s.norm == NormKind::kLayer || s.mlp != MlpKind::kSwiglu)) {
+    return bad("moe.experts",
+               "an MoE model has a Hugging Face class only as Mixtral (the llama family)");
   }
   if (s.norm == NormKind::kLayer) {
     if (s.mlp != MlpKind::kGelu) return bad("model.mlp", "GPT-2 has a GELU MLP");
@@ -248,6 +238,11 @@ absl::Status CheckHfArchitecture(const ModelShape& s) {
   }
   if (s.positions != PositionKind::kRope) return bad("model.positions", "Llama has RoPE");
   if (s.bias) return bad("model.bias", "Llama has no biases");
+  if (s.moe.experts > 0 && s.moe_every != 1) {
+    return bad("moe.every", absl::StrCat("Mixtral has an MoE MLP in every block (moe.every: 1), "
+                                         "this model in one block of every ",
+                                         s.moe_every));
+  }
   return absl::OkStatus();
 }
 
@@ -348,13 +343,13 @@ absl::Status ForEachHfParam(
         FP8RT_RETURN_IF_ERROR(CheckInvFreq(shape, part, t));
         continue;  // Llama's RoPE frequencies (older transformers saved them): no parameter
       }
-      return absl::InvalidArgumentError(
-          absl::StrCat(part.name(), ": tensor '", t.name.substr(0, 64),
-                       "' is not a parameter of this model (", shape.layers, " layers, ",
-                       IsGpt2(shape)           ? "gpt2"
-                       : shape.moe.experts > 0 ? "mixtral"
-                                               : "llama",
-                       shape.tie_embeddings ? ", tied embeddings" : "", ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          part.name(), ": tensor '", t.name.substr(0, 64), "' is not a parameter of this model (",
+          shape.layers, " layers, ",
+          IsGpt2(shape)           ? "gpt2"
+          : shape.moe.experts > 0 ? absl::StrCat("mixtral, ", shape.moe.experts, " experts")
+                                  : "llama",
+          shape.tie_embeddings ? ", tied embeddings" : "", ")"));
     }
   }
   // Every check first, so that no parameter is converted (and fn never called) when anything is

@@ -22,8 +22,12 @@
 //   - Mixtral's block_sparse_moe.gate [E, C] is fp8rt's mlp.router, and expert e's w1, w3 [F, C]
 //     and w2 [C, F] are its mlp.experts.e.gate, up and down, all [out, in] as they are. Mixtral
 //     routes as fp8rt does (the softmax over every expert, the top k, renormalised) but never
-//     drops a token: its forward equals fp8rt's where moe.drop_tokens is false or nothing is
-//     dropped.
+//     drops a token, and keeps the experts' rows in full precision where fp8rt's dispatch sends
+//     them in FP8 and its combine in BF16: the two forwards differ by that rounding alone where
+//     moe.drop_tokens is false or nothing is dropped. config.json's router_aux_loss_coef is
+//     moe.aux_loss_coef as it is, but transformers' load-balancing loss (training only) is
+//     defined otherwise: top_k / layers times fp8rt's at one coefficient where every layer routes
+//     alike.
 //   - Norm gains and biases are vectors; fp8rt keeps them as [1, n] (or [n, 1] for the biases of
 //     column-parallel layers): the same values.
 // Conversions are exact copies of FP32 values (no arithmetic), so export -> import -> export is

@@ -528,8 +528,27 @@ TEST(HfWeightsTest, ArchitecturesWithoutAHuggingFaceClassAreRefusedNamingTheFiel
   ModelShape half = Mixtral();
   half.moe_every = 2;
   EXPECT_THAT(CheckHfArchitecture(half).message(),
-              AllOf(HasSubstr("moe.every"), HasSubstr("MixtralForCausalLM")));
+              AllOf(HasSubstr("moe.every"), HasSubstr("one block of every 2"),
+                    HasSubstr("MixtralForCausalLM")));
+  ModelShape biased = Mixtral();  // llama with MoE, but with biases: the field that differs
+  biased.bias = true;
+  EXPECT_THAT(CheckHfArchitecture(biased).message(), HasSubstr("model.bias"));
   EXPECT_TRUE(CheckHfArchitecture(Mixtral()).ok());
+  // A Mixtral file with more experts than the spec: the surplus expert is named, with the count.
+  const ModelShape four = [] {
+    ModelShape m = Mixtral();
+    m.moe.experts = 4;
+    return m;
+  }();
+  const auto four_shapes = Shapes(four);
+  absl::StatusOr<std::vector<HfTensor>> ts = ToHuggingFace(four, four_shapes, Random(four_shapes));
+  ASSERT_TRUE(ts.ok()) << ts.status();
+  TempDir dir;
+  absl::StatusOr<SafetensorsSet> set = SafetensorsSet::Open(WriteFile(dir, *ts));
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_THAT(FromHuggingFace(Mixtral(), Shapes(Mixtral()), *set).status().message(),
+              AllOf(HasSubstr("experts.3."), HasSubstr("is not a parameter of this model"),
+                    HasSubstr("mixtral, 3 experts")));
 }
 
 TEST(HfWeightsTest, ConfigJsonCarriesWhatTheClassesRead) {
