@@ -74,7 +74,8 @@ absl::StatusOr<Loaded> Load(const Source& src) {
   if (ckpt.has_value()) {
     FP8RT_RETURN_IF_ERROR(l.solo->model->SetLogicalParams(ckpt->params));
   } else {
-    FP8RT_RETURN_IF_ERROR(worker::LoadHuggingFace(src.weights, l.solo->shape, *l.solo->model));
+    FP8RT_RETURN_IF_ERROR(worker::LoadHuggingFace(src.weights, l.solo->shape, *l.solo->model,
+                                                  l.spec.init().ignore_config()));
   }
   return l;
 }

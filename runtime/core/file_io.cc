@@ -2,10 +2,12 @@
 #include "runtime/core/file_io.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 
@@ -20,6 +22,50 @@ int FdCloser::Close() {
   const int rc = ::close(fd_);
   fd_ = -1;
   return rc == 0 ? 0 : errno;
+}
+
+namespace {
+
+absl::Status Invalid(const std::string& path, const std::string& why) {
+  return absl::InvalidArgumentError(absl::StrCat(path, ": ", why));
+}
+
+}  // namespace
+
+absl::StatusOr<OpenedFile> OpenRegularFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
+    return Invalid(path, absl::StrCat("cannot open: ", std::strerror(err)));
+  }
+  FdCloser closer(fd);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    return Invalid(path, absl::StrCat("cannot stat: ", std::strerror(errno)));
+  }
+  if (!S_ISREG(st.st_mode)) return Invalid(path, "not a regular file");
+  closer.Release();
+  return OpenedFile{fd, static_cast<size_t>(st.st_size)};
+}
+
+absl::StatusOr<std::string> ReadTextFile(const std::string& path, uint64_t max_bytes) {
+  absl::StatusOr<OpenedFile> f = OpenRegularFile(path);
+  if (!f.ok()) return f.status();
+  FdCloser closer(f->fd);
+  if (f->size > max_bytes) {
+    return Invalid(
+        path, absl::StrCat("the file is ", f->size, " bytes, over the ", max_bytes, "-byte limit"));
+  }
+  std::string text(f->size, '\0');
+  if (absl::Status s = ReadFileStart(f->fd, text.data(), text.size(), path); !s.ok()) return s;
+  return text;
+}
+
+absl::Status ReadFileStart(int fd, void* dst, size_t size, const std::string& path) {
+  if (PreadFully(fd, 0, dst, size)) return absl::OkStatus();
+  return Invalid(path, errno == 0 ? std::string("the file shrank while being read")
+                                  : absl::StrCat("read failed: ", std::strerror(errno)));
 }
 
 bool PreadFully(int fd, uint64_t offset, void* dst, size_t size) {

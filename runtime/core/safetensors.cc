@@ -38,12 +38,12 @@ struct DtypeInfo {
   size_t size;
 };
 constexpr DtypeInfo kDtypes[] = {
-    {SafetensorsDtype::kBool, "BOOL", 1},     {SafetensorsDtype::kU8, "U8", 1},
-    {SafetensorsDtype::kI8, "I8", 1},         {SafetensorsDtype::kF8E5M2, "F8_E5M2", 1},
+    {SafetensorsDtype::kBool, "BOOL", 1},      {SafetensorsDtype::kU8, "U8", 1},
+    {SafetensorsDtype::kI8, "I8", 1},          {SafetensorsDtype::kF8E5M2, "F8_E5M2", 1},
     {SafetensorsDtype::kF8E4M3, "F8_E4M3", 1}, {SafetensorsDtype::kI16, "I16", 2},
-    {SafetensorsDtype::kF16, "F16", 2},       {SafetensorsDtype::kBF16, "BF16", 2},
-    {SafetensorsDtype::kI32, "I32", 4},       {SafetensorsDtype::kF32, "F32", 4},
-    {SafetensorsDtype::kF64, "F64", 8},       {SafetensorsDtype::kI64, "I64", 8},
+    {SafetensorsDtype::kF16, "F16", 2},        {SafetensorsDtype::kBF16, "BF16", 2},
+    {SafetensorsDtype::kI32, "I32", 4},        {SafetensorsDtype::kF32, "F32", 4},
+    {SafetensorsDtype::kF64, "F64", 8},        {SafetensorsDtype::kI64, "I64", 8},
 };
 
 const DtypeInfo& Info(SafetensorsDtype dtype) {
@@ -95,8 +95,8 @@ absl::StatusOr<Entry> ParseEntry(const std::string& name, const nlohmann::json& 
                                  uint64_t buffer_bytes) {
   const std::string at = absl::StrCat("tensor ", Quote(name));
   if (!v.is_object()) {
-    return absl::InvalidArgumentError(absl::StrCat(at, ": expected an object, got ",
-                                                   Quote(v.dump())));
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, ": expected an object, got ", Quote(v.dump())));
   }
   for (const auto& [key, unused] : v.items()) {
     if (key != "dtype" && key != "shape" && key != "data_offsets") {
@@ -143,9 +143,9 @@ absl::StatusOr<Entry> ParseEntry(const std::string& name, const nlohmann::json& 
     if (d == 0) zero = true;
     if (!zero) {
       if (static_cast<uint64_t>(d) > buffer_bytes / elements) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            at, ": shape ", Quote(shape.dump()), " holds more elements than the ", buffer_bytes,
-            "-byte buffer"));
+        return absl::InvalidArgumentError(absl::StrCat(at, ": shape ", Quote(shape.dump()),
+                                                       " holds more elements than the ",
+                                                       buffer_bytes, "-byte buffer"));
       }
       elements *= static_cast<uint64_t>(d);
     }
@@ -153,8 +153,8 @@ absl::StatusOr<Entry> ParseEntry(const std::string& name, const nlohmann::json& 
   if (zero) elements = 0;
   const nlohmann::json& offsets = v["data_offsets"];
   if (!offsets.is_array() || offsets.size() != 2) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        at, ": data_offsets must be [begin, end], got ", Quote(offsets.dump())));
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, ": data_offsets must be [begin, end], got ", Quote(offsets.dump())));
   }
   FP8RT_ASSIGN_OR_RETURN(const int64_t begin,
                          NonNegative(offsets[0], absl::StrCat(at, ": data_offsets[0]")));
@@ -168,10 +168,10 @@ absl::StatusOr<Entry> ParseEntry(const std::string& name, const nlohmann::json& 
                                                    "-byte buffer"));
   }
   if (elements > buffer_bytes / info->size || e.end - e.begin != elements * info->size) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        at, ": data_offsets [", begin, ", ", end, "] hold ", e.end - e.begin, " bytes, but ",
-        elements, " ", info->name, " elements of shape ", Quote(shape.dump()), " need ",
-        elements * info->size));
+    return absl::InvalidArgumentError(
+        absl::StrCat(at, ": data_offsets [", begin, ", ", end, "] hold ", e.end - e.begin,
+                     " bytes, but ", elements, " ", info->name, " elements of shape ",
+                     Quote(shape.dump()), " need ", elements * info->size));
   }
   return e;
 }
@@ -187,21 +187,20 @@ absl::StatusOr<nlohmann::json> ParseObject(std::string_view text, const std::str
   }
   std::vector<std::set<std::string>> open_objects;  // the keys of each object being parsed
   std::string duplicate;
-  const nlohmann::json::parser_callback_t cb = [&](int /*depth*/,
-                                                   nlohmann::json::parse_event_t event,
-                                                   nlohmann::json& parsed) {
-    using Event = nlohmann::json::parse_event_t;
-    if (event == Event::object_start) {
-      open_objects.emplace_back();
-    } else if (event == Event::object_end) {
-      if (!open_objects.empty()) open_objects.pop_back();
-    } else if (event == Event::key && parsed.is_string() && !open_objects.empty()) {
-      if (!open_objects.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
-        duplicate = parsed.get<std::string>();
-      }
-    }
-    return true;
-  };
+  const nlohmann::json::parser_callback_t cb =
+      [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+        using Event = nlohmann::json::parse_event_t;
+        if (event == Event::object_start) {
+          open_objects.emplace_back();
+        } else if (event == Event::object_end) {
+          if (!open_objects.empty()) open_objects.pop_back();
+        } else if (event == Event::key && parsed.is_string() && !open_objects.empty()) {
+          if (!open_objects.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
+            duplicate = parsed.get<std::string>();
+          }
+        }
+        return true;
+      };
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text, cb);
@@ -225,13 +224,13 @@ absl::Status ParseHeader(std::string_view text, uint64_t buffer_bytes, const std
   for (const auto& [key, value] : header.items()) {
     if (key == "__metadata__") {
       if (!value.is_object()) {
-        return Invalid(file, absl::StrCat("__metadata__ must be an object, got ",
-                                          Quote(value.dump())));
+        return Invalid(file,
+                       absl::StrCat("__metadata__ must be an object, got ", Quote(value.dump())));
       }
       for (const auto& [mk, mv] : value.items()) {
         if (!mv.is_string()) {
-          return Invalid(file, absl::StrCat("__metadata__ ", Quote(mk),
-                                            " must be a string, got ", Quote(mv.dump())));
+          return Invalid(file, absl::StrCat("__metadata__ ", Quote(mk), " must be a string, got ",
+                                            Quote(mv.dump())));
         }
         (*meta)[mk] = mv.get<std::string>();
       }
@@ -254,13 +253,15 @@ absl::Status CheckCoverage(std::vector<Entry>& entries, uint64_t buffer_bytes,
   const Entry* prev = nullptr;
   for (const Entry& e : entries) {
     if (e.begin < at) {
-      return Invalid(file, absl::StrCat("tensor ", Quote(e.name), " data_offsets [", e.begin,
-                                        ", ", e.end, "] overlap tensor ", Quote(prev->name),
-                                        " (which ends at ", at, ")"));
+      return Invalid(
+          file, absl::StrCat("tensor ", Quote(e.name), " data_offsets [", e.begin, ", ", e.end,
+                             "] overlap tensor ", Quote(prev->name), " (which ends at ", at, ")"));
     }
     if (e.begin > at) {
-      return Invalid(file, absl::StrCat("bytes [", at, ", ", e.begin, ") of the buffer belong to "
-                                        "no tensor (before tensor ", Quote(e.name), ")"));
+      return Invalid(file, absl::StrCat("bytes [", at, ", ", e.begin,
+                                        ") of the buffer belong to "
+                                        "no tensor (before tensor ",
+                                        Quote(e.name), ")"));
     }
     at = e.end;
     prev = &e;
@@ -272,45 +273,21 @@ absl::Status CheckCoverage(std::vector<Entry>& entries, uint64_t buffer_bytes,
   return absl::OkStatus();
 }
 
-// Opens `path`, which must be a regular file, and returns fn(fd, size); the file is closed after.
-// O_NONBLOCK: a FIFO is refused below instead of blocking the open (no effect on regular files).
+// Opens `path`, which must be a regular file (OpenRegularFile), and returns fn(fd, size); the file
+// is closed after.
 template <typename Fn>
 auto WithRegularFile(const std::string& path, Fn fn) -> decltype(fn(0, size_t{0})) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) return absl::NotFoundError(absl::StrCat(path, ": no such file"));
-    return Invalid(path, absl::StrCat("cannot open: ", std::strerror(err)));
-  }
-  FdCloser closer(fd);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    return Invalid(path, absl::StrCat("cannot stat: ", std::strerror(errno)));
-  }
-  if (!S_ISREG(st.st_mode)) return Invalid(path, "not a regular file");
-  return fn(fd, static_cast<size_t>(st.st_size));
+  absl::StatusOr<OpenedFile> f = OpenRegularFile(path);
+  if (!f.ok()) return f.status();
+  FdCloser closer(f->fd);
+  return fn(f->fd, f->size);
 }
 
-// `size` bytes of the open file `fd` (`path`) into a new Buffer (std::string or byte vector).
-template <typename Buffer>
-absl::StatusOr<Buffer> ReadWhole(int fd, size_t size, const std::string& path) {
-  Buffer bytes(size, typename Buffer::value_type{});
-  if (!PreadFully(fd, 0, bytes.data(), bytes.size())) {
-    return Invalid(path, errno == 0 ? std::string("the file shrank while being read")
-                                    : absl::StrCat("read failed: ", std::strerror(errno)));
-  }
+// `size` bytes of the open file `fd` (`path`).
+absl::StatusOr<std::vector<std::byte>> ReadWhole(int fd, size_t size, const std::string& path) {
+  std::vector<std::byte> bytes(size);
+  FP8RT_RETURN_IF_ERROR(ReadFileStart(fd, bytes.data(), bytes.size(), path));
   return bytes;
-}
-
-// The whole regular file `path` as text, refused past `max_bytes`.
-absl::StatusOr<std::string> ReadTextFile(const std::string& path, uint64_t max_bytes) {
-  return WithRegularFile(path, [&](int fd, size_t size) -> absl::StatusOr<std::string> {
-    if (size > max_bytes) {
-      return Invalid(
-          path, absl::StrCat("the file is ", size, " bytes, over the ", max_bytes, "-byte limit"));
-    }
-    return ReadWhole<std::string>(fd, size, path);
-  });
 }
 
 float HalfToFloat(uint16_t h) {
@@ -343,8 +320,7 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::Read(const std::string& path) {
     void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
     if (map == MAP_FAILED) {
       // A file system that cannot map files (some FUSE ones): read it instead.
-      FP8RT_ASSIGN_OR_RETURN(std::vector<std::byte> bytes,
-                             ReadWhole<std::vector<std::byte>>(fd, size, path));
+      FP8RT_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, ReadWhole(fd, size, path));
       return Parse(std::move(bytes), path);
     }
     std::shared_ptr<const void> storage(
@@ -369,12 +345,12 @@ absl::StatusOr<SafetensorsFile> SafetensorsFile::FromBytes(std::shared_ptr<const
   }
   const uint64_t n = LoadU64(bytes.data());
   if (n > kMaxHeaderBytes) {
-    return Invalid(name, absl::StrCat("header size ", n, " is over the ", kMaxHeaderBytes,
-                                      "-byte limit"));
+    return Invalid(
+        name, absl::StrCat("header size ", n, " is over the ", kMaxHeaderBytes, "-byte limit"));
   }
   if (n > bytes.size() - 8) {
-    return Invalid(name, absl::StrCat("header size ", n, " runs past the end of the ",
-                                      bytes.size(), "-byte file"));
+    return Invalid(name, absl::StrCat("header size ", n, " runs past the end of the ", bytes.size(),
+                                      "-byte file"));
   }
   const std::string_view text(reinterpret_cast<const char*>(bytes.data() + 8),
                               static_cast<size_t>(n));
@@ -412,8 +388,8 @@ absl::Status SafetensorsFile::CheckFloat32(std::string_view name,
   };
   if (t == nullptr) return Invalid(name_, absl::StrCat("no tensor ", Quote(name)));
   if (!std::equal(t->shape.begin(), t->shape.end(), shape.begin(), shape.end())) {
-    return Invalid(name_, absl::StrCat("tensor ", Quote(name), " has shape ",
-                                       shape_text(t->shape), ", expected ", shape_text(shape)));
+    return Invalid(name_, absl::StrCat("tensor ", Quote(name), " has shape ", shape_text(t->shape),
+                                       ", expected ", shape_text(shape)));
   }
   if (t->dtype != SafetensorsDtype::kF32 && t->dtype != SafetensorsDtype::kBF16 &&
       t->dtype != SafetensorsDtype::kF16) {

@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "nlohmann/json.hpp"
+#include "runtime/core/quote.h"
 #include "runtime/core/status.h"
 
 namespace fp8rt::model {
@@ -300,6 +301,150 @@ absl::StatusOr<std::string> HfConfigJson(const ModelShape& s, const std::string&
   return j.dump(2) + "\n";
 }
 
+namespace {
+
+// What CheckHfConfig compares: a config.json key, the value it must have (what the spec's shape
+// says), the spec field that says it, and transformers' default for the key in this class.
+struct ConfigKey {
+  std::string key;
+  nlohmann::json want;
+  std::string field;
+  nlohmann::json fallback;  // null: the key may be absent (then it equals `want`)
+};
+
+// A config value in an error: strings quoted, other values as JSON, at most 32 bytes of either.
+std::string Shown(const nlohmann::json& v) {
+  if (v.is_string()) return QuoteBounded(v.get<std::string>(), 32);
+  const std::string d = v.dump();
+  return d.size() <= 32 ? d : QuoteBounded(d, 32);
+}
+
+// Whether `got` (a config value) is `want`: numbers as the spec holds them (floats compared in
+// FP32, the spec's precision), everything else exactly.
+bool SameValue(const nlohmann::json& got, const nlohmann::json& want) {
+  if (want.is_number_float()) {
+    return got.is_number() &&
+           static_cast<float>(got.get<double>()) == static_cast<float>(want.get<double>());
+  }
+  if (want.is_number_integer()) return got.is_number_integer() && got.get<int64_t>() == want;
+  return got == want;
+}
+
+}  // namespace
+
+absl::Status CheckHfConfig(const ModelShape& s, std::string_view text, const std::string& path) {
+  FP8RT_RETURN_IF_ERROR(CheckHfArchitecture(s));
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (!j.is_object()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": not a JSON object (starts ",
+                     QuoteBounded(absl::string_view(text.data(), text.size()), 32), ")"));
+  }
+  const bool gpt2 = IsGpt2(s), mixtral = s.moe.experts > 0;
+  const std::string type = gpt2 ? "gpt2" : mixtral ? "mixtral" : "llama";
+  const nlohmann::json& got_type = j.contains("model_type") ? j["model_type"] : nlohmann::json();
+  // Mistral (MistralForCausalLM) is Llama's architecture and tensor names with a sliding window:
+  // a llama model reads it where the window masks nothing.
+  const bool mistral = type == "llama" && got_type == "mistral";
+  if (got_type != type && !mistral) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": model_type is ", Shown(got_type), ", but the spec's model is ", type,
+                     " (model.family", mixtral ? ", moe.experts" : "",
+                     type == "llama" ? "; llama also reads mistral" : "", ")"));
+  }
+  using J = nlohmann::json;
+  std::vector<ConfigKey> keys;
+  if (gpt2) {
+    keys = {{"vocab_size", s.vocab, "model.vocab", 50257},
+            {"n_positions", s.max_positions, "model.max_positions", 1024},
+            {"n_embd", s.d_model, "model.d_model", 768},
+            {"n_layer", s.layers, "model.layers", 12},
+            {"n_head", s.heads, "model.heads", 12},
+            {"layer_norm_epsilon", Shortest(s.norm_eps), "model.norm_eps", 1e-5},
+            {"tie_word_embeddings", true, "model.tie_embeddings", true},
+            {"scale_attn_weights", true, "model.family (gpt2: scores scaled by 1/sqrt(Dh))", true},
+            {"scale_attn_by_inverse_layer_idx", false, "model.family (gpt2: no per-layer scaling)",
+             false}};
+    // n_inner: null means 4 * n_embd.
+    const J inner = j.contains("n_inner") ? j["n_inner"] : J();
+    const int64_t embd =
+        j.contains("n_embd") && j["n_embd"].is_number_integer() ? j["n_embd"].get<int64_t>() : 768;
+    keys.push_back({"n_inner", s.d_ff, "model.d_ff", inner.is_null() ? J(4 * embd) : inner});
+    j.erase("n_inner");
+    // transformers' gelu_new and gelu_pytorch_tanh are both the tanh approximation fp8rt runs.
+    if (j.contains("activation_function") && j["activation_function"] == "gelu_pytorch_tanh") {
+      j["activation_function"] = "gelu_new";
+    }
+    keys.push_back({"activation_function", "gelu_new", "model.mlp (gelu, the tanh approximation)",
+                    "gelu_new"});
+  } else {
+    keys = {{"vocab_size", s.vocab, "model.vocab", 32000},
+            {"hidden_size", s.d_model, "model.d_model", 4096},
+            {"intermediate_size", s.d_ff, "model.d_ff", mixtral || mistral ? 14336 : 11008},
+            {"num_hidden_layers", s.layers, "model.layers", 32},
+            {"num_attention_heads", s.heads, "model.heads", 32},
+            {"hidden_act", "silu", "model.mlp (swiglu)", "silu"},
+            {"rms_norm_eps", Shortest(s.norm_eps), "model.norm_eps", mixtral ? 1e-5 : 1e-6},
+            {"tie_word_embeddings", s.tie_embeddings, "model.tie_embeddings", false}};
+    const int64_t heads =
+        j.contains("num_attention_heads") && j["num_attention_heads"].is_number_integer()
+            ? j["num_attention_heads"].get<int64_t>()
+            : 32;
+    keys.push_back(
+        {"num_key_value_heads", s.kv(), "model.kv_heads", mixtral || mistral ? J(8) : J(heads)});
+    if (j.contains("head_dim") && j["head_dim"].is_null()) j.erase("head_dim");
+    keys.push_back({"head_dim", s.head_dim(), "model.d_model / model.heads", s.head_dim()});
+    // RoPE: rope_theta at the top (transformers 4), or in rope_parameters (5); no scaling.
+    if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
+      const J rp = j["rope_parameters"];
+      if (rp.contains("rope_type") && rp["rope_type"] != "default") {
+        return absl::InvalidArgumentError(
+            absl::StrCat(path, ": rope_parameters.rope_type is ", Shown(rp["rope_type"]),
+                         ", but fp8rt's RoPE (model.rope_theta) has no scaling"));
+      }
+      if (rp.contains("rope_theta") && !j.contains("rope_theta")) {
+        j["rope_theta"] = rp["rope_theta"];
+      }
+    }
+    keys.push_back(
+        {"rope_theta", Shortest(s.rope_theta), "model.rope_theta", mixtral ? 1e6 : 10000.0});
+    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": rope_scaling is ", Shown(j["rope_scaling"]),
+                       ", but fp8rt's RoPE (model.rope_theta) has no scaling"));
+    }
+    if (mixtral || mistral) {
+      // A sliding window at least seq_len long masks nothing (MistralConfig's default is 4096,
+      // MixtralConfig's none).
+      const J window = j.contains("sliding_window") ? j["sliding_window"] : mistral ? J(4096) : J();
+      if (!window.is_null() &&
+          !(window.is_number_integer() && window.get<int64_t>() >= s.seq_len)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            path, ": sliding_window is ", Shown(window), ", shorter than the spec's model.seq_len ",
+            s.seq_len, ": fp8rt's attention has no window (a shorter model.seq_len loads it)"));
+      }
+    }
+    if (mixtral) {
+      keys.push_back({"num_local_experts", s.moe.experts, "moe.experts", 8});
+      keys.push_back({"num_experts_per_tok", s.moe.top_k, "moe.top_k", 2});
+    } else {
+      keys.push_back({"attention_bias", false, "model.bias", false});
+      keys.push_back({"mlp_bias", false, "model.bias", false});
+    }
+  }
+  for (const ConfigKey& k : keys) {
+    const bool present = j.contains(k.key);
+    const J& got = present ? j[k.key] : k.fallback.is_null() ? k.want : k.fallback;
+    if (SameValue(got, k.want)) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": ", k.key, " is ", Shown(got),
+        present ? "" : " (transformers' default for the key left out or null)", ", but the spec's ",
+        k.field, " is ", Shown(k.want),
+        " (set the spec to match, or init.ignore_config: true to load the weights anyway)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<HfTensor>> ToHuggingFace(
     const ModelShape& shape, const std::map<std::string, LogicalShape>& shapes,
     const LogicalParams& params) {
@@ -329,7 +474,19 @@ absl::Status ForEachHfParam(
     const SafetensorsSet& file,
     const std::function<absl::Status(const std::string&, std::span<const float>)>& fn) {
   FP8RT_RETURN_IF_ERROR(CheckHfArchitecture(shape));
-  const std::vector<Entry> entries = Entries(shape);
+  std::vector<Entry> entries = Entries(shape);
+  // A file saved from the base model (GPT2Model, LlamaModel; the original gpt2 checkpoint is one)
+  // names its tensors without the causal-LM class's prefix: "wte.weight", not
+  // "transformer.wte.weight". transformers loads either, and so does this: when the embedding
+  // (the first entry, prefixed in every family) is there only without it, every name is.
+  const std::string prefix = IsGpt2(shape) ? "transformer." : "model.";
+  const bool bare = file.Find(entries.front().hf) == nullptr &&
+                    file.Find(entries.front().hf.substr(prefix.size())) != nullptr;
+  if (bare) {
+    for (Entry& e : entries) {
+      if (e.hf.starts_with(prefix)) e.hf.erase(0, prefix.size());
+    }
+  }
   std::set<std::string> known;
   for (const Entry& e : entries) known.insert(e.hf);
   for (const SafetensorsFile& part : file.files()) {
@@ -339,7 +496,7 @@ absl::Status ForEachHfParam(
           (t.name.ends_with(".attn.bias") || t.name.ends_with(".attn.masked_bias"))) {
         continue;  // GPT-2's causal-mask buffers, not parameters
       }
-      if (!IsGpt2(shape) && IsInvFreq(shape, t.name)) {
+      if (!IsGpt2(shape) && IsInvFreq(shape, bare ? prefix + t.name : t.name)) {
         FP8RT_RETURN_IF_ERROR(CheckInvFreq(shape, part, t));
         continue;  // Llama's RoPE frequencies (older transformers saved them): no parameter
       }

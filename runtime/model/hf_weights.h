@@ -7,6 +7,7 @@
 // Index:
 //   CheckHfArchitecture  whether a shape is exactly one of the three Hugging Face architectures
 //   HfConfigJson         config.json for a shape
+//   CheckHfConfig        whether a config.json describes a shape (init.from's check)
 //   ToHuggingFace        logical parameters -> Hugging Face tensors (export)
 //   FromHuggingFace      safetensors files -> logical parameters (all at once)
 //   ForEachHfParam       the same one parameter at a time (init.from, LoadHuggingFace)
@@ -40,6 +41,7 @@
 #include <map>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -69,6 +71,18 @@ absl::Status CheckHfArchitecture(const ModelShape& shape);
 // "float32" or "bfloat16").
 absl::StatusOr<std::string> HfConfigJson(const ModelShape& shape, const std::string& dtype);
 
+// Whether config.json (`text`, read from `path`) describes the model `shape`: its class
+// (model_type gpt2, llama or mixtral, as CheckHfArchitecture places the shape; a llama shape also
+// reads mistral, Llama's tensors with a sliding window, where the window masks nothing) and every
+// key that changes what the weights compute: the sizes, heads and kv heads, head_dim, the
+// activation, the norm's epsilon, rope_theta (no rope_scaling), tied embeddings, GPT-2's attention
+// scaling, Mixtral's experts and top k, the sliding window (none, or at least seq_len). A key the
+// file leaves out takes transformers' default for the class. Keys that do not change the forward
+// (max_position_embeddings of a RoPE model, token ids, the aux-loss coefficient) are not read.
+// InvalidArgument "PATH: KEY is V, but the spec's FIELD is W" (V quoted to 32 bytes), or naming
+// the file for text that is not a JSON object.
+absl::Status CheckHfConfig(const ModelShape& shape, std::string_view text, const std::string& path);
+
 // The Hugging Face tensors of a model whose logical parameters are `params` (every parameter of
 // `shapes`, by name), in the order the model's layers run. InvalidArgument naming the parameter
 // for a missing one or a wrong size.
@@ -81,7 +95,8 @@ absl::StatusOr<std::vector<HfTensor>> ToHuggingFace(
 // missing tensor, a tensor of another shape or dtype (F32, BF16 and F16 are read), and a tensor
 // the model has no place for. Non-parameter buffers are let through: GPT-2's `*.attn.bias` /
 // `*.attn.masked_bias`, and Llama's `*.self_attn.rotary_emb.inv_freq` when its values are the
-// frequencies of model.rope_theta (else InvalidArgument naming rope_theta).
+// frequencies of model.rope_theta (else InvalidArgument naming rope_theta). A file saved from the
+// base model (GPT2Model, LlamaModel), whose names lack "transformer." / "model.", reads too.
 absl::StatusOr<LogicalParams> FromHuggingFace(const ModelShape& shape,
                                               const std::map<std::string, LogicalShape>& shapes,
                                               const SafetensorsSet& file);

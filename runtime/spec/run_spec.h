@@ -24,7 +24,8 @@
 //               amax_compute_algo max, margin 0, exclude [], fsdp_gather fp8, grad_reduce fp32
 //   train:      micro_batch 1, grad_accum 1, seed 1, lr 3e-4, warmup 0, min_lr 0,
 //               weight_decay 0.1, clip 1.0 (0 disables clipping)
-//   init:       from "" (the seeded initialisation; a safetensors path starts from its weights)
+//   init:       from "" (the seeded initialisation; a safetensors path starts from its weights),
+//               ignore_config false (a config.json beside the weights must describe the model)
 //   model:      family plain (unset); the family sets the architecture fields (ResolveModel):
 //                 plain: norm rmsnorm, mlp gelu, positions none, bias false, tie_embeddings false
 //                 gpt2:  norm layernorm, mlp gelu, positions learned, bias true,

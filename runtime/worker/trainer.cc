@@ -18,9 +18,9 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "kernels/memory_stats.h"
+#include "runtime/core/status.h"
 #include "runtime/spec/run_spec.h"
 #include "runtime/spec/spec_recipe.h"
-#include "runtime/core/status.h"
 #include "runtime/worker/recipe.h"
 #include "runtime/worker/weights.h"
 
@@ -51,7 +51,8 @@ absl::StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const RunSpec& spec,
   if (!spec.init().from().empty() && !options.resume) {
     // init.from: Hugging Face weights (a file, or shards with their index) instead of the seeded
     // ones (a resume takes the checkpoint's).
-    FP8RT_RETURN_IF_ERROR(LoadHuggingFace(spec.init().from(), shape, *t->model_));
+    FP8RT_RETURN_IF_ERROR(
+        LoadHuggingFace(spec.init().from(), shape, *t->model_, spec.init().ignore_config()));
   }
   FP8RT_RETURN_IF_ERROR(t->OpenData());
   const RunSpec::Train& tr = spec.train();
@@ -177,9 +178,8 @@ absl::StatusOr<StepRecord> Trainer::Step() {
   // NaN or Inf (a NaN or Inf amax is refused by ScalingState anyway, but finite amaxes of such a
   // step, e.g. of values saturated from an Inf, would distort the scales for a whole history).
   using Update = model::Transformer::ScalingUpdate;
-  FP8RT_ASSIGN_OR_RETURN(
-      const std::vector<model::SiteReport> sites,
-      model_->SyncScaling(norm.skipped ? Update::kReportOnly : Update::kCommit));
+  FP8RT_ASSIGN_OR_RETURN(const std::vector<model::SiteReport> sites,
+                         model_->SyncScaling(norm.skipped ? Update::kReportOnly : Update::kCommit));
   if (!norm.skipped) model_->AttachFp8Shards(shards);  // FSDP FP8 shards of the next step
   FP8RT_ASSIGN_OR_RETURN(const train::StepResult result, optimizer_->Apply(shards, norm));
 

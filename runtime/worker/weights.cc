@@ -29,9 +29,9 @@ absl::StatusOr<std::unique_ptr<SoloModel>> MakeSoloModel(const v1::RunSpec& spec
                          parallel::Mesh::Create({.dp = 1, .tp = 1, .ep = 1}, solo->factory));
   model::ModelRecipe recipe;
   recipe.precision = model::GemmPrecision::kFp32;
-  FP8RT_ASSIGN_OR_RETURN(solo->model,
-                         model::Transformer::Create(solo->shape, recipe, spec.train().seed(),
-                                                    *solo->mesh, kernels::CpuOps()));
+  FP8RT_ASSIGN_OR_RETURN(
+      solo->model, model::Transformer::Create(solo->shape, recipe, spec.train().seed(), *solo->mesh,
+                                              kernels::CpuOps()));
   return solo;
 }
 
@@ -268,16 +268,30 @@ absl::Status ExportHuggingFace(const model::ModelShape& shape,
     }
     out.push_back(std::move(w));
   }
-  FP8RT_RETURN_IF_ERROR(
-      WriteSafetensors(out_dir + "/model.safetensors", out, {{"format", "pt"}}));
+  FP8RT_RETURN_IF_ERROR(WriteSafetensors(out_dir + "/model.safetensors", out, {{"format", "pt"}}));
   const std::span<const std::byte> parts[] = {
       std::as_bytes(std::span(config.data(), config.size()))};
   return WriteFileAtomically(out_dir + "/config.json", parts, "config.json");
 }
 
+namespace {
+constexpr uint64_t kMaxConfigBytes = uint64_t{1} << 20;  // config.json is a few kilobytes
+}  // namespace
+
 absl::Status LoadHuggingFace(const std::string& path, const model::ModelShape& shape,
-                             model::Transformer& model) {
+                             model::Transformer& model, bool ignore_config) {
   FP8RT_ASSIGN_OR_RETURN(const SafetensorsSet file, SafetensorsSet::Open(path));
+  if (!ignore_config && !file.files().empty()) {
+    // config.json beside the weights (save_pretrained and fp8rt export write it there).
+    const std::filesystem::path config =
+        std::filesystem::path(file.files().front().name()).parent_path() / "config.json";
+    std::error_code ec;
+    if (std::filesystem::exists(config, ec)) {
+      FP8RT_ASSIGN_OR_RETURN(const std::string text,
+                             ReadTextFile(config.string(), kMaxConfigBytes));
+      FP8RT_RETURN_IF_ERROR(model::CheckHfConfig(shape, text, config.string()));
+    }
+  }
   // One parameter at a time: the whole model never exists here in FP32, and the mapped files'
   // pages are shared by the ranks of a node.
   return model::ForEachHfParam(shape, model.ParamShapes(), file,

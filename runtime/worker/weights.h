@@ -99,9 +99,11 @@ absl::Status ExportHuggingFace(const model::ModelShape& shape,
                                bool bf16);
 
 // Reads `path` (Hugging Face names: a safetensors file, an index of several, or a folder holding
-// either; SafetensorsSet::Open) and sets the model's shards from it.
+// either; SafetensorsSet::Open) and sets the model's shards from it. Unless `ignore_config`, a
+// config.json in the weights' folder must describe `shape` first (model::CheckHfConfig: an error
+// naming the file, the key and the spec field, nothing set); without one nothing is compared.
 absl::Status LoadHuggingFace(const std::string& path, const model::ModelShape& shape,
-                             model::Transformer& model);
+                             model::Transformer& model, bool ignore_config = false);
 
 // A model of the spec's shape on one process (CPU ops, FP32 GEMMs, seed from the spec).
 struct SoloModel {

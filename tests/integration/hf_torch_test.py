@@ -17,7 +17,9 @@ checkpoint, and then:
      12 steps leave attention a small part of the loss), so the check can fail.
   2. init.from: a second run starts from that file at the other layout, with a learning rate too
      small to move any FP32 weight (1e-30, no weight decay), and its export must be byte for byte
-     the first one (export -> init.from -> export is the identity across layouts).
+     the first one (export -> init.from -> export is the identity across layouts). Llama: a run
+     whose model.rope_theta differs from the exported config.json's is refused, naming both,
+     and starts with init.ignore_config: true.
   3. `fp8rt eval --weights` equals `fp8rt eval --run-dir`, also from the same weights split in
      two shards with transformers' index (written here; Llama's with the rotary_emb.inv_freq
      buffers older transformers saved), which step 2 starts Llama's second run from; and
@@ -70,6 +72,12 @@ def run(args, binary=False, **kw):
               r.stdout[-3000:].decode(errors="replace"), r.stderr[-3000:].decode(errors="replace"))
         sys.exit(1)
     return r.stdout if binary else r.stdout.decode(errors="replace")
+
+
+def run_rc(args):
+    """args' exit status and its standard output and error together (text)."""
+    r = subprocess.run(args, capture_output=True)
+    return r.returncode, (r.stdout + r.stderr).decode(errors="replace")
 
 
 def read_safetensors(path):
@@ -367,6 +375,24 @@ def main():
                 open(os.path.join(out_b, "model.safetensors"), "rb").read()
             check(same, "%s: export (%s) -> init.from (%s) -> export is byte for byte" %
                   (family, layout, other))
+            if family == "llama":
+                # config.json beside the weights must describe the spec's model: another
+                # rope_theta is refused, naming the file and the field, unless the spec says
+                # init.ignore_config.
+                run_c = os.path.join(tmp, "llama-c")
+                base = [fp8rt, "launch", spec, "--np", "2", "--run-dir", run_c, "--quiet",
+                        "--set", "parallel.dp=2", "--set", "init.from=" + out_a,
+                        "--set", "model.rope_theta=500000",
+                        "--set", "train.steps=1", "--set", "checkpoint.every=0"]
+                rc, out = run_rc(base)
+                check(rc != 0 and "config.json: rope_theta is 10000.0" in out and
+                      "model.rope_theta is 500000.0" in out,
+                      "llama: init.from with another model.rope_theta than config.json's is "
+                      "refused (exit %d): %s" % (rc, [l for l in out.splitlines()
+                                                      if "rope_theta" in l][:1]))
+                shutil.rmtree(run_c, ignore_errors=True)
+                rc, out = run_rc(base + ["--set", "init.ignore_config=true"])
+                check(rc == 0, "llama: ... and loaded with init.ignore_config: true (exit %d)" % rc)
             # Bytes, not text: the tokens are bytes, and a decoder would fold some into one
             # replacement character.
             g1 = run([fp8rt, "generate", "--run-dir", run_a, "--prompt", "the lord", "--tokens", "24",

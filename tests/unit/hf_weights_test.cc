@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <set>
@@ -313,6 +314,51 @@ TEST(HfWeightsTest, ShardedFilesLoadLikeOneFile) {
   EXPECT_EQ(*back, p);
 }
 
+// The original gpt2 checkpoint (and any file saved from GPT2Model or LlamaModel) names its tensors
+// without the LM class's prefix: "wte.weight", "h.0.attn.c_attn.weight", "h.0.attn.bias" (the
+// mask buffer); "embed_tokens.weight", "layers.0.self_attn.rotary_emb.inv_freq". Such a file
+// loads as the prefixed one does; a file mixing both ways is refused, naming a tensor.
+TEST(HfWeightsTest, BaseModelNamesWithoutThePrefixRead) {
+  for (const ModelShape& s : {Gpt2(), Llama(true)}) {
+    const bool gpt2 = s.norm == NormKind::kLayer;
+    const std::string prefix = gpt2 ? "transformer." : "model.";
+    SCOPED_TRACE(prefix);
+    const auto shapes = Shapes(s);
+    const LogicalParams p = Random(shapes);
+    absl::StatusOr<std::vector<HfTensor>> ts = ToHuggingFace(s, shapes, p);
+    ASSERT_TRUE(ts.ok()) << ts.status();
+    std::vector<HfTensor> bare;
+    for (const HfTensor& t : *ts) {
+      ASSERT_TRUE(t.name.starts_with(prefix)) << t.name;
+      bare.push_back({t.name.substr(prefix.size()), t.shape, t.values});
+    }
+    if (gpt2) {
+      bare.push_back({"h.0.attn.bias", {1, 1, 8, 8}, std::vector<float>(64, 1.0f)});
+    } else {
+      const int64_t half = s.head_dim() / 2;
+      std::vector<float> inv(static_cast<size_t>(half));
+      for (int64_t i = 0; i < half; ++i) {
+        inv[static_cast<size_t>(i)] = 1.0f / std::pow(10000.0f, 2.0f * i / s.head_dim());
+      }
+      bare.push_back({"layers.1.self_attn.rotary_emb.inv_freq", {half}, inv});
+    }
+    TempDir dir;
+    absl::StatusOr<SafetensorsSet> set = SafetensorsSet::Open(WriteFile(dir, bare));
+    ASSERT_TRUE(set.ok()) << set.status();
+    const absl::StatusOr<LogicalParams> back = FromHuggingFace(s, shapes, *set);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, p);
+    // One tensor with the prefix among bare ones: not a parameter of the bare layout.
+    std::vector<HfTensor> mixed = bare;
+    mixed[1].name = prefix + mixed[1].name;
+    absl::StatusOr<SafetensorsSet> mixed_set =
+        SafetensorsSet::Open(WriteFile(dir, mixed, "mixed.safetensors"));
+    ASSERT_TRUE(mixed_set.ok()) << mixed_set.status();
+    EXPECT_THAT(FromHuggingFace(s, shapes, *mixed_set).status().message(),
+                AllOf(HasSubstr(mixed[1].name), HasSubstr("is not a parameter of this model")));
+  }
+}
+
 // ForEachHfParam checks everything before it hands out the first parameter: a tensor of the
 // wrong shape that comes late in name order (model.norm.weight sets final_norm/weight, after
 // every blocks.* parameter) fails the walk with fn never called, so nothing of the model is set.
@@ -549,6 +595,122 @@ TEST(HfWeightsTest, ArchitecturesWithoutAHuggingFaceClassAreRefusedNamingTheFiel
   EXPECT_THAT(FromHuggingFace(Mixtral(), Shapes(Mixtral()), *set).status().message(),
               AllOf(HasSubstr("experts.3."), HasSubstr("is not a parameter of this model"),
                     HasSubstr("mixtral, 3 experts")));
+}
+
+// CheckHfConfig (init.from's check of config.json): what HfConfigJson writes passes for its own
+// shape; every key that changes the forward, changed, is refused naming the key and the spec's
+// field; a key left out takes transformers' default for the class (LlamaConfig: rope_theta 1e4,
+// rms_norm_eps 1e-6; GPT2Config: n_inner null = 4 n_embd; MixtralConfig: 8 experts).
+TEST(HfWeightsTest, ConfigJsonMustDescribeTheModel) {
+  for (const ModelShape& s : {Gpt2(), Llama(true), Llama(false), Mixtral()}) {
+    const absl::StatusOr<std::string> text = HfConfigJson(s, "float32");
+    ASSERT_TRUE(text.ok()) << text.status();
+    const absl::Status ok = CheckHfConfig(s, *text, "c/config.json");
+    EXPECT_TRUE(ok.ok()) << ok;
+  }
+  // `edit` applied to shape's own config.json: refused with every one of `want`, or accepted.
+  auto check = [](const ModelShape& s, const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json j = nlohmann::json::parse(*HfConfigJson(s, "float32"));
+    edit(j);
+    return CheckHfConfig(s, j.dump(), "c/config.json");
+  };
+  using J = nlohmann::json;
+  struct Case {
+    ModelShape shape;
+    std::function<void(J&)> edit;
+    std::vector<std::string> want;  // empty: accepted
+  };
+  const std::vector<Case> cases = {
+      {Llama(false),
+       [](J& j) { j["rope_theta"] = 500000.0; },
+       {"c/config.json: rope_theta is 500000.0", "model.rope_theta is 10000.0",
+        "init.ignore_config"}},
+      {Llama(false), [](J& j) { j["rms_norm_eps"] = 1e-6; }, {"rms_norm_eps", "model.norm_eps"}},
+      {Llama(false), [](J& j) { j["num_key_value_heads"] = 4; }, {"model.kv_heads is 2"}},
+      {Llama(false), [](J& j) { j["hidden_act"] = "gelu"; }, {"hidden_act is 'gelu'", "model.mlp"}},
+      {Llama(false), [](J& j) { j["tie_word_embeddings"] = true; }, {"model.tie_embeddings"}},
+      {Llama(false), [](J& j) { j["intermediate_size"] = 48; }, {"intermediate_size is 48"}},
+      {Llama(false), [](J& j) { j["head_dim"] = 8; }, {"head_dim is 8"}},
+      {Llama(false), [](J& j) { j["attention_bias"] = true; }, {"attention_bias", "model.bias"}},
+      {Llama(false),
+       [](J& j) { j["model_type"] = "qwen2"; },
+       {"model_type is 'qwen2'", "llama also reads mistral"}},
+      {Llama(false),
+       [](J& j) {
+         j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+       },
+       {"rope_scaling is", "no scaling"}},
+      {Llama(false), [](J& j) { j["head_dim"] = nullptr; }, {}},
+      // Left out: transformers' defaults.
+      {Llama(false),
+       [](J& j) { j.erase("rms_norm_eps"); },
+       {"rms_norm_eps is 1e-06 (transformers' default", "model.norm_eps is 1e-05"}},
+      {Llama(false), [](J& j) { j.erase("num_key_value_heads"); }, {"num_key_value_heads is 4"}},
+      {Llama(false), [](J& j) { j.erase("rope_theta"); }, {}},  // 10000, the spec's
+      // transformers 5 keeps rope_theta in rope_parameters.
+      {Llama(false),
+       [](J& j) {
+         j.erase("rope_theta");
+         j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}};
+       },
+       {}},
+      {Llama(false),
+       [](J& j) {
+         j["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+       },
+       {"rope_parameters.rope_type is 'yarn'"}},
+      {Gpt2(), [](J& j) { j["n_inner"] = nullptr; }, {"n_inner is 64", "model.d_ff is 24"}},
+      {Gpt2(), [](J& j) { j["activation_function"] = "gelu_pytorch_tanh"; }, {}},
+      {Gpt2(), [](J& j) { j["activation_function"] = "relu"; }, {"activation_function is 'relu'"}},
+      {Gpt2(),
+       [](J& j) { j["scale_attn_by_inverse_layer_idx"] = true; },
+       {"scale_attn_by_inverse_layer_idx"}},
+      {Gpt2(),
+       [](J& j) { j["n_positions"] = 1024; },
+       {"n_positions is 1024", "model.max_positions"}},
+      {Mixtral(), [](J& j) { j["num_local_experts"] = 8; }, {"moe.experts is 3"}},
+      {Mixtral(),
+       [](J& j) {
+         j.erase("num_experts_per_tok");
+         j["num_experts_per_tok"] = 1;
+       },
+       {"moe.top_k is 2"}},
+      {Mixtral(), [](J& j) { j.erase("num_local_experts"); }, {"num_local_experts is 8"}},
+      {Mixtral(),
+       [](J& j) { j["sliding_window"] = 4; },
+       {"sliding_window is 4, shorter than the spec's model.seq_len 8"}},
+      // Mistral: Llama with a window (4096 when left out), read where it masks nothing.
+      {Llama(false), [](J& j) { j["model_type"] = "mistral"; }, {}},
+      {Llama(false),
+       [](J& j) {
+         j["model_type"] = "mistral";
+         j["sliding_window"] = 4;
+       },
+       {"sliding_window is 4"}},
+      {Llama(false),
+       [](J& j) {
+         j["model_type"] = "mistral";
+         j.erase("num_key_value_heads");
+       },
+       {"num_key_value_heads is 8"}},
+      {Mixtral(), [](J& j) { j["model_type"] = "mistral"; }, {"model_type is 'mistral'"}},
+      {Mixtral(), [](J& j) { j["sliding_window"] = 8; }, {}},
+      {Mixtral(), [](J& j) { j["model_type"] = "llama"; }, {"model_type is 'llama'"}},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(::testing::Message() << "case " << i);
+    const absl::Status st = check(cases[i].shape, cases[i].edit);
+    if (cases[i].want.empty()) {
+      EXPECT_TRUE(st.ok()) << st;
+      continue;
+    }
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    for (const std::string& w : cases[i].want) EXPECT_THAT(st.message(), HasSubstr(w));
+  }
+  EXPECT_THAT(CheckHfConfig(Llama(false), "[1, 2]", "c/config.json").message(),
+              AllOf(HasSubstr("c/config.json: not a JSON object"), HasSubstr("'[1, 2]'")));
+  EXPECT_THAT(CheckHfConfig(Llama(false), std::string(100, '{'), "c/config.json").message(),
+              HasSubstr("...(100 bytes)"));
 }
 
 TEST(HfWeightsTest, ConfigJsonCarriesWhatTheClassesRead) {
