@@ -31,6 +31,7 @@
 #include "runtime/model/transformer.h"
 #include "runtime/worker/weights.h"
 #include "tests/mpi/mpi_test_env.h"
+#include "tests/support/hf_test_shapes.h"
 
 namespace fp8rt::worker {
 namespace {
@@ -41,44 +42,10 @@ using model::ModelShape;
 using parallel::testing::AllRanksOk;
 using parallel::testing::Factory;
 
-ModelShape Base() {
-  ModelShape s;
-  s.layers = 2;
-  s.d_model = 16;
-  s.heads = 4;
-  s.d_ff = 32;
-  s.seq_len = 8;
-  s.vocab = 32;
-  return s;
-}
-
-ModelShape Gpt2() {
-  ModelShape s = Base();
-  s.norm = model::NormKind::kLayer;
-  s.bias = true;
-  s.positions = model::PositionKind::kLearned;
-  s.max_positions = 12;
-  s.tie_embeddings = true;
-  return s;
-}
-
-ModelShape Llama() {
-  ModelShape s = Base();
-  s.kv_heads = 2;
-  s.mlp = model::MlpKind::kSwiglu;
-  s.positions = model::PositionKind::kRope;
-  s.tie_embeddings = false;
-  return s;
-}
-
-// Llama with 4 experts (top 2) in every block: Mixtral.
-ModelShape Mixtral() {
-  ModelShape s = Llama();
-  s.moe.experts = 4;
-  s.moe.top_k = 2;
-  s.moe_every = 1;
-  return s;
-}
+ModelShape Gpt2() { return test::HfGpt2Shape(); }
+ModelShape Llama() { return test::HfLlamaShape(/*tie=*/false); }
+// 4 experts: ep 1, 2 and 4 divide them.
+ModelShape Mixtral() { return test::HfMixtralShape(4); }
 
 // Element i of parameter number p (in name order): distinct across the whole model, exact in FP32.
 LogicalParams Distinct(const std::map<std::string, model::LogicalShape>& shapes) {

@@ -37,6 +37,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "runtime/core/safetensors.h"
+#include "tests/support/hf_test_shapes.h"
 #include "tests/support/test_support.h"
 
 namespace fp8rt::model {
@@ -46,45 +47,11 @@ using test::TempDir;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-ModelShape Base() {
-  ModelShape s;
-  s.layers = 2;
-  s.d_model = 16;
-  s.heads = 4;
-  s.d_ff = 24;
-  s.seq_len = 8;
-  s.vocab = 32;
-  return s;
-}
-
-ModelShape Gpt2() {
-  ModelShape s = Base();
-  s.norm = NormKind::kLayer;
-  s.bias = true;
-  s.positions = PositionKind::kLearned;
-  s.max_positions = 10;
-  s.tie_embeddings = true;
-  return s;
-}
-
-ModelShape Llama(bool tie) {
-  ModelShape s = Base();
-  s.kv_heads = 2;
-  s.mlp = MlpKind::kSwiglu;
-  s.positions = PositionKind::kRope;
-  s.tie_embeddings = tie;
-  return s;
-}
-
+ModelShape Base() { return test::HfBaseShape(); }
+ModelShape Gpt2() { return test::HfGpt2Shape(); }
+ModelShape Llama(bool tie) { return test::HfLlamaShape(tie); }
 // Llama with an MoE MLP of 3 experts (top 2) in every block: Mixtral.
-ModelShape Mixtral() {
-  ModelShape s = Llama(false);
-  s.moe.experts = 3;
-  s.moe.top_k = 2;
-  s.moe.aux_loss_coef = 0.02;
-  s.moe_every = 1;
-  return s;
-}
+ModelShape Mixtral() { return test::HfMixtralShape(3); }
 
 // The parameter shapes Transformer::Build gives these shapes (written out, not asked of it).
 std::map<std::string, LogicalShape> Shapes(const ModelShape& s) {
