@@ -1,8 +1,9 @@
 // The transformer's non-GEMM layer ops (DESIGN.md section 5): the FP32 CPU reference (span
 // functions, below) and LayerOps, the op-table entries through which the model runs them on
 // either backend (kernels/ops.h: OpTable::layer). In the llm.c style: each op's forward and
-// backward side by side, caller-provided row-major buffers with explicit sizes, no allocation, no
-// hidden state.
+// backward side by side, caller-provided row-major buffers with explicit sizes, no hidden state,
+// and no allocation but a few entries' short-lived scratch on CUDA (stream-ordered, listed in
+// kernels/cuda/layer_ops_cuda.cu; such an entry may return ResourceExhausted).
 //
 // Index (CPU reference):
 //   EmbeddingForward / EmbeddingBackward        token ids -> table rows; scatter-add of gradients

@@ -25,6 +25,7 @@
 #include "nlohmann/json.hpp"
 #include "runtime/core/file_io.h"
 #include "runtime/core/status.h"
+#include "runtime/core/strict_json.h"
 
 namespace fp8rt {
 namespace {
@@ -176,51 +177,10 @@ absl::StatusOr<Entry> ParseEntry(const std::string& name, const nlohmann::json& 
   return e;
 }
 
-// `text` as a JSON object (`what` names it in errors: "the header", "the index"). It must start
-// with '{'. Duplicate keys: JSON parsers differ on them (nlohmann keeps the last), so a file that
-// has them means different weights to different readers. Refused, at any depth.
-absl::StatusOr<nlohmann::json> ParseObject(std::string_view text, const std::string& file,
-                                           const char* what) {
-  if (text.empty() || text.front() != '{') {
-    return Invalid(
-        file, absl::StrCat(what, " does not start with '{': ", Quote(text.substr(0, kQuoteBytes))));
-  }
-  std::vector<std::set<std::string>> open_objects;  // the keys of each object being parsed
-  std::string duplicate;
-  const nlohmann::json::parser_callback_t cb =
-      [&](int /*depth*/, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-        using Event = nlohmann::json::parse_event_t;
-        if (event == Event::object_start) {
-          open_objects.emplace_back();
-        } else if (event == Event::object_end) {
-          if (!open_objects.empty()) open_objects.pop_back();
-        } else if (event == Event::key && parsed.is_string() && !open_objects.empty()) {
-          if (!open_objects.back().insert(parsed.get<std::string>()).second && duplicate.empty()) {
-            duplicate = parsed.get<std::string>();
-          }
-        }
-        return true;
-      };
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text, cb);
-  } catch (const nlohmann::json::parse_error& e) {
-    return Invalid(file, absl::StrCat(what, " is not valid JSON (at byte ", e.byte, ")"));
-  } catch (const nlohmann::json::exception& e) {
-    // out_of_range: a number that overflows (found by safetensors_fuzzer).
-    return Invalid(file, absl::StrCat(what, " is not valid JSON (error ", e.id, ")"));
-  }
-  if (!duplicate.empty()) {
-    return Invalid(file, absl::StrCat(what, " has the key ", Quote(duplicate), " twice"));
-  }
-  if (!j.is_object()) return Invalid(file, absl::StrCat(what, " is not a JSON object"));
-  return j;
-}
-
 // The header's entries (tensors in file order of the JSON) and its metadata.
 absl::Status ParseHeader(std::string_view text, uint64_t buffer_bytes, const std::string& file,
                          std::vector<Entry>* entries, std::map<std::string, std::string>* meta) {
-  FP8RT_ASSIGN_OR_RETURN(const nlohmann::json header, ParseObject(text, file, "the header"));
+  FP8RT_ASSIGN_OR_RETURN(const nlohmann::json header, ParseStrictObject(text, file, "the header"));
   for (const auto& [key, value] : header.items()) {
     if (key == "__metadata__") {
       if (!value.is_object()) {
@@ -445,7 +405,7 @@ bool EndsWith(const std::string& s, std::string_view suffix) {
 absl::StatusOr<std::vector<std::pair<std::string, std::string>>> ParseSafetensorsIndex(
     std::string_view text, const std::string& name) {
   // Trailing whitespace (a final newline) is allowed, as in a header.
-  FP8RT_ASSIGN_OR_RETURN(const nlohmann::json index, ParseObject(text, name, "the index"));
+  FP8RT_ASSIGN_OR_RETURN(const nlohmann::json index, ParseStrictObject(text, name, "the index"));
   if (index.contains("metadata") && !index["metadata"].is_object()) {
     return Invalid(
         name, absl::StrCat("metadata must be an object, got ", Quote(index["metadata"].dump())));

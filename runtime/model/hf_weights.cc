@@ -17,6 +17,7 @@
 #include "nlohmann/json.hpp"
 #include "runtime/core/quote.h"
 #include "runtime/core/status.h"
+#include "runtime/core/strict_json.h"
 
 namespace fp8rt::model {
 namespace {
@@ -334,84 +335,105 @@ bool SameValue(const nlohmann::json& got, const nlohmann::json& want) {
 
 absl::Status CheckHfConfig(const ModelShape& s, std::string_view text, const std::string& path) {
   FP8RT_RETURN_IF_ERROR(CheckHfArchitecture(s));
-  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (!j.is_object()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": not a JSON object (starts ",
-                     QuoteBounded(absl::string_view(text.data(), text.size()), 32), ")"));
-  }
+  using J = nlohmann::json;
+  FP8RT_ASSIGN_OR_RETURN(J j, ParseStrictObject(text, path, "config.json"));
+  auto refuse = [&](const std::string& message) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", message));
+  };
   const bool gpt2 = IsGpt2(s), mixtral = s.moe.experts > 0;
   const std::string type = gpt2 ? "gpt2" : mixtral ? "mixtral" : "llama";
-  const nlohmann::json& got_type = j.contains("model_type") ? j["model_type"] : nlohmann::json();
+  if (!j.contains("model_type")) {
+    return refuse(absl::StrCat("model_type is missing (the spec's model is ", type, ")"));
+  }
+  const J got_type = j["model_type"];
   // Mistral (MistralForCausalLM) is Llama's architecture and tensor names with a sliding window:
   // a llama model reads it where the window masks nothing.
   const bool mistral = type == "llama" && got_type == "mistral";
   if (got_type != type && !mistral) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": model_type is ", Shown(got_type), ", but the spec's model is ", type,
-                     " (model.family", mixtral ? ", moe.experts" : "",
-                     type == "llama" ? "; llama also reads mistral" : "", ")"));
+    return refuse(absl::StrCat("model_type is ", Shown(got_type), ", but the spec's model is ",
+                               type, " (model.family", mixtral ? ", moe.experts" : "",
+                               type == "llama" ? "; llama also reads mistral" : "", ")"));
   }
-  using J = nlohmann::json;
+  // The config classes' attribute_map: a key under its other name counts as the key (both
+  // present must agree).
+  const std::vector<std::pair<const char*, const char*>> aliases =
+      gpt2 ? std::vector<std::pair<const char*, const char*>>{{"num_attention_heads", "n_head"},
+                                                              {"hidden_size", "n_embd"},
+                                                              {"num_hidden_layers", "n_layer"},
+                                                              {"max_position_embeddings",
+                                                               "n_positions"}}
+      : mixtral
+          ? std::vector<std::pair<const char*, const char*>>{{"num_experts", "num_local_experts"}}
+          : std::vector<std::pair<const char*, const char*>>{};
+  for (const auto& [alias, key] : aliases) {
+    if (!j.contains(alias)) continue;
+    if (j.contains(key) && j[key] != j[alias]) {
+      return refuse(absl::StrCat(key, " is ", Shown(j[key]), ", but its other name ", alias, " is ",
+                                 Shown(j[alias])));
+    }
+    j[key] = j[alias];
+  }
+  // Keys whose null means the class's default: as if left out.
+  for (const char* key : {"n_inner", "num_key_value_heads", "head_dim"}) {
+    if (j.contains(key) && j[key].is_null()) j.erase(key);
+  }
+  // transformers' names of the functions fp8rt runs: silu (swish), and GELU's tanh approximation
+  // (gelu_new, gelu_pytorch_tanh, gelu_fast: the same formula).
+  if (j.contains("hidden_act") && j["hidden_act"] == "swish") j["hidden_act"] = "silu";
+  if (j.contains("activation_function") && (j["activation_function"] == "gelu_pytorch_tanh" ||
+                                            j["activation_function"] == "gelu_fast")) {
+    j["activation_function"] = "gelu_new";
+  }
+
   std::vector<ConfigKey> keys;
   if (gpt2) {
-    keys = {{"vocab_size", s.vocab, "model.vocab", 50257},
-            {"n_positions", s.max_positions, "model.max_positions", 1024},
-            {"n_embd", s.d_model, "model.d_model", 768},
-            {"n_layer", s.layers, "model.layers", 12},
-            {"n_head", s.heads, "model.heads", 12},
-            {"layer_norm_epsilon", Shortest(s.norm_eps), "model.norm_eps", 1e-5},
-            {"tie_word_embeddings", true, "model.tie_embeddings", true},
-            {"scale_attn_weights", true, "model.family (gpt2: scores scaled by 1/sqrt(Dh))", true},
-            {"scale_attn_by_inverse_layer_idx", false, "model.family (gpt2: no per-layer scaling)",
-             false}};
-    // n_inner: null means 4 * n_embd.
-    const J inner = j.contains("n_inner") ? j["n_inner"] : J();
-    const int64_t embd =
-        j.contains("n_embd") && j["n_embd"].is_number_integer() ? j["n_embd"].get<int64_t>() : 768;
-    keys.push_back({"n_inner", s.d_ff, "model.d_ff", inner.is_null() ? J(4 * embd) : inner});
-    j.erase("n_inner");
-    // transformers' gelu_new and gelu_pytorch_tanh are both the tanh approximation fp8rt runs.
-    if (j.contains("activation_function") && j["activation_function"] == "gelu_pytorch_tanh") {
-      j["activation_function"] = "gelu_new";
-    }
-    keys.push_back({"activation_function", "gelu_new", "model.mlp (gelu, the tanh approximation)",
-                    "gelu_new"});
+    keys = {
+        {"vocab_size", s.vocab, "model.vocab", 50257},
+        {"n_positions", s.max_positions, "model.max_positions", 1024},
+        {"n_embd", s.d_model, "model.d_model", 768},
+        {"n_layer", s.layers, "model.layers", 12},
+        {"n_head", s.heads, "model.heads", 12},
+        // n_inner left out: 4 * n_embd, which the key before has checked is model.d_model.
+        {"n_inner", s.d_ff, "model.d_ff", J(4 * s.d_model)},
+        {"activation_function", "gelu_new", "model.mlp (gelu, the tanh approximation)", "gelu_new"},
+        {"layer_norm_epsilon", Shortest(s.norm_eps), "model.norm_eps", 1e-5},
+        {"tie_word_embeddings", true, "model.tie_embeddings", true},
+        {"scale_attn_weights", true, "model.family (gpt2: scores scaled by 1/sqrt(Dh))", true},
+        {"scale_attn_by_inverse_layer_idx", false, "model.family (gpt2: no per-layer scaling)",
+         false}};
   } else {
-    keys = {{"vocab_size", s.vocab, "model.vocab", 32000},
-            {"hidden_size", s.d_model, "model.d_model", 4096},
-            {"intermediate_size", s.d_ff, "model.d_ff", mixtral || mistral ? 14336 : 11008},
-            {"num_hidden_layers", s.layers, "model.layers", 32},
-            {"num_attention_heads", s.heads, "model.heads", 32},
-            {"hidden_act", "silu", "model.mlp (swiglu)", "silu"},
-            {"rms_norm_eps", Shortest(s.norm_eps), "model.norm_eps", mixtral ? 1e-5 : 1e-6},
-            {"tie_word_embeddings", s.tie_embeddings, "model.tie_embeddings", false}};
-    const int64_t heads =
-        j.contains("num_attention_heads") && j["num_attention_heads"].is_number_integer()
-            ? j["num_attention_heads"].get<int64_t>()
-            : 32;
-    keys.push_back(
-        {"num_key_value_heads", s.kv(), "model.kv_heads", mixtral || mistral ? J(8) : J(heads)});
-    if (j.contains("head_dim") && j["head_dim"].is_null()) j.erase("head_dim");
-    keys.push_back({"head_dim", s.head_dim(), "model.d_model / model.heads", s.head_dim()});
-    // RoPE: rope_theta at the top (transformers 4), or in rope_parameters (5); no scaling.
-    if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
-      const J rp = j["rope_parameters"];
-      if (rp.contains("rope_type") && rp["rope_type"] != "default") {
-        return absl::InvalidArgumentError(
-            absl::StrCat(path, ": rope_parameters.rope_type is ", Shown(rp["rope_type"]),
-                         ", but fp8rt's RoPE (model.rope_theta) has no scaling"));
+    keys = {
+        {"vocab_size", s.vocab, "model.vocab", 32000},
+        {"hidden_size", s.d_model, "model.d_model", 4096},
+        {"intermediate_size", s.d_ff, "model.d_ff", mixtral || mistral ? 14336 : 11008},
+        {"num_hidden_layers", s.layers, "model.layers", 32},
+        {"num_attention_heads", s.heads, "model.heads", 32},
+        // Left out: 8 (Mistral, Mixtral) or num_attention_heads, checked just before.
+        {"num_key_value_heads", s.kv(), "model.kv_heads", mixtral || mistral ? J(8) : J(s.heads)},
+        {"head_dim", s.head_dim(), "model.d_model / model.heads", s.head_dim()},
+        {"hidden_act", "silu", "model.mlp (swiglu)", "silu"},
+        {"rms_norm_eps", Shortest(s.norm_eps), "model.norm_eps", mixtral ? 1e-5 : 1e-6},
+        {"tie_word_embeddings", s.tie_embeddings, "model.tie_embeddings", false},
+        {"rope_theta", Shortest(s.rope_theta), "model.rope_theta", mixtral ? 1e6 : 10000.0}};
+    // RoPE without scaling: rope_scaling (transformers 4) or rope_parameters (5), whose type is
+    // rope_type or type; a rope_theta given in both must be the spec's in both.
+    for (const char* key : {"rope_scaling", "rope_parameters"}) {
+      if (!j.contains(key) || j[key].is_null()) continue;
+      const J rp = j[key];
+      const J kind = !rp.is_object()            ? rp
+                     : rp.contains("rope_type") ? rp["rope_type"]
+                     : rp.contains("type")      ? rp["type"]
+                                                : J("default");
+      if (kind != "default") {
+        return refuse(absl::StrCat(key, " has rope type ", Shown(kind),
+                                   ", but fp8rt's RoPE (model.rope_theta) has no scaling"));
       }
-      if (rp.contains("rope_theta") && !j.contains("rope_theta")) {
-        j["rope_theta"] = rp["rope_theta"];
+      if (rp.contains("rope_theta")) {
+        if (!j.contains("rope_theta")) j["rope_theta"] = rp["rope_theta"];
+        keys.push_back(
+            {absl::StrCat(key, ".rope_theta"), Shortest(s.rope_theta), "model.rope_theta", J()});
+        j[absl::StrCat(key, ".rope_theta")] = rp["rope_theta"];
       }
-    }
-    keys.push_back(
-        {"rope_theta", Shortest(s.rope_theta), "model.rope_theta", mixtral ? 1e6 : 10000.0});
-    if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path, ": rope_scaling is ", Shown(j["rope_scaling"]),
-                       ", but fp8rt's RoPE (model.rope_theta) has no scaling"));
     }
     if (mixtral || mistral) {
       // A sliding window at least seq_len long masks nothing (MistralConfig's default is 4096,
@@ -419,8 +441,8 @@ absl::Status CheckHfConfig(const ModelShape& s, std::string_view text, const std
       const J window = j.contains("sliding_window") ? j["sliding_window"] : mistral ? J(4096) : J();
       if (!window.is_null() &&
           !(window.is_number_integer() && window.get<int64_t>() >= s.seq_len)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            path, ": sliding_window is ", Shown(window), ", shorter than the spec's model.seq_len ",
+        return refuse(absl::StrCat(
+            "sliding_window is ", Shown(window), ", shorter than the spec's model.seq_len ",
             s.seq_len, ": fp8rt's attention has no window (a shorter model.seq_len loads it)"));
       }
     }
@@ -436,8 +458,8 @@ absl::Status CheckHfConfig(const ModelShape& s, std::string_view text, const std
     const bool present = j.contains(k.key);
     const J& got = present ? j[k.key] : k.fallback.is_null() ? k.want : k.fallback;
     if (SameValue(got, k.want)) continue;
-    return absl::InvalidArgumentError(absl::StrCat(
-        path, ": ", k.key, " is ", Shown(got),
+    return refuse(absl::StrCat(
+        k.key, " is ", Shown(got),
         present ? "" : " (transformers' default for the key left out or null)", ", but the spec's ",
         k.field, " is ", Shown(k.want),
         " (set the spec to match, or init.ignore_config: true to load the weights anyway)"));

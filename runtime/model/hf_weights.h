@@ -77,8 +77,11 @@ absl::StatusOr<std::string> HfConfigJson(const ModelShape& shape, const std::str
 // key that changes what the weights compute: the sizes, heads and kv heads, head_dim, the
 // activation, the norm's epsilon, rope_theta (no rope_scaling), tied embeddings, GPT-2's attention
 // scaling, Mixtral's experts and top k, the sliding window (none, or at least seq_len). A key the
-// file leaves out takes transformers' default for the class. Keys that do not change the forward
-// (max_position_embeddings of a RoPE model, token ids, the aux-loss coefficient) are not read.
+// file leaves out takes transformers' default for the class (so does null where the class reads
+// it as its default), and a key under its other name (the classes' attribute_map: GPT-2's
+// num_attention_heads, hidden_size, num_hidden_layers, max_position_embeddings; Mixtral's
+// num_experts) counts as the key. Keys that do not change the forward (max_position_embeddings of
+// a RoPE model, token ids, the aux-loss coefficient, dropouts, router jitter) are not read.
 // InvalidArgument "PATH: KEY is V, but the spec's FIELD is W" (V quoted to 32 bytes), or naming
 // the file for text that is not a JSON object.
 absl::Status CheckHfConfig(const ModelShape& shape, std::string_view text, const std::string& path);

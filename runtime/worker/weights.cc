@@ -281,12 +281,19 @@ constexpr uint64_t kMaxConfigBytes = uint64_t{1} << 20;  // config.json is a few
 absl::Status LoadHuggingFace(const std::string& path, const model::ModelShape& shape,
                              model::Transformer& model, bool ignore_config) {
   FP8RT_ASSIGN_OR_RETURN(const SafetensorsSet file, SafetensorsSet::Open(path));
-  if (!ignore_config && !file.files().empty()) {
-    // config.json beside the weights (save_pretrained and fp8rt export write it there).
+  if (!ignore_config) {
+    // config.json beside the weights (the index's or the file's folder: save_pretrained and
+    // fp8rt export write it there). Only its absence skips the check: anything else there (a
+    // dangling link, a folder, a file that cannot be read) is refused, naming it.
     const std::filesystem::path config =
-        std::filesystem::path(file.files().front().name()).parent_path() / "config.json";
+        std::filesystem::path(file.name()).parent_path() / "config.json";
     std::error_code ec;
-    if (std::filesystem::exists(config, ec)) {
+    const std::filesystem::file_status st = std::filesystem::symlink_status(config, ec);
+    if (ec && ec != std::errc::no_such_file_or_directory) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(config.string(), ": cannot look at it: ", ec.message()));
+    }
+    if (st.type() != std::filesystem::file_type::not_found) {
       FP8RT_ASSIGN_OR_RETURN(const std::string text,
                              ReadTextFile(config.string(), kMaxConfigBytes));
       FP8RT_RETURN_IF_ERROR(model::CheckHfConfig(shape, text, config.string()));

@@ -182,8 +182,9 @@ absl::Status Synchronize(kernels::Stream stream) {
   return DeviceOpError();
 }
 
-// The FP8 GEMMs whose shape or formats would take them off cuBLASLt on a Hopper GPU
-// (RouteFp8Gemm at compute capability 9.0), and the first of them.
+// The FP8 GEMMs given to the device, those whose shape or formats would take them off cuBLASLt on
+// a Hopper GPU (RouteFp8Gemm at compute capability 9.0), and the first of those.
+std::atomic<int64_t> gemms_checked{0};
 std::atomic<int64_t> gemms_off_cublaslt{0};
 std::mutex route_mu;
 std::string first_off_cublaslt;
@@ -193,6 +194,7 @@ struct GemmFp8Name {
 };
 
 absl::Status GemmFp8OnDevice(const kernels::Fp8GemmArgs& args, kernels::Stream stream) {
+  gemms_checked.fetch_add(1);
   const kernels::cuda_internal::Fp8GemmRoute route =
       kernels::cuda_internal::RouteFp8Gemm(args, /*cc=*/90);
   if (!route.cublaslt && gemms_off_cublaslt.fetch_add(1) == 0) {
@@ -291,11 +293,20 @@ absl::Status DeviceOpError() {
 
 int64_t DeviceOpsRun() { return ops_run.load(); }
 
+int64_t Fp8GemmsChecked() { return gemms_checked.load(); }
+
 int64_t Fp8GemmsOffCublasLt() { return gemms_off_cublaslt.load(); }
 
 std::string FirstFp8GemmOffCublasLt() {
   std::lock_guard<std::mutex> lock(route_mu);
   return first_off_cublaslt;
+}
+
+void ResetFp8GemmRoutes() {
+  std::lock_guard<std::mutex> lock(route_mu);
+  gemms_checked = 0;
+  gemms_off_cublaslt = 0;
+  first_off_cublaslt.clear();
 }
 
 }  // namespace fp8rt::hostgpu

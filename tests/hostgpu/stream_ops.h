@@ -48,11 +48,13 @@ absl::Status DeviceOpError();
 void ResetDeviceOpError();
 int64_t DeviceOpsRun();
 
-// How many FP8 GEMMs the emulated device was given that cuBLASLt would not take on a Hopper GPU
-// (shape or formats: RouteFp8Gemm at compute capability 9.0), and the first of them (its M, N, K
-// and why; empty when none).
+// How many FP8 GEMMs the emulated device was given, how many of them cuBLASLt would not take on a
+// Hopper GPU (shape or formats: RouteFp8Gemm at compute capability 9.0), and the first of those
+// (its M, N, K and why; empty when none), since ResetFp8GemmRoutes.
+int64_t Fp8GemmsChecked();
 int64_t Fp8GemmsOffCublasLt();
 std::string FirstFp8GemmOffCublasLt();
+void ResetFp8GemmRoutes();
 
 }  // namespace fp8rt::hostgpu
 

@@ -606,7 +606,12 @@ TEST(HfWeightsTest, ConfigJsonMustDescribeTheModel) {
        [](J& j) {
          j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
        },
-       {"rope_scaling is", "no scaling"}},
+       {"rope_scaling has rope type 'linear'", "no scaling"}},
+      {Llama(false),
+       [](J& j) {
+         j["rope_scaling"] = {{"rope_type", "default"}};
+       },
+       {}},
       {Llama(false), [](J& j) { j["head_dim"] = nullptr; }, {}},
       // Left out: transformers' defaults.
       {Llama(false),
@@ -625,7 +630,57 @@ TEST(HfWeightsTest, ConfigJsonMustDescribeTheModel) {
        [](J& j) {
          j["rope_parameters"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
        },
-       {"rope_parameters.rope_type is 'yarn'"}},
+       {"rope_parameters has rope type 'yarn'"}},
+      // transformers 5 takes "type" where "rope_type" is missing.
+      {Llama(false),
+       [](J& j) {
+         j["rope_parameters"] = {{"type", "linear"}, {"factor", 4.0}};
+       },
+       {"rope_parameters has rope type 'linear'"}},
+      // Both places give rope_theta: both must be the spec's.
+      {Llama(false),
+       [](J& j) {
+         j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 500000.0}};
+       },
+       {"rope_parameters.rope_theta is 500000.0", "model.rope_theta is 10000.0"}},
+      {Llama(false),
+       [](J& j) {
+         j.erase("rope_theta");
+         j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 500000.0}};
+       },
+       {"rope_theta is 500000.0"}},
+      // Null where the class reads its default; transformers' other names of the functions.
+      {Llama(false),
+       [](J& j) { j["num_key_value_heads"] = nullptr; },
+       {"num_key_value_heads is 4"}},
+      {Llama(true), [](J& j) { j["hidden_act"] = "swish"; }, {}},
+      {Gpt2(), [](J& j) { j["activation_function"] = "gelu_fast"; }, {}},
+      {Gpt2(), [](J& j) { j["n_inner"] = 48; }, {"n_inner is 48, but the spec's model.d_ff is 24"}},
+      // GPT2Config's attribute_map: num_attention_heads is n_head.
+      {Gpt2(),
+       [](J& j) {
+         j.erase("n_head");
+         j["num_attention_heads"] = 2;
+       },
+       {"n_head is 2", "model.heads is 4"}},
+      {Gpt2(),
+       [](J& j) { j["num_attention_heads"] = 2; },
+       {"n_head is 4, but its other name num_attention_heads is 2"}},
+      {Mixtral(),
+       [](J& j) {
+         j.erase("num_local_experts");
+         j["num_experts"] = 3;
+       },
+       {}},
+      // The sizes and the rest, one each.
+      {Llama(false), [](J& j) { j["vocab_size"] = 33; }, {"vocab_size is 33", "model.vocab is 32"}},
+      {Llama(false), [](J& j) { j["hidden_size"] = 32; }, {"model.d_model is 16"}},
+      {Llama(false), [](J& j) { j["num_hidden_layers"] = 3; }, {"model.layers is 2"}},
+      {Llama(false), [](J& j) { j["num_attention_heads"] = 8; }, {"model.heads is 4"}},
+      {Gpt2(), [](J& j) { j["layer_norm_epsilon"] = 1e-6; }, {"layer_norm_epsilon is 1e-06"}},
+      {Gpt2(), [](J& j) { j["scale_attn_weights"] = false; }, {"scale_attn_weights is false"}},
+      {Gpt2(), [](J& j) { j["tie_word_embeddings"] = false; }, {"model.tie_embeddings is true"}},
+      {Gpt2(), [](J& j) { j.erase("model_type"); }, {"model_type is missing"}},
       {Gpt2(), [](J& j) { j["n_inner"] = nullptr; }, {"n_inner is 64", "model.d_ff is 24"}},
       {Gpt2(), [](J& j) { j["activation_function"] = "gelu_pytorch_tanh"; }, {}},
       {Gpt2(), [](J& j) { j["activation_function"] = "relu"; }, {"activation_function is 'relu'"}},
@@ -674,10 +729,21 @@ TEST(HfWeightsTest, ConfigJsonMustDescribeTheModel) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
     for (const std::string& w : cases[i].want) EXPECT_THAT(st.message(), HasSubstr(w));
   }
+  // Not an object, not JSON, a key twice, nesting past 64 levels (deeper input would take the
+  // recursive code that prints a value past the stack): refused naming the file.
   EXPECT_THAT(CheckHfConfig(Llama(false), "[1, 2]", "c/config.json").message(),
-              AllOf(HasSubstr("c/config.json: not a JSON object"), HasSubstr("'[1, 2]'")));
-  EXPECT_THAT(CheckHfConfig(Llama(false), std::string(100, '{'), "c/config.json").message(),
-              HasSubstr("...(100 bytes)"));
+              AllOf(HasSubstr("c/config.json: config.json does not start with '{'"),
+                    HasSubstr("'[1, 2]'")));
+  EXPECT_THAT(CheckHfConfig(Llama(false), R"({"model_type": NaN})", "c/config.json").message(),
+              HasSubstr("c/config.json: config.json is not valid JSON (at byte"));
+  EXPECT_THAT(CheckHfConfig(Llama(false), R"({"model_type": "llama", "model_type": "gpt2"})",
+                            "c/config.json")
+                  .message(),
+              HasSubstr("has the key 'model_type' twice"));
+  const std::string deep =
+      R"({"model_type": )" + std::string(100000, '[') + std::string(100000, ']') + "}";
+  EXPECT_THAT(CheckHfConfig(Llama(false), deep, "c/config.json").message(),
+              HasSubstr("nests arrays and objects deeper than 64 levels"));
 }
 
 TEST(HfWeightsTest, ConfigJsonCarriesWhatTheClassesRead) {

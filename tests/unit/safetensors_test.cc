@@ -18,6 +18,7 @@
 //     of shards is refused naming the index or the shard, the tensor or field, bounded.
 #include "runtime/core/safetensors.h"
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <sys/mman.h>
@@ -41,10 +42,16 @@
 
 // This test executable's mmap, which the library's SafetensorsFile::Read calls (the executable's
 // definition comes before libc's): it answers ENODEV, as a file system without mmap support
-// does, for file mappings while g_refuse_file_maps is set, and is the plain system call otherwise.
+// does, for file mappings while g_refuse_file_maps is set, and otherwise passes the call on to
+// the next definition (a sanitizer's interceptor or libc's; the plain system call while that is
+// being looked up, should the lookup itself map memory).
 namespace {
 std::atomic<bool> g_refuse_file_maps{false};
 std::atomic<int> g_refused_maps{0};
+
+using MmapFn = void* (*)(void*, size_t, int, int, int, off_t);
+std::atomic<MmapFn> g_next_mmap{nullptr};
+thread_local bool t_resolving = false;
 }  // namespace
 
 extern "C" void* mmap(void* addr, size_t length, int prot, int flags, int fd,
@@ -54,6 +61,14 @@ extern "C" void* mmap(void* addr, size_t length, int prot, int flags, int fd,
     errno = ENODEV;
     return MAP_FAILED;
   }
+  MmapFn next = g_next_mmap.load();
+  if (next == nullptr && !t_resolving) {
+    t_resolving = true;
+    next = reinterpret_cast<MmapFn>(dlsym(RTLD_NEXT, "mmap"));
+    t_resolving = false;
+    g_next_mmap.store(next);
+  }
+  if (next != nullptr) return next(addr, length, prot, flags, fd, offset);
   return reinterpret_cast<void*>(syscall(SYS_mmap, addr, length, prot, flags, fd, offset));
 }
 
@@ -420,6 +435,26 @@ TEST_F(SafetensorsTest, BadIndexesAreRefusedNamingTheIndexOrShard) {
   }
 }
 
+// JSON nested past 64 levels, in a header or an index, is refused naming the file before anything
+// walks it (the recursive code that prints or copies a value would overflow the stack on the
+// half a million levels a megabyte of '[' holds).
+TEST_F(SafetensorsTest, DeeplyNestedJsonIsRefused) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  absl::StatusOr<SafetensorsFile> f = ParseText(File(R"({"__metadata__":)" + deep + "}", ""));
+  EXPECT_THAT(std::string(f.status().message()),
+              AllOf(HasSubstr("model.safetensors: the header nests arrays and objects deeper "
+                              "than 64 levels")));
+  EXPECT_THAT(
+      std::string(
+          ParseSafetensorsIndex(R"({"weight_map":)" + deep + "}", "i.json").status().message()),
+      HasSubstr("i.json: the index nests arrays and objects deeper than 64 levels"));
+  // 64 levels are read (and then refused for what they are, not for their depth).
+  const std::string ok_depth = std::string(63, '[') + std::string(63, ']');
+  f = ParseText(File(R"({"__metadata__":)" + ok_depth + "}", ""));
+  EXPECT_THAT(std::string(f.status().message()),
+              AllOf(HasSubstr("__metadata__ must be an object"), Not(HasSubstr("deeper"))));
+}
+
 TEST_F(SafetensorsTest, EmptyAndScalarTensorsAreValid) {
   const std::string header = R"({"e":{"dtype":"F32","shape":[0,4],"data_offsets":[0,0]},)"
                              R"("s":{"dtype":"F32","shape":[],"data_offsets":[0,4]}})";
@@ -440,6 +475,7 @@ TEST_F(SafetensorsTest, FilesThatCannotBeMappedAreRead) {
                                            F32Bytes({1.0f, 2.0f})));
   absl::StatusOr<SafetensorsFile> mapped = SafetensorsFile::Read(Path("m.safetensors"));
   ASSERT_TRUE(mapped.ok()) << mapped.status();
+  const absl::StatusOr<SafetensorsFile> bad_mapped = SafetensorsFile::Read(Path("bad.safetensors"));
   EXPECT_EQ(g_refused_maps.load(), 0);
 
   g_refuse_file_maps = true;
@@ -458,6 +494,7 @@ TEST_F(SafetensorsTest, FilesThatCannotBeMappedAreRead) {
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(bad.status().message()),
               AllOf(HasSubstr(Path("bad.safetensors")), HasSubstr("'w'")));
+  EXPECT_EQ(bad.status(), bad_mapped.status());  // the same error either way
 }
 
 TEST_F(SafetensorsTest, BadWritesAreRefusedAndLeaveNoFile) {
