@@ -233,16 +233,6 @@ absl::Status CheckCoverage(std::vector<Entry>& entries, uint64_t buffer_bytes,
   return absl::OkStatus();
 }
 
-// Opens `path`, which must be a regular file (OpenRegularFile), and returns fn(fd, size); the file
-// is closed after.
-template <typename Fn>
-auto WithRegularFile(const std::string& path, Fn fn) -> decltype(fn(0, size_t{0})) {
-  absl::StatusOr<OpenedFile> f = OpenRegularFile(path);
-  if (!f.ok()) return f.status();
-  FdCloser closer(f->fd);
-  return fn(f->fd, f->size);
-}
-
 // `size` bytes of the open file `fd` (`path`).
 absl::StatusOr<std::vector<std::byte>> ReadWhole(int fd, size_t size, const std::string& path) {
   std::vector<std::byte> bytes(size);
@@ -275,18 +265,19 @@ int64_t SafetensorsTensor::NumElements() const {
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Read(const std::string& path) {
-  return WithRegularFile(path, [&](int fd, size_t size) -> absl::StatusOr<SafetensorsFile> {
-    if (size < 8) return Parse(std::vector<std::byte>(size), path);  // refused, naming the size
-    void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (map == MAP_FAILED) {
-      // A file system that cannot map files (some FUSE ones): read it instead.
-      FP8RT_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, ReadWhole(fd, size, path));
-      return Parse(std::move(bytes), path);
-    }
-    std::shared_ptr<const void> storage(
-        map, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
-    return FromBytes(std::move(storage), std::span(static_cast<const std::byte*>(map), size), path);
-  });
+  FP8RT_ASSIGN_OR_RETURN(const OpenedFile f, OpenRegularFile(path));
+  FdCloser closer(f.fd);
+  if (f.size < 8) return Parse(std::vector<std::byte>(f.size), path);  // refused, naming the size
+  void* map = ::mmap(nullptr, f.size, PROT_READ, MAP_PRIVATE, f.fd, 0);
+  if (map == MAP_FAILED) {
+    // A file system that cannot map files (some FUSE ones): read it instead.
+    FP8RT_ASSIGN_OR_RETURN(std::vector<std::byte> bytes, ReadWhole(f.fd, f.size, path));
+    return Parse(std::move(bytes), path);
+  }
+  const size_t size = f.size;
+  std::shared_ptr<const void> storage(
+      map, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
+  return FromBytes(std::move(storage), std::span(static_cast<const std::byte*>(map), size), path);
 }
 
 absl::StatusOr<SafetensorsFile> SafetensorsFile::Parse(std::vector<std::byte> bytes,
