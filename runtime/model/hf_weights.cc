@@ -38,11 +38,6 @@ struct Entry {
   bool expert = false;  // an MoE expert's weight: a rank holds those of its ep rank only
 };
 
-// Whether block l has an MoE MLP (Transformer::Build's rule).
-bool IsMoeBlock(const ModelShape& s, int64_t l) {
-  return s.moe.experts > 0 && (l + 1) % s.moe_every == 0;
-}
-
 bool IsGpt2(const ModelShape& s) { return s.norm == NormKind::kLayer; }
 
 // The shortest decimal that reads back as `x` (1e-05, not the double nearest the float).
@@ -109,7 +104,7 @@ std::vector<Entry> Entries(const ModelShape& s) {
         (h + kv) * dh);
     add(hf + "self_attn.o_proj.weight", {c, c}, o + "attn.proj/weight");
     add(hf + "post_attention_layernorm.weight", {c}, o + "mlp_norm/weight");
-    if (IsMoeBlock(s, l)) {
+    if (s.HasMoe(l)) {
       // Mixtral's MixtralSparseMoeBlock: the router `gate` [E, C] (a Linear without bias), and
       // per expert w1 (gate_proj), w3 (up_proj) [F, C] and w2 (down_proj) [C, F].
       add(hf + "block_sparse_moe.gate.weight", {s.moe.experts, c}, o + "mlp.router/weight");
@@ -298,6 +293,12 @@ absl::StatusOr<std::string> HfConfigJson(const ModelShape& s, const std::string&
     }
   }
   j["tie_word_embeddings"] = s.tie_embeddings;
+  // fp8rt's tokens are the data's ids and none is special. Left out, these keys take the class's
+  // defaults (GPT-2: 50256, Llama and Mixtral: 1 and 2), and transformers' generate would stop at
+  // byte 0x02 of a byte-level model; null makes it generate to its length limit.
+  j["bos_token_id"] = nullptr;
+  j["eos_token_id"] = nullptr;
+  j["pad_token_id"] = nullptr;
   j["torch_dtype"] = dtype;
   return j.dump(2) + "\n";
 }

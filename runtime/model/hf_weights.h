@@ -47,7 +47,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "runtime/core/safetensors.h"
-#include "runtime/model/transformer.h"
+#include "runtime/model/model_shape.h"
 
 namespace fp8rt::model {
 

@@ -1,7 +1,7 @@
 // A mixture-of-experts MLP with expert parallelism over the ep group (DESIGN.md sections 4-5).
 //
 // Index:
-//   MoeConfig   experts, top_k, capacity, auxiliary loss
+//   MoeConfig   experts, top_k, capacity, auxiliary loss (model_shape.h)
 //   MoeStats    what one micro-batch's routing did on this rank (token counts, drops, aux loss)
 //   MoeLayer    Forward and Backward side by side
 //
@@ -43,21 +43,9 @@
 #include "kernels/host_mirror.h"
 #include "parallel/fp8_collectives.h"
 #include "runtime/model/linear.h"
+#include "runtime/model/model_shape.h"
 
 namespace fp8rt::model {
-
-struct MoeConfig {
-  int64_t experts = 0;
-  int64_t top_k = 2;
-  double capacity_factor = 1.25;
-  double aux_loss_coef = 0.01;
-  bool drop_tokens = true;
-  // Each expert's GEMMs run on its token rows padded with zero rows to a multiple of this (0: the
-  // backend's: on CUDA 16 for cuBLASLt, 128 when any of the expert's GEMMs is FP8 with block or
-  // mx32 scaling; 1 on the CPU).
-  // Padding changes no result; tests set it on the CPU to show that.
-  int64_t gemm_row_unit = 0;
-};
 
 struct MoeStats {
   std::vector<int64_t> tokens_per_expert;  // kept assignments of this rank's tokens, per expert

@@ -187,7 +187,7 @@ std::vector<std::string> Transformer::LayerNames() const {
   std::vector<std::string> names;
   const bool swiglu = shape_.mlp == MlpKind::kSwiglu;
   for (int64_t l = 0; l < shape_.layers; ++l) {
-    const bool moe = shape_.moe.experts > 0 && (l + 1) % shape_.moe_every == 0;
+    const bool moe = shape_.HasMoe(l);
     for (const char* s : {"attn.qkv", "attn.proj"})
       names.push_back(absl::StrCat("blocks.", l, ".", s));
     if (!moe) {
@@ -509,7 +509,7 @@ absl::Status Transformer::Build(uint64_t seed) {
     Block& k = *block;
     k.qkv = make_linear(p + "attn.qkv", c, qkv_rows / tp_);
     k.proj = make_linear(p + "attn.proj", c / tp_, c);
-    const bool moe = shape_.moe.experts > 0 && (l + 1) % shape_.moe_every == 0;
+    const bool moe = shape_.HasMoe(l);
     if (!moe) {
       k.fc1 = make_linear(p + (swiglu ? "mlp.gate" : "mlp.fc1"), c, f / tp_);
       if (swiglu) k.up = make_linear(p + "mlp.up", c, f / tp_);

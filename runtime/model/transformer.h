@@ -2,7 +2,8 @@
 // and FSDP over the DP group, its forward and backward written out layer by layer.
 //
 // Index:
-//   ModelShape, ModelRecipe   the model's sizes and its precision recipe (from the run spec)
+//   ModelShape, ModelRecipe   the model's sizes (model_shape.h) and its precision recipe (from the
+//                             run spec)
 //   Param                     one parameter: its logical shape, this rank's TP piece, the FSDP
 //                             shard this rank owns (master, gradient, Adam moments) and the
 //                             gathered weight of the step
@@ -81,39 +82,12 @@
 #include "parallel/fp8_collectives.h"
 #include "parallel/mesh.h"
 #include "runtime/model/linear.h"
+#include "runtime/model/model_shape.h"
 #include "runtime/model/moe.h"
 #include "runtime/train/optimizer.h"
 #include "runtime/train/scaling.h"
 
 namespace fp8rt::model {
-
-enum class NormKind : uint8_t { kRms, kLayer };           // RMSNorm gain; LayerNorm gain + bias
-enum class MlpKind : uint8_t { kGelu, kSwiglu };          // fc1-GELU-fc2; silu(gate) * up, down
-enum class PositionKind : uint8_t { kNone, kLearned, kRope };
-
-struct ModelShape {
-  int64_t layers = 0;
-  int64_t d_model = 0;
-  int64_t heads = 0;
-  int64_t d_ff = 0;
-  int64_t seq_len = 0;
-  int64_t vocab = 0;
-  MoeConfig moe;          // moe.experts 0: dense MLPs everywhere
-  int64_t moe_every = 1;  // MoE MLP in blocks every-1, 2*every-1, ...
-  // The architecture (the run spec's model.family with its overrides; runtime/spec/run_spec.h).
-  int64_t kv_heads = 0;  // key/value heads, dividing heads; 0: heads
-  NormKind norm = NormKind::kRms;
-  float norm_eps = 1e-5f;
-  MlpKind mlp = MlpKind::kGelu;
-  PositionKind positions = PositionKind::kNone;
-  int64_t max_positions = 0;  // rows of the learned position table (>= seq_len)
-  float rope_theta = 10000.0f;
-  bool bias = false;            // a bias on every linear layer but the LM head
-  bool tie_embeddings = false;  // the LM head is the token embedding (no lm_head/weight)
-
-  int64_t kv() const { return kv_heads > 0 ? kv_heads : heads; }
-  int64_t head_dim() const { return d_model / heads; }
-};
 
 // Token routing of one MoE block over a step, this rank's tokens (summed over micro-batches).
 struct MoeBlockStats {
@@ -156,8 +130,6 @@ struct ModelRecipe {
   int64_t fsdp_row_unit = 0;
 };
 
-enum class TpSplit : uint8_t { kNone, kRows, kCols };
-
 struct Param {
   std::string name;  // "blocks.0.mlp.fc1/weight"
   int64_t rows = 0;  // logical shape
@@ -199,14 +171,6 @@ struct Param {
 
   int64_t local_count() const { return local_rows * local_cols; }
 };
-
-// A parameter's logical shape, and logical parameters by name ("blocks.0.attn.qkv/weight"), each
-// rows * cols FP32 values of the whole model (before any TP split or FSDP shard), row-major.
-struct LogicalShape {
-  int64_t rows = 0, cols = 0;
-  TpSplit split = TpSplit::kNone;
-};
-using LogicalParams = std::map<std::string, std::vector<float>>;
 
 // How one rank's FSDP shard of a parameter is cut from its logical tensor: the rank's TP piece
 // (rows or columns tp_rank of tp, or the whole tensor), flattened, then elements
@@ -404,18 +368,18 @@ class Transformer {
   // FSDP units (see the file comment): unit 0 the embedding, 1..layers the blocks, layers + 1
   // the head.
   struct Unit {
-    std::string name;          // "embedding", "blocks.3", "head": for errors
-    std::vector<int> params;   // indices into params_ (a tied embedding is in two units)
-    bool gathered = false;     // full weights present (Finish done, not yet resharded)
-    bool started = false;      // gathers started (StartUnshard)
+    std::string name;         // "embedding", "blocks.3", "head": for errors
+    std::vector<int> params;  // indices into params_ (a tied embedding is in two units)
+    bool gathered = false;    // full weights present (Finish done, not yet resharded)
+    bool started = false;     // gathers started (StartUnshard)
     std::vector<std::unique_ptr<parallel::PendingCollective>> pending;
-    int64_t reduced = 0;       // backward reductions this step (one per micro-batch)
+    int64_t reduced = 0;  // backward reductions this step (one per micro-batch)
   };
   absl::Status StartUnshard(size_t unit);   // starts the unit's gathers (nonblocking where it can)
   absl::Status FinishUnshard(size_t unit);  // waits for them, hands the weights to the layers
   // fsdp_gather bf16: the FP8 weight of a BF16-gathered piece (FinishUnshard, after the gather).
   absl::Status QuantizeGatheredBf16(Param& p);
-  void Reshard(size_t unit);                // frees the gathered weights
+  void Reshard(size_t unit);  // frees the gathered weights
   // Full gradients for the unit's backward, zeroed except those in `overwritten` (their layers
   // write them over; only their padding past local_count() is zeroed).
   absl::Status BeginUnitGrads(size_t unit, std::initializer_list<int> overwritten = {});

@@ -10,6 +10,8 @@
 //   FP8RT_FUZZ_QUIET_PROTOBUF_INIT()  defines LLVMFuzzerInitialize to call QuietProtobuf().
 //   ToBytes(data, size)    a copy of libFuzzer's input as std::byte.
 //   SmallRunSpec()         the small valid run spec of the controller target and its seeds.
+//   HfFuzzShape(k)         hf_fuzzer's models: k 0 GPT-2, 1 Llama, 2 Llama tied, 3 Mixtral (2
+//                          experts), each 1 block of d_model 4, 2 heads, d_ff 4, vocab 4.
 //
 // Why FixShardChecksums: a shard file stores an XXH64 per section and one over the whole body,
 // and a random mutation almost never keeps them right, so a fuzzer fed only raw bytes would test
@@ -29,6 +31,7 @@
 #include "fp8rt/v1/control.pb.h"
 #include "google/protobuf/stubs/logging.h"
 #include "runtime/spec/run_spec.h"
+#include "tests/support/hf_test_shapes.h"
 
 #define FUZZ_CHECK(cond, ...)                                                            \
   do {                                                                                   \
@@ -109,6 +112,24 @@ inline void FixShardChecksums(std::vector<std::byte>& data) {
     pos += 16 + length;
   }
   StoreLe64(&data[body_end], XXH64(data.data(), body_end, 0));
+}
+
+// hf_fuzzer's models (the three architectures of hf_test_shapes.h, shrunk so that a whole
+// checkpoint fits a 4096-byte input): kind 0 GPT-2, 1 Llama, 2 Llama with tied embeddings, 3
+// Mixtral with 2 experts.
+inline model::ModelShape HfFuzzShape(int kind) {
+  model::ModelShape s = kind == 0   ? test::HfGpt2Shape()
+                        : kind == 3 ? test::HfMixtralShape(2)
+                                    : test::HfLlamaShape(kind == 2);
+  s.layers = 1;
+  s.d_model = 4;
+  s.heads = 2;
+  s.kv_heads = kind == 0 ? 0 : 1;
+  s.d_ff = 4;
+  s.seq_len = 4;
+  s.vocab = 4;
+  if (kind == 0) s.max_positions = 4;
+  return s;
 }
 
 }  // namespace fp8rt::fuzz

@@ -1,6 +1,7 @@
-// Writes the binary seeds of tests/fuzz/corpus: shard files, MANIFEST files and controller
-// request lists, each valid or one step from valid, made with the real writers (ShardWriter,
-// protobuf serialization) so that the seeds follow the formats as the code writes them.
+// Writes the binary seeds of tests/fuzz/corpus: shard files, MANIFEST files, controller request
+// lists, and Hugging Face checkpoints with their config.json, each valid or one step from valid,
+// made with the real writers (ShardWriter, protobuf serialization, WriteSafetensors,
+// HfConfigJson) so that the seeds follow the formats as the code writes them.
 //   make_fuzz_corpus CORPUS_DIR     (tests/fuzz/README.md; the .npy and YAML seeds are not made
 //                                    here: make_npy_corpus.py, and run specs written by hand)
 // Existing seeds of the same names are overwritten; other files are left alone.
@@ -15,11 +16,14 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "fp8rt/v1/checkpoint.pb.h"
 #include "fp8rt/v1/control.pb.h"
 #include "fp8rt/v1/scaling.pb.h"
 #include "runtime/checkpoint/checkpoint_dir.h"
 #include "runtime/checkpoint/checkpoint_io.h"
+#include "runtime/core/safetensors.h"
+#include "runtime/model/hf_weights.h"
 #include "runtime/spec/run_spec.h"
 #include "tests/fuzz/fuzz_support.h"
 
@@ -410,6 +414,44 @@ void MakeRequests(const fs::path& dir) {
             Requests().Add(kBeginCheckpoint, begin).Add(kAckShard, long_file).bytes());
 }
 
+// ---------------------------------------------------------------------------------------------
+// Hugging Face weights and config.json (hf_fuzzer: a selector byte, then the file).
+
+void MakeHf(const fs::path& dir, const fs::path& scratch) {
+  static const char* const kNames[] = {"gpt2", "llama", "llama-tied", "mixtral"};
+  for (int kind = 0; kind < 4; ++kind) {
+    const model::ModelShape shape = HfFuzzShape(kind);
+    const auto shapes = test::HfParamShapes(shape);
+    model::LogicalParams params;
+    float next = 0.0f;
+    for (const auto& [name, ls] : shapes) {
+      std::vector<float>& v = params[name];
+      for (int64_t i = 0; i < ls.rows * ls.cols; ++i) v.push_back(next += 0.125f);
+    }
+    absl::StatusOr<std::vector<model::HfTensor>> tensors =
+        model::ToHuggingFace(shape, shapes, params);
+    Check(tensors.status());
+    // As save_pretrained writes them, and (GPT-2) as GPT2Model's, names without "transformer.".
+    for (const bool base : {false, true}) {
+      if (base && kind != 0) continue;
+      std::vector<SafetensorsWriteTensor> write;
+      for (const model::HfTensor& t : *tensors) {
+        std::string name = t.name;
+        if (base && absl::StartsWith(name, "transformer.")) name = name.substr(12);
+        write.push_back({.name = name, .shape = t.shape, .data = t.values.data()});
+      }
+      const std::string path = (scratch / "model.safetensors").string();
+      Check(WriteSafetensors(path, write, {{"format", "pt"}}));
+      WriteSeed(dir, std::string(kNames[kind]) + (base ? "-base" : "") + ".safetensors",
+                std::string(1, static_cast<char>(kind)) + ReadAll(path));
+    }
+    absl::StatusOr<std::string> config = model::HfConfigJson(shape, "float32");
+    Check(config.status());
+    WriteSeed(dir, std::string(kNames[kind]) + "-config.json",
+              std::string(1, static_cast<char>(kind | 4)) + *config);
+  }
+}
+
 }  // namespace
 }  // namespace fp8rt::fuzz
 
@@ -427,6 +469,7 @@ int main(int argc, char** argv) {
   MakeShards(corpus / "shard_fuzzer", scratch);
   MakeManifests(corpus / "manifest_fuzzer", scratch);
   MakeRequests(corpus / "controller_rpc_fuzzer");
+  MakeHf(corpus / "hf_fuzzer", scratch);
   fs::remove_all(scratch, ec);
   return 0;
 }

@@ -53,47 +53,7 @@ ModelShape Llama(bool tie) { return test::HfLlamaShape(tie); }
 // Llama with an MoE MLP of 3 experts (top 2) in every block: Mixtral.
 ModelShape Mixtral() { return test::HfMixtralShape(3); }
 
-// The parameter shapes Transformer::Build gives these shapes (written out, not asked of it).
-std::map<std::string, LogicalShape> Shapes(const ModelShape& s) {
-  const int64_t c = s.d_model, f = s.d_ff, dh = s.head_dim(), qkv = (s.heads + 2 * s.kv()) * dh;
-  std::map<std::string, LogicalShape> m;
-  const bool gpt2 = s.norm == NormKind::kLayer;
-  m["embedding/weight"] = {s.vocab, c};
-  if (gpt2) m["positions/weight"] = {s.max_positions, c};
-  for (int64_t l = 0; l < s.layers; ++l) {
-    const std::string p = "blocks." + std::to_string(l) + ".";
-    for (const char* n : {"attn_norm", "mlp_norm"}) {
-      m[p + n + "/weight"] = {1, c};
-      if (gpt2) m[p + n + "/bias"] = {1, c};
-    }
-    m[p + "attn.qkv/weight"] = {qkv, c};
-    m[p + "attn.proj/weight"] = {c, c};
-    if (gpt2) {
-      m[p + "attn.qkv/bias"] = {qkv, 1};
-      m[p + "attn.proj/bias"] = {1, c};
-      m[p + "mlp.fc1/weight"] = {f, c};
-      m[p + "mlp.fc1/bias"] = {f, 1};
-      m[p + "mlp.fc2/weight"] = {c, f};
-      m[p + "mlp.fc2/bias"] = {1, c};
-    } else if (s.moe.experts > 0) {
-      m[p + "mlp.router/weight"] = {s.moe.experts, c};
-      for (int64_t e = 0; e < s.moe.experts; ++e) {
-        const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
-        m[x + "gate/weight"] = {f, c};
-        m[x + "up/weight"] = {f, c};
-        m[x + "down/weight"] = {c, f};
-      }
-    } else {
-      m[p + "mlp.gate/weight"] = {f, c};
-      m[p + "mlp.up/weight"] = {f, c};
-      m[p + "mlp.down/weight"] = {c, f};
-    }
-  }
-  m["final_norm/weight"] = {1, c};
-  if (gpt2) m["final_norm/bias"] = {1, c};
-  if (!s.tie_embeddings) m["lm_head/weight"] = {s.vocab, c};
-  return m;
-}
+std::map<std::string, LogicalShape> Shapes(const ModelShape& s) { return test::HfParamShapes(s); }
 
 LogicalParams Random(const std::map<std::string, LogicalShape>& shapes) {
   std::mt19937 rng(5);
@@ -785,6 +745,13 @@ TEST(HfWeightsTest, ConfigJsonCarriesWhatTheClassesRead) {
   EXPECT_TRUE(mj["sliding_window"].is_null());
   EXPECT_EQ(mj["num_key_value_heads"], 2);
   EXPECT_EQ(mj["intermediate_size"], 24);
+  // No token is special: each class's default ids are overridden with null.
+  for (const nlohmann::json* j : {&gj, &lj, &mj}) {
+    for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"}) {
+      ASSERT_TRUE(j->contains(key)) << key << " in " << (*j)["model_type"];
+      EXPECT_TRUE((*j)[key].is_null()) << key << " in " << (*j)["model_type"];
+    }
+  }
 }
 
 }  // namespace
