@@ -28,6 +28,23 @@
 
 namespace {
 
+// Vector clocks of the device's happens-before order (the stream-order checks of host_gpu.h): for
+// each stream, the last of its pieces of work (1-based) that is ordered before a point.
+using VectorClock = std::map<const CUstream_st*, uint64_t>;
+
+void Merge(VectorClock& into, const VectorClock& from) {
+  for (const auto& [s, n] : from) {
+    uint64_t& x = into[s];
+    if (n > x) x = n;
+  }
+}
+
+// Whether piece n of stream s happens before the point of clock c.
+bool Before(const VectorClock& c, const CUstream_st* s, uint64_t n) {
+  const auto it = c.find(s);
+  return n == 0 || (it != c.end() && it->second >= n);
+}
+
 // A piece of work on a stream: runs (step() returns true once done) when every (stream, n) it
 // depends on has done its n-th piece.
 struct Work {
@@ -44,11 +61,13 @@ struct CUstream_st {
   std::deque<Work> queue;
   uint64_t enqueued = 0;  // pieces of work ever enqueued; the n-th is done when done >= n
   uint64_t done = 0;
+  VectorClock clock;  // of its last piece of work
 };
 struct CUevent_st {
   unsigned flags = 0;
   CUstream_st* stream = nullptr;  // of the last record (null: never recorded)
   uint64_t index = 0;
+  VectorClock clock;  // of the last record
 };
 
 namespace {
@@ -58,6 +77,12 @@ enum Kind : int { kNone = 0, kDevice = 1, kPool = 2, kPinned = 3 };
 struct Allocation {
   size_t bytes = 0;
   Kind kind = kDevice;
+  // Stream-ordered (cudaMallocAsync, the staging pool): allocated on `stream` after its piece
+  // `at`; work elsewhere must be ordered after that.
+  const CUstream_st* stream = nullptr;
+  uint64_t at = 0;
+  std::map<const CUstream_st*, uint64_t> uses;  // the last piece of work of each stream using it
+  bool free_enqueued = false;                   // cudaFreeAsync'd; Release runs in stream order
 };
 
 struct Runtime {
@@ -84,9 +109,31 @@ std::vector<CUstream_st*>& Streams() {  // every stream but the legacy one, ever
   static auto* streams = new std::vector<CUstream_st*>;
   return *streams;
 }
-int query_ticks = 0;  // queries since the device last ran (lazy streams)
+VectorClock host_clock;  // the device's work the host has seen end (its waits)
+int query_ticks = 0;     // queries since the device last ran (lazy streams)
 std::atomic<int64_t> lazy_progress_runs{
     0};  // host waits that ran every stream (lazy_progress_after)
+
+std::atomic<int64_t> stream_races{0};
+std::mutex race_mu;
+std::string first_stream_race;  // guarded by race_mu
+
+// Counts a breach; the first since the last reset is also printed, since its consequence (a
+// use-after-free that ASan reports, or a wrong result) may end the test before it can be asked.
+void Race(const std::string& why) {
+  if (stream_races.fetch_add(1) != 0) return;
+  std::fprintf(stderr, "hostgpu: stream-order breach: %s\n", why.c_str());
+  std::lock_guard<std::mutex> lock(race_mu);
+  first_stream_race = why;
+}
+
+// A stream's name in race reports.
+std::string NameOf(const CUstream_st* s) {
+  if (s->legacy) return "the legacy default stream";
+  char buf[48];
+  std::snprintf(buf, sizeof(buf), "stream %p", static_cast<const void*>(s));
+  return buf;
+}
 
 thread_local cudaError_t last_error = cudaSuccess;
 thread_local int current_device = 0;
@@ -109,14 +156,23 @@ const Allocation* Find(Runtime& rt, const void* p, size_t bytes, bool* inside) {
   return &it->second;
 }
 
-cudaError_t Allocate(void** p, size_t bytes, Kind kind) {
+// `stream`: a stream-ordered allocation on it (cudaMallocAsync, the pool), after its work so far.
+cudaError_t Allocate(void** p, size_t bytes, Kind kind, CUstream_st* stream = nullptr) {
   if (p == nullptr) return Fail(cudaErrorInvalidValue);
   // 256-byte aligned, as cudaMalloc's are; never null, even for 0 bytes.
   void* mem = std::aligned_alloc(256, ((bytes + 255) / 256) * 256 + 256);
   if (mem == nullptr) return Fail(cudaErrorMemoryAllocation);
+  Allocation a;
+  a.bytes = bytes;
+  a.kind = kind;
+  if (stream != nullptr) {
+    std::lock_guard<std::recursive_mutex> dev_lock(dev_mu);  // taken before rt.mu, never after
+    a.stream = stream;
+    a.at = stream->enqueued;
+  }
   Runtime& rt = State();
   std::lock_guard<std::mutex> lock(rt.mu);
-  rt.allocations[static_cast<const char*>(mem)] = Allocation{bytes, kind};
+  rt.allocations[static_cast<const char*>(mem)] = std::move(a);
   *p = mem;
   return cudaSuccess;
 }
@@ -181,25 +237,90 @@ void RunDevice() {
   }
 }
 
-// Enqueues `step` on `s`, after `also` (a stream and piece), in the legacy stream's order against
-// blocking streams; returns its index on `s`.
-uint64_t Enqueue(CUstream_st* s, std::function<bool()> step,
-                 std::pair<CUstream_st*, uint64_t> also = {nullptr, 0}) {
+// What a piece of work touches, for the stream-order checks (host_gpu.h): the allocations its
+// pointers lie in (`uses`; pointers in none are left to the call's own checks), or the one it
+// frees (`frees`); `what` names the call in a report.
+struct Access {
+  std::vector<const void*> uses;
+  const void* frees = nullptr;
+  const char* what = "";
+};
+
+// With dev_mu held: the CUDA rules of stream-ordered memory for piece `index` of `s`, whose clock
+// is `c`. Work may use memory only after its stream-ordered allocation (on another stream: through
+// an event or a host wait) and never once its cudaFreeAsync is enqueued; a cudaFreeAsync must come
+// after every use on other streams. A breach is counted (StreamRaces), whatever order the device
+// then runs the work in.
+void CheckAccess(const CUstream_st* s, uint64_t index, const VectorClock& c, const Access& access) {
+  if (access.uses.empty() && access.frees == nullptr) return;
+  Runtime& rt = State();
+  std::lock_guard<std::mutex> lock(rt.mu);
+  auto find = [&rt](const void* p) -> Allocation* {
+    bool inside = true;
+    return p == nullptr ? nullptr : const_cast<Allocation*>(Find(rt, p, 1, &inside));
+  };
+  for (const void* p : access.uses) {
+    Allocation* a = find(p);
+    if (a == nullptr) continue;
+    if (a->free_enqueued) {
+      Race(std::string(access.what) + " on " + NameOf(s) +
+           " uses memory whose cudaFreeAsync is already enqueued");
+    } else if (a->stream != nullptr && a->stream != s && !Before(c, a->stream, a->at)) {
+      Race(std::string(access.what) + " on " + NameOf(s) +
+           " uses memory allocated in stream order on " + NameOf(a->stream) +
+           " without waiting for that stream (an event or a host wait)");
+    }
+    uint64_t& last = a->uses[s];
+    if (index > last) last = index;
+  }
+  if (Allocation* a = find(access.frees); a != nullptr) {
+    for (const auto& [t, n] : a->uses) {
+      if (t != s && !Before(c, t, n)) {
+        Race("cudaFreeAsync on " + NameOf(s) + " of memory that work on " + NameOf(t) +
+             " uses, without waiting for it (an event or a host wait): the pool may hand the "
+             "memory out again while that work still runs");
+      }
+    }
+    a->free_enqueued = true;
+  }
+}
+
+// Enqueues `step` on `s`, after `wait`'s last record (cudaStreamWaitEvent), in the legacy
+// stream's order against blocking streams, checking `access`; returns its index on `s`.
+uint64_t Enqueue(CUstream_st* s, std::function<bool()> step, const CUevent_st* wait = nullptr,
+                 const Access& access = {}) {
   std::lock_guard<std::recursive_mutex> lock(dev_mu);
   Work w{std::move(step), {}};
-  if (also.first != nullptr) w.after.push_back(also);
+  VectorClock c = s->clock;
+  Merge(c, host_clock);
+  if (wait != nullptr && wait->stream != nullptr) {
+    w.after.emplace_back(wait->stream, wait->index);
+    Merge(c, wait->clock);
+  }
   if (s->legacy) {
     for (CUstream_st* b : Streams()) {
-      if (b->flags == cudaStreamDefault) w.after.emplace_back(b, b->enqueued);
+      if (b->flags == cudaStreamDefault) {
+        w.after.emplace_back(b, b->enqueued);
+        Merge(c, b->clock);
+      }
     }
   } else if (s->flags == cudaStreamDefault) {
     w.after.emplace_back(&LegacyStream(), LegacyStream().enqueued);
+    Merge(c, LegacyStream().clock);
   }
+  const uint64_t index = s->enqueued + 1;
+  c[s] = index;
+  CheckAccess(s, index, c, access);
+  s->clock = std::move(c);
   s->queue.push_back(std::move(w));
-  const uint64_t index = ++s->enqueued;
+  s->enqueued = index;
   if (!fp8rt::hostgpu::settings().lazy_streams) RunDevice();
   return index;
 }
+
+// With dev_mu held: the host has seen the work of clock `c` end (a wait, or a query that answered
+// cudaSuccess), so what it enqueues from now on comes after it.
+void Waited(const VectorClock& c) { Merge(host_clock, c); }
 
 // With dev_mu held: runs `s`'s work up to its n-th piece and, first, the work that work waits
 // for, and nothing else (lazy streams: a missing dependency leaves the work it should have waited
@@ -248,11 +369,36 @@ void WaitFor(Run run, const char* what) {
 
 void WaitStream(CUstream_st* s, const char* what) {
   uint64_t n = 0;
+  VectorClock c;
   {
     std::lock_guard<std::recursive_mutex> lock(dev_mu);
     n = s->enqueued;
+    c = s->clock;
   }
-  WaitFor([s, n] { return RunUntil(s, n); }, what);  // lets other threads in between tries
+  // WaitFor lets other threads in between tries.
+  WaitFor(
+      [s, n, &c] {
+        if (!RunUntil(s, n)) return false;
+        Waited(c);
+        return true;
+      },
+      what);
+}
+
+// The host waits for piece n of `s`, just enqueued (its clock is the stream's now).
+void WaitPiece(CUstream_st* s, uint64_t n, const char* what) {
+  VectorClock c;
+  {
+    std::lock_guard<std::recursive_mutex> lock(dev_mu);
+    c = s->clock;
+  }
+  WaitFor(
+      [s, n, &c] {
+        if (!RunUntil(s, n)) return false;
+        Waited(c);
+        return true;
+      },
+      what);
 }
 
 void WaitDevice() {
@@ -261,14 +407,18 @@ void WaitDevice() {
         RunDevice();
         bool idle = LegacyStream().queue.empty();
         for (CUstream_st* s : Streams()) idle &= s->queue.empty();
+        if (idle) {
+          Waited(LegacyStream().clock);
+          for (CUstream_st* s : Streams()) Waited(s->clock);
+        }
         return idle;
       },
       "the device (a synchronisation)");
 }
 
-// A query of `s` up to its n-th piece: runs the device every time (default), or with lazy
-// streams every stream_polls-th query, and then only what the query needs.
-bool Query(CUstream_st* s, uint64_t n) {
+// A query of `s` up to its n-th piece, whose clock is `c`: runs the device every time (default),
+// or with lazy streams every stream_polls-th query, and then only what the query needs.
+bool Query(CUstream_st* s, uint64_t n, const VectorClock& c) {
   std::lock_guard<std::recursive_mutex> lock(dev_mu);
   if (!fp8rt::hostgpu::settings().lazy_streams) {
     RunDevice();
@@ -276,13 +426,20 @@ bool Query(CUstream_st* s, uint64_t n) {
     query_ticks = 0;
     RunUntil(s, n);
   }
-  return s->done >= n;
+  if (s->done < n) return false;
+  Waited(c);
+  return true;
 }
 
-// The stream and piece of `event`'s last record ({null, 0}: never recorded).
-std::pair<CUstream_st*, uint64_t> LastRecord(cudaEvent_t event) {
+// The stream, piece and clock of `event`'s last record ({null, 0}: never recorded).
+struct Record {
+  CUstream_st* stream = nullptr;
+  uint64_t index = 0;
+  VectorClock clock;
+};
+Record LastRecord(cudaEvent_t event) {
   std::lock_guard<std::recursive_mutex> lock(dev_mu);
-  return {event->stream, event->index};
+  return {event->stream, event->index, event->clock};
 }
 
 // Whether CUDA work may be enqueued on `s` now: a live stream that no NCCL call still
@@ -335,14 +492,15 @@ cudaError_t Copy(void* dst, const void* src, size_t count, cudaMemcpyKind kind, 
   if (const cudaError_t e = CheckCopy(dst, src, count, kind, &pageable); e != cudaSuccess) {
     return e;
   }
-  const uint64_t n = Enqueue(s, [dst, src, count] {
-    std::memmove(dst, src, count);
-    return true;
-  });
-  if (sync || pageable) {
-    WaitFor([s, n] { return RunUntil(s, n); },
-            sync ? "a synchronous cudaMemcpy" : "a cudaMemcpyAsync of pageable memory");
-  }
+  const uint64_t n = Enqueue(
+      s,
+      [dst, src, count] {
+        std::memmove(dst, src, count);
+        return true;
+      },
+      nullptr, Access{.uses = {dst, src}, .what = call});
+  if (sync || pageable)
+    WaitPiece(s, n, sync ? "a synchronous cudaMemcpy" : "a cudaMemcpyAsync of pageable memory");
   return cudaSuccess;
 }
 
@@ -353,11 +511,14 @@ cudaError_t Set(void* p, int value, size_t count, cudaStream_t stream, bool sync
   if (const cudaError_t e = CheckEnqueue(stream, call, &s); e != cudaSuccess) return e;
   if (count == 0) return cudaSuccess;
   if (const cudaError_t e = CheckSet(p, count); e != cudaSuccess) return e;
-  const uint64_t n = Enqueue(s, [p, value, count] {
-    std::memset(p, value, count);
-    return true;
-  });
-  if (sync) WaitFor([s, n] { return RunUntil(s, n); }, "a synchronous cudaMemset");
+  const uint64_t n = Enqueue(
+      s,
+      [p, value, count] {
+        std::memset(p, value, count);
+        return true;
+      },
+      nullptr, Access{.uses = {p}, .what = call});
+  if (sync) WaitPiece(s, n, "a synchronous cudaMemset");
   return cudaSuccess;
 }
 
@@ -374,24 +535,40 @@ bool DeviceRange(const void* p, size_t bytes, int* kind) {
 bool ValidStream(void* stream) { return StreamOf(static_cast<cudaStream_t>(stream)) != nullptr; }
 // A stream destroyed after the NCCL call still gets its kernel (cudaStreamDestroy while NCCL
 // holds the stream is refused as misuse, so this is a stream destroyed with work queued).
-void EnqueueKernel(void* stream, std::function<bool()> step) {
+void EnqueueKernel(void* stream, std::function<bool()> step, std::vector<const void*> uses,
+                   const char* call) {
   CUstream_st* s = StreamOf(static_cast<cudaStream_t>(stream), /*dead=*/true);
-  if (s != nullptr) Enqueue(s, std::move(step));
+  if (s != nullptr)
+    Enqueue(s, std::move(step), nullptr, Access{.uses = std::move(uses), .what = call});
 }
 void* StreamId(void* stream) { return StreamOf(static_cast<cudaStream_t>(stream), /*dead=*/true); }
-int Launch(void* stream, std::function<void()> work, const char* call) {
+int Launch(void* stream, std::function<void()> work, const char* call,
+           std::vector<const void*> uses) {
   CUstream_st* s = nullptr;
   if (const cudaError_t e = CheckEnqueue(static_cast<cudaStream_t>(stream), call, &s);
       e != cudaSuccess) {
     return e;
   }
-  Enqueue(s, [work = std::move(work)] {
-    work();
-    return true;
-  });
+  Enqueue(
+      s,
+      [work = std::move(work)] {
+        work();
+        return true;
+      },
+      nullptr, Access{.uses = std::move(uses), .what = call});
   return cudaSuccess;
 }
 int64_t LazyProgressRuns() { return lazy_progress_runs.load(); }
+int64_t StreamRaces() { return stream_races.load(); }
+std::string FirstStreamRace() {
+  std::lock_guard<std::mutex> lock(race_mu);
+  return first_stream_race;
+}
+void ResetStreamRaces() {
+  std::lock_guard<std::mutex> lock(race_mu);
+  stream_races = 0;
+  first_stream_race.clear();
+}
 void RunAll() {
   std::lock_guard<std::recursive_mutex> lock(dev_mu);
   RunDevice();
@@ -406,7 +583,7 @@ cudaError_t MallocFromDevicePool(void** p, size_t bytes, cudaStream_t stream) {
   if (const cudaError_t e = CheckEnqueue(stream, "MallocFromDevicePool", &s); e != cudaSuccess) {
     return e;
   }
-  return Allocate(p, bytes, kPool);
+  return Allocate(p, bytes, kPool, s);
 }
 
 }  // namespace fp8rt::kernels::cuda_internal
@@ -414,6 +591,12 @@ cudaError_t MallocFromDevicePool(void** p, size_t bytes, cudaStream_t stream) {
 extern "C" {
 
 cudaError_t cudaMalloc(void** p, size_t bytes) { return Allocate(p, bytes, kDevice); }
+// Stream-ordered device memory (the CUDA table's allocate_device: its pool on the default stream).
+cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t stream) {
+  CUstream_st* s = nullptr;
+  if (const cudaError_t e = CheckEnqueue(stream, "cudaMallocAsync", &s); e != cudaSuccess) return e;
+  return Allocate(p, bytes, kDevice, s);
+}
 // cudaFree and cudaFreeHost wait for the device, as CUDA's do.
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
@@ -431,10 +614,13 @@ cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
   if (const cudaError_t e = CheckEnqueue(stream, "cudaFreeAsync", &s); e != cudaSuccess) return e;
   bool inside = true;
   if (p != nullptr && KindOf(p, 1, &inside) == kPinned) return Fail(cudaErrorInvalidValue);
-  Enqueue(s, [p] {
-    (void)Release(p, /*pinned=*/false);
-    return true;
-  });
+  Enqueue(
+      s,
+      [p] {
+        (void)Release(p, /*pinned=*/false);
+        return true;
+      },
+      nullptr, Access{.uses = {}, .frees = p, .what = "cudaFreeAsync"});
   return cudaSuccess;
 }
 
@@ -546,11 +732,13 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
   CUstream_st* s = StreamOf(stream);
   if (s == nullptr) return Fail(cudaErrorInvalidResourceHandle);
   uint64_t n = 0;
+  VectorClock c;
   {
     std::lock_guard<std::recursive_mutex> lock(dev_mu);
     n = s->enqueued;
+    c = s->clock;
   }
-  return Query(s, n) ? cudaSuccess : cudaErrorNotReady;
+  return Query(s, n, c) ? cudaSuccess : cudaErrorNotReady;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   CUstream_st* s = StreamOf(stream);
@@ -565,7 +753,8 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   if (const cudaError_t e = CheckEnqueue(stream, "cudaStreamWaitEvent", &s); e != cudaSuccess) {
     return e;
   }
-  Enqueue(s, nullptr, LastRecord(event));  // never recorded: no wait
+  std::lock_guard<std::recursive_mutex> lock(dev_mu);
+  Enqueue(s, nullptr, event);  // never recorded: no wait
   return cudaSuccess;
 }
 cudaError_t cudaLaunchHostFunc(cudaStream_t stream, cudaHostFn_t fn, void* data) {
@@ -606,18 +795,27 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   const uint64_t n = Enqueue(s, nullptr);
   event->stream = s;
   event->index = n;
+  event->clock = s->clock;
   return cudaSuccess;
 }
 // An event never recorded is complete, as in CUDA.
 cudaError_t cudaEventQuery(cudaEvent_t event) {
   if (!ValidEvent(event)) return Fail(cudaErrorInvalidResourceHandle);
-  const auto [s, n] = LastRecord(event);
-  return s == nullptr || Query(s, n) ? cudaSuccess : cudaErrorNotReady;
+  const Record r = LastRecord(event);
+  return r.stream == nullptr || Query(r.stream, r.index, r.clock) ? cudaSuccess : cudaErrorNotReady;
 }
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (!ValidEvent(event)) return Fail(cudaErrorInvalidResourceHandle);
-  const auto [s, n] = LastRecord(event);
-  if (s != nullptr) WaitFor([s, n] { return RunUntil(s, n); }, "cudaEventSynchronize");
+  const Record r = LastRecord(event);
+  if (r.stream != nullptr) {
+    WaitFor(
+        [&r] {
+          if (!RunUntil(r.stream, r.index)) return false;
+          Waited(r.clock);
+          return true;
+        },
+        "cudaEventSynchronize");
+  }
   return cudaSuccess;
 }
 

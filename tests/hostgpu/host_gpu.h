@@ -48,6 +48,15 @@
 //     deadline (not modelled).
 //   - With lazy streams and Settings::lazy_progress_after, a host wait that has not finished in
 //     that time runs every stream, as a GPU eventually runs all queued work.
+//   - Stream order: the device keeps CUDA's happens-before order (vector clocks over the streams:
+//     stream order, events waited for, the legacy stream's implicit order, and what the host has
+//     seen end through a synchronisation or a query answered cudaSuccess; lazy progress is no
+//     such edge). Every piece of work that names memory (copies, memsets, NCCL kernels, Launch's
+//     pointers) is checked against the rules of stream-ordered memory, whatever order the device
+//     then runs it in: memory from cudaMallocAsync or the pool is used on another stream only
+//     after its allocation, and never once its cudaFreeAsync is enqueued; a cudaFreeAsync comes
+//     after every use on other streams (else the CUDA pool may hand the memory out again while
+//     that work still runs). A breach is counted (StreamRaces), so that a test can assert none.
 //   - Tests may put work of their own on the device (Launch: stream_ops.h runs the CPU op table
 //     there).
 //   - MPI is called only from the thread that initialised it (MPI_THREAD_FUNNELED): other
@@ -67,6 +76,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace fp8rt::hostgpu {
 
@@ -96,12 +106,12 @@ struct Settings {
 Settings& settings();
 
 struct Stats {
-  int64_t deferred = 0;       // NCCL calls that returned ncclInProgress
-  int64_t kernels = 0;        // NCCL kernels that ended with their results
+  int64_t deferred = 0;  // NCCL calls that returned ncclInProgress
+  int64_t kernels = 0;   // NCCL kernels that ended with their results
   // Of them, on a stream other than their communicator's own (the first stream created after
   // the communicator: NcclCommunicator's stream_), so fp8rt's started collectives.
   int64_t side_stream = 0;
-  int64_t side_reduce_scatter = 0;  // of those, reduce-scatters (fp8rt: gradient reductions)
+  int64_t side_reduce_scatter = 0;   // of those, reduce-scatters (fp8rt: gradient reductions)
   int64_t side_bf16_all_gather = 0;  // and BF16 all-gathers (fp8rt: fsdp_gather bf16)
   int64_t caller_memory = 0;  // of them, receiving into memory the caller allocated (not staging)
   int64_t misuse = 0;         // refused calls (see above)
@@ -121,7 +131,9 @@ bool ValidStream(void* stream);
 // cuda_runtime_host.cc: puts a kernel on `stream`, in stream order; `step` is called when the
 // stream reaches it, and again until it returns true (it may decline on a thread other than
 // MPI's). Called with nccl_host.cc's lock held.
-void EnqueueKernel(void* stream, std::function<bool()> step);
+// `uses`: the buffers it reads and writes, and `call` its name, for the stream-order checks.
+void EnqueueKernel(void* stream, std::function<bool()> step, std::vector<const void*> uses,
+                   const char* call);
 // cuda_runtime_host.cc: one identity per stream (the null, legacy and per-thread handles share
 // the legacy stream's), and running every piece of work the device can run now.
 void* StreamId(void* stream);
@@ -131,7 +143,14 @@ int64_t LazyProgressRuns();
 // cuda_runtime_host.cc: a kernel launch, for work the tests put on the device (stream_ops.h):
 // `work` runs when `stream` reaches it, in stream order. Returns a cudaError_t: `call` is misuse
 // while a NCCL call still ncclInProgress holds the stream, as any CUDA work there.
-int Launch(void* stream, std::function<void()> work, const char* call);
+// `uses`: the pointers it is given, for the stream-order checks.
+int Launch(void* stream, std::function<void()> work, const char* call,
+           std::vector<const void*> uses = {});
+// cuda_runtime_host.cc: breaches of the CUDA rules of stream-ordered memory seen since
+// ResetStreamRaces (see "Stream order" above), and the first of them (empty: none).
+int64_t StreamRaces();
+std::string FirstStreamRace();
+void ResetStreamRaces();
 // nccl_host.cc: a stream was created; the newest communicator without its own stream takes it.
 void StreamCreated(void* stream);
 // nccl_host.cc: whether a NCCL call still ncclInProgress will be put on `stream`, in which case

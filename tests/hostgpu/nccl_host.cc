@@ -68,6 +68,8 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
   bool caller = false;  // receives into memory the caller allocated (cudaMalloc, cudaMallocHost)
   bool reduce_scatter = false;
   bool bf16_all_gather = false;
+  std::vector<const void*> uses;  // its send and receive buffers (the stream-order checks)
+  const char* call = "";
   // Reads the send buffers and starts the MPI operations (into requests, on bufs).
   std::function<void(Kernel&)> start;
   std::function<void()> land;  // writes the receive buffers
@@ -320,7 +322,8 @@ void Progress(ncclComm_t comm) {
     if (done->land) done->land();
     if (done->kernel) {
       std::shared_ptr<Kernel> k = done->kernel;
-      fp8rt::hostgpu::EnqueueKernel(done->stream, [k] { return k->Step(); });
+      fp8rt::hostgpu::EnqueueKernel(
+          done->stream, [k] { return k->Step(); }, k->uses, k->call);
     }
   }
 }
@@ -448,6 +451,10 @@ ncclResult_t SubmitGathering(ncclComm_t comm, cudaStream_t stream, const std::st
   }
   auto k = NewKernel(comm);
   k->caller = caller;
+  k->uses = {send_bytes != 0 ? send : nullptr, recv_bytes != 0 ? recv : nullptr};
+  k->call = what == "ncclReduceScatter" ? "ncclReduceScatter"
+            : what == "ncclAllGather"   ? "ncclAllGather"
+                                        : "ncclAllReduce";
   k->reduce_scatter = what == "ncclReduceScatter";
   k->bf16_all_gather = what == "ncclAllGather" && type == ncclBfloat16;
   const int ranks = comm->size;
@@ -719,6 +726,8 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
   }
   auto k = NewKernel(comm);
   k->caller = caller;
+  k->uses = {is_root && bytes != 0 ? send : nullptr, bytes != 0 ? recv : nullptr};
+  k->call = "ncclBroadcast";
   auto slot = std::make_shared<Bytes*>(nullptr);
   k->start = [send, bytes, root, is_root, slot](Kernel& self) {
     Bytes* buf = self.Buf(bytes);
@@ -802,7 +811,9 @@ ncclResult_t ncclGroupEnd() {
   ncclResult_t rc = ncclSuccess;
   for (auto& [comm, ops] : by_comm) {
     auto k = NewKernel(comm);
+    k->call = "ncclSend/ncclRecv";
     for (const P2p& p : ops) {
+      if (p.bytes != 0) k->uses.push_back(p.send ? p.sendbuf : p.recvbuf);
       bool caller = false;
       if (!p.send && CheckBuffer(comm, p.recvbuf, p.bytes, "ncclRecv", &caller) == ncclSuccess) {
         k->caller |= caller;

@@ -21,6 +21,8 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "parallel/communicator.h"
@@ -189,10 +191,13 @@ class NcclHostTest : public ::testing::Test {
     // backend forgot leaves its result unwritten.
     hostgpu::settings().lazy_streams = true;
     hostgpu::ResetStats();
+    hostgpu::ResetStreamRaces();
   }
   void TearDown() override {
     const hostgpu::Stats s = hostgpu::stats();
     EXPECT_EQ(s.misuse, 0) << "first: " << s.first_misuse;
+    // The backend's own work follows the rules of stream-ordered memory (host_gpu.h).
+    EXPECT_EQ(hostgpu::StreamRaces(), 0) << "first: " << hostgpu::FirstStreamRace();
     // A communicator that could not finalize in time is aborted by its destructor.
     if (!expect_aborts_) {
       EXPECT_EQ(s.aborted, 0);
@@ -245,6 +250,96 @@ Bytes Concatenated(DType dtype, int size, int64_t count, int offset = 0) {
     out.insert(out.end(), b.begin(), b.end());
   }
   return out;
+}
+
+// The emulation's stream-order checks (host_gpu.h), which train_host_nccl_test relies on to find a
+// missing wait in the model: each rule is broken once, and kept once by an event, a host wait or
+// the legacy stream's implicit order. The breaches are caught at the enqueue, whatever the device
+// later runs first.
+TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
+  auto races = [] {
+    const int64_t n = hostgpu::StreamRaces();
+    const std::string first = hostgpu::FirstStreamRace();
+    hostgpu::ResetStreamRaces();
+    return std::make_pair(n, first);
+  };
+  cudaStream_t side = nullptr, blocking = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreate(&blocking), cudaSuccess);
+  cudaEvent_t event = nullptr;
+  ASSERT_EQ(cudaEventCreate(&event), cudaSuccess);
+  void* scratch = nullptr;
+  ASSERT_EQ(cudaMalloc(&scratch, 64), cudaSuccess);
+  // Work on the default stream first, so that an allocation there comes after something.
+  auto default_work = [&] {
+    ASSERT_EQ(cudaMemsetAsync(scratch, 1, 64, cudaStreamLegacy), cudaSuccess);
+  };
+  auto alloc = [](void** p) { ASSERT_EQ(cudaMallocAsync(p, 64, cudaStreamLegacy), cudaSuccess); };
+
+  // 1. Used on a non-blocking stream straight after its allocation on the default stream.
+  void* a = nullptr;
+  default_work();
+  alloc(&a);
+  ASSERT_EQ(cudaMemsetAsync(a, 0, 64, side), cudaSuccess);
+  auto [n, first] = races();
+  EXPECT_EQ(n, 1);
+  EXPECT_THAT(first, HasSubstr("cudaMemsetAsync on stream"));
+  EXPECT_THAT(first, HasSubstr("allocated in stream order on the legacy default stream"));
+  // After an event recorded behind the allocation: none; nor on a blocking stream, which the
+  // legacy stream's order puts after it.
+  default_work();
+  alloc(&a);
+  ASSERT_EQ(cudaEventRecord(event, cudaStreamLegacy), cudaSuccess);
+  ASSERT_EQ(cudaStreamWaitEvent(side, event, 0), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(a, 0, 64, side), cudaSuccess);
+  void* b = nullptr;
+  alloc(&b);
+  ASSERT_EQ(cudaMemsetAsync(b, 0, 64, blocking), cudaSuccess);
+  std::tie(n, first) = races();
+  EXPECT_EQ(n, 0) << first;
+
+  // 2. Freed on the default stream while the side stream's memset may still run.
+  ASSERT_EQ(cudaFreeAsync(a, cudaStreamLegacy), cudaSuccess);
+  std::tie(n, first) = races();
+  EXPECT_EQ(n, 1);
+  EXPECT_THAT(first, HasSubstr("cudaFreeAsync on the legacy default stream of memory that work on "
+                               "stream"));
+  // The free of b on the default stream: the legacy order puts it after the blocking stream's
+  // memset. Another, after the side stream's work is waited for by an event, or by the host.
+  ASSERT_EQ(cudaFreeAsync(b, cudaStreamLegacy), cudaSuccess);
+  void* c = nullptr;
+  void* d = nullptr;
+  alloc(&c);
+  alloc(&d);
+  ASSERT_EQ(cudaEventRecord(event, cudaStreamLegacy), cudaSuccess);
+  ASSERT_EQ(cudaStreamWaitEvent(side, event, 0), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(c, 0, 64, side), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(d, 0, 64, side), cudaSuccess);
+  ASSERT_EQ(cudaEventRecord(event, side), cudaSuccess);
+  ASSERT_EQ(cudaStreamWaitEvent(cudaStreamLegacy, event, 0), cudaSuccess);
+  ASSERT_EQ(cudaFreeAsync(c, cudaStreamLegacy), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(d, 2, 64, side), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
+  ASSERT_EQ(cudaFreeAsync(d, cudaStreamLegacy), cudaSuccess);
+  std::tie(n, first) = races();
+  EXPECT_EQ(n, 0) << first;
+
+  // 3. Named by work enqueued after its free (the free has not run: the device is lazy). The work
+  // is a launch that names the pointer and touches nothing, since the free runs first.
+  void* e = nullptr;
+  alloc(&e);
+  ASSERT_EQ(cudaFreeAsync(e, cudaStreamLegacy), cudaSuccess);
+  ASSERT_EQ(hostgpu::Launch(cudaStreamLegacy, [] {}, "a late kernel", {e}), cudaSuccess);
+  std::tie(n, first) = races();
+  EXPECT_EQ(n, 1);
+  EXPECT_THAT(first, HasSubstr("a late kernel on the legacy default stream uses memory whose "
+                               "cudaFreeAsync is already enqueued"));
+
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(cudaFree(scratch), cudaSuccess);
+  EXPECT_EQ(cudaEventDestroy(event), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(side), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(blocking), cudaSuccess);
 }
 
 TEST_F(NcclHostTest, EveryCollectiveGivesEveryRanksResult) {

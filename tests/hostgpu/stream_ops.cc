@@ -85,8 +85,10 @@ bool Addressable(const void* p) {
 // InvalidArgument naming the entry and the argument when a pointer argument, or a pointer field of
 // an argument struct, is not device memory (the CUDA entries refuse such a pointer before
 // launching anything).
+// The pointers it checked are added to `uses` (the stream-order checks of host_gpu.h).
 template <typename T>
-absl::Status CheckPointers(const char* entry, int index, const T& arg) {
+absl::Status CheckPointers(const char* entry, int index, const T& arg,
+                           std::vector<const void*>* uses) {
   std::vector<const void*> pointers;
   if constexpr (std::is_pointer_v<T>) {
     pointers.push_back(arg);
@@ -101,6 +103,7 @@ absl::Status CheckPointers(const char* entry, int index, const T& arg) {
                        " is not device memory"));
     }
   }
+  uses->insert(uses->end(), pointers.begin(), pointers.end());
   return absl::OkStatus();
 }
 
@@ -116,13 +119,15 @@ struct OnDevice<Member, Name, absl::Status (*Table::*)(A...)> {
   static absl::Status Call(A... a) {
     absl::Status checked;
     int index = 0;
-    ((checked.ok() ? (checked = CheckPointers(Name::Value(), index++, a), 0) : 0), ...);
+    std::vector<const void*> uses;
+    ((checked.ok() ? (checked = CheckPointers(Name::Value(), index++, a, &uses), 0) : 0), ...);
     if (!checked.ok()) return checked;
     const kernels::Stream stream = std::get<sizeof...(A) - 1>(std::tie(a...));
     absl::Status (*const entry)(A...) = CpuTable<Table>().*Member;
     std::tuple<std::decay_t<A>...> args(a...);  // the arguments as launched (pointers and values)
     const int rc = Launch(
-        stream.handle, [entry, args] { Record(std::apply(entry, args)); }, Name::Value());
+        stream.handle, [entry, args] { Record(std::apply(entry, args)); }, Name::Value(),
+        std::move(uses));
     if (rc != cudaSuccess) {
       return absl::InternalError(
           absl::StrCat(Name::Value(), ": launch failed (cuda error ", rc, ")"));
@@ -150,8 +155,10 @@ using Kind = kernels::cuda_internal::AllocationRegistry::Kind;
 
 absl::StatusOr<void*> Malloc(size_t bytes, Kind kind) {
   void* p = nullptr;
-  const cudaError_t e =
-      kind == Kind::kPinnedHost ? cudaMallocHost(&p, bytes) : cudaMalloc(&p, bytes);
+  const cudaError_t e = kind == Kind::kPinnedHost ? cudaMallocHost(&p, bytes)
+                        : kind == Kind::kStreamOrdered
+                            ? cudaMallocAsync(&p, bytes, cudaStreamLegacy)
+                            : cudaMalloc(&p, bytes);
   if (e != cudaSuccess) {
     return absl::ResourceExhaustedError(absl::StrCat("emulated allocation of ", bytes, " bytes"));
   }

@@ -19,16 +19,19 @@
 // cuBLASLt on Hopper (kernels/cuda/gemm_route.h, compute capability 9.0): those that would fall
 // back to the slow kernel there are counted (Fp8GemmsOffCublasLt).
 //
-// Not modelled: allocation is immediate and never reuses
-// memory (the CUDA pool allocates in stream order and may hand a freed array out again while a
-// side-stream collective still reads it: here that read is a use-after-free that ASan reports
-// only if the free ran first); the arrays are cudaMalloc memory, which the NCCL emulation counts
-// as the caller's (Stats::caller_memory).
+// Each op's pointers are checked against the rules of stream-ordered memory (host_gpu.h, "Stream
+// order"; StreamRaces), so a free of an array that a side-stream collective may still read, or a
+// use of an array on another stream before its stream-ordered allocation, is caught even where
+// the device happened to run the work in a harmless order. Allocation itself is immediate and
+// never reuses memory (the CUDA pool may hand a freed array out again: the rules above are what
+// make that safe).
 //
-// Memory, as the CUDA table's: allocate and allocate_device come from cudaMalloc, allocate_host
-// from cudaMallocHost. deallocate frees allocate_device's arrays in stream order on the legacy
-// default stream (cudaFreeAsync: no host wait, as the CUDA table's pool does); the others with
-// cudaFree / cudaFreeHost, which wait for the device.
+// Memory, as the CUDA table's: allocate comes from cudaMalloc, allocate_device from
+// cudaMallocAsync on the legacy default stream (the CUDA table's stream-ordered pool there),
+// allocate_host from cudaMallocHost. deallocate frees allocate_device's arrays in stream order on
+// the legacy default stream (cudaFreeAsync: no host wait, as the CUDA table's pool does); the
+// others with cudaFree / cudaFreeHost, which wait for the device. The arrays count as the
+// caller's memory in the NCCL emulation (Stats::caller_memory).
 #ifndef FP8RT_TESTS_HOSTGPU_STREAM_OPS_H_
 #define FP8RT_TESTS_HOSTGPU_STREAM_OPS_H_
 

@@ -14,7 +14,10 @@
 // the MoE counts or tokens, a gathered weight), an op not ordered after the collective that writes
 // its input (or a collective not ordered after the op that writes its send buffer), and a host read
 // of an op's output without a synchronisation would change them. No NCCL call, and no CUDA work on
-// NCCL's stream, may be made while a communicator is still in progress.
+// NCCL's stream, may be made while a communicator is still in progress. And no array may break the
+// rules of stream-ordered memory (host_gpu.h, "Stream order"): freed on one stream while work on
+// another may still use it, or used on another stream before its allocation, which the results
+// show only where the device happened to run the work in the wrong order.
 //
 // Built only without FP8RT_CUDA (the sanitizer build in scripts/test): in a CUDA build the op
 // tables' CUDA code would link against the emulation's entry points.
@@ -74,6 +77,7 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
     hostgpu::ResetDeviceOpError();
     ops_at_start_ = hostgpu::DeviceOpsRun();
     hostgpu::ResetFp8GemmRoutes();
+    hostgpu::ResetStreamRaces();
     progress_runs_at_start_ = hostgpu::LazyProgressRuns();
     std::string tmpl = (fs::temp_directory_path() / "fp8rt_train_host_nccl_XXXXXX").string();
     ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
@@ -83,6 +87,10 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
   void TearDown() override {
     const hostgpu::Stats s = hostgpu::stats();
     EXPECT_EQ(s.misuse, 0) << "first: " << s.first_misuse;
+    // The model's and the backend's work on the device follows the rules of stream-ordered memory
+    // (host_gpu.h): no array is freed, or used on another stream, without the wait that makes it
+    // safe on a GPU whose pool hands freed memory out again.
+    EXPECT_EQ(hostgpu::StreamRaces(), 0) << "first: " << hostgpu::FirstStreamRace();
     std::error_code ec;
     fs::remove_all(dir_, ec);
   }
