@@ -36,11 +36,13 @@
 //     CUDA work on the stream the call will use, until the state is ncclSuccess. The first fails
 //     with ncclInvalidUsage, the second with cudaErrorInvalidValue; both are counted
 //     (Stats::misuse), so that a test can assert none.
-//   - Faults (Settings; every rank sets the same, so all ranks see the fault together): a call
-//     that never reaches its stream (`hang`), a kernel that never ends (`hang_on_stream`), an
-//     asynchronous error instead of the kernel (`fail`), or after it was enqueued and hangs
-//     (`fail_on_stream`, reported 20 ms later). ncclCommAbort ends the communicator's kernels, so
-//     that a host waiting behind them returns, as on a GPU.
+//   - Faults (Settings; every rank sets the same): a call that never reaches its stream (`hang`),
+//     a kernel that never ends (`hang_on_stream`), an asynchronous error instead of the kernel
+//     (`fail`), or after it was enqueued and hangs (`fail_on_stream`, reported 20 ms later). All
+//     ranks see the fault together, or with `fault_rank` only that world rank does: a dead peer,
+//     whose part never comes, so that the others' kernels start and wait for it. ncclCommAbort
+//     ends the communicator's kernels, so that a host waiting behind them returns, as on a GPU
+//     (a started kernel's MPI operations are left pending to the process's end).
 //   - Communicator creation (the unique id is compared across ranks), ncclCommSplit (the child's
 //     handle is written when the parent leaves ncclInProgress) and ncclCommFinalize (ends when the
 //     communicator's kernels have) are deferred the same way, but their MPI parts run at the call
@@ -102,6 +104,7 @@ struct Settings {
   bool hang_on_stream = false;
   int fail = 0;  // an ncclResult_t; 0 (ncclSuccess): none
   int fail_on_stream = 0;
+  int fault_rank = -1;  // the faults above on this MPI_COMM_WORLD rank only; -1: on every rank
 };
 Settings& settings();
 
@@ -116,7 +119,8 @@ struct Stats {
   int64_t caller_memory = 0;  // of them, receiving into memory the caller allocated (not staging)
   int64_t misuse = 0;         // refused calls (see above)
   std::string first_misuse;
-  int64_t aborted = 0;  // ncclCommAbort calls
+  int64_t aborted = 0;    // ncclCommAbort calls
+  int64_t abandoned = 0;  // kernels the abort ended after they started (a peer's part missing)
 };
 Stats stats();
 void ResetStats();

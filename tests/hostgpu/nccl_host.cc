@@ -56,7 +56,7 @@ std::vector<std::shared_ptr<void>>& Leaked() {
   return *leaked;
 }
 
-std::atomic<int64_t> kernels_landed{0}, kernels_side{0}, kernels_caller{0},
+std::atomic<int64_t> kernels_abandoned{0}, kernels_landed{0}, kernels_side{0}, kernels_caller{0},
     kernels_side_reduce_scatter{0}, kernels_side_bf16_all_gather{0};
 
 // One collective (or one group's sends and receives) on the device.
@@ -88,6 +88,7 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
       if (started && !requests.empty()) {
         std::lock_guard<std::mutex> lock(leak_mu);
         Leaked().push_back(shared_from_this());
+        ++kernels_abandoned;
       }
       ++shared->ended;
       return true;
@@ -333,11 +334,19 @@ ncclResult_t Submit(ncclComm_t comm, std::unique_ptr<Deferred> d) {
   const fp8rt::hostgpu::Settings& s = fp8rt::hostgpu::settings();
   d->polls_left = s.polls;
   d->due = Clock::now() + s.delay;
-  if (d->kernel) {
+  static const int world_rank = [] {  // asked first here, on MPI's thread
+    int r = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    return r;
+  }();
+  const bool faulty = s.fault_rank < 0 || s.fault_rank == world_rank;
+  if (d->kernel && faulty) {
     d->hang = s.hang;
     d->fail = s.fail;
     d->fail_on_stream = s.fail_on_stream;
     d->kernel->hang = s.hang_on_stream || s.fail_on_stream != ncclSuccess;
+  }
+  if (d->kernel) {
     d->kernel->side = fp8rt::hostgpu::StreamId(d->stream) != comm->main_stream;
   }
   comm->pending.push_back(std::move(d));
@@ -478,6 +487,7 @@ Stats stats() {
   std::lock_guard<std::mutex> lock(mu);
   Stats s = ::stats;
   s.kernels = kernels_landed.load();
+  s.abandoned = kernels_abandoned.load();
   s.side_stream = kernels_side.load();
   s.side_reduce_scatter = kernels_side_reduce_scatter.load();
   s.side_bf16_all_gather = kernels_side_bf16_all_gather.load();
@@ -488,6 +498,7 @@ void ResetStats() {
   std::lock_guard<std::mutex> lock(mu);
   ::stats = Stats{};
   kernels_landed = 0;
+  kernels_abandoned = 0;
   kernels_side = 0;
   kernels_side_reduce_scatter = 0;
   kernels_side_bf16_all_gather = 0;

@@ -767,6 +767,76 @@ TEST_F(NcclHostTest, ACollectiveThatNeverReachesItsStreamEndsAtTheDeadline) {
   EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
 }
 
+// One dead peer (the last rank: its calls never reach their stream), which is how a rank fails in
+// practice: the others' kernels start, send their part and wait for the dead rank's for ever. Every
+// rank's call still ends at the deadline, the healthy ones through the abort that ends their
+// waiting kernels, and nothing half-done reaches a caller's buffer.
+TEST_F(NcclHostTest, ADeadPeerFailsEveryRankAtTheDeadline) {
+  expect_aborts_ = true;
+  for (Memory memory : {Memory::kHost, Memory::kDevice}) {
+    SCOPED_TRACE(Name(memory));
+    auto factory = Make(300ms);
+    ASSERT_NE(factory, nullptr);
+    Communicator& comm = factory->World();
+    const bool dead = comm.rank() == comm.size() - 1;
+    const int64_t aborted = hostgpu::stats().aborted;
+    const int64_t abandoned = hostgpu::stats().abandoned;
+    hostgpu::settings().fault_rank = comm.size() - 1;
+    hostgpu::settings().hang = true;
+    const Bytes input = Inputs(DType::kF32, comm.rank(), 5);
+    Buffer buf(memory, input);
+    const auto start = std::chrono::steady_clock::now();
+    const absl::Status s = comm.AllReduce(buf.get(), 5, DType::kF32, ReduceOp::kSum);
+    const auto took = std::chrono::steady_clock::now() - start;
+    hostgpu::settings() = hostgpu::Settings{};
+    hostgpu::settings().lazy_streams = true;
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded)
+        << (dead ? "dead: " : "healthy: ") << s;
+    EXPECT_THAT(s.message(), HasSubstr("ncclAllReduce"));
+    EXPECT_THAT(s.message(), HasSubstr("did not complete within 300 ms"));
+    EXPECT_THAT(s.message(), HasSubstr("the NCCL communicator was aborted"));
+    EXPECT_GE(took, 300ms);
+    EXPECT_LT(took, 5s);
+    EXPECT_EQ(buf.Read(), input);
+    EXPECT_EQ(hostgpu::stats().aborted, aborted + 1);
+    // The healthy ranks' kernels had started and sent their part; the dead rank's never did. (An
+    // aborted kernel ends when the device next reaches it.)
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(hostgpu::stats().abandoned, abandoned + (dead ? 0 : 1));
+    EXPECT_EQ(comm.Barrier().code(), absl::StatusCode::kFailedPrecondition);
+  }
+  // Stream-ordered: the healthy ranks' calls return once NCCL queued the kernel, and their
+  // watchdogs abort at the deadline, which ends the host's wait behind it; the dead rank's call
+  // never leaves ncclInProgress and fails itself.
+  auto factory = Make(300ms);
+  ASSERT_NE(factory, nullptr);
+  Communicator& comm = factory->World();
+  const bool dead = comm.rank() == comm.size() - 1;
+  hostgpu::settings().fault_rank = comm.size() - 1;
+  hostgpu::settings().hang = true;
+  const Bytes input = Inputs(DType::kF32, comm.rank(), 5);
+  Buffer buf(Memory::kDevice, input);
+  const absl::Status call =
+      comm.AllReduce(buf.get(), 5, DType::kF32, ReduceOp::kSum, Completion::kStream);
+  hostgpu::settings() = hostgpu::Settings{};
+  hostgpu::settings().lazy_streams = true;
+  if (dead) {
+    EXPECT_EQ(call.code(), absl::StatusCode::kDeadlineExceeded) << call;
+  } else {
+    EXPECT_TRUE(call.ok()) << call;
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_EQ(buf.Read(), input);  // behind the kernel, until the watchdog's abort
+    const auto took = std::chrono::steady_clock::now() - start;
+    EXPECT_GE(took, 200ms);
+    EXPECT_LT(took, 5s);
+    const absl::Status s = comm.CheckStreamOrdered();
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_THAT(s.message(), HasSubstr("ncclAllReduce (stream-ordered)"));
+  }
+  EXPECT_EQ(comm.Barrier().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
 // A stream-ordered collective whose kernel never ends (a peer died after NCCL queued it): the
 // call returns, and the watchdog aborts the communicator at the deadline, which ends the kernel,
 // so that a host waiting behind it returns; CheckStreamOrdered and the next call report it.
