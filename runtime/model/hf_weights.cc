@@ -11,6 +11,7 @@
 #include <string_view>
 #include <system_error>
 #include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"

@@ -109,14 +109,29 @@ std::vector<CUstream_st*>& Streams() {  // every stream but the legacy one, ever
   static auto* streams = new std::vector<CUstream_st*>;
   return *streams;
 }
-VectorClock host_clock;  // the device's work the host has seen end (its waits)
-int query_ticks = 0;     // queries since the device last ran (lazy streams)
+// The device's work the calling host thread has seen end (its waits and successful queries):
+// what it enqueues comes after that. One per thread, as in CUDA, where another thread's wait
+// orders nothing for this one; never destroyed (a free from a static destructor still merges), and
+// kept reachable for LeakSanitizer.
+VectorClock& HostClock() {
+  static auto* all = new std::vector<VectorClock*>;  // guarded by dev_mu
+  thread_local VectorClock* clock = [] {
+    std::lock_guard<std::recursive_mutex> lock(dev_mu);
+    all->push_back(new VectorClock);
+    return all->back();
+  }();
+  return *clock;
+}
+int query_ticks = 0;  // queries since the device last ran (lazy streams)
 std::atomic<int64_t> lazy_progress_runs{
     0};  // host waits that ran every stream (lazy_progress_after)
 
 std::atomic<int64_t> stream_races{0};
 std::mutex race_mu;
-std::string first_stream_race;  // guarded by race_mu
+std::string& FirstRace() {  // guarded by race_mu; never destroyed
+  static auto* first = new std::string;
+  return *first;
+}
 
 // Counts a breach; the first since the last reset is also printed, since its consequence (a
 // use-after-free that ASan reports, or a wrong result) may end the test before it can be asked.
@@ -124,7 +139,7 @@ void Race(const std::string& why) {
   if (stream_races.fetch_add(1) != 0) return;
   std::fprintf(stderr, "hostgpu: stream-order breach: %s\n", why.c_str());
   std::lock_guard<std::mutex> lock(race_mu);
-  first_stream_race = why;
+  FirstRace() = why;
 }
 
 // A stream's name in race reports.
@@ -154,27 +169,6 @@ const Allocation* Find(Runtime& rt, const void* p, size_t bytes, bool* inside) {
   if (c >= it->first + it->second.bytes) return nullptr;
   *inside = c + bytes <= it->first + it->second.bytes;
   return &it->second;
-}
-
-// `stream`: a stream-ordered allocation on it (cudaMallocAsync, the pool), after its work so far.
-cudaError_t Allocate(void** p, size_t bytes, Kind kind, CUstream_st* stream = nullptr) {
-  if (p == nullptr) return Fail(cudaErrorInvalidValue);
-  // 256-byte aligned, as cudaMalloc's are; never null, even for 0 bytes.
-  void* mem = std::aligned_alloc(256, ((bytes + 255) / 256) * 256 + 256);
-  if (mem == nullptr) return Fail(cudaErrorMemoryAllocation);
-  Allocation a;
-  a.bytes = bytes;
-  a.kind = kind;
-  if (stream != nullptr) {
-    std::lock_guard<std::recursive_mutex> dev_lock(dev_mu);  // taken before rt.mu, never after
-    a.stream = stream;
-    a.at = stream->enqueued;
-  }
-  Runtime& rt = State();
-  std::lock_guard<std::mutex> lock(rt.mu);
-  rt.allocations[static_cast<const char*>(mem)] = std::move(a);
-  *p = mem;
-  return cudaSuccess;
 }
 
 cudaError_t Release(void* p, bool pinned) {
@@ -274,6 +268,7 @@ void CheckAccess(const CUstream_st* s, uint64_t index, const VectorClock& c, con
     if (index > last) last = index;
   }
   if (Allocation* a = find(access.frees); a != nullptr) {
+    if (a->free_enqueued) Race("a second cudaFreeAsync on " + NameOf(s) + " of the same memory");
     for (const auto& [t, n] : a->uses) {
       if (t != s && !Before(c, t, n)) {
         Race("cudaFreeAsync on " + NameOf(s) + " of memory that work on " + NameOf(t) +
@@ -286,13 +281,14 @@ void CheckAccess(const CUstream_st* s, uint64_t index, const VectorClock& c, con
 }
 
 // Enqueues `step` on `s`, after `wait`'s last record (cudaStreamWaitEvent), in the legacy
-// stream's order against blocking streams, checking `access`; returns its index on `s`.
+// stream's order against blocking streams, checking `access`; returns its index on `s`, and its
+// clock in `clock_out` when given.
 uint64_t Enqueue(CUstream_st* s, std::function<bool()> step, const CUevent_st* wait = nullptr,
-                 const Access& access = {}) {
+                 const Access& access = {}, VectorClock* clock_out = nullptr) {
   std::lock_guard<std::recursive_mutex> lock(dev_mu);
   Work w{std::move(step), {}};
   VectorClock c = s->clock;
-  Merge(c, host_clock);
+  Merge(c, HostClock());
   if (wait != nullptr && wait->stream != nullptr) {
     w.after.emplace_back(wait->stream, wait->index);
     Merge(c, wait->clock);
@@ -301,7 +297,7 @@ uint64_t Enqueue(CUstream_st* s, std::function<bool()> step, const CUevent_st* w
     for (CUstream_st* b : Streams()) {
       if (b->flags == cudaStreamDefault) {
         w.after.emplace_back(b, b->enqueued);
-        Merge(c, b->clock);
+        if (!Before(c, b, b->enqueued)) Merge(c, b->clock);  // else covered already
       }
     }
   } else if (s->flags == cudaStreamDefault) {
@@ -311,6 +307,7 @@ uint64_t Enqueue(CUstream_st* s, std::function<bool()> step, const CUevent_st* w
   const uint64_t index = s->enqueued + 1;
   c[s] = index;
   CheckAccess(s, index, c, access);
+  if (clock_out != nullptr) *clock_out = c;
   s->clock = std::move(c);
   s->queue.push_back(std::move(w));
   s->enqueued = index;
@@ -320,7 +317,31 @@ uint64_t Enqueue(CUstream_st* s, std::function<bool()> step, const CUevent_st* w
 
 // With dev_mu held: the host has seen the work of clock `c` end (a wait, or a query that answered
 // cudaSuccess), so what it enqueues from now on comes after it.
-void Waited(const VectorClock& c) { Merge(host_clock, c); }
+void Waited(const VectorClock& c) { Merge(HostClock(), c); }
+
+// `stream`: a stream-ordered allocation on it (cudaMallocAsync, the pool). The allocation is a
+// point in that stream's order (an empty piece of work, since the pool may make the stream wait
+// there for the memory's previous user): work on other streams must come after it, and so must a
+// cudaFreeAsync elsewhere.
+cudaError_t Allocate(void** p, size_t bytes, Kind kind, CUstream_st* stream = nullptr) {
+  if (p == nullptr) return Fail(cudaErrorInvalidValue);
+  // 256-byte aligned, as cudaMalloc's are; never null, even for 0 bytes.
+  void* mem = std::aligned_alloc(256, ((bytes + 255) / 256) * 256 + 256);
+  if (mem == nullptr) return Fail(cudaErrorMemoryAllocation);
+  Allocation a;
+  a.bytes = bytes;
+  a.kind = kind;
+  if (stream != nullptr) {
+    a.stream = stream;
+    a.at = Enqueue(stream, nullptr);  // takes dev_mu, which comes before rt.mu
+    a.uses[stream] = a.at;
+  }
+  Runtime& rt = State();
+  std::lock_guard<std::mutex> lock(rt.mu);
+  rt.allocations[static_cast<const char*>(mem)] = std::move(a);
+  *p = mem;
+  return cudaSuccess;
+}
 
 // With dev_mu held: runs `s`'s work up to its n-th piece and, first, the work that work waits
 // for, and nothing else (lazy streams: a missing dependency leaves the work it should have waited
@@ -385,17 +406,13 @@ void WaitStream(CUstream_st* s, const char* what) {
       what);
 }
 
-// The host waits for piece n of `s`, just enqueued (its clock is the stream's now).
-void WaitPiece(CUstream_st* s, uint64_t n, const char* what) {
-  VectorClock c;
-  {
-    std::lock_guard<std::recursive_mutex> lock(dev_mu);
-    c = s->clock;
-  }
+// The host waits for piece n of `s`; `seen`: the clock the wait then orders the host after (null:
+// none, where CUDA's call gives the host no such order).
+void WaitPiece(CUstream_st* s, uint64_t n, const char* what, const VectorClock* seen) {
   WaitFor(
-      [s, n, &c] {
+      [s, n, seen] {
         if (!RunUntil(s, n)) return false;
-        Waited(c);
+        if (seen != nullptr) Waited(*seen);
         return true;
       },
       what);
@@ -453,8 +470,8 @@ cudaError_t CheckEnqueue(cudaStream_t s, const char* call, CUstream_st** stream)
 
 // Checks a copy's sides against its kind: the device side in registered memory, the host side not
 // in device memory, both within their allocations. `pageable`: a host side in plain host memory.
-cudaError_t CheckCopy(void* dst, const void* src, size_t count, cudaMemcpyKind kind,
-                      bool* pageable) {
+cudaError_t CheckCopy(void* dst, const void* src, size_t count, cudaMemcpyKind kind, bool* pageable,
+                      Kind* dst_kind, Kind* src_kind) {
   *pageable = false;
   if (dst == nullptr || src == nullptr) return Fail(cudaErrorInvalidValue);
   const bool dst_device = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
@@ -470,6 +487,8 @@ cudaError_t CheckCopy(void* dst, const void* src, size_t count, cudaMemcpyKind k
   }
   *pageable = (kind == cudaMemcpyHostToDevice && s == kNone) ||
               (kind == cudaMemcpyDeviceToHost && d == kNone);
+  *dst_kind = d;
+  *src_kind = s;
   return cudaSuccess;
 }
 
@@ -482,15 +501,26 @@ cudaError_t CheckSet(void* p, size_t count) {
 }
 
 // A copy on `stream` (cudaStreamLegacy for the synchronous form). The host waits for it when
-// `sync`, or when either side is pageable memory, as CUDA's does.
+// `sync`, or when either side is pageable memory, as CUDA's does. The order that gives the host
+// is CUDA's ("API synchronization behavior"): after the copy when it ends in host memory, or from
+// pinned to device memory synchronously; after the stream's earlier work only, from pageable host
+// memory to the device (the call returns once the data is staged); none from device to device.
 cudaError_t Copy(void* dst, const void* src, size_t count, cudaMemcpyKind kind, cudaStream_t stream,
                  bool sync, const char* call) {
   CUstream_st* s = nullptr;
   if (const cudaError_t e = CheckEnqueue(stream, call, &s); e != cudaSuccess) return e;
   if (count == 0) return cudaSuccess;
   bool pageable = false;
-  if (const cudaError_t e = CheckCopy(dst, src, count, kind, &pageable); e != cudaSuccess) {
+  Kind d = kNone, k = kNone;
+  if (const cudaError_t e = CheckCopy(dst, src, count, kind, &pageable, &d, &k); e != cudaSuccess) {
     return e;
+  }
+  const bool to_device = d == kDevice || d == kPool;
+  const bool from_device = k == kDevice || k == kPool;
+  VectorClock before, after;
+  {
+    std::lock_guard<std::recursive_mutex> lock(dev_mu);
+    before = s->clock;
   }
   const uint64_t n = Enqueue(
       s,
@@ -498,9 +528,15 @@ cudaError_t Copy(void* dst, const void* src, size_t count, cudaMemcpyKind kind, 
         std::memmove(dst, src, count);
         return true;
       },
-      nullptr, Access{.uses = {dst, src}, .what = call});
-  if (sync || pageable)
-    WaitPiece(s, n, sync ? "a synchronous cudaMemcpy" : "a cudaMemcpyAsync of pageable memory");
+      nullptr, Access{.uses = {dst, src}, .frees = nullptr, .what = call}, &after);
+  if (sync || pageable) {
+    const VectorClock* seen = !to_device     ? &after    // ends in host memory
+                              : from_device  ? nullptr   // device to device
+                              : k == kPinned ? &after    // pinned to device
+                                             : &before;  // pageable to device
+    WaitPiece(s, n, sync ? "a synchronous cudaMemcpy" : "a cudaMemcpyAsync of pageable memory",
+              seen);
+  }
   return cudaSuccess;
 }
 
@@ -511,14 +547,18 @@ cudaError_t Set(void* p, int value, size_t count, cudaStream_t stream, bool sync
   if (const cudaError_t e = CheckEnqueue(stream, call, &s); e != cudaSuccess) return e;
   if (count == 0) return cudaSuccess;
   if (const cudaError_t e = CheckSet(p, count); e != cudaSuccess) return e;
+  bool inside = true;
+  const bool pinned = KindOf(p, 1, &inside) == kPinned;
+  VectorClock after;
   const uint64_t n = Enqueue(
       s,
       [p, value, count] {
         std::memset(p, value, count);
         return true;
       },
-      nullptr, Access{.uses = {p}, .what = call});
-  if (sync) WaitPiece(s, n, "a synchronous cudaMemset");
+      nullptr, Access{.uses = {p}, .frees = nullptr, .what = call}, &after);
+  // The host waits, but CUDA's cudaMemset orders the host after it only for pinned memory.
+  if (sync) WaitPiece(s, n, "a synchronous cudaMemset", pinned ? &after : nullptr);
   return cudaSuccess;
 }
 
@@ -562,12 +602,12 @@ int64_t LazyProgressRuns() { return lazy_progress_runs.load(); }
 int64_t StreamRaces() { return stream_races.load(); }
 std::string FirstStreamRace() {
   std::lock_guard<std::mutex> lock(race_mu);
-  return first_stream_race;
+  return FirstRace();
 }
 void ResetStreamRaces() {
   std::lock_guard<std::mutex> lock(race_mu);
   stream_races = 0;
-  first_stream_race.clear();
+  FirstRace().clear();
 }
 void RunAll() {
   std::lock_guard<std::recursive_mutex> lock(dev_mu);
@@ -612,8 +652,14 @@ cudaError_t cudaFreeHost(void* p) {
 cudaError_t cudaFreeAsync(void* p, cudaStream_t stream) {
   CUstream_st* s = nullptr;
   if (const cudaError_t e = CheckEnqueue(stream, "cudaFreeAsync", &s); e != cudaSuccess) return e;
-  bool inside = true;
-  if (p != nullptr && KindOf(p, 1, &inside) == kPinned) return Fail(cudaErrorInvalidValue);
+  if (p != nullptr) {  // the start of live device memory, as CUDA requires
+    Runtime& rt = State();
+    std::lock_guard<std::mutex> lock(rt.mu);
+    const auto it = rt.allocations.find(static_cast<const char*>(p));
+    if (it == rt.allocations.end() || it->second.kind == kPinned) {
+      return Fail(cudaErrorInvalidValue);
+    }
+  }
   Enqueue(
       s,
       [p] {

@@ -8,10 +8,10 @@
 // NcclCommunicator source under mpirun, each rank a CPU process, the ranks' data moving over MPI.
 //
 // The model:
-//   - Device memory is host memory that the runtime has registered (cudaMalloc and the staging
-//     pool: device memory; cudaMallocHost: pinned). cudaPointerGetAttributes tells them from plain
-//     host memory as CUDA does. A copy fails when its device side is not registered memory, when
-//     its host side is device memory, or when it runs past its allocation.
+//   - Device memory is host memory that the runtime has registered (cudaMalloc, cudaMallocAsync
+//     and the staging pool: device memory; cudaMallocHost: pinned). cudaPointerGetAttributes tells
+//     them from plain host memory as CUDA does. A copy fails when its device side is not registered
+//     memory, when its host side is device memory, or when it runs past its allocation.
 //   - Streams are queues. Their work (copies, memsets, event records, waits on events, host
 //     functions, frees, NCCL's kernels) runs in stream order, after the events it waits for, and
 //     with the legacy default stream's implicit ordering against blocking streams. With
@@ -51,14 +51,19 @@
 //   - With lazy streams and Settings::lazy_progress_after, a host wait that has not finished in
 //     that time runs every stream, as a GPU eventually runs all queued work.
 //   - Stream order: the device keeps CUDA's happens-before order (vector clocks over the streams:
-//     stream order, events waited for, the legacy stream's implicit order, and what the host has
-//     seen end through a synchronisation or a query answered cudaSuccess; lazy progress is no
-//     such edge). Every piece of work that names memory (copies, memsets, NCCL kernels, Launch's
-//     pointers) is checked against the rules of stream-ordered memory, whatever order the device
-//     then runs it in: memory from cudaMallocAsync or the pool is used on another stream only
-//     after its allocation, and never once its cudaFreeAsync is enqueued; a cudaFreeAsync comes
-//     after every use on other streams (else the CUDA pool may hand the memory out again while
-//     that work still runs). A breach is counted (StreamRaces), so that a test can assert none.
+//     stream order, events waited for, the legacy stream's implicit order, and what the calling
+//     host thread has seen end: a synchronisation, a query answered cudaSuccess, a copy that CUDA
+//     makes synchronous for the host; each thread its own; lazy progress is no such edge). Each
+//     piece of work that names memory (copies, memsets, Launch's pointers when it is enqueued;
+//     NCCL kernels' send and receive buffers when NCCL puts them on their stream; a group's
+//     sends and receives all on its first call's stream) is checked against the rules of
+//     stream-ordered memory, whatever order the device then runs it in: memory from
+//     cudaMallocAsync or the pool is used on another stream, or freed there, only after its
+//     allocation (a point in its stream's order: the pool may make the stream wait there for the
+//     memory's previous user), and never once its cudaFreeAsync is enqueued; a cudaFreeAsync
+//     comes after every use on other streams (else the pool may hand the memory out again while
+//     that work still runs) and only once. A breach is counted (StreamRaces), so that a test can
+//     assert none. cudaLaunchHostFunc's function names no memory and is not checked.
 //   - Tests may put work of their own on the device (Launch: stream_ops.h runs the CPU op table
 //     there).
 //   - MPI is called only from the thread that initialised it (MPI_THREAD_FUNNELED): other
@@ -120,7 +125,7 @@ struct Stats {
   int64_t misuse = 0;         // refused calls (see above)
   std::string first_misuse;
   int64_t aborted = 0;    // ncclCommAbort calls
-  int64_t abandoned = 0;  // kernels the abort ended after they started (a peer's part missing)
+  int64_t abandoned = 0;  // kernels the abort ended after they started, a peer's part missing
 };
 Stats stats();
 void ResetStats();

@@ -76,6 +76,7 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
   std::vector<MPI_Request> requests;
   std::vector<std::unique_ptr<Bytes>> bufs;
   bool started = false;
+  bool received = false;  // every rank's part arrived
 
   Bytes* Buf(size_t bytes) {
     bufs.push_back(std::make_unique<Bytes>(bytes));
@@ -88,7 +89,7 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
       if (started && !requests.empty()) {
         std::lock_guard<std::mutex> lock(leak_mu);
         Leaked().push_back(shared_from_this());
-        ++kernels_abandoned;
+        if (!received) ++kernels_abandoned;
       }
       ++shared->ended;
       return true;
@@ -121,6 +122,7 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
         MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
       }
       if (done == 0) return false;
+      received = true;
     }
     if (land) land();
     ++kernels_landed;
@@ -169,6 +171,7 @@ namespace {
 std::mutex mu;  // guards every communicator, the stats and the registry below
 fp8rt::hostgpu::Stats stats;
 std::set<ncclComm*> live;  // created and not yet destroyed or aborted
+int world_rank = 0;        // MPI_COMM_WORLD's, asked at each communicator's creation
 thread_local std::string thread_last_error;
 
 // A send or receive of the current thread's ncclGroupStart..ncclGroupEnd.
@@ -334,11 +337,6 @@ ncclResult_t Submit(ncclComm_t comm, std::unique_ptr<Deferred> d) {
   const fp8rt::hostgpu::Settings& s = fp8rt::hostgpu::settings();
   d->polls_left = s.polls;
   d->due = Clock::now() + s.delay;
-  static const int world_rank = [] {  // asked first here, on MPI's thread
-    int r = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &r);
-    return r;
-  }();
   const bool faulty = s.fault_rank < 0 || s.fault_rank == world_rank;
   if (d->kernel && faulty) {
     d->hang = s.hang;
@@ -417,6 +415,7 @@ std::unique_ptr<Deferred> Call(std::shared_ptr<Kernel> k, cudaStream_t stream) {
 ncclComm_t awaiting_main = nullptr;  // the newest communicator, until a stream is created
 
 ncclComm_t NewComm(MPI_Comm mpi, const ncclConfig_t* config) {
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   auto* comm = new ncclComm;
   awaiting_main = comm;
   comm->shared->mpi = mpi;

@@ -268,26 +268,35 @@ TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
   ASSERT_EQ(cudaStreamCreate(&blocking), cudaSuccess);
   cudaEvent_t event = nullptr;
   ASSERT_EQ(cudaEventCreate(&event), cudaSuccess);
-  void* scratch = nullptr;
-  ASSERT_EQ(cudaMalloc(&scratch, 64), cudaSuccess);
-  // Work on the default stream first, so that an allocation there comes after something.
-  auto default_work = [&] {
-    ASSERT_EQ(cudaMemsetAsync(scratch, 1, 64, cudaStreamLegacy), cudaSuccess);
-  };
   auto alloc = [](void** p) { ASSERT_EQ(cudaMallocAsync(p, 64, cudaStreamLegacy), cudaSuccess); };
+  int64_t n = 0;
+  std::string first;
 
-  // 1. Used on a non-blocking stream straight after its allocation on the default stream.
+  // 1. Used on a non-blocking stream straight after its allocation on the default stream: with
+  // nothing before it, after the host synchronised the device, or after waiting for an event
+  // recorded before the allocation. The allocation itself is the point to wait for (the pool may
+  // make the default stream wait there for the memory's previous user).
   void* a = nullptr;
-  default_work();
-  alloc(&a);
-  ASSERT_EQ(cudaMemsetAsync(a, 0, 64, side), cudaSuccess);
-  auto [n, first] = races();
-  EXPECT_EQ(n, 1);
-  EXPECT_THAT(first, HasSubstr("cudaMemsetAsync on stream"));
-  EXPECT_THAT(first, HasSubstr("allocated in stream order on the legacy default stream"));
+  for (const char* before : {"nothing", "a device synchronisation", "an event"}) {
+    SCOPED_TRACE(before);
+    if (std::string(before) == "a device synchronisation") {
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }
+    if (std::string(before) == "an event") {
+      ASSERT_EQ(cudaEventRecord(event, cudaStreamLegacy), cudaSuccess);
+    }
+    alloc(&a);
+    if (std::string(before) == "an event") {
+      ASSERT_EQ(cudaStreamWaitEvent(side, event, 0), cudaSuccess);
+    }
+    ASSERT_EQ(cudaMemsetAsync(a, 0, 64, side), cudaSuccess);
+    std::tie(n, first) = races();
+    EXPECT_EQ(n, 1);
+    EXPECT_THAT(first, HasSubstr("cudaMemsetAsync on stream"));
+    EXPECT_THAT(first, HasSubstr("allocated in stream order on the legacy default stream"));
+  }
   // After an event recorded behind the allocation: none; nor on a blocking stream, which the
   // legacy stream's order puts after it.
-  default_work();
   alloc(&a);
   ASSERT_EQ(cudaEventRecord(event, cudaStreamLegacy), cudaSuccess);
   ASSERT_EQ(cudaStreamWaitEvent(side, event, 0), cudaSuccess);
@@ -335,8 +344,51 @@ TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
   EXPECT_THAT(first, HasSubstr("a late kernel on the legacy default stream uses memory whose "
                                "cudaFreeAsync is already enqueued"));
 
+  // 4. A synchronous copy orders the host after it only where CUDA's does: a device-to-device
+  // cudaMemcpy on the default stream (which follows f's allocation there and the blocking
+  // stream's use of f) does not, so a free of f on the non-blocking stream breaks the rule twice;
+  // after a device-to-host one it does not.
+  for (const bool to_host : {false, true}) {
+    SCOPED_TRACE(to_host ? "device to host" : "device to device");
+    void* f = nullptr;
+    void* g = nullptr;
+    alloc(&f);
+    alloc(&g);
+    ASSERT_EQ(cudaMemsetAsync(f, 3, 64, blocking), cudaSuccess);
+    std::vector<uint8_t> host(64);
+    if (to_host) {
+      ASSERT_EQ(cudaMemcpy(host.data(), g, 64, cudaMemcpyDeviceToHost), cudaSuccess);
+    } else {
+      ASSERT_EQ(cudaMemcpy(g, g, 64, cudaMemcpyDeviceToDevice), cudaSuccess);
+    }
+    ASSERT_EQ(cudaFreeAsync(f, side), cudaSuccess);
+    std::tie(n, first) = races();
+    if (to_host) {
+      EXPECT_EQ(n, 0) << first;
+    } else {
+      EXPECT_EQ(n, 2);
+      EXPECT_THAT(first, HasSubstr("cudaFreeAsync on stream"));
+    }
+    ASSERT_EQ(cudaFreeAsync(g, cudaStreamLegacy), cudaSuccess);
+  }
+  EXPECT_EQ(races().first, 0);
+
+  // 5. Freed twice; and a pointer inside an allocation is refused, as CUDA refuses it.
+  void* h = nullptr;
+  alloc(&h);
+  ASSERT_EQ(cudaFreeAsync(h, cudaStreamLegacy), cudaSuccess);
+  ASSERT_EQ(cudaFreeAsync(h, cudaStreamLegacy), cudaSuccess);
+  std::tie(n, first) = races();
+  EXPECT_EQ(n, 1);
+  EXPECT_THAT(first, HasSubstr("a second cudaFreeAsync on the legacy default stream"));
+  void* inner = nullptr;
+  alloc(&inner);
+  EXPECT_EQ(cudaFreeAsync(static_cast<char*>(inner) + 8, cudaStreamLegacy), cudaErrorInvalidValue);
+  (void)cudaGetLastError();
+  ASSERT_EQ(cudaFreeAsync(inner, cudaStreamLegacy), cudaSuccess);
+
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(cudaFree(scratch), cudaSuccess);
+  EXPECT_EQ(races().first, 0);
   EXPECT_EQ(cudaEventDestroy(event), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(side), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(blocking), cudaSuccess);
@@ -822,6 +874,7 @@ TEST_F(NcclHostTest, ADeadPeerFailsEveryRankAtTheDeadline) {
   hostgpu::settings().lazy_streams = true;
   if (dead) {
     EXPECT_EQ(call.code(), absl::StatusCode::kDeadlineExceeded) << call;
+    EXPECT_EQ(buf.Read(), input);
   } else {
     EXPECT_TRUE(call.ok()) << call;
     const auto start = std::chrono::steady_clock::now();

@@ -3,10 +3,10 @@
 //
 // The model's ops then behave towards the host and the NCCL backend as the CUDA table's kernels
 // do: each entry checks at the call that its pointers (arguments, and the pointer fields of its
-// argument struct) are device memory (registered by the emulated runtime: cudaMalloc or
-// cudaMallocHost; null pointers and a pointer one past an allocation are let through, which the
-// CUDA entries refuse when the call has work), and is then launched on its stream
-// (kernels::Stream::handle; null is the legacy default stream) with its arguments copied; it
+// argument struct) are device memory (registered by the emulated runtime: cudaMalloc,
+// cudaMallocAsync or cudaMallocHost; null pointers and a pointer one past an allocation are let
+// through, which the CUDA entries refuse when the call has work), and is then launched on its
+// stream (kernels::Stream::handle; null is the legacy default stream) with its arguments copied; it
 // runs when the device reaches it, in stream order, after the events that stream waits for
 // (FSDP's started gathers and reductions, the stream-ordered collectives). With
 // Settings::lazy_streams the device runs only when the host waits, so an op queued without a

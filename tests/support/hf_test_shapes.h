@@ -77,7 +77,7 @@ inline std::map<std::string, model::LogicalShape> HfParamShapes(const model::Mod
       m[p + "mlp.fc1/bias"] = {f, 1};
       m[p + "mlp.fc2/weight"] = {c, f};
       m[p + "mlp.fc2/bias"] = {1, c};
-    } else if (s.moe.experts > 0) {
+    } else if (s.HasMoe(l)) {
       m[p + "mlp.router/weight"] = {s.moe.experts, c};
       for (int64_t e = 0; e < s.moe.experts; ++e) {
         const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
