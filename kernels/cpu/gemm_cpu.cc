@@ -11,12 +11,6 @@
 // the operands are widened from BF16 (or decoded from FP8) to FP32 exactly, the product of two
 // BF16 values is exact in FP32 (8 + 8 significand bits), and the accumulation is FP32, so the
 // contract is the same; only the summation order differs. Bf16MatmulAvailable() decides, once.
-// That FP32 GEMM (oneDNN's AVX2 sgemm) computes the rows of a call's last, partial row blocks with
-// other kernels than the rest, and blocks K by its depth, so a value's bits would depend on how
-// many rows the call has and on K (zero rows or zero depth appended, as an MoE expert's padding
-// appends them, would change the others): on that path every matmul has kF32TileRows rows, the
-// last tile through zero-padded copies (TiledF32Matmul), and a depth that is a multiple of
-// kF32Depth, zero-padded where K is not (F32Matmul; the block-scaled slices are 128 deep).
 // oneDNN reports errors by exception; they are turned into Status here and never escape.
 #include <omp.h>
 
@@ -30,7 +24,6 @@
 #include <memory>
 #include <mutex>
 #include <tuple>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_ops.h"
@@ -51,8 +44,8 @@ size_t PackedBBytes(int64_t n, int64_t k) {
 
 namespace {
 
-bool g_force_generic_packing = false;        // tests only: see ForceGenericPackingForTesting
-bool g_force_f32_matmul = false;             // tests only: see ForceF32MatmulForTesting
+bool g_force_generic_packing = false;  // tests only: see ForceGenericPackingForTesting
+bool g_force_f32_matmul = false;       // tests only: see ForceF32MatmulForTesting
 std::atomic<int64_t> g_amx_layout_packs{0};  // tests only: see AmxLayoutPacksForTesting
 
 dnnl::engine& CpuEngine() {
@@ -164,13 +157,13 @@ absl::Status Execute(const Matmul& mm, const void* a, const void* b, void* d, fl
         mm.output_scale ? dnnl::memory::desc({1}, dnnl::memory::data_type::f32, {1}) : ScalarDesc(),
         engine, &alpha);
     dnnl::stream stream(engine);
-    mm.primitive.execute(stream,
-                         {{DNNL_ARG_SRC, a_mem},
-                          {DNNL_ARG_WEIGHTS, b_mem},
-                          {DNNL_ARG_DST, d_mem},
-                          {mm.output_scale ? DNNL_ARG_ATTR_OUTPUT_SCALES
-                                           : DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1,
-                           alpha_mem}});
+    mm.primitive.execute(
+        stream, {{DNNL_ARG_SRC, a_mem},
+                 {DNNL_ARG_WEIGHTS, b_mem},
+                 {DNNL_ARG_DST, d_mem},
+                 {mm.output_scale ? DNNL_ARG_ATTR_OUTPUT_SCALES
+                                  : DNNL_ARG_ATTR_MULTIPLE_POST_OP(0) | DNNL_ARG_SRC_1,
+                  alpha_mem}});
     stream.wait();
   } catch (const dnnl::error& e) {
     return absl::InternalError(
@@ -268,66 +261,10 @@ absl::Status PackB(const dnnl::memory::desc& md, int64_t n, int64_t k, AmxPack a
   return absl::OkStatus();
 }
 
-// The FP32-matmul path's row count per call, and the multiple its depth is padded to (see the
-// file comment).
-constexpr int64_t kF32TileRows = 128;
-constexpr int64_t kF32Depth = 128;
-
-// out (m x n FP32) = alpha * a (m x k FP32, row stride lda) B [+ out] (`accumulate`), B as `key`
-// lays it out, in calls of kF32TileRows rows: whole tiles of a and out in place, the last partial
-// tile through zero-padded copies (with out's rows, when accumulating), so that every row is
-// computed by the same call shape at the same position in its tile whatever m is. `key` has m
-// kF32TileRows and lda, ldb, accumulate, layout and f32 set.
-absl::Status TiledF32Matmul(const MatmulKey& key, int64_t m, const float* a, const void* b,
-                            float* out, float alpha) {
-  const int64_t n = key.n, lda = key.lda, t = kF32TileRows;
-  FP8RT_ASSIGN_OR_RETURN(std::shared_ptr<const Matmul> mm, Cache().Get(key));
-  const int64_t whole = m / t * t;
-  for (int64_t m0 = 0; m0 < whole; m0 += t) {
-    FP8RT_RETURN_IF_ERROR(Execute(*mm, a + m0 * lda, b, out + m0 * n, alpha));
-  }
-  if (whole == m) return absl::OkStatus();
-  const int64_t rows = m - whole;
-  // The tile's rows of a (whole rows of stride lda, so that the call reads them as it reads an
-  // in-place tile) and of out, the rest zero; reused by the thread.
-  thread_local std::vector<float> pa, pout;
-  pa.assign(static_cast<size_t>(t * lda), 0.0f);
-  pout.assign(static_cast<size_t>(t * n), 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {  // the k values of each row the call reads
-    std::memcpy(pa.data() + r * lda, a + (whole + r) * lda,
-                static_cast<size_t>(key.k) * sizeof(float));
-  }
-  if (key.accumulate) {
-    std::memcpy(pout.data(), out + whole * n, static_cast<size_t>(rows * n) * sizeof(float));
-  }
-  FP8RT_RETURN_IF_ERROR(Execute(*mm, pa.data(), b, pout.data(), alpha));
-  std::memcpy(out + whole * n, pout.data(), static_cast<size_t>(rows * n) * sizeof(float));
-  return absl::OkStatus();
-}
-
 absl::Status F32Matmul(int64_t m, int64_t n, int64_t k, const float* a, const float* b,
                        OutputType out_type, bool accumulate, void* d, float alpha, float* acc,
                        bool b_kxn) {
-  if (k % kF32Depth != 0) {
-    // Zero depth appended to A's rows and to B (its rows, or as K x N its last rows); reused by
-    // the thread.
-    const int64_t kp = (k + kF32Depth - 1) / kF32Depth * kF32Depth;
-    thread_local std::vector<float> ap, bp;
-    ap.assign(static_cast<size_t>(m * kp), 0.0f);
-    for (int64_t r = 0; r < m; ++r) {
-      std::memcpy(ap.data() + r * kp, a + r * k, static_cast<size_t>(k) * sizeof(float));
-    }
-    bp.assign(static_cast<size_t>(n * kp), 0.0f);
-    if (b_kxn) {
-      std::memcpy(bp.data(), b, static_cast<size_t>(k * n) * sizeof(float));
-    } else {
-      for (int64_t r = 0; r < n; ++r) {
-        std::memcpy(bp.data() + r * kp, b + r * k, static_cast<size_t>(k) * sizeof(float));
-      }
-    }
-    return F32Matmul(m, n, kp, ap.data(), bp.data(), out_type, accumulate, d, alpha, acc, b_kxn);
-  }
-  const MatmulKey key{kF32TileRows,
+  const MatmulKey key{m,
                       n,
                       k,
                       k,
@@ -337,76 +274,36 @@ absl::Status F32Matmul(int64_t m, int64_t n, int64_t k, const float* a, const fl
                       OutputType::kF32,
                       true};
   if (out_type == OutputType::kF32) {
-    return TiledF32Matmul(key, m, a, b, static_cast<float*>(d), alpha);
+    FP8RT_ASSIGN_OR_RETURN(std::shared_ptr<const Matmul> mm, Cache().Get(key));
+    return Execute(*mm, a, b, d, alpha);
   }
   auto* d16 = static_cast<uint16_t*>(d);
   if (accumulate) Bf16ToF32(d16, m * n, acc);
-  FP8RT_RETURN_IF_ERROR(TiledF32Matmul(key, m, a, b, acc, alpha));
+  FP8RT_ASSIGN_OR_RETURN(std::shared_ptr<const Matmul> mm, Cache().Get(key));
+  FP8RT_RETURN_IF_ERROR(Execute(*mm, a, b, acc, alpha));
   RoundToBf16(acc, m * n, d16);
   return absl::OkStatus();
 }
 
 // Block-scaled product: acc (m x n, FP32) [+]= sum_kb sa(m, kb) sb(n/128, kb) A_kb B_kb^T.
 // A and B are BF16, or FP32 with `f32` (the FP32-matmul path).
-//
-// Every slice is a 128-deep matmul: when K is not a multiple of 128, the last slice of A and B is
-// copied into zero-padded 128-wide rows first. So zero rows appended to K (an MoE expert's padded
-// tokens in its weight gradient) give the same bits, whatever K blocking the matmul uses: oneDNN's
-// AVX2 GEMM sums a 37-deep product and the same product padded to 128 in different orders.
-absl::Status BlockScaledGemm(const Fp8GemmArgs& args, const void* a, const void* b, float* partial,
-                             float* acc, bool accumulate, bool f32) {
+absl::Status BlockScaledGemm(const Fp8GemmArgs& args, const void* a, const void* b,
+                             float* partial, float* acc, bool accumulate, bool f32) {
   const int64_t m = args.m, n = args.n, k = args.k;
   const int64_t kblocks = (k + 127) / 128;
   const int64_t nblocks = (n + 127) / 128;
-  // The FP32-matmul path computes kF32TileRows rows per call (TiledF32Matmul).
-  const int64_t tile_rows = f32 ? std::min(m, kF32TileRows) : std::min<int64_t>(m, 256);
-  const size_t es = f32 ? 4 : 2;
-  const int64_t ktail = k % 128;  // the last slice's depth (0: every slice is whole)
-  // The padded last slices of B (n x 128) and of one tile of A (tile_rows x 128); reused by the
-  // thread, zeroed once per call.
-  thread_local std::vector<char> tail;
-  char* b_tail = nullptr;
-  char* a_tail = nullptr;
-  if (ktail != 0) {
-    tail.assign(static_cast<size_t>(n + tile_rows) * 128 * es, 0);
-    b_tail = tail.data();
-    a_tail = b_tail + static_cast<size_t>(n) * 128 * es;
-    const int64_t k0 = k - ktail;
-    for (int64_t r = 0; r < n; ++r) {
-      std::memcpy(b_tail + static_cast<size_t>(r) * 128 * es,
-                  static_cast<const char*>(b) + static_cast<size_t>(r * k + k0) * es,
-                  static_cast<size_t>(ktail) * es);
-    }
-  }
+  const int64_t tile_rows = std::min<int64_t>(m, 256);
   for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
     const int64_t rows = std::min(tile_rows, m - m0);
     for (int64_t kb = 0; kb < kblocks; ++kb) {
       const int64_t k0 = kb * 128;
       const int64_t klen = std::min<int64_t>(128, k - k0);
-      const bool padded = klen < 128;
-      if (padded) {
-        for (int64_t r = 0; r < rows; ++r) {
-          std::memcpy(a_tail + static_cast<size_t>(r) * 128 * es,
-                      static_cast<const char*>(a) + static_cast<size_t>((m0 + r) * k + k0) * es,
-                      static_cast<size_t>(klen) * es);
-        }
-      }
-      const int64_t ld = padded ? 128 : k;
-      const void* a_slice =
-          padded ? static_cast<const void*>(a_tail)
-                 : static_cast<const char*>(a) + static_cast<size_t>(m0 * k + k0) * es;
-      const void* b_slice = padded ? static_cast<const void*>(b_tail)
-                                   : static_cast<const char*>(b) + static_cast<size_t>(k0) * es;
-      if (f32) {
-        FP8RT_RETURN_IF_ERROR(TiledF32Matmul(
-            {kF32TileRows, n, 128, ld, ld, BLayout::kPlain, false, OutputType::kF32, true}, rows,
-            static_cast<const float*>(a_slice), b_slice, partial, 1.0f));
-      } else {
-        FP8RT_ASSIGN_OR_RETURN(
-            std::shared_ptr<const Matmul> mm,
-            Cache().Get({rows, n, 128, ld, ld, BLayout::kPlain, false, OutputType::kF32, false}));
-        FP8RT_RETURN_IF_ERROR(Execute(*mm, a_slice, b_slice, partial, 1.0f));
-      }
+      FP8RT_ASSIGN_OR_RETURN(
+          std::shared_ptr<const Matmul> mm,
+          Cache().Get({rows, n, klen, k, k, BLayout::kPlain, false, OutputType::kF32, f32}));
+      const size_t es = f32 ? 4 : 2;
+      FP8RT_RETURN_IF_ERROR(Execute(*mm, static_cast<const char*>(a) + (m0 * k + k0) * es,
+                                    static_cast<const char*>(b) + k0 * es, partial, 1.0f));
       const bool first = kb == 0 && !accumulate;
 #pragma omp parallel for schedule(static)
       for (int64_t r = 0; r < rows; ++r) {
@@ -462,7 +359,7 @@ absl::Status GemmFp8CpuF32(const Fp8GemmArgs& args) {
   Fp8ToF32(args.b, n * k, args.b_format, b32);  // K x N when b_transposed: the matmul reads it so
   if (args.scaling == GemmScaling::kTensor) {
     float* acc = args.out_type == OutputType::kBF16 ? ws.Take<float>(static_cast<size_t>(m * n) * 4)
-                                                    : nullptr;
+                                                     : nullptr;
     return F32Matmul(m, n, k, a32, b32, args.out_type, args.accumulate, args.d,
                      args.a_scale_inv[0] * args.b_scale_inv[0], acc, args.b_transposed);
   }
@@ -484,8 +381,8 @@ absl::Status GemmBf16CpuF32(const Bf16GemmArgs& args) {
   Carver ws(args.workspace);
   auto* a32 = ws.Take<float>(static_cast<size_t>(m * k) * 4);
   auto* b32 = ws.Take<float>(static_cast<size_t>(n * k) * 4);
-  for (auto [in, type, count, out] :
-       {std::tuple{args.a, args.a_type, m * k, a32}, std::tuple{args.b, args.b_type, n * k, b32}}) {
+  for (auto [in, type, count, out] : {std::tuple{args.a, args.a_type, m * k, a32},
+                                      std::tuple{args.b, args.b_type, n * k, b32}}) {
     if (type == InputType::kF32) {
       const float* f = static_cast<const float*>(in);
 #pragma omp parallel for schedule(static)
@@ -657,8 +554,7 @@ size_t GemmWorkspaceBytes(const Fp8GemmArgs& args) {
   }
   if (cpu_internal::UsesF32Matmul()) {
     size_t f32 = cpu_internal::Padded(m * k * 4) + cpu_internal::Padded(n * k * 4);
-    if (args.scaling != GemmScaling::kTensor)
-      f32 += cpu_internal::Padded((m < 256 ? m : 256) * n * 4);
+    if (args.scaling != GemmScaling::kTensor) f32 += cpu_internal::Padded((m < 256 ? m : 256) * n * 4);
     if (args.out_type == OutputType::kBF16) f32 += cpu_internal::Padded(m * n * 4);
     return f32;
   }
