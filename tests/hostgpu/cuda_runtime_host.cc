@@ -388,24 +388,6 @@ void WaitFor(Run run, const char* what) {
   }
 }
 
-void WaitStream(CUstream_st* s, const char* what) {
-  uint64_t n = 0;
-  VectorClock c;
-  {
-    std::lock_guard<std::recursive_mutex> lock(dev_mu);
-    n = s->enqueued;
-    c = s->clock;
-  }
-  // WaitFor lets other threads in between tries.
-  WaitFor(
-      [s, n, &c] {
-        if (!RunUntil(s, n)) return false;
-        Waited(c);
-        return true;
-      },
-      what);
-}
-
 // The host waits for piece n of `s`; `seen`: the clock the wait then orders the host after (null:
 // none, where CUDA's call gives the host no such order).
 void WaitPiece(CUstream_st* s, uint64_t n, const char* what, const VectorClock* seen) {
@@ -416,6 +398,18 @@ void WaitPiece(CUstream_st* s, uint64_t n, const char* what, const VectorClock* 
         return true;
       },
       what);
+}
+
+// The host waits for everything enqueued on `s` so far.
+void WaitStream(CUstream_st* s, const char* what) {
+  uint64_t n = 0;
+  VectorClock c;
+  {
+    std::lock_guard<std::recursive_mutex> lock(dev_mu);
+    n = s->enqueued;
+    c = s->clock;
+  }
+  WaitPiece(s, n, what, &c);
 }
 
 void WaitDevice() {
@@ -854,13 +848,7 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   if (!ValidEvent(event)) return Fail(cudaErrorInvalidResourceHandle);
   const Record r = LastRecord(event);
   if (r.stream != nullptr) {
-    WaitFor(
-        [&r] {
-          if (!RunUntil(r.stream, r.index)) return false;
-          Waited(r.clock);
-          return true;
-        },
-        "cudaEventSynchronize");
+    WaitPiece(r.stream, r.index, "cudaEventSynchronize", &r.clock);
   }
   return cudaSuccess;
 }

@@ -237,6 +237,21 @@ void ExpectAllReduceTimedOut(const absl::Status& s, std::chrono::steady_clock::d
   EXPECT_LT(took, 5s);
 }
 
+// After a stream-ordered all-reduce of `buf` (holding `input`) whose kernel never ends: the host's
+// read waits behind the kernel until the watchdog aborts at the 300 ms deadline, nothing lands,
+// and the group reports the timeout, naming the call.
+void ExpectReadWaitsForTheWatchdog(Communicator& comm, const Buffer& buf, const Bytes& input) {
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(buf.Read(), input);
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(took, 200ms) << "the read did not wait for the all-reduce";
+  EXPECT_LT(took, 5s);
+  const absl::Status s = comm.CheckStreamOrdered();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_THAT(s.message(), HasSubstr("ncclAllReduce (stream-ordered)"));
+  EXPECT_THAT(s.message(), HasSubstr("the NCCL communicator was aborted"));
+}
+
 const Case kCases[] = {
     {Memory::kHost, Completion::kHost},     {Memory::kDevice, Completion::kHost},
     {Memory::kPinned, Completion::kHost},   {Memory::kHost, Completion::kStream},
@@ -878,14 +893,7 @@ TEST_F(NcclHostTest, ADeadPeerFailsEveryRankAtTheDeadline) {
     EXPECT_EQ(buf.Read(), input);
   } else {
     EXPECT_TRUE(call.ok()) << call;
-    const auto start = std::chrono::steady_clock::now();
-    EXPECT_EQ(buf.Read(), input);  // behind the kernel, until the watchdog's abort
-    const auto took = std::chrono::steady_clock::now() - start;
-    EXPECT_GE(took, 200ms);
-    EXPECT_LT(took, 5s);
-    const absl::Status s = comm.CheckStreamOrdered();
-    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-    EXPECT_THAT(s.message(), HasSubstr("ncclAllReduce (stream-ordered)"));
+    ExpectReadWaitsForTheWatchdog(comm, buf, input);
   }
   EXPECT_EQ(comm.Barrier().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
@@ -906,15 +914,7 @@ TEST_F(NcclHostTest, AQueuedCollectiveThatNeverEndsIsAbortedByTheWatchdog) {
   hostgpu::settings().hang_on_stream = false;
   // The host waits behind the kernel (a synchronous copy on the default stream); only the abort
   // ends that wait.
-  const auto start = std::chrono::steady_clock::now();
-  EXPECT_EQ(buf.Read(), input);
-  const auto took = std::chrono::steady_clock::now() - start;
-  EXPECT_GE(took, 200ms);
-  EXPECT_LT(took, 5s);
-  const absl::Status s = comm.CheckStreamOrdered();
-  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
-  EXPECT_THAT(s.message(), HasSubstr("ncclAllReduce (stream-ordered)"));
-  EXPECT_THAT(s.message(), HasSubstr("the NCCL communicator was aborted"));
+  ExpectReadWaitsForTheWatchdog(comm, buf, input);
   EXPECT_EQ(comm.Barrier().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
 }
