@@ -83,6 +83,15 @@ struct Allocation {
   uint64_t at = 0;
   std::map<const CUstream_st*, uint64_t> uses;  // the last piece of work of each stream using it
   bool free_enqueued = false;                   // cudaFreeAsync'd; Release runs in stream order
+  // The data-race checks: the last piece of work that wrote it, and since then each stream's last
+  // piece that read it (with the call's name, for a report).
+  struct Touch {
+    uint64_t index = 0;
+    const char* what = "";
+  };
+  const CUstream_st* writer = nullptr;
+  Touch written;
+  std::map<const CUstream_st*, Touch> readers;
 };
 
 struct Runtime {
@@ -235,27 +244,64 @@ void RunDevice() {
 // pointers lie in (`uses`; pointers in none are left to the call's own checks), or the one it
 // frees (`frees`); `what` names the call in a report.
 struct Access {
-  std::vector<const void*> uses;
+  fp8rt::hostgpu::Uses uses;
   const void* frees = nullptr;
   const char* what = "";
 };
 
-// With dev_mu held: the CUDA rules of stream-ordered memory for piece `index` of `s`, whose clock
-// is `c`. Work may use memory only after its stream-ordered allocation (on another stream: through
+// With rt.mu held: the data-race rules for a read (or a write) of `a` by piece `index` of `s`,
+// whose clock is `c`: it must come after the last write on another stream, and a write after every
+// read on another stream since; then it becomes the last read of `s` (or the last write).
+void CheckDataRace(Allocation& a, const CUstream_st* s, uint64_t index, const VectorClock& c,
+                   bool write, const char* what) {
+  const std::string doing = std::string(what) + " on " + NameOf(s) + (write ? " writes" : " reads");
+  if (a.writer != nullptr && a.writer != s && !Before(c, a.writer, a.written.index)) {
+    Race(doing + " memory that " + a.written.what + " on " + NameOf(a.writer) +
+         " writes, without waiting for it (an event or a host wait)");
+  }
+  if (!write) {
+    Allocation::Touch& r = a.readers[s];
+    if (index >= r.index) r = {index, what};
+    return;
+  }
+  for (const auto& [t, r] : a.readers) {
+    if (t != s && !Before(c, t, r.index)) {
+      Race(doing + " memory that " + r.what + " on " + NameOf(t) +
+           " reads, without waiting for it (an event or a host wait)");
+    }
+  }
+  a.readers.clear();
+  a.writer = s;
+  a.written = {index, what};
+}
+
+// With dev_mu held: the checks of host_gpu.h's "Stream order" for piece `index` of `s`, whose
+// clock is `c`. No data race between streams (CheckDataRace), and the CUDA rules of stream-ordered
+// memory: work may use memory only after its stream-ordered allocation (on another stream: through
 // an event or a host wait) and never once its cudaFreeAsync is enqueued; a cudaFreeAsync must come
 // after every use on other streams. A breach is counted (StreamRaces), whatever order the device
 // then runs the work in.
 void CheckAccess(const CUstream_st* s, uint64_t index, const VectorClock& c, const Access& access) {
-  if (access.uses.empty() && access.frees == nullptr) return;
+  if (access.uses.reads.empty() && access.uses.writes.empty() && access.frees == nullptr) return;
   Runtime& rt = State();
   std::lock_guard<std::mutex> lock(rt.mu);
   auto find = [&rt](const void* p) -> Allocation* {
     bool inside = true;
     return p == nullptr ? nullptr : const_cast<Allocation*>(Find(rt, p, 1, &inside));
   };
-  for (const void* p : access.uses) {
-    Allocation* a = find(p);
-    if (a == nullptr) continue;
+  // The allocations written, and those only read.
+  std::set<Allocation*> written, read;
+  for (const void* p : access.uses.writes) {
+    if (Allocation* a = find(p); a != nullptr) written.insert(a);
+  }
+  for (const void* p : access.uses.reads) {
+    if (Allocation* a = find(p); a != nullptr && written.count(a) == 0) read.insert(a);
+  }
+  for (Allocation* a : read) CheckDataRace(*a, s, index, c, /*write=*/false, access.what);
+  for (Allocation* a : written) CheckDataRace(*a, s, index, c, /*write=*/true, access.what);
+  std::set<Allocation*> used = written;
+  used.insert(read.begin(), read.end());
+  for (Allocation* a : used) {
     if (a->free_enqueued) {
       Race(std::string(access.what) + " on " + NameOf(s) +
            " uses memory whose cudaFreeAsync is already enqueued");
@@ -522,7 +568,8 @@ cudaError_t Copy(void* dst, const void* src, size_t count, cudaMemcpyKind kind, 
         std::memmove(dst, src, count);
         return true;
       },
-      nullptr, Access{.uses = {dst, src}, .frees = nullptr, .what = call}, &after);
+      nullptr, Access{.uses = {.reads = {src}, .writes = {dst}}, .frees = nullptr, .what = call},
+      &after);
   if (sync || pageable) {
     const VectorClock* seen = !to_device     ? &after    // ends in host memory
                               : from_device  ? nullptr   // device to device
@@ -550,7 +597,8 @@ cudaError_t Set(void* p, int value, size_t count, cudaStream_t stream, bool sync
         std::memset(p, value, count);
         return true;
       },
-      nullptr, Access{.uses = {p}, .frees = nullptr, .what = call}, &after);
+      nullptr, Access{.uses = {.reads = {}, .writes = {p}}, .frees = nullptr, .what = call},
+      &after);
   // The host waits, but CUDA's cudaMemset orders the host after it only for pinned memory.
   if (sync) WaitPiece(s, n, "a synchronous cudaMemset", pinned ? &after : nullptr);
   return cudaSuccess;
@@ -569,15 +617,13 @@ bool DeviceRange(const void* p, size_t bytes, int* kind) {
 bool ValidStream(void* stream) { return StreamOf(static_cast<cudaStream_t>(stream)) != nullptr; }
 // A stream destroyed after the NCCL call still gets its kernel (cudaStreamDestroy while NCCL
 // holds the stream is refused as misuse, so this is a stream destroyed with work queued).
-void EnqueueKernel(void* stream, std::function<bool()> step, std::vector<const void*> uses,
-                   const char* call) {
+void EnqueueKernel(void* stream, std::function<bool()> step, Uses uses, const char* call) {
   CUstream_st* s = StreamOf(static_cast<cudaStream_t>(stream), /*dead=*/true);
   if (s != nullptr)
     Enqueue(s, std::move(step), nullptr, Access{.uses = std::move(uses), .what = call});
 }
 void* StreamId(void* stream) { return StreamOf(static_cast<cudaStream_t>(stream), /*dead=*/true); }
-int Launch(void* stream, std::function<void()> work, const char* call,
-           std::vector<const void*> uses) {
+int Launch(void* stream, std::function<void()> work, const char* call, Uses uses) {
   CUstream_st* s = nullptr;
   if (const cudaError_t e = CheckEnqueue(static_cast<cudaStream_t>(stream), call, &s);
       e != cudaSuccess) {

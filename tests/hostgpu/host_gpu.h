@@ -62,8 +62,14 @@
 //     allocation (a point in its stream's order: the pool may make the stream wait there for the
 //     memory's previous user), and never once its cudaFreeAsync is enqueued; a cudaFreeAsync
 //     comes after every use on other streams (else the pool may hand the memory out again while
-//     that work still runs) and only once. A breach is counted (StreamRaces), so that a test can
-//     assert none. cudaLaunchHostFunc's function names no memory and is not checked.
+//     that work still runs) and only once. And it is checked for data races between streams,
+//     whatever memory it lies in: work that reads an allocation must come after the last work on
+//     another stream that wrote it, and work that writes it after that and after every read of
+//     it on another stream since (an allocation is the unit: two streams writing disjoint parts
+//     of one array count as a race). Copies read their source and write their destination,
+//     memsets write, NCCL kernels read their send and write their receive buffers, and Launch's
+//     work says what it reads and writes. A breach of any rule is counted (StreamRaces), so that
+//     a test can assert none. cudaLaunchHostFunc's function names no memory and is not checked.
 //   - Tests may put work of their own on the device (Launch: stream_ops.h runs the CPU op table
 //     there).
 //   - MPI is called only from the thread that initialised it (MPI_THREAD_FUNNELED): other
@@ -137,12 +143,17 @@ bool DeviceRange(const void* p, size_t bytes, int* kind = nullptr);
 // cuda_runtime_host.cc: whether `stream` is a live stream (or the null, legacy or per-thread
 // stream).
 bool ValidStream(void* stream);
+// The memory a piece of work reads and writes (pointers into allocations; others, null included,
+// are not checked), for the stream-order checks. A pointer in both counts as written.
+struct Uses {
+  std::vector<const void*> reads;
+  std::vector<const void*> writes;
+};
 // cuda_runtime_host.cc: puts a kernel on `stream`, in stream order; `step` is called when the
 // stream reaches it, and again until it returns true (it may decline on a thread other than
 // MPI's). Called with nccl_host.cc's lock held.
 // `uses`: the buffers it reads and writes, and `call` its name, for the stream-order checks.
-void EnqueueKernel(void* stream, std::function<bool()> step, std::vector<const void*> uses,
-                   const char* call);
+void EnqueueKernel(void* stream, std::function<bool()> step, Uses uses, const char* call);
 // cuda_runtime_host.cc: one identity per stream (the null, legacy and per-thread handles share
 // the legacy stream's), and running every piece of work the device can run now.
 void* StreamId(void* stream);
@@ -152,9 +163,8 @@ int64_t LazyProgressRuns();
 // cuda_runtime_host.cc: a kernel launch, for work the tests put on the device (stream_ops.h):
 // `work` runs when `stream` reaches it, in stream order. Returns a cudaError_t: `call` is misuse
 // while a NCCL call still ncclInProgress holds the stream, as any CUDA work there.
-// `uses`: the pointers it is given, for the stream-order checks.
-int Launch(void* stream, std::function<void()> work, const char* call,
-           std::vector<const void*> uses = {});
+// `uses`: the pointers it is given, read or written, for the stream-order checks.
+int Launch(void* stream, std::function<void()> work, const char* call, Uses uses = {});
 // cuda_runtime_host.cc: breaches of the CUDA rules of stream-ordered memory seen since
 // ResetStreamRaces (see "Stream order" above), and the first of them (empty: none).
 int64_t StreamRaces();

@@ -68,7 +68,7 @@ struct Kernel : std::enable_shared_from_this<Kernel> {
   bool caller = false;  // receives into memory the caller allocated (cudaMalloc, cudaMallocHost)
   bool reduce_scatter = false;
   bool bf16_all_gather = false;
-  std::vector<const void*> uses;  // its send and receive buffers (the stream-order checks)
+  fp8rt::hostgpu::Uses uses;  // its send and receive buffers (the stream-order checks)
   const char* call = "";
   // Reads the send buffers and starts the MPI operations (into requests, on bufs).
   std::function<void(Kernel&)> start;
@@ -459,7 +459,8 @@ ncclResult_t SubmitGathering(ncclComm_t comm, cudaStream_t stream, const std::st
   }
   auto k = NewKernel(comm);
   k->caller = caller;
-  k->uses = {send_bytes != 0 ? send : nullptr, recv_bytes != 0 ? recv : nullptr};
+  k->uses = {.reads = {send_bytes != 0 ? send : nullptr},
+             .writes = {recv_bytes != 0 ? recv : nullptr}};
   k->call = what == "ncclReduceScatter" ? "ncclReduceScatter"
             : what == "ncclAllGather"   ? "ncclAllGather"
                                         : "ncclAllReduce";
@@ -736,7 +737,8 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
   }
   auto k = NewKernel(comm);
   k->caller = caller;
-  k->uses = {is_root && bytes != 0 ? send : nullptr, bytes != 0 ? recv : nullptr};
+  k->uses = {.reads = {is_root && bytes != 0 ? send : nullptr},
+             .writes = {bytes != 0 ? recv : nullptr}};
   k->call = "ncclBroadcast";
   auto slot = std::make_shared<Bytes*>(nullptr);
   k->start = [send, bytes, root, is_root, slot](Kernel& self) {
@@ -823,7 +825,8 @@ ncclResult_t ncclGroupEnd() {
     auto k = NewKernel(comm);
     k->call = "ncclSend/ncclRecv";
     for (const P2p& p : ops) {
-      if (p.bytes != 0) k->uses.push_back(p.send ? p.sendbuf : p.recvbuf);
+      if (p.bytes != 0 && p.send) k->uses.reads.push_back(p.sendbuf);
+      if (p.bytes != 0 && !p.send) k->uses.writes.push_back(p.recvbuf);
       bool caller = false;
       if (!p.send && CheckBuffer(comm, p.recvbuf, p.bytes, "ncclRecv", &caller) == ncclSuccess) {
         k->caller |= caller;

@@ -280,22 +280,40 @@ Bytes Concatenated(DType dtype, int size, int64_t count, int offset = 0) {
   return out;
 }
 
+// The stream-order breaches counted since the last call, and the first of them.
+std::pair<int64_t, std::string> TakeRaces() {
+  const int64_t n = hostgpu::StreamRaces();
+  const std::string first = hostgpu::FirstStreamRace();
+  hostgpu::ResetStreamRaces();
+  return std::make_pair(n, first);
+}
+
+// A non-blocking and a blocking stream and an event, for the stream-order tests; destroyed with it.
+struct SideStreams {
+  SideStreams() {
+    EXPECT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreate(&blocking), cudaSuccess);
+    EXPECT_EQ(cudaEventCreate(&event), cudaSuccess);
+  }
+  ~SideStreams() {
+    EXPECT_EQ(cudaEventDestroy(event), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(side), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(blocking), cudaSuccess);
+  }
+  SideStreams(const SideStreams&) = delete;
+  SideStreams& operator=(const SideStreams&) = delete;
+  cudaStream_t side = nullptr, blocking = nullptr;
+  cudaEvent_t event = nullptr;
+};
+
 // The emulation's stream-order checks (host_gpu.h), which train_host_nccl_test relies on to find a
 // missing wait in the model: each rule is broken once, and kept once by an event, a host wait or
 // the legacy stream's implicit order. The breaches are caught at the enqueue, whatever the device
 // later runs first.
 TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
-  auto races = [] {
-    const int64_t n = hostgpu::StreamRaces();
-    const std::string first = hostgpu::FirstStreamRace();
-    hostgpu::ResetStreamRaces();
-    return std::make_pair(n, first);
-  };
-  cudaStream_t side = nullptr, blocking = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), cudaSuccess);
-  ASSERT_EQ(cudaStreamCreate(&blocking), cudaSuccess);
-  cudaEvent_t event = nullptr;
-  ASSERT_EQ(cudaEventCreate(&event), cudaSuccess);
+  const SideStreams streams;
+  const cudaStream_t side = streams.side, blocking = streams.blocking;
+  const cudaEvent_t event = streams.event;
   auto alloc = [](void** p) { ASSERT_EQ(cudaMallocAsync(p, 64, cudaStreamLegacy), cudaSuccess); };
   int64_t n = 0;
   std::string first;
@@ -318,7 +336,7 @@ TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
       ASSERT_EQ(cudaStreamWaitEvent(side, event, 0), cudaSuccess);
     }
     ASSERT_EQ(cudaMemsetAsync(a, 0, 64, side), cudaSuccess);
-    std::tie(n, first) = races();
+    std::tie(n, first) = TakeRaces();
     EXPECT_EQ(n, 1);
     EXPECT_THAT(first, HasSubstr("cudaMemsetAsync on stream"));
     EXPECT_THAT(first, HasSubstr("allocated in stream order on the legacy default stream"));
@@ -332,12 +350,12 @@ TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
   void* b = nullptr;
   alloc(&b);
   ASSERT_EQ(cudaMemsetAsync(b, 0, 64, blocking), cudaSuccess);
-  std::tie(n, first) = races();
+  std::tie(n, first) = TakeRaces();
   EXPECT_EQ(n, 0) << first;
 
   // 2. Freed on the default stream while the side stream's memset may still run.
   ASSERT_EQ(cudaFreeAsync(a, cudaStreamLegacy), cudaSuccess);
-  std::tie(n, first) = races();
+  std::tie(n, first) = TakeRaces();
   EXPECT_EQ(n, 1);
   EXPECT_THAT(first, HasSubstr("cudaFreeAsync on the legacy default stream of memory that work on "
                                "stream"));
@@ -358,7 +376,7 @@ TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
   ASSERT_EQ(cudaMemsetAsync(d, 2, 64, side), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(side), cudaSuccess);
   ASSERT_EQ(cudaFreeAsync(d, cudaStreamLegacy), cudaSuccess);
-  std::tie(n, first) = races();
+  std::tie(n, first) = TakeRaces();
   EXPECT_EQ(n, 0) << first;
 
   // 3. Named by work enqueued after its free (the free has not run: the device is lazy). The work
@@ -366,8 +384,9 @@ TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
   void* e = nullptr;
   alloc(&e);
   ASSERT_EQ(cudaFreeAsync(e, cudaStreamLegacy), cudaSuccess);
-  ASSERT_EQ(hostgpu::Launch(cudaStreamLegacy, [] {}, "a late kernel", {e}), cudaSuccess);
-  std::tie(n, first) = races();
+  ASSERT_EQ(hostgpu::Launch(cudaStreamLegacy, [] {}, "a late kernel", {.reads = {e}, .writes = {}}),
+            cudaSuccess);
+  std::tie(n, first) = TakeRaces();
   EXPECT_EQ(n, 1);
   EXPECT_THAT(first, HasSubstr("a late kernel on the legacy default stream uses memory whose "
                                "cudaFreeAsync is already enqueued"));
@@ -390,7 +409,7 @@ TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
       ASSERT_EQ(cudaMemcpy(g, g, 64, cudaMemcpyDeviceToDevice), cudaSuccess);
     }
     ASSERT_EQ(cudaFreeAsync(f, side), cudaSuccess);
-    std::tie(n, first) = races();
+    std::tie(n, first) = TakeRaces();
     if (to_host) {
       EXPECT_EQ(n, 0) << first;
     } else {
@@ -399,14 +418,14 @@ TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
     }
     ASSERT_EQ(cudaFreeAsync(g, cudaStreamLegacy), cudaSuccess);
   }
-  EXPECT_EQ(races().first, 0);
+  EXPECT_EQ(TakeRaces().first, 0);
 
   // 5. Freed twice; and a pointer inside an allocation is refused, as CUDA refuses it.
   void* h = nullptr;
   alloc(&h);
   ASSERT_EQ(cudaFreeAsync(h, cudaStreamLegacy), cudaSuccess);
   ASSERT_EQ(cudaFreeAsync(h, cudaStreamLegacy), cudaSuccess);
-  std::tie(n, first) = races();
+  std::tie(n, first) = TakeRaces();
   EXPECT_EQ(n, 1);
   EXPECT_THAT(first, HasSubstr("a second cudaFreeAsync on the legacy default stream"));
   void* inner = nullptr;
@@ -416,10 +435,86 @@ TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
   ASSERT_EQ(cudaFreeAsync(inner, cudaStreamLegacy), cudaSuccess);
 
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(races().first, 0);
-  EXPECT_EQ(cudaEventDestroy(event), cudaSuccess);
-  EXPECT_EQ(cudaStreamDestroy(side), cudaSuccess);
-  EXPECT_EQ(cudaStreamDestroy(blocking), cudaSuccess);
+  EXPECT_EQ(TakeRaces().first, 0);
+}
+
+// Data races between streams (host_gpu.h, "Stream order"), in memory from cudaMalloc, which the
+// rules of stream-ordered memory leave alone: a read after another stream's write, a write after
+// another stream's read, and two writes, each once without a wait and once kept by an event, a
+// host wait or the legacy stream's implicit order. A copy reads its source and writes its
+// destination, a memset writes, and a launch's pointers are read or written as it says.
+TEST_F(NcclHostTest, DataRacesBetweenStreamsAreCaught) {
+  const SideStreams streams;
+  const cudaStream_t side = streams.side, blocking = streams.blocking;
+  const cudaEvent_t event = streams.event;
+  void* x = nullptr;
+  void* y = nullptr;
+  ASSERT_EQ(cudaMalloc(&x, 64), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&y, 64), cudaSuccess);
+  auto d2d = [](void* to, const void* from, cudaStream_t s) {
+    ASSERT_EQ(cudaMemcpyAsync(to, from, 64, cudaMemcpyDeviceToDevice, s), cudaSuccess);
+  };
+  auto expect_one = [](const std::string& what) {
+    const auto [n, first] = TakeRaces();
+    EXPECT_EQ(n, 1) << first;
+    EXPECT_THAT(first, HasSubstr(what));
+  };
+  auto expect_none = [] {
+    const auto [n, first] = TakeRaces();
+    EXPECT_EQ(n, 0) << first;
+  };
+  auto side_then_legacy = [&] {  // the legacy stream waits for the side stream's work so far
+    ASSERT_EQ(cudaEventRecord(event, side), cudaSuccess);
+    ASSERT_EQ(cudaStreamWaitEvent(cudaStreamLegacy, event, 0), cudaSuccess);
+  };
+
+  // 1. Read after write: the side stream writes x, the default stream copies it out.
+  ASSERT_EQ(cudaMemsetAsync(x, 1, 64, side), cudaSuccess);
+  d2d(y, x, cudaStreamLegacy);
+  expect_one(
+      "cudaMemcpyAsync on the legacy default stream reads memory that cudaMemsetAsync on stream");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(x, 2, 64, side), cudaSuccess);
+  side_then_legacy();
+  d2d(y, x, cudaStreamLegacy);
+  expect_none();
+
+  // 2. Write after read: the default stream reads x, then the side stream overwrites it; kept by
+  // a host wait for the default stream.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d2d(y, x, cudaStreamLegacy);
+  ASSERT_EQ(cudaMemsetAsync(x, 3, 64, side), cudaSuccess);
+  expect_one("writes memory that cudaMemcpyAsync on the legacy default stream reads");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d2d(y, x, cudaStreamLegacy);
+  ASSERT_EQ(cudaStreamSynchronize(cudaStreamLegacy), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(x, 4, 64, side), cudaSuccess);
+  expect_none();
+
+  // 3. Two writes: a launch that writes y on the side stream after the default stream's copy into
+  // y; and on a blocking stream, which the legacy stream's implicit order keeps.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d2d(y, x, cudaStreamLegacy);
+  ASSERT_EQ(hostgpu::Launch(side, [] {}, "a kernel", {.reads = {}, .writes = {y}}), cudaSuccess);
+  expect_one("writes memory that cudaMemcpyAsync on the legacy default stream writes");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d2d(y, x, cudaStreamLegacy);
+  ASSERT_EQ(hostgpu::Launch(blocking, [] {}, "a kernel", {.reads = {x}, .writes = {y}}),
+            cudaSuccess);
+  expect_none();
+
+  // 4. Reads on two streams at once are no race; a write after them on either is one.
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(hostgpu::Launch(side, [] {}, "a reader", {.reads = {y}, .writes = {}}), cudaSuccess);
+  ASSERT_EQ(hostgpu::Launch(cudaStreamLegacy, [] {}, "a reader", {.reads = {y}, .writes = {}}),
+            cudaSuccess);
+  expect_none();
+  ASSERT_EQ(cudaMemsetAsync(y, 0, 64, side), cudaSuccess);
+  expect_one("writes memory that a reader on the legacy default stream reads");
+
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(cudaFree(x), cudaSuccess);
+  EXPECT_EQ(cudaFree(y), cudaSuccess);
 }
 
 TEST_F(NcclHostTest, EveryCollectiveGivesEveryRanksResult) {

@@ -45,31 +45,44 @@ const Table& CpuTable() {
   }
 }
 
+// A pointer an op is given, and whether the op may write through it (its type is not a pointer
+// to const).
+struct Pointer {
+  const void* p;
+  bool written;
+};
+template <typename T>
+Pointer P(T* p) {
+  return {p, !std::is_const_v<T>};
+}
+
 // The pointer fields of the argument structs, which the CUDA entries check as they check pointer
 // arguments (null pointers are not refused here: whether the call has work that needs one is
 // the entry's to know).
-std::vector<const void*> PointersOf(const kernels::QuantizeArgs& a) {
-  return {a.input, a.scale_amax, a.codes, a.scale_inv, a.e8m0_scales, a.stats};
+std::vector<Pointer> PointersOf(const kernels::QuantizeArgs& a) {
+  return {P(a.input), P(a.scale_amax), P(a.codes), P(a.scale_inv), P(a.e8m0_scales), P(a.stats)};
 }
-std::vector<const void*> PointersOf(const kernels::DequantizeArgs& a) {
-  return {a.codes, a.scale_inv, a.e8m0_scales, a.output};
+std::vector<Pointer> PointersOf(const kernels::DequantizeArgs& a) {
+  return {P(a.codes), P(a.scale_inv), P(a.e8m0_scales), P(a.output)};
 }
-std::vector<const void*> PointersOf(const kernels::AmaxArgs& a) {
-  return {a.input, a.amax, a.finite_amax};
+std::vector<Pointer> PointersOf(const kernels::AmaxArgs& a) {
+  return {P(a.input), P(a.amax), P(a.finite_amax)};
 }
-std::vector<const void*> PointersOf(const kernels::ConvertArgs& a) { return {a.input, a.output}; }
-std::vector<const void*> PointersOf(const kernels::Fp8GemmArgs& a) {
-  return {a.a, a.b, a.a_scale_inv, a.b_scale_inv, a.a_e8m0, a.b_e8m0, a.d, a.workspace};
+std::vector<Pointer> PointersOf(const kernels::ConvertArgs& a) { return {P(a.input), P(a.output)}; }
+std::vector<Pointer> PointersOf(const kernels::Fp8GemmArgs& a) {
+  return {P(a.a),      P(a.b),      P(a.a_scale_inv), P(a.b_scale_inv),
+          P(a.a_e8m0), P(a.b_e8m0), P(a.d),           P(a.workspace)};
 }
-std::vector<const void*> PointersOf(const kernels::Bf16GemmArgs& a) {
-  return {a.a, a.b, a.d, a.workspace};
+std::vector<Pointer> PointersOf(const kernels::Bf16GemmArgs& a) {
+  return {P(a.a), P(a.b), P(a.d), P(a.workspace)};
 }
-std::vector<const void*> PointersOf(const kernels::F32GemmArgs& a) { return {a.a, a.b, a.d}; }
-std::vector<const void*> PointersOf(const kernels::CastTransposeArgs& a) {
-  return {a.input, a.codes, a.codes_t, a.scale_inv, a.stats};
+std::vector<Pointer> PointersOf(const kernels::F32GemmArgs& a) { return {P(a.a), P(a.b), P(a.d)}; }
+std::vector<Pointer> PointersOf(const kernels::CastTransposeArgs& a) {
+  return {P(a.input), P(a.codes), P(a.codes_t), P(a.scale_inv), P(a.stats)};
 }
-std::vector<const void*> PointersOf(const kernels::AdamWArgs& a) {
-  return {a.master, a.grad, a.m, a.v, a.fp8.codes, a.fp8.scale_inv, a.fp8.stats};
+std::vector<Pointer> PointersOf(const kernels::AdamWArgs& a) {
+  return {P(a.master),    P(a.grad),          P(a.m),        P(a.v),
+          P(a.fp8.codes), P(a.fp8.scale_inv), P(a.fp8.stats)};
 }
 
 // Whether a non-null pointer is device memory (registered by the emulated runtime). The end of an
@@ -85,25 +98,25 @@ bool Addressable(const void* p) {
 // InvalidArgument naming the entry and the argument when a pointer argument, or a pointer field of
 // an argument struct, is not device memory (the CUDA entries refuse such a pointer before
 // launching anything).
-// The pointers it checked are added to `uses` (the stream-order checks of host_gpu.h).
+// The pointers it checked are added to `uses` (the stream-order checks of host_gpu.h), as written
+// unless they point to const.
 template <typename T>
-absl::Status CheckPointers(const char* entry, int index, const T& arg,
-                           std::vector<const void*>* uses) {
-  std::vector<const void*> pointers;
+absl::Status CheckPointers(const char* entry, int index, const T& arg, Uses* uses) {
+  std::vector<Pointer> pointers;
   if constexpr (std::is_pointer_v<T>) {
-    pointers.push_back(arg);
+    pointers.push_back(P(arg));
   } else if constexpr (std::is_class_v<T> && !std::is_same_v<T, kernels::Stream>) {
     pointers = PointersOf(arg);
   }
   for (size_t i = 0; i < pointers.size(); ++i) {
-    if (!Addressable(pointers[i])) {
+    if (!Addressable(pointers[i].p)) {
       return absl::InvalidArgumentError(
           absl::StrCat(entry, ": argument ", index,
                        std::is_pointer_v<T> ? "" : absl::StrCat(" (pointer field ", i, ")"),
                        " is not device memory"));
     }
   }
-  uses->insert(uses->end(), pointers.begin(), pointers.end());
+  for (const Pointer& p : pointers) (p.written ? uses->writes : uses->reads).push_back(p.p);
   return absl::OkStatus();
 }
 
@@ -119,7 +132,7 @@ struct OnDevice<Member, Name, absl::Status (*Table::*)(A...)> {
   static absl::Status Call(A... a) {
     absl::Status checked;
     int index = 0;
-    std::vector<const void*> uses;
+    Uses uses;
     ((checked.ok() ? (checked = CheckPointers(Name::Value(), index++, a, &uses), 0) : 0), ...);
     if (!checked.ok()) return checked;
     const kernels::Stream stream = std::get<sizeof...(A) - 1>(std::tie(a...));

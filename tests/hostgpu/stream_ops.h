@@ -19,10 +19,12 @@
 // cuBLASLt on Hopper (kernels/cuda/gemm_route.h, compute capability 9.0): those that would fall
 // back to the slow kernel there are counted (Fp8GemmsOffCublasLt).
 //
-// Each op's pointers are checked against the rules of stream-ordered memory (host_gpu.h, "Stream
-// order"; StreamRaces), so a free of an array that a side-stream collective may still read, or a
-// use of an array on another stream before its stream-ordered allocation, is caught even where
-// the device happened to run the work in a harmless order. Allocation itself is immediate and
+// Each op's pointers are checked against the rules of stream-ordered memory and for data races
+// between streams (host_gpu.h, "Stream order"; StreamRaces): a pointer to const is read, any other
+// written. So a free of an array that a side-stream collective may still read, a use of an array
+// on another stream before its stream-ordered allocation, or an op that reads a gathered weight
+// before waiting for its gather, is caught even where the device happened to run the work in a
+// harmless order. Allocation itself is immediate and
 // never reuses memory (the CUDA pool may hand a freed array out again: the rules above are what
 // make that safe).
 //
