@@ -108,8 +108,10 @@ struct Settings {
   // stream never runs another stream's collective that a peer waits for (the MoE training run's
   // dp gathers and ep all-to-alls), which a GPU running both kernels concurrently does not do
   // when every rank issues them in the same order. The price: such a wait runs the other
-  // streams' work first, which hides a dependency missing there (a timed fallback, so which
-  // waits take it varies from run to run; train_host_nccl_test counts them).
+  // streams' work first, so a dependency missing there no longer shows in the results (a timed
+  // fallback, so which waits take it varies from run to run; train_host_nccl_test counts them).
+  // The stream-order checks still see it where both sides name the same memory: they judge the
+  // happens-before order, not the order the work ran in.
   std::chrono::milliseconds lazy_progress_after{0};
   bool hang = false;
   bool hang_on_stream = false;
