@@ -47,7 +47,8 @@
 //     handle is written when the parent leaves ncclInProgress) and ncclCommFinalize (ends when the
 //     communicator's kernels have) are deferred the same way, but their MPI parts run at the call
 //     and block: a rank missing from them hangs the others instead of failing them at the
-//     deadline (not modelled).
+//     deadline (not modelled). A setup that never completes is a fault of its own
+//     (Settings::setup_hang).
 //   - With lazy streams and Settings::lazy_progress_after, a host wait that has not finished in
 //     that time runs every stream, as a GPU eventually runs all queued work.
 //   - Stream order: the device keeps CUDA's happens-before order (vector clocks over the streams:
@@ -118,6 +119,13 @@ struct Settings {
   int fail = 0;  // an ncclResult_t; 0 (ncclSuccess): none
   int fail_on_stream = 0;
   int fault_rank = -1;  // the faults above on this MPI_COMM_WORLD rank only; -1: on every rank
+  // Communicator setup that never completes (on the ranks fault_rank names): the new
+  // communicator of ncclCommInitRankConfig, or of ncclCommSplit, stays ncclInProgress; the
+  // parent of a split does; or the parent completes but the child's handle is never written
+  // (NCCL 2.23+ writes it from its own thread, after the parent's state may read ncclSuccess).
+  // A child never handed out is freed with its parent.
+  enum class SetupHang { kNone, kInit, kSplitChild, kSplitParent, kSplitHandle };
+  SetupHang setup_hang = SetupHang::kNone;
 };
 Settings& settings();
 

@@ -164,6 +164,9 @@ struct ncclComm {
   // The first stream created after the communicator: NcclCommunicator's own stream (Wrap makes
   // it right after the communicator exists). Kernels on any other stream count as side_stream.
   void* main_stream = nullptr;
+  // Children of its splits whose handles were not written yet (Settings::setup_hang): freed with
+  // it if they never are.
+  std::vector<ncclComm*> unclaimed;
 };
 
 namespace {
@@ -333,12 +336,22 @@ void Progress(ncclComm_t comm) {
 }
 
 // With mu held: comm takes `d`, a call made now (a blocking communicator completes it at once).
+// Whether the faults of Settings apply to this rank.
+bool Faulty() {
+  const int rank = fp8rt::hostgpu::settings().fault_rank;
+  return rank < 0 || rank == world_rank;
+}
+
+// Whether the setup `which` never completes here (Settings::setup_hang).
+bool SetupHangs(fp8rt::hostgpu::Settings::SetupHang which) {
+  return Faulty() && fp8rt::hostgpu::settings().setup_hang == which;
+}
+
 ncclResult_t Submit(ncclComm_t comm, std::unique_ptr<Deferred> d) {
   const fp8rt::hostgpu::Settings& s = fp8rt::hostgpu::settings();
   d->polls_left = s.polls;
   d->due = Clock::now() + s.delay;
-  const bool faulty = s.fault_rank < 0 || s.fault_rank == world_rank;
-  if (d->kernel && faulty) {
+  if (d->kernel && Faulty()) {
     d->hang = s.hang;
     d->fail = s.fail;
     d->fail_on_stream = s.fail_on_stream;
@@ -432,6 +445,9 @@ ncclComm_t NewComm(MPI_Comm mpi, const ncclConfig_t* config) {
 // thread (else it is left to the process's end).
 void Bury(ncclComm_t comm) {
   live.erase(comm);
+  for (ncclComm_t child : comm->unclaimed) {
+    if (live.count(child) != 0) Bury(child);
+  }
   int is_main = 0;
   MPI_Is_thread_main(&is_main);
   const Shared& sh = *comm->shared;
@@ -591,7 +607,9 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* out, int nranks, ncclUniqueId id
     comm->last_error = "ncclCommInitRank: the unique id differs from rank 0's";
     return comm->blocking ? comm->async : ncclInProgress;
   }
-  return Submit(comm, std::make_unique<Deferred>());
+  auto d = std::make_unique<Deferred>();
+  d->hang = SetupHangs(fp8rt::hostgpu::Settings::SetupHang::kInit);
+  return Submit(comm, std::move(d));
 }
 
 ncclResult_t ncclCommInitRank(ncclComm_t* out, int nranks, ncclUniqueId id, int rank) {
@@ -609,11 +627,23 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   MPI_Comm child_mpi = MPI_COMM_NULL;
   MPI_Comm_split(comm->shared->control, color == NCCL_SPLIT_NOCOLOR ? MPI_UNDEFINED : color, key,
                  &child_mpi);
+  using SetupHang = fp8rt::hostgpu::Settings::SetupHang;
   ncclComm_t child = child_mpi == MPI_COMM_NULL ? nullptr : NewComm(child_mpi, config);
-  if (child != nullptr) (void)Submit(child, std::make_unique<Deferred>());
+  if (child != nullptr) {
+    auto c = std::make_unique<Deferred>();
+    c->hang = SetupHangs(SetupHang::kSplitChild);
+    (void)Submit(child, std::move(c));
+    comm->unclaimed.push_back(child);
+  }
   auto d = std::make_unique<Deferred>();
+  d->hang = SetupHangs(SetupHang::kSplitParent);
   // The child's handle is written when the parent leaves ncclInProgress.
-  d->land = [newcomm, child] { std::atomic_ref<ncclComm_t>(*newcomm).store(child); };
+  if (!SetupHangs(SetupHang::kSplitHandle)) {
+    d->land = [comm, newcomm, child] {
+      std::atomic_ref<ncclComm_t>(*newcomm).store(child);
+      std::erase(comm->unclaimed, child);
+    };
+  }
   return Submit(comm, std::move(d));
 }
 

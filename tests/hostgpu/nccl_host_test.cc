@@ -996,6 +996,64 @@ TEST_F(NcclHostTest, ADeadPeerFailsEveryRankAtTheDeadline) {
   EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
 }
 
+// Communicator setup that never completes (Settings::setup_hang), on every rank: the creation,
+// the parent of a split, its child, or the child's handle never written. Each fails at the 300 ms
+// deadline naming the call, and aborts what it created; a split whose parent is aborted leaves
+// the world broken, one whose child alone hung leaves it usable.
+TEST_F(NcclHostTest, ASetupThatNeverCompletesFailsAtTheDeadline) {
+  expect_aborts_ = true;
+  using SetupHang = hostgpu::Settings::SetupHang;
+  auto expect_timeout = [](const absl::Status& s, const std::string& call,
+                           std::chrono::steady_clock::duration took) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_THAT(s.message(), HasSubstr(call + " did not complete within 300 ms"));
+    EXPECT_GE(took, 300ms);
+    EXPECT_LT(took, 5s);
+  };
+  {
+    SCOPED_TRACE("creation");
+    const int64_t aborted = hostgpu::stats().aborted;
+    hostgpu::settings().setup_hang = SetupHang::kInit;
+    const auto start = std::chrono::steady_clock::now();
+    auto f = NcclCommunicatorFactory::Create(testing::Factory().World(), 0, Options(300ms));
+    const auto took = std::chrono::steady_clock::now() - start;
+    hostgpu::settings().setup_hang = SetupHang::kNone;
+    ASSERT_FALSE(f.ok());
+    expect_timeout(f.status(), "ncclCommInitRankConfig", took);
+    EXPECT_EQ(hostgpu::stats().aborted, aborted + 1);
+  }
+  struct SplitCase {
+    SetupHang hang;
+    const char* name;
+    std::string call;
+    bool world_broken;
+  };
+  for (const SplitCase& c :
+       {SplitCase{SetupHang::kSplitParent, "parent", "ncclCommSplit", true},
+        SplitCase{SetupHang::kSplitChild, "child", "ncclCommSplit (new communicator)", false},
+        SplitCase{SetupHang::kSplitHandle, "handle", "ncclCommSplit", true}}) {
+    SCOPED_TRACE(c.name);
+    auto factory = Make(300ms);
+    ASSERT_NE(factory, nullptr);
+    Communicator& world = factory->World();
+    const int64_t aborted = hostgpu::stats().aborted;
+    hostgpu::settings().setup_hang = c.hang;
+    const auto start = std::chrono::steady_clock::now();
+    auto group = factory->Split(world.rank() % 2, 0, "parity");
+    const auto took = std::chrono::steady_clock::now() - start;
+    hostgpu::settings().setup_hang = SetupHang::kNone;
+    ASSERT_FALSE(group.ok());
+    expect_timeout(group.status(), c.call, took);
+    EXPECT_EQ(hostgpu::stats().aborted, aborted + 1);  // the world, or the child
+    if (c.world_broken) {
+      EXPECT_EQ(world.Barrier().code(), absl::StatusCode::kFailedPrecondition);
+    } else {
+      EXPECT_TRUE(world.Barrier().ok());
+    }
+  }
+  EXPECT_TRUE(testing::AllRanksOk(!::testing::Test::HasFailure()));
+}
+
 // A stream-ordered collective whose kernel never ends (a peer died after NCCL queued it): the
 // call returns, and the watchdog aborts the communicator at the deadline, which ends the kernel,
 // so that a host waiting behind it returns; CheckStreamOrdered and the next call report it.
