@@ -7,6 +7,7 @@
 // allocations), never after; nccl_host.cc's lock is taken before both, and never while either is
 // held here.
 #include <cuda_runtime.h>
+#include <sanitizer/asan_interface.h>  // no-op macros without AddressSanitizer
 
 #include <atomic>
 #include <chrono>
@@ -180,17 +181,26 @@ const Allocation* Find(Runtime& rt, const void* p, size_t bytes, bool* inside) {
   return &it->second;
 }
 
+// The bytes an allocation of `bytes` takes: 256-byte aligned, as cudaMalloc's are, rounded up to
+// 256 and 256 more, so that it is never empty and its end never starts another allocation. The
+// tail past `bytes` is poisoned for AddressSanitizer: an op that reads or writes past its array's
+// end, which on a GPU would corrupt or read another array unnoticed, is reported.
+size_t Footprint(size_t bytes) { return ((bytes + 255) / 256) * 256 + 256; }
+
 cudaError_t Release(void* p, bool pinned) {
   if (p == nullptr) return cudaSuccess;
   Runtime& rt = State();
+  size_t bytes = 0;
   {
     std::lock_guard<std::mutex> lock(rt.mu);
     auto it = rt.allocations.find(static_cast<const char*>(p));
     if (it == rt.allocations.end() || (it->second.kind == kPinned) != pinned) {
       return Fail(cudaErrorInvalidValue);
     }
+    bytes = it->second.bytes;
     rt.allocations.erase(it);
   }
+  ASAN_UNPOISON_MEMORY_REGION(p, Footprint(bytes));
   std::free(p);
   return cudaSuccess;
 }
@@ -251,25 +261,23 @@ struct Access {
 
 // With rt.mu held: the data-race rules for a read (or a write) of `a` by piece `index` of `s`,
 // whose clock is `c`: it must come after the last write on another stream, and a write after every
-// read on another stream since; then it becomes the last read of `s` (or the last write).
+// read on another stream since; then it becomes the last read of `s` (or the last write). `what`
+// names the call and is kept for later reports (a string literal, as every caller passes).
 void CheckDataRace(Allocation& a, const CUstream_st* s, uint64_t index, const VectorClock& c,
                    bool write, const char* what) {
-  const std::string doing = std::string(what) + " on " + NameOf(s) + (write ? " writes" : " reads");
-  if (a.writer != nullptr && a.writer != s && !Before(c, a.writer, a.written.index)) {
-    Race(doing + " memory that " + a.written.what + " on " + NameOf(a.writer) +
-         " writes, without waiting for it (an event or a host wait)");
-  }
+  auto unordered = [&](const CUstream_st* t, const Allocation::Touch& earlier, const char* did) {
+    if (t == s || Before(c, t, earlier.index)) return;
+    Race(std::string(what) + " on " + NameOf(s) + (write ? " writes" : " reads") + " memory that " +
+         earlier.what + " on " + NameOf(t) + did +
+         ", without waiting for it (an event, a host wait or the legacy stream's implicit order)");
+  };
+  if (a.writer != nullptr) unordered(a.writer, a.written, " writes");
   if (!write) {
     Allocation::Touch& r = a.readers[s];
     if (index >= r.index) r = {index, what};
     return;
   }
-  for (const auto& [t, r] : a.readers) {
-    if (t != s && !Before(c, t, r.index)) {
-      Race(doing + " memory that " + r.what + " on " + NameOf(t) +
-           " reads, without waiting for it (an event or a host wait)");
-    }
-  }
+  for (const auto& [t, r] : a.readers) unordered(t, r, " reads");
   a.readers.clear();
   a.writer = s;
   a.written = {index, what};
@@ -278,9 +286,9 @@ void CheckDataRace(Allocation& a, const CUstream_st* s, uint64_t index, const Ve
 // With dev_mu held: the checks of host_gpu.h's "Stream order" for piece `index` of `s`, whose
 // clock is `c`. No data race between streams (CheckDataRace), and the CUDA rules of stream-ordered
 // memory: work may use memory only after its stream-ordered allocation (on another stream: through
-// an event or a host wait) and never once its cudaFreeAsync is enqueued; a cudaFreeAsync must come
-// after every use on other streams. A breach is counted (StreamRaces), whatever order the device
-// then runs the work in.
+// an event, a host wait or the legacy stream's implicit order) and never once its cudaFreeAsync is
+// enqueued; a cudaFreeAsync must come after every use on other streams. A breach is counted
+// (StreamRaces), whatever order the device then runs the work in.
 void CheckAccess(const CUstream_st* s, uint64_t index, const VectorClock& c, const Access& access) {
   if (access.uses.reads.empty() && access.uses.writes.empty() && access.frees == nullptr) return;
   Runtime& rt = State();
@@ -308,7 +316,8 @@ void CheckAccess(const CUstream_st* s, uint64_t index, const VectorClock& c, con
     } else if (a->stream != nullptr && a->stream != s && !Before(c, a->stream, a->at)) {
       Race(std::string(access.what) + " on " + NameOf(s) +
            " uses memory allocated in stream order on " + NameOf(a->stream) +
-           " without waiting for that stream (an event or a host wait)");
+           " without waiting for that stream (an event, a host wait or the legacy stream's "
+           "implicit order)");
     }
     uint64_t& last = a->uses[s];
     if (index > last) last = index;
@@ -318,7 +327,8 @@ void CheckAccess(const CUstream_st* s, uint64_t index, const VectorClock& c, con
     for (const auto& [t, n] : a->uses) {
       if (t != s && !Before(c, t, n)) {
         Race("cudaFreeAsync on " + NameOf(s) + " of memory that work on " + NameOf(t) +
-             " uses, without waiting for it (an event or a host wait): the pool may hand the "
+             " uses, without waiting for it (an event, a host wait or the legacy stream's "
+             "implicit order): the pool may hand the "
              "memory out again while that work still runs");
       }
     }
@@ -371,9 +381,9 @@ void Waited(const VectorClock& c) { Merge(HostClock(), c); }
 // cudaFreeAsync elsewhere.
 cudaError_t Allocate(void** p, size_t bytes, Kind kind, CUstream_st* stream = nullptr) {
   if (p == nullptr) return Fail(cudaErrorInvalidValue);
-  // 256-byte aligned, as cudaMalloc's are; never null, even for 0 bytes.
-  void* mem = std::aligned_alloc(256, ((bytes + 255) / 256) * 256 + 256);
+  void* mem = std::aligned_alloc(256, Footprint(bytes));
   if (mem == nullptr) return Fail(cudaErrorMemoryAllocation);
+  ASAN_POISON_MEMORY_REGION(static_cast<char*>(mem) + bytes, Footprint(bytes) - bytes);
   Allocation a;
   a.bytes = bytes;
   a.kind = kind;

@@ -11,7 +11,9 @@
 //   - Device memory is host memory that the runtime has registered (cudaMalloc, cudaMallocAsync
 //     and the staging pool: device memory; cudaMallocHost: pinned). cudaPointerGetAttributes tells
 //     them from plain host memory as CUDA does. A copy fails when its device side is not registered
-//     memory, when its host side is device memory, or when it runs past its allocation.
+//     memory, when its host side is device memory, or when it runs past its allocation. Each
+//     allocation's tail past the bytes asked for is poisoned for AddressSanitizer, so that work
+//     reading or writing past its array's end (on a GPU: another array, unnoticed) is reported.
 //   - Streams are queues. Their work (copies, memsets, event records, waits on events, host
 //     functions, frees, NCCL's kernels) runs in stream order, after the events it waits for, and
 //     with the legacy default stream's implicit ordering against blocking streams. With
@@ -66,11 +68,13 @@
 //     that work still runs) and only once. And it is checked for data races between streams,
 //     whatever memory it lies in: work that reads an allocation must come after the last work on
 //     another stream that wrote it, and work that writes it after that and after every read of
-//     it on another stream since (an allocation is the unit: two streams writing disjoint parts
-//     of one array count as a race). Copies read their source and write their destination,
-//     memsets write, NCCL kernels read their send and write their receive buffers, and Launch's
-//     work says what it reads and writes. A breach of any rule is counted (StreamRaces), so that
-//     a test can assert none. cudaLaunchHostFunc's function names no memory and is not checked.
+//     it on another stream since, each through an event, a host wait or the legacy stream's
+//     implicit order (an allocation is the unit: two streams writing disjoint parts of one array
+//     are reported as a race, which they are not). Copies read their source and write their
+//     destination, memsets write, NCCL kernels read their send and write their receive buffers, and
+//     Launch's work says what it reads and writes. A breach of any rule is counted (StreamRaces),
+//     so that a test can assert none. cudaLaunchHostFunc's function names no memory and is not
+//     checked.
 //   - Tests may put work of their own on the device (Launch: stream_ops.h runs the CPU op table
 //     there).
 //   - MPI is called only from the thread that initialised it (MPI_THREAD_FUNNELED): other
@@ -123,7 +127,8 @@ struct Settings {
   // communicator of ncclCommInitRankConfig, or of ncclCommSplit, stays ncclInProgress; the
   // parent of a split does; or the parent completes but the child's handle is never written
   // (NCCL 2.23+ writes it from its own thread, after the parent's state may read ncclSuccess).
-  // A child never handed out is freed with its parent.
+  // A child never handed out is freed with its parent. Non-blocking communicators only (a
+  // blocking call would wait for ever).
   enum class SetupHang { kNone, kInit, kSplitChild, kSplitParent, kSplitHandle };
   SetupHang setup_hang = SetupHang::kNone;
 };
@@ -142,6 +147,7 @@ struct Stats {
   std::string first_misuse;
   int64_t aborted = 0;    // ncclCommAbort calls
   int64_t abandoned = 0;  // kernels the abort ended after they started, a peer's part missing
+  int64_t live = 0;       // communicators now created and not yet destroyed or aborted
 };
 Stats stats();
 void ResetStats();
@@ -162,7 +168,8 @@ struct Uses {
 // cuda_runtime_host.cc: puts a kernel on `stream`, in stream order; `step` is called when the
 // stream reaches it, and again until it returns true (it may decline on a thread other than
 // MPI's). Called with nccl_host.cc's lock held.
-// `uses`: the buffers it reads and writes, and `call` its name, for the stream-order checks.
+// `uses`: the buffers it reads and writes, and `call` its name (a string literal: reports name it
+// later), for the stream-order checks.
 void EnqueueKernel(void* stream, std::function<bool()> step, Uses uses, const char* call);
 // cuda_runtime_host.cc: one identity per stream (the null, legacy and per-thread handles share
 // the legacy stream's), and running every piece of work the device can run now.
@@ -173,7 +180,8 @@ int64_t LazyProgressRuns();
 // cuda_runtime_host.cc: a kernel launch, for work the tests put on the device (stream_ops.h):
 // `work` runs when `stream` reaches it, in stream order. Returns a cudaError_t: `call` is misuse
 // while a NCCL call still ncclInProgress holds the stream, as any CUDA work there.
-// `uses`: the pointers it is given, read or written, for the stream-order checks.
+// `uses`: the pointers it is given, read or written, for the stream-order checks; `call` a string
+// literal (reports name it later).
 int Launch(void* stream, std::function<void()> work, const char* call, Uses uses = {});
 // cuda_runtime_host.cc: breaches of the CUDA rules of stream-ordered memory seen since
 // ResetStreamRaces (see "Stream order" above), and the first of them (empty: none).

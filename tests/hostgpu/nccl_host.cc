@@ -335,18 +335,19 @@ void Progress(ncclComm_t comm) {
   }
 }
 
-// With mu held: comm takes `d`, a call made now (a blocking communicator completes it at once).
 // Whether the faults of Settings apply to this rank.
 bool Faulty() {
   const int rank = fp8rt::hostgpu::settings().fault_rank;
   return rank < 0 || rank == world_rank;
 }
 
-// Whether the setup `which` never completes here (Settings::setup_hang).
-bool SetupHangs(fp8rt::hostgpu::Settings::SetupHang which) {
-  return Faulty() && fp8rt::hostgpu::settings().setup_hang == which;
+// Whether the setup `which` of `comm` never completes here (Settings::setup_hang; never on a
+// blocking communicator, whose call would then wait for ever holding mu).
+bool SetupHangs(ncclComm_t comm, fp8rt::hostgpu::Settings::SetupHang which) {
+  return !comm->blocking && Faulty() && fp8rt::hostgpu::settings().setup_hang == which;
 }
 
+// With mu held: comm takes `d`, a call made now (a blocking communicator completes it at once).
 ncclResult_t Submit(ncclComm_t comm, std::unique_ptr<Deferred> d) {
   const fp8rt::hostgpu::Settings& s = fp8rt::hostgpu::settings();
   d->polls_left = s.polls;
@@ -508,6 +509,7 @@ Stats stats() {
   s.side_reduce_scatter = kernels_side_reduce_scatter.load();
   s.side_bf16_all_gather = kernels_side_bf16_all_gather.load();
   s.caller_memory = kernels_caller.load();
+  s.live = static_cast<int64_t>(live.size());
   return s;
 }
 void ResetStats() {
@@ -608,7 +610,7 @@ ncclResult_t ncclCommInitRankConfig(ncclComm_t* out, int nranks, ncclUniqueId id
     return comm->blocking ? comm->async : ncclInProgress;
   }
   auto d = std::make_unique<Deferred>();
-  d->hang = SetupHangs(fp8rt::hostgpu::Settings::SetupHang::kInit);
+  d->hang = SetupHangs(comm, fp8rt::hostgpu::Settings::SetupHang::kInit);
   return Submit(comm, std::move(d));
 }
 
@@ -631,14 +633,14 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
   ncclComm_t child = child_mpi == MPI_COMM_NULL ? nullptr : NewComm(child_mpi, config);
   if (child != nullptr) {
     auto c = std::make_unique<Deferred>();
-    c->hang = SetupHangs(SetupHang::kSplitChild);
+    c->hang = SetupHangs(child, SetupHang::kSplitChild);
     (void)Submit(child, std::move(c));
     comm->unclaimed.push_back(child);
   }
   auto d = std::make_unique<Deferred>();
-  d->hang = SetupHangs(SetupHang::kSplitParent);
+  d->hang = SetupHangs(comm, SetupHang::kSplitParent);
   // The child's handle is written when the parent leaves ncclInProgress.
-  if (!SetupHangs(SetupHang::kSplitHandle)) {
+  if (!SetupHangs(comm, SetupHang::kSplitHandle)) {
     d->land = [comm, newcomm, child] {
       std::atomic_ref<ncclComm_t>(*newcomm).store(child);
       std::erase(comm->unclaimed, child);

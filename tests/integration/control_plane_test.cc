@@ -703,11 +703,10 @@ TEST_F(ControlPlaneTest, AStoppedOrRestartedControllerNeverHoldsTheSteps) {
   // Stopped for 20 s, longer than the worker's call deadline, and for at least 10 steps.
   controller_->Signal(SIGSTOP);
   std::this_thread::sleep_for(std::chrono::seconds(20));
-  const bool ten_steps_stopped = wait_for_steps(stopped_at + 10);
+  (void)wait_for_steps(stopped_at + 10);  // at most a minute more
   const int64_t resumed_at = steps_written();
   controller_->Signal(SIGCONT);
-  ASSERT_TRUE(ten_steps_stopped) << "steps while the controller was stopped: "
-                                 << resumed_at - stopped_at;
+  ASSERT_GE(resumed_at - stopped_at, 1) << "no step while the controller was stopped";
 
   auto step_times = [](const std::vector<Json>& all, int64_t begin, int64_t end) {
     std::vector<double> t;
@@ -731,6 +730,7 @@ TEST_F(ControlPlaneTest, AStoppedOrRestartedControllerNeverHoldsTheSteps) {
         static_cast<long long>(resumed_at - stopped_at), during.back(), deadline_s,
         during[during.size() / 2] / before[before.size() / 2]);
     EXPECT_LT(during.back(), deadline_s / 2) << "a step waited on the stopped controller";
+    EXPECT_GE(resumed_at - stopped_at, 10) << "steps while the controller was stopped";
   }
   // After SIGCONT the controller shows the newest step: the queued reports arrive in order.
   v1::Run run;
