@@ -297,19 +297,20 @@ void CheckAccess(const CUstream_st* s, uint64_t index, const VectorClock& c, con
     bool inside = true;
     return p == nullptr ? nullptr : const_cast<Allocation*>(Find(rt, p, 1, &inside));
   };
-  // The allocations written, and those only read.
-  std::set<Allocation*> written, read;
+  // The allocations it uses, and of them those it writes (a pointer both read and written counts
+  // as written).
+  std::set<Allocation*> used, written;
   for (const void* p : access.uses.writes) {
-    if (Allocation* a = find(p); a != nullptr) written.insert(a);
+    if (Allocation* a = find(p); a != nullptr) {
+      used.insert(a);
+      written.insert(a);
+    }
   }
   for (const void* p : access.uses.reads) {
-    if (Allocation* a = find(p); a != nullptr && written.count(a) == 0) read.insert(a);
+    if (Allocation* a = find(p); a != nullptr) used.insert(a);
   }
-  for (Allocation* a : read) CheckDataRace(*a, s, index, c, /*write=*/false, access.what);
-  for (Allocation* a : written) CheckDataRace(*a, s, index, c, /*write=*/true, access.what);
-  std::set<Allocation*> used = written;
-  used.insert(read.begin(), read.end());
   for (Allocation* a : used) {
+    CheckDataRace(*a, s, index, c, /*write=*/written.count(a) != 0, access.what);
     if (a->free_enqueued) {
       Race(std::string(access.what) + " on " + NameOf(s) +
            " uses memory whose cudaFreeAsync is already enqueued");
