@@ -45,6 +45,7 @@
 #include "absl/status/status.h"
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_ops_internal.h"
+#include "kernels/cuda/launch.cuh"
 #include "runtime/core/checks.h"
 #include "runtime/core/status.h"
 
@@ -266,7 +267,7 @@ __global__ void __launch_bounds__(kThreads)
                        const float* __restrict__ q, const float* __restrict__ k,
                        const float* __restrict__ v, int64_t b, int64_t t, int64_t h, int64_t hkv,
                        int64_t dh, float scale) {
-  extern __shared__ __align__(128) unsigned char smem[];
+  FP8RT_DYNAMIC_SHARED(unsigned char, smem);
   const Strides st = StridesOf(dh);
   Carver carver{smem};
   const ForwardSmem sm = CarveForward(carver, st);
@@ -360,7 +361,7 @@ __global__ void __launch_bounds__(kThreads)
                   const float* __restrict__ k, const float* __restrict__ v,
                   const float* __restrict__ out, const float* __restrict__ lse, int64_t b,
                   int64_t t, int64_t h, int64_t hkv, int64_t dh, float scale) {
-  extern __shared__ __align__(128) unsigned char smem[];
+  FP8RT_DYNAMIC_SHARED(unsigned char, smem);
   const Strides st = StridesOf(dh);
   Carver carver{smem};
   const BackwardSmem sm = CarveBackward(carver, st, /*two_accumulators=*/false);
@@ -410,7 +411,7 @@ __global__ void __launch_bounds__(kThreads)
                     const float* __restrict__ v, const float* __restrict__ row_terms,
                     const float* __restrict__ lse, int64_t b, int64_t t, int64_t h, int64_t hkv,
                     int64_t dh, float scale) {
-  extern __shared__ __align__(128) unsigned char smem[];
+  FP8RT_DYNAMIC_SHARED(unsigned char, smem);
   const Strides st = StridesOf(dh);
   Carver carver{smem};
   const BackwardSmem sm = CarveBackward(carver, st, /*two_accumulators=*/true);
@@ -479,7 +480,7 @@ absl::Status LaunchFused(Kernel kernel, int64_t items, size_t bytes, cudaStream_
   FP8RT_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSmCount());
   FP8RT_ASSIGN_OR_RETURN(const int per_sm, KernelBlocksPerSm(fn, kThreads, bytes));
   const unsigned grid = static_cast<unsigned>(GridFor(items, 1, sms, std::max(per_sm, 1)));
-  kernel<<<dim3(grid), dim3(kThreads), bytes, stream>>>(args...);
+  FP8RT_LAUNCH(kernel, dim3(grid), dim3(kThreads), bytes, stream)(args...);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }
