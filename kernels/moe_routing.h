@@ -1,6 +1,6 @@
 // The per-token arithmetic of mixture-of-experts routing (runtime/model/moe.cc), written once for
 // both backends: the CPU entries (kernels/cpu/moe_cpu.cc) and the CUDA kernels
-// (kernels/cuda/layer_ops_cuda.cu) call these functions, so the CPU tests of the ops
+// (kernels/cuda/moe_cuda.cu) call these functions, so the CPU tests of the ops
 // (tests/unit/moe_routing_test.cc) check the code the GPU runs, with the host's exp in place of
 // the device's expf. Plain C++ with no allocation; under nvcc each is __host__ __device__.
 //

@@ -28,7 +28,8 @@ absl::Status GemmBf16Cuda(const Bf16GemmArgs& args, Stream stream);
 absl::Status GemmF32Cuda(const F32GemmArgs& args, Stream stream);
 
 // The layer ops (kernels/layer_ops.h): the table is defined in kernels/cuda/layer_ops_cuda.cu,
-// which holds every entry but the attention and cross-entropy ones
+// which holds every entry but the MoE routing ones (kernels/cuda/moe_cuda.cu, below) and the
+// attention and cross-entropy ones
 // (kernels/cuda/attention_cuda.cu; the fused BF16 kernels it launches are in
 // kernels/cuda/flash_attention_cuda.cu).
 extern const LayerOps kLayerOps;
@@ -64,6 +65,22 @@ absl::Status LaunchFlashBackward(float* dq, float* dk, float* dv, const float* d
                                  const float* k, const float* v, const float* out, const float* lse,
                                  int64_t b, int64_t t, int64_t h, int64_t hkv, int64_t dh,
                                  float scale, Stream stream);
+// kernels/cuda/moe_cuda.cu: the MoE routing entries (LayerOps::moe_route ... moe_router_backward).
+absl::Status MoeRouteCuda(float* probs, int32_t* expert, float* gate, double* prob_sums,
+                          const float* logits, int64_t n, int64_t e, int64_t k, Stream stream);
+absl::Status GatherRowsCuda(float* dst, const float* src, const int64_t* index, int64_t rows,
+                            int64_t cols, Stream stream);
+absl::Status ScatterRowsCuda(float* dst, const float* src, const int64_t* index, int64_t rows,
+                             int64_t cols, Stream stream);
+absl::Status MoeCombineCuda(float* out, const float* y, const float* gate, const int64_t* slot,
+                            const int32_t* expert, int64_t n, int64_t k, int64_t c, bool accumulate,
+                            Stream stream);
+absl::Status MoeCombineBackwardCuda(float* dy, float* dgate, const float* dout, const float* y,
+                                    const float* gate, const int64_t* slot, int64_t n, int64_t k,
+                                    int64_t c, Stream stream);
+absl::Status MoeRouterBackwardCuda(float* dlogits, const float* probs, const int32_t* expert,
+                                   const float* gate, const float* dgate, const float* frac,
+                                   float aux_scale, int64_t n, int64_t e, int64_t k, Stream stream);
 absl::Status CrossEntropyForwardCuda(float* probs, float* losses, const float* logits,
                                      const int32_t* targets, int64_t n, int64_t v, Stream stream);
 absl::Status CrossEntropyBackwardCuda(float* dlogits, const float* probs, const int32_t* targets,

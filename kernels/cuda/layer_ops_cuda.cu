@@ -77,9 +77,9 @@
 #include "kernels/cuda/allocation_registry.h"
 #include "kernels/cuda/cuda_ops_internal.h"
 #include "kernels/cuda/device_pool.h"
+#include "kernels/cuda/layer_launch.cuh"
 #include "kernels/cuda/layer_math.cuh"
 #include "kernels/layer_ops.h"
-#include "kernels/moe_routing.h"
 #include "kernels/ops.h"
 #include "runtime/core/checks.h"
 #include "runtime/core/status.h"
@@ -87,11 +87,15 @@
 namespace fp8rt::kernels::cuda_internal {
 namespace {
 
-constexpr int kThreads = 256;
+using layer_launch::CheckPointers;
+using layer_launch::CheckSizes;
+using layer_launch::GridOf;
+using layer_launch::GridOfRows;
+using layer_launch::kThreads;
+using layer_launch::Launch;
+using layer_launch::ToCuda;
 // RmsNormDweightKernel: 32 columns x kDweightLanes row lanes per block.
 constexpr int kDweightLanes = 32;
-
-cudaStream_t ToCuda(Stream stream) { return static_cast<cudaStream_t>(stream.handle); }
 
 __device__ __forceinline__ int64_t GlobalThread() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -538,45 +542,6 @@ __global__ void __launch_bounds__(kSumSquaresThreads)
 }
 
 // --- launch helpers ------------------------------------------------------------------------------
-
-// InvalidArgument naming the first negative size (the CPU entries' message).
-absl::Status CheckSizes(const char* op, std::initializer_list<std::pair<const char*, int64_t>> s) {
-  for (const auto& [name, value] : s) {
-    if (value < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is ", value, " (< 0)"));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// InvalidArgument naming the op and the pointer unless every pointer is non-null device memory.
-// Called only when the op has work: a null pointer then would fault on the device.
-absl::Status CheckPointers(const char* op,
-                           std::initializer_list<std::pair<const char*, const void*>> ptrs) {
-  for (const auto& [name, ptr] : ptrs) {
-    if (ptr == nullptr) return absl::InvalidArgumentError(absl::StrCat(op, ": ", name, " is null"));
-  }
-  const absl::Status s = CheckDevicePointers(ptrs);
-  if (!s.ok()) return absl::Status(s.code(), absl::StrCat(op, ": ", s.message()));
-  return absl::OkStatus();
-}
-
-template <class Kernel, class... Args>
-absl::Status Launch(Kernel kernel, dim3 grid, dim3 block, Stream stream, Args... args) {
-  kernel<<<grid, block, 0, ToCuda(stream)>>>(args...);
-  CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return absl::OkStatus();
-}
-
-// Enough blocks of `threads` threads for `work_items`, at most 8 per multiprocessor (the kernels
-// loop over the rest).
-absl::StatusOr<dim3> GridOf(int64_t work_items, int threads = kThreads) {
-  FP8RT_ASSIGN_OR_RETURN(const int sms, CurrentDeviceSmCount());
-  return dim3(static_cast<unsigned>(cuda_internal::GridFor(work_items, threads, sms)));
-}
-
-// One block per row (or item), kThreads threads each.
-absl::StatusOr<dim3> GridOfRows(int64_t rows) { return GridOf(rows * kThreads); }
 
 // The pool the backend's device-only arrays and stream-ordered scratch come from, and NCCL's
 // staging of host values (MallocFromDevicePool): one per device, created on first use and kept
@@ -1207,174 +1172,6 @@ void DeallocateEntry(void* p) {
   if (err != cudaSuccess) (void)cudaGetLastError();
 }
 
-// --- MoE routing: the per-token functions of kernels/moe_routing.h, one thread per token,
-// assignment or element (grid-stride loops) ---------------------------------------------------
-
-__global__ void MoeRouteKernel(float* probs, int32_t* expert, float* gate, const float* logits,
-                               int64_t n, int64_t e, int64_t k) {
-  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < n;
-       t += int64_t{gridDim.x} * blockDim.x) {
-    moe::RouteToken(logits + t * e, probs + t * e, expert + t * k, gate + t * k, e, k);
-  }
-}
-
-// One warp per expert (blockDim a multiple of 32, so a warp's lanes share x and the loop): lane l
-// sums tokens l, l + 32, ... in order, then a fixed shuffle tree adds the 32 partial sums. The
-// order is fixed, so the sums repeat run to run; they differ from the CPU's token-order sums
-// (moe::ProbSum) by a few FP64 roundings, far below the FP32 probabilities' own differences.
-__global__ void MoeProbSumsKernel(double* prob_sums, const float* probs, int64_t n, int64_t e) {
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  for (int64_t x = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32; x < e;
-       x += int64_t{gridDim.x} * blockDim.x / 32) {
-    double s = 0.0;
-    for (int64_t t = lane; t < n; t += 32) s += probs[t * e + x];
-    for (int offset = 16; offset > 0; offset /= 2) s += __shfl_down_sync(0xffffffffu, s, offset);
-    if (lane == 0) prob_sums[x] = s;
-  }
-}
-
-template <bool kScatter>
-__global__ void MoveRowsKernel(float* dst, const float* src, const int64_t* index, int64_t rows,
-                               int64_t cols) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < rows * cols;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t r = i / cols, col = i % cols, at = index[r];
-    if constexpr (kScatter) {
-      if (at >= 0) dst[at * cols + col] = src[i];
-    } else {
-      dst[i] = at >= 0 ? src[at * cols + col] : 0.0f;
-    }
-  }
-}
-
-__global__ void MoeCombineKernel(float* out, const float* y, const float* gate, const int64_t* slot,
-                                 const int32_t* expert, int64_t n, int64_t k, int64_t c,
-                                 bool accumulate) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n * c;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t t = i / c;
-    out[i] =
-        moe::CombineValue(accumulate ? out[i] : 0.0f, y, gate == nullptr ? nullptr : gate + t * k,
-                          slot + t * k, expert + t * k, k, c, i % c);
-  }
-}
-
-__global__ void MoeScaleRowsKernel(float* dy, const float* dout, const float* gate,
-                                   const int64_t* slot, int64_t n, int64_t k, int64_t c) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n * k * c;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t a = i / c, col = i % c, s = slot[a];
-    if (s >= 0) dy[s * c + col] = gate[a] * dout[(a / k) * c + col];
-  }
-}
-
-__global__ void MoeGateGradKernel(float* dgate, const float* dout, const float* y,
-                                  const int64_t* slot, int64_t n, int64_t k, int64_t c) {
-  for (int64_t a = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; a < n * k;
-       a += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t s = slot[a];
-    dgate[a] = s >= 0 ? moe::DotRow(dout + (a / k) * c, y + s * c, c) : 0.0f;
-  }
-}
-
-__global__ void MoeRouterBackwardKernel(float* dlogits, const float* probs, const int32_t* expert,
-                                        const float* gate, const float* dgate, const float* frac,
-                                        float aux_scale, int64_t n, int64_t e, int64_t k) {
-  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < n;
-       t += int64_t{gridDim.x} * blockDim.x) {
-    moe::RouterBackwardToken(dlogits + t * e, probs + t * e, expert + t * k, gate + t * k,
-                             dgate + t * k, frac, aux_scale, e, k);
-  }
-}
-
-absl::Status MoeRouteEntry(float* probs, int32_t* expert, float* gate, double* prob_sums,
-                           const float* logits, int64_t n, int64_t e, int64_t k, Stream stream) {
-  constexpr const char* kOp = "moe_route";
-  FP8RT_RETURN_IF_ERROR(moe::CheckRouteSizes(kOp, n, e, k));
-  if (e == 0) return absl::OkStatus();
-  FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"prob_sums", prob_sums}}));
-  if (n > 0) {
-    FP8RT_RETURN_IF_ERROR(CheckPointers(
-        kOp, {{"probs", probs}, {"expert", expert}, {"gate", gate}, {"logits", logits}}));
-    FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(n));
-    FP8RT_RETURN_IF_ERROR(
-        Launch(MoeRouteKernel, grid, dim3(kThreads), stream, probs, expert, gate, logits, n, e, k));
-  }
-  static_assert(kThreads % 32 == 0, "MoeProbSumsKernel gives each expert a whole warp");
-  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(e * 32));
-  return Launch(MoeProbSumsKernel, grid, dim3(kThreads), stream, prob_sums,
-                static_cast<const float*>(probs), n, e);
-}
-
-template <bool kScatter>
-absl::Status MoveRows(const char* op, float* dst, const float* src, const int64_t* index,
-                      int64_t rows, int64_t cols, Stream stream) {
-  FP8RT_RETURN_IF_ERROR(moe::CheckSizes(op, rows, 0, 0, cols));
-  if (rows == 0 || cols == 0) return absl::OkStatus();
-  FP8RT_RETURN_IF_ERROR(CheckPointers(op, {{"dst", dst}, {"src", src}, {"index", index}}));
-  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(rows * cols));
-  return Launch(MoveRowsKernel<kScatter>, grid, dim3(kThreads), stream, dst, src, index, rows,
-                cols);
-}
-absl::Status GatherRowsEntry(float* dst, const float* src, const int64_t* index, int64_t rows,
-                             int64_t cols, Stream stream) {
-  return MoveRows<false>("gather_rows", dst, src, index, rows, cols, stream);
-}
-absl::Status ScatterRowsEntry(float* dst, const float* src, const int64_t* index, int64_t rows,
-                              int64_t cols, Stream stream) {
-  return MoveRows<true>("scatter_rows", dst, src, index, rows, cols, stream);
-}
-
-absl::Status MoeCombineEntry(float* out, const float* y, const float* gate, const int64_t* slot,
-                             const int32_t* expert, int64_t n, int64_t k, int64_t c,
-                             bool accumulate, Stream stream) {
-  constexpr const char* kOp = "moe_combine";
-  FP8RT_RETURN_IF_ERROR(moe::CheckSizes(kOp, n, 0, k, c));
-  if (n == 0 || c == 0) return absl::OkStatus();
-  FP8RT_RETURN_IF_ERROR(
-      CheckPointers(kOp, {{"out", out}, {"y", y}, {"slot", slot}, {"expert", expert}}));
-  if (gate != nullptr) FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"gate", gate}}));
-  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(n * c));
-  return Launch(MoeCombineKernel, grid, dim3(kThreads), stream, out, y, gate, slot, expert, n, k, c,
-                accumulate);
-}
-
-absl::Status MoeCombineBackwardEntry(float* dy, float* dgate, const float* dout, const float* y,
-                                     const float* gate, const int64_t* slot, int64_t n, int64_t k,
-                                     int64_t c, Stream stream) {
-  constexpr const char* kOp = "moe_combine_backward";
-  FP8RT_RETURN_IF_ERROR(moe::CheckSizes(kOp, n, 0, k, c));
-  if (n == 0) return absl::OkStatus();
-  FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"dgate", dgate}, {"slot", slot}}));
-  if (c > 0) {
-    FP8RT_RETURN_IF_ERROR(
-        CheckPointers(kOp, {{"dy", dy}, {"dout", dout}, {"y", y}, {"gate", gate}}));
-    FP8RT_ASSIGN_OR_RETURN(const dim3 rows_grid, GridOf(n * k * c));
-    FP8RT_RETURN_IF_ERROR(Launch(MoeScaleRowsKernel, rows_grid, dim3(kThreads), stream, dy, dout,
-                                 gate, slot, n, k, c));
-  }
-  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(n * k));
-  return Launch(MoeGateGradKernel, grid, dim3(kThreads), stream, dgate, dout, y, slot, n, k, c);
-}
-
-absl::Status MoeRouterBackwardEntry(float* dlogits, const float* probs, const int32_t* expert,
-                                    const float* gate, const float* dgate, const float* frac,
-                                    float aux_scale, int64_t n, int64_t e, int64_t k,
-                                    Stream stream) {
-  constexpr const char* kOp = "moe_router_backward";
-  FP8RT_RETURN_IF_ERROR(moe::CheckRouteSizes(kOp, n, e, k));
-  if (n == 0 || e == 0) return absl::OkStatus();
-  FP8RT_RETURN_IF_ERROR(CheckPointers(kOp, {{"dlogits", dlogits},
-                                            {"probs", probs},
-                                            {"expert", expert},
-                                            {"gate", gate},
-                                            {"dgate", dgate},
-                                            {"frac", frac}}));
-  FP8RT_ASSIGN_OR_RETURN(const dim3 grid, GridOf(n));
-  return Launch(MoeRouterBackwardKernel, grid, dim3(kThreads), stream, dlogits, probs, expert, gate,
-                dgate, frac, aux_scale, n, e, k);
-}
-
 }  // namespace
 
 const LayerOps kLayerOps = {
@@ -1400,12 +1197,12 @@ const LayerOps kLayerOps = {
     .residual_backward = &ResidualBackwardEntry,
     .cross_entropy_forward = &CrossEntropyForwardCuda,
     .cross_entropy_backward = &CrossEntropyBackwardCuda,
-    .moe_route = &MoeRouteEntry,
-    .gather_rows = &GatherRowsEntry,
-    .scatter_rows = &ScatterRowsEntry,
-    .moe_combine = &MoeCombineEntry,
-    .moe_combine_backward = &MoeCombineBackwardEntry,
-    .moe_router_backward = &MoeRouterBackwardEntry,
+    .moe_route = &MoeRouteCuda,
+    .gather_rows = &GatherRowsCuda,
+    .scatter_rows = &ScatterRowsCuda,
+    .moe_combine = &MoeCombineCuda,
+    .moe_combine_backward = &MoeCombineBackwardCuda,
+    .moe_router_backward = &MoeRouterBackwardCuda,
     .fill = &FillEntry,
     .copy = &CopyEntry,
     .transpose = &TransposeEntry,

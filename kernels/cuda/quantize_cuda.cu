@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_ops_internal.h"
 #include "kernels/cuda/device_math.cuh"
+#include "kernels/cuda/launch.cuh"
 #include "runtime/core/checks.h"
 #include "runtime/core/status.h"
 
@@ -343,7 +344,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <class Kernel, class... Args>
 absl::Status Launch(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream, Args... args) {
-  kernel<<<grid, block, 0, stream>>>(args...);
+  FP8RT_LAUNCH(kernel, grid, block, 0, stream)(args...);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }

@@ -9,9 +9,13 @@
 // its rescaling, grouped-query heads, the zero padding of Dh to 16 and of T to 64, a grid with
 // fewer blocks than work items (each block moves on to further items), the four-float and the
 // scalar tile loads, and the launch code (shared memory per kernel, the grid, the stream-ordered
-// scratch). And the barriers: a thread runs as far as CUDA lets it before the others, so a
-// missing __syncthreads or __syncwarp changes the results (tried: removing any one of the
-// kernels' barriers fails this test), and a barrier some threads never reach is reported.
+// scratch). And the barriers: a warp runs as far as CUDA lets it before the others, and a lane
+// before its warp, so a missing barrier changes the results. Tried: removing any of the kernels'
+// seven __syncthreads fails this test, as does removing a __syncwarp between a tile's store and
+// the lanes' reads of it (three of them); the three __syncwarp that sit right before a WMMA
+// operation, which itself waits for every lane, and the one before lane 0 writes the running
+// maximum (whose old value every lane has read before the shuffle ahead of it), do not. A
+// barrier that some threads never reach is reported.
 // What it cannot show: the tensor cores' own summation order (the emulation's is one a tensor
 // core may use, inside the bounds), timing, and races that need real concurrency between blocks.
 //
@@ -42,89 +46,14 @@
 #include "tests/gpu/host_cuda.h"  // first: it defines what the kernels' source needs
 #include "tests/support/attention_check.h"
 
-// The kernels' file and the CUDA backend's internal header, compiled here under another
-// namespace name, so that nothing here collides with the CUDA build of the same file in
-// fp8rt_kernels.
+// The kernels' file, compiled here under another namespace name (host_cuda_backend.h).
+// The stand-ins first (host_cuda_backend.h refuses to come after the file).
+// clang-format off
 #define cuda_internal host_cuda_internal
-#include "kernels/cuda/cuda_ops_internal.h"
-
-namespace {
-std::string last_launch_error;  // the emulator's message behind the last failed launch
-}  // namespace
-
-// The file checks its launches with CUDA_RETURN_IF_ERROR(cudaGetLastError()): here the status
-// carries the emulator's message.
-#undef CUDA_RETURN_IF_ERROR
-#define CUDA_RETURN_IF_ERROR(expr)                                                      \
-  do {                                                                                  \
-    if ((expr) != cudaSuccess) {                                                        \
-      return absl::InternalError(std::string(#expr) + " failed: " + last_launch_error); \
-    }                                                                                   \
-  } while (false)
-
-// Stand-ins for the device helpers (kernels/cuda/device.cu) and the runtime calls the file
-// makes: a device like an H100 (compute capability 9.0, 227 KiB of shared memory per block) with
-// two multiprocessors, so that the grids are small and every block loops over many work items.
-namespace fp8rt::kernels::host_cuda_internal {
-
-constexpr int kSms = 2;
-constexpr int kSharedOptin = 227 << 10;
-constexpr int kSharedPerSm = 228 << 10;
-
-absl::StatusOr<DeviceFacts> CurrentDeviceFacts() { return DeviceFacts{kSms, 90, kSharedOptin}; }
-absl::StatusOr<int> CurrentDeviceSmCount() { return kSms; }
-
-// As the occupancy calculator: 2,048 threads and 228 KiB of shared memory per multiprocessor,
-// 1 KiB of it reserved per block.
-absl::StatusOr<int> KernelBlocksPerSm(const void*, int threads, size_t dynamic_bytes) {
-  const int by_threads = 2048 / threads;
-  const int by_memory = static_cast<int>(kSharedPerSm / (dynamic_bytes + 1024));
-  return std::min({by_threads, by_memory, 32});
-}
-
-std::map<const void*, int>& Allowed() {
-  static std::map<const void*, int> allowed;
-  return allowed;
-}
-absl::Status AllowDynamicSharedMemory(const void* kernel, int bytes) {
-  if (bytes > kSharedOptin) return absl::InvalidArgumentError("more shared memory than sm_90's");
-  int& allowed = Allowed()[kernel];
-  if (bytes > allowed) {
-    allowed = bytes;
-    host_cuda::SetMaxDynamicSharedMemory(kernel, bytes);
-  }
-  return absl::OkStatus();
-}
-
-int64_t GridFor(int64_t work, int threads, int sm_count, int per_sm) {
-  const int64_t needed = std::max<int64_t>(1, (work + threads - 1) / threads);
-  return std::min<int64_t>(needed, static_cast<int64_t>(std::max(sm_count, 1)) * per_sm);
-}
-
-int64_t scratch_live = 0;  // stream-ordered scratch not yet freed
-absl::StatusOr<void*> AllocateOnStream(const char*, size_t bytes, Stream) {
-  ++scratch_live;
-  return std::malloc(std::max<size_t>(bytes, 1));
-}
-cudaError_t FreeAsync(void* p, cudaStream_t) {
-  --scratch_live;
-  std::free(p);
-  return cudaSuccess;
-}
-cudaError_t GetLastError() {
-  last_launch_error = host_cuda::TakeLaunchError();
-  return last_launch_error.empty() ? cudaSuccess : cudaErrorLaunchFailure;
-}
-
-}  // namespace fp8rt::kernels::host_cuda_internal
-
-// Its calls of the runtime reach the stand-ins above (the runtime's header is already included).
-#define cudaFreeAsync FreeAsync
-#define cudaGetLastError GetLastError
+#include "tests/gpu/host_cuda_backend.h"
 #include "kernels/cuda/flash_attention_cuda.cu"  // NOLINT(build/include): the kernels under test
-#undef cudaGetLastError
-#undef cudaFreeAsync
 #undef cuda_internal
+// clang-format on
 
 namespace fp8rt::attention_check {
 void PrintTo(const AttnShape& s, std::ostream* os) { *os << ShapeName(s); }
@@ -249,7 +178,7 @@ TEST_P(FlashHostTest, ForwardAndBackwardWithinBf16Bounds) {
   EXPECT_TRUE(err.empty()) << err;
   err = OutOfBounds("dv", g->dv, bw.dv, bw.dv_bound);
   EXPECT_TRUE(err.empty()) << err;
-  EXPECT_EQ(flash::scratch_live, 0) << "the backward's scratch was not freed";
+  EXPECT_EQ(flash::ScratchLive(), 0) << "the backward's scratch was not freed";
 
   // Three launches, twice, each on the grid the launch code sizes: at most as many blocks as fit on
   // the two multiprocessors at once, each looping over the rest of the items.

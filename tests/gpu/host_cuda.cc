@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <span>
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -85,9 +86,10 @@ struct Fiber {
 };
 
 struct State {
-  std::mutex launch_mu;  // one launch at a time
-  std::vector<Fiber> fibers;
-  int current = -1;  // the running fiber, -1: the scheduler
+  std::mutex launch_mu;     // one launch at a time
+  std::vector<Fiber> pool;  // never shrinks: each fiber keeps its stack for later launches
+  std::span<Fiber> fibers;  // the running block's threads: the first of the pool
+  int current = -1;         // the running fiber, -1: the scheduler
   void* scheduler_sp = nullptr;
   const std::function<void()>* body = nullptr;
   unsigned char* smem = nullptr;
@@ -183,7 +185,9 @@ void Prepare(Fiber& f) {
     f.stack = static_cast<unsigned char*>(m) + page;
   }
 #ifdef FP8RT_HOST_CUDA_ASAN
-  __asan_unpoison_memory_region(f.stack, kStackBytes);  // a previous block's frames
+  // The frames of a fiber abandoned mid-kernel (a launch that could not progress) stay poisoned;
+  // a fiber that returned left only FiberMain's, which the next FiberMain lays out again.
+  if (!f.finished) __asan_unpoison_memory_region(f.stack, kStackBytes);
   f.fake_stack = nullptr;
 #endif
   auto top = reinterpret_cast<uintptr_t>(f.stack + kStackBytes) & ~uintptr_t{15};
@@ -389,7 +393,8 @@ std::string RunGrid(const void* kernel, dim3 grid, dim3 block, size_t dynamic_by
     if (s.last_error.empty()) s.last_error = "launch refused: " + s.error;
     return s.error;
   }
-  s.fibers.resize(static_cast<size_t>(threads));
+  if (s.pool.size() < static_cast<size_t>(threads)) s.pool.resize(static_cast<size_t>(threads));
+  s.fibers = std::span<Fiber>(s.pool.data(), static_cast<size_t>(threads));
   s.body = &body;
   void* smem = ::operator new (std::max<size_t>(dynamic_bytes, 1), std::align_val_t{128});
   s.smem = static_cast<unsigned char*>(smem);

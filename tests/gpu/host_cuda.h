@@ -1,7 +1,7 @@
 // The CUDA kernels' own source run on the CPU: a block emulator for the tests that check whole
-// kernels without a GPU (flash_attention_host_test; issue 23). host_shim.h runs the kernels'
-// per-value functions on the host; this runs the kernels themselves: their indexing, shared
-// memory, barriers, warp shuffles and tensor-core (WMMA) tiles.
+// kernels without a GPU (flash_attention_host_test, quantize_host_test, moe_host_test; issue 23).
+// host_shim.h runs the kernels' per-value functions on the host; this runs the kernels themselves:
+// their indexing, shared memory, barriers, warp shuffles and tensor-core (WMMA) tiles.
 //
 // Include it first in a test file, before the .cu it compiles as host code (that file spells
 // its launches and dynamic shared memory through kernels/cuda/launch.cuh's macros, which this
@@ -13,7 +13,8 @@
 //   - __syncthreads, __syncwarp, __shfl_sync, __shfl_xor_sync, __shfl_down_sync (width 32);
 //   - the FP32 intrinsics (__fadd_rn ... __fmaf_rn: IEEE operations rounded to nearest even,
 //     each a separate non-inlined call so that nothing is contracted), __float_as_uint,
-//     __uint_as_float, and the integer min and max;
+//     __uint_as_float, __clz, the integer min and max, and the integer atomicMax and atomicAdd
+//     (one CUDA thread runs at a time: plain read-modify-writes);
 //   - nvcuda::wmma for 16 x 16 x 16 tiles (below);
 //   - FP8RT_LAUNCH and FP8RT_DYNAMIC_SHARED (kernels/cuda/launch.cuh).
 //
@@ -51,6 +52,10 @@
 // core may use.
 #ifndef FP8RT_TESTS_GPU_HOST_CUDA_H_
 #define FP8RT_TESTS_GPU_HOST_CUDA_H_
+
+#ifdef FP8RT_KERNELS_CUDA_LAUNCH_CUH_
+#error "include tests/gpu/host_cuda.h before the kernels' file"
+#endif
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -185,6 +190,28 @@ T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline uint32_t __float_as_uint(float x) { return std::bit_cast<uint32_t>(x); }
 inline float __uint_as_float(uint32_t x) { return std::bit_cast<float>(x); }
+inline int __clz(int x) { return std::countl_zero(static_cast<uint32_t>(x)); }
+// Atomics: one CUDA thread runs at a time, so plain read-modify-writes; each returns the old value.
+inline unsigned atomicMax(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old > v ? old : v;
+  return old;
+}
+inline int atomicMax(int* p, int v) {
+  const int old = *p;
+  *p = old > v ? old : v;
+  return old;
+}
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
+}
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  const unsigned long long old = *p;
+  *p = old + v;
+  return old;
+}
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
