@@ -10,12 +10,12 @@
 // fewer blocks than work items (each block moves on to further items), the four-float and the
 // scalar tile loads, and the launch code (shared memory per kernel, the grid, the stream-ordered
 // scratch). And the barriers: a warp runs as far as CUDA lets it before the others, and a lane
-// before its warp, so a missing barrier changes the results. Tried: removing any of the kernels'
-// seven __syncthreads fails this test, as does removing a __syncwarp between a tile's store and
-// the lanes' reads of it (three of them); the three __syncwarp that sit right before a WMMA
-// operation, which itself waits for every lane, and the one before lane 0 writes the running
-// maximum (whose old value every lane has read before the shuffle ahead of it), do not. A
-// barrier that some threads never reach is reported.
+// before its warp, so a missing barrier changes the results. Tried, one at a time: removing any
+// of the kernels' nine __syncthreads fails this test, and so does removing seven of the eleven
+// __syncwarp. The four others are not needed under the CUDA C++ Programming Guide's rules as the
+// emulator applies them: three stand right before a WMMA load, which itself waits until every
+// lane of the warp has arrived, and one before lane 0 writes the running maximum, whose old value
+// every lane read before the shuffle ahead of it. A barrier some threads never reach is reported.
 // What it cannot show: the tensor cores' own summation order (the emulation's is one a tensor
 // core may use, inside the bounds), timing, and races that need real concurrency between blocks.
 //

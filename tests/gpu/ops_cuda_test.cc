@@ -73,11 +73,17 @@ using quantize_data::Bits;
 using quantize_data::Dist;
 using quantize_data::DistName;
 using quantize_data::ExpectBitsEqual;
+using quantize_data::ExpectSameQuantizeResult;
 using quantize_data::ExpectSameStats;
 using quantize_data::FirstDifference;
+using quantize_data::GranularityTestName;
 using quantize_data::InputBytes;
+using quantize_data::kConvertSpecials;
 using quantize_data::kDists;
+using quantize_data::kScaleAmaxes;
 using quantize_data::MakeData;
+using quantize_data::QuantizeResult;
+using quantize_data::ScaleCases;
 using quantize_data::ToBf16Bits;
 
 // --- fixture -----------------------------------------------------------------------------------
@@ -113,27 +119,6 @@ struct Shape {
 // sizes whose element count is not a multiple of the kernels' vector width (8).
 constexpr Shape kShapes[] = {{1, 1},     {3, 200},   {200, 3},    {31, 33},
                              {128, 128}, {130, 257}, {257, 1000}, {2, 4099}};
-
-struct ScaleOption {
-  const char* name;
-  bool has_scale;
-  float scale;
-  int margin;
-  bool power_of_two;
-};
-constexpr ScaleOption kScaleOptions[] = {
-    {"computed", false, 1.0f, 0, false},
-    {"margin 3, power of two", false, 1.0f, 3, true},
-    {"fixed 37.5", true, 37.5f, 0, false},
-};
-
-struct QuantizeResult {
-  std::vector<uint8_t> codes;
-  std::vector<float> scale_inv;
-  std::vector<uint8_t> e8m0;
-  QuantStats stats;
-  std::vector<float> dequant;
-};
 
 // Runs one quantize (then dequantize of its codes) on either backend.
 class QuantizeFixture : public CudaTest {
@@ -213,49 +198,12 @@ TEST_P(QuantizeTest, MatchesTheCpuBackendBitForBit) {
                                           static_cast<uint32_t>(shape.rows * 31 + shape.cols));
     const std::vector<uint8_t> bytes = InputBytes(x, type);
     const DeviceBuffer input = Upload(bytes);
-    for (const ScaleOption& opt : kScaleOptions) {
-      if (opt.has_scale && granularity != Granularity::kTensor) continue;
-      if ((opt.has_scale || opt.margin != 0) && mx) continue;  // mx32 scales are fixed by spec
-      const std::string where = absl::StrCat(DistName(dist), ", ", opt.name);
-      QuantizeArgs a;
-      a.format = format;
-      a.granularity = granularity;
-      a.input_type = type;
-      a.rows = shape.rows;
-      a.cols = shape.cols;
-      a.has_scale = opt.has_scale;
-      a.scale = opt.scale;
-      a.margin = opt.margin;
-      a.power_of_two_scales = opt.power_of_two;
-      const QuantizeResult cpu = RunCpu(a, bytes.data());
-      const QuantizeResult gpu = RunGpu(a, input);
-      ExpectBitsEqual(gpu.codes, cpu.codes, where + ": codes");
-      if (mx) {
-        ExpectBitsEqual(gpu.e8m0, cpu.e8m0, where + ": E8M0 scales");
-      } else {
-        ExpectBitsEqual(gpu.scale_inv, cpu.scale_inv, where + ": scale_inv");
-      }
-      ExpectSameStats(gpu.stats, cpu.stats, where);
-      ExpectBitsEqual(gpu.dequant, cpu.dequant, where + ": dequantized");
+    for (const auto& [a, option] : ScaleCases(format, granularity, type, shape.rows, shape.cols)) {
+      const std::string where = absl::StrCat(DistName(dist), ", ", option);
+      ExpectSameQuantizeResult(RunGpu(a, input), RunCpu(a, bytes.data()), mx, where);
       if (HasFailure()) return;  // one report per parameter set is enough
     }
   }
-}
-
-std::string GranularityTestName(Granularity g) {
-  switch (g) {
-    case Granularity::kTensor:
-      return "tensor";
-    case Granularity::kRow:
-      return "row";
-    case Granularity::kTile1x128:
-      return "tile1x128";
-    case Granularity::kBlock128x128:
-      return "block128x128";
-    case Granularity::kMx32:
-      return "mx32";
-  }
-  return "unknown";
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -388,22 +336,11 @@ TEST_F(QuantizeAlignmentTest, ScaleFromADeviceAmaxMatchesTheCpuBackend) {
   const int64_t rows = 37, cols = 300;
   const std::vector<float> x = MakeData(Dist::kNormal, rows * cols, 5);
   const DeviceBuffer input = Upload(x);
-  // Subnormal, smallest normal and huge amaxes too (their scales saturate to FLT_MAX or FLT_MIN;
-  // a device that flushed subnormals would differ), with margins and power-of-two scales.
-  const float amaxes[] = {3.0f,
-                          0.25f,
-                          0.0f,
-                          -1.0f,
-                          1e-40f,
-                          std::numeric_limits<float>::min(),
-                          65504.0f,
-                          std::numeric_limits<float>::max(),
-                          std::numeric_limits<float>::infinity(),
-                          std::numeric_limits<float>::quiet_NaN()};
+  // kScaleAmaxes (subnormal, smallest normal and huge too), with margins and power-of-two scales.
   for (const auto& [margin, pow2] :
        {std::pair{0, false}, std::pair{3, false}, std::pair{0, true}, std::pair{3, true}}) {
     for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
-      for (float amax : amaxes) {
+      for (float amax : kScaleAmaxes) {
         std::vector<uint8_t> cpu_codes(x.size());
         float cpu_scale_inv = 0.0f;
         QuantStats cpu_stats;
@@ -482,9 +419,7 @@ TEST_F(ConvertTest, BothDirectionsMatchTheCpuBackendBitForBit) {
   const size_t n = (size_t{1} << 22) + 13;  // random patterns: NaNs, Infs, denormals included
   std::vector<uint32_t> bits(n);
   for (auto& b : bits) b = rng();
-  const uint32_t specials[] = {0x7F7FFFFFu, 0x7F7F8000u, 0x3F808000u, 0x3F818000u,
-                               0xFF800000u, 0x7FC00001u, 0x80000001u, 0x00000000u};
-  std::copy(std::begin(specials), std::end(specials), bits.begin());
+  std::copy(std::begin(kConvertSpecials), std::end(kConvertSpecials), bits.begin());
   // F32 -> BF16
   std::vector<uint16_t> cpu16(n);
   ConvertArgs c;

@@ -14,6 +14,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -132,6 +133,104 @@ void ExpectBitsEqual(const std::vector<T>& gpu, const std::vector<T>& cpu,
   ASSERT_EQ(gpu.size(), cpu.size()) << what;
   const bool same = gpu.empty() || std::memcmp(gpu.data(), cpu.data(), gpu.size() * sizeof(T)) == 0;
   EXPECT_TRUE(same) << what << ": " << FirstDifference(gpu, cpu);
+}
+
+// The scale options the quantize tests run: a scale computed from the tensor, one with a margin
+// and rounded to a power of two, and a fixed one (delayed scaling; kTensor only).
+struct ScaleOption {
+  const char* name;
+  bool has_scale;
+  float scale;
+  int margin;
+  bool power_of_two;
+};
+inline constexpr ScaleOption kScaleOptions[] = {
+    {"computed", false, 1.0f, 0, false},
+    {"margin 3, power of two", false, 1.0f, 3, true},
+    {"fixed 37.5", true, 37.5f, 0, false},
+};
+
+// Amaxes for QuantizeArgs::scale_amax: ordinary, zero, negative, subnormal, the smallest normal,
+// huge and non-finite (their scales saturate to FLT_MAX or FLT_MIN, or fall back to 1; a device
+// that flushed subnormals would differ).
+inline constexpr float kScaleAmaxes[] = {3.0f,
+                                         0.25f,
+                                         0.0f,
+                                         -1.0f,
+                                         1e-40f,
+                                         std::numeric_limits<float>::min(),
+                                         65504.0f,
+                                         std::numeric_limits<float>::max(),
+                                         std::numeric_limits<float>::infinity(),
+                                         std::numeric_limits<float>::quiet_NaN()};
+
+// F32 bit patterns that round to BF16 at the edges: the largest finite value, ties, -Inf, a NaN
+// with a payload, the smallest subnormal, zero.
+inline constexpr uint32_t kConvertSpecials[] = {0x7F7FFFFFu, 0x7F7F8000u, 0x3F808000u, 0x3F818000u,
+                                                0xFF800000u, 0x7FC00001u, 0x80000001u, 0x00000000u};
+
+// A granularity as a test name.
+inline std::string GranularityTestName(Granularity g) {
+  switch (g) {
+    case Granularity::kTensor:
+      return "tensor";
+    case Granularity::kRow:
+      return "row";
+    case Granularity::kTile1x128:
+      return "tile1x128";
+    case Granularity::kBlock128x128:
+      return "block128x128";
+    case Granularity::kMx32:
+      return "mx32";
+  }
+  return "unknown";
+}
+
+// The arguments (without buffers) of each scale option that applies to a granularity (mx32
+// scales are fixed by the spec, and a fixed scale is kTensor's only), with the option's name.
+inline std::vector<std::pair<QuantizeArgs, std::string>> ScaleCases(Fp8Format format,
+                                                                    Granularity granularity,
+                                                                    InputType type, int64_t rows,
+                                                                    int64_t cols) {
+  std::vector<std::pair<QuantizeArgs, std::string>> cases;
+  for (const ScaleOption& opt : kScaleOptions) {
+    if (opt.has_scale && granularity != Granularity::kTensor) continue;
+    if ((opt.has_scale || opt.margin != 0) && granularity == Granularity::kMx32) continue;
+    QuantizeArgs a;
+    a.format = format;
+    a.granularity = granularity;
+    a.input_type = type;
+    a.rows = rows;
+    a.cols = cols;
+    a.has_scale = opt.has_scale;
+    a.scale = opt.scale;
+    a.margin = opt.margin;
+    a.power_of_two_scales = opt.power_of_two;
+    cases.emplace_back(a, opt.name);
+  }
+  return cases;
+}
+
+// What one quantize gives, and the dequantize of its codes.
+struct QuantizeResult {
+  std::vector<uint8_t> codes;
+  std::vector<float> scale_inv;
+  std::vector<uint8_t> e8m0;
+  QuantStats stats;
+  std::vector<float> dequant;
+};
+
+// Every output bit for bit (the E8M0 scales for mx32, scale_inv otherwise).
+inline void ExpectSameQuantizeResult(const QuantizeResult& got, const QuantizeResult& cpu, bool mx,
+                                     const std::string& where) {
+  ExpectBitsEqual(got.codes, cpu.codes, where + ": codes");
+  if (mx) {
+    ExpectBitsEqual(got.e8m0, cpu.e8m0, where + ": E8M0 scales");
+  } else {
+    ExpectBitsEqual(got.scale_inv, cpu.scale_inv, where + ": scale_inv");
+  }
+  ExpectSameStats(got.stats, cpu.stats, where);
+  ExpectBitsEqual(got.dequant, cpu.dequant, where + ": dequantized");
 }
 
 }  // namespace fp8rt::kernels::quantize_data

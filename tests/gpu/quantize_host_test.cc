@@ -53,10 +53,16 @@ using quantize_data::Bits;
 using quantize_data::Dist;
 using quantize_data::DistName;
 using quantize_data::ExpectBitsEqual;
+using quantize_data::ExpectSameQuantizeResult;
 using quantize_data::ExpectSameStats;
+using quantize_data::GranularityTestName;
 using quantize_data::InputBytes;
+using quantize_data::kConvertSpecials;
 using quantize_data::kDists;
+using quantize_data::kScaleAmaxes;
 using quantize_data::MakeData;
+using quantize_data::QuantizeResult;
+using quantize_data::ScaleCases;
 
 const OpTable& Cpu() { return CpuOps(); }
 
@@ -67,32 +73,11 @@ struct Shape {
 // multiple of the vector width (8).
 constexpr Shape kShapes[] = {{1, 1}, {3, 200}, {31, 33}, {128, 128}, {130, 257}, {2, 4099}};
 
-struct ScaleOption {
-  const char* name;
-  bool has_scale;
-  float scale;
-  int margin;
-  bool power_of_two;
-};
-constexpr ScaleOption kScaleOptions[] = {
-    {"computed", false, 1.0f, 0, false},
-    {"margin 3, power of two", false, 1.0f, 3, true},
-    {"fixed 37.5", true, 37.5f, 0, false},
-};
-
-struct Result {
-  std::vector<uint8_t> codes;
-  std::vector<float> scale_inv;
-  std::vector<uint8_t> e8m0;
-  QuantStats stats;
-  std::vector<float> dequant;
-};
-
 // One quantize of `input`, then a dequantize of its codes, by the CPU table or the kernels.
-Result RunQuantize(bool kernels, const QuantizeArgs& base, const void* input) {
+QuantizeResult RunQuantize(bool kernels, const QuantizeArgs& base, const void* input) {
   const ScaleGrid grid = GetScaleGrid(base.granularity, base.rows, base.cols);
   const size_t n = static_cast<size_t>(base.rows * base.cols);
-  Result r;
+  QuantizeResult r;
   r.codes.assign(n, 0xAB);
   r.scale_inv.assign(static_cast<size_t>(grid.size()), -7.0f);
   r.e8m0.assign(static_cast<size_t>(grid.size()), 0xCD);
@@ -120,33 +105,6 @@ Result RunQuantize(bool kernels, const QuantizeArgs& base, const void* input) {
   return r;
 }
 
-void ExpectSameResult(const Result& got, const Result& cpu, bool mx, const std::string& where) {
-  ExpectBitsEqual(got.codes, cpu.codes, where + ": codes");
-  if (mx) {
-    ExpectBitsEqual(got.e8m0, cpu.e8m0, where + ": E8M0 scales");
-  } else {
-    ExpectBitsEqual(got.scale_inv, cpu.scale_inv, where + ": scale_inv");
-  }
-  ExpectSameStats(got.stats, cpu.stats, where);
-  ExpectBitsEqual(got.dequant, cpu.dequant, where + ": dequantized");
-}
-
-std::string GranularityLabel(Granularity g) {
-  switch (g) {
-    case Granularity::kTensor:
-      return "tensor";
-    case Granularity::kRow:
-      return "row";
-    case Granularity::kTile1x128:
-      return "tile1x128";
-    case Granularity::kBlock128x128:
-      return "block128x128";
-    case Granularity::kMx32:
-      return "mx32";
-  }
-  return "unknown";
-}
-
 class QuantizeHostTest
     : public ::testing::TestWithParam<std::tuple<Fp8Format, Granularity, InputType>> {};
 
@@ -159,22 +117,11 @@ TEST_P(QuantizeHostTest, MatchesTheCpuBitForBit) {
           InputBytes(MakeData(dist, shape.rows * shape.cols,
                               static_cast<uint32_t>(shape.rows * 31 + shape.cols)),
                      type);
-      for (const ScaleOption& opt : kScaleOptions) {
-        if (opt.has_scale && granularity != Granularity::kTensor) continue;
-        if ((opt.has_scale || opt.margin != 0) && mx) continue;  // mx32 scales are fixed
-        QuantizeArgs a;
-        a.format = format;
-        a.granularity = granularity;
-        a.input_type = type;
-        a.rows = shape.rows;
-        a.cols = shape.cols;
-        a.has_scale = opt.has_scale;
-        a.scale = opt.scale;
-        a.margin = opt.margin;
-        a.power_of_two_scales = opt.power_of_two;
-        ExpectSameResult(
+      for (const auto& [a, option] :
+           ScaleCases(format, granularity, type, shape.rows, shape.cols)) {
+        ExpectSameQuantizeResult(
             RunQuantize(true, a, bytes.data()), RunQuantize(false, a, bytes.data()), mx,
-            absl::StrCat(shape.rows, "x", shape.cols, ", ", DistName(dist), ", ", opt.name));
+            absl::StrCat(shape.rows, "x", shape.cols, ", ", DistName(dist), ", ", option));
         if (HasFailure()) return;  // one report per parameter set is enough
       }
     }
@@ -190,7 +137,7 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(InputType::kF32, InputType::kBF16)),
     [](const auto& info) {
       return absl::StrCat(std::string(Fp8FormatName(std::get<0>(info.param))), "_",
-                          GranularityLabel(std::get<1>(info.param)), "_",
+                          GranularityTestName(std::get<1>(info.param)), "_",
                           std::get<2>(info.param) == InputType::kF32 ? "f32" : "bf16");
     });
 
@@ -211,32 +158,22 @@ TEST(QuantizeHostTest, UnalignedInputGivesTheSameResult) {
       a.input_type = type;
       a.rows = rows;
       a.cols = cols;
-      ExpectSameResult(RunQuantize(true, a, input), RunQuantize(false, a, bytes.data()),
-                       g == Granularity::kMx32, GranularityLabel(g));
+      ExpectSameQuantizeResult(RunQuantize(true, a, input), RunQuantize(false, a, bytes.data()),
+                               g == Granularity::kMx32, GranularityTestName(g));
     }
   }
 }
 
-// Current scaling across ranks: the scale from an amax the op reads from device memory.
-// Subnormal, smallest normal, huge, zero, negative and non-finite amaxes (their scales saturate
-// or fall back to 1), with margins and power-of-two scales.
+// Current scaling across ranks: the scale from an amax the op reads from device memory, for
+// kScaleAmaxes (subnormal, huge, zero, negative, non-finite), with margins and power-of-two
+// scales.
 TEST(QuantizeHostTest, ScaleFromADeviceAmaxMatchesTheCpu) {
   const int64_t rows = 37, cols = 300;
   const std::vector<float> x = MakeData(Dist::kNormal, rows * cols, 5);
-  const float amaxes[] = {3.0f,
-                          0.25f,
-                          0.0f,
-                          -1.0f,
-                          1e-40f,
-                          std::numeric_limits<float>::min(),
-                          65504.0f,
-                          std::numeric_limits<float>::max(),
-                          std::numeric_limits<float>::infinity(),
-                          std::numeric_limits<float>::quiet_NaN()};
   for (const auto& [margin, pow2] :
        {std::pair{0, false}, std::pair{3, false}, std::pair{0, true}, std::pair{3, true}}) {
     for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
-      for (float amax : amaxes) {
+      for (float amax : kScaleAmaxes) {
         QuantizeArgs a;
         a.format = format;
         a.rows = rows;
@@ -244,9 +181,10 @@ TEST(QuantizeHostTest, ScaleFromADeviceAmaxMatchesTheCpu) {
         a.scale_amax = &amax;
         a.margin = margin;
         a.power_of_two_scales = pow2;
-        ExpectSameResult(RunQuantize(true, a, x.data()), RunQuantize(false, a, x.data()), false,
-                         absl::StrCat(std::string(Fp8FormatName(format)), " amax ", amax,
-                                      " margin ", margin, " pow2 ", pow2));
+        ExpectSameQuantizeResult(RunQuantize(true, a, x.data()), RunQuantize(false, a, x.data()),
+                                 false,
+                                 absl::StrCat(std::string(Fp8FormatName(format)), " amax ", amax,
+                                              " margin ", margin, " pow2 ", pow2));
       }
     }
   }
@@ -283,9 +221,7 @@ TEST(ConvertHostTest, BothDirectionsMatchTheCpuBitForBit) {
   const size_t n = (size_t{1} << 16) + 13;  // random patterns: NaNs, Infs, denormals included
   std::vector<uint32_t> bits(n);
   for (auto& b : bits) b = rng();
-  const uint32_t specials[] = {0x7F7FFFFFu, 0x7F7F8000u, 0x3F808000u, 0x3F818000u,
-                               0xFF800000u, 0x7FC00001u, 0x80000001u, 0x00000000u};
-  std::copy(std::begin(specials), std::end(specials), bits.begin());
+  std::copy(std::begin(kConvertSpecials), std::end(kConvertSpecials), bits.begin());
   std::vector<uint16_t> cpu16(n), got16(n, 0xFFFF);
   ConvertArgs c;
   c.from = InputType::kF32;
