@@ -66,6 +66,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/attention_common.cuh"
 #include "kernels/cuda/cuda_ops_internal.h"
+#include "kernels/cuda/launch.cuh"
 #include "runtime/core/checks.h"
 #include "runtime/core/status.h"
 
@@ -389,7 +390,7 @@ absl::Status CheckBuffers(const char* op, Buffers ptrs) {
 
 template <class Kernel, class... Args>
 absl::Status Launch(Kernel kernel, dim3 grid, cudaStream_t stream, Args... args) {
-  kernel<<<grid, dim3(kThreads), 0, stream>>>(args...);
+  FP8RT_LAUNCH(kernel, grid, dim3(kThreads), 0, stream)(args...);
   CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return absl::OkStatus();
 }

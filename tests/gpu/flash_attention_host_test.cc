@@ -25,6 +25,9 @@
 //                            several items per block
 //   FlashHostTest.UnalignedOperandsGiveTheAlignedBits   the scalar loads against the vector ones
 //   FlashHostTest.TooMuchSharedMemoryIsRefused  a head size whose tiles do not fit is not fused
+//   AttentionEntriesHostTest  the entries of attention_cuda.cu: the FP32 kernels within the FP64
+//                            bounds, the BF16 entries' choice of the fused kernels, bad arguments
+//   CrossEntropyHostTest     forward against FP64, backward bit for bit the CPU's
 //   HostCudaTest.*           the emulator itself: shuffles and barriers, a missing barrier shows,
 //                            a divergent barrier is reported, WMMA against a plain product
 #include <gtest/gtest.h>
@@ -213,6 +216,144 @@ TEST(FlashHostTest, UnalignedOperandsGiveTheAlignedBits) {
   EXPECT_TRUE(SameBits(g->dq, g1->dq)) << "dq";
   EXPECT_TRUE(SameBits(g->dk, g1->dk)) << "dk";
   EXPECT_TRUE(SameBits(g->dv, g1->dv)) << "dv";
+}
+
+// --- the entries (attention_cuda.cu, compiled in attention_cuda_host.cc) ------------------------
+
+// The FP32 entries (or with `bf16` the BF16-operand ones) on x's inputs, into out and lse.
+absl::Status EntryForward(bool bf16, const AttnData& x, std::vector<float>* out,
+                          std::vector<float>* lse) {
+  out->assign(x.size, 0.0f);
+  lse->assign(x.lse_size, 0.0f);
+  return (bf16 ? flash::AttentionForwardBf16Cuda : flash::AttentionForwardCuda)(
+      out->data(), lse->data(), x.q.data(), x.k.data(), x.v.data(), x.s.b, x.s.t, x.s.h, x.s.hkv,
+      x.s.dh, Stream{});
+}
+
+// The same for the backward, onto x's pre-filled gradients.
+absl::StatusOr<Grads> EntryBackward(bool bf16, const AttnData& x, const std::vector<float>& out,
+                                    const std::vector<float>& lse) {
+  Grads g{x.dq0, x.dk0, x.dv0};
+  const absl::Status st = (bf16 ? flash::AttentionBackwardBf16Cuda : flash::AttentionBackwardCuda)(
+      g.dq.data(), g.dk.data(), g.dv.data(), x.dout.data(), x.q.data(), x.k.data(), x.v.data(),
+      out.data(), lse.data(), x.s.b, x.s.t, x.s.h, x.s.hkv, x.s.dh, Stream{});
+  if (!st.ok()) return st;
+  return g;
+}
+
+// The FP32 kernels (one warp per query row, the dk/dv kernel over key ranges) within the FP64
+// bounds of one FP32 implementation (Precision::Fp32), as attention_cuda_test holds them on a
+// GPU; the same bits under another schedule.
+TEST(AttentionEntriesHostTest, Fp32KernelsWithinFp64Bounds) {
+  for (const AttnShape shape : {AttnShape{1, 1, 1, 1, 1}, AttnShape{2, 50, 6, 2, 24},
+                                AttnShape{1, 33, 3, 1, 7}, AttnShape{1, 40, 2, 2, 160}}) {
+    SCOPED_TRACE(ShapeName(shape));
+    const AttnData x(shape, 8000);
+    std::vector<float> out, lse, out2, lse2;
+    ASSERT_TRUE(EntryForward(false, x, &out, &lse).ok());
+    const ForwardWant fw = ExactForward(x);
+    std::string err = OutOfBounds("out", out, fw.out, fw.out_bound);
+    EXPECT_TRUE(err.empty()) << err;
+    err = OutOfBounds("lse", lse, fw.lse, fw.lse_bound);
+    EXPECT_TRUE(err.empty()) << err;
+    host_cuda::SetScheduleSeed(static_cast<uint64_t>(shape.t * 31 + shape.dh));
+    ASSERT_TRUE(EntryForward(false, x, &out2, &lse2).ok());
+    EXPECT_TRUE(SameBits(out, out2) && SameBits(lse, lse2)) << "another schedule, other bits";
+
+    const absl::StatusOr<Grads> g = EntryBackward(false, x, out, lse);
+    ASSERT_TRUE(g.ok()) << g.status();
+    const BackwardWant bw = ExactBackward(x, out, lse);
+    err = OutOfBounds("dq", g->dq, bw.dq, bw.dq_bound);
+    EXPECT_TRUE(err.empty()) << err;
+    err = OutOfBounds("dk", g->dk, bw.dk, bw.dk_bound);
+    EXPECT_TRUE(err.empty()) << err;
+    err = OutOfBounds("dv", g->dv, bw.dv, bw.dv_bound);
+    EXPECT_TRUE(err.empty()) << err;
+  }
+}
+
+// The BF16-operand entries launch the fused kernels for head sizes up to 128 (their bits are
+// LaunchFlash*'s), and the FP32 kernels above (their bits are the FP32 entries').
+TEST(AttentionEntriesHostTest, Bf16EntriesFuseHeadSizesUpTo128) {
+  for (const int64_t dh : {int64_t{64}, int64_t{128}, int64_t{136}}) {
+    SCOPED_TRACE(::testing::Message() << "Dh " << dh);
+    const AttnData x(AttnShape{1, 70, 2, 1, dh}, 9000);
+    const bool fused = dh <= 128;
+    std::vector<float> out, lse, want_out, want_lse;
+    ASSERT_TRUE(EntryForward(true, x, &out, &lse).ok());
+    ASSERT_TRUE(
+        (fused ? Forward(x, &want_out, &want_lse) : EntryForward(false, x, &want_out, &want_lse))
+            .ok());
+    EXPECT_TRUE(SameBits(out, want_out) && SameBits(lse, want_lse));
+    const absl::StatusOr<Grads> g = EntryBackward(true, x, out, lse);
+    const absl::StatusOr<Grads> want =
+        fused ? Backward(x, out, lse) : EntryBackward(false, x, out, lse);
+    ASSERT_TRUE(g.ok() && want.ok());
+    EXPECT_TRUE(SameBits(g->dq, want->dq) && SameBits(g->dk, want->dk) &&
+                SameBits(g->dv, want->dv));
+  }
+}
+
+TEST(AttentionEntriesHostTest, BadArgumentsAreRefusedNamingTheEntry) {
+  std::vector<float> a(64), b(64), c(64), d(64), e(64), lse(64);
+  absl::Status st = flash::AttentionForwardBf16Cuda(a.data(), lse.data(), b.data(), c.data(),
+                                                    d.data(), 1, 2, 3, 2, 2, Stream{});
+  EXPECT_NE(st.message().find("attention_forward_bf16: hkv is 2"), std::string::npos) << st;
+  st = flash::AttentionBackwardBf16Cuda(a.data(), b.data(), c.data(), d.data(), e.data(), a.data(),
+                                        b.data(), c.data(), nullptr, 1, 2, 2, 2, 2, Stream{});
+  EXPECT_NE(st.message().find("attention_backward_bf16: lse is null"), std::string::npos) << st;
+  st = flash::AttentionForwardCuda(a.data(), lse.data(), b.data(), c.data(), d.data(), 1, 2, 2, 2,
+                                   -1, Stream{});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+}
+
+// Cross-entropy: the forward's probabilities and losses against an FP64 evaluation of the
+// softmax (one block per row: a strided sum and a tree on the emulator as on a GPU; each FP32
+// implementation within (v + 16) u of the exact sum, doubled, plus the exp, log and division),
+// the backward bit for bit the CPU's (three operations rounded once each, in the CPU's order).
+TEST(CrossEntropyHostTest, ForwardWithinBoundsAndBackwardBitForBit) {
+  constexpr double kU = 0x1p-24;
+  for (const int64_t v : {int64_t{1}, int64_t{257}, int64_t{3000}}) {
+    SCOPED_TRACE(::testing::Message() << "v " << v);
+    const int64_t n = 37;
+    std::vector<float> logits = attention_check::NormalValues(n * v, 3.0f, 31);
+    logits[5] = 40.0f;  // a dominant logit
+    // A row whose maximum is far above anything before it, in column 200 (the seventh warp's
+    // thread): a maximum taken from stale shared memory (a missing barrier) would overflow the
+    // row's exponentials.
+    logits[2 * v + std::min<int64_t>(v - 1, 200)] = 1000.0f;
+    std::vector<int32_t> targets(n);
+    for (int64_t r = 0; r < n; ++r) targets[r] = static_cast<int32_t>((r * 7919) % v);
+    std::vector<float> probs(n * v, -1.0f), losses(n, -1.0f);
+    ASSERT_TRUE(flash::CrossEntropyForwardCuda(probs.data(), losses.data(), logits.data(),
+                                               targets.data(), n, v, Stream{})
+                    .ok());
+    for (int64_t r = 0; r < n; ++r) {
+      const float* l = logits.data() + r * v;
+      double m = -INFINITY, sum = 0.0;
+      for (int64_t j = 0; j < v; ++j) m = std::max(m, double{l[j]});
+      for (int64_t j = 0; j < v; ++j) sum += std::exp(double{l[j]} - m);
+      const double rel = 2.0 * (static_cast<double>(v) + 16.0) * kU + 16.0 * kU;
+      for (int64_t j = 0; j < v; ++j) {
+        const double p = std::exp(double{l[j]} - m) / sum;
+        EXPECT_NEAR(probs[r * v + j], p, rel * p + 0x1p-120) << "row " << r << " column " << j;
+      }
+      const double loss = std::log(sum) - (double{l[targets[r]]} - m);
+      EXPECT_NEAR(losses[r], loss,
+                  rel * (std::fabs(m) + std::log(sum) + std::fabs(loss)) + 0x1p-120)
+          << "row " << r;
+    }
+    std::vector<float> cpu = attention_check::NormalValues(n * v, 1.0f, 32), got = cpu;
+    ASSERT_TRUE(CpuOps()
+                    .layer
+                    ->cross_entropy_backward(cpu.data(), probs.data(), targets.data(), n, v, 0.75f,
+                                             Stream{})
+                    .ok());
+    ASSERT_TRUE(flash::CrossEntropyBackwardCuda(got.data(), probs.data(), targets.data(), n, v,
+                                                0.75f, Stream{})
+                    .ok());
+    EXPECT_TRUE(SameBits(got, cpu)) << "cross_entropy_backward";
+  }
 }
 
 // --- the emulator ----------------------------------------------------------------------------

@@ -13,8 +13,8 @@
 //   - __syncthreads, __syncwarp, __shfl_sync, __shfl_xor_sync, __shfl_down_sync (width 32);
 //   - the FP32 intrinsics (__fadd_rn ... __fmaf_rn: IEEE operations rounded to nearest even,
 //     each a separate non-inlined call so that nothing is contracted), __float_as_uint,
-//     __uint_as_float, __clz, the integer min and max, and the integer atomicMax and atomicAdd
-//     (one CUDA thread runs at a time: plain read-modify-writes);
+//     __uint_as_float, __float_as_int, __int_as_float, __clz, the integer min and max, and the
+//     integer atomicMax and atomicAdd (one CUDA thread runs at a time: plain read-modify-writes);
 //   - nvcuda::wmma for 16 x 16 x 16 tiles (below);
 //   - FP8RT_LAUNCH and FP8RT_DYNAMIC_SHARED (kernels/cuda/launch.cuh).
 //
@@ -190,6 +190,8 @@ T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline uint32_t __float_as_uint(float x) { return std::bit_cast<uint32_t>(x); }
 inline float __uint_as_float(uint32_t x) { return std::bit_cast<float>(x); }
+inline float __int_as_float(int x) { return std::bit_cast<float>(x); }
+inline int __float_as_int(float x) { return std::bit_cast<int>(x); }
 inline int __clz(int x) { return std::countl_zero(static_cast<uint32_t>(x)); }
 // Atomics: one CUDA thread runs at a time, so plain read-modify-writes; each returns the old value.
 inline unsigned atomicMax(unsigned* p, unsigned v) {
