@@ -31,8 +31,13 @@
 // same bits under every schedule: SetScheduleSeed picks another (the schedule of the n-th launch
 // is fixed by the seed and n, so reruns repeat it).
 // Dynamic shared memory is filled with 0xFF bytes (NaN in FP32 and BF16) before each block, and
-// is exactly as long as the launch asked (AddressSanitizer sees a read past its end).
-// A launch fails (LaunchError, like cudaGetLastError) instead of running when it asks for more
+// is exactly as long as the launch asked (AddressSanitizer sees a read past its end). Static
+// __shared__ arrays keep what the previous block left in them (zeros at first): a read before
+// this block wrote them sees stale values, not NaN.
+// A misuse that CUDA leaves undefined (a shuffle by a lane its mask leaves out, a width other
+// than 32, a WMMA pointer or leading dimension CUDA refuses, a barrier outside a kernel) aborts
+// the test with a message.
+// A launch fails (TakeLaunchError, like cudaGetLastError) instead of running when it asks for more
 // than 1,024 threads per block, or more dynamic shared memory than 227 KiB (sm_90's opt-in) or
 // than the kernel was allowed (over 48 KiB needs SetMaxDynamicSharedMemory first, as
 // cudaFuncSetAttribute on a GPU); it stops, naming what each thread waits for, when its threads
