@@ -10,13 +10,13 @@
 //   #include "kernels/cuda/<file>.cu"
 //   #undef cuda_internal
 // between `// clang-format off` and `// clang-format on` (clang-format would sort the two includes,
-// which this header refuses with an #error). The renamed namespace keeps the host build of the file apart from the CUDA build of the same
-// file in fp8rt_kernels. The file's calls of the runtime (cudaMemsetAsync, cudaMemcpyAsync,
-// cudaFreeAsync, cudaGetLastError) are renamed by macros to the stand-ins below, which act at
-// once on host memory (every launch has run when it returns); CUDA_RETURN_IF_ERROR returns the
-// emulator's message with the failed call. Host memory stands for device memory:
-// CheckDevicePointers accepts every pointer, so the entries' refusals of host pointers are the GPU
-// tests' to show.
+// which this header refuses with an #error). The renamed namespace keeps the host build of the file
+// apart from the CUDA build of the same file in fp8rt_kernels. The file's calls of the runtime
+// (cudaMemsetAsync, cudaMemcpyAsync, cudaFreeAsync, cudaGetLastError) are renamed by macros to the
+// stand-ins below, which act at once on host memory (every launch has run when it returns);
+// CUDA_RETURN_IF_ERROR returns the emulator's message with the failed call. Host memory stands for
+// device memory: CheckDevicePointers accepts every pointer, so the entries' refusals of host
+// pointers are the GPU tests' to show.
 #ifndef FP8RT_TESTS_GPU_HOST_CUDA_BACKEND_H_
 #define FP8RT_TESTS_GPU_HOST_CUDA_BACKEND_H_
 
