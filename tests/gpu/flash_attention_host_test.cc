@@ -84,16 +84,18 @@ struct Grads {
   std::vector<float> dq, dk, dv;
 };
 
+// A copy of v starting `shift` floats into a zeroed buffer one float longer than it needs.
+std::vector<float> Padded(const std::vector<float>& v, size_t shift) {
+  std::vector<float> p(v.size() + shift + 1, 0.0f);
+  std::copy(v.begin(), v.end(), p.begin() + static_cast<std::ptrdiff_t>(shift));
+  return p;
+}
+
 // The fused forward on x's inputs (q, k, v at the given offsets into padded copies: 0 keeps
 // them 16-byte aligned), into out and lse.
 absl::Status Forward(const AttnData& x, std::vector<float>* out, std::vector<float>* lse,
                      size_t shift = 0) {
-  auto padded = [shift](const std::vector<float>& v) {
-    std::vector<float> p(v.size() + shift + 1, 0.0f);
-    std::copy(v.begin(), v.end(), p.begin() + static_cast<std::ptrdiff_t>(shift));
-    return p;
-  };
-  const std::vector<float> q = padded(x.q), k = padded(x.k), v = padded(x.v);
+  const std::vector<float> q = Padded(x.q, shift), k = Padded(x.k, shift), v = Padded(x.v, shift);
   out->assign(x.size, 0.0f);
   lse->assign(x.lse_size, 0.0f);
   return flash::LaunchFlashForward(out->data(), lse->data(), q.data() + shift, k.data() + shift,
@@ -104,13 +106,8 @@ absl::Status Forward(const AttnData& x, std::vector<float>* out, std::vector<flo
 // The fused backward with the given out and lse, onto x's pre-filled gradients.
 absl::StatusOr<Grads> Backward(const AttnData& x, const std::vector<float>& out,
                                const std::vector<float>& lse, size_t shift = 0) {
-  auto padded = [shift](const std::vector<float>& v) {
-    std::vector<float> p(v.size() + shift + 1, 0.0f);
-    std::copy(v.begin(), v.end(), p.begin() + static_cast<std::ptrdiff_t>(shift));
-    return p;
-  };
-  const std::vector<float> q = padded(x.q), k = padded(x.k), v = padded(x.v), dout = padded(x.dout),
-                           o = padded(out);
+  const std::vector<float> q = Padded(x.q, shift), k = Padded(x.k, shift), v = Padded(x.v, shift),
+                           dout = Padded(x.dout, shift), o = Padded(out, shift);
   Grads g{x.dq0, x.dk0, x.dv0};
   const absl::Status st = flash::LaunchFlashBackward(
       g.dq.data(), g.dk.data(), g.dv.data(), dout.data() + shift, q.data() + shift,
