@@ -28,15 +28,32 @@ absl::Status GemmBf16Cuda(const Bf16GemmArgs& args, Stream stream);
 absl::Status GemmF32Cuda(const F32GemmArgs& args, Stream stream);
 
 // The layer ops (kernels/layer_ops.h): the table is defined in kernels/cuda/layer_ops_cuda.cu,
-// which holds every entry but the MoE routing ones (kernels/cuda/moe_cuda.cu, below) and the
-// attention and cross-entropy ones
+// which holds every entry but the MoE routing ones (kernels/cuda/moe_cuda.cu, below), the memory
+// and stream ones (kernels/cuda/memory_cuda.cc, below) and the attention and cross-entropy ones
 // (kernels/cuda/attention_cuda.cu; the fused BF16 kernels it launches are in
 // kernels/cuda/flash_attention_cuda.cu).
 extern const LayerOps kLayerOps;
-// Stream-ordered scratch for `op`: `bytes` on `stream` from the device's array pool, given back
-// with cudaFreeAsync on the same stream once the work using it is enqueued (no wait either way).
-// ResourceExhausted naming op and the size when the device is full.
+// kernels/cuda/memory_cuda.cc: the table's memory and stream entries (LayerOps::synchronize,
+// allocate ... copy_bytes), and stream-ordered scratch for `op`: `bytes` on `stream` from the
+// device's array pool, given back with cudaFreeAsync on the same stream once the work using it
+// is enqueued (no wait either way); ResourceExhausted naming op and the size when the device is
+// full.
 absl::StatusOr<void*> AllocateOnStream(const char* op, size_t bytes, Stream stream);
+absl::Status SynchronizeCuda(Stream stream);
+absl::StatusOr<void*> AllocateCuda(size_t bytes);
+void DeallocateCuda(void* p);
+absl::StatusOr<void*> AllocateDeviceCuda(size_t bytes);
+absl::StatusOr<void*> AllocateHostCuda(size_t bytes);
+absl::Status ZeroBytesCuda(void* p, size_t bytes, Stream stream);
+absl::Status PrefetchCuda(const void* p, size_t bytes, Stream stream);
+absl::Status CopyBytesCuda(void* dst, const void* src, size_t bytes, Stream stream);
+// kernels/cuda/sort_cuda.cu: a stable sort of n (key, row) pairs by the keys' bits [0, end_bit)
+// on `stream` (CUB's radix sort), keys_in and rows_in into keys_out and rows_out. With scratch
+// null it only sets *scratch_bytes to the scratch the sort needs and enqueues nothing; otherwise
+// *scratch_bytes is the size of `scratch`.
+absl::Status SortKeyRowPairsCuda(void* scratch, size_t* scratch_bytes, const uint32_t* keys_in,
+                                 uint32_t* keys_out, const int64_t* rows_in, int64_t* rows_out,
+                                 int64_t n, int end_bit, Stream stream);
 absl::Status AttentionForwardCuda(float* out, float* lse, const float* q, const float* k,
                                   const float* v, int64_t b, int64_t t, int64_t h, int64_t hkv,
                                   int64_t dh, Stream stream);

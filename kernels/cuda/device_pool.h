@@ -1,4 +1,4 @@
-// fp8rt's stream-ordered device memory pool (one per device, in kernels/cuda/layer_ops_cuda.cu),
+// fp8rt's stream-ordered device memory pool (one per device, in kernels/cuda/memory_cuda.cc),
 // for CUDA code outside the op table: NCCL's staging of host values. The pool keeps freed memory
 // for reuse; allocating from it, not from the device's default pool, lets that memory serve the
 // allocation (the default pool cannot take it, and on a device the pool fills it would fail).

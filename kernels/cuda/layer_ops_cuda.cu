@@ -1,17 +1,19 @@
 // The CUDA backend's layer-op table (LayerOps, kernels/layer_ops.h): every entry but attention and
-// cross-entropy, whose kernels live in kernels/cuda/attention_cuda.cu. Per-element arithmetic is
-// kernels/cuda/layer_math.cuh, a mirror of the CPU reference; what differs from the CPU is only
-// the order of the sums inside RMSNorm and LayerNorm and of the column sums of their weight and
-// bias gradients and of bias_backward (fixed here, so reruns are bit for bit), the order of
-// sum_squares (fixed by the count alone, layer_math.cuh, so its bits are the same on every GPU),
-// the device tanhf in GELU and expf in SwiGLU, and the device's FP64 pow, cos and sin in RoPE.
-// tests/gpu/layer_ops_cuda_test.cc compares every entry with the CPU.
+// cross-entropy, whose kernels live in kernels/cuda/attention_cuda.cu, the MoE routing
+// (kernels/cuda/moe_cuda.cu) and the memory and stream entries (kernels/cuda/memory_cuda.cc).
+// Per-element arithmetic is kernels/cuda/layer_math.cuh, a mirror of the CPU reference; what
+// differs from the CPU is only the order of the sums inside RMSNorm and LayerNorm and of the column
+// sums of their weight and bias gradients and of bias_backward (fixed here, so reruns are bit for
+// bit), the order of sum_squares (fixed by the count alone, layer_math.cuh, so its bits are the
+// same on every GPU), the device tanhf in GELU and expf in SwiGLU, and the device's FP64 pow, cos
+// and sin in RoPE. tests/gpu/layer_ops_cuda_test.cc compares every entry with the CPU.
 //
 // Index (kernels, then the entries that launch them):
 //   EmbeddingForwardKernel   flat copy of table rows
 //   EmbeddingSortKeysKernel  embedding_backward, step 1: (token, row) pairs to sort, tokens
 //                            outside [0, V) mapped to one key past every valid one
-//   (cub::DeviceRadixSort)   step 2: a stable sort by token, so equal tokens keep ascending rows
+//   (SortKeyRowPairsCuda)    step 2: a stable sort by token, so equal tokens keep ascending rows
+//                            (CUB's radix sort, kernels/cuda/sort_cuda.cu)
 //   EmbeddingRunsKernel      step 3: one work item per run of equal tokens and 256-column tile:
 //                            it owns those columns of the table row and adds the run's rows in
 //                            ascending n (the CPU order: bit for bit, no atomics)
@@ -37,13 +39,12 @@
 //                            partial per block (or the result, with one block)
 //   SumPartialsKernel        pass 2: one block adds the partials in a fixed strided order and the
 //                            same tree. No atomics: the order is fixed (layer_math.cuh)
-//   allocate / deallocate    cudaMallocManaged / cudaFree (the table's memory, DeviceArray)
-//   allocate_device          cudaMallocFromPoolAsync on the default stream, from a pool that
-//                            keeps freed memory (DeviceArray's device-only arrays; freed with
-//                            cudaFreeAsync there: no wait); allocate_host
-//                            cudaHostAlloc, mapped (host-read arrays); zero_bytes
-//                            cudaMemsetAsync; prefetch cudaMemPrefetchAsync; copy_bytes
-//                            cudaMemcpyAsync; deallocate cudaFreeAsync, cudaFree or cudaFreeHost
+//   the table (kLayerOps)    these entries, attention_cuda.cu's, moe_cuda.cu's and
+//                            memory_cuda.cc's (allocate ... copy_bytes, synchronize)
+//
+// No CUDA runtime call here but the launches, cudaGetLastError, cudaFreeAsync, cudaMemsetAsync
+// and cudaMemcpyAsync, so that tests/gpu/layer_ops_host_test runs this file's own source on the
+// CPU over the block emulator (tests/gpu/host_cuda.h).
 //
 // Buffers: every pointer is device memory, checked before anything is launched (a null pointer
 // is refused when the op has work). Nothing is allocated but by allocate, except sum_squares'
@@ -64,19 +65,13 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cub/device/device_radix_sort.cuh>
 #include <initializer_list>
-#include <map>
-#include <mutex>
-#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/cuda/allocation_registry.h"
 #include "kernels/cuda/cuda_ops_internal.h"
-#include "kernels/cuda/device_pool.h"
 #include "kernels/cuda/layer_launch.cuh"
 #include "kernels/cuda/layer_math.cuh"
 #include "kernels/layer_ops.h"
@@ -541,132 +536,6 @@ __global__ void __launch_bounds__(kSumSquaresThreads)
   if (threadIdx.x == 0) *out = tree[0];
 }
 
-// --- launch helpers ------------------------------------------------------------------------------
-
-// The pool the backend's device-only arrays and stream-ordered scratch come from, and NCCL's
-// staging of host values (MallocFromDevicePool): one per device, created on first use and kept
-// for the life of the process. It keeps what is freed for reuse (its release threshold is at the
-// maximum; a pool's default, 0, hands freed memory back to the driver at every synchronisation
-// and maps it again at the next allocation), as a caching allocator does. Memory it keeps is not
-// available to allocations outside it (managed memory, cuBLAS's and NCCL's own): the backend's
-// allocations that fail (but NCCL's staging, which must not wait for the device) give it back
-// (TrimPoolAndRetry) and try once more. Leaked on purpose (no destructor runs at exit), as
-// BackendAllocations is.
-std::mutex& PoolsMutex() {
-  static auto* mu = new std::mutex;
-  return *mu;
-}
-std::map<int, cudaMemPool_t>& Pools() {  // device -> its pool; guarded by PoolsMutex()
-  static auto* pools = new std::map<int, cudaMemPool_t>;
-  return *pools;
-}
-
-// The current device's pool in *pool; a CUDA error (cleared, so that the next launch's
-// cudaGetLastError does not report it) when it cannot be made.
-cudaError_t DeviceArrayPool(cudaMemPool_t* pool) {
-  int device = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return err;
-  }
-  std::lock_guard<std::mutex> lock(PoolsMutex());
-  if (const auto it = Pools().find(device); it != Pools().end()) {
-    *pool = it->second;
-    return cudaSuccess;
-  }
-  cudaMemPoolProps props{};
-  props.allocType = cudaMemAllocationTypePinned;
-  props.location.type = cudaMemLocationTypeDevice;
-  props.location.id = device;
-  cudaMemPool_t created = nullptr;
-  if (const cudaError_t err = cudaMemPoolCreate(&created, &props); err != cudaSuccess) {
-    (void)cudaGetLastError();
-    return err;
-  }
-  uint64_t keep_all = UINT64_MAX;
-  if (const cudaError_t err =
-          cudaMemPoolSetAttribute(created, cudaMemPoolAttrReleaseThreshold, &keep_all);
-      err != cudaSuccess) {
-    (void)cudaGetLastError();
-    (void)cudaMemPoolDestroy(created);
-    return err;
-  }
-  Pools().emplace(device, created);
-  *pool = created;
-  return cudaSuccess;
-}
-
-// `allocate` once; if the device is out of memory, the unused memory of the current device's
-// pool goes back to the driver (after a device synchronisation, so that the frees still queued
-// have happened) and `allocate` runs again. An error of the synchronisation or the trim (a sticky
-// error of an earlier kernel, say) is returned instead of the out-of-memory, so that it is the one
-// reported.
-template <class F>
-cudaError_t TrimPoolAndRetry(F allocate) {
-  const cudaError_t err = allocate();
-  if (err != cudaErrorMemoryAllocation) return err;
-  int device = 0;
-  cudaMemPool_t pool = nullptr;
-  if (cudaGetDevice(&device) != cudaSuccess) return err;
-  {
-    std::lock_guard<std::mutex> lock(PoolsMutex());
-    const auto it = Pools().find(device);
-    if (it == Pools().end()) return err;  // no pool yet: nothing kept
-    pool = it->second;
-  }
-  (void)cudaGetLastError();  // the first attempt's out-of-memory
-  if (const cudaError_t sync = cudaDeviceSynchronize(); sync != cudaSuccess) return sync;
-  if (const cudaError_t trim = cudaMemPoolTrimTo(pool, 0); trim != cudaSuccess) return trim;
-  return allocate();
-}
-
-}  // namespace
-
-cudaError_t MallocFromDevicePool(void** p, size_t bytes, cudaStream_t stream) {
-  cudaMemPool_t pool = nullptr;
-  if (const cudaError_t err = DeviceArrayPool(&pool); err != cudaSuccess) return err;
-  return cudaMallocFromPoolAsync(p, bytes, pool, stream);
-}
-
-cudaError_t TrimDevicePool() {
-  cudaMemPool_t pool = nullptr;
-  if (const cudaError_t err = DeviceArrayPool(&pool); err != cudaSuccess) return err;
-  if (const cudaError_t sync = cudaDeviceSynchronize(); sync != cudaSuccess) return sync;
-  return cudaMemPoolTrimTo(pool, 0);
-}
-
-namespace {
-
-// A failed allocation's error: `what` (which names the size and the kind of memory), then CUDA's
-// name and text of `err`. Only a full device is ResourceExhausted: any other error (a device
-// without memory pools, or a sticky error of an earlier kernel that a retry's synchronisation met)
-// is Internal, named as what it is. A failed allocation is not a sticky error, but it stays as the
-// thread's last error; it is cleared here so that the next launch's cudaGetLastError does not
-// report it.
-absl::Status AllocationError(const std::string& what, cudaError_t err) {
-  (void)cudaGetLastError();
-  const std::string message =
-      absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
-  return err == cudaErrorMemoryAllocation ? absl::ResourceExhaustedError(message)
-                                          : absl::InternalError(message);
-}
-
-}  // namespace
-
-// Declared in cuda_ops_internal.h: stream-ordered scratch from the device's array pool
-// (MallocFromDevicePool; when the device is full, the pool's unused memory goes back to the
-// driver and the allocation runs once more: a large free block may be what it lacks). On
-// failure, AllocationError's status.
-absl::StatusOr<void*> AllocateOnStream(const char* op, size_t bytes, Stream stream) {
-  void* p = nullptr;
-  const cudaError_t err =
-      TrimPoolAndRetry([&] { return MallocFromDevicePool(&p, bytes, ToCuda(stream)); });
-  if (err == cudaSuccess) return p;
-  return AllocationError(absl::StrCat(op, ": allocating ", bytes, " bytes of scratch"), err);
-}
-
-namespace {
-
 // --- entries -------------------------------------------------------------------------------------
 
 absl::Status EmbeddingForwardEntry(float* out, const int32_t* tokens, const float* table, int64_t n,
@@ -693,9 +562,8 @@ absl::Status EmbeddingBackwardEntry(float* dtable, const float* dout, const int3
   const int end_bit = std::bit_width(invalid);
   const cudaStream_t s = ToCuda(stream);
   size_t sort_bytes = 0;  // a size query: no work is enqueued
-  CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(
-      nullptr, sort_bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
-      static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr), n, 0, end_bit, s));
+  FP8RT_RETURN_IF_ERROR(SortKeyRowPairsCuda(nullptr, &sort_bytes, nullptr, nullptr, nullptr,
+                                            nullptr, n, end_bit, stream));
   // One allocation, each part at a 256-byte boundary: keys and rows, before and after the sort,
   // then CUB's scratch.
   const auto aligned = [](size_t b) -> size_t { return (b + 255) / 256 * 256; };
@@ -715,8 +583,8 @@ absl::Status EmbeddingBackwardEntry(float* dtable, const float* dout, const int3
     FP8RT_RETURN_IF_ERROR(Launch(EmbeddingSortKeysKernel, grid, dim3(kThreads), stream, keys_in,
                                  rows_in, tokens, n, v, invalid));
     size_t bytes = sort_bytes;
-    CUDA_RETURN_IF_ERROR(cub::DeviceRadixSort::SortPairs(sort_scratch, bytes, keys_in, keys_out,
-                                                         rows_in, rows_out, n, 0, end_bit, s));
+    FP8RT_RETURN_IF_ERROR(SortKeyRowPairsCuda(sort_scratch, &bytes, keys_in, keys_out, rows_in,
+                                              rows_out, n, end_bit, stream));
     FP8RT_ASSIGN_OR_RETURN(const dim3 runs_grid, GridOfRows(n * ((c + kThreads - 1) / kThreads)));
     return Launch(EmbeddingRunsKernel, runs_grid, dim3(kThreads), stream, dtable, dout,
                   static_cast<const uint32_t*>(keys_out), static_cast<const int64_t*>(rows_out), n,
@@ -1073,105 +941,6 @@ absl::Status AdamWEntry(const AdamWArgs& args, Stream stream) {
   return QuantizeCuda(q, stream);
 }
 
-absl::Status SynchronizeEntry(Stream stream) {
-  CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(ToCuda(stream)));
-  return absl::OkStatus();
-}
-
-// An allocation's result: p registered (BackendAllocations) and returned, or AllocationError's
-// status naming the size and the kind of memory. Every allocation is at least one byte, so that
-// 0 bytes gives a valid pointer.
-absl::StatusOr<void*> Registered(cudaError_t err, void* p, size_t bytes, const char* kind,
-                                 AllocationRegistry::Kind registry_kind) {
-  if (err != cudaSuccess) {
-    return AllocationError(absl::StrCat("allocating ", bytes, " bytes of ", kind), err);
-  }
-  BackendAllocations().Add(p, std::max<size_t>(bytes, 1), registry_kind);
-  return p;
-}
-
-// Managed memory on the current device.
-absl::StatusOr<void*> AllocateEntry(size_t bytes) {
-  void* p = nullptr;
-  const cudaError_t err =
-      TrimPoolAndRetry([&] { return cudaMallocManaged(&p, std::max<size_t>(bytes, 1)); });
-  return Registered(err, p, bytes, "CUDA managed memory", AllocationRegistry::Kind::kDevice);
-}
-
-// Device memory on the current device, from its array pool, ordered on the legacy default
-// stream (where the model's ops run; other blocking streams, such as NCCL's, synchronise with
-// it, and the one non-blocking stream, the FSDP prefetch's, waits on an event recorded there).
-// The host never touches it: no managed pages migrate on first touch. Its free (deallocate) is
-// ordered on the same stream after the work already queued, so it does not wait for the device,
-// where cudaFree would on every buffer the step frees (FSDP's gathered weights and gradients,
-// the MoE's temporaries).
-absl::StatusOr<void*> AllocateDeviceEntry(size_t bytes) {
-  void* p = nullptr;
-  const cudaError_t err = TrimPoolAndRetry(
-      [&] { return MallocFromDevicePool(&p, std::max<size_t>(bytes, 1), cudaStreamLegacy); });
-  return Registered(err, p, bytes, "CUDA device memory", AllocationRegistry::Kind::kStreamOrdered);
-}
-
-// Pinned, mapped host memory; with unified addressing its device pointer is the host pointer.
-absl::StatusOr<void*> AllocateHostEntry(size_t bytes) {
-  void* p = nullptr;
-  const cudaError_t err =
-      cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocMapped | cudaHostAllocPortable);
-  return Registered(err, p, bytes, "pinned host memory", AllocationRegistry::Kind::kPinnedHost);
-}
-
-absl::Status ZeroBytesEntry(void* p, size_t bytes, Stream stream) {
-  if (bytes == 0) return absl::OkStatus();
-  if (p == nullptr) return absl::InvalidArgumentError("zero_bytes: p is null");
-  FP8RT_RETURN_IF_ERROR(CheckDevicePointers({{"p", p}}));
-  CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p, 0, bytes, ToCuda(stream)));
-  return absl::OkStatus();
-}
-
-absl::Status CopyBytesEntry(void* dst, const void* src, size_t bytes, Stream stream) {
-  if (bytes == 0) return absl::OkStatus();
-  if (dst == nullptr) return absl::InvalidArgumentError("copy_bytes: dst is null");
-  if (src == nullptr) return absl::InvalidArgumentError("copy_bytes: src is null");
-  FP8RT_RETURN_IF_ERROR(CheckDevicePointers({{"copy_bytes: dst", dst}, {"copy_bytes: src", src}}));
-  // cudaMemcpyDefault: unified addressing tells device, managed and pinned memory apart.
-  CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, ToCuda(stream)));
-  return absl::OkStatus();
-}
-
-absl::Status PrefetchEntry(const void* p, size_t bytes, Stream stream) {
-  if (bytes == 0 || p == nullptr) return absl::OkStatus();
-  int device = 0;
-  CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  cudaMemLocation location{};
-  location.type = cudaMemLocationTypeDevice;
-  location.id = device;
-  CUDA_RETURN_IF_ERROR(cudaMemPrefetchAsync(p, bytes, location, 0, ToCuda(stream)));
-  return absl::OkStatus();
-}
-
-// Device-only memory (allocate_device) goes back with cudaFreeAsync on the legacy default
-// stream, after the work queued there (no wait); pinned host memory (allocate_host) with
-// cudaFreeHost and managed memory with cudaFree, which wait for the device. The registry says
-// which; only a pointer it does not know costs a runtime query. An error (a pointer allocate did
-// not give) has nowhere to go from a void entry and is cleared rather than left for the next
-// launch to report.
-void DeallocateEntry(void* p) {
-  if (p == nullptr) return;
-  const AllocationRegistry::Kind kind = BackendAllocations().Remove(p);
-  cudaError_t err = cudaSuccess;
-  if (kind == AllocationRegistry::Kind::kStreamOrdered) {
-    err = cudaFreeAsync(p, cudaStreamLegacy);
-  } else {
-    bool pinned = kind == AllocationRegistry::Kind::kPinnedHost;
-    if (kind == AllocationRegistry::Kind::kUnknown) {
-      cudaPointerAttributes attr{};
-      pinned = cudaPointerGetAttributes(&attr, p) == cudaSuccess && attr.type == cudaMemoryTypeHost;
-    }
-    err = pinned ? cudaFreeHost(p) : cudaFree(p);
-  }
-  if (err != cudaSuccess) (void)cudaGetLastError();
-}
-
 }  // namespace
 
 const LayerOps kLayerOps = {
@@ -1211,14 +980,14 @@ const LayerOps kLayerOps = {
     .join_heads = &JoinHeadsEntry,
     .sum_squares = &SumSquaresEntry,
     .adamw = &AdamWEntry,
-    .synchronize = &SynchronizeEntry,
-    .allocate = &AllocateEntry,
-    .deallocate = &DeallocateEntry,
-    .allocate_device = &AllocateDeviceEntry,
-    .allocate_host = &AllocateHostEntry,
-    .zero_bytes = &ZeroBytesEntry,
-    .prefetch = &PrefetchEntry,
-    .copy_bytes = &CopyBytesEntry,
+    .synchronize = &SynchronizeCuda,
+    .allocate = &AllocateCuda,
+    .deallocate = &DeallocateCuda,
+    .allocate_device = &AllocateDeviceCuda,
+    .allocate_host = &AllocateHostCuda,
+    .zero_bytes = &ZeroBytesCuda,
+    .prefetch = &PrefetchCuda,
+    .copy_bytes = &CopyBytesCuda,
 };
 
 }  // namespace fp8rt::kernels::cuda_internal

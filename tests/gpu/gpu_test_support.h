@@ -14,6 +14,13 @@
 //
 // Header-only, for tests: a failed allocation or copy fails the current test (ADD_FAILURE /
 // EXPECT; Put's copy is an ASSERT), and nothing here is thread-safe.
+//
+// Host mode (FP8RT_GPU_TEST_HOST defined, with cuda_internal renamed host_cuda_internal: the
+// *_host_test variants of a GPU test in tests/gpu/CMakeLists.txt): the same test file runs the
+// CUDA kernels' own source on the CPU over the block emulator (host_cuda.h, host_cuda_backend.h).
+// "Device" memory is host memory, CudaStreamTest hands out HostEmulatedOps() and never skips,
+// and no CUDA runtime function is called (none is linked); LastError is cudaSuccess there (a
+// failed emulated launch is the entry's error status instead).
 #ifndef FP8RT_TESTS_GPU_GPU_TEST_SUPPORT_H_
 #define FP8RT_TESTS_GPU_GPU_TEST_SUPPORT_H_
 
@@ -23,6 +30,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -31,6 +39,53 @@
 
 namespace fp8rt::kernels::gpu_test {
 
+#ifdef FP8RT_GPU_TEST_HOST
+// The CUDA table's kernel entries compiled as host code (tests/gpu/layer_ops_cuda_host.cc).
+const OpTable& HostEmulatedOps();
+#endif
+
+// --- the runtime calls made here: host memory in host mode
+// ----------------------------------------
+
+namespace rt {
+#ifdef FP8RT_GPU_TEST_HOST
+inline cudaError_t Malloc(void** p, size_t bytes) {
+  *p = std::malloc(bytes);
+  return *p != nullptr ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+inline cudaError_t Free(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+inline cudaError_t Memset(void* p, int value, size_t bytes) {
+  std::memset(p, value, bytes);
+  return cudaSuccess;
+}
+inline cudaError_t Memcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind) {
+  std::memcpy(dst, src, bytes);
+  return cudaSuccess;
+}
+inline cudaError_t DeviceSynchronize() { return cudaSuccess; }
+#else
+inline cudaError_t Malloc(void** p, size_t bytes) { return cudaMalloc(p, bytes); }
+inline cudaError_t Free(void* p) { return cudaFree(p); }
+inline cudaError_t Memset(void* p, int value, size_t bytes) { return cudaMemset(p, value, bytes); }
+inline cudaError_t Memcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  return cudaMemcpy(dst, src, bytes, kind);
+}
+inline cudaError_t DeviceSynchronize() { return cudaDeviceSynchronize(); }
+#endif
+}  // namespace rt
+
+// The thread's last CUDA error, cleared (cudaGetLastError); cudaSuccess in host mode.
+inline cudaError_t LastError() {
+#ifdef FP8RT_GPU_TEST_HOST
+  return cudaSuccess;
+#else
+  return cudaGetLastError();
+#endif
+}
+
 // --- device memory -------------------------------------------------------------------------------
 
 // Fills `bytes` at `p` with 0xA5 (an output element a kernel forgot to write shows up:
@@ -38,7 +93,7 @@ namespace fp8rt::kernels::gpu_test {
 // stream, a non-blocking one included (plain cudaMemset goes on the legacy default stream, which
 // such a stream is not ordered after).
 inline ::testing::AssertionResult Poison(void* p, size_t bytes) {
-  if (cudaMemset(p, 0xA5, bytes) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+  if (rt::Memset(p, 0xA5, bytes) != cudaSuccess || rt::DeviceSynchronize() != cudaSuccess) {
     return ::testing::AssertionFailure() << "poisoning " << bytes << " bytes of device memory";
   }
   return ::testing::AssertionSuccess();
@@ -48,8 +103,8 @@ inline ::testing::AssertionResult Poison(void* p, size_t bytes) {
 // before the data reaches the device, and a non-blocking stream's next kernel is not ordered
 // after it.
 inline cudaError_t CopyToDevice(void* dst, const void* src, size_t bytes) {
-  const cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
-  return e != cudaSuccess ? e : cudaDeviceSynchronize();
+  const cudaError_t e = rt::Memcpy(dst, src, bytes, cudaMemcpyHostToDevice);
+  return e != cudaSuccess ? e : rt::DeviceSynchronize();
 }
 
 // At least one byte is allocated (and poisoned), so even an empty buffer has a non-null address.
@@ -58,7 +113,7 @@ inline cudaError_t CopyToDevice(void* dst, const void* src, size_t bytes) {
 class DeviceBuffer {
  public:
   explicit DeviceBuffer(size_t bytes) {
-    if (cudaMalloc(&ptr_, std::max<size_t>(bytes, 1)) != cudaSuccess) {
+    if (rt::Malloc(&ptr_, std::max<size_t>(bytes, 1)) != cudaSuccess) {
       ADD_FAILURE() << "cudaMalloc of " << bytes << " bytes failed";
       ptr_ = nullptr;
     } else {
@@ -69,7 +124,7 @@ class DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_) { o.ptr_ = nullptr; }
   ~DeviceBuffer() {
-    if (ptr_ != nullptr) (void)cudaFree(ptr_);
+    if (ptr_ != nullptr) (void)rt::Free(ptr_);
   }
   template <class T = void>
   T* as() const {
@@ -105,7 +160,7 @@ template <class T>
 std::vector<T> Download(const DeviceBuffer& d, size_t count) {
   std::vector<T> host(count);
   if (count > 0 && d.as() != nullptr) {
-    EXPECT_EQ(cudaMemcpy(host.data(), d.as(), count * sizeof(T), cudaMemcpyDeviceToHost),
+    EXPECT_EQ(rt::Memcpy(host.data(), d.as(), count * sizeof(T), cudaMemcpyDeviceToHost),
               cudaSuccess);
   }
   return host;
@@ -131,6 +186,9 @@ class CudaStreamTest : public ::testing::Test {
       : stream_flags_(stream_flags) {}
 
   void SetUp() override {
+#ifdef FP8RT_GPU_TEST_HOST
+    cuda_ops_ = &HostEmulatedOps();
+#else
     std::string why;
     if (CudaDeviceCount(&why) == 0) {
       if (GpuRequired()) FAIL() << "FP8RT_REQUIRE_GPU=1 but there is no CUDA device: " << why;
@@ -143,9 +201,12 @@ class CudaStreamTest : public ::testing::Test {
     }
     cuda_ops_ = *ops;
     ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, stream_flags_), cudaSuccess);
+#endif
   }
   void TearDown() override {
+#ifndef FP8RT_GPU_TEST_HOST
     if (stream_ != nullptr) (void)cudaStreamDestroy(stream_);
+#endif
   }
 
   // Whether SetUp skipped or failed the test, so that a derived SetUp must stop.
@@ -153,9 +214,11 @@ class CudaStreamTest : public ::testing::Test {
   Stream stream() const { return Stream{stream_}; }
   // Waits for the stream and fails the test on any CUDA error (sticky errors included).
   void Sync() {
+#ifndef FP8RT_GPU_TEST_HOST
     ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess)
         << cudaGetErrorString(cudaGetLastError());
     ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+#endif
   }
 
   const OpTable* cuda_ops_ = nullptr;  // CudaOps(); set by SetUp when the test runs

@@ -1,8 +1,9 @@
 // Stand-ins for the CUDA backend's device helpers (kernels/cuda/device.cu) and for the runtime
-// calls its kernel files make, for a test that compiles one of those files as host code over the
-// block emulator (host_cuda.h). The device they describe is an H100-like one (compute capability
-// 9.0, 227 KiB of shared memory per block) with two multiprocessors, so that grids are small and
-// the kernels' loops over further work items run.
+// calls its kernel files make (and for kernels/cuda/memory_cuda.cc and sort_cuda.cu, whose
+// entries the kernel files' tables name), for a test that compiles one of those files as host code
+// over the block emulator (host_cuda.h). The device they describe is an H100-like one (compute
+// capability 9.0, 227 KiB of shared memory per block) with two multiprocessors, so that grids are
+// small and the kernels' loops over further work items run.
 //
 // Use, in the test file: include host_cuda.h first, then the test's other headers, then
 //   #define cuda_internal host_cuda_internal   // the backend's namespace, renamed
@@ -32,6 +33,7 @@
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -95,6 +97,50 @@ inline absl::Status CheckDevicePointers(
 inline absl::StatusOr<void*> AllocateOnStream(const char*, size_t bytes, Stream) {
   ++ScratchLive();
   return std::malloc(std::max<size_t>(bytes, 1));
+}
+
+// kernels/cuda/sort_cuda.cu's radix sort: a stable sort by the key (every key is below
+// 2^end_bit), so equal keys keep their input order, as CUB's. No scratch is needed.
+inline absl::Status SortKeyRowPairsCuda(void* scratch, size_t* scratch_bytes,
+                                        const uint32_t* keys_in, uint32_t* keys_out,
+                                        const int64_t* rows_in, int64_t* rows_out, int64_t n,
+                                        int end_bit, Stream) {
+  if (scratch == nullptr) {
+    *scratch_bytes = 0;
+    return absl::OkStatus();
+  }
+  std::vector<int64_t> order(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    if (end_bit < 32 && (keys_in[i] >> end_bit) != 0) {
+      return absl::InternalError("SortKeyRowPairsCuda: a key has bits at or above end_bit");
+    }
+    order[static_cast<size_t>(i)] = i;
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return keys_in[a] < keys_in[b]; });
+  for (int64_t i = 0; i < n; ++i) {
+    keys_out[i] = keys_in[order[static_cast<size_t>(i)]];
+    rows_out[i] = rows_in[order[static_cast<size_t>(i)]];
+  }
+  return absl::OkStatus();
+}
+
+// kernels/cuda/memory_cuda.cc's entries: host memory for every kind, the copies at once.
+inline absl::Status SynchronizeCuda(Stream) { return absl::OkStatus(); }
+inline absl::StatusOr<void*> AllocateCuda(size_t bytes) {
+  return std::malloc(std::max<size_t>(bytes, 1));
+}
+inline void DeallocateCuda(void* p) { std::free(p); }
+inline absl::StatusOr<void*> AllocateDeviceCuda(size_t bytes) { return AllocateCuda(bytes); }
+inline absl::StatusOr<void*> AllocateHostCuda(size_t bytes) { return AllocateCuda(bytes); }
+inline absl::Status ZeroBytesCuda(void* p, size_t bytes, Stream) {
+  if (bytes > 0) std::memset(p, 0, bytes);
+  return absl::OkStatus();
+}
+inline absl::Status PrefetchCuda(const void*, size_t, Stream) { return absl::OkStatus(); }
+inline absl::Status CopyBytesCuda(void* dst, const void* src, size_t bytes, Stream) {
+  if (bytes > 0) std::memmove(dst, src, bytes);
+  return absl::OkStatus();
 }
 
 inline cudaError_t FreeAsync(void* p, cudaStream_t) {

@@ -2,6 +2,13 @@
 // table's entries (CpuOps().layer, the reference of kernels/layer_ops.h) on the same inputs. The
 // attention and cross-entropy entries are not covered here (kernels/cuda/attention_cuda.cu).
 //
+// Built twice: layer_ops_cuda_test runs on a GPU (and skips without one, but NoDeviceArgumentTest);
+// layer_ops_host_test is this file in host mode (FP8RT_GPU_TEST_HOST,
+// tests/gpu/gpu_test_support.h): the table is layer_ops_cuda.cu's own source compiled as host code
+// over the block emulator of tests/gpu/host_cuda.h (layer_ops_cuda_host.cc), held to the same
+// bounds, in every CI pass, with no GPU. Host mode leaves out ArgumentTest, AllocateTest and
+// SumSquaresStreamsTest, which test the CUDA runtime itself (HostModeTest says so when it runs).
+//
 // Index:
 //   EmbeddingTest (TEST_P)   n x V x C incl. few distinct tokens (long runs of repeats), tens of
 //                            thousands of tokens, rows wider than a 256-column tile: forward and
@@ -138,6 +145,17 @@ using gpu_test::DeviceBuffer;
 using gpu_test::Download;
 using gpu_test::Upload;
 
+// Host mode runs the kernels on the block emulator, whose persistent grids are 16 blocks of 256
+// threads (two multiprocessors, host_cuda_backend.h): a few hundred rows or blocks already make
+// every block loop. It takes the sizes only a GPU runs quickly down to such counts.
+#ifdef FP8RT_GPU_TEST_HOST
+constexpr int64_t kManyRows = 700;         // RMSNorm and LayerNorm: one block per row
+constexpr int64_t kManyElements = 300007;  // element-wise ops and AdamW (its FP8 shard)
+#else
+constexpr int64_t kManyRows = 5000;
+constexpr int64_t kManyElements = 3000001;
+#endif
+
 uint32_t Bits(float x) { return std::bit_cast<uint32_t>(x); }
 float FromBits(uint32_t b) { return std::bit_cast<float>(b); }
 
@@ -254,7 +272,7 @@ class LayerOpsCudaTest : public CudaStreamTest {
   void Sync() {
     const absl::Status s = gpu_->synchronize(stream());
     ASSERT_TRUE(s.ok()) << s;
-    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    ASSERT_EQ(gpu_test::LastError(), cudaSuccess);
   }
   void ExpectOk(const absl::Status& s) { EXPECT_TRUE(s.ok()) << s; }
 
@@ -446,7 +464,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, RmsNormTest,
                          ::testing::Values(RowShape{1, 1}, RowShape{3, 7}, RowShape{37, 255},
                                            RowShape{64, 256}, RowShape{129, 257},
                                            RowShape{1000, 768}, RowShape{7, 4099},
-                                           RowShape{5000, 33}));
+                                           RowShape{kManyRows, 33}));
 
 // --- LayerNorm -----------------------------------------------------------------------------------
 
@@ -576,7 +594,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LayerNormTest,
                          ::testing::Values(RowShape{1, 1}, RowShape{3, 7}, RowShape{37, 255},
                                            RowShape{64, 256}, RowShape{129, 257},
                                            RowShape{1000, 768}, RowShape{7, 4099},
-                                           RowShape{5000, 33}));
+                                           RowShape{kManyRows, 33}));
 
 // --- bias ----------------------------------------------------------------------------------------
 
@@ -775,7 +793,7 @@ TEST_P(SwigluTest, WithinTheExpBounds) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, SwigluTest,
-                         ::testing::Values(1, 7, 255, 256, 257, 100003, 3000001));
+                         ::testing::Values(1, 7, 255, 256, 257, 100003, kManyElements));
 
 using ElementwiseTest = SizeTest;
 
@@ -939,9 +957,10 @@ TEST_P(ElementwiseTest, AdamWIsBitForBit) {
 }
 
 // 1, a warp, a block and its neighbours, more than one wave of the persistent grid.
-INSTANTIATE_TEST_SUITE_P(Sizes, GeluTest, ::testing::Values(1, 7, 255, 256, 257, 100003, 3000001));
+INSTANTIATE_TEST_SUITE_P(Sizes, GeluTest,
+                         ::testing::Values(1, 7, 255, 256, 257, 100003, kManyElements));
 INSTANTIATE_TEST_SUITE_P(Sizes, ElementwiseTest,
-                         ::testing::Values(1, 7, 255, 256, 257, 100003, 3000001));
+                         ::testing::Values(1, 7, 255, 256, 257, 100003, kManyElements));
 
 // --- sum of squares ------------------------------------------------------------------------------
 
@@ -1057,6 +1076,7 @@ INSTANTIATE_TEST_SUITE_P(Counts, SumSquaresTest,
                          ::testing::Values(0, 1, 255, 1023, 1024, 1025, 4097, 8192, 8193, 16385,
                                            262151, 3000001, 4194303, 4194304, 4194305, 9000001));
 
+#ifndef FP8RT_GPU_TEST_HOST  // CUDA streams (host mode: HostModeTest below)
 // Two streams summing different data at once, each call with its own stream-ordered partials
 // (shared scratch would mix them up): every result has the bits of the documented order.
 class SumSquaresStreamsTest : public LayerOpsCudaTest {};
@@ -1088,6 +1108,8 @@ TEST_F(SumSquaresStreamsTest, ConcurrentCallsOnTwoStreamsKeepTheirOwnBits) {
   }
   EXPECT_EQ(cudaStreamDestroy(other), cudaSuccess);
 }
+
+#endif  // FP8RT_GPU_TEST_HOST
 
 class SumSquaresSpecialsTest : public LayerOpsCudaTest {};
 
@@ -1394,13 +1416,14 @@ TEST_F(MoeRoutingTest, MatchesTheCpuBackend) {
   ExpectWithin(Download<float>(d_dx, dx.size()), dx, tol_dx, "moe_combine without gate, added");
 }
 
-class ArgumentTest : public LayerOpsCudaTest {};
-
 // Expects InvalidArgument whose message names `field`.
 void ExpectRefused(const absl::Status& s, const std::string& field) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(std::string(s.message()).find(field), std::string::npos) << s;
 }
+
+#ifndef FP8RT_GPU_TEST_HOST  // the CUDA runtime (host mode: HostModeTest below)
+class ArgumentTest : public LayerOpsCudaTest {};
 
 TEST_F(ArgumentTest, HostPointersAreRefusedBeforeAnyLaunch) {
   constexpr int64_t kN = 64;
@@ -1692,8 +1715,8 @@ TEST_F(AllocateTest, HostReadMemoryIsPinnedMappedAndWrittenByTheOps) {
   DeviceBuffer logits(3 * 4 * 4), probs(3 * 4 * 4), targets(3 * 4);
   Put(logits, std::vector<float>(12, 0.0f));
   Put(targets, std::vector<int32_t>{0, 1, 3});
-  ExpectOk(gpu_->cross_entropy_forward(probs.f(), losses.data(), logits.f(),
-                                       targets.as<int32_t>(), 3, 4, stream()));
+  ExpectOk(gpu_->cross_entropy_forward(probs.f(), losses.data(), logits.f(), targets.as<int32_t>(),
+                                       3, 4, stream()));
   Sync();
   for (size_t r = 0; r < 3; ++r) EXPECT_NEAR(losses[r], std::log(4.0f), 1e-6f) << r;
 }
@@ -1745,6 +1768,16 @@ TEST_F(AllocateTest, FailureIsResourceExhaustedNamingTheSizeAndBlamesNoLaterLaun
   ExpectOk(gpu_->fill(b.f(), 1.0f, 64, stream()));
   Sync();
 }
+
+#else
+// What host mode leaves to the GPU run of this file (layer_ops_cuda_test): the refusal of host
+// pointers (the emulator takes host memory for device memory), two streams at once, and the
+// memory entries (host_cuda_backend.h stands in for memory_cuda.cc).
+TEST(HostModeTest, RuntimeTestsRunOnAGpuOnly) {
+  GTEST_SKIP() << "ArgumentTest, AllocateTest and SumSquaresStreamsTest need the CUDA runtime and "
+                  "a GPU: they run in layer_ops_cuda_test (tests/gpu/run.sh)";
+}
+#endif  // FP8RT_GPU_TEST_HOST
 
 // These need no device: every check below runs before the first CUDA call. They go through the
 // CUDA table itself (cuda_internal::kLayerOps), which CudaOps() only hands out with a device.
