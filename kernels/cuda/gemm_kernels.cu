@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/device_math.cuh"
 #include "kernels/cuda/gemm_kernels.h"
+#include "kernels/cuda/launch.cuh"
 
 namespace fp8rt::kernels::cuda_internal {
 namespace {
@@ -131,20 +132,25 @@ __global__ void __launch_bounds__(kThreads) FallbackGemmKernel(FallbackGemmParam
   }
 }
 
+// One launch of kThreads-thread blocks through launch.cuh (so that tests/gpu/gemm_host_test runs
+// this file on the CPU), then the launch's error.
+template <class Kernel, class... Args>
+cudaError_t LaunchKernel(Kernel kernel, dim3 grid, cudaStream_t stream, Args... args) {
+  FP8RT_LAUNCH(kernel, grid, dim3(kThreads), 0, stream)(args...);
+  return cudaGetLastError();
+}
+
 template <OperandKind KA>
 cudaError_t LaunchWithA(const FallbackGemmParams& p, dim3 grid, cudaStream_t stream) {
   switch (p.b_kind) {
     case OperandKind::kE4M3:
-      FallbackGemmKernel<KA, OperandKind::kE4M3><<<grid, kThreads, 0, stream>>>(p);
-      break;
+      return LaunchKernel(FallbackGemmKernel<KA, OperandKind::kE4M3>, grid, stream, p);
     case OperandKind::kE5M2:
-      FallbackGemmKernel<KA, OperandKind::kE5M2><<<grid, kThreads, 0, stream>>>(p);
-      break;
+      return LaunchKernel(FallbackGemmKernel<KA, OperandKind::kE5M2>, grid, stream, p);
     case OperandKind::kBF16:
-      FallbackGemmKernel<KA, OperandKind::kBF16><<<grid, kThreads, 0, stream>>>(p);
-      break;
+      return LaunchKernel(FallbackGemmKernel<KA, OperandKind::kBF16>, grid, stream, p);
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 __global__ void BlockScaleLayoutKernel(const float* __restrict__ a_si, int64_t m, int64_t kb_count,
@@ -197,13 +203,12 @@ cudaError_t LaunchBlockScaleLayout(const float* a_scale_inv, int64_t m, int64_t 
                                    cudaStream_t stream) {
   const int64_t total = kb_count * m_pad + nb_count * kb_pad;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 4096);
-  BlockScaleLayoutKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      a_scale_inv, m, kb_count, a_out, m_pad, b_scale_inv, nb_count, b_out, kb_pad);
-  return cudaGetLastError();
+  return LaunchKernel(BlockScaleLayoutKernel, dim3(static_cast<unsigned>(blocks)), stream,
+                      a_scale_inv, m, kb_count, a_out, m_pad, b_scale_inv, nb_count, b_out, kb_pad);
 }
 
-__global__ void Mx32ScaleLayoutKernel(const uint8_t* src, int64_t rows, int64_t cols,
-                                      uint8_t* dst, int64_t rows_pad, int64_t cols_pad) {
+__global__ void Mx32ScaleLayoutKernel(const uint8_t* src, int64_t rows, int64_t cols, uint8_t* dst,
+                                      int64_t rows_pad, int64_t cols_pad) {
   const int64_t total = rows_pad * cols_pad;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -219,16 +224,14 @@ cudaError_t LaunchMx32ScaleLayout(const uint8_t* src, int64_t rows, int64_t cols
   const int64_t total = rows_pad * cols_pad;
   if (total == 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 4096);
-  Mx32ScaleLayoutKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      src, rows, cols, dst, rows_pad, cols_pad);
-  return cudaGetLastError();
+  return LaunchKernel(Mx32ScaleLayoutKernel, dim3(static_cast<unsigned>(blocks)), stream, src, rows,
+                      cols, dst, rows_pad, cols_pad);
 }
 
 cudaError_t LaunchRoundToBf16(const float* in, int64_t n, uint16_t* out, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 8192);
-  RoundToBf16Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(in, n, out);
-  return cudaGetLastError();
+  return LaunchKernel(RoundToBf16Kernel, dim3(static_cast<unsigned>(blocks)), stream, in, n, out);
 }
 
 }  // namespace fp8rt::kernels::cuda_internal

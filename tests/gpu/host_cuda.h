@@ -1,5 +1,6 @@
 // The CUDA kernels' own source run on the CPU: a block emulator for the tests that check whole
-// kernels without a GPU (flash_attention_host_test, quantize_host_test, moe_host_test; issue 23).
+// kernels without a GPU (flash_attention_host_test, quantize_host_test, moe_host_test,
+// layer_ops_host_test, gemm_host_test; issue 23).
 // host_shim.h runs the kernels' per-value functions on the host; this runs the kernels themselves:
 // their indexing, shared memory, barriers, warp shuffles and tensor-core (WMMA) tiles.
 //
