@@ -29,10 +29,12 @@
 //                            bounds, the BF16 entries' choice of the fused kernels, bad arguments
 //   CrossEntropyHostTest     forward against FP64, backward bit for bit the CPU's
 //   HostCudaTest.*           the emulator itself: shuffles and barriers, a missing barrier shows,
-//                            a divergent barrier is reported, WMMA against a plain product
+//                            static shared memory filled before each block, a divergent barrier
+//                            is reported, WMMA against a plain product
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -426,6 +428,34 @@ TEST(HostCudaTest, AMissingBarrierShowsInTheResults) {
     }
   }
   EXPECT_GT(unwritten, 0) << "every thread ran after its neighbour: no schedule shows the race";
+}
+
+// Block b: thread 0 reads both static shared cells before writing them (a kernel bug), then
+// leaves its own values for the next block.
+void StaleSharedKernel(float* seen_f, uint32_t* seen_u) {
+  __shared__ float cell_f;
+  __shared__ uint32_t cell_u[3];
+  if (threadIdx.x == 0) {
+    seen_f[blockIdx.x] = cell_f;
+    seen_u[blockIdx.x] = cell_u[2];
+    cell_f = 1.0f;
+    cell_u[2] = 7u;
+  }
+}
+
+// So a read before this block's write shows as NaN (or all ones), never as the previous block's
+// values. (GCC ignores the section attribute on a template's static locals: the __shared__
+// arrays of template kernels keep the previous block's values; host_cuda.h.)
+TEST(HostCudaTest, StaticSharedMemoryIsFilledBeforeEachBlock) {
+  std::vector<float> seen_f(3, 0.0f);
+  std::vector<uint32_t> seen_u(3, 0u);
+  ASSERT_TRUE(host_cuda::RunGrid(nullptr, dim3(3), dim3(32), 0, [&] {
+                StaleSharedKernel(seen_f.data(), seen_u.data());
+              }).empty());
+  for (int b = 0; b < 3; ++b) {
+    EXPECT_EQ(std::bit_cast<uint32_t>(seen_f[static_cast<size_t>(b)]), 0xFFFFFFFFu) << b;
+    EXPECT_EQ(seen_u[static_cast<size_t>(b)], 0xFFFFFFFFu) << b;
+  }
 }
 
 void DivergentKernel(int* done) {

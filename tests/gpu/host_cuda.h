@@ -10,7 +10,7 @@
 // float4, __nv_bfloat16 and its round-to-nearest conversions) and defines:
 //   - threadIdx, blockIdx, blockDim, gridDim: the running CUDA thread's;
 //   - __global__ and __device__ functions are plain functions; __shared__ variables are static
-//     (one block runs at a time); __launch_bounds__ is dropped;
+//     (one block runs at a time), in a section of their own; __launch_bounds__ is dropped;
 //   - __syncthreads, __syncwarp, __shfl_sync, __shfl_xor_sync, __shfl_down_sync (width 32);
 //   - the FP32 intrinsics (__fadd_rn ... __fmaf_rn: IEEE operations rounded to nearest even,
 //     each a separate non-inlined call so that nothing is contracted), __float_as_uint,
@@ -31,10 +31,14 @@
 // between, may read it before that thread has run. And a kernel without such a race gives the
 // same bits under every schedule: SetScheduleSeed picks another (the schedule of the n-th launch
 // is fixed by the seed and n, so reruns repeat it).
-// Dynamic shared memory is filled with 0xFF bytes (NaN in FP32 and BF16) before each block, and
-// is exactly as long as the launch asked (AddressSanitizer sees a read past its end). Static
-// __shared__ arrays keep what the previous block left in them (zeros at first): a read before
-// this block wrote them sees stale values, not NaN.
+// Shared memory is filled with 0xFF bytes (NaN in FP32 and BF16, -1 in integers) before each
+// block: the dynamic shared memory, which is exactly as long as the launch asked (AddressSanitizer
+// sees a read past its end), and the static __shared__ variables (their section). So a read
+// before this block wrote the element, or before the barrier after the write, sees NaN, not what
+// the previous block or thread left there. Except in template kernels: GCC ignores a section
+// attribute on a static local of a template instantiation, so their __shared__ arrays (the
+// transposes' and cast-transposes' tiles, the column sums', the tensor amax's and block
+// quantize's scratch, the fallback GEMM's tiles) keep what the previous block left in them.
 // A misuse that CUDA leaves undefined (a shuffle by a lane its mask leaves out, a width other
 // than 32, a WMMA pointer or leading dimension CUDA refuses, a barrier outside a kernel) aborts
 // the test with a message.
@@ -157,8 +161,10 @@ void CheckWidth(int width);
 #define blockDim (::fp8rt::host_cuda::Current().block_dim)
 #define gridDim (::fp8rt::host_cuda::Current().grid_dim)
 
+// Static __shared__ variables all go into one section, which the emulator fills with 0xFF bytes
+// before each block (RunGrid), as it fills the dynamic shared memory.
 #undef __shared__
-#define __shared__ static
+#define __shared__ __attribute__((section("fp8rt_host_shared"))) static
 #undef __launch_bounds__
 #define __launch_bounds__(...)
 
