@@ -49,8 +49,8 @@ const OpTable& HostEmulatedOps();
 
 namespace rt {
 #ifdef FP8RT_GPU_TEST_HOST
-inline cudaError_t Malloc(void** p, size_t bytes) {
-  *p = std::malloc(bytes);
+inline cudaError_t Malloc(void** p, size_t bytes) {  // cudaMalloc's alignment, 256 bytes
+  *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
   return *p != nullptr ? cudaSuccess : cudaErrorMemoryAllocation;
 }
 inline cudaError_t Free(void* p) {

@@ -94,9 +94,15 @@ inline absl::Status CheckDevicePointers(
   return absl::OkStatus();
 }
 
+// Host memory at CUDA's allocation alignment (256 bytes: cudaMalloc's and the pools' is at least
+// that), at least one byte.
+inline void* DeviceLikeAlloc(size_t bytes) {
+  return std::aligned_alloc(256, (std::max<size_t>(bytes, 1) + 255) / 256 * 256);
+}
+
 inline absl::StatusOr<void*> AllocateOnStream(const char*, size_t bytes, Stream) {
   ++ScratchLive();
-  return std::malloc(std::max<size_t>(bytes, 1));
+  return DeviceLikeAlloc(bytes);
 }
 
 // kernels/cuda/sort_cuda.cu's radix sort: a stable sort by the key (every key is below
@@ -127,9 +133,7 @@ inline absl::Status SortKeyRowPairsCuda(void* scratch, size_t* scratch_bytes,
 
 // kernels/cuda/memory_cuda.cc's entries: host memory for every kind, the copies at once.
 inline absl::Status SynchronizeCuda(Stream) { return absl::OkStatus(); }
-inline absl::StatusOr<void*> AllocateCuda(size_t bytes) {
-  return std::malloc(std::max<size_t>(bytes, 1));
-}
+inline absl::StatusOr<void*> AllocateCuda(size_t bytes) { return DeviceLikeAlloc(bytes); }
 inline void DeallocateCuda(void* p) { std::free(p); }
 inline absl::StatusOr<void*> AllocateDeviceCuda(size_t bytes) { return AllocateCuda(bytes); }
 inline absl::StatusOr<void*> AllocateHostCuda(size_t bytes) { return AllocateCuda(bytes); }

@@ -18,14 +18,15 @@
 
 namespace fp8rt::kernels::gpu_test {
 
-// The quantize family and the layer ops; the GEMM entries are left null (cuBLASLt, and
-// gemm_kernels.cu's fallback, do not run here).
+// The quantize family and the layer ops from the kernel files; the GEMM entries are the CPU
+// table's, standing in for cuBLASLt and cuBLAS (libraries this emulator cannot run;
+// gemm_host_test holds gemm_kernels.cu's fallback GEMM to its documented order).
 const OpTable& HostEmulatedOps() {
   static const OpTable table = [] {
     namespace device = host_cuda_internal;
-    OpTable t{};
+    OpTable t = CpuOps();
     t.backend = Backend::kCuda;
-    t.name = "cuda kernels on the block emulator";
+    t.name = "cuda kernels on the block emulator, the CPU's GEMMs";
     t.quantize = &device::QuantizeCuda;
     t.dequantize = &device::DequantizeCuda;
     t.amax = &device::AmaxCuda;

@@ -1,0 +1,214 @@
+// Whole training runs through the CUDA backend's kernels on the CPU: the trainer of
+// runtime/worker/trainer.h with the op table of HostEmulatedOps (tests/gpu/layer_ops_cuda_host.cc:
+// every kernel file's own source compiled as host code over the block emulator of host_cuda.h)
+// against the same run on the CPU table. What train_cuda_test does on a GPU, without a GPU:
+// the kernels as the model composes them (offsets into arrays, in-place and accumulating calls,
+// the BF16 entries' fused attention, the FP8 scale from a device amax, MoE routing with its
+// padded expert rows, AdamW writing the FP8 shard), in every CI pass.
+//
+// What stands in for what the emulator cannot run: the GEMM entries are the CPU table's
+// (cuBLASLt and cuBLAS are libraries, not fp8rt's kernels; gemm_host_test holds the fallback GEMM
+// kernel to its documented order), the memory entries host memory (host_cuda_backend.h), and
+// the communicator a one-rank SoloCommunicatorFactory (nccl_host_test and train_host_nccl_test
+// run the NCCL backend on CPU ranks). The table says Backend::kCuda, so the model takes the CUDA
+// paths where it has its own (MoE pads each expert's rows to the GEMM unit).
+//
+// For each mode (fp32; bf16; fp8 with current, block and mx32 scaling; fp8 with MoE blocks):
+// (Under AddressSanitizer only MatchesTheCpuRun of bf16, fp8_current and fp8_moe: time.)
+//   MatchesTheCpuRun               kSteps steps from the same weights on the same text: every
+//                                  loss finite, no step skipped, each within the mode's tolerance
+//                                  of the CPU's, the loss falls, and the kernels ran on the
+//                                  emulator (it counts launches)
+//   AnotherScheduleGivesTheSameBits  (bf16, fp8_current, fp8_moe) the emulated run twice under
+//                                  two schedule seeds (other warp and lane orders): the same loss
+//                                  bits at every step (the kernels reduce in a fixed order, with
+//                                  no floating-point atomics: kernels/cuda/layer_ops_cuda.cu)
+// Tolerances (relative, per step): the GEMMs are the CPU's here, so what differs is the kernels'
+// summation orders, expf/tanhf, and in bf16 and fp8 runs the fused attention's BF16 operands
+// (the CPU's attention keeps FP32 operands). fp32 1e-6 (a few ulps of the FP32 loss: measured 0;
+// a SwiGLU and GELU 0.1% off moved it 5e-5); bf16 3e-3 and fp8 5e-3, train_cuda_test's (an FP8
+// code that flips with an amax's last bit moves many values; measured 1.3e-4 to 2.2e-3). The test
+// prints the largest difference of each mode.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "kernels/ops.h"
+#include "parallel/solo_communicator.h"
+#include "runtime/spec/run_spec.h"
+#include "runtime/worker/trainer.h"
+#include "tests/gpu/host_cuda.h"
+#include "tests/support/learnable_text.h"
+
+namespace fp8rt {
+namespace kernels::gpu_test {
+const OpTable& HostEmulatedOps();  // tests/gpu/layer_ops_cuda_host.cc
+}  // namespace kernels::gpu_test
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kSteps = 4;
+
+struct Mode {
+  std::string name;
+  std::vector<std::string> sets;  // run-spec overrides
+  double tolerance;               // relative, per step
+  // AnotherScheduleGivesTheSameBits runs on it, and under the sanitizers MatchesTheCpuRun too
+  // (a few modes: time).
+  bool few = false;
+};
+
+// Under AddressSanitizer (CI's second pass) the emulated runs take about four times as long:
+// there only the `few` modes run, MatchesTheCpuRun only. Pass 1 runs everything.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+
+void PrintTo(const Mode& m, std::ostream* os) { *os << m.name; }
+
+class TrainHostTest : public ::testing::TestWithParam<Mode> {
+ protected:
+  void SetUp() override {
+    std::string tmpl = (fs::temp_directory_path() / "fp8rt_train_host_XXXXXX").string();
+    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
+    dir_ = tmpl;
+    std::ofstream(dir_ / "text.txt", std::ios::binary) << test::LearnableText(1u << 16);
+  }
+  void TearDown() override {
+    if (dir_.empty()) return;
+    if (HasFailure()) {
+      std::printf("kept for inspection: %s\n", dir_.c_str());
+      return;
+    }
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+
+  // A model small enough for the emulator (every CUDA thread a fiber), with every part a run
+  // has: two layers (the second an MoE one in fp8_moe), several heads, a d_ff and sequence that
+  // are whole 128-blocks for block scaling.
+  v1::RunSpec Spec() {
+    const std::string yaml =
+        "model:\n  layers: 2\n  d_model: 128\n  heads: 2\n  d_ff: 256\n"
+        "  seq_len: 32\n  vocab: 256\n"
+        "train:\n  steps: " +
+        std::to_string(kSteps) +
+        "\n  micro_batch: 2\n  lr: 1.0e-3\n  warmup: 1\n"
+        "checkpoint:\n  every: 0\nmetrics:\n  every: 100\n"
+        "data:\n  path: " +
+        (dir_ / "text.txt").string() + "\n";
+    absl::StatusOr<v1::RunSpec> spec = ParseRunSpec(yaml, "train_host_test", GetParam().sets);
+    EXPECT_TRUE(spec.ok()) << spec.status();
+    if (!spec.ok()) return {};
+    const absl::Status valid = ValidateRunSpec(*spec, 1);
+    EXPECT_TRUE(valid.ok()) << valid;
+    return *spec;
+  }
+
+  // kSteps steps on `ops`; the loss of each (empty after a failure).
+  std::vector<double> Run(const kernels::OpTable& ops, const std::string& name) {
+    const v1::RunSpec spec = Spec();
+    worker::TrainerOptions options{.run_dir = (dir_ / name).string(),
+                                   .resume = false,
+                                   .print_progress = false,
+                                   .controller = {}};
+    parallel::SoloCommunicatorFactory solo;
+    auto trainer = worker::Trainer::Create(spec, options, solo, ops);
+    EXPECT_TRUE(trainer.ok()) << trainer.status();
+    if (!trainer.ok()) return {};
+    std::vector<double> losses;
+    for (int s = 1; s <= kSteps; ++s) {
+      absl::StatusOr<worker::StepRecord> rec = (*trainer)->Step();
+      EXPECT_TRUE(rec.ok()) << name << " step " << s << ": " << rec.status();
+      if (!rec.ok()) return {};
+      EXPECT_FALSE(rec->skipped) << name << " step " << s << " was skipped";
+      EXPECT_TRUE(std::isfinite(rec->loss)) << name << " step " << s;
+      losses.push_back(rec->loss);
+    }
+    return losses;
+  }
+
+  fs::path dir_;
+};
+
+const kernels::OpTable& Emulated() { return kernels::gpu_test::HostEmulatedOps(); }
+
+TEST_P(TrainHostTest, MatchesTheCpuRun) {
+  const Mode& mode = GetParam();
+  if (kSanitized && !mode.few) {
+    GTEST_SKIP() << "under the sanitizers only bf16, fp8_current and fp8_moe run (time); the "
+                    "unsanitized build runs every mode";
+  }
+  const std::vector<double> cpu = Run(kernels::CpuOps(), "cpu");
+  const int64_t launches_before = host_cuda::stats().launches;
+  const std::vector<double> emulated = Run(Emulated(), "emulated");
+  const int64_t launches = host_cuda::stats().launches - launches_before;
+  ASSERT_EQ(cpu.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(emulated.size(), static_cast<size_t>(kSteps));
+  EXPECT_GT(launches, 10 * kSteps) << "the CUDA kernels did not run on the emulator";
+  double worst = 0.0;
+  for (int s = 0; s < kSteps; ++s) {
+    const double rel = std::abs(emulated[s] - cpu[s]) / std::abs(cpu[s]);
+    worst = std::max(worst, rel);
+    EXPECT_LE(rel, mode.tolerance)
+        << mode.name << " step " << s + 1 << ": emulated " << emulated[s] << " cpu " << cpu[s];
+  }
+  EXPECT_LT(emulated.back(), emulated.front()) << "the emulated run's loss must fall";
+  std::printf(
+      "[train_host] %s: max relative loss difference, CUDA kernels on the emulator vs CPU, over "
+      "%d steps: %.3g (tolerance %.0e); %lld launches; loss %.4f -> %.4f\n",
+      mode.name.c_str(), kSteps, worst, mode.tolerance, static_cast<long long>(launches),
+      emulated.front(), emulated.back());
+}
+
+TEST_P(TrainHostTest, AnotherScheduleGivesTheSameBits) {
+  if (!GetParam().few) {
+    GTEST_SKIP() << "runs on bf16 (the fused attention), fp8_current and fp8_moe only (two "
+                    "emulated runs each); every mode shares their norms, AdamW and cross-entropy";
+  }
+  if (kSanitized) {
+    GTEST_SKIP() << "not under the sanitizers (time): a question of order, not of memory; the "
+                    "unsanitized build runs it";
+  }
+  host_cuda::SetScheduleSeed(11);
+  const std::vector<double> a = Run(Emulated(), "a");
+  host_cuda::SetScheduleSeed(12345);
+  const std::vector<double> b = Run(Emulated(), "b");
+  host_cuda::SetScheduleSeed(1);
+  ASSERT_EQ(a.size(), static_cast<size_t>(kSteps));
+  ASSERT_EQ(b.size(), static_cast<size_t>(kSteps));
+  for (int s = 0; s < kSteps; ++s) {
+    EXPECT_EQ(std::bit_cast<uint64_t>(a[s]), std::bit_cast<uint64_t>(b[s]))
+        << "step " << s + 1 << ": " << a[s] << " vs " << b[s];
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Modes, TrainHostTest,
+    ::testing::Values(
+        Mode{"fp32", {"precision.mode=fp32"}, 1e-6},
+        Mode{"bf16", {"precision.mode=bf16"}, 3e-3, /*few=*/true},
+        Mode{"fp8_current", {"precision.mode=fp8", "precision.scaling=current"}, 5e-3, true},
+        Mode{"fp8_block", {"precision.mode=fp8", "precision.scaling=block"}, 5e-3},
+        Mode{"fp8_mx32", {"precision.mode=fp8", "precision.scaling=mx32"}, 5e-3},
+        Mode{"fp8_moe",
+             {"precision.mode=fp8", "precision.scaling=delayed", "moe.experts=4", "moe.top_k=2",
+              "moe.every=2"},
+             5e-3,
+             true}),
+    [](const ::testing::TestParamInfo<Mode>& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace fp8rt
