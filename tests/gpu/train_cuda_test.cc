@@ -34,7 +34,6 @@
 // forward's fast accumulation (precision.fp8_fast_accum_forward, which the CPU ignores) 1e-2.
 // Without a CUDA device every test skips and says why (FP8RT_REQUIRE_GPU=1 makes that a failure).
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
@@ -43,9 +42,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,12 +55,10 @@
 #include "runtime/worker/trainer.h"
 #include "tests/gpu/gpu_test_support.h"
 #include "tests/gpu/nccl_shim.h"
-#include "tests/support/learnable_text.h"
+#include "tests/support/train_steps.h"
 
 namespace fp8rt {
 namespace {
-
-namespace fs = std::filesystem;
 
 constexpr int kSteps = 8;
 
@@ -113,20 +109,8 @@ class TrainCudaTest : public kernels::gpu_test::CudaStreamTest,
     CudaStreamTest::SetUp();
     if (Stopped()) return;
     cuda_ = cuda_ops_;
-    std::string tmpl = (fs::temp_directory_path() / "fp8rt_train_cuda_XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-    std::ofstream(dir_ / "text.txt", std::ios::binary) << test::LearnableText(1u << 20);
-  }
-  void TearDown() override {
-    CudaStreamTest::TearDown();
-    if (dir_.empty()) return;
-    if (HasFailure()) {
-      std::printf("kept for inspection: %s\n", dir_.c_str());
-      return;
-    }
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
+    dir_.emplace("fp8rt_train_cuda", 1u << 20);
+    ASSERT_FALSE(dir_->path().empty());
   }
 
   v1::RunSpec Spec(const std::string& device) {
@@ -138,7 +122,7 @@ class TrainCudaTest : public kernels::gpu_test::CudaStreamTest,
         "\n  micro_batch: 8\n  lr: 1.0e-3\n  warmup: 2\n"
         "checkpoint:\n  every: 0\nmetrics:\n  every: 100\n"
         "data:\n  path: " +
-        (dir_ / "text.txt").string() + "\n";
+        (dir_->path() / "text.txt").string() + "\n";
     std::vector<std::string> sets = GetParam().sets;
     sets.push_back("device=" + device);
     absl::StatusOr<v1::RunSpec> spec = ParseRunSpec(yaml, "train_cuda_test", sets);
@@ -154,7 +138,7 @@ class TrainCudaTest : public kernels::gpu_test::CudaStreamTest,
   std::vector<double> Run(const std::string& device, const std::string& name,
                           int* late_calls = nullptr) {
     const v1::RunSpec spec = Spec(device);
-    worker::TrainerOptions options{.run_dir = (dir_ / name).string(),
+    worker::TrainerOptions options{.run_dir = (dir_->path() / name).string(),
                                    .resume = false,
                                    .print_progress = false,
                                    .controller = {}};
@@ -172,23 +156,11 @@ class TrainCudaTest : public kernels::gpu_test::CudaStreamTest,
     }
     LateNccl late(late_calls);
     late.Start();
-    auto trainer = worker::Trainer::Create(spec, options, *comms, *ops);
-    EXPECT_TRUE(trainer.ok()) << trainer.status();
-    if (!trainer.ok()) return {};
-    std::vector<double> losses;
-    for (int s = 1; s <= kSteps; ++s) {
-      absl::StatusOr<worker::StepRecord> rec = (*trainer)->Step();
-      EXPECT_TRUE(rec.ok()) << device << " step " << s << ": " << rec.status();
-      if (!rec.ok()) return {};
-      EXPECT_FALSE(rec->skipped) << device << " step " << s << " was skipped";
-      EXPECT_TRUE(std::isfinite(rec->loss)) << device << " step " << s;
-      losses.push_back(rec->loss);
-    }
-    return losses;
+    return test::Losses(test::TrainSteps(spec, options, *comms, *ops, kSteps, device));
   }
 
   const kernels::OpTable* cuda_ = nullptr;
-  fs::path dir_;
+  std::optional<test::TextRunDir> dir_;  // made by SetUp once the test runs
 };
 
 TEST_P(TrainCudaTest, MatchesTheCpuRun) {
@@ -203,13 +175,8 @@ TEST_P(TrainCudaTest, MatchesTheCpuRun) {
     EXPECT_GT((after.cublaslt + after.fallback) - (before.cublaslt + before.fallback), 0)
         << "no GEMM ran on the GPU";
   }
-  double worst = 0.0;
-  for (int s = 0; s < kSteps; ++s) {
-    const double rel = std::abs(gpu[s] - cpu[s]) / std::abs(cpu[s]);
-    worst = std::max(worst, rel);
-    EXPECT_LE(rel, mode.tolerance)
-        << mode.name << " step " << s + 1 << ": gpu " << gpu[s] << " cpu " << cpu[s];
-  }
+  const double worst =
+      test::ExpectLossesWithin(cpu, gpu, mode.tolerance, mode.name + ", GPU vs CPU");
   EXPECT_LT(gpu.back(), gpu.front()) << "the GPU run's loss must fall";
   std::printf(
       "[train_cuda] %s: max relative loss difference GPU vs CPU over %d steps: %.3g "
@@ -222,10 +189,7 @@ TEST_P(TrainCudaTest, RerunIsBitIdentical) {
   const std::vector<double> b = Run("cuda", "b");
   ASSERT_EQ(a.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(b.size(), static_cast<size_t>(kSteps));
-  for (int s = 0; s < kSteps; ++s) {
-    EXPECT_EQ(std::bit_cast<uint64_t>(a[s]), std::bit_cast<uint64_t>(b[s]))
-        << "step " << s + 1 << ": " << a[s] << " vs " << b[s];
-  }
+  test::ExpectSameLossBits(a, b);
 }
 
 TEST_P(TrainCudaTest, LateNcclGivesTheSameBits) {
@@ -244,10 +208,8 @@ TEST_P(TrainCudaTest, LateNcclGivesTheSameBits) {
   EXPECT_GT(late_calls, kSteps) << "the shim deferred too few NCCL calls";
   std::printf("[train_cuda] %s: %d NCCL calls completed late (run %.1f s), losses bit for bit\n",
               GetParam().name.c_str(), late_calls, late_s);
-  for (int s = 0; s < kSteps; ++s) {
-    EXPECT_EQ(std::bit_cast<uint64_t>(a[s]), std::bit_cast<uint64_t>(b[s]))
-        << "step " << s + 1 << ": " << a[s] << " on time, " << b[s] << " with NCCL late";
-  }
+  SCOPED_TRACE("on time (left) and with NCCL late (right)");
+  test::ExpectSameLossBits(a, b);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -30,15 +30,12 @@
 // code that flips with an amax's last bit moves many values; measured 1.3e-4 to 2.2e-3). The test
 // prints the largest difference of each mode.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -47,15 +44,13 @@
 #include "runtime/spec/run_spec.h"
 #include "runtime/worker/trainer.h"
 #include "tests/gpu/host_cuda.h"
-#include "tests/support/learnable_text.h"
+#include "tests/support/train_steps.h"
 
 namespace fp8rt {
 namespace kernels::gpu_test {
 const OpTable& HostEmulatedOps();  // tests/gpu/layer_ops_cuda_host.cc
 }  // namespace kernels::gpu_test
 namespace {
-
-namespace fs = std::filesystem;
 
 constexpr int kSteps = 4;
 
@@ -80,21 +75,7 @@ void PrintTo(const Mode& m, std::ostream* os) { *os << m.name; }
 
 class TrainHostTest : public ::testing::TestWithParam<Mode> {
  protected:
-  void SetUp() override {
-    std::string tmpl = (fs::temp_directory_path() / "fp8rt_train_host_XXXXXX").string();
-    ASSERT_NE(mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-    std::ofstream(dir_ / "text.txt", std::ios::binary) << test::LearnableText(1u << 16);
-  }
-  void TearDown() override {
-    if (dir_.empty()) return;
-    if (HasFailure()) {
-      std::printf("kept for inspection: %s\n", dir_.c_str());
-      return;
-    }
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
+  void SetUp() override { ASSERT_FALSE(dir_.path().empty()); }
 
   // A model small enough for the emulator (every CUDA thread a fiber), with every part a run
   // has: two layers (the second an MoE one in fp8_moe), several heads, a d_ff and sequence that
@@ -108,7 +89,7 @@ class TrainHostTest : public ::testing::TestWithParam<Mode> {
         "\n  micro_batch: 2\n  lr: 1.0e-3\n  warmup: 1\n"
         "checkpoint:\n  every: 0\nmetrics:\n  every: 100\n"
         "data:\n  path: " +
-        (dir_ / "text.txt").string() + "\n";
+        (dir_.path() / "text.txt").string() + "\n";
     absl::StatusOr<v1::RunSpec> spec = ParseRunSpec(yaml, "train_host_test", GetParam().sets);
     EXPECT_TRUE(spec.ok()) << spec.status();
     if (!spec.ok()) return {};
@@ -120,27 +101,15 @@ class TrainHostTest : public ::testing::TestWithParam<Mode> {
   // kSteps steps on `ops`; the loss of each (empty after a failure).
   std::vector<double> Run(const kernels::OpTable& ops, const std::string& name) {
     const v1::RunSpec spec = Spec();
-    worker::TrainerOptions options{.run_dir = (dir_ / name).string(),
+    worker::TrainerOptions options{.run_dir = (dir_.path() / name).string(),
                                    .resume = false,
                                    .print_progress = false,
                                    .controller = {}};
     parallel::SoloCommunicatorFactory solo;
-    auto trainer = worker::Trainer::Create(spec, options, solo, ops);
-    EXPECT_TRUE(trainer.ok()) << trainer.status();
-    if (!trainer.ok()) return {};
-    std::vector<double> losses;
-    for (int s = 1; s <= kSteps; ++s) {
-      absl::StatusOr<worker::StepRecord> rec = (*trainer)->Step();
-      EXPECT_TRUE(rec.ok()) << name << " step " << s << ": " << rec.status();
-      if (!rec.ok()) return {};
-      EXPECT_FALSE(rec->skipped) << name << " step " << s << " was skipped";
-      EXPECT_TRUE(std::isfinite(rec->loss)) << name << " step " << s;
-      losses.push_back(rec->loss);
-    }
-    return losses;
+    return test::Losses(test::TrainSteps(spec, options, solo, ops, kSteps, name));
   }
 
-  fs::path dir_;
+  const test::TextRunDir dir_{"fp8rt_train_host", 1u << 16};
 };
 
 const kernels::OpTable& Emulated() { return kernels::gpu_test::HostEmulatedOps(); }
@@ -158,13 +127,8 @@ TEST_P(TrainHostTest, MatchesTheCpuRun) {
   ASSERT_EQ(cpu.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(emulated.size(), static_cast<size_t>(kSteps));
   EXPECT_GT(launches, 10 * kSteps) << "the CUDA kernels did not run on the emulator";
-  double worst = 0.0;
-  for (int s = 0; s < kSteps; ++s) {
-    const double rel = std::abs(emulated[s] - cpu[s]) / std::abs(cpu[s]);
-    worst = std::max(worst, rel);
-    EXPECT_LE(rel, mode.tolerance)
-        << mode.name << " step " << s + 1 << ": emulated " << emulated[s] << " cpu " << cpu[s];
-  }
+  const double worst =
+      test::ExpectLossesWithin(cpu, emulated, mode.tolerance, mode.name + ", emulated vs CPU");
   EXPECT_LT(emulated.back(), emulated.front()) << "the emulated run's loss must fall";
   std::printf(
       "[train_host] %s: max relative loss difference, CUDA kernels on the emulator vs CPU, over "
@@ -189,10 +153,7 @@ TEST_P(TrainHostTest, AnotherScheduleGivesTheSameBits) {
   host_cuda::SetScheduleSeed(1);
   ASSERT_EQ(a.size(), static_cast<size_t>(kSteps));
   ASSERT_EQ(b.size(), static_cast<size_t>(kSteps));
-  for (int s = 0; s < kSteps; ++s) {
-    EXPECT_EQ(std::bit_cast<uint64_t>(a[s]), std::bit_cast<uint64_t>(b[s]))
-        << "step " << s + 1 << ": " << a[s] << " vs " << b[s];
-  }
+  test::ExpectSameLossBits(a, b);
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -47,6 +47,7 @@
 #include "tests/hostgpu/stream_ops.h"
 #include "tests/mpi/mpi_test_env.h"
 #include "tests/support/learnable_text.h"
+#include "tests/support/train_steps.h"
 
 namespace fp8rt {
 namespace {
@@ -146,17 +147,10 @@ class TrainHostNcclTest : public ::testing::TestWithParam<Mode> {
                                          .resume = false,
                                          .print_progress = false,
                                          .controller = {}};
-    auto trainer = worker::Trainer::Create(*spec, options, *comms, *ops);
-    EXPECT_TRUE(trainer.ok()) << trainer.status();
-    if (!trainer.ok()) return {};
     std::vector<Record> records;
-    for (int s = 1; s <= kSteps; ++s) {
-      absl::StatusOr<worker::StepRecord> rec = (*trainer)->Step();
-      EXPECT_TRUE(rec.ok()) << (nccl ? "nccl" : "mpi") << " step " << s << ": " << rec.status();
-      if (!rec.ok()) return {};
-      EXPECT_FALSE(rec->skipped) << "step " << s << " was skipped";
-      EXPECT_TRUE(std::isfinite(rec->loss));
-      records.push_back(Record{rec->loss, rec->grad_norm});
+    for (const worker::StepRecord& rec :
+         test::TrainSteps(*spec, options, *comms, *ops, kSteps, nccl ? "nccl" : "mpi")) {
+      records.push_back(Record{rec.loss, rec.grad_norm});
     }
     return records;
   }
