@@ -44,8 +44,7 @@ namespace fp8rt::kernels::gpu_test {
 const OpTable& HostEmulatedOps();
 #endif
 
-// --- the runtime calls made here: host memory in host mode
-// ----------------------------------------
+// --- the runtime calls made here (host memory in host mode) -------------------------------------
 
 namespace rt {
 #ifdef FP8RT_GPU_TEST_HOST
