@@ -234,7 +234,7 @@ __global__ void __launch_bounds__(kThreads)
                         const float* __restrict__ out, const float* __restrict__ lse,
                         int64_t kv_heads, int64_t ranges, int64_t key_range, int64_t t, int64_t h,
                         int64_t hkv, int64_t dh, float scale) {
-  __shared__ float row_terms[kRowTermChunk];
+  FP8RT_STATIC_SHARED(float, row_terms, [kRowTermChunk]);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t group = h / hkv;
   for (int64_t item = blockIdx.x; item < kv_heads * ranges; item += gridDim.x) {
@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(kThreads)
     CrossEntropyForwardKernel(float* __restrict__ probs, float* __restrict__ losses,
                               const float* __restrict__ logits, const int32_t* __restrict__ targets,
                               int64_t n, int64_t v) {
-  __shared__ float scratch[32];
+  FP8RT_STATIC_SHARED(float, scratch, [32]);
   for (int64_t row = blockIdx.x; row < n; row += gridDim.x) {
     const float* l = logits + row * v;
     float* p = probs + row * v;

@@ -31,6 +31,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "kernels/cuda/launch.cuh"
 #include "kernels/fp8_encode.h"
 #include "kernels/quantize.h"
 
@@ -238,8 +239,8 @@ __device__ __forceinline__ uint32_t BlockMax(uint32_t v, uint32_t* scratch) {
 // the float field (atomicMax on non-negative float bits orders them like the values, NaN on top);
 // the launcher's epilogue turns a NaN into the canonical quiet NaN. Every thread must call it.
 __device__ __forceinline__ void FlushStats(const ThreadStats& s, QuantStats* out) {
-  __shared__ uint32_t amax[32];
-  __shared__ unsigned long long counts[4][32];
+  FP8RT_STATIC_SHARED(uint32_t, amax, [32]);
+  FP8RT_STATIC_SHARED(unsigned long long, counts, [4][32]);
   const int t = LinearThread();
   const int warps = BlockThreads() / 32;
   const uint32_t a = WarpMax(s.amax_bits);

@@ -39,8 +39,8 @@ __device__ __forceinline__ float E8m0Scale(uint8_t e) {
 
 template <OperandKind KA, OperandKind KB>
 __global__ void __launch_bounds__(kThreads) FallbackGemmKernel(FallbackGemmParams p) {
-  __shared__ float as[kStepK][kTile + 4];  // as[kk][row of the tile]
-  __shared__ float bs[kStepK][kTile + 4];
+  FP8RT_STATIC_SHARED(float, as, [kStepK][kTile + 4]);  // as[kk][row of the tile]
+  FP8RT_STATIC_SHARED(float, bs, [kStepK][kTile + 4]);
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kTile;

@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kThreads)
     RmsNormForwardKernel(float* __restrict__ out, float* __restrict__ rstd,
                          const float* __restrict__ x, const float* __restrict__ weight, int64_t n,
                          int64_t c, float eps) {
-  __shared__ float scratch[kThreads / 32];
+  FP8RT_STATIC_SHARED(float, scratch, [kThreads / 32]);
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
     const float* xr = x + r * c;
     float sum_sq = 0.0f;
@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kThreads)
     RmsNormBackwardDxKernel(float* __restrict__ dx, const float* __restrict__ dout,
                             const float* __restrict__ x, const float* __restrict__ weight,
                             const float* __restrict__ rstd, int64_t n, int64_t c) {
-  __shared__ float scratch[kThreads / 32];
+  FP8RT_STATIC_SHARED(float, scratch, [kThreads / 32]);
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
     const float* xr = x + r * c;
     const float* dyr = dout + r * c;
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(32 * kDweightLanes)
     RmsNormDweightKernel(float* __restrict__ dweight, const float* __restrict__ dout,
                          const float* __restrict__ x, const float* __restrict__ rstd, int64_t n,
                          int64_t c) {
-  __shared__ float partial[kDweightLanes][33];
+  FP8RT_STATIC_SHARED(float, partial, [kDweightLanes][33]);
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t tiles = (c + 31) / 32;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kThreads)
                            float* __restrict__ rstd, const float* __restrict__ x,
                            const float* __restrict__ weight, const float* __restrict__ bias,
                            int64_t n, int64_t c, float eps) {
-  __shared__ float scratch[kThreads / 32];
+  FP8RT_STATIC_SHARED(float, scratch, [kThreads / 32]);
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
     const float* xr = x + r * c;
     float sum = 0.0f;
@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(kThreads)
                               const float* __restrict__ x, const float* __restrict__ weight,
                               const float* __restrict__ mean, const float* __restrict__ rstd,
                               int64_t n, int64_t c) {
-  __shared__ float scratch[kThreads / 32];
+  FP8RT_STATIC_SHARED(float, scratch, [kThreads / 32]);
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
     const float* xr = x + r * c;
     const float* dyr = dout + r * c;
@@ -308,8 +308,9 @@ __global__ void __launch_bounds__(32 * kDweightLanes)
                      const float* __restrict__ dout, const float* __restrict__ x,
                      const float* __restrict__ mean, const float* __restrict__ rstd, int64_t n,
                      int64_t c) {
-  __shared__ float partial_b[kDweightLanes][33];
-  __shared__ float partial_w[kDweightLanes][33];  // written, unused, without kLayerNorm
+  FP8RT_STATIC_SHARED(float, partial_b, [kDweightLanes][33]);
+  // partial_w is written, and unused, without kLayerNorm.
+  FP8RT_STATIC_SHARED(float, partial_w, [kDweightLanes][33]);
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t tiles = (c + 31) / 32;
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
@@ -458,7 +459,7 @@ __global__ void __launch_bounds__(kThreads) AdamWKernel(AdamWArgs k) {
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     TransposeKernel(T* __restrict__ dst, const T* __restrict__ src, int64_t rows, int64_t cols) {
-  __shared__ T tile[32][33];
+  FP8RT_STATIC_SHARED(T, tile, [32][33]);
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t tiles_c = (cols + 31) / 32;
   const int64_t tiles = ((rows + 31) / 32) * tiles_c;
@@ -518,7 +519,7 @@ __device__ __forceinline__ void PairwiseTreeF64(double* tree) {
 // partial[blockIdx.x] = the block's sum (the result itself when the grid is one block).
 __global__ void __launch_bounds__(kSumSquaresThreads)
     SumSquaresKernel(const float* __restrict__ x, int64_t count, double* __restrict__ partial) {
-  __shared__ double tree[kSumSquaresThreads];
+  FP8RT_STATIC_SHARED(double, tree, [kSumSquaresThreads]);
   tree[threadIdx.x] = SumSquaresStrided(x, count, GlobalThread(), GridThreads());
   PairwiseTreeF64(tree);
   if (threadIdx.x == 0) partial[blockIdx.x] = tree[0];
@@ -528,7 +529,7 @@ __global__ void __launch_bounds__(kSumSquaresThreads)
 // tree; *out = the sum.
 __global__ void __launch_bounds__(kSumSquaresThreads)
     SumPartialsKernel(const double* __restrict__ partial, int blocks, double* __restrict__ out) {
-  __shared__ double tree[kSumSquaresThreads];
+  FP8RT_STATIC_SHARED(double, tree, [kSumSquaresThreads]);
   double s = 0.0;
   for (int i = static_cast<int>(threadIdx.x); i < blocks; i += kSumSquaresThreads) s += partial[i];
   tree[threadIdx.x] = s;

@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kThreads)
     head = vecs * 8;
   }
   for (int64_t i = head + tid; i < n; i += stride) take(LoadAsFloat(x, i));
-  __shared__ uint32_t scratch[32];
+  FP8RT_STATIC_SHARED(uint32_t, scratch, [32]);
   amax = BlockMax(amax, scratch);
   finite = BlockMax(finite, scratch);
   if (threadIdx.x == 0) {
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kThreads)
                            int margin, bool power_of_two, uint8_t* __restrict__ codes,
                            float* __restrict__ scale_inv, QuantStats* stats) {
   using B = internal::Fp8Bits<F>;
-  __shared__ uint32_t scratch[32];
+  FP8RT_STATIC_SHARED(uint32_t, scratch, [32]);
   const int64_t blocks = ((rows + 127) / 128) * grid_cols;
   ThreadStats s;
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
@@ -313,7 +313,7 @@ __global__ void __launch_bounds__(kThreads)
     CastTransposeKernel(const In* __restrict__ x, int64_t rows, int64_t cols, float scale,
                         uint8_t* __restrict__ codes, uint8_t* __restrict__ codes_t,
                         QuantStats* stats) {
-  __shared__ uint8_t tile[32][33];
+  FP8RT_STATIC_SHARED(uint8_t, tile, [32][33]);
   const int tx = threadIdx.x, ty = threadIdx.y;
   const int64_t tiles_c = (cols + 31) / 32;
   const int64_t tiles = ((rows + 31) / 32) * tiles_c;

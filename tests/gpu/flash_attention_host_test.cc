@@ -362,7 +362,7 @@ constexpr unsigned kFull = 0xFFFFFFFFu;
 // Each block: thread i of 64 holds i + 1000 * block; a butterfly gives every lane its warp's
 // sum, a down-shuffle the lane 3 above's value, and the two warps' sums meet in shared memory.
 void ShuffleKernel(float* sums, float* down, float* block_sums) {
-  __shared__ float warp_sums[2];
+  FP8RT_STATIC_SHARED(float, warp_sums, [2]);
   const int i = static_cast<int>(threadIdx.x), lane = i & 31;
   const float mine = static_cast<float>(i + 1000 * static_cast<int>(blockIdx.x));
   float v = mine;
@@ -431,10 +431,11 @@ TEST(HostCudaTest, AMissingBarrierShowsInTheResults) {
 }
 
 // Block b: thread 0 reads both static shared cells before writing them (a kernel bug), then
-// leaves its own values for the next block.
+// leaves its own values for the next block. A plain kernel, a template kernel and an inline
+// helper (GCC would ignore a section attribute on the statics of the last two).
 void StaleSharedKernel(float* seen_f, uint32_t* seen_u) {
-  __shared__ float cell_f;
-  __shared__ uint32_t cell_u[3];
+  FP8RT_STATIC_SHARED(float, cell_f, );
+  FP8RT_STATIC_SHARED(uint32_t, cell_u, [3]);
   if (threadIdx.x == 0) {
     seen_f[blockIdx.x] = cell_f;
     seen_u[blockIdx.x] = cell_u[2];
@@ -443,18 +444,46 @@ void StaleSharedKernel(float* seen_f, uint32_t* seen_u) {
   }
 }
 
+template <class T>
+void StaleSharedTemplateKernel(T* seen) {
+  FP8RT_STATIC_SHARED(T, tile, [4][5]);
+  if (threadIdx.x == 0) {
+    seen[blockIdx.x] = tile[3][4];
+    tile[3][4] = T{7};
+  }
+}
+
+inline void StaleSharedInline(uint64_t* seen) {
+  FP8RT_STATIC_SHARED(uint64_t, cell, [2]);
+  if (threadIdx.x == 0) {
+    seen[blockIdx.x] = cell[1];
+    cell[1] = 7u;
+  }
+}
+
 // So a read before this block's write shows as NaN (or all ones), never as the previous block's
-// values. (GCC ignores the section attribute on a template's static locals: the __shared__
-// arrays of template kernels keep the previous block's values; host_cuda.h.)
+// values, in the first block (filled when the declaration is first reached) and every later one.
 TEST(HostCudaTest, StaticSharedMemoryIsFilledBeforeEachBlock) {
-  std::vector<float> seen_f(3, 0.0f);
+  std::vector<float> seen_f(3, 0.0f), seen_t(3, 0.0f);
   std::vector<uint32_t> seen_u(3, 0u);
+  std::vector<uint64_t> seen_i(3, 0u);
   ASSERT_TRUE(host_cuda::RunGrid(nullptr, dim3(3), dim3(32), 0, [&] {
                 StaleSharedKernel(seen_f.data(), seen_u.data());
+                StaleSharedTemplateKernel<float>(seen_t.data());
+                StaleSharedInline(seen_i.data());
+              }).empty());
+  // A second launch starts from the filled state too, not from the last block's values.
+  std::vector<float> again(3, 0.0f);
+  ASSERT_TRUE(host_cuda::RunGrid(nullptr, dim3(3), dim3(32), 0, [&] {
+                StaleSharedTemplateKernel<float>(again.data());
               }).empty());
   for (int b = 0; b < 3; ++b) {
-    EXPECT_EQ(std::bit_cast<uint32_t>(seen_f[static_cast<size_t>(b)]), 0xFFFFFFFFu) << b;
-    EXPECT_EQ(seen_u[static_cast<size_t>(b)], 0xFFFFFFFFu) << b;
+    const auto i = static_cast<size_t>(b);
+    EXPECT_EQ(std::bit_cast<uint32_t>(seen_f[i]), 0xFFFFFFFFu) << b;
+    EXPECT_EQ(seen_u[i], 0xFFFFFFFFu) << b;
+    EXPECT_EQ(std::bit_cast<uint32_t>(seen_t[i]), 0xFFFFFFFFu) << b;
+    EXPECT_EQ(seen_i[i], ~uint64_t{0}) << b;
+    EXPECT_EQ(std::bit_cast<uint32_t>(again[i]), 0xFFFFFFFFu) << b;
   }
 }
 

@@ -59,29 +59,8 @@ fp8rt_host_cuda_switch:
   .text
 )");
 
-// The bounds of the section of the static __shared__ variables (host_cuda.h's __shared__), which
-// the linker defines when the program has any; weak, so a program with none links too.
-extern "C" {
-extern unsigned char __start_fp8rt_host_shared[] __attribute__((weak));
-extern unsigned char __stop_fp8rt_host_shared[] __attribute__((weak));
-}
-
 namespace fp8rt::host_cuda {
 namespace {
-
-// Fills the static __shared__ variables with 0xFF bytes, as a new block finds them on no GPU but
-// as a missing write or barrier shows best. Not instrumented, and without memset (which
-// AddressSanitizer intercepts): the section also holds the redzones ASan puts around globals,
-// which the stores must not be reported for. Words of 8 bytes (x86-64 takes them at any
-// alignment), then the tail byte by byte.
-__attribute__((no_sanitize_address)) void PoisonStaticShared() {
-  if (__start_fp8rt_host_shared == nullptr) return;
-  const size_t bytes = static_cast<size_t>(__stop_fp8rt_host_shared - __start_fp8rt_host_shared);
-  auto* const words = reinterpret_cast<volatile uint64_t*>(__start_fp8rt_host_shared);
-  for (size_t i = 0; i < bytes / 8; ++i) words[i] = ~uint64_t{0};
-  volatile unsigned char* const tail = __start_fp8rt_host_shared;
-  for (size_t i = bytes / 8 * 8; i < bytes; ++i) tail[i] = 0xFF;
-}
 
 constexpr size_t kStackBytes = size_t{512} << 10;
 constexpr int kMaxThreads = 1024;
@@ -117,6 +96,8 @@ struct State {
   std::string error;                   // of the running launch
   std::string last_error;              // TakeLaunchError's
   std::map<const void*, int> allowed;  // SetMaxDynamicSharedMemory
+  // Every static shared variable a thread has declared (StaticShared), filled before each block.
+  std::vector<std::pair<unsigned char*, size_t>> statics;
   Stats stats;
   uint64_t seed = 0x9E3779B97F4A7C15ULL;
   uint64_t rng = 0;  // the running launch's schedule
@@ -383,6 +364,17 @@ unsigned char* DynamicShared() {
   return S().smem;
 }
 
+void StaticShared(void* p, size_t bytes) {
+  Running("static shared memory");
+  State& s = S();
+  auto* const at = static_cast<unsigned char*>(p);
+  for (const auto& [q, n] : s.statics) {
+    if (q == at) return;
+  }
+  std::memset(at, 0xFF, bytes);
+  s.statics.emplace_back(at, bytes);
+}
+
 void SetMaxDynamicSharedMemory(const void* kernel, int bytes) {
   std::lock_guard<std::mutex> lock(S().launch_mu);
   S().allowed[kernel] = bytes;
@@ -424,7 +416,7 @@ std::string RunGrid(const void* kernel, dim3 grid, dim3 block, size_t dynamic_by
       for (unsigned bx = 0; bx < grid.x && s.error.empty(); ++bx) {
         ++s.stats.blocks;
         std::memset(s.smem, 0xFF, dynamic_bytes);
-        PoisonStaticShared();
+        for (const auto& [p, n] : s.statics) std::memset(p, 0xFF, n);
         for (int i = 0; i < threads; ++i) {
           Fiber& f = s.fibers[static_cast<size_t>(i)];
           Prepare(f);

@@ -5,12 +5,13 @@
 // their indexing, shared memory, barriers, warp shuffles and tensor-core (WMMA) tiles.
 //
 // Include it first in a test file, before the .cu it compiles as host code (that file spells
-// its launches and dynamic shared memory through kernels/cuda/launch.cuh's macros, which this
+// its launches and shared memory through kernels/cuda/launch.cuh's macros, which this
 // header defines first). It includes cuda_runtime.h and cuda_bf16.h (their host parts: dim3,
 // float4, __nv_bfloat16 and its round-to-nearest conversions) and defines:
 //   - threadIdx, blockIdx, blockDim, gridDim: the running CUDA thread's;
-//   - __global__ and __device__ functions are plain functions; __shared__ variables are static
-//     (one block runs at a time), in a section of their own; __launch_bounds__ is dropped;
+//   - __global__ and __device__ functions are plain functions; FP8RT_STATIC_SHARED variables are
+//     static (one block runs at a time), and a bare __shared__ does not compile (the emulator
+//     could not fill it); __launch_bounds__ is dropped;
 //   - __syncthreads, __syncwarp, __shfl_sync, __shfl_xor_sync, __shfl_down_sync (width 32);
 //   - the FP32 intrinsics (__fadd_rn ... __fmaf_rn: IEEE operations rounded to nearest even,
 //     each a separate non-inlined call so that nothing is contracted), __float_as_uint,
@@ -33,12 +34,11 @@
 // is fixed by the seed and n, so reruns repeat it).
 // Shared memory is filled with 0xFF bytes (NaN in FP32 and BF16, -1 in integers) before each
 // block: the dynamic shared memory, which is exactly as long as the launch asked (AddressSanitizer
-// sees a read past its end), and the static __shared__ variables (their section). So a read
-// before this block wrote the element, or before the barrier after the write, sees NaN, not what
-// the previous block or thread left there. Except in template kernels: GCC ignores a section
-// attribute on a static local of a template instantiation, so their __shared__ arrays (the
-// transposes' and cast-transposes' tiles, the column sums', the tensor amax's and block
-// quantize's scratch, the fallback GEMM's tiles) keep what the previous block left in them.
+// sees a read past its end), and every static shared variable (FP8RT_STATIC_SHARED) the program
+// has declared so far, in template kernels too; one the running block declares for the first time
+// is filled when its first thread reaches the declaration. So a read before this block wrote the
+// element, or before the barrier after the write, sees NaN, not what the previous block or thread
+// left there.
 // A misuse that CUDA leaves undefined (a shuffle by a lane its mask leaves out, a width other
 // than 32, a WMMA pointer or leading dimension CUDA refuses, a barrier outside a kernel) aborts
 // the test with a message.
@@ -99,6 +99,9 @@ uint64_t WarpCollective(const char* what, unsigned mask, uint64_t bits = 0, int 
 
 // The running block's dynamic shared memory.
 unsigned char* DynamicShared();
+// Called by every thread that reaches an FP8RT_STATIC_SHARED declaration (`p`, `bytes`: the
+// variable): the first call fills it with 0xFF bytes, and every block after fills it again.
+void StaticShared(void* p, size_t bytes);
 
 // cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes).
 void SetMaxDynamicSharedMemory(const void* kernel, int bytes);
@@ -161,10 +164,15 @@ void CheckWidth(int width);
 #define blockDim (::fp8rt::host_cuda::Current().block_dim)
 #define gridDim (::fp8rt::host_cuda::Current().grid_dim)
 
-// Static __shared__ variables all go into one section, which the emulator fills with 0xFF bytes
-// before each block (RunGrid), as it fills the dynamic shared memory.
+// A static shared variable is a static, registered with the emulator by each thread that reaches
+// it (StaticShared). A bare __shared__ is refused: GCC ignores a section attribute on the statics
+// of templates and inline functions, so there is no other way to find them all.
+#define FP8RT_STATIC_SHARED(type, name, dims) \
+  static type name dims;                      \
+  ::fp8rt::host_cuda::StaticShared(&name, sizeof(name))
 #undef __shared__
-#define __shared__ __attribute__((section("fp8rt_host_shared"))) static
+#define __shared__ \
+  static_assert(false, "host_cuda.h: declare static shared memory with FP8RT_STATIC_SHARED");
 #undef __launch_bounds__
 #define __launch_bounds__(...)
 
