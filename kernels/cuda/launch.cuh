@@ -1,5 +1,5 @@
 // Kernel launches and shared memory, spelled through three macros so that the kernels'
-// source also compiles as host code: tests/gpu/host_cuda.h defines both first, and then a test
+// source also compiles as host code: tests/gpu/host_cuda.h defines all three first, and then a test
 // runs the very same kernels on the CPU, each CUDA thread a fiber (flash_attention_host_test,
 // quantize_host_test, moe_host_test, layer_ops_host_test, gemm_host_test: every kernel file).
 //
