@@ -522,7 +522,40 @@ TEST(HostCudaTest, LaunchesOverTheLimitsAreRefused) {
   EXPECT_TRUE(host_cuda::RunGrid(kernel, dim3(1), dim3(32), 64 << 10, [] {}).empty());
   EXPECT_NE(host_cuda::RunGrid(kernel, dim3(1), dim3(32), 228 << 10, [] {}).find("over sm_90's"),
             std::string::npos);
+  EXPECT_NE(host_cuda::RunGrid(nullptr, dim3(4097, 4097), dim3(32), 0, [] {})
+                .find("a grid of 16785409 blocks, over the emulator's 16777216"),
+            std::string::npos);
   (void)host_cuda::TakeLaunchError();
+}
+
+// Each block's thread 0 records when its block ran, on a 5 x 4 x 3 grid.
+void BlockOrderKernel(int* ran_at, int* next) {
+  if (threadIdx.x == 0) {
+    ran_at[(blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x] = (*next)++;
+  }
+}
+
+std::vector<int> BlockOrder(uint64_t seed) {
+  host_cuda::SetScheduleSeed(seed);
+  std::vector<int> ran_at(60, -1);
+  int next = 0;
+  EXPECT_TRUE(host_cuda::RunGrid(nullptr, dim3(5, 4, 3), dim3(64), 0, [&] {
+                BlockOrderKernel(ran_at.data(), &next);
+              }).empty());
+  EXPECT_EQ(next, 60);
+  return ran_at;
+}
+
+// The blocks run in a random order that the schedule's seed picks: every block once, not in
+// index order, another order under another seed. (A kernel whose blocks read each other's
+// output without an atomic then gives other bits under another seed, as on a GPU.)
+TEST(HostCudaTest, BlocksRunOnceEachInTheScheduleOrder) {
+  std::vector<int> order = BlockOrder(7);
+  std::vector<int> sorted = order;
+  std::sort(sorted.begin(), sorted.end());
+  for (int i = 0; i < 60; ++i) ASSERT_EQ(sorted[static_cast<size_t>(i)], i) << "once each";
+  EXPECT_FALSE(std::is_sorted(order.begin(), order.end())) << "not in index order";
+  EXPECT_NE(BlockOrder(8), order) << "another seed, another order";
 }
 
 // One warp: C = A B + C on a 16 x 16 x 16 tile through WMMA, A row-major and B column-major

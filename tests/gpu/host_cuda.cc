@@ -64,6 +64,7 @@ namespace {
 
 constexpr size_t kStackBytes = size_t{512} << 10;
 constexpr int kMaxThreads = 1024;
+constexpr int64_t kMaxBlocks = int64_t{1} << 24;  // blocks a launch: what a run could take
 constexpr int kDefaultSharedLimit = 48 << 10;
 constexpr int kSharedOptin = 227 << 10;  // sm_90: 232,448 bytes
 
@@ -388,12 +389,16 @@ std::string RunGrid(const void* kernel, dim3 grid, dim3 block, size_t dynamic_by
   s.error.clear();
   s.rng = (s.seed ^ (0xD1B54A32D192ED03ULL * static_cast<uint64_t>(s.stats.launches))) | 1;
   const int64_t threads = int64_t{block.x} * block.y * block.z;
+  const int64_t total_blocks = int64_t{grid.x} * grid.y * grid.z;
   const auto allowed_it = s.allowed.find(kernel);
   const int allowed = allowed_it == s.allowed.end() ? kDefaultSharedLimit : allowed_it->second;
   if (threads < 1 || threads > kMaxThreads) {
     s.error = "invalid configuration: " + std::to_string(threads) + " threads per block";
-  } else if (int64_t{grid.x} * grid.y * grid.z < 1) {
+  } else if (total_blocks < 1) {
     s.error = "invalid configuration: an empty grid";
+  } else if (total_blocks > kMaxBlocks) {
+    s.error = "a grid of " + std::to_string(total_blocks) + " blocks, over the emulator's " +
+              std::to_string(kMaxBlocks);
   } else if (dynamic_bytes > static_cast<size_t>(kSharedOptin)) {
     s.error = std::to_string(dynamic_bytes) + " bytes of dynamic shared memory, over sm_90's " +
               std::to_string(kSharedOptin);
@@ -411,31 +416,33 @@ std::string RunGrid(const void* kernel, dim3 grid, dim3 block, size_t dynamic_by
   s.body = &body;
   void* smem = ::operator new (std::max<size_t>(dynamic_bytes, 1), std::align_val_t{128});
   s.smem = static_cast<unsigned char*>(smem);
-  for (unsigned bz = 0; bz < grid.z && s.error.empty(); ++bz) {
-    for (unsigned by = 0; by < grid.y && s.error.empty(); ++by) {
-      for (unsigned bx = 0; bx < grid.x && s.error.empty(); ++bx) {
-        ++s.stats.blocks;
-        std::memset(s.smem, 0xFF, dynamic_bytes);
-        for (const auto& [p, n] : s.statics) std::memset(p, 0xFF, n);
-        for (int i = 0; i < threads; ++i) {
-          Fiber& f = s.fibers[static_cast<size_t>(i)];
-          Prepare(f);
-          f.builtins.thread_idx = {static_cast<unsigned>(i) % block.x,
-                                   static_cast<unsigned>(i) / block.x % block.y,
-                                   static_cast<unsigned>(i) / (block.x * block.y)};
-          f.builtins.block_idx = {bx, by, bz};
-          f.builtins.block_dim = block;
-          f.builtins.grid_dim = grid;
-        }
-        // The warps one at a time, each as far as it can go, in a new random order after every
-        // __syncthreads.
-        int64_t live = threads;
-        const int warps = static_cast<int>((threads + 31) / 32);
-        while (live > 0) {
-          for (const int w : Shuffled(warps)) RunWarp(w, &live);
-          if (live > 0 && !ReleaseBlock()) break;
-        }
-      }
+  // The blocks one at a time, in a random order: a GPU runs them at once and in no set order, so
+  // a kernel whose block reads what another block of the launch writes (without an atomic) gives
+  // other bits under another schedule.
+  const std::vector<int> blocks = Shuffled(static_cast<int>(total_blocks));
+  for (size_t next = 0; next < blocks.size() && s.error.empty(); ++next) {
+    const auto b = static_cast<unsigned>(blocks[next]);
+    const unsigned bx = b % grid.x, by = b / grid.x % grid.y, bz = b / (grid.x * grid.y);
+    ++s.stats.blocks;
+    std::memset(s.smem, 0xFF, dynamic_bytes);
+    for (const auto& [p, n] : s.statics) std::memset(p, 0xFF, n);
+    for (int i = 0; i < threads; ++i) {
+      Fiber& f = s.fibers[static_cast<size_t>(i)];
+      Prepare(f);
+      f.builtins.thread_idx = {static_cast<unsigned>(i) % block.x,
+                               static_cast<unsigned>(i) / block.x % block.y,
+                               static_cast<unsigned>(i) / (block.x * block.y)};
+      f.builtins.block_idx = {bx, by, bz};
+      f.builtins.block_dim = block;
+      f.builtins.grid_dim = grid;
+    }
+    // The warps one at a time, each as far as it can go, in a new random order after every
+    // __syncthreads.
+    int64_t live = threads;
+    const int warps = static_cast<int>((threads + 31) / 32);
+    while (live > 0) {
+      for (const int w : Shuffled(warps)) RunWarp(w, &live);
+      if (live > 0 && !ReleaseBlock()) break;
     }
   }
   ::operator delete (smem, std::align_val_t{128});

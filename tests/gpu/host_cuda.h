@@ -21,7 +21,8 @@
 //   - FP8RT_LAUNCH and FP8RT_DYNAMIC_SHARED (kernels/cuda/launch.cuh).
 //
 // How a launch runs: synchronously, when it is made (the stream is not used). The blocks run one
-// after another; each block's threads are fibers on the calling thread. The warps run one at a
+// after another, in a random order (a GPU runs them at once, in none); each block's threads are
+// fibers on the calling thread. The warps run one at a
 // time, in a random order (a new one after every __syncthreads), each as far as it can go: its
 // lanes, in a random order (a new one after every warp operation), each until it reaches a
 // barrier or a warp-collective operation. A warp operation is released once every lane of its
@@ -29,21 +30,21 @@
 // once every thread of the block that has not returned waits there. So a warp runs as far ahead
 // of the others as CUDA allows, and a lane as far ahead of its warp, which is what makes a
 // missing barrier show: a thread that reads shared memory another thread writes, with no barrier
-// between, may read it before that thread has run. And a kernel without such a race gives the
-// same bits under every schedule: SetScheduleSeed picks another (the schedule of the n-th launch
-// is fixed by the seed and n, so reruns repeat it).
-// Shared memory is filled with 0xFF bytes (NaN in FP32 and BF16, -1 in integers) before each
-// block: the dynamic shared memory, which is exactly as long as the launch asked (AddressSanitizer
-// sees a read past its end), and every static shared variable (FP8RT_STATIC_SHARED) the program
-// has declared so far, in template kernels too; one the running block declares for the first time
-// is filled when its first thread reaches the declaration. So a read before this block wrote the
-// element, or before the barrier after the write, sees NaN, not what the previous block or thread
-// left there.
-// A misuse that CUDA leaves undefined (a shuffle by a lane its mask leaves out, a width other
-// than 32, a WMMA pointer or leading dimension CUDA refuses, a barrier outside a kernel) aborts
-// the test with a message.
-// A launch fails (TakeLaunchError, like cudaGetLastError) instead of running when it asks for more
-// than 1,024 threads per block, or more dynamic shared memory than 227 KiB (sm_90's opt-in) or
+// between, may read it before that thread has run; and a block that reads what another block of
+// the launch writes (no atomic) reads it before or after, as the order falls. And a kernel without
+// such a race gives the same bits under every schedule: SetScheduleSeed picks another (the schedule
+// of the n-th launch is fixed by the seed and n, so reruns repeat it). Shared memory is filled with
+// 0xFF bytes (NaN in FP32 and BF16, -1 in integers) before each block: the dynamic shared memory,
+// which is exactly as long as the launch asked (AddressSanitizer sees a read past its end), and
+// every static shared variable (FP8RT_STATIC_SHARED) the program has declared so far, in template
+// kernels too; one the running block declares for the first time is filled when its first thread
+// reaches the declaration. So a read before this block wrote the element, or before the barrier
+// after the write, sees NaN, not what the previous block or thread left there. A misuse that CUDA
+// leaves undefined (a shuffle by a lane its mask leaves out, a width other than 32, a WMMA pointer
+// or leading dimension CUDA refuses, a barrier outside a kernel) aborts the test with a message. A
+// launch fails (TakeLaunchError, like cudaGetLastError) instead of running when it asks for more
+// than 1,024 threads per block, more than 2^24 blocks (the emulator's own limit: it would take
+// days), or more dynamic shared memory than 227 KiB (sm_90's opt-in) or
 // than the kernel was allowed (over 48 KiB needs SetMaxDynamicSharedMemory first, as
 // cudaFuncSetAttribute on a GPU); it stops, naming what each thread waits for, when its threads
 // can no longer progress: a barrier that some threads never reach (a divergent __syncthreads, a
