@@ -826,20 +826,18 @@ double GlobalLoss(ModelUnderTest& s) {
 // On CUDA each expert's GEMMs run on its rows padded with zero rows to a multiple of 16
 // (cuBLASLt's FP8 shapes), or of 128 with block or mx32 scaling (K of the weight gradient;
 // MoeConfig::gemm_row_unit). Zero rows add exact zeros to every sum and change no amax (a zero
-// tile or block adds zeros whatever its scale), so padding must leave the loss and every gradient
-// bit for bit as they were: shown here on the CPU, where the unit can be forced, in FP8 with both
-// MLP kinds, tensor scaling at 16 and per-block scaling at 128. 8 tokens a rank and top-2 of 4
-// experts give each expert a count that neither unit divides.
-// Bit for bit is what the GPU's sums would give in exact arithmetic, not what oneDNN gives: it
-// picks its kernel by the call's shape, and the kernels round differently. Without BF16 matmul
-// (no AVX512-BF16 or AMX) its FP32 sgemm blocks rows and depth by the call (docs/perf.md, "CPUs
-// without BF16 matmul"); with it, a weight gradient over an expert's few rows (K = 6 or 7 here)
-// runs on the AVX512-BF16 brgemm, and the padded one (K = 128) on AMX or oneDNN's jit gemm, which
-// add a BF16 pair's products in another order (seen on a Xeon with AMX, 2026-12-07: up to 9e-8 of
-// the tensor's largest value). So a padded call may move a value by an ulp or two, and the
-// comparison allows 1e-6 of the loss and 1e-5 of each tensor's largest magnitude: a padding row
-// that were not zero, or a row lost, moves values by far more (a planted pad row of 3.0 moved
-// them by 1e-3 to 3e-2 of it).
+// tile or block adds zeros whatever its scale), so in exact arithmetic padding leaves the loss and
+// every gradient as they were: shown here on the CPU, where the unit can be forced, in FP8 with
+// both MLP kinds, tensor scaling at 16 and per-block scaling at 128. 8 tokens a rank and top-2 of
+// 4 experts give each expert a count that neither unit divides.
+// Not bit for bit, though: oneDNN picks its kernel by the call's shape, and its kernels round
+// differently. Without BF16 matmul (no AVX512-BF16 or AMX) its FP32 sgemm blocks rows and depth by
+// the call (docs/perf.md, "CPUs without BF16 matmul"); with it, a weight gradient over an expert's
+// few rows (K = 6 or 7 here) runs on the AVX512-BF16 brgemm and the padded one (K = 128) on AMX
+// or the jit gemm (seen on a Xeon with AMX, 2026-12-07: up to 9e-8 of the tensor's largest
+// value). So the comparison allows 1e-6 of the loss and 1e-5 of each tensor's largest magnitude:
+// a padding row that were not zero, or a row lost, moves values by far more (a planted pad row of
+// 3.0 moved them by 1e-3 to 3e-2 of it).
 TEST(MoeTest, PaddingExpertRowsChangesNothing) {
   struct Padding {
     train::ScalingStrategy strategy;
