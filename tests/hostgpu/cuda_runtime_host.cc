@@ -84,15 +84,18 @@ struct Allocation {
   uint64_t at = 0;
   std::map<const CUstream_st*, uint64_t> uses;  // the last piece of work of each stream using it
   bool free_enqueued = false;                   // cudaFreeAsync'd; Release runs in stream order
-  // The data-race checks: the last piece of work that wrote it, and since then each stream's last
-  // piece that read it (with the call's name, for a report).
+  // The data-race checks: the byte ranges pieces of work touched, with the call's name for a
+  // report. Kept: every write not since covered by a later write, and every read not since
+  // covered by a later write or a later read on its stream. An older touch that a newer one covers
+  // orders nothing the newer does not (the newer came after it, or was reported).
   struct Touch {
+    size_t begin = 0, end = 0;  // bytes from the allocation's base
+    const CUstream_st* stream = nullptr;
     uint64_t index = 0;
     const char* what = "";
+    bool write = false;
   };
-  const CUstream_st* writer = nullptr;
-  Touch written;
-  std::map<const CUstream_st*, Touch> readers;
+  std::vector<Touch> touches;
 };
 
 struct Runtime {
@@ -259,28 +262,23 @@ struct Access {
   const char* what = "";
 };
 
-// With rt.mu held: the data-race rules for a read (or a write) of `a` by piece `index` of `s`,
-// whose clock is `c`: it must come after the last write on another stream, and a write after every
-// read on another stream since; then it becomes the last read of `s` (or the last write). `what`
-// names the call and is kept for later reports (a string literal, as every caller passes).
-void CheckDataRace(Allocation& a, const CUstream_st* s, uint64_t index, const VectorClock& c,
-                   bool write, const char* what) {
-  auto unordered = [&](const CUstream_st* t, const Allocation::Touch& earlier, const char* did) {
-    if (t == s || Before(c, t, earlier.index)) return;
+// With rt.mu held: the data-race rules for a read (or a write) of bytes [begin, end) of `a` by
+// piece `index` of `s`, whose clock is `c`: it must come after every write of those bytes on
+// another stream, and a write also after every read of them there; then it is kept as a touch.
+// `what` names the call and is kept for later reports (a string literal, as every caller passes).
+void CheckDataRace(Allocation& a, size_t begin, size_t end, const CUstream_st* s, uint64_t index,
+                   const VectorClock& c, bool write, const char* what) {
+  for (const Allocation::Touch& t : a.touches) {
+    if (t.stream == s || (!write && !t.write) || t.end <= begin || end <= t.begin) continue;
+    if (Before(c, t.stream, t.index)) continue;
     Race(std::string(what) + " on " + NameOf(s) + (write ? " writes" : " reads") + " memory that " +
-         earlier.what + " on " + NameOf(t) + did +
+         t.what + " on " + NameOf(t.stream) + (t.write ? " writes" : " reads") +
          ", without waiting for it (an event, a host wait or the legacy stream's implicit order)");
-  };
-  if (a.writer != nullptr) unordered(a.writer, a.written, " writes");
-  if (!write) {
-    Allocation::Touch& r = a.readers[s];
-    if (index >= r.index) r = {index, what};
-    return;
   }
-  for (const auto& [t, r] : a.readers) unordered(t, r, " reads");
-  a.readers.clear();
-  a.writer = s;
-  a.written = {index, what};
+  std::erase_if(a.touches, [&](const Allocation::Touch& t) {
+    return begin <= t.begin && t.end <= end && (write || (t.stream == s && !t.write));
+  });
+  a.touches.push_back({begin, end, s, index, what, write});
 }
 
 // With dev_mu held: the checks of host_gpu.h's "Stream order" for piece `index` of `s`, whose
@@ -293,24 +291,32 @@ void CheckAccess(const CUstream_st* s, uint64_t index, const VectorClock& c, con
   if (access.uses.reads.empty() && access.uses.writes.empty() && access.frees == nullptr) return;
   Runtime& rt = State();
   std::lock_guard<std::mutex> lock(rt.mu);
+  // The allocations it uses, and the byte ranges it reads and writes in each.
+  struct Range {
+    size_t begin, end;
+    bool write;
+  };
+  std::map<Allocation*, std::vector<Range>> used;
+  auto add = [&rt, &used](const fp8rt::hostgpu::Use& u, bool write) {
+    if (u.p == nullptr) return;
+    const char* p = static_cast<const char*>(u.p);
+    auto it = rt.allocations.upper_bound(p);
+    if (it == rt.allocations.begin()) return;
+    --it;
+    const size_t size = it->second.bytes, begin = static_cast<size_t>(p - it->first);
+    if (begin >= size) return;
+    const size_t end = u.bytes == 0 ? size : std::min(size, begin + u.bytes);
+    used[&it->second].push_back({begin, end, write});
+  };
+  for (const auto& u : access.uses.writes) add(u, /*write=*/true);
+  for (const auto& u : access.uses.reads) add(u, /*write=*/false);
   auto find = [&rt](const void* p) -> Allocation* {
     bool inside = true;
     return p == nullptr ? nullptr : const_cast<Allocation*>(Find(rt, p, 1, &inside));
   };
-  // The allocations it uses, and of them those it writes (a pointer both read and written counts
-  // as written).
-  std::set<Allocation*> used, written;
-  for (const void* p : access.uses.writes) {
-    if (Allocation* a = find(p); a != nullptr) {
-      used.insert(a);
-      written.insert(a);
-    }
-  }
-  for (const void* p : access.uses.reads) {
-    if (Allocation* a = find(p); a != nullptr) used.insert(a);
-  }
-  for (Allocation* a : used) {
-    CheckDataRace(*a, s, index, c, /*write=*/written.count(a) != 0, access.what);
+  for (auto& [a, ranges] : used) {
+    for (const Range& r : ranges)
+      CheckDataRace(*a, r.begin, r.end, s, index, c, r.write, access.what);
     if (a->free_enqueued) {
       Race(std::string(access.what) + " on " + NameOf(s) +
            " uses memory whose cudaFreeAsync is already enqueued");
@@ -579,7 +585,10 @@ cudaError_t Copy(void* dst, const void* src, size_t count, cudaMemcpyKind kind, 
         std::memmove(dst, src, count);
         return true;
       },
-      nullptr, Access{.uses = {.reads = {src}, .writes = {dst}}, .frees = nullptr, .what = call},
+      nullptr,
+      Access{.uses = {.reads = {{src, count}}, .writes = {{dst, count}}},
+             .frees = nullptr,
+             .what = call},
       &after);
   if (sync || pageable) {
     const VectorClock* seen = !to_device     ? &after    // ends in host memory
@@ -608,7 +617,8 @@ cudaError_t Set(void* p, int value, size_t count, cudaStream_t stream, bool sync
         std::memset(p, value, count);
         return true;
       },
-      nullptr, Access{.uses = {.reads = {}, .writes = {p}}, .frees = nullptr, .what = call},
+      nullptr,
+      Access{.uses = {.reads = {}, .writes = {{p, count}}}, .frees = nullptr, .what = call},
       &after);
   // The host waits, but CUDA's cudaMemset orders the host after it only for pinned memory.
   if (sync) WaitPiece(s, n, "a synchronous cudaMemset", pinned ? &after : nullptr);

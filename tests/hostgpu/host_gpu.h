@@ -66,15 +66,16 @@
 //     memory's previous user), and never once its cudaFreeAsync is enqueued; a cudaFreeAsync
 //     comes after every use on other streams (else the pool may hand the memory out again while
 //     that work still runs) and only once. And it is checked for data races between streams,
-//     whatever memory it lies in: work that reads an allocation must come after the last work on
-//     another stream that wrote it, and work that writes it after that and after every read of
-//     it on another stream since, each through an event, a host wait or the legacy stream's
-//     implicit order (an allocation is the unit: two streams writing disjoint parts of one array
-//     are reported as a race, which they are not). Copies read their source and write their
-//     destination, memsets write, NCCL kernels read their send and write their receive buffers, and
-//     Launch's work says what it reads and writes. A breach of any rule is counted (StreamRaces),
-//     so that a test can assert none. cudaLaunchHostFunc's function names no memory and is not
-//     checked.
+//     whatever memory it lies in: work that reads bytes must come after the last work on another
+//     stream that wrote any of them, and work that writes bytes after that and after every read
+//     of any of them on another stream since, each through an event, a host wait or the legacy
+//     stream's implicit order. The unit is the byte: two streams writing disjoint parts of one
+//     array race not. Copies read their source's and write their destination's bytes, memsets
+//     write theirs, NCCL kernels read their send and write their receive buffers' bytes, and
+//     Launch's work says what it reads and writes (a pointer without a size stands for the bytes
+//     from it to its allocation's end: an op may use any of them, never one before it). A breach of
+//     any rule is counted (StreamRaces), so that a test can assert none. cudaLaunchHostFunc's
+//     function names no memory and is not checked.
 //   - Tests may put work of their own on the device (Launch: stream_ops.h runs the CPU op table
 //     there).
 //   - MPI is called only from the thread that initialised it (MPI_THREAD_FUNNELED): other
@@ -159,11 +160,17 @@ bool DeviceRange(const void* p, size_t bytes, int* kind = nullptr);
 // cuda_runtime_host.cc: whether `stream` is a live stream (or the null, legacy or per-thread
 // stream).
 bool ValidStream(void* stream);
-// The memory a piece of work reads and writes (pointers into allocations; others, null included,
-// are not checked), for the stream-order checks. A pointer in both counts as written.
+// The memory a piece of work reads and writes, for the stream-order checks: [p, p + bytes), or
+// with bytes 0 from p to the end of its allocation (clipped there). Pointers into no allocation,
+// null included, are not checked.
+struct Use {
+  Use(const void* p, size_t bytes = 0) : p(p), bytes(bytes) {}  // NOLINT: a bare pointer is a Use
+  const void* p;
+  size_t bytes;
+};
 struct Uses {
-  std::vector<const void*> reads;
-  std::vector<const void*> writes;
+  std::vector<Use> reads;
+  std::vector<Use> writes;
 };
 // cuda_runtime_host.cc: puts a kernel on `stream`, in stream order; `step` is called when the
 // stream reaches it, and again until it returns true (it may decline on a thread other than

@@ -476,8 +476,8 @@ ncclResult_t SubmitGathering(ncclComm_t comm, cudaStream_t stream, const std::st
   }
   auto k = NewKernel(comm);
   k->caller = caller;
-  k->uses = {.reads = {send_bytes != 0 ? send : nullptr},
-             .writes = {recv_bytes != 0 ? recv : nullptr}};
+  k->uses = {.reads = {{send_bytes != 0 ? send : nullptr, send_bytes}},
+             .writes = {{recv_bytes != 0 ? recv : nullptr, recv_bytes}}};
   k->call = what == "ncclReduceScatter" ? "ncclReduceScatter"
             : what == "ncclAllGather"   ? "ncclAllGather"
                                         : "ncclAllReduce";
@@ -769,8 +769,8 @@ ncclResult_t ncclBroadcast(const void* send, void* recv, size_t count, ncclDataT
   }
   auto k = NewKernel(comm);
   k->caller = caller;
-  k->uses = {.reads = {is_root && bytes != 0 ? send : nullptr},
-             .writes = {bytes != 0 ? recv : nullptr}};
+  k->uses = {.reads = {{is_root && bytes != 0 ? send : nullptr, bytes}},
+             .writes = {{bytes != 0 ? recv : nullptr, bytes}}};
   k->call = "ncclBroadcast";
   auto slot = std::make_shared<Bytes*>(nullptr);
   k->start = [send, bytes, root, is_root, slot](Kernel& self) {
@@ -857,8 +857,8 @@ ncclResult_t ncclGroupEnd() {
     auto k = NewKernel(comm);
     k->call = "ncclSend/ncclRecv";
     for (const P2p& p : ops) {
-      if (p.bytes != 0 && p.send) k->uses.reads.push_back(p.sendbuf);
-      if (p.bytes != 0 && !p.send) k->uses.writes.push_back(p.recvbuf);
+      if (p.bytes != 0 && p.send) k->uses.reads.push_back({p.sendbuf, p.bytes});
+      if (p.bytes != 0 && !p.send) k->uses.writes.push_back({p.recvbuf, p.bytes});
       bool caller = false;
       if (!p.send && CheckBuffer(comm, p.recvbuf, p.bytes, "ncclRecv", &caller) == ncclSuccess) {
         k->caller |= caller;

@@ -450,7 +450,8 @@ TEST_F(NcclHostTest, BreachesOfStreamOrderedMemoryAreCaught) {
 // rules of stream-ordered memory leave alone: a read after another stream's write, a write after
 // another stream's read, and two writes, each once without a wait and once kept by an event, a
 // host wait or the legacy stream's implicit order. A copy reads its source and writes its
-// destination, a memset writes, and a launch's pointers are read or written as it says.
+// destination, a memset writes, and a launch's pointers are read or written as it says; the unit
+// is the byte (disjoint parts of one allocation race not).
 TEST_F(NcclHostTest, DataRacesBetweenStreamsAreCaught) {
   const SideStreams streams;
   ASSERT_FALSE(::testing::Test::HasFailure()) << "creating the streams and the event";
@@ -523,6 +524,34 @@ TEST_F(NcclHostTest, DataRacesBetweenStreamsAreCaught) {
     expect_one(writer == side ? "writes memory that a reader on the legacy default stream reads"
                               : "writes memory that a reader on stream");
   }
+
+  // 6. The unit is the byte: two streams writing disjoint halves of x race not, a write over the
+  // middle of it does; a launch's pointer without a size stands for the bytes from it to the
+  // allocation's end (so the first half's writer does not meet it, the second half's does).
+  char* const bytes = static_cast<char*>(x);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(bytes, 5, 32, side), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(bytes + 32, 6, 32, cudaStreamLegacy), cudaSuccess);
+  expect_none();
+  ASSERT_EQ(cudaMemsetAsync(bytes + 16, 7, 32, blocking), cudaSuccess);
+  expect_one("cudaMemsetAsync on stream");  // after the legacy stream's half, not the side's
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(bytes, 8, 32, side), cudaSuccess);
+  ASSERT_EQ(hostgpu::Launch(cudaStreamLegacy, [] {}, "a tail reader",
+                            {.reads = {bytes + 32}, .writes = {}}),
+            cudaSuccess);
+  expect_none();
+  ASSERT_EQ(
+      hostgpu::Launch(cudaStreamLegacy, [] {}, "a reader", {.reads = {bytes + 31}, .writes = {}}),
+      cudaSuccess);
+  expect_one("a reader on the legacy default stream reads memory that cudaMemsetAsync on stream");
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // A copy reads only its count of bytes: the side stream's write just past them is no race.
+  ASSERT_EQ(cudaMemcpyAsync(y, bytes, 16, cudaMemcpyDeviceToDevice, cudaStreamLegacy), cudaSuccess);
+  ASSERT_EQ(cudaMemsetAsync(bytes + 16, 9, 48, side), cudaSuccess);
+  expect_none();
+  ASSERT_EQ(cudaMemsetAsync(bytes + 15, 9, 1, side), cudaSuccess);
+  expect_one("writes memory that cudaMemcpyAsync on the legacy default stream reads");
 
   // 5. A NCCL kernel reads its send buffer and writes its receive buffer: another stream may read
   // the send buffer meanwhile, but reads the result only after an event behind the kernel.
