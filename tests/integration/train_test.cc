@@ -22,6 +22,8 @@
 //   NanGradientSkipsStepOnEveryRank  a NaN on one rank skips the step everywhere, state untouched
 //   Fp8TracksBf16OnTinyYaml          the example run learns, and FP8 tracks BF16 (fp8rt bench
 //                                    convergence, checked against the run folders)
+//   ConvergenceBenchPairsSeeds       --seeds 2: a pair of runs per seed, the paired statistics
+//                                    recomputed from the run folders
 //   ConvergenceBenchRefusesWhatItCannotCompare
 //   EvalRecordsTheValidationLossOfTheStepsStartingWeights
 //                                    eval.every: val_loss on the due steps, equal to the training
@@ -518,9 +520,9 @@ TEST_F(TrainTest, BlockScalingPadsTheLastShards) {
   // Delayed scaling to step 4 (a checkpoint), then block scaling from it: re-cut at dp=2,
   // resharded onto 1 rank.
   const fs::path first = dir_ / "delayed";
-  Result r = Worker(2, {"train.steps=4", "train.warmup=2", "checkpoint.every=4",
-                        "precision.scaling=delayed"},
-                    first);
+  Result r = Worker(
+      2, {"train.steps=4", "train.warmup=2", "checkpoint.every=4", "precision.scaling=delayed"},
+      first);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::vector<std::vector<double>> resumed;
   for (const bool one_rank : {false, true}) {
@@ -571,9 +573,10 @@ TEST_F(TrainTest, Mx32TrainsTheSameModelAtEveryLayout) {
     const bool delayed = i == layouts.size();  // the 1-rank run with delayed tensor scaling
     const Layout& l = layouts[delayed ? 0 : i];
     const fs::path run_dir = dir_ / ("run" + std::to_string(i));
-    std::vector<std::string> sets = Short(
-        kSteps, {"precision.mode=fp8", delayed ? "precision.scaling=delayed" : "precision.scaling=mx32",
-                 "metrics.every=1", "metrics.per_rank_fp8_stats=true"});
+    std::vector<std::string> sets =
+        Short(kSteps, {"precision.mode=fp8",
+                       delayed ? "precision.scaling=delayed" : "precision.scaling=mx32",
+                       "metrics.every=1", "metrics.per_rank_fp8_stats=true"});
     sets.insert(sets.end(), l.sets.begin(), l.sets.end());
     const Result r = Worker(l.np, sets, run_dir);
     ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.err;
@@ -860,9 +863,8 @@ TEST_F(TrainTest, Fp8TracksBf16OnTinyYaml) {
   const fs::path log = NextLog("bench");
   const Result r = RunCommand(
       {std::string(FP8RT_BIN_DIR) + "/fp8rt", "bench", "convergence", "--spec", spec_.string(),
-       "--run-dir", root.string(), "--target", "0.01", "--json", "--set",
-       "data.val_fraction=0.01", "--set", "eval.every=50", "--set", "eval.batches=4", "--set",
-       "checkpoint.every=0"},
+       "--run-dir", root.string(), "--target", "0.01", "--json", "--set", "data.val_fraction=0.01",
+       "--set", "eval.every=50", "--set", "eval.batches=4", "--set", "checkpoint.every=0"},
       "", log, std::chrono::seconds(600));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::string out = ReadFile(log.string() + ".out");
@@ -888,9 +890,102 @@ TEST_F(TrainTest, Fp8TracksBf16OnTinyYaml) {
   const double rel = (final_val["fp8"] - final_val["bf16"]) / final_val["bf16"];
   EXPECT_NEAR(bench.at("relative_difference").get<double>(), rel, 1e-12);
   EXPECT_TRUE(bench.at("within_target").get<bool>());
+  EXPECT_EQ(bench.at("verdict").get<std::string>(), "within");
+  EXPECT_FALSE(bench.contains("paired")) << "one seed has no paired statistics";
   EXPECT_LE(std::abs(rel), 0.01) << "fp8 vs bf16, final validation loss";
   EXPECT_NEAR(last10["fp8"], last10["bf16"], 0.01 * last10["bf16"])
       << "fp8 vs bf16, mean loss of the last 10 steps";
+}
+
+// `fp8rt bench convergence --seeds 2`: each mode trains at train.seed = 1 and 2 (the spec's seed
+// and the next), in DIR/seed1/ and DIR/seed2/. The seeds give other runs (their first losses
+// differ); each pair's modes share theirs (the same first-step loss to 1%: BF16 against FP8 of the
+// same initial weights). The paired statistics are recomputed here from the four metrics.jsonl
+// files with Student's t at 1 degree of freedom (12.706, from the t table), and the verdict is the
+// interval's place against the target.
+TEST_F(TrainTest, ConvergenceBenchPairsSeeds) {
+  constexpr int64_t kSteps = 6;
+  constexpr double kTarget = 0.01, kT95Dof1 = 12.706;
+  const fs::path root = dir_ / "convergence-seeds";
+  const fs::path log = NextLog("bench");
+  const Result r = RunCommand({std::string(FP8RT_BIN_DIR) + "/fp8rt",
+                               "bench",
+                               "convergence",
+                               "--spec",
+                               spec_.string(),
+                               "--run-dir",
+                               root.string(),
+                               "--target",
+                               "0.01",
+                               "--seeds",
+                               "2",
+                               "--steps",
+                               "6",
+                               "--json",
+                               "--set",
+                               "train.warmup=2",
+                               "--set",
+                               "data.val_fraction=0.01",
+                               "--set",
+                               "eval.every=3",
+                               "--set",
+                               "eval.batches=2",
+                               "--set",
+                               "checkpoint.every=0"},
+                              "", log, std::chrono::seconds(600));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::string out = ReadFile(log.string() + ".out");
+  const Json bench = Json::parse(out.substr(out.rfind("{\"benchmark\"")));
+  ASSERT_EQ(bench.at("seeds"), Json::parse("[1, 2]"));
+  std::map<std::string, std::vector<double>> finals, firsts;
+  for (const char* mode : {"bf16", "fp8"}) {
+    const Json& m = bench.at("modes").at(mode);
+    ASSERT_EQ(m.at("per_seed").size(), 2u) << mode;
+    for (int seed : {1, 2}) {
+      const fs::path dir = root / ("seed" + std::to_string(seed)) / mode;
+      const std::vector<Json> metrics = ReadJsonl(dir / "metrics.jsonl");
+      ASSERT_EQ(Steps(metrics), OneTo(kSteps)) << dir;
+      ASSERT_TRUE(metrics.back().contains("val_loss")) << dir;
+      finals[mode].push_back(metrics.back().at("val_loss").get<double>());
+      firsts[mode].push_back(metrics.front().at("loss").get<double>());
+      const Json& one = m.at("per_seed").at(seed - 1);
+      EXPECT_EQ(one.at("seed").get<int>(), seed) << dir;
+      EXPECT_EQ(one.at("run_dir").get<std::string>(), dir.string());
+      EXPECT_EQ(one.at("final_val_loss").get<double>(), finals[mode].back()) << dir;
+    }
+    EXPECT_NEAR(m.at("final_val_loss").get<double>(), (finals[mode][0] + finals[mode][1]) / 2,
+                1e-12)
+        << mode;
+    EXPECT_NE(firsts[mode][0], firsts[mode][1]) << mode << ": seeds 1 and 2 trained alike";
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_NEAR(firsts["fp8"][i], firsts["bf16"][i], 0.01 * firsts["bf16"][i])
+        << "seed " << i + 1 << ": the pair does not start from the same weights";
+  }
+  EXPECT_FALSE(fs::exists(root / "bf16")) << "one seed's folders with --seeds 2";
+  std::vector<double> d;
+  for (size_t i = 0; i < 2; ++i)
+    d.push_back((finals["fp8"][i] - finals["bf16"][i]) / finals["bf16"][i]);
+  const double mean = (d[0] + d[1]) / 2;
+  const double sd = std::abs(d[0] - d[1]) / std::sqrt(2.0);  // sample sd of two values
+  const double se = sd / std::sqrt(2.0);
+  const Json& p = bench.at("paired");
+  EXPECT_NEAR(p.at("differences").at(0).get<double>(), d[0], 1e-12);
+  EXPECT_NEAR(p.at("differences").at(1).get<double>(), d[1], 1e-12);
+  EXPECT_NEAR(p.at("mean").get<double>(), mean, 1e-12);
+  EXPECT_NEAR(p.at("standard_error").get<double>(), se, 1e-12);
+  EXPECT_NEAR(p.at("t95").get<double>(), kT95Dof1, 1e-3);
+  const double low = mean - kT95Dof1 * se, high = mean + kT95Dof1 * se;
+  EXPECT_NEAR(p.at("interval").at(0).get<double>(), low, 1e-3 * se + 1e-12);
+  EXPECT_NEAR(p.at("interval").at(1).get<double>(), high, 1e-3 * se + 1e-12);
+  const double bf16_mean = (finals["bf16"][0] + finals["bf16"][1]) / 2;
+  EXPECT_NEAR(p.at("bf16_spread").get<double>(),
+              std::abs(finals["bf16"][0] - finals["bf16"][1]) / std::sqrt(2.0) / bf16_mean, 1e-12);
+  const std::string verdict = low >= -kTarget && high <= kTarget ? "within"
+                              : low > kTarget || high < -kTarget ? "exceeded"
+                                                                 : "unresolved";
+  EXPECT_EQ(bench.at("verdict").get<std::string>(), verdict);
+  std::cout << "paired: " << p.dump() << ", verdict " << verdict << "\n";
 }
 
 // The convergence bench refuses, before training anything, what it could not compare: an
@@ -901,16 +996,20 @@ TEST_F(TrainTest, ConvergenceBenchRefusesWhatItCannotCompare) {
     std::vector<std::string> args;
     std::string field;
   };
-  const std::vector<Case> cases = {
-      {{"--set", "precision.mode=fp8"}, "precision.mode"},
-      {{"--set", "precision.scaling=current"}, "precision.scaling"},
-      {{}, "eval.every"},  // tiny.yaml has no eval section
-      {{"--steps", "-3"}, "--steps"},
-      {{"--target", "0"}, "--target"}};
+  const std::vector<Case> cases = {{{"--set", "precision.mode=fp8"}, "precision.mode"},
+                                   {{"--set", "precision.scaling=current"}, "precision.scaling"},
+                                   {{}, "eval.every"},  // tiny.yaml has no eval section
+                                   {{"--steps", "-3"}, "--steps"},
+                                   {{"--target", "0"}, "--target"},
+                                   {{"--seeds", "0"}, "--seeds"}};
   for (const Case& c : cases) {
     const fs::path root = dir_ / ("refused-" + std::to_string(runs_));
-    std::vector<std::string> argv = {std::string(FP8RT_BIN_DIR) + "/fp8rt", "bench",
-                                     "convergence", "--spec", spec_.string(), "--run-dir",
+    std::vector<std::string> argv = {std::string(FP8RT_BIN_DIR) + "/fp8rt",
+                                     "bench",
+                                     "convergence",
+                                     "--spec",
+                                     spec_.string(),
+                                     "--run-dir",
                                      root.string()};
     argv.insert(argv.end(), c.args.begin(), c.args.end());
     const Result r = RunCommand(argv, "", NextLog("bench"));
