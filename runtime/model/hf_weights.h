@@ -26,9 +26,10 @@
 //     drops a token, and keeps the experts' rows in full precision where fp8rt's dispatch sends
 //     them in FP8 and its combine in BF16: the two forwards differ by that rounding alone where
 //     moe.drop_tokens is false or nothing is dropped. config.json's router_aux_loss_coef is
-//     moe.aux_loss_coef as it is, but transformers' load-balancing loss (training only) is
-//     defined otherwise: top_k / layers times fp8rt's at one coefficient where every layer routes
-//     alike.
+//     moe.aux_loss_coef as it is, but transformers' load-balancing loss (training only, with
+//     output_router_logits) is one term over every layer's routing concatenated, where fp8rt's
+//     is the Switch Transformer's per layer (by choice: docs/operations.md): top_k / layers times
+//     fp8rt's at one coefficient where every layer routes alike, and no fixed ratio elsewhere.
 //   - Norm gains and biases are vectors; fp8rt keeps them as [1, n] (or [n, 1] for the biases of
 //     column-parallel layers): the same values.
 // Conversions are exact copies of FP32 values (no arithmetic), so export -> import -> export is
