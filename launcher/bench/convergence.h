@@ -64,7 +64,7 @@ struct PairedConvergence {
 };
 
 // The two-sided 95% quantile of Student's t with `dof` >= 1 degrees of freedom (a table to 30,
-// then the normal's 1.959964 corrected by 2.4/dof, within 1e-3 of the true value).
+// then the normal's 1.959964 corrected by 2.4/dof, within 2.5e-3 of the true value).
 [[nodiscard]] double StudentT95(int dof);
 
 // InvalidArgument when the vectors are empty, differ in length, or hold a loss <= 0 or not finite.
