@@ -525,9 +525,10 @@ TEST_F(NcclHostTest, DataRacesBetweenStreamsAreCaught) {
                               : "writes memory that a reader on stream");
   }
 
-  // 6. The unit is the byte: two streams writing disjoint halves of x race not, a write over the
+  // 5. The unit is the byte: two streams writing disjoint halves of x race not, a write over the
   // middle of it does; a launch's pointer without a size stands for the bytes from it to the
-  // allocation's end (so the first half's writer does not meet it, the second half's does).
+  // allocation's end (a reader from byte 32 on does not meet the side stream's write of bytes
+  // 0-31; a reader from byte 31 on does).
   char* const bytes = static_cast<char*>(x);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   ASSERT_EQ(cudaMemsetAsync(bytes, 5, 32, side), cudaSuccess);
@@ -553,7 +554,7 @@ TEST_F(NcclHostTest, DataRacesBetweenStreamsAreCaught) {
   ASSERT_EQ(cudaMemsetAsync(bytes + 15, 9, 1, side), cudaSuccess);
   expect_one("writes memory that cudaMemcpyAsync on the legacy default stream reads");
 
-  // 5. A NCCL kernel reads its send buffer and writes its receive buffer: another stream may read
+  // 6. A NCCL kernel reads its send buffer and writes its receive buffer: another stream may read
   // the send buffer meanwhile, but reads the result only after an event behind the kernel.
   ncclUniqueId id{};
   Communicator& world = testing::Factory().World();
