@@ -172,8 +172,8 @@ cudaError_t Fail(cudaError_t e) {
 }
 
 // The allocation that holds [p, p + bytes), if p lies in one; `inside` false when p does but the
-// range runs past its end.
-const Allocation* Find(Runtime& rt, const void* p, size_t bytes, bool* inside) {
+// range runs past its end; `offset`, when given, p's offset in it.
+Allocation* Find(Runtime& rt, const void* p, size_t bytes, bool* inside, size_t* offset = nullptr) {
   *inside = true;
   const char* c = static_cast<const char*>(p);
   auto it = rt.allocations.upper_bound(c);
@@ -181,6 +181,7 @@ const Allocation* Find(Runtime& rt, const void* p, size_t bytes, bool* inside) {
   --it;
   if (c >= it->first + it->second.bytes) return nullptr;
   *inside = c + bytes <= it->first + it->second.bytes;
+  if (offset != nullptr) *offset = static_cast<size_t>(c - it->first);
   return &it->second;
 }
 
@@ -297,23 +298,19 @@ void CheckAccess(const CUstream_st* s, uint64_t index, const VectorClock& c, con
     bool write;
   };
   std::map<Allocation*, std::vector<Range>> used;
-  auto add = [&rt, &used](const fp8rt::hostgpu::Use& u, bool write) {
-    if (u.p == nullptr) return;
-    const char* p = static_cast<const char*>(u.p);
-    auto it = rt.allocations.upper_bound(p);
-    if (it == rt.allocations.begin()) return;
-    --it;
-    const size_t size = it->second.bytes, begin = static_cast<size_t>(p - it->first);
-    if (begin >= size) return;
-    const size_t end = u.bytes == 0 ? size : std::min(size, begin + u.bytes);
-    used[&it->second].push_back({begin, end, write});
+  auto find = [&rt](const void* p, size_t* offset) -> Allocation* {
+    bool inside = true;
+    return p == nullptr ? nullptr : Find(rt, p, 1, &inside, offset);
+  };
+  auto add = [&find, &used](const fp8rt::hostgpu::Use& u, bool write) {
+    size_t begin = 0;
+    Allocation* a = find(u.p, &begin);
+    if (a == nullptr) return;
+    const size_t end = u.bytes == 0 ? a->bytes : std::min(a->bytes, begin + u.bytes);
+    used[a].push_back({begin, end, write});
   };
   for (const auto& u : access.uses.writes) add(u, /*write=*/true);
   for (const auto& u : access.uses.reads) add(u, /*write=*/false);
-  auto find = [&rt](const void* p) -> Allocation* {
-    bool inside = true;
-    return p == nullptr ? nullptr : const_cast<Allocation*>(Find(rt, p, 1, &inside));
-  };
   for (auto& [a, ranges] : used) {
     for (const Range& r : ranges)
       CheckDataRace(*a, r.begin, r.end, s, index, c, r.write, access.what);
@@ -329,7 +326,7 @@ void CheckAccess(const CUstream_st* s, uint64_t index, const VectorClock& c, con
     uint64_t& last = a->uses[s];
     if (index > last) last = index;
   }
-  if (Allocation* a = find(access.frees); a != nullptr) {
+  if (Allocation* a = find(access.frees, nullptr); a != nullptr) {
     if (a->free_enqueued) Race("a second cudaFreeAsync on " + NameOf(s) + " of the same memory");
     for (const auto& [t, n] : a->uses) {
       if (t != s && !Before(c, t, n)) {
