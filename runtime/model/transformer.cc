@@ -537,6 +537,10 @@ absl::Status Transformer::Build(uint64_t seed) {
       for (int64_t e = 0; e < shape_.moe.experts; ++e) {
         for (Linear* lin : m.expert_linears(e)) {
           lin->Reconfigure(LayerPrecision(lin->name()), LayerSites(lin->name()));
+          // The experts' inputs stay in FP32 whatever precision.save_fp8_activations says: the
+          // MoE layer keeps every local expert's gathered rows itself, so codes alone would
+          // save no memory.
+          lin->set_fast_accum_forward(recipe_.fp8_fast_accum_forward);
           all_linears_.push_back(lin);
         }
         if (!m.IsLocal(e)) continue;
@@ -651,7 +655,9 @@ absl::Status Transformer::ApplyRecipe(const ModelRecipe& recipe) {
   for (const std::unique_ptr<Linear>& lin : linears_) {
     if (lin.get() == lm_head_) continue;
     lin->set_save_fp8_input(recipe_.save_fp8_activations);
-    lin->set_fast_accum_forward(recipe_.fp8_fast_accum_forward);
+  }
+  for (Linear* lin : all_linears_) {  // the MoE experts' too
+    if (lin != lm_head_) lin->set_fast_accum_forward(recipe_.fp8_fast_accum_forward);
   }
   CollectSites();
   return absl::OkStatus();

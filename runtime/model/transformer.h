@@ -117,7 +117,8 @@ struct ModelRecipe {
   // memory, half the gathers).
   bool reshard_after_forward = true;
   // precision.save_fp8_activations: an FP8 GEMM keeps its input for the backward only as the FP8
-  // codes and scales its forward made (DESIGN.md section 3), not also in FP32.
+  // codes and scales its forward made (DESIGN.md section 3), not also in FP32. Not the MoE
+  // experts: their layer keeps each local expert's gathered FP32 rows anyway.
   bool save_fp8_activations = true;
   // precision.fp8_fast_accum_forward: the forward FP8 GEMMs (tensor scaling) let the GPU's tensor
   // cores accumulate without FP32 promotion (Fp8GemmArgs::fast_accum); the backward ones never.

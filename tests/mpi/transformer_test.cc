@@ -748,38 +748,68 @@ TEST(TransformerTest, FastAccumulationIsForTheForwardGemmsOnly) {
   spec.mutable_precision()->set_fp8_fast_accum_forward(false);
   EXPECT_FALSE(worker::RecipeFromSpec(spec).fp8_fast_accum_forward);
 
-  const ModelShape shape = Shape(/*layers=*/2, /*d_model=*/128, /*d_ff=*/256, /*seq_len=*/8);
+  // A dense model over tensor parallelism, and an MoE one whose experts are spread over the
+  // ranks (the experts' layers are made by the MoE layer, not the model: they must get the flag
+  // too, at creation and from ApplyRecipe).
   const int world = Factory().World().size();
-  for (bool on : {true, false}) {
-    ModelRecipe recipe;  // fp8
-    ASSERT_TRUE(recipe.fp8_fast_accum_forward) << "the default";
-    recipe.fp8_fast_accum_forward = on;
-    auto mesh = parallel::Mesh::Create({.dp = 1, .tp = world, .ep = 1}, Factory());
-    ASSERT_TRUE(mesh.ok()) << mesh.status();
-    auto model = Transformer::Create(shape, recipe, /*seed=*/7, **mesh, ops);
-    ASSERT_TRUE(model.ok()) << model.status();
-    std::set<const Linear*> fp8_layers;
-    for (const Param& p : (*model)->params()) {
-      if (p.linear != nullptr && p.linear->precision() == GemmPrecision::kFp8) {
-        fp8_layers.insert(p.linear);
-        EXPECT_EQ(p.linear->fast_accum_forward(), on) << p.linear->name();
+  for (const bool moe : {false, true}) {
+    SCOPED_TRACE(moe ? "moe" : "dense");
+    const ModelShape shape =
+        moe ? Shape(/*layers=*/2, /*d_model=*/64, /*d_ff=*/128, /*seq_len=*/8,
+                    {.experts = 4, .top_k = 2, .capacity_factor = 2.0, .drop_tokens = false})
+            : Shape(/*layers=*/2, /*d_model=*/128, /*d_ff=*/256, /*seq_len=*/8);
+    const parallel::MeshConfig layout =
+        moe ? parallel::MeshConfig{.dp = world, .tp = 1, .ep = world}
+            : parallel::MeshConfig{.dp = 1, .tp = world, .ep = 1};
+    for (bool on : {true, false}) {
+      ModelRecipe recipe;  // fp8
+      ASSERT_TRUE(recipe.fp8_fast_accum_forward) << "the default";
+      recipe.fp8_fast_accum_forward = on;
+      auto mesh = parallel::Mesh::Create(layout, Factory());
+      ASSERT_TRUE(mesh.ok()) << mesh.status();
+      auto model = Transformer::Create(shape, recipe, /*seed=*/7, **mesh, ops);
+      ASSERT_TRUE(model.ok()) << model.status();
+      std::set<const Linear*> fp8_layers;
+      int experts = 0;
+      for (const Param& p : (*model)->params()) {
+        if (p.linear != nullptr && p.linear->precision() == GemmPrecision::kFp8) {
+          fp8_layers.insert(p.linear);
+          experts += p.linear->name().find(".experts.") != std::string::npos ? 1 : 0;
+          EXPECT_EQ(p.linear->fast_accum_forward(), on) << p.linear->name();
+        }
       }
-    }
-    ASSERT_FALSE(fp8_layers.empty());
-    std::vector<int32_t> tokens(static_cast<size_t>(2 * (shape.seq_len + 1)));
-    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 7) % 64);
-    ASSERT_TRUE((*model)->BeginStep().ok());
-    Fp8GemmFastAccumCalls().clear();
-    ASSERT_TRUE((*model)->ForwardBackward(tokens, 2, 1.0f).ok());
-    const std::vector<bool> calls = Fp8GemmFastAccumCalls();
-    const auto fast = std::count(calls.begin(), calls.end(), true);
-    // One forward GEMM per FP8 layer, then two backward GEMMs (dgrad, wgrad) per layer.
-    EXPECT_EQ(fast, on ? static_cast<std::ptrdiff_t>(fp8_layers.size()) : 0);
-    EXPECT_EQ(static_cast<std::ptrdiff_t>(calls.size()) - fast,
-              static_cast<std::ptrdiff_t>((on ? 2 : 3) * fp8_layers.size()));
-    if (on) {
-      // The forward's GEMMs all come before the backward's.
-      EXPECT_TRUE(std::is_partitioned(calls.begin(), calls.end(), [](bool f) { return f; }));
+      ASSERT_FALSE(fp8_layers.empty());
+      EXPECT_EQ(experts > 0, moe);
+      std::vector<int32_t> tokens(static_cast<size_t>(2 * (shape.seq_len + 1)));
+      for (size_t i = 0; i < tokens.size(); ++i) {
+        tokens[i] =
+            static_cast<int32_t>((i * 7 + 3 * static_cast<size_t>(Factory().World().rank())) % 64);
+      }
+      ASSERT_TRUE((*model)->BeginStep().ok());
+      Fp8GemmFastAccumCalls().clear();
+      ASSERT_TRUE((*model)->ForwardBackward(tokens, 2, 1.0f).ok());
+      const std::vector<bool> calls = Fp8GemmFastAccumCalls();
+      const auto fast = std::count(calls.begin(), calls.end(), true);
+      // One forward GEMM per FP8 layer (an expert's: per micro-batch it was routed rows), then
+      // two backward GEMMs (dgrad, wgrad) per forward GEMM.
+      if (moe) {
+        EXPECT_GT(calls.size(), 3 * (fp8_layers.size() - static_cast<size_t>(experts)))
+            << "the experts' GEMMs ran too";
+        EXPECT_EQ(calls.size() % 3, 0u);
+        EXPECT_EQ(fast, on ? static_cast<std::ptrdiff_t>(calls.size() / 3) : 0);
+      } else {
+        EXPECT_EQ(fast, on ? static_cast<std::ptrdiff_t>(fp8_layers.size()) : 0);
+        EXPECT_EQ(static_cast<std::ptrdiff_t>(calls.size()) - fast,
+                  static_cast<std::ptrdiff_t>((on ? 2 : 3) * fp8_layers.size()));
+      }
+      if (on) {
+        // The forward's GEMMs all come before the backward's.
+        EXPECT_TRUE(std::is_partitioned(calls.begin(), calls.end(), [](bool f) { return f; }));
+      }
+      // A live recipe change turns it the other way on every FP8 layer, experts too.
+      recipe.fp8_fast_accum_forward = !on;
+      ASSERT_TRUE((*model)->ApplyRecipe(recipe).ok());
+      for (const Linear* lin : fp8_layers) EXPECT_EQ(lin->fast_accum_forward(), !on) << lin->name();
     }
   }
 }
