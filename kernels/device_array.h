@@ -110,11 +110,11 @@ class DeviceArray {
     resize_uninitialized(count);
   }
   // At least `count` elements of `ops`'s backend (the memory non-null even for 0), of
-  // unspecified value, for a
-  // buffer whose size varies from use to use (token counts): the memory is kept when it is of
-  // that backend and large enough; otherwise replaced, by exactly `count` elements when the array
-  // was empty and by a quarter more when it grows, so that varying sizes settle without
-  // reallocating (on CUDA a free waits for the whole device). size() may exceed `count`.
+  // unspecified value, for a buffer whose size varies from use to use (token counts): the memory
+  // is kept when it is of that backend and large enough; otherwise replaced, by exactly `count`
+  // elements when the array was empty and by a quarter more when it grows, so that varying sizes
+  // settle without reallocating (on CUDA a host-visible array's free, cudaFree, waits for the
+  // whole device; a device-only one's is stream-ordered). size() may exceed `count`.
   void Grow(const OpTable& ops, size_t count) {
     if (ops_ == &ops && size_ >= count && data_ != nullptr) return;
     const bool first = data_ == nullptr || ops_ != &ops;

@@ -24,7 +24,8 @@
 //
 // Memory: every tensor these calls hand to the communicator or to an op is memory of the op
 // table's backend (kernels::DeviceArray: host memory on the CPU, CUDA managed memory on CUDA),
-// and so are the FP8 codes and scales they return; values the host reads back from an op
+// and so are the FP8 codes and scales they return (in the placement of the caller's arrays where
+// it passes them: the MoE layer's are device-only, stream-ordered device memory); values the host reads back from an op
 // (statistics, an amax) are read after ops.layer->synchronize. The few host values that travel
 // (the amaxes of SyncAmaxes, token counts) go as host buffers, which every communicator takes
 // (NCCL stages them through device memory). The same calls therefore work with the CPU ops and

@@ -54,7 +54,9 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
   const train::ScalingConfig& cfg = state.config();
   const kernels::OpTable& ops = *ctx.ops;
   if (pending.pending) FP8RT_RETURN_IF_ERROR(FlushStats());  // the site's previous quantization
-  codes->Reset(ops, static_cast<size_t>(rows * cols));
+  // Grown, never shrunk: an MoE expert's rows change every micro-batch, and a buffer sized to
+  // each would be freed and allocated again each time.
+  codes->Grow(ops, static_cast<size_t>(rows * cols));
   // The statistics are written by the op in device memory and copied for the host (HostMirror);
   // FlushStats records them.
   pending.stats.Reset(ops, 1);
@@ -70,13 +72,13 @@ absl::Status Linear::QuantizeActivation(const LinearContext& ctx, QuantSite& sit
   q.stats = pending.stats.device();
   if (cfg.strategy == train::ScalingStrategy::kMx32) {
     q.granularity = kernels::Granularity::kMx32;
-    e8m0->Reset(ops, static_cast<size_t>(kernels::GetScaleGrid(q.granularity, rows, cols).size()));
+    e8m0->Grow(ops, static_cast<size_t>(kernels::GetScaleGrid(q.granularity, rows, cols).size()));
     q.e8m0_scales = e8m0->data();
     pending.from_amax = true;
   } else if (cfg.strategy == train::ScalingStrategy::kBlock) {
     q.granularity = kernels::Granularity::kTile1x128;
-    scale_inv->Reset(ops,
-                     static_cast<size_t>(kernels::GetScaleGrid(q.granularity, rows, cols).size()));
+    scale_inv->Grow(ops,
+                    static_cast<size_t>(kernels::GetScaleGrid(q.granularity, rows, cols).size()));
     q.scale_inv = scale_inv->data();
     pending.from_amax = true;
   } else {
@@ -134,9 +136,9 @@ void Linear::Flush(QuantSite& site, PendingStats& p) {
   p.pending = false;
 }
 
-absl::Status Linear::FlushStats() {
+absl::Status Linear::FlushStats(bool backend_idle) {
   for (PendingStats* p : {&input_pending_, &grad_pending_}) {
-    if (p->pending) {
+    if (p->pending && !backend_idle) {
       FP8RT_RETURN_IF_ERROR(p->stats.ops().layer->synchronize({}));
       break;
     }
@@ -236,10 +238,9 @@ absl::Status Linear::ForwardFp8(const LinearContext& ctx, const float* x, int64_
   const kernels::Fp8Format input_format = input_site_.state().config().format;
   if (mx32()) {
     // x^T along the tokens for dW, now, from x (the backward never reads x).
-    xt_codes_.Reset(*ctx.ops, static_cast<size_t>(n * in_));
-    xt_e8m0_.Reset(
-        *ctx.ops,
-        static_cast<size_t>(kernels::GetScaleGrid(kernels::Granularity::kMx32, in_, n).size()));
+    xt_codes_.Grow(*ctx.ops, static_cast<size_t>(n * in_));
+    xt_e8m0_.Grow(*ctx.ops, static_cast<size_t>(
+                                kernels::GetScaleGrid(kernels::Granularity::kMx32, in_, n).size()));
     FP8RT_RETURN_IF_ERROR(
         QuantizeMx32Transposed(ctx, input_format, x, n, in_, xt_codes_.data(), xt_e8m0_.data()));
   }

@@ -206,9 +206,10 @@ class Linear {
 
   // The statistics of the FP8 quantizations of Forward and Backward stay in the backend's memory
   // (the host does not wait for each quantization) until this records them into the sites,
-  // after waiting for the backend. The model calls it once its pass has synchronised; a site
-  // quantized twice before it is flushed flushes itself first.
-  absl::Status FlushStats();
+  // after waiting for the backend, unless the caller says it has (`backend_idle`: the model,
+  // once its pass has synchronised); a site quantized twice before it is flushed flushes itself
+  // first.
+  absl::Status FlushStats(bool backend_idle = false);
   // Test fault (FP8RT_FAULT outlier_act, CPU backend): from the next FP8 forward on, element 0 of
   // the input this layer quantizes becomes `growth` x the larger of its input site's amax
   // history maximum and the input's own amax, for `grow_forwards` forwards, then holds its last

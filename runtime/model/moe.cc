@@ -102,6 +102,19 @@ MoeLayer::MoeLayer(std::string name, const MoeConfig& config, int64_t d_model, i
   for (std::vector<Array>* v : {&xe_, &he_, &ge_, &ue_}) {
     for (int64_t le = 0; le < local_; ++le) v->emplace_back(kernels::CpuOps(), kSaved, kDevice);
   }
+  // The token all-to-alls' buffers: only the quantize and convert ops and the collectives touch
+  // them (the backend's memory, the first use picks the backend).
+  using kernels::DeviceArray;
+  constexpr kernels::MemCategory kComm = kernels::MemCategory::kCommBuffers;
+  for (DeviceArray<uint8_t>* a : {&recv_tokens_.codes, &token_scratch_.send_codes}) {
+    *a = DeviceArray<uint8_t>(kernels::CpuOps(), kComm, kDevice);
+  }
+  for (DeviceArray<float>* a : {&recv_tokens_.scale_inv, &token_scratch_.send_scale_inv}) {
+    *a = DeviceArray<float>(kernels::CpuOps(), kComm, kDevice);
+  }
+  for (DeviceArray<uint16_t>* a : {&token_scratch_.send_bf16, &token_scratch_.recv_bf16}) {
+    *a = DeviceArray<uint16_t>(kernels::CpuOps(), kComm, kDevice);
+  }
 }
 
 std::vector<Linear*> MoeLayer::expert_linears(int64_t e) {
@@ -166,32 +179,26 @@ absl::StatusOr<MoeStats> MoeLayer::Forward(const LinearContext& ctx, const float
   stats.aux_loss = static_cast<float>(config_.aux_loss_coef * static_cast<double>(E) * aux);
 
   // ---- The dispatch plan: rows grouped by destination rank, then expert, then token ----
-  std::vector<int64_t> slot(static_cast<size_t>(n * K), -1), send_token;
+  // A counting sort of the kept assignments by expert (experts are numbered owner by owner), in
+  // assignment order within an expert: expert e's rows start after the kept rows of experts < e.
+  // The rows sent to each owner are its experts' counts summed, by construction: the token
+  // all-to-all below takes each peer's row count from the per-expert counts exchanged next,
+  // instead of exchanging them again.
+  std::vector<int64_t> slot(static_cast<size_t>(n * K), -1), next(static_cast<size_t>(E), 0);
   send_counts_.assign(static_cast<size_t>(ep), 0);
+  sent_ = 0;
   for (int64_t e = 0; e < E; ++e) {
-    for (int64_t a = 0; a < n * K; ++a) {
-      if (kept[static_cast<size_t>(a)] && expert_[static_cast<size_t>(a)] == e) {
-        slot[static_cast<size_t>(a)] = static_cast<int64_t>(send_token.size());
-        send_token.push_back(a / K);
-        ++send_counts_[static_cast<size_t>(OwnerOf(e))];
-      }
-    }
+    next[static_cast<size_t>(e)] = sent_;
+    sent_ += stats.tokens_per_expert[static_cast<size_t>(e)];
+    send_counts_[static_cast<size_t>(OwnerOf(e))] +=
+        stats.tokens_per_expert[static_cast<size_t>(e)];
   }
-  sent_ = static_cast<int64_t>(send_token.size());
-  // The token all-to-all below takes each peer's row count from the per-expert counts exchanged
-  // next, instead of exchanging them again: so the rows sent to each owner must be the per-expert
-  // counts of its experts, summed. A mismatch would pair unequal sends and receives across ranks;
-  // it is refused here, on the rank that has it, before any of this micro-batch's exchanges.
-  for (int r = 0; r < ep; ++r) {
-    int64_t announced = 0;
-    for (int64_t le = 0; le < local_; ++le) {
-      announced += stats.tokens_per_expert[static_cast<size_t>(r * local_ + le)];
-    }
-    if (announced != send_counts_[static_cast<size_t>(r)]) {
-      return absl::InternalError(
-          absl::StrCat(name_, ": the dispatch plan sends ", send_counts_[static_cast<size_t>(r)],
-                       " rows to rank ", r, ", its experts' counts say ", announced));
-    }
+  std::vector<int64_t> send_token(static_cast<size_t>(sent_));
+  for (int64_t a = 0; a < n * K; ++a) {
+    if (!kept[static_cast<size_t>(a)]) continue;
+    int64_t& row = next[static_cast<size_t>(expert_[static_cast<size_t>(a)])];
+    slot[static_cast<size_t>(a)] = row;
+    send_token[static_cast<size_t>(row++)] = a / K;
   }
   // Each owner learns how many rows of each of its experts every rank sends (what it needs to
   // find each expert's rows among those it receives, without receiving the expert ids).

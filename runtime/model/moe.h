@@ -104,7 +104,8 @@ class MoeLayer {
   // memory (kernels::DeviceArray), kept across micro-batches and grown, never shrunk, so that a
   // steady run allocates nothing. The host waits for the backend once per forward, to read the
   // expert ids and plan the dispatch (counts, capacity, the order of the rows), and writes the
-  // plan's index arrays then, while the backend is idle; nothing else crosses. So the expert ids,
+  // plan's index arrays then, while the backend is idle; with expert parallelism it waits once
+  // more, for the exchange of the per-expert counts (host values); nothing else crosses. So the expert ids,
   // the probability sums and the plan are kernels::HostMirror pairs (device memory for the ops,
   // pinned memory for the host, joined by explicit copies), and everything else is device-only.
   using Array = kernels::DeviceArray<float>;

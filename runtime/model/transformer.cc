@@ -358,19 +358,19 @@ Param& Transformer::AddParam(const std::string& name, int64_t rows, int64_t cols
   p.grad = kernels::DeviceArray<float>(ops_, MemCategory::kGradients);
   p.m = kernels::DeviceArray<float>(ops_, MemCategory::kOptimizerState);
   p.v = kernels::DeviceArray<float>(ops_, MemCategory::kOptimizerState);
-  // What the gathers and the GEMMs alone touch (the whole weights, their FP8 codes, the whole
-  // gradients) is device-only memory; the shards, which the host reads and writes at
-  // checkpoints, stay host-visible.
+  // What the ops and the collectives alone touch (the whole weights, the FP8 shards and gathered
+  // codes, the whole gradients) is device-only memory; the FP32 shards, which the host reads and
+  // writes at checkpoints, stay host-visible.
   constexpr kernels::Placement kDevice = kernels::Placement::kDeviceOnly;
   p.full = kernels::DeviceArray<float>(ops_, MemCategory::kGatheredWeights, kDevice);
   p.full_grad = kernels::DeviceArray<float>(ops_, MemCategory::kGradients, kDevice);
-  p.fp8_shard.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kParamShards);
-  p.fp8_shard.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kParamShards);
+  p.fp8_shard.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kParamShards, kDevice);
+  p.fp8_shard.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kParamShards, kDevice);
   p.fp8.codes = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kGatheredWeights, kDevice);
   p.fp8.scale_inv = kernels::DeviceArray<float>(ops_, MemCategory::kGatheredWeights, kDevice);
   for (kernels::DeviceArray<uint8_t>* a : {&p.fp8_shard.e8m0, &p.fp8_shard.col_codes,
                                            &p.fp8_shard.col_e8m0}) {
-    *a = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kParamShards);
+    *a = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kParamShards, kDevice);
   }
   for (kernels::DeviceArray<uint8_t>* a : {&p.fp8.e8m0, &p.fp8.col_codes, &p.fp8.col_e8m0}) {
     *a = kernels::DeviceArray<uint8_t>(ops_, MemCategory::kGatheredWeights, kDevice);
@@ -1125,7 +1125,7 @@ absl::Status Transformer::LoadTokens(std::span<const int32_t> tokens, int64_t mi
 absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> tokens,
                                                    int64_t micro_batch, float dloss) {
   FP8RT_RETURN_IF_ERROR(LoadTokens(tokens, micro_batch));
-  FP8RT_ASSIGN_OR_RETURN(const float loss, Forward(/*train=*/true));
+  FP8RT_ASSIGN_OR_RETURN(const float aux_loss, Forward(/*train=*/true));
   if (absl::Status s = Backward(dloss); !s.ok()) {
     // A failed pass leaves no reduction in flight: each is waited for and dropped, its full
     // gradient kept until the next BeginUnitGrads (the pass does not count, so the step fails in
@@ -1134,12 +1134,13 @@ absl::StatusOr<float> Transformer::ForwardBackward(std::span<const int32_t> toke
     return s;
   }
   ++passes_;
-  return loss;
+  return MeanLoss(aux_loss, /*backend_idle=*/true);  // Backward ends with the backend idle
 }
 
 absl::StatusOr<float> Transformer::Evaluate(std::span<const int32_t> tokens, int64_t micro_batch) {
   FP8RT_RETURN_IF_ERROR(LoadTokens(tokens, micro_batch));
   absl::StatusOr<float> loss = Forward(/*train=*/false);
+  if (loss.ok()) loss = MeanLoss(*loss, /*backend_idle=*/false);
   // Nothing of the pass stays: no gathered weight, no FP8 statistics (the step's sites record
   // only the training passes).
   for (size_t u = 0; u < units_.size(); ++u) Reshard(u);
@@ -1272,13 +1273,20 @@ absl::StatusOr<float> Transformer::Forward(bool train) {
   FP8RT_RETURN_IF_ERROR(lm_head_->Forward(ctx, a.lnf.data(), N, a.logits.data()));
   FP8RT_RETURN_IF_ERROR(L.cross_entropy_forward(a.ce_probs.data(), a.losses.data(), a.logits.data(),
                                                 a.targets.device(), N, V, st));
-  // The mean loss over the rows, summed in row order on the host once the backend has finished,
-  // and only if the pass's stream-ordered collectives (TP sums, FSDP gathers) all completed.
-  FP8RT_RETURN_IF_ERROR(L.synchronize(st));
-  FP8RT_RETURN_IF_ERROR(CheckStreamOrdered());
-  float loss_sum = 0.0f;
-  for (const float row_loss : a.losses) loss_sum += row_loss;
-  return loss_sum / static_cast<float>(N) + aux_loss;
+  // The rows' losses are read by MeanLoss, once the backend has finished: a training pass goes
+  // on to its backward without waiting.
+  return aux_loss;
+}
+
+absl::StatusOr<float> Transformer::MeanLoss(float aux_loss, bool backend_idle) {
+  if (!backend_idle) {  // else the caller (Backward) has waited and checked
+    FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
+    // Only if the pass's stream-ordered collectives (TP sums, FSDP gathers) all completed.
+    FP8RT_RETURN_IF_ERROR(CheckStreamOrdered());
+  }
+  float loss_sum = 0.0f;  // in row order
+  for (const float row_loss : acts_->losses) loss_sum += row_loss;
+  return loss_sum / static_cast<float>(acts_->n) + aux_loss;
 }
 
 absl::Status Transformer::Backward(float dloss) {
@@ -1418,7 +1426,7 @@ absl::Status Transformer::Backward(float dloss) {
   // all completed.
   FP8RT_RETURN_IF_ERROR(L.synchronize(st));
   FP8RT_RETURN_IF_ERROR(CheckStreamOrdered());
-  for (Linear* lin : all_linears_) FP8RT_RETURN_IF_ERROR(lin->FlushStats());
+  for (Linear* lin : all_linears_) FP8RT_RETURN_IF_ERROR(lin->FlushStats(/*backend_idle=*/true));
   return absl::OkStatus();
 }
 

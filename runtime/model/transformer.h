@@ -356,15 +356,20 @@ class Transformer {
   static constexpr float kOnes = 0.0f, kZeros = -1.0f;
   Param& AddParam(const std::string& name, int64_t rows, int64_t cols, TpSplit split, bool decay,
                   float std_dev, uint64_t seed, Linear* linear, bool expert = false);
-  // The forward of a micro-batch already in acts_ (inputs, targets); `train` keeps what the
-  // backward needs and counts MoE routing. Returns the mean loss.
   // fn(shard index, logical index row * cols + col) for each element of p's shard on this rank
   // (the FSDP padding left out).
   void ForEachShardElement(const Param& p, const std::function<void(size_t, int64_t)>& fn) const;
   // `p`'s shard of array `which` from its logical tensor `v` (size checked by the caller).
   void SetShard(Param& p, std::span<const float> v, ShardArray which);
   absl::Status LoadTokens(std::span<const int32_t> tokens, int64_t micro_batch);
+  // The forward of a micro-batch already in acts_ (inputs, targets); `train` keeps what the
+  // backward needs and counts MoE routing. Queues the rows' losses without waiting for them and
+  // returns the MoE load-balancing losses' sum (host values): MeanLoss reads the loss.
   absl::StatusOr<float> Forward(bool train);
+  // The mean of the last forward's row losses, plus `aux_loss`, once the backend has finished
+  // and the pass's stream-ordered collectives completed: it waits and checks unless
+  // `backend_idle` (Backward did both).
+  absl::StatusOr<float> MeanLoss(float aux_loss, bool backend_idle);
   absl::Status Backward(float dloss);
   // FSDP units (see the file comment): unit 0 the embedding, 1..layers the blocks, layers + 1
   // the head.

@@ -186,7 +186,8 @@ absl::StatusOr<StepResult> AdamW::Apply(std::span<const ParamShard> shards,
     k.fp8 = s.fp8;
     FP8RT_RETURN_IF_ERROR(ops.adamw(k, {}));
   }
-  // The caller reads the master weights next (checkpoints, the FSDP gather's host side).
+  // The host may read the master shards (host-visible memory) once the step returns (a
+  // checkpoint): one wait per optimizer step, not per pass.
   FP8RT_RETURN_IF_ERROR(ops.synchronize({}));
   applied_steps_ = t;
   result.applied_steps = t;

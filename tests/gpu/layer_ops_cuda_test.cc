@@ -1505,9 +1505,9 @@ TEST_F(AllocateTest, GivesMemoryTheOpsAcceptAndTheHostReadsAfterSynchronize) {
   gpu_->deallocate(nullptr);
 }
 
-// allocate_device gives cudaMalloc memory (not managed: the host never faults pages of it in),
-// which the ops accept, zero_bytes clears on the stream, and deallocate frees; a DeviceArray of
-// Placement::kDeviceOnly lives in it.
+// allocate_device gives device memory from the stream-ordered pool (not managed: the host never
+// faults pages of it in), which the ops accept, zero_bytes clears on the stream, and deallocate
+// frees; a DeviceArray of Placement::kDeviceOnly lives in it.
 TEST_F(AllocateTest, DeviceOnlyMemoryIsDeviceMemoryAndZeroBytesClearsIt) {
   for (size_t count : {size_t{0}, size_t{1}, size_t{1000003}}) {
     absl::StatusOr<void*> p = gpu_->allocate_device(count * sizeof(float));
