@@ -59,16 +59,21 @@ absl::Status CountedQuantize(const kernels::QuantizeArgs& a, kernels::Stream s) 
   return st;
 }
 
-// A TP group of two whose other rank's amax is `peer`: an i32 max all-reduce takes the max of
-// this rank's value and peer's bits. Nothing else is expected of it.
+// A TP group of two whose other rank's amax is `peer`: a stream-ordered i32 max all-reduce
+// (Completion::kStream: the host does not wait for it, issue 23 point 4) takes the max of this
+// rank's value and peer's bits. Nothing else is expected of it: a host-completed all-reduce fails.
 class PeerAmaxGroup : public parallel::Communicator {
  public:
   explicit PeerAmaxGroup(float peer) : Communicator("tp", 0, 2), peer_(peer) {}
   int all_reduces = 0;
 
  protected:
-  absl::Status DoAllReduce(void* buf, int64_t count, parallel::DType dtype,
-                           parallel::ReduceOp op) override {
+  absl::Status DoAllReduce(void*, int64_t, parallel::DType, parallel::ReduceOp) override {
+    return absl::UnimplementedError(
+        "PeerAmaxGroup: the amax max-reduce must be stream-ordered (Completion::kStream)");
+  }
+  absl::Status DoAllReduceQueued(void* buf, int64_t count, parallel::DType dtype,
+                                 parallel::ReduceOp op) override {
     if (dtype != parallel::DType::kI32 || op != parallel::ReduceOp::kMax) {
       return absl::UnimplementedError("PeerAmaxGroup: i32 max only");
     }
