@@ -306,30 +306,35 @@ absl::Status GatherFp8WeightInto(Communicator& group, const kernels::OpTable& op
   return absl::OkStatus();
 }
 
-absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
-                              int64_t cols, kernels::Fp8Format format, bool block, float scale,
-                              int margin, Fp8Shard* out, bool wait) {
-  constexpr const char* kFn = "QuantizeFp8Shard";
-  if (out == nullptr) return absl::InvalidArgumentError(absl::StrCat(kFn, ": out is null"));
+namespace {
+
+// QuantizeFp8Shard and QuantizeFp8ShardFromAmax: the checks, then the op and the statistics' copy
+// queued on the default stream. `scale_amax` non-null: tensor scaling with the scale computed by
+// the op from that amax (`scale` unused).
+absl::Status QueueShardQuantization(const kernels::OpTable& ops, const float* shard, int64_t rows,
+                                    int64_t cols, kernels::Fp8Format format, bool block,
+                                    float scale, const float* scale_amax, int margin,
+                                    bool power_of_two, Fp8Shard* out, const char* fn) {
+  if (out == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": out is null"));
   if (rows <= 0 || cols <= 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat(kFn, ": rows and cols must be > 0, got ", rows, " x ", cols));
+        absl::StrCat(fn, ": rows and cols must be > 0, got ", rows, " x ", cols));
   }
-  if (shard == nullptr) return absl::InvalidArgumentError(absl::StrCat(kFn, ": shard is null"));
-  if (absl::Status s = CheckFormat(format, kFn); !s.ok()) return s;
+  if (shard == nullptr) return absl::InvalidArgumentError(absl::StrCat(fn, ": shard is null"));
+  if (absl::Status s = CheckFormat(format, fn); !s.ok()) return s;
   if (margin < 0 || margin > 64) {
     return absl::InvalidArgumentError(
-        absl::StrCat(kFn, ": margin must be in [0, 64], got ", margin));
+        absl::StrCat(fn, ": margin must be in [0, 64], got ", margin));
   }
   if (block && rows % kTileCols != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        kFn, ": rows must be a multiple of 128 with 128x128 block scaling, got ", rows));
+        fn, ": rows must be a multiple of 128 with 128x128 block scaling, got ", rows));
   }
-  if (!block && !(std::isfinite(scale) && scale > 0.0f)) {
+  if (!block && scale_amax == nullptr && !(std::isfinite(scale) && scale > 0.0f)) {
     return absl::InvalidArgumentError(
-        absl::StrCat(kFn, ": scale must be finite and > 0, got ", scale));
+        absl::StrCat(fn, ": scale must be finite and > 0, got ", scale));
   }
-  if (absl::Status s = CheckOp(reinterpret_cast<const void*>(ops.quantize), ops, "quantize", kFn);
+  if (absl::Status s = CheckOp(reinterpret_cast<const void*>(ops.quantize), ops, "quantize", fn);
       !s.ok()) {
     return s;
   }
@@ -338,7 +343,7 @@ absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, i
   out->cols = cols;
   out->block = block;
   out->mx32 = false;
-  out->scale = block ? 1.0f : scale;
+  out->scale = block || scale_amax != nullptr ? 1.0f : scale;
   out->codes.Reset(ops, static_cast<size_t>(rows * cols));
   out->scale_inv.Reset(ops, static_cast<size_t>(kernels::GetScaleGrid(g, rows, cols).size()));
   out->stats_out.Reset(ops, 1);
@@ -349,18 +354,42 @@ absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, i
   q.input = shard;
   q.rows = rows;
   q.cols = cols;
-  q.has_scale = !block;
+  q.has_scale = !block && scale_amax == nullptr;
   q.scale = scale;
+  q.scale_amax = scale_amax;
   q.margin = margin;
+  q.power_of_two_scales = power_of_two;
   q.codes = out->codes.data();
   q.scale_inv = out->scale_inv.data();
   q.stats = out->stats_out.device();
   FP8RT_RETURN_IF_ERROR(ops.quantize(q, kernels::Stream{}));
-  FP8RT_RETURN_IF_ERROR(out->stats_out.Download(kernels::Stream{}));
+  return out->stats_out.Download(kernels::Stream{});
+}
+
+}  // namespace
+
+absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
+                              int64_t cols, kernels::Fp8Format format, bool block, float scale,
+                              int margin, Fp8Shard* out, bool wait) {
+  FP8RT_RETURN_IF_ERROR(QueueShardQuantization(ops, shard, rows, cols, format, block, scale,
+                                               /*scale_amax=*/nullptr, margin,
+                                               /*power_of_two=*/false, out, "QuantizeFp8Shard"));
   if (!wait) return absl::OkStatus();
   FP8RT_RETURN_IF_ERROR(Synchronize(ops));
   ReadShardStats(out);
   return absl::OkStatus();
+}
+
+absl::Status QuantizeFp8ShardFromAmax(const kernels::OpTable& ops, const float* shard, int64_t rows,
+                                      int64_t cols, kernels::Fp8Format format,
+                                      const float* scale_amax, int margin, bool power_of_two,
+                                      Fp8Shard* out) {
+  constexpr const char* kFn = "QuantizeFp8ShardFromAmax";
+  if (scale_amax == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(kFn, ": scale_amax is null"));
+  }
+  return QueueShardQuantization(ops, shard, rows, cols, format, /*block=*/false, /*scale=*/1.0f,
+                                scale_amax, margin, power_of_two, out, kFn);
 }
 
 void ReadShardStats(Fp8Shard* out) { out->stats = out->stats_out[0]; }

@@ -24,17 +24,17 @@
 //
 // Memory: every tensor these calls hand to the communicator or to an op is memory of the op
 // table's backend (kernels::DeviceArray: host memory on the CPU, CUDA managed memory on CUDA),
-// and so are the FP8 codes and scales they return (in the placement of the caller's arrays where
-// it passes them: the MoE layer's are device-only, stream-ordered device memory); values the host reads back from an op
-// (statistics, an amax) are read after ops.layer->synchronize. The few host values that travel
-// (the amaxes of SyncAmaxes, token counts) go as host buffers, which every communicator takes
-// (NCCL stages them through device memory). The same calls therefore work with the CPU ops and
-// the MPI communicator and with the CUDA ops and the NCCL communicator. The caller's pointers
-// (shards, gradients, tokens, outputs) must be memory of that backend which the communicator can
-// use; spans of counts and the amaxes of SyncAmaxes are host memory. Outputs that an op writes
-// last (the BF16 -> FP32 conversions, the accumulation of ReduceScatterGrad) may still be in
-// flight on the op table's default stream when a call returns: later ops on that stream see them,
-// the host reads them after ops.layer->synchronize. Returned host values (amaxes, statistics,
+// and so are the FP8 codes and scales they return (in the placement of the caller's arrays
+// where it passes them: the MoE layer's are device-only, stream-ordered device memory); values
+// the host reads back from an op (statistics, an amax) are read after ops.layer->synchronize. The
+// few host values that travel (the amaxes of SyncAmaxes, token counts) go as host buffers, which
+// every communicator takes (NCCL stages them through device memory). The same calls therefore work
+// with the CPU ops and the MPI communicator and with the CUDA ops and the NCCL communicator. The
+// caller's pointers (shards, gradients, tokens, outputs) must be memory of that backend which the
+// communicator can use; spans of counts and the amaxes of SyncAmaxes are host memory. Outputs that
+// an op writes last (the BF16 -> FP32 conversions, the accumulation of ReduceScatterGrad) may still
+// be in flight on the op table's default stream when a call returns: later ops on that stream see
+// them, the host reads them after ops.layer->synchronize. Returned host values (amaxes, statistics,
 // counts) are final.
 #ifndef FP8RT_PARALLEL_FP8_COLLECTIVES_H_
 #define FP8RT_PARALLEL_FP8_COLLECTIVES_H_
@@ -157,6 +157,14 @@ struct Fp8Shard {
 absl::Status QuantizeFp8Shard(const kernels::OpTable& ops, const float* shard, int64_t rows,
                               int64_t cols, kernels::Fp8Format format, bool block, float scale,
                               int margin, Fp8Shard* out, bool wait = true);
+// QuantizeFp8Shard with tensor scaling whose scale the op computes from `scale_amax` (one float
+// of the backend's memory, never read here: an amax agreed across ranks by a stream-ordered
+// max-reduce) as kernels::ComputeScale(amax, format, margin, power_of_two), with no host round
+// trip. Only queued (no wait); out->scale is 1 until the caller, having read that amax, sets it.
+absl::Status QuantizeFp8ShardFromAmax(const kernels::OpTable& ops, const float* shard, int64_t rows,
+                                      int64_t cols, kernels::Fp8Format format,
+                                      const float* scale_amax, int margin, bool power_of_two,
+                                      Fp8Shard* out);
 // out->stats = what the quantization wrote (its copy for the host, after the backend has been
 // synchronised).
 void ReadShardStats(Fp8Shard* out);

@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <functional>
 #include <map>
 #include <numbers>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -1006,54 +1008,60 @@ absl::Status Transformer::BeginStep() {
   }
   // Tensor-scaled FP8 weights whose scale comes from the weight itself (current scaling, or
   // delayed scaling without a history yet): one MAX over all ranks of every such weight's shard
-  // amax, so every rank (and every layout) quantizes a weight with the same scale. The list runs
-  // over every layer (every rank has the same), with 0 for expert weights this rank does not hold.
+  // amax, so every rank (and every layout) quantizes a weight with the same scale. All on the
+  // device (issue 23 point 4): each shard's amax op writes its element of weight_amaxes_, one
+  // stream-ordered i32 max all-reduce over the world takes their maxima (an amax is >= 0 or a
+  // positive NaN, so int32 order is float order, NaN above Inf, as in parallel::SyncAmaxes), and
+  // each shard's quantization computes its scale from its element. The list runs over every
+  // layer (every rank has the same), with 0 for expert weights this rank does not hold.
   std::map<const Linear*, Param*> param_of;
   for (Param& p : params_) {
     if (p.linear != nullptr) param_of[p.linear] = &p;
   }
   std::vector<const Linear*> current;
-  std::vector<size_t> held;  // indices into `current` of the weights this rank holds
-  weight_amaxes_.Reset(ops_, all_linears_.size());  // at most one per layer
   for (const Linear* lin : all_linears_) {
     if (lin->precision() != GemmPrecision::kFp8) continue;
     const train::ScalingState& st = lin->weight_site().state();
     if (train::PerBlockScales(st.config().strategy) || !st.UsesCurrentScaling()) continue;
     current.push_back(lin);
-    if (auto it = param_of.find(lin); it != param_of.end()) {
+  }
+  if (!current.empty()) {
+    weight_amaxes_.Grow(ops_, all_linears_.size());  // at most one per layer
+    FP8RT_RETURN_IF_ERROR(
+        ops_.layer->zero_bytes(weight_amaxes_.device(), current.size() * sizeof(float), {}));
+    for (size_t i = 0; i < current.size(); ++i) {
+      const auto it = param_of.find(current[i]);
+      if (it == param_of.end()) continue;
       kernels::AmaxArgs a{.input_type = kernels::InputType::kF32,
                           .input = it->second->master.data(),
                           .count = it->second->shard_count,
-                          .amax = weight_amaxes_.device() + (current.size() - 1)};
+                          .amax = weight_amaxes_.device() + i};
       FP8RT_RETURN_IF_ERROR(ops_.amax(a, {}));
-      held.push_back(current.size() - 1);
     }
-  }
-  // Every amax op above wrote its own element of weight_amaxes_ (device memory), copied for the
-  // host behind them; the expert weights this rank does not hold stay 0.
-  if (!held.empty()) {
-    FP8RT_RETURN_IF_ERROR(weight_amaxes_.Download({}, current.size()));
-    FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
-  }
-  std::vector<float> amaxes(current.size(), 0.0f);
-  for (const size_t i : held) amaxes[i] = weight_amaxes_[i];
-  if (!amaxes.empty()) {
-    FP8RT_RETURN_IF_ERROR(parallel::SyncAmaxes(mesh_.world(), amaxes).status());
+    FP8RT_RETURN_IF_ERROR(mesh_.world().AllReduce(
+        weight_amaxes_.device(), static_cast<int64_t>(current.size()), parallel::DType::kI32,
+        parallel::ReduceOp::kMax, parallel::Completion::kStream));
   }
   // Each FP8 weight's shard, quantized once for the whole step (every gather of the step moves
   // these bytes). With fsdp_gather bf16 every rank quantizes the gathered piece instead, with
   // the same scale; its statistics are this rank's shard's all the same. Every quantization is
-  // queued first; one wait, then every shard's statistics are read.
-  std::vector<std::pair<Param*, float>> fp8_params;
+  // queued first; one wait, then every shard's statistics (and the agreed amaxes) are read.
+  // Per FP8 weight: its index in `current`, or -1 with the scale its site gives.
+  std::vector<std::tuple<Param*, ptrdiff_t, float>> fp8_params;
   for (Param& p : params_) {
     if (p.linear == nullptr || p.linear->precision() != GemmPrecision::kFp8) continue;
     const auto it = std::find(current.begin(), current.end(), p.linear);
     const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
-    const float scale =
-        it != current.end()
-            ? kernels::ComputeScale(amaxes[static_cast<size_t>(it - current.begin())],
-                                    cfg.format, cfg.margin, cfg.power_of_two)
-            : p.linear->weight_site().state().scale();
+    if (it != current.end()) {  // never written by the update pass (AttachFp8Shards)
+      const ptrdiff_t i = it - current.begin();
+      FP8RT_RETURN_IF_ERROR(parallel::QuantizeFp8ShardFromAmax(
+          ops_, p.master.data(), p.shard_count / p.local_cols, p.local_cols, cfg.format,
+          weight_amaxes_.device() + i, cfg.margin, cfg.power_of_two, &p.fp8_shard));
+      fp8_params.emplace_back(&p, i, 0.0f);
+      p.fp8_shard_fresh = false;
+      continue;
+    }
+    const float scale = p.linear->weight_site().state().scale();
     // A shard written by the optimizer's update pass (AttachFp8Shards) with its own block scales,
     // or with this very tensor scale, is used as it is.
     if (!p.fp8_shard_fresh || !(p.fp8_shard.block || p.fp8_shard.scale == scale)) {
@@ -1063,11 +1071,22 @@ absl::Status Transformer::BeginStep() {
       FP8RT_RETURN_IF_ERROR(p.fp8_shard.stats_out.Download({}));
     }
     p.fp8_shard_fresh = false;
-    fp8_params.emplace_back(&p, scale);
+    fp8_params.emplace_back(&p, -1, scale);
   }
+  if (!current.empty()) FP8RT_RETURN_IF_ERROR(weight_amaxes_.Download({}, current.size()));
   if (!fp8_params.empty()) FP8RT_RETURN_IF_ERROR(ops_.layer->synchronize({}));
-  for (const auto& [param, scale] : fp8_params) {
+  // Only if the max-reduce completed (its error is the step's).
+  if (!current.empty()) FP8RT_RETURN_IF_ERROR(mesh_.world().CheckStreamOrdered());
+  for (auto& [param, index, given] : fp8_params) {
     Param& p = *param;
+    float scale = given;
+    if (index >= 0) {
+      // The scale the quantization computed from the agreed amax, as it computed it.
+      const train::ScalingConfig& cfg = p.linear->weight_site().state().config();
+      scale = kernels::ComputeScale(weight_amaxes_[static_cast<size_t>(index)], cfg.format,
+                                    cfg.margin, cfg.power_of_two);
+      p.fp8_shard.scale = scale;
+    }
     parallel::ReadShardStats(&p.fp8_shard);
     RecordWeightShard(p, scale);
     if (recipe_.fsdp_gather == FsdpGatherDType::kBf16) {

@@ -9,6 +9,8 @@
 // regenerated from their ids.
 //
 // Index:
+//   QuantizeFp8ShardFromAmaxTest  the scale from an amax in backend memory: the spec's (power of
+//                           two when asked, 1 when non-finite); the codes a given scale gives
 //   SyncAmaxesTest          MAX over ranks, bit exact; NaN/Inf on one rank reach every rank and
 //                           are reported; one i32 all-reduce; subgroups (through the op table)
 //   GatherFp8WeightTest     (TEST_P) format x {tensor-given, tensor-current, 128x128 blocks} x
@@ -226,6 +228,54 @@ std::vector<T> FromRank0(const std::vector<T>& v, DType dtype) {
       World().Broadcast(copy.data(), static_cast<int64_t>(copy.size()), dtype, /*root=*/0);
   EXPECT_TRUE(AllOk(s));
   return copy;
+}
+
+// ---------------------------------------------------------------------------------------------
+// QuantizeFp8ShardFromAmax: the shard quantized with the scale the op computes from an amax in
+// the backend's memory (the model's current-scaled weights, after a stream-ordered max-reduce),
+// which is the spec's fp8_max / amax / 2^margin (rounded down to a power of two when asked), and
+// scale 1 for a non-finite amax; the codes those scales give, as a one-pass quantization with the
+// scale given computes them.
+
+TEST(QuantizeFp8ShardFromAmaxTest, TheSpecScaleOfTheGivenAmax) {
+  const int64_t rows = 64, cols = 96;
+  const std::vector<float> x = FullWeight(/*seed=*/41, rows, cols);
+  struct Case {
+    float amax;
+    bool power_of_two;
+    int margin;
+  };
+  // The shard's values lie in (-2^-8, 2^-8) (FullWeight's first block): the scale is the given
+  // amax's, not the shard's own.
+  for (const Fp8Format f : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+    for (const Case c :
+         {Case{3.0f, false, 0}, Case{3.0f, false, 2}, Case{3.0f, true, 0}, Case{1000.0f, true, 1},
+          Case{std::numeric_limits<float>::quiet_NaN(), false, 0}}) {
+      SCOPED_TRACE(FormatName(f) + " amax " + std::to_string(c.amax) + " margin " +
+                   std::to_string(c.margin) + (c.power_of_two ? " power of two" : ""));
+      float want_scale = 1.0f;
+      if (std::isfinite(c.amax)) {
+        want_scale = SpecScale(c.amax, f, c.margin);
+        if (c.power_of_two) want_scale = std::exp2(std::floor(std::log2(want_scale)));
+      }
+      kernels::DeviceArray<float> amax(Ops(), 1, c.amax);
+      Fp8Shard out;
+      ASSERT_TRUE(QuantizeFp8ShardFromAmax(Ops(), x.data(), rows, cols, f, amax.data(), c.margin,
+                                           c.power_of_two, &out)
+                      .ok());
+      EXPECT_EQ(out.scale, 1.0f) << "the caller sets it once it has read the amax";
+      const Quantized want =
+          QuantizeWhole(x, rows, cols, f, Granularity::kTensor, true, want_scale, c.margin);
+      EXPECT_TRUE(SameBits(Host(out.codes), want.codes)) << "codes";
+      ASSERT_EQ(out.scale_inv.size(), 1u);
+      EXPECT_EQ(Bits(Host(out.scale_inv)[0]), Bits(1.0f / want_scale)) << want_scale;
+    }
+  }
+  Fp8Shard out;
+  const absl::Status null = QuantizeFp8ShardFromAmax(Ops(), x.data(), rows, cols, Fp8Format::kE4M3,
+                                                     nullptr, 0, false, &out);
+  EXPECT_EQ(null.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(null.message().find("scale_amax"), std::string::npos) << null;
 }
 
 // ---------------------------------------------------------------------------------------------

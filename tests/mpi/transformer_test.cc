@@ -391,11 +391,12 @@ INSTANTIATE_TEST_SUITE_P(
 // backward is bit-identical again.
 // The saved-activation bytes must fall by at least the FP32 copies it no longer keeps.
 // BeginStep queues the quantization of every FP8 weight's shard and waits for the backend once to
-// read all of their statistics (issue 23 point 4: no wait per weight), plus once before, for the
-// weights' own amaxes, where a tensor scale comes from the weight itself (current scaling, and
-// delayed scaling before its history has a value: always here, where no step ends). The count
-// does not grow with the layers. The first step may wait more (mx32's scratch grows); from the
-// second on the count is exact. The op table is the CPU's with synchronize counted.
+// read all of their statistics (issue 23 point 4: no wait per weight). Where a tensor scale comes
+// from the weight itself (current scaling, and delayed scaling before its history has a value:
+// always here, where no step ends) the weights' amaxes are max-reduced over the ranks on the
+// device and their scales taken there: no wait of their own. The count does not grow with the
+// layers. The first step may wait more (mx32's scratch grows); from the second on the count is
+// exact. The op table is the CPU's with synchronize counted.
 int begin_step_waits = 0;
 absl::Status CountedSynchronize(kernels::Stream s) {
   ++begin_step_waits;
@@ -422,8 +423,7 @@ TEST_P(BeginStepWaitTest, OneWaitForEveryShardsStatistics) {
   ASSERT_TRUE(model.ok()) << model.status();
   std::vector<int32_t> tokens(static_cast<size_t>(2 * (shape.seq_len + 1)));
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>((i * 37) % 256);
-  const bool tensor_scaled = !train::PerBlockScales(GetParam());
-  const int want = tensor_scaled ? 2 : 1;
+  const int want = 1;
   for (int step = 0; step < 3; ++step) {
     begin_step_waits = 0;
     ASSERT_TRUE((*model)->BeginStep().ok());
