@@ -116,15 +116,15 @@ class Scratch {
                                           kernels::Placement::kDeviceOnly);
   }
   // `count` elements of T in `slot`, of unspecified value (the allocation is 64-byte aligned).
-  // Growing a slot (to 5/4 of the request) first waits for the backend, whose error it returns.
+  // Growing a slot (to 5/4 of the request) does not wait for the backend: the slots are
+  // device-only memory, used by the ops of the default stream only, and the old buffer is freed
+  // in that stream's order (on CUDA cudaFreeAsync on the legacy stream, after the work that
+  // reads it), so an MoE expert with more rows than ever before costs no host wait.
   template <typename T = std::byte>
   absl::StatusOr<T*> Get(Slot slot, size_t count) {
     kernels::DeviceArray<std::byte>& buf = buffers_[slot];
     const size_t bytes = count * sizeof(T);
-    if (buf.size() < bytes) {
-      if (absl::Status s = ops_.layer->synchronize({}); !s.ok()) return s;
-      buf.Reset(ops_, bytes + bytes / 4);
-    }
+    if (buf.size() < bytes) buf.Reset(ops_, bytes + bytes / 4);
     return reinterpret_cast<T*>(buf.data());
   }
 
